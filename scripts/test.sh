@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs everything the tests need (apt, pip), builds Lily, and runs the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+apt_packages="clang-19 libclang-rt-19-dev"
+if ! command -v clang++-19 >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get install -y $apt_packages || { $SUDO apt-get update && $SUDO apt-get install -y $apt_packages; }
+fi
+
+python -m pip install --upgrade pip >/dev/null
+python -m pip install ".[test]"
+export HF_HUB_OFFLINE=1
+python -m pytest -q "$@"
