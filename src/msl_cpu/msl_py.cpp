@@ -1,0 +1,101 @@
+// lily._ext.msl: turns Python arguments (numpy arrays, bytes) into harness bindings and runs the dispatch.
+#include "msl_py.h"
+
+#include <nanobind/stl/array.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <array>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "msl_rt.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace msl_py {
+namespace {
+
+// Holds the buffer views of the arguments for the duration of a dispatch.
+class BoundArgs {
+ public:
+  explicit BoundArgs(const std::string& name, nb::list args) {
+    views_.reserve(args.size());
+    for (size_t i = 0; i < args.size(); ++i) bind(name, i, args[i]);
+  }
+  ~BoundArgs() {
+    for (Py_buffer& v : views_) PyBuffer_Release(&v);
+  }
+  BoundArgs(const BoundArgs&) = delete;
+  BoundArgs& operator=(const BoundArgs&) = delete;
+  const std::vector<msl_rt::Binding>& bindings() const { return bindings_; }
+
+ private:
+  void bind(const std::string& name, size_t i, nb::handle obj) {
+    std::string slot = "kernel '" + name + "' args[" + std::to_string(i) + "]";
+    if (PyBytes_Check(obj.ptr())) {
+      bindings_.push_back({PyBytes_AS_STRING(obj.ptr()), size_t(PyBytes_GET_SIZE(obj.ptr())), true});
+      return;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+      PyErr_Clear();
+      std::string type = nb::type_name(obj.type()).c_str();
+      if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_STRIDES) != 0) {
+        PyErr_Clear();
+        throw std::invalid_argument(slot + ": expected a numpy array (a device buffer) or bytes (setBytes data); got " +
+                                    type);
+      }
+      bool readonly = view.readonly;
+      PyBuffer_Release(&view);
+      throw std::invalid_argument(slot + ": the " + type + " is " +
+                                  (readonly ? "read-only; device buffers are written in place"
+                                            : "not C-contiguous; pass numpy.ascontiguousarray(...)"));
+    }
+    views_.push_back(view);
+    bindings_.push_back({view.buf, size_t(view.len), false});
+  }
+
+  std::vector<Py_buffer> views_;
+  std::vector<msl_rt::Binding> bindings_;
+};
+
+void dispatch(const std::string& name, nb::list args, std::array<uint32_t, 3> threadgroups,
+              std::array<uint32_t, 3> threads_per_threadgroup, std::optional<std::map<int, int64_t>> constants,
+              bool random_schedule, uint64_t seed, bool poison_threadgroup_memory, bool guard,
+              std::optional<std::vector<size_t>> threadgroup_memory) {
+  BoundArgs bound(name, args);
+  msl_rt::DispatchOptions opts;
+  opts.random_schedule = random_schedule;
+  opts.seed = seed;
+  opts.poison_threadgroup_memory = poison_threadgroup_memory;
+  opts.guard = guard;
+  if (threadgroup_memory) opts.threadgroup_memory_lengths = *threadgroup_memory;
+  std::map<int, int64_t> fcs = constants ? *constants : std::map<int, int64_t>{};
+  nb::gil_scoped_release release;
+  msl_rt::dispatch(name, bound.bindings(), threadgroups.data(), threads_per_threadgroup.data(), fcs, opts);
+}
+
+}  // namespace
+
+void bind(nb::module_& m) {
+  m.doc() = "CPU execution harness for Lily's Metal kernels (tests only; see docs/harness.md).";
+  nb::exception<msl_rt::KernelError>(m, "KernelError", PyExc_RuntimeError);
+  m.def("kernel_names", &msl_rt::kernel_names, "Every instantiated host name of metal/*.metal, sorted.");
+  m.def("test_kernel_names", &msl_rt::test_kernel_names,
+        "Host names of the harness self-test kernels (tests/harness/*.metal), sorted.");
+  m.def("dispatch", &dispatch, "name"_a, "args"_a, "threadgroups"_a, "threads_per_threadgroup"_a, nb::kw_only(),
+        "constants"_a = nb::none(), "random_schedule"_a = true, "seed"_a = 0, "poison_threadgroup_memory"_a = true,
+        "guard"_a = true, "threadgroup_memory"_a = nb::none(),
+        "Run kernel `name` on the CPU. args[i] binds [[buffer(i)]]: a C-contiguous writable numpy array is a\n"
+        "device buffer (written in place), bytes are setBytes data. constants maps function-constant index to\n"
+        "bool/int. threadgroup_memory gives the byte length of each [[threadgroup(i)]] parameter.\n"
+        "Raises KernelError for barrier divergence, divergent SIMD collectives, deadlock and out-of-bounds\n"
+        "writes, ValueError for bad arguments.");
+}
+
+}  // namespace msl_py

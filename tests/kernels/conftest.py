@@ -1,0 +1,103 @@
+"""Shared helpers for kernel tests: dtype conversion, NaN-poisoned outputs, the per-dtype tolerance table.
+
+Kernels run through the CPU execution harness (``lily._ext.msl.dispatch``, docs/harness.md). Device
+buffers are numpy arrays in the kernel's storage type: float32, float16, or bf16 held as uint16 bits.
+Tests use the ``kio`` fixture (an instance of ``KernelIO``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Element-wise |actual - expected| <= atol + rtol * |expected|, plus a bound on the relative RMS error."""
+
+    rtol: float
+    atol: float
+    rel_rms: float
+
+
+# One rounding of a result to the dtype is 0.5 ulp; allow 1 ulp (2^-23, 2^-10, 2^-7) for fp32-vs-fp64 sums.
+TOLERANCES: dict[str, Tolerance] = {
+    "f32": Tolerance(rtol=2e-6, atol=1e-6, rel_rms=1e-6),
+    "f16": Tolerance(rtol=1e-3, atol=1e-5, rel_rms=5e-4),
+    "bf16": Tolerance(rtol=8e-3, atol=1e-4, rel_rms=4e-3),
+}
+
+STORAGE = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round float32 values to bf16 (nearest, ties to even) and return the raw uint16 bits."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """Widen raw bf16 bits (uint16) to float32 exactly."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+class KernelIO:
+    """Converts between float64/float32 test values and a kernel's storage dtype."""
+
+    tolerances = TOLERANCES
+
+    def to_device(self, values: np.ndarray, dtype: str) -> np.ndarray:
+        """A C-contiguous buffer of `values` rounded to `dtype` ("f32", "f16" or "bf16")."""
+        values = np.asarray(values, dtype=np.float64)
+        if dtype == "bf16":
+            return np.ascontiguousarray(f32_to_bf16_bits(values.astype(np.float32)))
+        return np.ascontiguousarray(values.astype(STORAGE[dtype]))
+
+    def to_f64(self, buffer: np.ndarray, dtype: str) -> np.ndarray:
+        """The values held by a device buffer, widened exactly."""
+        if dtype == "bf16":
+            return bf16_bits_to_f32(buffer).astype(np.float64)
+        return np.asarray(buffer).astype(np.float64)
+
+    def round(self, values: np.ndarray, dtype: str) -> np.ndarray:
+        """`values` rounded once to `dtype`, as float64."""
+        return self.to_f64(self.to_device(values, dtype), dtype)
+
+    def poisoned(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        """An output buffer filled with NaN, so elements the kernel does not write are caught."""
+        if dtype == "bf16":
+            return np.full(shape, 0x7FC0, dtype=np.uint16)
+        return np.full(shape, np.nan, dtype=STORAGE[dtype])
+
+    def assert_close(self, actual: np.ndarray, expected: np.ndarray, dtype: str, what: str) -> None:
+        """NaN/Inf positions first, then the relative RMS error, then element-wise tolerance."""
+        tol = TOLERANCES[dtype]
+        actual = np.asarray(actual, dtype=np.float64)
+        expected = np.asarray(expected, dtype=np.float64)
+        assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+        bad_nan = np.isnan(actual) != np.isnan(expected)
+        assert not bad_nan.any(), f"{what}: NaN mismatch at {np.argwhere(bad_nan)[:5].tolist()}"
+        inf = np.isinf(expected) | np.isinf(actual)
+        assert np.array_equal(actual[inf], expected[inf]), f"{what}: Inf mismatch"
+        finite = np.isfinite(expected)
+        a, e = actual[finite], expected[finite]
+        if e.size == 0:
+            return
+        scale = np.sqrt(np.mean(e * e))
+        rel_rms = np.sqrt(np.mean((a - e) ** 2)) / scale if scale > 0 else np.sqrt(np.mean(a * a))
+        assert rel_rms <= tol.rel_rms, f"{what}: relative RMS error {rel_rms:.3g} > {tol.rel_rms:g} ({dtype})"
+        err = np.abs(a - e)
+        limit = tol.atol + tol.rtol * np.abs(e)
+        worst = int(np.argmax(err - limit))
+        assert (err <= limit).all(), (
+            f"{what}: max abs error {err.max():.3g}; element {worst}: got {a[worst]!r}, expected {e[worst]!r} ({dtype})"
+        )
+
+
+@pytest.fixture(scope="session")
+def kio() -> KernelIO:
+    """Conversion and comparison helpers for kernel tests."""
+    return KernelIO()
