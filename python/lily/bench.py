@@ -1,0 +1,169 @@
+"""``lily bench``: prompt-processing and generation throughput, in llama-bench's conventions.
+
+Tests are named ``pp<N>`` (prefill N tokens), ``tg<N>`` (generate N tokens) and, at a context
+depth D (D tokens already in the sequence), ``pp<N> @ d<D>``. Prompts are random token ids from
+a fixed seed; end tokens do not stop generation; tokenization and detokenization are not timed.
+Each test runs ``repetitions`` times after one warm-up; rows report mean ± sample sd of t/s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lily.model import Model, Session, _peak_memory_gb
+
+
+@dataclass
+class BenchRow:
+    """One test's samples; keys follow llama-bench's JSON output, plus mlx-style peak_memory (GB)."""
+
+    test: str
+    n_prompt: int
+    n_gen: int
+    n_depth: int
+    samples_ns: list[int] = field(default_factory=list)
+    samples_ts: list[float] = field(default_factory=list)
+    peak_memory: float = 0.0
+
+    @property
+    def avg_ts(self) -> float:
+        return statistics.fmean(self.samples_ts)
+
+    @property
+    def stddev_ts(self) -> float:
+        return statistics.stdev(self.samples_ts) if len(self.samples_ts) > 1 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The llama-bench JSON keys of this row."""
+        out = asdict(self)
+        out.update(avg_ts=self.avg_ts, stddev_ts=self.stddev_ts,
+                   avg_ns=int(statistics.fmean(self.samples_ns)),
+                   stddev_ns=int(statistics.stdev(self.samples_ns)) if len(self.samples_ns) > 1 else 0)
+        return out
+
+
+def test_label(n_prompt: int, n_gen: int, n_depth: int) -> str:
+    """``pp512``, ``tg128`` or ``pp512 @ d4096``."""
+    name = f"pp{n_prompt}" if n_prompt else f"tg{n_gen}"
+    return f"{name} @ d{n_depth}" if n_depth else name
+
+
+def _random_ids(model: Model, count: int, rng: np.random.Generator) -> list[int]:
+    high = model.tokenizer.vocab_size if model.tokenizer is not None else model.config.vocab_size
+    high = min(high, model.config.vocab_size)
+    return rng.integers(0, high, size=count).tolist()
+
+
+def _depth_session(model: Model, depth: int, rng: np.random.Generator) -> Session:
+    session = model.new_session(use_cache=False)
+    if depth:
+        model.prefill(_random_ids(model, depth, rng), session=session, use_cache=False)
+    return session
+
+
+def _time_prefill(model: Model, base: Session, ids: list[int]) -> float:
+    session = base.fork()
+    start = time.perf_counter()
+    model.prefill(ids, session=session, use_cache=False)
+    return time.perf_counter() - start
+
+
+def _time_generate(model: Model, base: Session, n_gen: int, first: int) -> float:
+    session = base.fork()
+    if len(session) == 0:
+        model.prefill([first], session=session, use_cache=False)
+    else:
+        session._ensure_logits()
+    tokens = session.decode(max_tokens=n_gen, temperature=0.0, stop_token_ids=())
+    start = time.perf_counter()
+    for _ in tokens:
+        pass
+    session._ensure_logits()  # the n-th forward pass: the first token came from existing logits
+    return time.perf_counter() - start
+
+
+def run_bench(model: Model, *, prompts: Sequence[int] = (512,), gens: Sequence[int] = (128,),
+              depths: Sequence[int] = (0,), repetitions: int = 5, seed: int = 0,
+              progress: Any = None) -> list[BenchRow]:
+    """Run every pp/tg test at every depth; ``progress(row_name)`` is called before each test."""
+    for name, values in (("-p", prompts), ("-n", gens), ("-d", depths)):
+        if any(v < 0 for v in values):
+            raise ValueError(f"{name} values must be >= 0; got {list(values)}")
+    if repetitions < 1:
+        raise ValueError(f"-r must be >= 1; got {repetitions}")
+    limit = model.config.max_position_embeddings
+    rng = np.random.default_rng(seed)
+    rows: list[BenchRow] = []
+    _time_prefill(model, model.new_session(use_cache=False), _random_ids(model, 8, rng))  # warm-up
+    for depth in depths:
+        base = _depth_session(model, depth, rng)
+        tests = [(p, 0) for p in prompts if p] + [(0, n) for n in gens if n]
+        for n_prompt, n_gen in tests:
+            if depth + n_prompt + n_gen + 1 > limit:
+                raise ValueError(f"{test_label(n_prompt, n_gen, depth)} needs more than the model's "
+                                 f"context of {limit} tokens")
+            row = BenchRow(test_label(n_prompt, n_gen, depth), n_prompt, n_gen, depth)
+            if progress is not None:
+                progress(row.test)
+            for _ in range(repetitions):
+                if n_prompt:
+                    seconds = _time_prefill(model, base, _random_ids(model, n_prompt, rng))
+                else:
+                    seconds = _time_generate(model, base, n_gen, _random_ids(model, 1, rng)[0])
+                row.samples_ns.append(int(seconds * 1e9))
+                row.samples_ts.append((n_prompt or n_gen) / seconds if seconds > 0 else math.inf)
+            row.peak_memory = _peak_memory_gb(model.backend)
+            rows.append(row)
+    return rows
+
+
+def model_info(model: Model) -> dict[str, Any]:
+    """Model name, file size and parameter count, as llama-bench's leading columns."""
+    path = Path(model.path) if model.path is not None else None
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors")) if path else 0
+    weights = getattr(model.backend, "weights", {})
+    params = sum(int(np.prod(weights.shape(name))) for name in weights) if hasattr(weights, "shape") else 0
+    return {"model_filename": str(path) if path else "", "model_type": "qwen3_5_moe",
+            "model_size": size, "model_n_params": params, "backends": model.backend_name}
+
+
+def system_info() -> str:
+    """A one-line hardware/OS/version footer."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        lily_version = version("lily")
+    except PackageNotFoundError:
+        lily_version = "unknown"
+    return (f"{platform.machine()} {platform.system()} {platform.release()}, Python "
+            f"{platform.python_version()}, lily {lily_version}, numpy {np.__version__}")
+
+
+def format_markdown(rows: Sequence[BenchRow], info: dict[str, Any]) -> str:
+    """The llama-bench markdown table, plus peak memory (GB) and a system footer."""
+    name = Path(info["model_filename"]).name or "model"
+    header = ["model", "size", "params", "backend", "test", "t/s", "peak GB"]
+    align = ["---", "---:", "---:", "---", "---:", "---:", "---:"]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
+    for row in rows:
+        cells = [name, f"{info['model_size'] / 2**30:.2f} GiB", f"{info['model_n_params'] / 1e9:.3f} B",
+                 info["backends"], row.test, f"{row.avg_ts:.2f} ± {row.stddev_ts:.2f}", f"{row.peak_memory:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(system_info())
+    return "\n".join(lines)
+
+
+def format_json(rows: Sequence[BenchRow], info: dict[str, Any]) -> str:
+    """A JSON list with one object per test (llama-bench ``-o json`` keys)."""
+    return json.dumps([{**info, **row.as_dict()} for row in rows], indent=2)

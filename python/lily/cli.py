@@ -1,0 +1,287 @@
+"""The ``lily`` command: generate, chat, serve, bench, download.
+
+Without ``--model`` every command uses the embedded demo model ``lily:demo``. Errors print one
+line (``lily: error: ...``) and exit with status 1; Ctrl-C exits with 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+DEFAULT_MODEL = "lily:demo"
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help="checkpoint directory, Hugging Face repo id, or lily:demo (default)")
+    p.add_argument("--backend", default="auto", choices=("auto", "reference", "metal"),
+                   help="engine backend (default: auto)")
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
+    p.add_argument("--temperature", "--temp", type=float, default=None,
+                   help="sampling temperature; 0 is greedy (default: the model's generation_config, else 1.0)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", "--repeat-penalty", type=float, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _sampling(args: argparse.Namespace, defaults: dict[str, Any]) -> dict[str, Any]:
+    """Sampling keyword arguments: the flags given, else the checkpoint's generation defaults."""
+    out: dict[str, Any] = {"max_tokens": args.max_tokens}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seed", "stop"):
+        value = getattr(args, name)
+        if value is None:
+            value = defaults.get(name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def _generation_defaults(model: Any) -> dict[str, Any]:
+    """Sampling defaults from the checkpoint's generation_config.json, when present."""
+    config = getattr(model, "generation_config", {}) or {}
+    return {k: config[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+            if isinstance(config.get(k), (int, float)) and not isinstance(config.get(k), bool)}
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from lily import Model
+
+    print(f"Loading {args.model} ...", file=sys.stderr, flush=True)
+    return Model.load(args.model, backend=args.backend)
+
+
+def _print_stats(stats: Any, out: TextIO) -> None:
+    print(f"Prompt: {stats.prompt_tokens} tokens ({stats.cached_tokens} cached), "
+          f"{stats.prompt_tps:.3f} tokens-per-sec", file=out)
+    print(f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec", file=out)
+    print(f"Peak memory: {stats.peak_memory:.3f} GB", file=out)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream a continuation (or, with --chat, an answer) of PROMPT to stdout; stats to stderr."""
+    prompt = args.prompt
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read() if not sys.stdin.isatty() or prompt == "-" else "\n"
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    model = _load(args)
+    sampling = _sampling(args, _generation_defaults(model))
+    last = None
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}]
+        printer = _ChatPrinter(sys.stdout)
+        for last in model.chat(messages, enable_thinking=not args.no_thinking, stream=True, **sampling):
+            printer.write("reasoning", last.reasoning)
+            printer.write("content", last.content)
+        printer.finish()
+    else:
+        for last in model.prefill(prompt).decode(**sampling):
+            sys.stdout.write(last.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    if last is not None:
+        _print_stats(last.stats, sys.stderr)
+    return 0
+
+
+class _ChatPrinter:
+    """Prints reasoning dimmed on a terminal (prefixed ``[thinking]`` / ``[answer]`` otherwise),
+    apart from the answer."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.tty = out.isatty()
+        self.channel = ""
+
+    def _switch(self, channel: str) -> None:
+        if self.channel == "reasoning":
+            self.out.write("\033[0m\n" if self.tty else "\n")
+        if channel and not self.tty:
+            self.out.write(f"[{'thinking' if channel == 'reasoning' else 'answer'}] ")
+        if channel == "reasoning" and self.tty:
+            self.out.write("\033[2m")
+        self.channel = channel
+
+    def write(self, channel: str, text: str) -> None:
+        """Show a piece of the reasoning or of the answer."""
+        if not text:
+            return
+        if channel != self.channel:
+            self._switch(channel)
+        self.out.write(text)
+        self.out.flush()
+
+    def finish(self) -> None:
+        """Close an open reasoning block."""
+        self._switch("")
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """An interactive chat; /reset clears the history, /quit or Ctrl-D leaves."""
+    model = _load(args)
+    sampling = _sampling(args, _generation_defaults(model))
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict[str, Any]] = []
+    print("Type a message; /reset clears the conversation, /quit (or Ctrl-D) leaves.", file=sys.stderr)
+    while True:
+        try:
+            line = input(">> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/quit", "/exit"):
+            return 0
+        if line.strip() == "/reset":
+            history.clear()
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        printer = _ChatPrinter(sys.stdout)
+        reasoning, content, calls, last = [], [], [], None
+        tokens = model.chat(system + history, enable_thinking=not args.no_thinking,
+                            preserve_thinking=args.preserve_thinking, stream=True, **sampling)
+        try:
+            for token in tokens:
+                printer.write("reasoning", token.reasoning)
+                printer.write("content", token.content)
+                reasoning.append(token.reasoning)
+                content.append(token.content)
+                calls.extend(token.tool_calls)
+                last = token
+        except KeyboardInterrupt:  # Ctrl-C ends this answer, not the chat
+            tokens.close()
+            print("\n[interrupted]", file=sys.stderr)
+        printer.finish()
+        sys.stdout.write("\n")
+        reply: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+        if "".join(reasoning):
+            reply["reasoning_content"] = "".join(reasoning)
+        if calls:
+            reply["tool_calls"] = [call.to_openai() for call in calls]
+        history.append(reply)
+        if last is not None and args.verbose:
+            _print_stats(last.stats, sys.stderr)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Delegate to the OpenAI-compatible server."""
+    from lily import server
+
+    argv = [args.model, "--host", args.host, "--port", str(args.port), "--backend", args.backend]
+    for flag, value in (("--api-key", args.api_key), ("--cors-origin", args.cors_origin),
+                        ("--max-context", args.max_context)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return server.main(argv)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """llama-bench style throughput table (or JSON)."""
+    from lily import bench
+
+    model = _load(args)
+    rows = bench.run_bench(model, prompts=args.p, gens=args.n, depths=args.d, repetitions=args.r,
+                           progress=lambda name: print(f"running {name} ...", file=sys.stderr, flush=True))
+    info = bench.model_info(model)
+    print(bench.format_json(rows, info) if args.output == "json" else bench.format_markdown(rows, info))
+    return 0
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    """Download a repository into the Hugging Face cache and print its local path."""
+    from lily import hub
+
+    print(hub.resolve(args.repo, revision=args.revision))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="lily", description="Fast local inference of Qwen3.5/3.6-35B-A3B.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("generate", help="continue a prompt (stream text to stdout, stats to stderr)")
+    p.add_argument("prompt", nargs="?", default=None, help="prompt text; '-' or omitted: read stdin")
+    _add_model_flags(p)
+    _add_sampling_flags(p, max_tokens=256)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    p.add_argument("--system", default=None, help="system prompt (with --chat)")
+    p.add_argument("--no-thinking", action="store_true", help="disable thinking (with --chat)")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat; reasoning is shown apart from the answer")
+    _add_model_flags(p)
+    _add_sampling_flags(p, max_tokens=4096)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--no-thinking", action="store_true", help="disable thinking")
+    p.add_argument("--preserve-thinking", action="store_true", help="keep earlier turns' reasoning in the prompt")
+    p.add_argument("--verbose", "-v", action="store_true", help="print token counts and speeds after each answer")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_model_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--api-key", default=None, help="require this API key")
+    p.add_argument("--cors-origin", default=None, help="allow browser requests from this origin")
+    p.add_argument("--max-context", type=int, default=None, help="context limit below the model's own")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench", help="throughput benchmark (llama-bench conventions)")
+    _add_model_flags(p)
+    p.add_argument("-p", "--n-prompt", dest="p", type=_int_list, default=[512], help="prompt sizes (default 512)")
+    p.add_argument("-n", "--n-gen", dest="n", type=_int_list, default=[128], help="generation sizes (default 128)")
+    p.add_argument("-d", "--n-depth", dest="d", type=_int_list, default=[0], help="context depths (default 0)")
+    p.add_argument("-r", "--repetitions", dest="r", type=int, default=5, help="repetitions (default 5)")
+    p.add_argument("-o", "--output", choices=("md", "json"), default="md", help="output format (default md)")
+    p.add_argument("--json", dest="output", action="store_const", const="json", help="same as -o json")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("download", help="download a model repository (with progress bars)")
+    p.add_argument("repo", help="Hugging Face repo id")
+    p.add_argument("--revision", default=None, help="branch, tag or commit")
+    p.set_defaults(func=cmd_download)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lily`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # silence the flush at exit
+        return 1
+    except Exception as exc:  # one clear line, never a traceback
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"lily: error: {message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,761 @@
+"""The public Python API: ``Model``, ``Session``, tokens, results and the prompt cache.
+
+``Model`` owns a backend (see docs/architecture.md: ``new_state()``, ``forward(ids, state)``),
+the tokenizer and a prompt cache. A ``Session`` is one sequence: the backend state after the
+tokens it has seen, plus the logits of its last position so decoding can start at once.
+
+Hybrid models keep a recurrent state that cannot be trimmed back to an earlier position, so
+reuse across calls works by *snapshots*: copies of the state taken at chosen token positions
+(end of the system prompt, end of the last user message, end of the prompt, end of each
+generation). A new prompt restores the longest snapshot whose tokens are a prefix of it and
+prefills only the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import resource
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+
+from lily.sampling import Sampler, SamplingParams, StopStringMatcher
+
+Prompt = Union[str, Sequence[int], Sequence[Mapping[str, Any]]]
+CancelCheck = Union[threading.Event, Callable[[], bool], None]
+
+_SESSION_FORMAT = "lily-session-1"
+
+
+class Cancelled(Exception):
+    """Raised when a cancellation check (an Event or a callable) asks the work to stop."""
+
+
+@dataclass
+class Stats:
+    """Counters of one prefill + decode; rates are tokens per second, ``peak_memory`` in GB."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_tps: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    peak_memory: float = 0.0
+
+
+@dataclass
+class Token:
+    """One generated token as the decode iterator yields it.
+
+    ``text`` is the new visible text (may be empty while the detokenizer or a possible stop
+    string holds text back). ``logprob``/``top_logprobs`` are set when asked for (see
+    ``lily.sampling`` for which distribution they come from). ``finish_reason`` is set on the
+    last token only: "stop" (stop token or string), "length" (max_tokens or context end) or,
+    from ``Model.chat``, "tool_calls". ``reasoning``/``content``/``tool_calls`` are the chat
+    channels of this token's text (``Model.chat(stream=True)`` only).
+    """
+
+    id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None
+    stats: Stats = field(default_factory=Stats)
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    """A finished generation. ``reasoning``, ``content`` and ``tool_calls`` are filled by
+    ``Model.chat``; for ``Model.generate`` ``content`` equals ``text``."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: Stats
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[Any] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def _is_cancelled(cancel: CancelCheck) -> bool:
+    if cancel is None:
+        return False
+    if isinstance(cancel, threading.Event):
+        return cancel.is_set()
+    return bool(cancel())
+
+
+def _peak_memory_gb(backend: Any) -> float:
+    """Backend-reported peak memory if it has one, else this process's peak RSS."""
+    if hasattr(backend, "peak_memory"):
+        return float(backend.peak_memory())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
+
+
+@dataclass
+class Snapshot:
+    """A frozen copy of a session: its state, its tokens and the logits of its last position."""
+
+    state: Any
+    token_ids: tuple[int, ...]
+    last_logits: np.ndarray | None
+    fingerprint: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the state arrays and the logits."""
+        held = _nbytes(self.state)
+        return held + (self.last_logits.nbytes if self.last_logits is not None else 0)
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(x) for x in obj)
+    if isinstance(obj, dict):
+        return sum(_nbytes(x) for x in obj.values())
+    if hasattr(obj, "__dict__"):
+        return sum(_nbytes(x) for x in vars(obj).values())
+    return 0
+
+
+class PromptCache:
+    """Snapshots keyed by token prefixes, bounded in count and bytes, evicted least recently used."""
+
+    def __init__(self, max_entries: int = 16, max_bytes: int = 4 << 30) -> None:
+        if max_entries < 0 or max_bytes < 0:
+            raise ValueError("prompt cache limits must be >= 0")
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[int, ...], Snapshot] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every stored snapshot."""
+        return sum(s.nbytes for s in self._entries.values())
+
+    def keys(self) -> list[tuple[int, ...]]:
+        """Token prefixes currently cached, least recently used first."""
+        return list(self._entries)
+
+    def insert(self, snapshot: Snapshot) -> None:
+        """Store a snapshot (replacing one with the same tokens), then evict down to the bounds."""
+        if self.max_entries == 0 or snapshot.nbytes > self.max_bytes or not snapshot.token_ids:
+            return
+        with self._lock:
+            self._entries.pop(snapshot.token_ids, None)
+            self._entries[snapshot.token_ids] = snapshot
+            total = self.nbytes
+            while len(self._entries) > self.max_entries or total > self.max_bytes:
+                _, dropped = self._entries.popitem(last=False)
+                total -= dropped.nbytes
+
+    def longest_prefix(self, token_ids: Sequence[int]) -> Snapshot | None:
+        """The snapshot with the most tokens that are a prefix of ``token_ids`` (marked as used)."""
+        ids = tuple(token_ids)
+        with self._lock:
+            best = None
+            for key, snap in self._entries.items():
+                if len(key) <= len(ids) and (best is None or len(key) > len(best.token_ids)):
+                    if ids[: len(key)] == key:
+                        best = snap
+            if best is not None:
+                self._entries.move_to_end(best.token_ids)
+            return best
+
+    def clear(self) -> None:
+        """Drop every snapshot."""
+        with self._lock:
+            self._entries.clear()
+
+
+class Session:
+    """One sequence on a model: the state after ``tokens`` and the logits of the last one.
+
+    Made by ``Model.prefill``; extended by ``prefill(..., session=s)`` and ``decode``. The last
+    sampled token of a decode is kept *pending* (not yet run through the model) until the session
+    is extended, so a finished generation costs no extra forward pass.
+    """
+
+    def __init__(self, model: Model, *, use_cache: bool = True) -> None:
+        self.model = model
+        self.state = model.backend.new_state()
+        self._processed: list[int] = []
+        self._pending: list[int] = []
+        self._last_logits: np.ndarray | None = None
+        self._use_cache = use_cache
+        self.stats = Stats()
+
+    def __repr__(self) -> str:
+        return f"Session({len(self)} tokens)"
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every token of the sequence, including a pending last sampled token."""
+        return self._processed + self._pending
+
+    def __len__(self) -> int:
+        return len(self._processed) + len(self._pending)
+
+    @property
+    def logits(self) -> np.ndarray:
+        """Logits [vocab] fp32 of the last token (a pending token is run through the model first)."""
+        return self._ensure_logits().copy()
+
+    # -- feeding tokens ------------------------------------------------------------------------
+
+    def _feed(self, token_ids: Sequence[int], *, cancel: CancelCheck = None,
+              checkpoints: Sequence[int] = ()) -> None:
+        """Run tokens through the backend in chunks, checking ``cancel`` between chunks and
+        storing a prompt-cache snapshot whenever the sequence length reaches a checkpoint."""
+        ids = self._pending + [int(t) for t in token_ids]
+        self._pending = []
+        limit = self.model.config.max_position_embeddings
+        if len(self._processed) + len(ids) > limit:
+            raise ValueError(f"prompt too long: {len(self._processed) + len(ids)} tokens exceed the "
+                             f"model context of {limit}")
+        step = self.model.prefill_step_size
+        marks = sorted(c for c in set(checkpoints) if self._use_cache
+                       and len(self._processed) < c <= len(self._processed) + len(ids))
+        start = 0
+        while start < len(ids):
+            if _is_cancelled(cancel):
+                self._pending = ids[start:]
+                raise Cancelled("prefill cancelled")
+            end = min(start + step, len(ids))
+            for mark in marks:  # stop a chunk exactly at a checkpoint
+                if len(self._processed) < mark < len(self._processed) + (end - start):
+                    end = start + mark - len(self._processed)
+                    break
+            logits = self.model.backend.forward(np.asarray(ids[start:end], dtype=np.int64), self.state)
+            self._processed.extend(ids[start:end])
+            self._last_logits = np.asarray(logits[-1], dtype=np.float32)
+            start = end
+            if len(self._processed) in marks:
+                self.model.prompt_cache.insert(self._snapshot_processed())
+
+    def _ensure_logits(self) -> np.ndarray:
+        if self._pending:
+            self._feed([])
+        if self._last_logits is None:
+            raise ValueError("the session is empty: prefill a prompt before decoding")
+        return self._last_logits
+
+    # -- snapshots -------------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        """A frozen copy of this session (pending tokens are run through the model first)."""
+        if self._pending:
+            self._feed([])
+        return self._snapshot_processed()
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Make this session continue exactly from ``snapshot`` (the snapshot stays reusable)."""
+        if snapshot.fingerprint != self.model.fingerprint:
+            raise ValueError("snapshot was taken on a different model (fingerprint mismatch)")
+        self.state = snapshot.state.copy()
+        self._processed = list(snapshot.token_ids)
+        self._pending = []
+        self._last_logits = None if snapshot.last_logits is None else snapshot.last_logits.copy()
+
+    def fork(self) -> Session:
+        """An independent copy: both sessions can continue differently."""
+        other = Session(self.model, use_cache=self._use_cache)
+        other.state = self.state.copy()
+        other._processed = list(self._processed)
+        other._pending = list(self._pending)
+        other._last_logits = None if self._last_logits is None else self._last_logits.copy()
+        other.stats = dataclasses.replace(self.stats)
+        return other
+
+    def save(self, path: str | Path) -> None:
+        """Write the session to a safetensors file with its tokens and the model fingerprint."""
+        from safetensors.numpy import save_file
+
+        snap = self.snapshot()
+        tensors: dict[str, np.ndarray] = {}
+        structure = _flatten_state(snap.state, "state", tensors)
+        tensors["token_ids"] = np.asarray(snap.token_ids, dtype=np.int64)
+        if snap.last_logits is not None:
+            tensors["last_logits"] = snap.last_logits
+        metadata = {
+            "format": _SESSION_FORMAT,
+            "fingerprint": snap.fingerprint,
+            "backend": self.model.backend_name,
+            "structure": json.dumps(structure),
+        }
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata=metadata)
+
+    @classmethod
+    def load(cls, path: str | Path, model: Model) -> Session:
+        """Read a session written by ``save``; it must come from the same model and backend."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"session file not found: {path}")
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                metadata = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as exc:  # safetensors raises several types for a damaged file
+            raise ValueError(f"{path}: not a readable session file ({exc})") from None
+        if metadata.get("format") != _SESSION_FORMAT:
+            raise ValueError(f"{path}: not a Lily session file (format {metadata.get('format')!r})")
+        if metadata.get("fingerprint") != model.fingerprint:
+            raise ValueError(f"{path}: the session was saved from a different model "
+                             f"(fingerprint {metadata.get('fingerprint')}, this model is {model.fingerprint})")
+        if metadata.get("backend") != model.backend_name:
+            raise ValueError(f"{path}: the session was saved by the {metadata.get('backend')!r} backend, "
+                             f"this model runs {model.backend_name!r}")
+        session = cls(model)
+        try:
+            session.state = _unflatten_state(model.backend.new_state(), json.loads(metadata["structure"]),
+                                             tensors)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: session state does not match this model ({exc})") from None
+        session._processed = [int(t) for t in tensors["token_ids"]]
+        session._last_logits = tensors.get("last_logits")
+        return session
+
+    # -- decoding --------------------------------------------------------------------------------
+
+    def decode(
+        self,
+        *,
+        max_tokens: int | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        repetition_context_size: int | None = None,
+        cancel: CancelCheck = None,
+    ) -> Iterator[Token]:
+        """Generate tokens that extend this session; an iterator of ``Token``.
+
+        Sampling parameters follow OpenAI names (see ``lily.sampling`` for their exact meaning and
+        order); ``temperature=0`` is greedy. ``stop_token_ids=None`` stops on the checkpoint's end
+        tokens. ``cancel`` (an Event or a callable) is checked before every token and raises
+        ``Cancelled``. Closing the iterator stops the work; the session keeps what was generated.
+        """
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            logit_bias=logit_bias, seed=seed, stop=stop or (),
+            stop_token_ids=self.model.eos_token_ids if stop_token_ids is None else stop_token_ids,
+            logprobs=logprobs, top_logprobs=top_logprobs,
+        )
+        params.validate(self.model.config.vocab_size)
+        if len(self) == 0:
+            raise ValueError("the session is empty: prefill a prompt before decoding")
+        if len(self) >= self.model.config.max_position_embeddings:
+            raise ValueError(f"the session is full: {len(self)} tokens reach the model context of "
+                             f"{self.model.config.max_position_embeddings}")
+        return self._decode(params, cancel)
+
+    def _decode(self, params: SamplingParams, cancel: CancelCheck) -> Iterator[Token]:
+        model = self.model
+        sampler = Sampler(params, context=self.tokens)
+        detok = model._detokenizer()
+        matcher = StopStringMatcher(params.stop)
+        stop_ids = set(params.stop_token_ids)
+        limit = model.config.max_position_embeddings
+        stats = dataclasses.replace(self.stats, generation_tokens=0, generation_tps=0.0)
+        start = time.perf_counter()
+        count = 0
+        while True:
+            if _is_cancelled(cancel):
+                raise Cancelled("decode cancelled")
+            logits = self._ensure_logits()  # runs the previous token through the model
+            token, logprob, top = sampler.sample(logits)
+            self._pending = [token]
+            count += 1
+            finish = None
+            if token in stop_ids:
+                finish = "stop"
+                text = matcher.feed(detok.flush() if detok else "") + matcher.flush()
+            else:
+                text = matcher.feed(detok.add(token) if detok else "")
+                if matcher.stopped:
+                    finish = "stop"
+                elif count == params.max_tokens or len(self) >= limit:
+                    finish = "length"
+                    text += matcher.feed(detok.flush() if detok else "") + matcher.flush()
+            elapsed = time.perf_counter() - start
+            stats = dataclasses.replace(stats, generation_tokens=count,
+                                        generation_tps=count / elapsed if elapsed > 0 else 0.0)
+            if finish is not None:
+                stats.peak_memory = _peak_memory_gb(model.backend)
+                self.stats = stats
+                if self._use_cache and self._processed:
+                    model.prompt_cache.insert(self._snapshot_processed())
+            yield Token(token, text, logprob, top, finish, stats)
+            if finish is not None:
+                return
+
+    def _snapshot_processed(self) -> Snapshot:
+        """A snapshot of the processed tokens only (no forward pass for a pending token)."""
+        return Snapshot(self.state.copy(), tuple(self._processed),
+                        None if self._last_logits is None else self._last_logits.copy(),
+                        self.model.fingerprint)
+
+
+def _flatten_state(obj: Any, name: str, tensors: dict[str, np.ndarray]) -> Any:
+    """Describe a backend state as JSON, moving every array into ``tensors`` under a path name."""
+    if isinstance(obj, np.ndarray):
+        tensors[name] = obj
+        return {"tensor": name}
+    if isinstance(obj, (list, tuple)):
+        return {"list": [_flatten_state(x, f"{name}.{i}", tensors) for i, x in enumerate(obj)]}
+    if isinstance(obj, (bool, int, float, str)) or obj is None:
+        return {"value": obj}
+    if isinstance(obj, (np.integer, np.floating)):
+        return {"value": obj.item()}
+    if hasattr(obj, "__dict__"):
+        return {"object": type(obj).__name__,
+                "fields": {k: _flatten_state(v, f"{name}.{k}", tensors) for k, v in vars(obj).items()}}
+    raise TypeError(f"cannot save a state field of type {type(obj).__name__} at {name}")
+
+
+def _unflatten_state(template: Any, node: Any, tensors: Mapping[str, np.ndarray]) -> Any:
+    """Rebuild a state like ``template`` (from the backend's new_state) from a saved description."""
+    if "tensor" in node:
+        return tensors[node["tensor"]]
+    if "value" in node:
+        return node["value"]
+    if "list" in node:
+        if not isinstance(template, (list, tuple)) or len(template) != len(node["list"]):
+            raise ValueError("layer count differs")
+        items = [_unflatten_state(t, n, tensors) for t, n in zip(template, node["list"])]
+        return type(template)(items)
+    if node.get("object") != type(template).__name__:
+        raise ValueError(f"state part {node.get('object')} where {type(template).__name__} was expected")
+    for key, child in node["fields"].items():
+        setattr(template, key, _unflatten_state(getattr(template, key), child, tensors))
+    return template
+
+
+def _choose_backend(name: str) -> str:
+    if name == "auto":
+        try:
+            from lily import _ext
+        except ImportError:
+            return "reference"
+        return "metal" if getattr(_ext, "platform", "") == "metal" and hasattr(_ext, "Engine") else "reference"
+    if name not in ("reference", "metal"):
+        raise ValueError(f"backend must be 'auto', 'reference' or 'metal'; got {name!r}")
+    return name
+
+
+def _fingerprint(checkpoint: Any, quantize: int | None) -> str:
+    """A short hash of the config, the tensor names, shapes and quantization, and a sample of the
+    bytes of every weight file (its size and its first and last 64 KiB)."""
+    h = hashlib.sha256()
+    args, weights = checkpoint.args, checkpoint.weights
+    config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else vars(args)
+    h.update(json.dumps({"config": config, "quantize": quantize}, sort_keys=True, default=str).encode())
+    for name in sorted(weights):
+        h.update(f"{name}:{weights.shape(name)}:{weights.quantization(name)};".encode())
+    for path in sorted(Path(f) for f in checkpoint.files):
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            h.update(f"{path.name}:{size}".encode())
+            h.update(f.read(1 << 16))
+            f.seek(max(size - (1 << 16), 0))
+            h.update(f.read(1 << 16))
+    return h.hexdigest()[:16]
+
+
+class Model:
+    """A loaded checkpoint: ``config`` (ModelArgs), ``tokenizer``, a backend and a prompt cache."""
+
+    def __init__(self, backend: Any, config: Any, tokenizer: Any, *, backend_name: str,
+                 fingerprint: str, path: Path | None = None, prompt_cache: PromptCache | None = None,
+                 prefill_step_size: int = 512) -> None:
+        self.backend = backend
+        self.config = config
+        self.tokenizer = tokenizer
+        self.backend_name = backend_name
+        self.fingerprint = fingerprint
+        self.path = path
+        self.prompt_cache = prompt_cache if prompt_cache is not None else PromptCache()
+        self.prefill_step_size = prefill_step_size
+        #: the checkpoint's generation_config.json (sampling defaults), if any
+        self.generation_config: dict[str, Any] = {}
+        eos = list(getattr(config, "eos_token_ids", ()) or ())
+        if tokenizer is not None:
+            eos += [t for t in getattr(tokenizer, "eos_token_ids", ()) if t not in eos]
+        self.eos_token_ids: tuple[int, ...] = tuple(int(t) for t in eos)
+
+    def __repr__(self) -> str:
+        return f"Model({str(self.path)!r}, backend={self.backend_name!r})"
+
+    @classmethod
+    def load(cls, path_or_repo: str | Path, *, backend: str = "auto", revision: str | None = None,
+             quantize: int | None = None, prompt_cache_entries: int = 16,
+             prompt_cache_bytes: int = 4 << 30, prefill_step_size: int = 512,
+             progress: bool = True) -> Model:
+        """Load a checkpoint from a directory, a Hugging Face repo id or ``"lily:demo"``.
+
+        ``backend``: "reference" (numpy), "metal" (the compiled engine) or "auto" (metal on a Mac
+        when the extension provides it, else reference). ``quantize=4`` quantizes an HF bf16/fp32
+        checkpoint on load. The prompt cache keeps at most ``prompt_cache_entries`` snapshots and
+        ``prompt_cache_bytes`` bytes. ``progress`` shows download progress bars (on stderr).
+        """
+        from lily import hub
+        from lily.checkpoint import load_checkpoint
+
+        chosen = _choose_backend(backend)
+        if prefill_step_size < 1:
+            raise ValueError(f"prefill_step_size must be >= 1; got {prefill_step_size}")
+        directory = Path(hub.resolve(path_or_repo, revision=revision, progress=progress))
+        checkpoint = load_checkpoint(directory, quantize=quantize)
+        if chosen == "metal":
+            raise RuntimeError("the metal backend is not available in this build; use backend='reference'")
+        from lily.reference import ReferenceModel
+
+        engine = ReferenceModel(checkpoint)
+        tokenizer = None
+        tokenizer_dir = Path(checkpoint.tokenizer_dir or directory)
+        if (tokenizer_dir / "tokenizer.json").is_file():
+            from lily.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_dir(tokenizer_dir)
+        model = cls(engine, checkpoint.args, tokenizer, backend_name=chosen,
+                    fingerprint=_fingerprint(checkpoint, quantize), path=directory,
+                    prompt_cache=PromptCache(prompt_cache_entries, prompt_cache_bytes),
+                    prefill_step_size=prefill_step_size)
+        model.generation_config = dict(checkpoint.generation_config or {})
+        return model
+
+    # -- tokens ----------------------------------------------------------------------------------
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError(f"the model at {self.path} has no tokenizer (tokenizer.json is missing); "
+                             "pass token ids instead of text")
+        return self.tokenizer
+
+    def _detokenizer(self) -> _Detokenizer | None:
+        return None if self.tokenizer is None else _Detokenizer(self.tokenizer)
+
+    def encode(self, prompt: Prompt, *, tools: Sequence[Mapping[str, Any]] | None = None,
+               enable_thinking: bool = True, preserve_thinking: bool = False) -> list[int]:
+        """Token ids of a prompt: text, token ids, or chat messages (rendered with the template)."""
+        return self._encode(prompt, tools, enable_thinking, preserve_thinking)[0]
+
+    def _encode(self, prompt: Prompt, tools: Any, enable_thinking: bool,
+                preserve_thinking: bool) -> tuple[list[int], list[int]]:
+        """Token ids and the checkpoint positions inside them."""
+        if isinstance(prompt, str):
+            ids = list(self._require_tokenizer().encode(prompt))
+            checkpoints: list[int] = []
+        elif isinstance(prompt, np.ndarray) or (isinstance(prompt, Sequence) and prompt
+                                                and all(isinstance(t, (int, np.integer)) for t in prompt)):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size}); got {bad[0]}")
+            checkpoints = []
+        elif _is_chat(prompt):
+            tokenizer = self._require_tokenizer()
+            text = tokenizer.apply_chat_template(list(prompt), tools=tools, add_generation_prompt=True,
+                                                 enable_thinking=enable_thinking,
+                                                 preserve_thinking=preserve_thinking)
+            ids = list(tokenizer.encode(text))
+            checkpoints = self._turn_checkpoints(ids, has_system=prompt[0].get("role") == "system" or bool(tools))
+        else:
+            raise ValueError("prompt must be a non-empty string, a non-empty list of token ids, or a "
+                             f"non-empty list of chat messages; got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty after tokenization")
+        return ids, checkpoints
+
+    def _turn_checkpoints(self, ids: list[int], *, has_system: bool) -> list[int]:
+        """Token positions worth a snapshot: the end of the system turn (system prompt and tools)
+        and the end of the last user message, i.e. the start of the second and of the final turn."""
+        starts = self._turn_starts(ids)
+        marks = []
+        if has_system and len(starts) > 1:
+            marks.append(starts[1])
+        if len(starts) > 1:
+            marks.append(starts[-1])
+        return marks
+
+    def _turn_starts(self, ids: list[int]) -> list[int]:
+        start_id = self._require_tokenizer().token_to_id("<|im_start|>")
+        return [i for i, t in enumerate(ids) if t == start_id] if start_id is not None else []
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Logits [T, vocab] fp32 of a fresh sequence (no cache involved)."""
+        ids = self.encode(list(token_ids))
+        return np.asarray(self.backend.forward(np.asarray(ids, dtype=np.int64), self.backend.new_state()),
+                          dtype=np.float32)
+
+    def new_session(self, *, use_cache: bool = True) -> Session:
+        """An empty session."""
+        return Session(self, use_cache=use_cache)
+
+    def prefill(self, prompt: Prompt, *, session: Session | None = None,
+                tools: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool = True,
+                preserve_thinking: bool = False, use_cache: bool = True,
+                cancel: CancelCheck = None) -> Session:
+        """Run a prompt (text, token ids or chat messages) and return the session after it.
+
+        Without ``session`` the longest cached prefix is restored from the prompt cache (see
+        ``session.stats.cached_tokens``) and only the rest is computed. With ``session`` the prompt
+        is appended to it. ``cancel`` is checked between prefill chunks and raises ``Cancelled``.
+        """
+        ids, checkpoints = self._encode(prompt, tools, enable_thinking, preserve_thinking)
+        cached = 0
+        if session is not None:
+            if session.model is not self:
+                raise ValueError("session belongs to a different model")
+            if _is_chat(prompt):
+                raise ValueError("chat messages render a whole conversation and cannot extend a session; "
+                                 "call prefill(messages) without session= (the prompt cache reuses the "
+                                 "shared prefix)")
+            checkpoints = [len(session) + c for c in checkpoints]
+        else:
+            session = Session(self, use_cache=use_cache)
+            hit = self.prompt_cache.longest_prefix(ids) if use_cache else None
+            if hit is not None:
+                session.restore(hit)
+                cached = len(hit.token_ids)
+                ids = ids[cached:]
+        full_length = len(session) + len(ids)
+        start = time.perf_counter()
+        session._feed(ids, cancel=cancel, checkpoints=[*checkpoints, full_length])
+        elapsed = time.perf_counter() - start
+        session.stats = Stats(prompt_tokens=cached + len(ids), cached_tokens=cached,
+                              prompt_tps=len(ids) / elapsed if ids and elapsed > 0 else 0.0,
+                              peak_memory=_peak_memory_gb(self.backend))
+        return session
+
+    def generate(self, prompt: Prompt, *, session: Session | None = None, use_cache: bool = True,
+                 cancel: CancelCheck = None, **sampling: Any) -> Result:
+        """Prefill ``prompt`` and decode; ``sampling`` takes the ``Session.decode`` parameters."""
+        s = self.prefill(prompt, session=session, use_cache=use_cache, cancel=cancel)
+        return _collect(s.decode(cancel=cancel, **sampling), parse=None)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+             enable_thinking: bool = True, preserve_thinking: bool = False, stream: bool = False,
+             use_cache: bool = True, cancel: CancelCheck = None, **sampling: Any) -> Result | Iterator[Token]:
+        """Answer a conversation; the output is split into reasoning, content and tool calls.
+
+        ``stream=True`` returns an iterator of ``Token`` whose ``reasoning``/``content``/
+        ``tool_calls`` hold each token's share; otherwise a ``Result``. The finish reason is
+        "tool_calls" when the answer ends in tool calls.
+        """
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise ValueError("messages must be a non-empty list of chat messages")
+        session = self.prefill(messages, tools=tools, enable_thinking=enable_thinking,
+                               preserve_thinking=preserve_thinking, use_cache=use_cache, cancel=cancel)
+        tokens = _chat_stream(session.decode(cancel=cancel, **sampling), tools, enable_thinking)
+        return tokens if stream else _collect(tokens, parse=True)
+
+
+def _is_chat(prompt: Any) -> bool:
+    return (isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) > 0
+            and all(isinstance(m, Mapping) for m in prompt))
+
+
+class _Detokenizer:
+    """Streaming detokenizer of generated ids: control tokens (end tokens) give no text, and ids of
+    the padded vocabulary rows beyond the tokenizer give none either."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._inner = tokenizer.detokenizer(skip_special_tokens=True)
+        self._known = tokenizer.vocab_size
+
+    def add(self, token_id: int) -> str:
+        return self._inner.add(token_id) if token_id < self._known else ""
+
+    def flush(self) -> str:
+        return self._inner.finish()
+
+
+def _chat_stream(tokens: Iterator[Token], tools: Any, thinking: bool) -> Iterator[Token]:
+    """Route each token's text through the reasoning/tool-call parser (lily.chat)."""
+    from lily.chat import ContentDelta, ReasoningDelta, StreamingParser, ToolCallEvent
+
+    parser = StreamingParser(tools=tools, thinking=thinking)
+    saw_tool_call = False
+    try:
+        for token in tokens:
+            events = parser.feed(token.text)
+            if token.finish_reason is not None:
+                events += parser.finish()
+            for event in events:
+                if isinstance(event, ReasoningDelta):
+                    token.reasoning += event.text
+                elif isinstance(event, ContentDelta):
+                    token.content += event.text
+                elif isinstance(event, ToolCallEvent):
+                    token.tool_calls.append(event.call)
+                    saw_tool_call = True
+            if token.finish_reason == "stop" and saw_tool_call:
+                token.finish_reason = "tool_calls"
+            yield token
+    finally:
+        tokens.close()
+
+
+def _collect(tokens: Iterator[Token], *, parse: bool | None) -> Result:
+    ids: list[int] = []
+    text: list[str] = []
+    reasoning: list[str] = []
+    content: list[str] = []
+    calls: list[Any] = []
+    logprobs: list[float] = []
+    tops: list[list[tuple[int, float]]] = []
+    last: Token | None = None
+    for token in tokens:
+        ids.append(token.id)
+        text.append(token.text)
+        reasoning.append(token.reasoning)
+        content.append(token.content)
+        calls.extend(token.tool_calls)
+        if token.logprob is not None:
+            logprobs.append(token.logprob)
+        if token.top_logprobs is not None:
+            tops.append(token.top_logprobs)
+        last = token
+    if last is None:
+        raise RuntimeError("decoding produced no token")
+    full = "".join(text)
+    return Result(text=full, token_ids=ids, finish_reason=last.finish_reason, stats=last.stats,
+                  reasoning="".join(reasoning), content="".join(content) if parse else full,
+                  tool_calls=calls, logprobs=logprobs or None, top_logprobs=tops or None)

@@ -1,0 +1,340 @@
+"""The public API (lily.Model / Session / Token / Result) on the tiny random checkpoint.
+
+Oracles: HF transformers (the fp32 model the checkpoint was written from) for logits, greedy
+continuations and logprobs; lily.chat.parse_assistant for the chat channel split. The tiny
+checkpoint has no tokenizer, so ``chat_model_dir`` adds a small hand-made byte-level BPE one
+(byte alphabet, five merges, the Qwen special tokens) to a copy of it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+import lily
+from lily.chat import parse_assistant
+
+CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+MERGES = [("t", "h"), ("th", "e"), ("Ġ", "t"), ("i", "n"), ("Ġ", "a")]
+# Letters that take part in no merge: text made of them re-encodes token for token.
+FREE_LETTERS = "bcdfgjkm"
+
+
+def write_test_tokenizer(directory: Path) -> None:
+    """A byte-level BPE tokenizer.json + tokenizer_config.json (ids 0..269, below the model's 1024)."""
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for a, b in MERGES:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tiny_hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The kv64 fp32 checkpoint plus the test tokenizer."""
+    out = tmp_path_factory.mktemp("chat-model") / "kv64"
+    shutil.copytree(tiny_hf_dir, out)
+    write_test_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(chat_model_dir: Path) -> lily.Model:
+    return lily.Model.load(chat_model_dir, backend="reference")
+
+
+def letters_only_bias(model: lily.Model, allow_eos: bool = True) -> dict[int, float]:
+    """logit_bias that leaves only FREE_LETTERS (and the end tokens) possible."""
+    allowed = {model.tokenizer.token_to_id(c) for c in FREE_LETTERS}
+    if allow_eos:
+        allowed |= set(model.eos_token_ids)
+    return {i: -100.0 for i in range(model.config.vocab_size) if i not in allowed}
+
+
+def hf_logits(hf_model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def random_ids(seed: int, n: int, high: int = 1024) -> list[int]:
+    return np.random.default_rng(seed).integers(0, high, size=n).tolist()
+
+
+class CountingBackend:
+    """Wraps a backend and counts the tokens that go through forward."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.calls: list[int] = []
+
+    def new_state(self):
+        return self.inner.new_state()
+
+    def forward(self, ids, state):
+        self.calls.append(len(ids))
+        return self.inner.forward(ids, state)
+
+
+class ScriptedState:
+    """The state of ScriptedBackend: only a position."""
+
+    def __init__(self, position: int = 0) -> None:
+        self.position = position
+
+    def copy(self) -> ScriptedState:
+        return ScriptedState(self.position)
+
+
+class ScriptedBackend:
+    """A stand-in backend whose output is scripted: once the sequence passes ``start`` tokens, the
+    logits make the next scripted token the only choice (template, sampling, detokenizer and parser
+    above it are the real ones)."""
+
+    def __init__(self, vocab_size: int, script: list[int], start: int) -> None:
+        self.vocab_size, self.script, self.start = vocab_size, list(script), start
+
+    def new_state(self) -> ScriptedState:
+        return ScriptedState()
+
+    def forward(self, ids, state: ScriptedState) -> np.ndarray:
+        state.position += len(ids)
+        logits = np.zeros((len(ids), self.vocab_size), dtype=np.float32)
+        step = state.position - self.start
+        if 0 <= step < len(self.script):
+            logits[-1] = -1e9
+            logits[-1, self.script[step]] = 0.0
+        return logits
+
+
+def with_backend(model: lily.Model, backend) -> lily.Model:
+    """A model sharing checkpoint and tokenizer, with another backend and an empty cache."""
+    return lily.Model(backend, model.config, model.tokenizer, backend_name=model.backend_name,
+                      fingerprint=model.fingerprint, path=model.path)
+
+
+# ---- public surface ---------------------------------------------------------------------------
+
+
+def test_public_names_are_few_and_documented():
+    assert set(lily.__all__) == {"Model", "Session", "Token", "Result", "Cancelled"}
+    for name in lily.__all__:
+        assert getattr(lily, name).__doc__
+    for method in ("load", "logits", "prefill", "generate", "chat"):
+        assert getattr(lily.Model, method).__doc__
+    for method in ("decode", "snapshot", "restore", "fork", "save", "load"):
+        assert getattr(lily.Session, method).__doc__
+
+
+def test_load_sets_config_tokenizer_and_backend(model, chat_model_dir):
+    assert model.backend_name == "reference"
+    assert lily.Model.load(chat_model_dir).backend_name == "reference"  # "auto" off a Mac
+    assert model.config.vocab_size == 1024
+    assert model.tokenizer.token_to_id("<|im_end|>") in model.eos_token_ids
+    assert model.tokenizer.token_to_id("<|endoftext|>") in model.eos_token_ids
+    with pytest.raises(ValueError, match="backend"):
+        lily.Model.load(chat_model_dir, backend="cuda")
+
+
+def test_quantized_checkpoint_generates(tiny_mlx4_dir):
+    m = lily.Model.load(tiny_mlx4_dir, backend="reference")
+    prompt = random_ids(7, 5)
+    result = m.generate(prompt, max_tokens=3, temperature=0, stop_token_ids=[])
+    assert len(result.token_ids) == 3
+    assert int(m.logits(prompt + result.token_ids[:2])[-1].argmax()) == result.token_ids[2]
+
+
+def test_checkpoint_without_tokenizer_takes_token_ids(tiny_hf_dir):
+    m = lily.Model.load(tiny_hf_dir, backend="reference")
+    assert m.tokenizer is None
+    result = m.generate(random_ids(8, 4), max_tokens=2, temperature=0, stop_token_ids=[])
+    assert len(result.token_ids) == 2 and result.text == ""
+    with pytest.raises(ValueError, match="no tokenizer"):
+        m.generate("hello")
+
+
+# ---- logits and greedy decoding against HF transformers -------------------------------------------
+
+
+def test_logits_match_transformers(model, tiny_hf_model):
+    ids = random_ids(1, 24)
+    got = model.logits(ids)
+    ref = hf_logits(tiny_hf_model, ids)
+    assert got.shape == (24, 1024) and got.dtype == np.float32
+    # relative error = max|a-b| / max|b|
+    assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-4
+
+
+def test_greedy_generation_matches_transformers_argmax_loop(model, tiny_hf_model):
+    prompt = random_ids(2, 12)
+    result = model.generate(prompt, max_tokens=5, temperature=0, stop_token_ids=[], use_cache=False)
+    ids = list(prompt)
+    for _ in range(5):
+        ids.append(int(np.argmax(hf_logits(tiny_hf_model, ids)[-1])))
+    assert result.token_ids == ids[len(prompt):]
+    assert result.finish_reason == "length"
+    assert result.stats.prompt_tokens == 12 and result.stats.generation_tokens == 5
+
+
+def test_logprobs_are_transformers_log_softmax(model, tiny_hf_model):
+    prompt = random_ids(3, 10)
+    result = model.generate(prompt, max_tokens=3, temperature=0, logprobs=True, top_logprobs=4,
+                            stop_token_ids=[], use_cache=False)
+    ids = list(prompt)
+    for token, logprob, top in zip(result.token_ids, result.logprobs, result.top_logprobs):
+        ref = torch.log_softmax(torch.tensor(hf_logits(tiny_hf_model, ids)[-1], dtype=torch.float64), -1).numpy()
+        assert logprob == pytest.approx(ref[token], abs=1e-4)
+        assert [t for t, _ in top][:1] == [token]
+        assert [lp for _, lp in top] == pytest.approx(np.sort(ref)[::-1][:4].tolist(), abs=1e-4)
+        ids.append(token)
+
+
+def test_text_prompt_equals_its_token_ids(model):
+    text = "the thin cat"
+    a = model.generate(text, max_tokens=4, temperature=0, use_cache=False)
+    b = model.generate(model.tokenizer.encode(text), max_tokens=4, temperature=0, use_cache=False)
+    assert a.token_ids == b.token_ids and a.text == b.text
+
+
+# ---- finishing: stop tokens, stop strings, max_tokens ------------------------------------------------
+
+
+@pytest.mark.parametrize("end_token", ["<|im_end|>", "<|endoftext|>"])
+def test_both_end_tokens_stop_without_text(model, end_token):
+    eos = model.tokenizer.token_to_id(end_token)
+    result = model.generate("hi", max_tokens=5, temperature=0, logit_bias={eos: 100.0}, use_cache=False)
+    assert result.token_ids == [eos] and result.finish_reason == "stop" and result.text == ""
+
+
+def test_stop_string_across_tokens_is_cut_and_not_leaked(model):
+    bias = letters_only_bias(model, allow_eos=False)
+    free = model.generate("abc", max_tokens=12, temperature=0, logit_bias=bias, use_cache=False)
+    assert len(free.text) == 12  # one letter per token
+    stop = free.text[5:7]  # spans two tokens
+    tokens = list(model.prefill("abc", use_cache=False).decode(max_tokens=12, temperature=0, logit_bias=bias,
+                                                                stop=[stop, "never"]))
+    shown = "".join(t.text for t in tokens)
+    assert shown == free.text[: free.text.find(stop)]
+    assert tokens[-1].finish_reason == "stop" and all(t.finish_reason is None for t in tokens[:-1])
+    assert len(tokens) == free.text.find(stop) + len(stop)
+
+
+def test_max_tokens_gives_length(model):
+    tokens = list(model.prefill("abc", use_cache=False).decode(max_tokens=3, temperature=0,
+                                                                stop_token_ids=[]))
+    assert len(tokens) == 3 and tokens[-1].finish_reason == "length"
+    assert tokens[-1].stats.generation_tokens == 3 and tokens[-1].stats.generation_tps > 0
+
+
+def test_same_seed_same_tokens(model):
+    def run(seed):
+        return model.generate("abc", max_tokens=6, temperature=1.0, seed=seed, stop_token_ids=[],
+                              use_cache=False).token_ids
+
+    assert run(11) == run(11)
+    assert run(11) != run(12)
+
+
+def test_bad_inputs_raise_clear_errors(model):
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate("abc", top_p=0)
+    with pytest.raises(ValueError, match="logit_bias"):
+        model.generate("abc", logit_bias={5000: 1.0})
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 1024\)"):
+        model.generate([1, 2, 4096])
+    with pytest.raises(ValueError, match="prompt"):
+        model.generate([])
+    with pytest.raises(ValueError, match="too long"):
+        model.prefill([5] * (model.config.max_position_embeddings + 1), use_cache=False)
+
+
+# ---- closing and cancelling ------------------------------------------------------------------------
+
+
+def test_closing_the_iterator_stops_the_work(model):
+    counting = CountingBackend(model.backend)
+    m = with_backend(model, counting)
+    session = m.prefill(random_ids(4, 6), use_cache=False)
+    tokens = session.decode(max_tokens=50, temperature=0, stop_token_ids=[])
+    first = [next(tokens), next(tokens)]
+    tokens.close()
+    calls = len(counting.calls)
+    assert calls == 2  # the prefill and the step that produced the second token
+    assert len(session) == 8 and session.tokens[-2:] == [t.id for t in first]
+
+
+def test_cancel_between_prefill_chunks_and_between_tokens(model):
+    counting = CountingBackend(model.backend)
+    m = with_backend(model, counting)
+    m.prefill_step_size = 4
+    checks = iter([False, False, True])
+    with pytest.raises(lily.Cancelled):
+        m.prefill(random_ids(5, 20), cancel=lambda: next(checks), use_cache=False)
+    assert counting.calls == [4, 4]
+
+    event = threading.Event()
+    session = m.prefill(random_ids(6, 3), use_cache=False)
+    counting.calls.clear()
+    tokens = session.decode(max_tokens=50, temperature=0, stop_token_ids=[], cancel=event)
+    next(tokens), next(tokens)
+    event.set()
+    with pytest.raises(lily.Cancelled):
+        next(tokens)
+    assert counting.calls == [1]  # the second token's step; nothing after the cancel
+
+
+# ---- chat -------------------------------------------------------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+
+
+def scripted_chat(model: lily.Model, reply: str, **kw):
+    tok = model.tokenizer
+    script = tok.encode(reply) + [tok.token_to_id("<|im_end|>")]
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    start = len(model.encode(messages, tools=TOOLS, enable_thinking=kw.get("enable_thinking", True)))
+    m = with_backend(model, ScriptedBackend(model.config.vocab_size, script, start))
+    return m.chat(messages, tools=TOOLS, temperature=0, max_tokens=200, **kw)
+
+
+REPLY = ("Let me check.\n</think>\n\nI will look it up.\n\n<tool_call>\n<function=get_weather>\n"
+         "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_chat_splits_reasoning_content_and_tool_calls(model):
+    result = scripted_chat(model, REPLY)
+    expected = parse_assistant(REPLY, tools=TOOLS, thinking=True)
+    assert result.text == REPLY
+    assert result.reasoning == (expected.reasoning or "") and "Let me check." in result.reasoning
+    assert result.content == expected.content
+    assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Paris", "days": 3})]
+    assert result.finish_reason == "tool_calls"
+
+
+def test_chat_stream_carries_the_same_channels(model):
+    tokens = list(scripted_chat(model, REPLY, stream=True))
+    whole = scripted_chat(model, REPLY)
+    assert "".join(t.reasoning for t in tokens) == whole.reasoning
+    assert "".join(t.content for t in tokens) == whole.content
+    assert [c.name for t in tokens for c in t.tool_calls] == ["get_weather"]
+    assert tokens[-1].finish_reason == "tool_calls" and tokens[-1].stats.prompt_tokens > 0
+
+
+def test_chat_without_thinking_is_all_content(model):
+    result = scripted_chat(model, "Plain answer.", enable_thinking=False)
+    assert result.content == "Plain answer." and result.reasoning == "" and result.finish_reason == "stop"
