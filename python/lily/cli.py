@@ -184,7 +184,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     argv = [args.model, "--host", args.host, "--port", str(args.port), "--backend", args.backend]
     for flag, value in (("--api-key", args.api_key), ("--cors-origin", args.cors_origin),
-                        ("--max-context", args.max_context)):
+                        ("--max-context", args.max_context), ("--max-queue", args.max_queue),
+                        ("--keepalive", args.keepalive)):
         if value is not None:
             argv += [flag, str(value)]
     return server.main(argv)
@@ -247,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require this API key")
     p.add_argument("--cors-origin", default=None, help="allow browser requests from this origin")
     p.add_argument("--max-context", type=int, default=None, help="context limit below the model's own")
+    p.add_argument("--max-queue", type=int, default=None, help="requests allowed to wait (default: the server's)")
+    p.add_argument("--keepalive", type=float, default=None, help="seconds between SSE keep-alive comments (0: off)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="throughput benchmark (llama-bench conventions)")

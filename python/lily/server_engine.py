@@ -1,0 +1,197 @@
+"""The one boundary between the HTTP server and Lily's model API.
+
+The server only talks to an `Engine`: tokenize a chat or a text, generate tokens. `LilyEngine`
+implements it on `lily.Model`, which owns the chat template, the prompt cache and the
+reasoning / tool-call parser; everything above this file is plain HTTP and JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+from .chat import ContentDelta, ReasoningDelta, StreamingParser, ToolCallEvent
+from .model import Model, Session, Token
+from .server_requests import ChatRequest, SamplingParams
+
+
+@dataclass
+class ToolCall:
+    """A complete tool call parsed from the output; `arguments` is a JSON-ready mapping."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str | None = None
+
+
+@dataclass
+class TokenEvent:
+    """One generated token: its text, and for chats the text's share of reasoning and content."""
+
+    id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+class Generation(Protocol):
+    """A running generation whose prompt is already prefilled; iterating decodes."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+    def __iter__(self) -> Iterator[TokenEvent]: ...
+
+    def close(self) -> None: ...
+
+
+class Engine(Protocol):
+    """What the server needs from a model."""
+
+    model_id: str
+    context_length: int
+    vocab_size: int
+    sampling_defaults: dict[str, float]  # used for omitted temperature / top_p / top_k
+
+    def encode_chat(self, chat: ChatRequest) -> list[int]: ...
+
+    def encode_text(self, text: str) -> list[int]: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+    def generate(
+        self, prompt: list[int], chat: ChatRequest | None, sampling: SamplingParams, is_cancelled: Callable[[], bool]
+    ) -> Generation: ...
+
+
+class _LilyGeneration:
+    """Adapts a `Session.decode` iterator; for chats, each token's text goes through
+    `lily.chat.StreamingParser` to split reasoning, content and tool calls."""
+
+    def __init__(self, session: Session, tokens: Iterator[Token], parser: StreamingParser | None) -> None:
+        self._tokens = tokens
+        self._parser = parser
+        self.prompt_tokens = session.stats.prompt_tokens
+        self.cached_tokens = session.stats.cached_tokens
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        for token in self._tokens:
+            event = TokenEvent(
+                id=int(token.id),
+                text=token.text,
+                logprob=token.logprob,
+                top_logprobs=list(token.top_logprobs or []),
+                finish_reason=token.finish_reason,
+            )
+            if self._parser is None:
+                event.content = token.text
+            else:
+                self._parse(event, token.finish_reason is not None)
+            yield event
+
+    def _parse(self, event: TokenEvent, last: bool) -> None:
+        parsed = self._parser.feed(event.text)
+        if last:
+            parsed += self._parser.finish()
+        for item in parsed:
+            if isinstance(item, ReasoningDelta):
+                event.reasoning += item.text
+            elif isinstance(item, ContentDelta):
+                event.content += item.text
+            elif isinstance(item, ToolCallEvent):
+                event.tool_calls.append(ToolCall(item.call.name, dict(item.call.arguments), item.call.id))
+
+    def close(self) -> None:
+        close = getattr(self._tokens, "close", None)
+        if close is not None:
+            close()
+
+
+def _sampling_defaults(generation_config: dict[str, Any]) -> dict[str, float]:
+    """The checkpoint's recommended temperature / top_p / top_k (generation_config.json), as
+    vLLM and `lily generate` use them; values out of the API's ranges are ignored."""
+    valid = {
+        "temperature": lambda v: 0 <= v <= 2,
+        "top_p": lambda v: 0 < v <= 1,
+        "top_k": lambda v: v >= 0 and float(v).is_integer(),
+    }
+    defaults = {}
+    for name, ok in valid.items():
+        value = generation_config.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and ok(value):
+            defaults[name] = value
+    return defaults
+
+
+class LilyEngine:
+    """`Engine` on a loaded `lily.Model`."""
+
+    def __init__(self, model: Model, model_id: str | None = None) -> None:
+        if model.tokenizer is None:
+            raise ValueError(f"the model at {model.path} has no tokenizer (tokenizer.json); the server needs one")
+        self.model = model
+        self.model_id = model_id or (Path(model.path).name if model.path is not None else "lily")
+        self.context_length = int(model.config.max_position_embeddings)
+        self.vocab_size = int(model.config.vocab_size)
+        self.sampling_defaults = _sampling_defaults(getattr(model, "generation_config", None) or {})
+
+    def _template_kwargs(self, chat: ChatRequest) -> dict[str, Any]:
+        return {
+            "tools": chat.tools,
+            "enable_thinking": True if chat.enable_thinking is None else chat.enable_thinking,
+            "preserve_thinking": bool(chat.preserve_thinking),
+        }
+
+    def encode_chat(self, chat: ChatRequest) -> list[int]:
+        """Token ids of the rendered conversation (the template's generation prompt included)."""
+        return self.model.encode(chat.messages, **self._template_kwargs(chat))
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of plain text."""
+        return self.model.tokenizer.encode(text)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (U+FFFD for a partial UTF-8 character)."""
+        return self.model.tokenizer.decode([token_id])
+
+    def generate(
+        self, prompt: list[int], chat: ChatRequest | None, sampling: SamplingParams, is_cancelled: Callable[[], bool]
+    ) -> Generation:
+        """Prefill (through the prompt cache) and start decoding; `is_cancelled` is polled
+        between prefill chunks and between tokens."""
+        options = {
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "min_p": sampling.min_p,
+            "repetition_penalty": sampling.repetition_penalty,
+            "presence_penalty": sampling.presence_penalty,
+            "frequency_penalty": sampling.frequency_penalty,
+            "logit_bias": sampling.logit_bias,
+            "seed": sampling.seed,
+            "stop": sampling.stop,
+            "logprobs": sampling.logprobs,
+            "top_logprobs": sampling.top_logprobs,
+        }
+        parser = None
+        if chat is not None:
+            template = self._template_kwargs(chat)
+            # Passing the messages (not the ids) lets the model place its turn checkpoints.
+            session = self.model.prefill(chat.messages, cancel=is_cancelled, **template)
+            parser = StreamingParser(tools=chat.tools, thinking=template["enable_thinking"])
+        else:
+            session = self.model.prefill(prompt, cancel=is_cancelled)
+        return _LilyGeneration(session, session.decode(cancel=is_cancelled, **options), parser)
+
+
+def load_engine(path: str, *, backend: str | None = None) -> LilyEngine:
+    """Load a checkpoint (a directory, a Hugging Face repo id or `lily:demo`) for serving."""
+    model = Model.load(path, backend=backend or "auto")
+    name = path if path.startswith("lily:") or not Path(path).exists() else Path(path).resolve().name
+    return LilyEngine(model, model_id=name)
