@@ -1,0 +1,112 @@
+// Command encoding for the engine: one command buffer with concurrent compute encoders, barriers
+// placed from the buffer ranges each dispatch declares, shared-event waits and signals, and
+// completion handlers. Not thread-safe: one Encoder is filled by one thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "device.h"
+
+namespace lily {
+
+// A byte range of a buffer that a dispatch reads or writes.
+struct BufferRange {
+  const Buffer* buffer;
+  size_t offset;
+  size_t length;
+};
+
+// One kernel argument, bound at [[buffer(i)]] where i is its position in the argument list.
+class Argument {
+ public:
+  // A buffer from `offset` on (the kernel sees contents + offset).
+  static Argument buffer(const Buffer& buffer, size_t offset = 0);
+  // Bytes copied into the command stream at encode time (setBytes, at most 4 KB).
+  static Argument bytes(const void* data, size_t length);
+  template <class T>
+  static Argument value(const T& value) {
+    return bytes(&value, sizeof(T));
+  }
+
+  const Buffer* buffer_ptr() const { return buffer_; }
+  size_t offset() const { return offset_; }
+  const std::vector<unsigned char>& data() const { return data_; }
+
+ private:
+  const Buffer* buffer_ = nullptr;
+  size_t offset_ = 0;
+  std::vector<unsigned char> data_;
+};
+
+enum class BarrierPolicy {
+  Automatic,  // barriers from declared ranges (the engine's mode)
+  Manual,     // only explicit barrier() calls (tests of the hazard checks)
+};
+
+struct EncoderCounters {
+  uint64_t dispatches = 0;
+  uint64_t stages = 0;    // groups of dispatches free to run concurrently
+  uint64_t barriers = 0;  // memory barriers issued
+  uint64_t encoders = 0;  // compute encoders opened
+  uint64_t bytes_read = 0;     // declared
+  uint64_t bytes_written = 0;  // declared
+};
+
+class Encoder {
+ public:
+  explicit Encoder(Device& device, BarrierPolicy policy = BarrierPolicy::Automatic);
+  ~Encoder();
+  Encoder(const Encoder&) = delete;
+  Encoder& operator=(const Encoder&) = delete;
+
+  // Encodes kernel `pipeline` over `threadgroups` groups of `threads_per_threadgroup` threads.
+  // `reads` and `writes` are the byte ranges the kernel touches; they decide the barriers.
+  // `threadgroup_memory[i]` sizes [[threadgroup(i)]] (multiples of 16 bytes).
+  void dispatch(const Pipeline& pipeline, const std::vector<Argument>& arguments,
+                mtl::Size threadgroups, mtl::Size threads_per_threadgroup,
+                const std::vector<BufferRange>& reads, const std::vector<BufferRange>& writes,
+                const std::vector<size_t>& threadgroup_memory = {});
+  // Orders everything encoded so far before everything encoded after.
+  void barrier();
+  // The GPU waits here until `event` reaches `value`.
+  void wait_for_event(const Event& event, uint64_t value);
+  // The GPU sets `event` to `value` once everything encoded before this call has run.
+  void signal_event(const Event& event, uint64_t value);
+  // Called once the command buffer has finished, with "" or the failure's description. Runs on
+  // a Metal thread on a Mac; must not throw.
+  void add_completed_handler(std::function<void(const std::string& error)> handler);
+  void commit();
+  // Blocks until the command buffer has finished; throws Error with Metal's description if it
+  // failed.
+  void wait();
+
+  const EncoderCounters& counters() const { return counters_; }
+
+ private:
+  struct AddressRange {
+    uintptr_t begin, end;
+  };
+
+  void* open_encoder();
+  void close_encoder();
+  void require_not_committed(const char* what) const;
+  bool conflicts_with_stage(const std::vector<AddressRange>& reads,
+                            const std::vector<AddressRange>& writes) const;
+  void issue_barrier();
+
+  BarrierPolicy policy_;
+  mtl::Object command_buffer_;
+  mtl::Object encoder_;
+  bool committed_ = false;
+  bool stage_has_dispatches_ = false;
+  std::vector<AddressRange> stage_reads_;
+  std::vector<AddressRange> stage_writes_;
+  EncoderCounters counters_;
+};
+
+}  // namespace lily

@@ -1,0 +1,23 @@
+// Test controls of the fake Metal (Linux only), for the private test binding.
+#pragma once
+
+#include <cstdint>
+
+namespace fake_metal {
+
+// How the dispatches between two barriers of a concurrent encoder are run. A GPU may run them
+// in any order, so the fake never runs them in encoding order: a missing barrier shows.
+enum class StageOrder { Reverse, Shuffle };
+void set_stage_order(StageOrder order, uint64_t seed);
+
+// What the fake GPU has executed since the last reset.
+struct Stats {
+  uint64_t dispatches = 0;
+  uint64_t barriers = 0;
+  uint64_t command_buffers = 0;
+  uint64_t completion_handlers = 0;
+};
+Stats stats();
+void reset_stats();
+
+}  // namespace fake_metal
