@@ -1,0 +1,335 @@
+// Quantized matmul with MLX affine weights: Y[M, N] = X[M, K] * W^T, W[n, k] = scale * q + bias, where q is a 4- or
+// 8-bit code packed in uint32 words (element 0 in the low bits) and scale/bias are shared by 64 consecutive k (one
+// group). K must be a multiple of 64 (the model's K are 2048, 4096 and 512); the host checks it. X, Y: [M, K], [M, N]
+// row-major in the activation dtype; fp32 accumulation everywhere; one rounding per output element.
+//
+//   qmv_q<b>_g64_<dtype>[_sf32]            decode GEMV, M <= LILY_QMV_MAX_ROWS (attention/GDN projections, router and
+//                                          shared-expert gate at 8 bits, lm_head). Grid (ceil(N / 8), M, 1) x 64.
+//                                          Each simdgroup owns 4 output rows; each lane folds 16 consecutive codes of
+//                                          each row per step: one scale/bias FMA per group chunk, scale*sum(x*q) +
+//                                          bias*sum(x), then one simd_sum per row. Reads every weight byte once per
+//                                          input row (8-byte runs per lane, 256 contiguous bytes per simdgroup and row
+//                                          at 4 bits), x once per simdgroup (from cache). Writes N values per row.
+//   qmm_q<b>_g64_<dtype>[_sf32]_bm<BM>     prefill GEMM. Grid (ceil(N / 32), ceil(M / BM), 1); BM = 16 with 2
+//                                          simdgroups (64 threads) for M <= LILY_QMM_BM16_MAX_ROWS, BM = 32 with 4
+//                                          simdgroups (128 threads) above. Per K step of 32 the threadgroup copies a
+//                                          BM x 32 tile of X and dequantizes ONE 32 x 32 tile of W into threadgroup
+//                                          memory (fp32: no second rounding of the weights), then each simdgroup
+//                                          accumulates a 16 x 16 block with simdgroup_matrix 8x8 MMAs in fp32. Each
+//                                          weight byte is read once per BM rows of X, each X element once per 32
+//                                          columns of W; no dequantized copy of W ever exists in device memory.
+//   qmm_nax_q<b>_g64_<dtype>               the same GEMM on Metal 4 tensor ops (M5 "neural accelerators"): 32 x 64
+//                                          output tile, 4 simdgroups each running a 16x32x32 mpp matmul2d per K step
+//                                          on threadgroup tiles in the activation dtype (the dequantized weights are
+//                                          rounded to it, as MLX does), fp32 destination. Compiled only where tensor
+//                                          ops exist (Metal >= 4.0 with __HAVE_TENSOR__) and under the CPU harness's
+//                                          emulation; the host picks it by host name only on M5-class GPUs.
+//                                          UNVERIFIED UNTIL A MAC RUNS IT: the emulation fixes our reading of the API,
+//                                          not Apple's compiler or hardware behaviour.
+// dtype is the activation dtype (f32, f16, bf16); scales and biases are bf16 (MLX checkpoints) unless the name has
+// _sf32 (f32 scales and biases: checkpoints converted from fp32 weights); qmm_nax takes bf16 scales only. Partial
+// tiles in M and N are handled; out counts need not be multiples of any tile (the shared-expert gate has N = 1).
+#include <metal_stdlib>
+#include "lily.h"
+
+using namespace metal;
+
+#if defined(MSL_CPU) || (defined(__METAL_VERSION__) && __METAL_VERSION__ >= 400 && defined(__HAVE_TENSOR__))
+#define LILY_QMATMUL_HAS_TENSOR_OPS 1
+#include <metal_tensor>
+#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
+#endif
+
+namespace lily_qmatmul {
+
+enum : uint { kGroupSize = 64 };  // elements per scale/bias group (MLX affine, group 64)
+
+// Copies rows [row0, row0 + rows) x columns [k0, k0 + cols) of X into a threadgroup tile (row stride `ld`), widened or
+// rounded to the tile type; rows past M are zero. Consecutive threads read consecutive k: coalesced.
+template <typename T, typename TileT>
+inline void load_x_tile(device const T* x, threadgroup TileT* tile, uint ld, uint rows, uint cols, uint row0, uint k0,
+                        uint M, uint K, uint tid, uint n_threads) {
+  for (uint i = tid; i < rows * cols; i += n_threads) {
+    uint r = i / cols, c = i % cols;
+    uint m = row0 + r;
+    tile[r * ld + c] = m < M ? TileT(float(x[size_t(m) * K + k0 + c])) : TileT(0.0f);
+  }
+}
+
+// Dequantizes rows [n0, n0 + rows) x columns [k0, k0 + cols) of W into a threadgroup tile, one packed word (32 / Bits
+// codes) per thread and iteration. `cols` divides the group size and k0 is a multiple of it, so a tile row uses one
+// scale and one bias. Transposed: tile[k * ld + n] (k-major, as simdgroup_load wants W^T); else tile[n * ld + k].
+// Rows past N are zero.
+template <int Bits, bool Transposed, typename S, typename TileT>
+inline void dequantize_w_tile(device const uint* weight, device const S* scales, device const S* biases,
+                              threadgroup TileT* tile, uint ld, uint rows, uint cols, uint n0, uint k0, uint N, uint K,
+                              uint tid, uint n_threads) {
+  constexpr uint kPerWord = 32 / Bits;
+  constexpr uint kMask = (1u << Bits) - 1u;
+  const uint words_per_tile_row = cols / kPerWord;
+  const uint words_per_row = K / kPerWord;
+  for (uint i = tid; i < rows * words_per_tile_row; i += n_threads) {
+    uint r = i / words_per_tile_row;
+    uint c0 = (i % words_per_tile_row) * kPerWord;
+    uint n = n0 + r;
+    uint word = 0;
+    float scale = 0.0f, bias = 0.0f;
+    if (n < N) {
+      word = weight[size_t(n) * words_per_row + (k0 + c0) / kPerWord];
+      size_t g = size_t(n) * (K / kGroupSize) + k0 / kGroupSize;
+      scale = float(scales[g]);
+      bias = float(biases[g]);
+    }
+    for (uint e = 0; e < kPerWord; ++e) {
+      TileT w = TileT(scale * float((word >> (e * Bits)) & kMask) + bias);
+      if (Transposed) {
+        tile[(c0 + e) * ld + r] = w;
+      } else {
+        tile[r * ld + c0 + e] = w;
+      }
+    }
+  }
+}
+
+// Writes the valid part of a BM x BN fp32 threadgroup tile to Y[row0 + r, n0 + c], rounded once to T.
+template <typename T>
+inline void store_y_tile(threadgroup const float* tile, uint ld, uint rows, uint cols, device T* y, uint row0, uint n0,
+                         uint M, uint N, uint tid, uint n_threads) {
+  for (uint i = tid; i < rows * cols; i += n_threads) {
+    uint r = i / cols, c = i % cols;
+    uint m = row0 + r, n = n0 + c;
+    if (m < M && n < N) {
+      y[size_t(m) * N + n] = T(tile[r * ld + c]);
+    }
+  }
+}
+
+}  // namespace lily_qmatmul
+
+template <typename T, typename S, int Bits>
+[[kernel]] void qmv(constant lily::QMatmulArgs& args [[buffer(0)]],
+                    device const T* x [[buffer(1)]],
+                    device const uint* weight [[buffer(2)]],
+                    device const S* scales [[buffer(3)]],
+                    device const S* biases [[buffer(4)]],
+                    device T* y [[buffer(5)]],
+                    uint3 tg [[threadgroup_position_in_grid]],
+                    uint lane [[thread_index_in_simdgroup]],
+                    uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  constexpr uint kValues = LILY_QMV_VALUES_PER_LANE;  // codes per lane, row and step; divides the group size
+  constexpr uint kPerWord = 32 / Bits;
+  constexpr uint kWords = kValues / kPerWord;
+  constexpr uint kMask = (1u << Bits) - 1u;
+  const uint K = args.in_features;
+  const uint N = args.out_features;
+  const uint first_row = (tg.x * LILY_QMV_SIMDGROUPS + simd_group) * kRows;
+  if (first_row >= N) {
+    return;  // the whole simdgroup leaves: the simd_sum below stays convergent
+  }
+  const uint words_per_row = K / kPerWord;
+  const uint groups_per_row = K / lily_qmatmul::kGroupSize;
+  device const T* x_row = x + size_t(tg.y) * K;
+
+  float acc[kRows];
+  for (uint r = 0; r < kRows; ++r) {
+    acc[r] = 0.0f;
+  }
+  for (uint k0 = lane * kValues; k0 < K; k0 += 32 * kValues) {
+    float xs[kValues];
+    float x_sum = 0.0f;
+    for (uint i = 0; i < kValues; ++i) {
+      xs[i] = float(x_row[k0 + i]);
+      x_sum += xs[i];
+    }
+    for (uint r = 0; r < kRows; ++r) {
+      const uint n = first_row + r;
+      if (n < N) {
+        device const uint* w = weight + size_t(n) * words_per_row + k0 / kPerWord;
+        float dot = 0.0f;
+        for (uint j = 0; j < kWords; ++j) {
+          const uint word = w[j];
+          for (uint e = 0; e < kPerWord; ++e) {
+            dot += xs[j * kPerWord + e] * float((word >> (e * Bits)) & kMask);
+          }
+        }
+        const size_t g = size_t(n) * groups_per_row + k0 / lily_qmatmul::kGroupSize;
+        // sum_i x_i (s q_i + b) = s * sum_i x_i q_i + b * sum_i x_i: one fold per group chunk.
+        acc[r] += float(scales[g]) * dot + float(biases[g]) * x_sum;
+      }
+    }
+  }
+  for (uint r = 0; r < kRows; ++r) {
+    const float total = simd_sum(acc[r]);
+    if (lane == 0 && first_row + r < N) {
+      y[size_t(tg.y) * N + first_row + r] = T(total);
+    }
+  }
+}
+
+template <typename T, typename S, int Bits, int BM>
+[[kernel]] void qmm(constant lily::QMatmulArgs& args [[buffer(0)]],
+                    device const T* x [[buffer(1)]],
+                    device const uint* weight [[buffer(2)]],
+                    device const S* scales [[buffer(3)]],
+                    device const S* biases [[buffer(4)]],
+                    device T* y [[buffer(5)]],
+                    uint3 tg [[threadgroup_position_in_grid]],
+                    uint tid [[thread_index_in_threadgroup]],
+                    uint n_threads [[threads_per_threadgroup]],
+                    uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float x_tile[BM][LILY_QMM_BK + LILY_QMM_PAD];
+  threadgroup float wt_tile[LILY_QMM_BK][LILY_QMM_BN + LILY_QMM_PAD];
+  threadgroup float y_tile[BM][LILY_QMM_BN + LILY_QMM_PAD];
+  constexpr uint BN = LILY_QMM_BN;
+  constexpr uint BK = LILY_QMM_BK;
+  constexpr uint kLdX = LILY_QMM_BK + LILY_QMM_PAD;
+  constexpr uint kLdW = LILY_QMM_BN + LILY_QMM_PAD;
+  static_assert(lily_qmatmul::kGroupSize % BK == 0, "a K step must stay inside one quantization group");
+  static_assert(BN == 32 && (BM == 16 || BM == 32), "simdgroups own 16 x 16 blocks: (BM / 16) x 2 simdgroups");
+  const uint K = args.in_features;
+  const uint N = args.out_features;
+  const uint M = args.num_rows;
+  const uint row0 = tg.y * BM;
+  const uint n0 = tg.x * BN;
+  const uint sub_row = (simd_group / 2) * 16;  // this simdgroup's 16 x 16 block of the tile
+  const uint sub_col = (simd_group % 2) * 16;
+
+  simdgroup_float8x8 acc[2][2];
+  for (uint i = 0; i < 2; ++i) {
+    for (uint j = 0; j < 2; ++j) {
+      acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+  }
+  for (uint k0 = 0; k0 < K; k0 += BK) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done reading the previous step's tiles
+    lily_qmatmul::load_x_tile(x, &x_tile[0][0], kLdX, BM, BK, row0, k0, M, K, tid, n_threads);
+    lily_qmatmul::dequantize_w_tile<Bits, true>(weight, scales, biases, &wt_tile[0][0], kLdW, BN, BK, n0, k0, N, K, tid,
+                                                n_threads);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint kk = 0; kk < BK; kk += 8) {
+      simdgroup_float8x8 a[2];
+      simdgroup_float8x8 b[2];
+      for (uint i = 0; i < 2; ++i) {
+        simdgroup_load(a[i], &x_tile[sub_row + 8 * i][kk], kLdX);
+        simdgroup_load(b[i], &wt_tile[kk][sub_col + 8 * i], kLdW);
+      }
+      for (uint i = 0; i < 2; ++i) {
+        for (uint j = 0; j < 2; ++j) {
+          simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+        }
+      }
+    }
+  }
+  // Through threadgroup memory: partial tiles are clipped and rounded per element, independent of the lane layout.
+  for (uint i = 0; i < 2; ++i) {
+    for (uint j = 0; j < 2; ++j) {
+      simdgroup_store(acc[i][j], &y_tile[sub_row + 8 * i][sub_col + 8 * j], kLdW);
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  lily_qmatmul::store_y_tile(&y_tile[0][0], kLdW, BM, BN, y, row0, n0, M, N, tid, n_threads);
+}
+
+#if defined(LILY_QMATMUL_HAS_TENSOR_OPS)
+template <typename T, typename S, int Bits>
+[[kernel]] void qmm_nax(constant lily::QMatmulArgs& args [[buffer(0)]],
+                        device const T* x [[buffer(1)]],
+                        device const uint* weight [[buffer(2)]],
+                        device const S* scales [[buffer(3)]],
+                        device const S* biases [[buffer(4)]],
+                        device T* y [[buffer(5)]],
+                        uint3 tg [[threadgroup_position_in_grid]],
+                        uint tid [[thread_index_in_threadgroup]],
+                        uint n_threads [[threads_per_threadgroup]],
+                        uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  threadgroup T x_tile[LILY_QMM_NAX_BM][LILY_QMM_BK];
+  threadgroup T w_tile[LILY_QMM_NAX_BN][LILY_QMM_BK];
+  threadgroup float y_tile[LILY_QMM_NAX_BM][LILY_QMM_NAX_BN];
+  constexpr uint BM = LILY_QMM_NAX_BM;
+  constexpr uint BN = LILY_QMM_NAX_BN;
+  constexpr uint BK = LILY_QMM_BK;
+  static_assert(BM == 32 && BN == 64, "4 simdgroups, each a 16 x 32 block of the tile");
+  const uint K = args.in_features;
+  const uint N = args.out_features;
+  const uint M = args.num_rows;
+  const uint row0 = tg.y * BM;
+  const uint n0 = tg.x * BN;
+
+  // Tensor extents are (x = columns, contiguous; y = rows). W's tile is [n][k], hence transpose_right.
+  metal::tensor<threadgroup T, metal::dextents<int32_t, 2>, metal::tensor_inline> x_tensor(
+      &x_tile[0][0], metal::dextents<int32_t, 2>(BK, BM));
+  metal::tensor<threadgroup T, metal::dextents<int32_t, 2>, metal::tensor_inline> w_tensor(
+      &w_tile[0][0], metal::dextents<int32_t, 2>(BK, BN));
+  metal::tensor<threadgroup float, metal::dextents<int32_t, 2>, metal::tensor_inline> y_tensor(
+      &y_tile[0][0], metal::dextents<int32_t, 2>(BN, BM));
+  constexpr auto descriptor = mpp::tensor_ops::matmul2d_descriptor(
+      16, 32, BK, false, true, false, mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);
+  mpp::tensor_ops::matmul2d<descriptor, metal::execution_simdgroup> op;
+  auto left = x_tensor.slice(0, int((simd_group / 2) * 16));
+  auto right = w_tensor.slice(0, int((simd_group % 2) * 32));
+  auto acc = op.template get_destination_cooperative_tensor<decltype(left), decltype(right), float>();
+  for (ushort i = 0; i < acc.get_capacity(); ++i) {
+    if (acc.is_valid_element(i)) {
+      acc[i] = 0.0f;
+    }
+  }
+  for (uint k0 = 0; k0 < K; k0 += BK) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    lily_qmatmul::load_x_tile(x, &x_tile[0][0], BK, BM, BK, row0, k0, M, K, tid, n_threads);
+    lily_qmatmul::dequantize_w_tile<Bits, false>(weight, scales, biases, &w_tile[0][0], BK, BN, BK, n0, k0, N, K, tid,
+                                                 n_threads);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    op.run(left, right, acc);
+  }
+  auto y_block = y_tensor.slice(int((simd_group % 2) * 32), int((simd_group / 2) * 16));
+  acc.store(y_block);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  lily_qmatmul::store_y_tile(&y_tile[0][0], BN, BM, BN, y, row0, n0, M, N, tid, n_threads);
+}
+#endif
+
+LILY_INSTANTIATE_KERNEL("qmv_q4_g64_f32", qmv, float, bfloat, 4)
+LILY_INSTANTIATE_KERNEL("qmv_q4_g64_f16", qmv, half, bfloat, 4)
+LILY_INSTANTIATE_KERNEL("qmv_q4_g64_bf16", qmv, bfloat, bfloat, 4)
+LILY_INSTANTIATE_KERNEL("qmv_q4_g64_f32_sf32", qmv, float, float, 4)
+LILY_INSTANTIATE_KERNEL("qmv_q4_g64_f16_sf32", qmv, half, float, 4)
+LILY_INSTANTIATE_KERNEL("qmv_q4_g64_bf16_sf32", qmv, bfloat, float, 4)
+LILY_INSTANTIATE_KERNEL("qmv_q8_g64_f32", qmv, float, bfloat, 8)
+LILY_INSTANTIATE_KERNEL("qmv_q8_g64_f16", qmv, half, bfloat, 8)
+LILY_INSTANTIATE_KERNEL("qmv_q8_g64_bf16", qmv, bfloat, bfloat, 8)
+LILY_INSTANTIATE_KERNEL("qmv_q8_g64_f32_sf32", qmv, float, float, 8)
+LILY_INSTANTIATE_KERNEL("qmv_q8_g64_f16_sf32", qmv, half, float, 8)
+LILY_INSTANTIATE_KERNEL("qmv_q8_g64_bf16_sf32", qmv, bfloat, float, 8)
+
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_f32_bm16", qmm, float, bfloat, 4, 16)
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_f16_bm16", qmm, half, bfloat, 4, 16)
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_bf16_bm16", qmm, bfloat, bfloat, 4, 16)
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_f32_sf32_bm16", qmm, float, float, 4, 16)
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_f16_sf32_bm16", qmm, half, float, 4, 16)
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_bf16_sf32_bm16", qmm, bfloat, float, 4, 16)
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_f32_bm32", qmm, float, bfloat, 4, 32)
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_f16_bm32", qmm, half, bfloat, 4, 32)
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_bf16_bm32", qmm, bfloat, bfloat, 4, 32)
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_f32_sf32_bm32", qmm, float, float, 4, 32)
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_f16_sf32_bm32", qmm, half, float, 4, 32)
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_bf16_sf32_bm32", qmm, bfloat, float, 4, 32)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_f32_bm16", qmm, float, bfloat, 8, 16)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_f16_bm16", qmm, half, bfloat, 8, 16)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_bm16", qmm, bfloat, bfloat, 8, 16)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_f32_sf32_bm16", qmm, float, float, 8, 16)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_f16_sf32_bm16", qmm, half, float, 8, 16)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_sf32_bm16", qmm, bfloat, float, 8, 16)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_f32_bm32", qmm, float, bfloat, 8, 32)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_f16_bm32", qmm, half, bfloat, 8, 32)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_bm32", qmm, bfloat, bfloat, 8, 32)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_f32_sf32_bm32", qmm, float, float, 8, 32)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_f16_sf32_bm32", qmm, half, float, 8, 32)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_sf32_bm32", qmm, bfloat, float, 8, 32)
+
+#if defined(LILY_QMATMUL_HAS_TENSOR_OPS)
+LILY_INSTANTIATE_KERNEL("qmm_nax_q4_g64_f16", qmm_nax, half, bfloat, 4)
+LILY_INSTANTIATE_KERNEL("qmm_nax_q4_g64_bf16", qmm_nax, bfloat, bfloat, 4)
+LILY_INSTANTIATE_KERNEL("qmm_nax_q8_g64_f16", qmm_nax, half, bfloat, 8)
+LILY_INSTANTIATE_KERNEL("qmm_nax_q8_g64_bf16", qmm_nax, bfloat, bfloat, 8)
+#endif

@@ -1,0 +1,332 @@
+"""metal/qmatmul.metal through the CPU harness, against lily.reference.linear on the dequantized weights.
+
+Weights are quantized with lily.quant.quantize (MLX affine, group 64; bf16 or f32 scales). Shapes cross every
+boundary of the kernels: output rows around the 4-row simdgroup and 8-row threadgroup of qmv (N = 1 is the shared-expert
+gate), K below, at and above the 512-element qmv step, M and N around the 16/32-row and 32/64-column tiles of qmm.
+Outputs start NaN-poisoned; the fiber schedule is randomised.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from lily import reference
+from lily._ext import msl
+from lily.quant import QuantizedTensor, pack, quantize, round_to_dtype
+
+# (bits, activation dtype, scale dtype) -> host name
+QMV = {
+    (4, "f32", "bf16"): "qmv_q4_g64_f32",
+    (4, "f16", "bf16"): "qmv_q4_g64_f16",
+    (4, "bf16", "bf16"): "qmv_q4_g64_bf16",
+    (4, "f32", "f32"): "qmv_q4_g64_f32_sf32",
+    (4, "f16", "f32"): "qmv_q4_g64_f16_sf32",
+    (4, "bf16", "f32"): "qmv_q4_g64_bf16_sf32",
+    (8, "f32", "bf16"): "qmv_q8_g64_f32",
+    (8, "f16", "bf16"): "qmv_q8_g64_f16",
+    (8, "bf16", "bf16"): "qmv_q8_g64_bf16",
+    (8, "f32", "f32"): "qmv_q8_g64_f32_sf32",
+    (8, "f16", "f32"): "qmv_q8_g64_f16_sf32",
+    (8, "bf16", "f32"): "qmv_q8_g64_bf16_sf32",
+}
+# (bits, activation dtype, scale dtype, rows per tile) -> host name
+QMM = {
+    (4, "f32", "bf16", 16): "qmm_q4_g64_f32_bm16",
+    (4, "f16", "bf16", 16): "qmm_q4_g64_f16_bm16",
+    (4, "bf16", "bf16", 16): "qmm_q4_g64_bf16_bm16",
+    (4, "f32", "f32", 16): "qmm_q4_g64_f32_sf32_bm16",
+    (4, "f16", "f32", 16): "qmm_q4_g64_f16_sf32_bm16",
+    (4, "bf16", "f32", 16): "qmm_q4_g64_bf16_sf32_bm16",
+    (4, "f32", "bf16", 32): "qmm_q4_g64_f32_bm32",
+    (4, "f16", "bf16", 32): "qmm_q4_g64_f16_bm32",
+    (4, "bf16", "bf16", 32): "qmm_q4_g64_bf16_bm32",
+    (4, "f32", "f32", 32): "qmm_q4_g64_f32_sf32_bm32",
+    (4, "f16", "f32", 32): "qmm_q4_g64_f16_sf32_bm32",
+    (4, "bf16", "f32", 32): "qmm_q4_g64_bf16_sf32_bm32",
+    (8, "f32", "bf16", 16): "qmm_q8_g64_f32_bm16",
+    (8, "f16", "bf16", 16): "qmm_q8_g64_f16_bm16",
+    (8, "bf16", "bf16", 16): "qmm_q8_g64_bf16_bm16",
+    (8, "f32", "f32", 16): "qmm_q8_g64_f32_sf32_bm16",
+    (8, "f16", "f32", 16): "qmm_q8_g64_f16_sf32_bm16",
+    (8, "bf16", "f32", 16): "qmm_q8_g64_bf16_sf32_bm16",
+    (8, "f32", "bf16", 32): "qmm_q8_g64_f32_bm32",
+    (8, "f16", "bf16", 32): "qmm_q8_g64_f16_bm32",
+    (8, "bf16", "bf16", 32): "qmm_q8_g64_bf16_bm32",
+    (8, "f32", "f32", 32): "qmm_q8_g64_f32_sf32_bm32",
+    (8, "f16", "f32", 32): "qmm_q8_g64_f16_sf32_bm32",
+    (8, "bf16", "f32", 32): "qmm_q8_g64_bf16_sf32_bm32",
+}
+# (bits, activation dtype) -> host name; scales bf16. Metal 4 tensor ops, run here on the harness's emulation.
+QMM_NAX = {
+    (4, "f16"): "qmm_nax_q4_g64_f16",
+    (4, "bf16"): "qmm_nax_q4_g64_bf16",
+    (8, "f16"): "qmm_nax_q8_g64_f16",
+    (8, "bf16"): "qmm_nax_q8_g64_bf16",
+}
+
+QMV_ROWS_PER_THREADGROUP = 8  # LILY_QMV_SIMDGROUPS * LILY_QMV_ROWS_PER_SIMDGROUP
+QMM_BN = 32
+NAX_BM, NAX_BN = 32, 64
+SCALE_DTYPE_NAMES = {"bf16": "bfloat16", "f32": "float32"}
+# Allowance for fp32 accumulation, in units of sqrt(K) * 2^-24 * sum|x w| (see assert_matmul_close).
+ACCUMULATION_ULPS = 1.0
+
+
+def qmatmul_args(k: int, n: int, m: int) -> bytes:
+    """lily::QMatmulArgs (metal/lily.h): u32 in_features, out_features, num_rows, one u32 of padding."""
+    return struct.pack("<IIII", k, n, m, 0)
+
+
+def random_weight(rng: np.random.Generator, n: int, k: int, bits: int, scale_dtype: str) -> QuantizedTensor:
+    """An [n, k] weight quantized like an MLX checkpoint; per-row offsets make the biases matter."""
+    w = rng.standard_normal((n, k)) / np.sqrt(k) + 0.02 * rng.standard_normal((n, 1))
+    return quantize(w.astype(np.float32), bits, 64, dtype=SCALE_DTYPE_NAMES[scale_dtype])
+
+
+def weight_buffers(qt: QuantizedTensor, scale_dtype: str, kio) -> list[np.ndarray]:
+    """[codes, scales, biases] as device buffers (quantize already rounded the scales to their storage dtype)."""
+    scales, biases = kio.to_device(qt.scales, scale_dtype), kio.to_device(qt.biases, scale_dtype)
+    assert np.array_equal(kio.to_f64(scales, scale_dtype), qt.scales), "scales must be exact in their storage dtype"
+    return [np.ascontiguousarray(qt.weight), scales, biases]
+
+
+def random_x(rng: np.random.Generator, m: int, k: int, dtype: str, kio) -> np.ndarray:
+    return kio.to_device(rng.standard_normal((m, k)), dtype)
+
+
+def expected_output(x: np.ndarray, weight, dtype: str, kio) -> np.ndarray:
+    """reference.linear on the kernel's exact inputs (fp64 sums, fp32 result), rounded once to the output dtype."""
+    return kio.round(reference.linear(kio.to_f64(x, dtype).astype(np.float32), weight), dtype)
+
+
+def accumulation_magnitude(x: np.ndarray, weight, dtype: str, kio) -> np.ndarray:
+    """sum_k |x_k| (|scale * q_k| + |bias|) per output: what the fp32 partial sums (and the bias fold) are made of."""
+    x64 = np.abs(kio.to_f64(x, dtype))
+    if isinstance(weight, QuantizedTensor):
+        groups = weight.codes().astype(np.float64).reshape(weight.shape[0], -1, weight.group_size)
+        w_abs = np.abs(groups * weight.scales[..., None]) + np.abs(weight.biases[..., None])
+        return x64 @ w_abs.reshape(weight.shape).T
+    return x64 @ np.abs(np.asarray(weight, np.float64)).T
+
+
+def assert_matmul_close(y: np.ndarray, x: np.ndarray, weight, dtype: str, kio, what: str) -> None:
+    """The dtype's tolerance for the final rounding, widened by the error of fp32 accumulation over K terms.
+
+    A K-term fp32 dot product is off by up to about sqrt(K) * 2^-24 * sum|x w| whatever the output dtype; with
+    cancellation (|y| much smaller than that sum) this exceeds the one-rounding tolerance of the table, so the
+    allowance is added to the element bound and to the relative RMS bound. NaN anywhere fails.
+    """
+    tol = kio.tolerances[dtype]
+    actual = kio.to_f64(y, dtype)
+    expected = expected_output(x, weight, dtype, kio)
+    assert not np.isnan(actual).any(), f"{what}: NaN at {np.argwhere(np.isnan(actual))[:5].tolist()}"
+    k = x.shape[-1]
+    allowance = ACCUMULATION_ULPS * np.sqrt(k) * 2.0**-24 * accumulation_magnitude(x, weight, dtype, kio)
+    err = np.abs(actual - expected)
+    limit = tol.atol + tol.rtol * np.abs(expected) + allowance
+    worst = np.unravel_index(int(np.argmax(err - limit)), err.shape)
+    assert (err <= limit).all(), (
+        f"{what}: element {worst}: got {actual[worst]!r}, expected {expected[worst]!r} "
+        f"(error {err[worst]:.3g}, limit {limit[worst]:.3g}, {dtype})"
+    )
+    scale = np.sqrt(np.mean(expected**2))
+    rel_rms = np.sqrt(np.mean((actual - expected) ** 2)) / scale
+    rel_limit = tol.rel_rms + np.sqrt(np.mean(allowance**2)) / scale
+    assert rel_rms <= rel_limit, f"{what}: relative RMS error {rel_rms:.3g} > {rel_limit:.3g} ({dtype})"
+
+
+def run_qmv(name: str, x: np.ndarray, qt: QuantizedTensor, scale_dtype: str, dtype: str, kio) -> np.ndarray:
+    m, k = x.shape
+    n = qt.shape[0]
+    y = kio.poisoned((m, n), dtype)
+    grid = (-(-n // QMV_ROWS_PER_THREADGROUP), m, 1)
+    msl.dispatch(name, [qmatmul_args(k, n, m), x, *weight_buffers(qt, scale_dtype, kio), y], grid, (64, 1, 1))
+    return y
+
+
+def run_qmm(name: str, bm: int, bn: int, threads: int, x: np.ndarray, qt: QuantizedTensor, scale_dtype: str,
+            dtype: str, kio) -> np.ndarray:
+    m, k = x.shape
+    n = qt.shape[0]
+    y = kio.poisoned((m, n), dtype)
+    grid = (-(-n // bn), -(-m // bm), 1)
+    msl.dispatch(name, [qmatmul_args(k, n, m), x, *weight_buffers(qt, scale_dtype, kio), y], grid, (threads, 1, 1))
+    return y
+
+
+# ---- qmv ----
+
+QMV_SHAPES = [(1, 1, 64), (1, 5, 512), (3, 9, 576), (2, 33, 128)]  # (M, N, K)
+
+
+@pytest.mark.parametrize("m,n,k", QMV_SHAPES, ids=[f"m{m}-n{n}-k{k}" for m, n, k in QMV_SHAPES])
+@pytest.mark.parametrize("key", list(QMV), ids=list(QMV.values()))
+def test_qmv(key, m: int, n: int, k: int, kio) -> None:
+    bits, dtype, scale_dtype = key
+    rng = np.random.default_rng([bits, m, n, k, list(QMV).index(key)])
+    qt = random_weight(rng, n, k, bits, scale_dtype)
+    x = random_x(rng, m, k, dtype, kio)
+    y = run_qmv(QMV[key], x, qt, scale_dtype, dtype, kio)
+    assert_matmul_close(y, x, qt, dtype, kio, f"{QMV[key]} M={m} N={n} K={k}")
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 7, 8, 12, 17])
+def test_qmv_output_rows_around_simdgroup_and_threadgroup(n: int, kio) -> None:
+    """Out counts that are not multiples of the 4 rows per simdgroup or the 8 per threadgroup."""
+    rng = np.random.default_rng(100 + n)
+    qt = random_weight(rng, n, 192, 4, "bf16")
+    x = random_x(rng, 1, 192, "f32", kio)
+    y = run_qmv("qmv_q4_g64_f32", x, qt, "bf16", "f32", kio)
+    assert_matmul_close(y, x, qt, "f32", kio, f"qmv N={n}")
+
+
+@pytest.mark.parametrize("k", [64, 448, 512, 1088, 2048])
+def test_qmv_shared_expert_gate_shape(k: int, kio) -> None:
+    """The shared-expert gate: 8-bit, ONE output row; K below, at and above a multiple of the 512-element step."""
+    rng = np.random.default_rng(200 + k)
+    qt = random_weight(rng, 1, k, 8, "bf16")
+    x = random_x(rng, 1, k, "bf16", kio)
+    y = run_qmv("qmv_q8_g64_bf16", x, qt, "bf16", "bf16", kio)
+    assert_matmul_close(y, x, qt, "bf16", kio, f"shared gate K={k}")
+
+
+def test_qmv_extreme_codes_and_zero_scale(kio) -> None:
+    """All-0 and all-max codes, and a group with zero scale (bias only): the fold scale*sum(xq) + bias*sum(x)."""
+    rng = np.random.default_rng(3)
+    n, k = 4, 128
+    codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    codes[0] = 0
+    codes[1] = 15
+    scales = np.float32(0.01) * (1 + rng.integers(0, 8, (n, k // 64))).astype(np.float32)
+    scales[2, 1] = 0.0
+    biases = round_to_dtype(rng.standard_normal((n, k // 64)).astype(np.float32), "bfloat16")
+    qt = QuantizedTensor(pack(codes, 4), round_to_dtype(scales, "bfloat16"), biases, 4, 64, "bfloat16")
+    x = random_x(rng, 1, k, "f32", kio)
+    y = run_qmv("qmv_q4_g64_f32", x, qt, "bf16", "f32", kio)
+    assert_matmul_close(y, x, qt, "f32", kio, "extreme codes")
+
+
+def test_qmv_wrong_argument_struct() -> None:
+    x = np.ones((1, 64), np.float32)
+    w = np.zeros((8, 8), np.uint32)
+    s = np.ones((8, 1), np.float32)
+    with pytest.raises(ValueError, match=r"qmv_q4_g64_f32_sf32.*buffer\(0\).*16 bytes.*got 8"):
+        msl.dispatch("qmv_q4_g64_f32_sf32", [struct.pack("<II", 64, 8), x, w, s, s, x], (1, 1, 1), (64, 1, 1))
+
+
+# ---- qmm ----
+
+QMM_SHAPES = [(1, 33, 64), (16, 32, 128), (33, 40, 64), (17, 1, 192)]  # (M, N, K)
+
+
+@pytest.mark.parametrize("m,n,k", QMM_SHAPES, ids=[f"m{m}-n{n}-k{k}" for m, n, k in QMM_SHAPES])
+@pytest.mark.parametrize("key", list(QMM), ids=list(QMM.values()))
+def test_qmm(key, m: int, n: int, k: int, kio) -> None:
+    bits, dtype, scale_dtype, bm = key
+    rng = np.random.default_rng([bits, m, n, k, bm, list(QMM).index(key)])
+    qt = random_weight(rng, n, k, bits, scale_dtype)
+    x = random_x(rng, m, k, dtype, kio)
+    y = run_qmm(QMM[key], bm, QMM_BN, bm // 16 * 64, x, qt, scale_dtype, dtype, kio)
+    assert_matmul_close(y, x, qt, dtype, kio, f"{QMM[key]} M={m} N={n} K={k}")
+
+
+@pytest.mark.parametrize("m", [15, 16, 31, 32, 65])
+@pytest.mark.parametrize("bm", [16, 32])
+def test_qmm_partial_row_tiles(bm: int, m: int, kio) -> None:
+    """Row counts around both tile heights, N one past a column tile; a K of several steps and groups."""
+    rng = np.random.default_rng(300 + 2 * m + bm)
+    qt = random_weight(rng, 33, 256, 4, "bf16")
+    x = random_x(rng, m, 256, "bf16", kio)
+    name = {16: "qmm_q4_g64_bf16_bm16", 32: "qmm_q4_g64_bf16_bm32"}[bm]
+    y = run_qmm(name, bm, QMM_BN, bm // 16 * 64, x, qt, "bf16", "bf16", kio)
+    assert_matmul_close(y, x, qt, "bf16", kio, f"{name} M={m}")
+
+
+def test_qmm_f16_accumulates_in_f32(kio) -> None:
+    """Products summing past the f16 range mid-K but cancelling to a small result need fp32 accumulators."""
+    rng = np.random.default_rng(9)
+    m, n, k = 2, 8, 1024
+    x = np.full((m, k), 200.0)  # half the row alone sums to ~102400 > 65504
+    x[:, k // 2 :] = -200.0
+    x += rng.standard_normal((m, k)) * 0.1
+    xd = kio.to_device(x, "f16")
+    qt = quantize(np.ones((n, k), np.float32) + 0.01 * rng.standard_normal((n, k)).astype(np.float32), 8, 64,
+                  dtype="bfloat16")
+    y = run_qmm("qmm_q8_g64_f16_bm16", 16, QMM_BN, 64, xd, qt, "bf16", "f16", kio)
+    assert_matmul_close(y, xd, qt, "f16", kio, "cancelling f16 sums")
+
+
+# ---- the model's own K and N (real ratios, few rows) ----
+
+# (host name, rows per tile or 0 for qmv, M, N, K, bits, dtype)
+MODEL_SHAPES = [
+    ("qmv_q4_g64_bf16", 0, 1, 40, 4096, 4, "bf16"),  # o_proj / out_proj: K = 4096
+    ("qmv_q8_g64_bf16", 0, 1, 256, 2048, 8, "bf16"),  # MoE router: 256 experts, 8-bit
+    ("qmv_q4_g64_f16", 0, 2, 600, 512, 4, "f16"),  # down projections: K = 512, many output rows
+    ("qmm_q4_g64_bf16_bm32", 32, 64, 96, 2048, 4, "bf16"),
+    ("qmm_q8_g64_f32_bm16", 16, 9, 70, 2048, 8, "f32"),
+    ("qmm_nax_q4_g64_bf16", 32, 64, 128, 512, 4, "bf16"),
+]
+
+
+MODEL_SHAPE_IDS = [f"{s[0]}-m{s[2]}-n{s[3]}-k{s[4]}" for s in MODEL_SHAPES]
+
+
+@pytest.mark.parametrize("name,bm,m,n,k,bits,dtype", MODEL_SHAPES, ids=MODEL_SHAPE_IDS)
+def test_model_shapes(name: str, bm: int, m: int, n: int, k: int, bits: int, dtype: str, kio) -> None:
+    rng = np.random.default_rng([m, n, k, bits])
+    qt = random_weight(rng, n, k, bits, "bf16")
+    x = random_x(rng, m, k, dtype, kio)
+    if bm == 0:
+        y = run_qmv(name, x, qt, "bf16", dtype, kio)
+        weight = qt
+    elif "_nax_" in name:
+        y = run_qmm(name, NAX_BM, NAX_BN, 128, x, qt, "bf16", dtype, kio)
+        weight = kio.round(qt.dequantize(), dtype).astype(np.float32)
+    else:
+        y = run_qmm(name, bm, QMM_BN, bm // 16 * 64, x, qt, "bf16", dtype, kio)
+        weight = qt
+    assert_matmul_close(y, x, weight, dtype, kio, f"{name} M={m} N={n} K={k}")
+
+
+@pytest.mark.parametrize("name,bm", [("qmv_q4_g64_f32", 0), ("qmm_q4_g64_f32_bm32", 32)])
+def test_results_do_not_depend_on_the_schedule(name: str, bm: int, kio) -> None:
+    """Each output has one fixed summation order: FIFO and random fiber schedules give the same bits."""
+    rng = np.random.default_rng(11)
+    m, n, k = (2, 20, 1024) if bm == 0 else (40, 40, 256)
+    qt = random_weight(rng, n, k, 4, "bf16")
+    x = random_x(rng, m, k, "f32", kio)
+    buffers = weight_buffers(qt, "bf16", kio)
+    if bm == 0:
+        grid, threads = (-(-n // QMV_ROWS_PER_THREADGROUP), m, 1), (64, 1, 1)
+    else:
+        grid, threads = (-(-n // QMM_BN), -(-m // bm), 1), (128, 1, 1)
+    results = []
+    for random_schedule, seed in [(False, 0), (True, 1), (True, 2)]:
+        y = kio.poisoned((m, n), "f32")
+        msl.dispatch(name, [qmatmul_args(k, n, m), x, *buffers, y], grid, threads, random_schedule=random_schedule,
+                     seed=seed)
+        results.append(y)
+    assert all(np.array_equal(results[0], r) for r in results[1:])
+    assert_matmul_close(results[0], x, qt, "f32", kio, f"{name} schedules")
+
+
+# ---- qmm_nax (Metal 4 tensor ops; emulated, unverified until run on an M5) ----
+
+NAX_SHAPES = [(1, 1, 64), (32, 64, 64), (33, 65, 128), (70, 130, 64)]  # (M, N, K)
+
+
+@pytest.mark.parametrize("m,n,k", NAX_SHAPES, ids=[f"m{m}-n{n}-k{k}" for m, n, k in NAX_SHAPES])
+@pytest.mark.parametrize("key", list(QMM_NAX), ids=list(QMM_NAX.values()))
+def test_qmm_nax(key, m: int, n: int, k: int, kio) -> None:
+    """The tensor-op tiles hold the dequantized weights in the activation dtype: the reference rounds them too."""
+    bits, dtype = key
+    rng = np.random.default_rng([bits, m, n, k, list(QMM_NAX).index(key), 7])
+    qt = random_weight(rng, n, k, bits, "bf16")
+    x = random_x(rng, m, k, dtype, kio)
+    y = run_qmm(QMM_NAX[key], NAX_BM, NAX_BN, 128, x, qt, "bf16", dtype, kio)
+    weight_in_tile = kio.round(qt.dequantize(), dtype).astype(np.float32)
+    assert_matmul_close(y, x, weight_in_tile, dtype, kio, f"{QMM_NAX[key]} M={m} N={n} K={k}")
