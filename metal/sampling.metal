@@ -1,0 +1,439 @@
+// Token selection on the GPU: the chosen id (uint32) goes to tokens[out_index], where the next step's embedding
+// kernel reads it, so the decode loop never waits for the CPU.
+//   argmax_partial_<dtype>  greedy (temperature 0), stage 1: each threadgroup reduces a block of LILY_ARGMAX_BLOCK
+//                           logits to (value, id). ~61 threadgroups for the 248320-entry vocabulary.
+//   argmax_final_f32        greedy, stage 2: one threadgroup reduces the partials and writes the token.
+//                           Ties go to the lowest id; a NaN beats every number (numpy.argmax semantics).
+//   sample_<dtype>          temperature > 0: temperature, top-k, top-p, min-p, then a Philox4x32-10 draw keyed by
+//                           the request seed with counter (step, 0, 0, 0); one threadgroup of up to 1024 threads.
+// Sampling follows lily.sampling step 4-6: x = logit / temperature; top-k keeps every x >= the k-th largest (ties
+// kept); top-p keeps the shortest head, in descending order with ties by lowest id, whose mass before each kept token
+// is < top_p; min-p keeps p >= min_p * p_max; the token is the first id whose cumulative kept mass (in id order)
+// exceeds u * (kept mass), u = (philox.x >> 8) * 2^-24. Order statistics use radix select over the order-preserving
+// uint32 key of x: 8 passes of 4-bit digits, per-digit counts and masses reduced with fixed-order sums (no float
+// atomics), so the same seed and step give the same token on every run.
+// Threadgroups: any multiple of 32 threads (argmax shuffles across whole simdgroups), at most LILY_SAMPLE_THREADS for
+// sample_*.
+// Cost: sample reads the logits ~3 times plus 8 times for top-k and 8 for top-p (about 20 x 1 MB at f32 for this
+// model's vocabulary, from cache, in one threadgroup); verified here for correctness only, speed needs a Mac.
+#include <metal_stdlib>
+#include "lily.h"
+
+using namespace metal;
+
+// `a` (value, id) is a better argmax than `b`: NaN first, then the larger value, then the lower id.
+inline bool argmax_better(float a, uint a_id, float b, uint b_id) {
+  const bool a_nan = isnan(a);
+  const bool b_nan = isnan(b);
+  if (a_nan != b_nan) {
+    return a_nan;
+  }
+  if (a_nan || a == b) {
+    return a_id < b_id;
+  }
+  return a > b;
+}
+
+// Reduces every thread's (value, id) to the best one, returned to all threads. Threads per threadgroup must be a
+// multiple of 32.
+inline void argmax_threadgroup(thread float& value, thread uint& id, threadgroup float* values_tg,
+                               threadgroup uint* ids_tg, uint lane, uint sg, uint n_sg) {
+  for (ushort offset = 16; offset > 0; offset /= 2) {
+    const float other = simd_shuffle_xor(value, offset);
+    const uint other_id = simd_shuffle_xor(id, offset);
+    if (argmax_better(other, other_id, value, id)) {
+      value = other;
+      id = other_id;
+    }
+  }
+  if (lane == 0) {
+    values_tg[sg] = value;
+    ids_tg[sg] = id;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint s = 0; s < n_sg; ++s) {
+    if (argmax_better(values_tg[s], ids_tg[s], value, id)) {
+      value = values_tg[s];
+      id = ids_tg[s];
+    }
+  }
+}
+
+template <typename T>
+[[kernel]] void argmax_partial(constant lily::ArgmaxArgs& args [[buffer(0)]],
+                               device const T* logits [[buffer(1)]],          // [vocab]
+                               device float* partial_values [[buffer(2)]],    // [num_partials]
+                               device uint* partial_ids [[buffer(3)]],        // [num_partials]
+                               uint block [[threadgroup_position_in_grid]],
+                               uint tid [[thread_index_in_threadgroup]],
+                               uint n_threads [[threads_per_threadgroup]],
+                               uint lane [[thread_index_in_simdgroup]],
+                               uint sg [[simdgroup_index_in_threadgroup]],
+                               uint n_sg [[simdgroups_per_threadgroup]]) {
+  threadgroup float values_tg[32];
+  threadgroup uint ids_tg[32];
+  const uint begin = block * args.block_size;
+  const uint end = min(begin + args.block_size, args.vocab_size);
+  float value = -INFINITY;
+  uint id = 0xFFFFFFFFu;  // loses to any real id, even a -inf logit
+  for (uint i = begin + tid; i < end; i += n_threads) {
+    const float x = float(logits[i]);
+    if (argmax_better(x, i, value, id)) {
+      value = x;
+      id = i;
+    }
+  }
+  argmax_threadgroup(value, id, values_tg, ids_tg, lane, sg, n_sg);
+  if (tid == 0) {
+    partial_values[block] = value;
+    partial_ids[block] = id;
+  }
+}
+
+template <typename T>
+[[kernel]] void argmax_final(constant lily::ArgmaxArgs& args [[buffer(0)]],
+                                 device const T* partial_values [[buffer(1)]],      // [num_partials]
+                                 device const uint* partial_ids [[buffer(2)]],      // [num_partials]
+                                 device uint* tokens [[buffer(3)]],                 // tokens[out_index] is written
+                                 uint tid [[thread_index_in_threadgroup]],
+                                 uint n_threads [[threads_per_threadgroup]],
+                                 uint lane [[thread_index_in_simdgroup]],
+                                 uint sg [[simdgroup_index_in_threadgroup]],
+                                 uint n_sg [[simdgroups_per_threadgroup]]) {
+  threadgroup float values_tg[32];
+  threadgroup uint ids_tg[32];
+  float value = -INFINITY;
+  uint id = 0xFFFFFFFFu;
+  for (uint i = tid; i < args.num_partials; i += n_threads) {
+    if (argmax_better(partial_values[i], partial_ids[i], value, id)) {
+      value = partial_values[i];
+      id = partial_ids[i];
+    }
+  }
+  argmax_threadgroup(value, id, values_tg, ids_tg, lane, sg, n_sg);
+  if (tid == 0) {
+    tokens[args.out_index] = id;
+  }
+}
+
+// Philox4x32-10 (Salmon et al., SC'11): a counter-based generator; the same key and counter give the same numbers.
+inline uint4 philox4x32_10(uint4 counter, uint2 key) {
+  for (uint round = 0; round < 10; ++round) {
+    const ulong p0 = ulong(0xD2511F53u) * ulong(counter.x);
+    const ulong p1 = ulong(0xCD9E8D57u) * ulong(counter.z);
+    counter = uint4(uint(p1 >> 32) ^ counter.y ^ key.x, uint(p1), uint(p0 >> 32) ^ counter.w ^ key.y, uint(p0));
+    key += uint2(0x9E3779B9u, 0xBB67AE85u);
+  }
+  return counter;
+}
+
+// The uint32 whose unsigned order is the order of the float values (-inf lowest).
+inline uint sample_key(float x) {
+  const uint bits = as_type<uint>(x);
+  return (bits & 0x80000000u) != 0 ? ~bits : (bits | 0x80000000u);
+}
+
+inline float sample_key_value(uint key) {
+  return as_type<float>((key & 0x80000000u) != 0 ? (key ^ 0x80000000u) : ~key);
+}
+
+// Fixed-order threadgroup reductions; the trailing barrier lets the next call reuse `part`.
+inline float sample_sum(float v, threadgroup float* part, uint lane, uint sg, uint n_sg) {
+  v = simd_sum(v);
+  if (lane == 0) {
+    part[sg] = v;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float total = 0.0f;
+  for (uint s = 0; s < n_sg; ++s) {
+    total += part[s];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return total;
+}
+
+inline float sample_max(float v, threadgroup float* part, uint lane, uint sg, uint n_sg) {
+  v = simd_max(v);
+  if (lane == 0) {
+    part[sg] = v;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float best = part[0];
+  for (uint s = 1; s < n_sg; ++s) {
+    best = max(best, part[s]);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return best;
+}
+
+// Per-digit counts and masses of one radix pass, summed over the threadgroup into bin_count/bin_mass [16]
+// (sum over simdgroups in index order). Ends with a barrier.
+inline void sample_reduce_digits(thread uint* count, thread float* mass, threadgroup uint* count_part,
+                                 threadgroup float* mass_part, threadgroup uint* bin_count,
+                                 threadgroup float* bin_mass, uint tid, uint lane, uint sg, uint n_sg) {
+  for (uint b = 0; b < 16; ++b) {
+    const uint c = simd_sum(count[b]);
+    const float m = simd_sum(mass[b]);
+    if (lane == 0) {
+      count_part[sg * 16 + b] = c;
+      mass_part[sg * 16 + b] = m;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid < 16) {
+    uint c = 0;
+    float m = 0.0f;
+    for (uint s = 0; s < n_sg; ++s) {
+      c += count_part[s * 16 + tid];
+      m += mass_part[s * 16 + tid];
+    }
+    bin_count[tid] = c;
+    bin_mass[tid] = m;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// e = exp(x - x_max) if the token survives top-k, top-p and min-p, else 0. `tie_rank` counts the tokens tied at key_p
+// met so far in id order (advanced here); min-p: p >= min_p * p_max  <=>  e >= min_p, as e_max = 1.
+inline float sample_kept_mass(float x, float x_max, bool use_k, uint key_k, bool keep_all_p, uint key_p,
+                              uint ties_kept, float min_p, thread uint& tie_rank) {
+  const uint key = sample_key(x);
+  const float e = precise::exp(x - x_max);
+  bool kept = e > 0.0f && (!use_k || key >= key_k) && e >= min_p;
+  if (!keep_all_p) {
+    if (key == key_p && e > 0.0f && (!use_k || key >= key_k)) {
+      kept = kept && tie_rank < ties_kept;
+      tie_rank += 1;
+    } else {
+      kept = kept && key > key_p;
+    }
+  }
+  return kept ? e : 0.0f;
+}
+
+template <typename T>
+[[kernel]] void sample(constant lily::SampleArgs& args [[buffer(0)]],
+                       device const T* logits [[buffer(1)]],  // [vocab]
+                       device uint* tokens [[buffer(2)]],     // tokens[out_index] is written
+                       uint tid [[thread_index_in_threadgroup]],
+                       uint n_threads [[threads_per_threadgroup]],
+                       uint lane [[thread_index_in_simdgroup]],
+                       uint sg [[simdgroup_index_in_threadgroup]],
+                       uint n_sg [[simdgroups_per_threadgroup]]) {
+  threadgroup float f_part[32];
+  threadgroup uint u_part[32];
+  threadgroup uint count_part[32 * 16];
+  threadgroup float mass_part[32 * 16];
+  threadgroup uint bin_count[16];
+  threadgroup float bin_mass[16];
+  threadgroup uint select_state[3];  // digit prefix, remaining rank (top-k) or "keep all" flag (top-p), tie count
+  threadgroup float above_tg[1];     // top-p: kept mass strictly above the current prefix
+  threadgroup float chunk_cum[LILY_SAMPLE_THREADS];
+  threadgroup atomic_uint claim[2];  // first chunk whose cumulative mass passes the target; last non-empty chunk
+
+  const uint vocab = args.vocab_size;
+  // 1. Temperature and the maximum (the max token survives every filter: its p is p_max, and e = 1).
+  float local_max = -INFINITY;
+  for (uint i = tid; i < vocab; i += n_threads) {
+    local_max = max(local_max, float(logits[i]) / args.temperature);
+  }
+  const float x_max = sample_max(local_max, f_part, lane, sg, n_sg);
+
+  // 2. Top-k: radix select of the k-th largest key; keep key >= key_k.
+  const bool use_k = args.top_k > 0 && args.top_k < vocab;
+  uint key_k = 0;
+  if (use_k) {
+    uint prefix = 0;
+    uint remaining = args.top_k;
+    for (int shift = 28; shift >= 0; shift -= 4) {
+      uint count[16];
+      float mass[16];
+      for (uint b = 0; b < 16; ++b) {
+        count[b] = 0;
+        mass[b] = 0.0f;
+      }
+      for (uint i = tid; i < vocab; i += n_threads) {
+        const uint key = sample_key(float(logits[i]) / args.temperature);
+        if (shift == 28 || (key >> (shift + 4)) == prefix) {
+          count[(key >> shift) & 15u] += 1;
+        }
+      }
+      sample_reduce_digits(count, mass, count_part, mass_part, bin_count, bin_mass, tid, lane, sg, n_sg);
+      if (tid == 0) {
+        uint b = 15;
+        while (b > 0 && bin_count[b] < remaining) {
+          remaining -= bin_count[b];
+          --b;
+        }
+        select_state[0] = (prefix << 4) | b;
+        select_state[1] = remaining;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      prefix = select_state[0];
+      remaining = select_state[1];
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    key_k = prefix;
+  }
+
+  // 3. Mass of what top-k keeps: e = exp(x - x_max).
+  float local_mass = 0.0f;
+  for (uint i = tid; i < vocab; i += n_threads) {
+    const float x = float(logits[i]) / args.temperature;
+    if (!use_k || sample_key(x) >= key_k) {
+      local_mass += precise::exp(x - x_max);
+    }
+  }
+  const float mass_k = sample_sum(local_mass, f_part, lane, sg, n_sg);
+
+  // 4. Top-p: radix select of the key of the last kept token in descending order, by mass.
+  bool keep_all_p = !(args.top_p < 1.0f);
+  uint key_p = 0;
+  uint ties_kept = 0;
+  if (!keep_all_p) {
+    const float target = args.top_p * mass_k;
+    uint prefix = 0;
+    float above = 0.0f;
+    uint tie_count = 0;
+    for (int shift = 28; shift >= 0; shift -= 4) {
+      uint count[16];
+      float mass[16];
+      for (uint b = 0; b < 16; ++b) {
+        count[b] = 0;
+        mass[b] = 0.0f;
+      }
+      for (uint i = tid; i < vocab; i += n_threads) {
+        const float x = float(logits[i]) / args.temperature;
+        const uint key = sample_key(x);
+        const float e = precise::exp(x - x_max);
+        if (e > 0.0f && (!use_k || key >= key_k) && (shift == 28 || (key >> (shift + 4)) == prefix)) {
+          count[(key >> shift) & 15u] += 1;
+          mass[(key >> shift) & 15u] += e;
+        }
+      }
+      sample_reduce_digits(count, mass, count_part, mass_part, bin_count, bin_mass, tid, lane, sg, n_sg);
+      if (tid == 0) {
+        uint found = 16;
+        for (int b = 15; b >= 0; --b) {
+          if (bin_count[b] == 0) {
+            continue;
+          }
+          if (above + bin_mass[b] < target) {
+            above += bin_mass[b];  // the whole bin and the token after it are inside the nucleus
+          } else {
+            found = uint(b);
+            break;
+          }
+        }
+        select_state[0] = found < 16 ? ((prefix << 4) | found) : prefix;
+        select_state[1] = found < 16 ? 0u : 1u;  // rounding left the mass short of the target: keep everything
+        select_state[2] = found < 16 ? bin_count[found] : 0u;
+        above_tg[0] = above;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      prefix = select_state[0];
+      keep_all_p = select_state[1] != 0;
+      tie_count = select_state[2];
+      above = above_tg[0];
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (keep_all_p) {
+        break;  // uniform: every thread read the same flag
+      }
+    }
+    if (!keep_all_p) {
+      // Tokens tied at key_p, in id order: the j-th is kept while the mass before it, above + j·e, is < target.
+      key_p = prefix;
+      const float e_tie = precise::exp(sample_key_value(key_p) - x_max);
+      const float needed = ceil((target - above) / e_tie);
+      ties_kept = uint(clamp(needed, 1.0f, float(tie_count)));
+    }
+  }
+
+  // 5. The draw: contiguous id chunks per thread, cumulative kept mass in id order.
+  const uint chunk = (vocab + n_threads - 1) / n_threads;
+  const uint begin = min(tid * chunk, vocab);
+  const uint end = min(begin + chunk, vocab);
+  uint tie_rank = 0;  // ties at key_p before this chunk
+  if (!keep_all_p) {
+    uint ties = 0;
+    for (uint i = begin; i < end; ++i) {
+      const float x = float(logits[i]) / args.temperature;
+      ties += (sample_key(x) == key_p && precise::exp(x - x_max) > 0.0f) ? 1u : 0u;
+    }
+    const uint before_in_simd = simd_prefix_exclusive_sum(ties);
+    const uint simd_total = simd_sum(ties);
+    if (lane == 0) {
+      u_part[sg] = simd_total;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    tie_rank = before_in_simd;
+    for (uint s = 0; s < sg; ++s) {
+      tie_rank += u_part[s];
+    }
+  }
+  const uint first_tie_rank = tie_rank;
+  float chunk_mass = 0.0f;
+  for (uint i = begin; i < end; ++i) {
+    const float x = float(logits[i]) / args.temperature;
+    chunk_mass += sample_kept_mass(x, x_max, use_k, key_k, keep_all_p, key_p, ties_kept, args.min_p, tie_rank);
+  }
+  const float cum_in_simd = simd_prefix_inclusive_sum(chunk_mass);
+  const float simd_total = simd_sum(chunk_mass);
+  if (lane == 0) {
+    f_part[sg] = simd_total;
+  }
+  if (tid == 0) {
+    atomic_store_explicit(&claim[0], 0xFFFFFFFFu, memory_order_relaxed);
+    atomic_store_explicit(&claim[1], 0u, memory_order_relaxed);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float cum = cum_in_simd;
+  for (uint s = 0; s < sg; ++s) {
+    cum += f_part[s];
+  }
+  chunk_cum[tid] = cum;
+  float total = 0.0f;
+  for (uint s = 0; s < n_sg; ++s) {
+    total += f_part[s];
+  }
+  const uint4 random = philox4x32_10(uint4(args.step, 0u, 0u, 0u), uint2(args.seed_lo, args.seed_hi));
+  const float target = float(random.x >> 8) * 5.9604644775390625e-8f /* 2^-24 */ * total;
+  // Rounding may make two chunks claim the target or none: the first claimant wins, else the last non-empty chunk.
+  if (chunk_mass > 0.0f) {
+    if (cum > target) {
+      atomic_fetch_min_explicit(&claim[0], tid, memory_order_relaxed);
+    }
+    atomic_fetch_max_explicit(&claim[1], tid, memory_order_relaxed);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint first = atomic_load_explicit(&claim[0], memory_order_relaxed);
+  const bool passed = first != 0xFFFFFFFFu;
+  const uint chosen = passed ? first : atomic_load_explicit(&claim[1], memory_order_relaxed);
+  if (tid == chosen) {
+    const float local_target = passed ? target - (tid > 0 ? chunk_cum[tid - 1] : 0.0f) : INFINITY;
+    // The same walk as above (same order, same sums) up to the first id whose running mass passes the target.
+    uint rank = first_tie_rank;
+    float acc = 0.0f;
+    uint token = begin;
+    for (uint i = begin; i < end; ++i) {
+      const float e = sample_kept_mass(float(logits[i]) / args.temperature, x_max, use_k, key_k, keep_all_p, key_p,
+                                       ties_kept, args.min_p, rank);
+      if (e > 0.0f) {
+        acc += e;
+        token = i;
+        if (acc > local_target) {
+          break;
+        }
+      }
+    }
+    tokens[args.out_index] = token;
+  }
+}
+
+LILY_INSTANTIATE_KERNEL("argmax_partial_f32", argmax_partial, float)
+LILY_INSTANTIATE_KERNEL("argmax_partial_f16", argmax_partial, half)
+LILY_INSTANTIATE_KERNEL("argmax_partial_bf16", argmax_partial, bfloat)
+LILY_INSTANTIATE_KERNEL("argmax_final_f32", argmax_final, float)
+LILY_INSTANTIATE_KERNEL("sample_f32", sample, float)
+LILY_INSTANTIATE_KERNEL("sample_f16", sample, half)
+LILY_INSTANTIATE_KERNEL("sample_bf16", sample, bfloat)

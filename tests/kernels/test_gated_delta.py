@@ -1,0 +1,283 @@
+"""metal/gated_delta.metal through the CPU harness, against lily.reference's Gated DeltaNet pieces.
+
+The reference chain is ``causal_conv1d`` -> split q|k|v -> ``l2_normalize`` (q also times dk^-0.5) ->
+``gated_delta_rule`` -> ``gated_rms_norm``, as in ``lily.reference.gated_delta_net`` without the projections.
+Shapes keep Dk = 128 (the kernel's template parameter) and the model's head grouping (Hv/Hk = 2), with smaller
+dv and head counts; they also cover Hv/Hk = 1 and 4, rows that do not divide evenly over the simdgroups, the full
+256-row key head and dv = 128 value head, and chunks of 1, 2, 3, 17 tokens continuing from random conv and recurrent
+states. Outputs start NaN-poisoned.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from lily import reference
+from lily._ext import msl
+
+DK = 128
+K = 4
+EPS = 1e-6
+DTYPES = ["f32", "f16", "bf16"]
+STEP = {"f32": "gated_delta_step_f32_dk128", "f16": "gated_delta_step_f16_dk128", "bf16": "gated_delta_step_bf16_dk128"}
+CONV = {"f32": "gated_delta_conv_f32_dk128", "f16": "gated_delta_conv_f16_dk128", "bf16": "gated_delta_conv_bf16_dk128"}
+PREFILL = {
+    "f32": "gated_delta_prefill_f32_dk128",
+    "f16": "gated_delta_prefill_f16_dk128",
+    "bf16": "gated_delta_prefill_bf16_dk128",
+}
+# The kernels compute in fp32 from rounded inputs and round once: bf16/f16 outputs are within 1 ulp of the rounded
+# reference. fp32 outputs go through ~10 dependent fp32 operations per token, so they get a few ulp, not one.
+F32_CHAIN = {"rtol": 3e-5, "atol": 3e-6, "rel_rms": 5e-6}
+
+
+def gdn_args(num_tokens: int, hk: int, hv: int, dv: int, l2_eps: float = EPS, norm_eps: float = EPS) -> bytes:
+    """lily::GatedDeltaArgs (metal/lily.h): T, Hk, Hv, dv, l2_eps, norm_eps, two u32 of padding."""
+    return struct.pack("<IIIIffII", num_tokens, hk, hv, dv, l2_eps, norm_eps, 0, 0)
+
+
+@dataclass
+class Layer:
+    """One layer's device buffers (kernel storage dtype) and its state."""
+
+    hk: int
+    hv: int
+    dv: int
+    dtype: str
+    conv_weight: np.ndarray  # [C, K]
+    a_log: np.ndarray  # [Hv] f32
+    dt_bias: np.ndarray  # [Hv] f32
+    norm_weight: np.ndarray  # [dv]
+    conv_state: np.ndarray  # [K-1, C]
+    state: np.ndarray  # [Hv, dv, Dk] f32 (kernel layout)
+
+    @property
+    def channels(self) -> int:
+        return 2 * self.hk * DK + self.hv * self.dv
+
+
+def make_layer(rng: np.random.Generator, hk: int, hv: int, dv: int, dtype: str, kio, fresh: bool = False) -> Layer:
+    c = 2 * hk * DK + hv * dv
+    conv_state = np.zeros((K - 1, c)) if fresh else rng.standard_normal((K - 1, c))
+    state = np.zeros((hv, dv, DK)) if fresh else 0.3 * rng.standard_normal((hv, dv, DK))
+    return Layer(
+        hk, hv, dv, dtype,
+        conv_weight=kio.to_device(0.5 * rng.standard_normal((c, K)), dtype),
+        a_log=np.log(rng.uniform(1.0, 16.0, hv)).astype(np.float32),
+        dt_bias=rng.standard_normal(hv).astype(np.float32),
+        norm_weight=kio.to_device(1.0 + 0.2 * rng.standard_normal(dv), dtype),
+        conv_state=kio.to_device(conv_state, dtype),
+        state=np.ascontiguousarray(state, dtype=np.float32),
+    )
+
+
+def make_tokens(rng: np.random.Generator, layer: Layer, num_tokens: int, kio) -> dict[str, np.ndarray]:
+    """Projection outputs of `num_tokens` tokens: raw qkv, z, b, a (a spread to reach both softplus branches)."""
+    t, d = num_tokens, layer.dtype
+    return {
+        "qkv": kio.to_device(rng.standard_normal((t, layer.channels)), d),
+        "z": kio.to_device(2.0 * rng.standard_normal((t, layer.hv * layer.dv)), d),
+        "b": kio.to_device(2.0 * rng.standard_normal((t, layer.hv)), d),
+        "a": kio.to_device(8.0 * rng.standard_normal((t, layer.hv)), d),
+    }
+
+
+def reference_chain(layer: Layer, tokens: dict[str, np.ndarray], kio):
+    """lily.reference over the widened kernel inputs: out [T, Hv*dv], conv state [K-1, C], state [Hv, dv, Dk]."""
+    d, hk, hv, dv = layer.dtype, layer.hk, layer.hv, layer.dv
+    qkv = kio.to_f64(tokens["qkv"], d)
+    t = qkv.shape[0]
+    mixed, conv_state = reference.causal_conv1d(qkv, kio.to_f64(layer.conv_weight, d), kio.to_f64(layer.conv_state, d))
+    q = reference.l2_normalize(mixed[:, : hk * DK].reshape(t, hk, DK)) * np.float32(DK**-0.5)
+    k = reference.l2_normalize(mixed[:, hk * DK : 2 * hk * DK].reshape(t, hk, DK))
+    v = mixed[:, 2 * hk * DK :].reshape(t, hv, dv)
+    b, a = kio.to_f64(tokens["b"], d), kio.to_f64(tokens["a"], d)
+    beta = 1.0 / (1.0 + np.exp(-b))
+    g = -np.exp(layer.a_log.astype(np.float64)) * np.logaddexp(0.0, a + layer.dt_bias)
+    o, state = reference.gated_delta_rule(q, k, v, g, beta, layer.state.transpose(0, 2, 1))
+    z = kio.to_f64(tokens["z"], d).reshape(t, hv, dv)
+    y = reference.gated_rms_norm(o, z, kio.to_f64(layer.norm_weight, d), EPS).reshape(t, hv * dv)
+    return y, conv_state, state.transpose(0, 2, 1)
+
+
+def prefill_threads(layer: Layer, extra_simdgroups: int = 0) -> int:
+    """gated_delta_prefill keeps at most 8 rows per simdgroup: dv <= 8 * simdgroups."""
+    return 32 * (-(-layer.dv // 8) + extra_simdgroups)
+
+
+def run_step(layer: Layer, token: dict[str, np.ndarray], threads: int, kio, seed: int = 0) -> np.ndarray:
+    """One gated_delta_step dispatch (token arrays are [1, ...]); updates layer.conv_state/state in place."""
+    out = kio.poisoned((1, layer.hv * layer.dv), layer.dtype)
+    msl.dispatch(
+        STEP[layer.dtype],
+        [gdn_args(1, layer.hk, layer.hv, layer.dv), token["qkv"], token["z"], token["b"], token["a"],
+         layer.conv_weight, layer.a_log, layer.dt_bias, layer.norm_weight, layer.conv_state, layer.state, out],
+        (layer.hk, 1, 1), (threads, 1, 1), seed=seed,
+    )
+    return out
+
+
+def run_prefill(layer: Layer, tokens: dict[str, np.ndarray], threads: int, kio, seed: int = 0) -> np.ndarray:
+    """gated_delta_conv then gated_delta_prefill over one chunk; updates the layer's states in place."""
+    t = tokens["qkv"].shape[0]
+    conv_out = np.full((t, layer.channels), np.nan, np.float32)
+    args = gdn_args(t, layer.hk, layer.hv, layer.dv)
+    msl.dispatch(CONV[layer.dtype], [args, tokens["qkv"], layer.conv_weight, layer.conv_state, conv_out],
+                 (-(-layer.channels // 64), 1, 1), (64, 1, 1), seed=seed)
+    out = kio.poisoned((t, layer.hv * layer.dv), layer.dtype)
+    msl.dispatch(
+        PREFILL[layer.dtype],
+        [args, conv_out, tokens["z"], tokens["b"], tokens["a"], layer.a_log, layer.dt_bias, layer.norm_weight,
+         layer.state, out],
+        (layer.hv, 1, 1), (threads, 1, 1), seed=seed,
+    )
+    return out
+
+
+def assert_close(actual: np.ndarray, expected: np.ndarray, dtype: str, what: str, kio) -> None:
+    if dtype != "f32":
+        kio.assert_close(actual, expected, dtype, what)
+        return
+    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert not np.isnan(a).any(), f"{what}: NaN in the output"
+    rel_rms = np.sqrt(np.mean((a - e) ** 2) / np.mean(e * e))
+    assert rel_rms <= F32_CHAIN["rel_rms"], f"{what}: relative RMS error {rel_rms:.3g}"
+    err, limit = np.abs(a - e), F32_CHAIN["atol"] + F32_CHAIN["rtol"] * np.abs(e)
+    worst = np.unravel_index(np.argmax(err - limit), a.shape)
+    assert (err <= limit).all(), f"{what}: max abs error {err.max():.3g} at {worst}"
+
+
+def check_against_reference(layer: Layer, start: Layer, tokens, outputs: np.ndarray, kio, what: str) -> None:
+    y, conv_state, state = reference_chain(start, tokens, kio)
+    assert_close(kio.to_f64(outputs, layer.dtype), kio.round(y, layer.dtype), layer.dtype, f"{what} output", kio)
+    assert np.array_equal(kio.to_f64(layer.conv_state, layer.dtype), conv_state), f"{what}: conv state"
+    # fp32 state against an fp32 reference with fp64 sums: a few ulp of the state's scale, over up to 0.5 M elements.
+    scale = np.sqrt(np.mean(state.astype(np.float64) ** 2))
+    np.testing.assert_allclose(layer.state, state, rtol=4e-6, atol=2e-5 * scale, err_msg=f"{what}: recurrent state")
+
+
+def copy_layer(layer: Layer) -> Layer:
+    return Layer(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in layer.__dict__.items()})
+
+
+# (Hk, Hv, dv, step threads): the model's grouping with small dv; one full 256-row key head at 1024 threads; Hv/Hk 1
+# and 4; one simdgroup for all rows; 33 rows per head over 3 simdgroups (uneven round-robin).
+CONFIGS = [(1, 2, 32, 64), (2, 4, 33, 96), (1, 2, 128, 1024), (1, 1, 64, 32), (1, 4, 32, 256)]
+CONFIG_IDS = [f"hk{a}-hv{b}-dv{c}-t{d}" for a, b, c, d in CONFIGS]
+
+
+@pytest.mark.parametrize("hk,hv,dv,threads", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_delta_step(dtype: str, hk: int, hv: int, dv: int, threads: int, kio) -> None:
+    """Two decode steps from random states against the reference over the same two tokens."""
+    rng = np.random.default_rng(10 * CONFIGS.index((hk, hv, dv, threads)) + DTYPES.index(dtype))
+    layer = make_layer(rng, hk, hv, dv, dtype, kio)
+    start = copy_layer(layer)
+    tokens = make_tokens(rng, layer, 2, kio)
+    outs = [run_step(layer, {n: x[t : t + 1] for n, x in tokens.items()}, threads, kio, seed=t) for t in range(2)]
+    check_against_reference(layer, start, tokens, np.concatenate(outs), kio, f"{STEP[dtype]} {hk}/{hv}/{dv}")
+
+
+# (tokens, dv, extra simdgroups): dv 33 leaves the last simdgroup's row slots partly empty; dv 128 is the model's.
+PREFILL_SHAPES = [(1, 32, 0), (3, 33, 1), (17, 32, 0), (2, 128, 0)]
+
+
+@pytest.mark.parametrize("num_tokens,dv,extra", PREFILL_SHAPES, ids=[f"T{t}-dv{d}-x{x}" for t, d, x in PREFILL_SHAPES])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_delta_prefill(dtype: str, num_tokens: int, dv: int, extra: int, kio) -> None:
+    """gated_delta_conv + gated_delta_prefill over a chunk, continuing from random states."""
+    rng = np.random.default_rng(100 + num_tokens + dv + 7 * DTYPES.index(dtype))
+    layer = make_layer(rng, 2, 4, dv, dtype, kio)
+    start = copy_layer(layer)
+    tokens = make_tokens(rng, layer, num_tokens, kio)
+    out = run_prefill(layer, tokens, prefill_threads(layer, extra), kio)
+    check_against_reference(layer, start, tokens, out, kio, f"{PREFILL[dtype]} T={num_tokens}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_delta_prefill_from_empty_state_in_chunks(dtype: str, kio) -> None:
+    """Sequence start (zero states) then a second chunk: chunks of 2 + 3 equal the reference over 5 tokens."""
+    rng = np.random.default_rng(31 + DTYPES.index(dtype))
+    layer = make_layer(rng, 1, 2, 64, dtype, kio, fresh=True)
+    start = copy_layer(layer)
+    tokens = make_tokens(rng, layer, 5, kio)
+    first = run_prefill(layer, {n: x[:2] for n, x in tokens.items()}, prefill_threads(layer), kio)
+    second = run_prefill(layer, {n: x[2:] for n, x in tokens.items()}, prefill_threads(layer), kio)
+    check_against_reference(layer, start, tokens, np.concatenate([first, second]), kio, f"{CONV[dtype]} chunks")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_prefill_equals_decode_steps_bitwise(dtype: str, kio) -> None:
+    """One conv + prefill of T tokens and T decode steps give identical outputs and states (any threadgroup sizes)."""
+    rng = np.random.default_rng(55)
+    stepped = make_layer(rng, 2, 4, 32, dtype, kio)
+    prefilled = copy_layer(stepped)
+    tokens = make_tokens(rng, stepped, 4, kio)
+    outs = np.concatenate([run_step(stepped, {n: x[t : t + 1] for n, x in tokens.items()}, 160, kio, seed=t)
+                           for t in range(4)])
+    out = run_prefill(prefilled, tokens, prefill_threads(prefilled, 1), kio, seed=9)
+    assert np.array_equal(outs, out)
+    assert np.array_equal(stepped.conv_state, prefilled.conv_state)
+    assert np.array_equal(stepped.state, prefilled.state)
+
+
+def test_gated_delta_conv_alone(kio) -> None:
+    """The conv kernel's fp32 output and new conv state against reference.causal_conv1d (partial threadgroup)."""
+    rng = np.random.default_rng(3)
+    layer = make_layer(rng, 1, 2, 33, "bf16", kio)
+    tokens = make_tokens(rng, layer, 6, kio)
+    expected, new_state = reference.causal_conv1d(
+        kio.to_f64(tokens["qkv"], "bf16"), kio.to_f64(layer.conv_weight, "bf16"), kio.to_f64(layer.conv_state, "bf16"))
+    conv_out = np.full((6, layer.channels), np.nan, np.float32)
+    msl.dispatch("gated_delta_conv_bf16_dk128",
+                 [gdn_args(6, 1, 2, 33), tokens["qkv"], layer.conv_weight, layer.conv_state, conv_out],
+                 (-(-layer.channels // 96), 1, 1), (96, 1, 1))
+    kio.assert_close(conv_out, expected, "f32", "conv + SiLU")
+    assert np.array_equal(kio.to_f64(layer.conv_state, "bf16"), new_state)
+
+
+def test_gated_delta_step_extreme_gates(kio) -> None:
+    """Large |a| and |b| (softplus threshold, decay 0 or 1, beta 0 or 1) and a zero key stay finite and right."""
+    rng = np.random.default_rng(77)
+    layer = make_layer(rng, 1, 2, 32, "f32", kio)
+    start = copy_layer(layer)
+    tokens = make_tokens(rng, layer, 1, kio)
+    tokens["a"][:] = np.array([[40.0, -40.0]], np.float32)
+    tokens["b"][:] = np.array([[30.0, -30.0]], np.float32)
+    tokens["qkv"][0, DK : 2 * DK] = 0.0  # all-zero key channels: the L2 eps keeps k finite (zero write)
+    layer.conv_state[:, DK : 2 * DK] = 0.0
+    start.conv_state[:, DK : 2 * DK] = 0.0
+    out = run_step(layer, tokens, 64, kio)
+    check_against_reference(layer, start, tokens, out, kio, "extreme gates")
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_gated_delta_step_independent_of_schedule(seed: int, kio) -> None:
+    rng = np.random.default_rng(8)
+    base = make_layer(rng, 1, 2, 32, "f32", kio)
+    tokens = make_tokens(rng, base, 1, kio)
+    results = []
+    for random_schedule in (False, True):
+        layer = copy_layer(base)
+        out = kio.poisoned((1, layer.hv * layer.dv), "f32")
+        msl.dispatch(STEP["f32"],
+                     [gdn_args(1, 1, 2, 32), tokens["qkv"], tokens["z"], tokens["b"], tokens["a"], layer.conv_weight,
+                      layer.a_log, layer.dt_bias, layer.norm_weight, layer.conv_state, layer.state, out],
+                     (1, 1, 1), (96, 1, 1), random_schedule=random_schedule, seed=seed)
+        results.append((out, layer.state))
+    assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
+
+
+def test_model_size_layer_bf16(kio) -> None:
+    """The real layer shape (Hk 16, Hv 32, dk = dv = 128, C = 8192): one decode step, then a 2-token prefill chunk."""
+    rng = np.random.default_rng(2026)
+    layer = make_layer(rng, 16, 32, 128, "bf16", kio)
+    start = copy_layer(layer)
+    tokens = make_tokens(rng, layer, 3, kio)
+    first = run_step(layer, {n: x[:1] for n, x in tokens.items()}, 1024, kio)
+    rest = run_prefill(layer, {n: x[1:] for n, x in tokens.items()}, prefill_threads(layer), kio)
+    check_against_reference(layer, start, tokens, np.concatenate([first, rest]), kio, "model-size layer")
