@@ -39,9 +39,10 @@ static_assert(sizeof(RmsNormArgs) == 16, "RmsNormArgs layout must match the host
 // lily.reference's [Hv, dk, dv]). Dk is the kernel's template parameter (128).
 struct GatedDeltaArgs {
   u32 num_tokens;   // T: tokens in this call (1 for gated_delta_step)
-  u32 num_k_heads;  // Hk; one threadgroup per key head (it owns its q/k channels and its Hv/Hk value heads)
-  u32 num_v_heads;  // Hv, a multiple of Hk; value head j uses key head j / (Hv/Hk)
-  u32 head_v_dim;   // dv; (Hv/Hk)*dv <= LILY_GDN_MAX_ROWS and <= LILY_GDN_ROWS_PER_SIMDGROUP * simdgroups
+  u32 num_k_heads;  // Hk; gated_delta_step runs one threadgroup per key head
+  u32 num_v_heads;  // Hv, a multiple of Hk; value head j uses key head j / (Hv/Hk); gated_delta_prefill: one
+                    // threadgroup per value head
+  u32 head_v_dim;   // dv; (Hv/Hk)*dv <= LILY_GDN_MAX_ROWS; prefill: dv <= LILY_GDN_ROWS_PER_SIMDGROUP * simdgroups
   f32 l2_eps;       // added to sum(q^2) and sum(k^2) before the rsqrt; 1e-6
   f32 norm_eps;     // added to mean(o^2) in the gated RMSNorm; 1e-6
   u32 _pad0;
@@ -75,6 +76,71 @@ struct SampleArgs {
 };
 static_assert(sizeof(SampleArgs) == 48, "SampleArgs layout must match the host and tests");
 
+// qmv_*, qmm_*, qmm_nax_* (metal/qmatmul.metal): Y[M, N] = X[M, K] * W^T, W MLX affine-quantized (uint32 codes
+// [N, K*bits/32], element 0 in the low bits; scales and biases [N, K/64]; w = scale*q + bias). K must be a multiple of
+// 64 (the model's K: 2048, 4096, 512); the host checks it. X and Y are row-major [M, K] and [M, N].
+struct QMatmulArgs {
+  u32 in_features;   // K
+  u32 out_features;  // N
+  u32 num_rows;      // M: rows of X and Y (tokens)
+  u32 _pad0;
+};
+static_assert(sizeof(QMatmulArgs) == 16, "QMatmulArgs layout must match the host and tests");
+
+// embedding_gather_* (metal/embedding.metal): out[t] = dequantized row ids[ids_offset + t] of the quantized table.
+struct EmbeddingArgs {
+  u32 hidden_size;  // H, a multiple of 64
+  u32 vocab_size;   // V; an id >= V yields a row of NaN (the host validates prompt ids; sampled ids are < V)
+  u32 ids_offset;   // first slot of the ids buffer read (decode: the slot argmax/sample wrote)
+  u32 _pad0;
+};
+static_assert(sizeof(EmbeddingArgs) == 16, "EmbeddingArgs layout must match the host and tests");
+
+// moe_* (metal/moe.metal: decode; metal/moe_prefill.metal: prefill): the sparse MoE block, 4-bit affine group-64
+// expert weights in the stacked switch_mlp layout (gate/up [E, I, H], down [E, H, I]; bf16 scales and biases).
+// H, I and Is are multiples of 64 (the quantization group); every kernel of the family takes this one struct.
+struct MoeArgs {
+  u32 num_rows;            // T: tokens in this call (1 for decode)
+  u32 num_experts;         // E <= LILY_MOE_MAX_EXPERTS
+  u32 top_k;               // k <= E experts per token (the model: 8)
+  u32 hidden_size;         // H: model width (input of gate/up, output of down)
+  u32 expert_size;         // I: routed expert width (moe_intermediate_size)
+  u32 shared_expert_size;  // Is: shared expert width (decode kernels; prefill runs the shared expert as dense qmm)
+  u32 tile_rows;           // prefill: rows per grouped-GEMM tile (16 or 32, the GEMM kernel's bm)
+  u32 max_tiles;           // prefill: rows of the tile map = grouped-GEMM threadgroups along y
+};
+static_assert(sizeof(MoeArgs) == 32, "MoeArgs layout must match the host and tests");
+
+// attention_prep_* (metal/rope.metal): per-head q/k RMSNorm, partial RoPE, [query | gate] split, KV-cache write.
+// Token t sits at position first_position + t and is written to cache row first_position + t.
+struct AttentionPrepArgs {
+  u32 num_tokens;      // T: 1 for decode
+  u32 num_heads;       // Hq (model: 16)
+  u32 num_kv_heads;    // Hkv (model: 2)
+  u32 first_position;  // position of token 0 = tokens already in the cache
+  u32 cache_capacity;  // rows per KV head of k_cache / v_cache [Hkv, capacity, D]; first_position + T <= capacity
+  u32 rotary_dim;      // R: the first R dims are rotated, pairs (d, d + R/2); even, <= head_dim (model: 64)
+  f32 rope_theta;      // base of inv_freq = theta^(-2i/R) (model: 1e7)
+  f32 eps;             // RMSNorm eps (model: 1e-6)
+};
+static_assert(sizeof(AttentionPrepArgs) == 32, "AttentionPrepArgs layout must match the host and tests");
+
+// attention_decode*, attention_prefill_* (metal/attention.metal, metal/attention_prefill.metal): gated causal GQA
+// attention over the KV cache [Hkv, capacity, D]. Query t of the call sits at position num_keys - num_queries + t and
+// sees cache rows 0 .. its position. Query head h reads KV head h / (Hq / Hkv); Hq / Hkv must be a multiple of
+// LILY_ATTN_HEADS_PER_GROUP (the heads one threadgroup packs).
+struct AttentionArgs {
+  u32 num_queries;     // T: 1 for the decode kernels
+  u32 num_heads;       // Hq
+  u32 num_kv_heads;    // Hkv
+  u32 num_keys;        // cached keys including this call's: position of the last query + 1
+  u32 cache_capacity;  // rows per KV head (row stride of the cache)
+  u32 block_size;      // split-KV decode: keys per block (attention_decode_partial / _combine only)
+  u32 num_blocks;      // split-KV decode: ceil(num_keys / block_size)
+  f32 scale;           // softmax scale, 1/sqrt(head_dim) = 0.0625 for the model
+};
+static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the host and tests");
+
 // ---- function-constant indices: each op family owns a block of 10 starting at its base ----
 #define LILY_FC_BASE_RMS_NORM 0
 #define LILY_FC_BASE_ROPE 10
@@ -88,12 +154,13 @@ static_assert(sizeof(SampleArgs) == 48, "SampleArgs layout must match the host a
 #define LILY_RMS_NORM_MAX_THREADS 1024
 
 // Gated DeltaNet (metal/gated_delta.metal). Untuned: no Mac benchmark yet (issue 5).
-// One simdgroup updates up to this many state rows of [Dk] fp32 held in registers (Dk/32 per lane): 8 rows x 4 =
-// 32 floats per lane, so 32 simdgroups (1024 threads) cover the model's (Hv/Hk)*dv = 256 rows of a key head.
+// gated_delta_prefill: state rows of [Dk] fp32 one simdgroup keeps in registers for a whole chunk (Dk/32 per lane):
+// 8 rows x 4 = 32 floats per lane, so 16 simdgroups (512 threads) hold a dv = 128 value head. (gated_delta_step takes
+// any threadgroup size; ceil(rows / 8) simdgroups, 1024 threads for the model, gives each simdgroup 8 rows.)
 #define LILY_GDN_ROWS_PER_SIMDGROUP 8
-// Value rows per key head, (Hv/Hk)*dv, sized for the threadgroup arrays (model: 2*128 = 256).
+// gated_delta_step: value rows per key head, (Hv/Hk)*dv, sized for the threadgroup arrays (model: 2*128 = 256).
 #define LILY_GDN_MAX_ROWS 256
-// Value heads per key head, Hv/Hk (model: 2).
+// gated_delta_step: at most this many value heads per key head, Hv/Hk (model: 2).
 #define LILY_GDN_MAX_HEADS_PER_GROUP 8
 // Causal conv taps (linear_conv_kernel_dim of the model).
 #define LILY_GDN_CONV_KERNEL 4
@@ -101,10 +168,90 @@ static_assert(sizeof(SampleArgs) == 48, "SampleArgs layout must match the host a
 // Sampling (metal/sampling.metal). Untuned: no Mac benchmark yet (issue 5).
 // argmax_partial: logits per threadgroup; 248320 / 4096 = 61 threadgroups, few enough for one argmax_final group.
 #define LILY_ARGMAX_BLOCK 4096
-// Partials one argmax_final threadgroup reduces (its thread count bound).
-#define LILY_ARGMAX_MAX_PARTIALS 1024
 // sample_*: one threadgroup of this many threads scans the whole vocabulary several times (radix select passes).
 #define LILY_SAMPLE_THREADS 1024
+
+// Quantized matmul (metal/qmatmul.metal) and embedding (metal/embedding.metal). Untuned: no Mac benchmark yet (issue 5).
+// qmv: each simdgroup computes LILY_QMV_ROWS_PER_SIMDGROUP output rows; LILY_QMV_SIMDGROUPS simdgroups per threadgroup
+// (64 threads, 8 rows); each lane folds LILY_QMV_VALUES_PER_LANE consecutive codes of a row per step (8 bytes at 4 bits),
+// so a simdgroup step covers 512 K-elements and four lanes share one scale/bias group.
+#define LILY_QMV_ROWS_PER_SIMDGROUP 4
+#define LILY_QMV_SIMDGROUPS 2
+#define LILY_QMV_VALUES_PER_LANE 16
+// Host rule: M <= LILY_QMV_MAX_ROWS runs qmv (one grid row per input row; the weights are re-read from cache per row),
+// M <= LILY_QMM_BM16_MAX_ROWS runs qmm_*_bm16 (16-row tiles, 2 simdgroups), larger M runs qmm_*_bm32 (32-row tiles,
+// 4 simdgroups: twice the reuse of each dequantized weight tile).
+#define LILY_QMV_MAX_ROWS 4
+#define LILY_QMM_BM16_MAX_ROWS 16
+// qmm tile: LILY_QMM_BN output columns x LILY_QMM_BK of K per step (BK divides the group size 64, so one scale and
+// bias per tile row and step); each simdgroup owns a 16x16 block of 2x2 simdgroup_matrix 8x8 accumulators.
+#define LILY_QMM_BN 32
+#define LILY_QMM_BK 32
+// Padding (floats) of each threadgroup tile row: staggers rows across memory banks.
+#define LILY_QMM_PAD 4
+// qmm_nax (Metal 4 tensor ops): 32 x 64 output tile, 4 simdgroups each running a 16x32x32 matmul2d.
+#define LILY_QMM_NAX_BM 32
+#define LILY_QMM_NAX_BN 64
+// embedding_gather: threads per token row (each folds 8 codes per step).
+#define LILY_EMBEDDING_THREADS 256
+
+// MoE (metal/moe.metal, metal/moe_prefill.metal). Untuned: no Mac benchmark yet (issue 5).
+// Router limits: moe_route keeps one row's E probabilities in registers of one simdgroup (E/32 per lane).
+#define LILY_MOE_MAX_EXPERTS 256
+// Decode GEMVs: 2 simdgroups x 4 output rows = 8 rows per threadgroup, lanes over K (one uint32 = 8 codes per step),
+// the qmv_fast shape of performance.md §5.4.
+#define LILY_MOE_GEMV_ROWS_PER_SIMDGROUP 4
+#define LILY_MOE_GEMV_SIMDGROUPS 2
+// Prefill sort: (token, slot) assignments per threadgroup of moe_sort_count / moe_sort_scatter (one per thread).
+#define LILY_MOE_SORT_BLOCK 256
+// Grouped GEMM: 4 simdgroups; tile = bm rows (16 or 32) x 64 output columns, 32-deep K steps dequantized into
+// threadgroup memory. The host picks bm = 32 when the chunk's mean rows per expert T*k/E is at least this threshold,
+// else bm = 16 (fewer padded rows for sparse experts). 16 matches MLX's non-NAX gather_qmm_rhs bm (performance.md §5.3).
+#define LILY_MOE_GEMM_BN 64
+#define LILY_MOE_GEMM_BK 32
+#define LILY_MOE_GEMM_THREADS 128
+// fp32 elements of padding per threadgroup tile row (16 bytes, as MLX's tgp_padding): keeps the rows of an 8x8
+// fragment load in different banks.
+#define LILY_MOE_GEMM_PAD 4
+#define LILY_MOE_BM32_MIN_ROWS_PER_EXPERT 24
+
+// Attention (metal/attention.metal, metal/attention_prefill.metal). Untuned: no Mac benchmark yet (issue 5).
+// Query heads per threadgroup sharing one KV head (GQA packing): each K/V row read serves this many heads.
+#define LILY_ATTN_HEADS_PER_GROUP 4
+// Decode switches from the single-pass kernel to split-KV (attention_decode_partial + attention_decode_combine) at
+// this many keys: below it the Hq/4 single-pass threadgroups stream the cache fast enough; above it they are too few
+// to keep the GPU's memory system busy (design report: +7.7 % at 32K, +40 % at 128K for head dim 256, GQA 8).
+#define LILY_ATTN_SPLIT_MIN_KEYS 32768
+// Keys per split-KV block (fixed, so the partial count grows with the context: 32 blocks at 32K).
+#define LILY_ATTN_SPLIT_BLOCK 1024
+// attention_prefill: bytes of one staged K (or V) tile in threadgroup memory; tile keys = this / (D * sizeof(cache
+// element)): 16 keys at D = 256 in bf16, 8 in f32. K and V tiles together stay at 16 KiB of the 32 KiB.
+#define LILY_ATTN_PREFILL_TILE_BYTES 8192
+// attention_prefill_mma: keys per staged tile (one 8x8 score fragment per simdgroup; K^T and V tiles in fp32 take
+// 2 x 8 KiB at D = 256), and the chunk length from which the host picks it over attention_prefill (below it most
+// of the 8 query rows of a fragment would be padding).
+#define LILY_ATTN_MMA_TILE_KEYS 8
+#define LILY_ATTN_MMA_MIN_QUERIES 8
+
+#if defined(LILY_KERNEL_SIDE)
+// Attention-family helpers: four consecutive elements as one float4 load, and stored back rounded element-wise (a
+// vector-to-vector constructor is a bit-cast in the CPU harness, metal-on-linux.md §3.5).
+template <typename T>
+inline float4 attn_load4(device const T* p) {
+  return float4(*((device const metal::vec<T, 4>*)p));
+}
+template <typename T>
+inline float4 attn_load4(threadgroup const T* p) {
+  return float4(*((threadgroup const metal::vec<T, 4>*)p));
+}
+template <typename T>
+inline void attn_store4(device T* p, float4 v) {
+  p[0] = T(v.x);
+  p[1] = T(v.y);
+  p[2] = T(v.z);
+  p[3] = T(v.w);
+}
+#endif
 
 }  // namespace lily
 
