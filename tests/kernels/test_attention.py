@@ -1,0 +1,222 @@
+"""metal/attention.metal (decode attention) through the CPU harness, against lily.reference.attention.
+
+One query token over a KV cache [Hkv, capacity, D] with D = 256 (the only instantiated head dim). The single-pass
+kernel runs at contexts 1, 31, 32, 33, 100 and 300 with 1, 3, 4, 8 and 32 simdgroups (simdgroups that see no key),
+with GQA groups of 4 (one threadgroup per KV head) and 8 (the model's: two threadgroups per KV head). The split-KV
+pair (attention_decode_partial + attention_decode_combine) runs with small blocks at contexts around block boundaries
+and with the model's block of 1024 at 1025 keys; its partials are also checked against a numpy per-block softmax.
+Outputs and partials start NaN-poisoned; the cache has spare rows past the context holding NaN, so reading a key
+past the context is caught.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from lily import reference
+from lily._ext import msl
+
+D = 256
+SCALE = D**-0.5
+HEADS_PER_GROUP = 4  # LILY_ATTN_HEADS_PER_GROUP
+DTYPES = ["f32", "bf16", "f16"]
+# The KV cache dtype of each activation dtype: f32 in float32 mode, bf16 otherwise.
+CACHE_DTYPE = {"f32": "f32", "bf16": "bf16", "f16": "bf16"}
+SINGLE = {"f32": "attention_decode_f32_d256", "bf16": "attention_decode_bf16_d256", "f16": "attention_decode_f16_d256"}
+PARTIAL = {
+    "f32": "attention_decode_partial_f32_d256",
+    "bf16": "attention_decode_partial_bf16_d256",
+    "f16": "attention_decode_partial_f16_d256",
+}
+COMBINE = {
+    "f32": "attention_decode_combine_f32_d256",
+    "bf16": "attention_decode_combine_bf16_d256",
+    "f16": "attention_decode_combine_f16_d256",
+}
+# fp32 outputs: the kernel's fp32 dot products, exps and sums over up to 100 keys against an fp64 reference.
+F32_SUMS = {"rtol": 2e-5, "atol": 2e-6, "rel_rms": 5e-6}
+
+
+def attention_args(queries: int, heads: int, kv_heads: int, keys: int, capacity: int, block_size: int = 0,
+                   num_blocks: int = 0) -> bytes:
+    """lily::AttentionArgs (metal/lily.h)."""
+    return struct.pack("<IIIIIIIf", queries, heads, kv_heads, keys, capacity, block_size, num_blocks, SCALE)
+
+
+def assert_close(kio, actual: np.ndarray, expected: np.ndarray, dtype: str, what: str, widen: float = 1.0) -> None:
+    """kio.assert_close, with the fp32 bound widened for sums over many keys (and by `widen` on request)."""
+    if dtype != "f32":
+        kio.assert_close(actual, expected, dtype, what)
+        return
+    assert not np.isnan(actual).any(), f"{what}: NaN in output"
+    err = np.abs(actual - expected)
+    rel_rms = np.sqrt(np.mean(err**2) / np.mean(expected**2))
+    assert rel_rms <= widen * F32_SUMS["rel_rms"], f"{what}: relative RMS error {rel_rms:.3g}"
+    limit = widen * (F32_SUMS["atol"] + F32_SUMS["rtol"] * np.abs(expected))
+    assert (err <= limit).all(), f"{what}: max abs error {err.max():.3g}"
+
+
+class DecodeInputs:
+    """Random q, gate and KV cache for one decode step; the cache's spare rows hold NaN."""
+
+    def __init__(self, kio, dtype: str, rng: np.random.Generator, heads: int, kv_heads: int, keys: int,
+                 query_scale: float = 2.0):
+        self.dtype, self.heads, self.kv_heads, self.keys = dtype, heads, kv_heads, keys
+        self.capacity = keys + 3
+        self.q = kio.to_device(rng.standard_normal((heads, D)) * query_scale, dtype)
+        self.gate = kio.to_device(rng.standard_normal((heads, D)) * 2.0, dtype)
+        cache_dtype = self.cache_dtype = CACHE_DTYPE[dtype]
+        self.k_cache = kio.poisoned((kv_heads, self.capacity, D), cache_dtype)
+        self.v_cache = kio.poisoned((kv_heads, self.capacity, D), cache_dtype)
+        self.k_cache[:, :keys] = kio.to_device(rng.standard_normal((kv_heads, keys, D)), cache_dtype)
+        self.v_cache[:, :keys] = kio.to_device(rng.standard_normal((kv_heads, keys, D)), cache_dtype)
+        self.kio = kio
+
+    def f64(self, name: str) -> np.ndarray:
+        return self.kio.to_f64(getattr(self, name), self.cache_dtype if "cache" in name else self.dtype)
+
+    def expected(self) -> np.ndarray:
+        """reference.attention on the stored (rounded) values: [Hq, D]."""
+        k = self.f64("k_cache")[:, : self.keys].transpose(1, 0, 2)  # [S, Hkv, D]
+        v = self.f64("v_cache")[:, : self.keys].transpose(1, 0, 2)
+        out = reference.attention(self.f64("q")[None], k, v, self.f64("gate")[None], offset=self.keys - 1)
+        return self.kio.round(out[0], self.dtype)
+
+
+def run_single(inputs: DecodeInputs, simdgroups: int) -> np.ndarray:
+    out = inputs.kio.poisoned((inputs.heads, D), inputs.dtype)
+    msl.dispatch(
+        SINGLE[inputs.dtype],
+        [attention_args(1, inputs.heads, inputs.kv_heads, inputs.keys, inputs.capacity), inputs.q, inputs.gate,
+         inputs.k_cache, inputs.v_cache, out],
+        (inputs.heads // HEADS_PER_GROUP, 1, 1),
+        (32 * simdgroups, 1, 1),
+    )
+    return inputs.kio.to_f64(out, inputs.dtype)
+
+
+def run_split(inputs: DecodeInputs, block_size: int, simdgroups: int, combine_threads: int):
+    num_blocks = -(-inputs.keys // block_size)
+    args = attention_args(1, inputs.heads, inputs.kv_heads, inputs.keys, inputs.capacity, block_size, num_blocks)
+    partial_out = np.full((inputs.heads, num_blocks, D), np.nan, np.float32)
+    partial_stats = np.full((inputs.heads, num_blocks, 2), np.nan, np.float32)
+    msl.dispatch(
+        PARTIAL[inputs.dtype],
+        [args, inputs.q, inputs.k_cache, inputs.v_cache, partial_out, partial_stats],
+        (inputs.heads // HEADS_PER_GROUP, num_blocks, 1),
+        (32 * simdgroups, 1, 1),
+    )
+    out = inputs.kio.poisoned((inputs.heads, D), inputs.dtype)
+    msl.dispatch(
+        COMBINE[inputs.dtype],
+        [args, inputs.gate, partial_out, partial_stats, out],
+        (inputs.heads, 1, 1),
+        (combine_threads, 1, 1),
+    )
+    return partial_out, partial_stats, inputs.kio.to_f64(out, inputs.dtype)
+
+
+def block_partials(inputs: DecodeInputs, block_size: int):
+    """Per block: the softmax-normalised output, the max score and the sum of exp(score - max), in fp64."""
+    group = inputs.heads // inputs.kv_heads
+    q, k, v = inputs.f64("q"), inputs.f64("k_cache"), inputs.f64("v_cache")
+    outs, stats = [], []
+    for begin in range(0, inputs.keys, block_size):
+        end = min(begin + block_size, inputs.keys)
+        kh = k[np.arange(inputs.heads) // group, begin:end]  # [Hq, n, D]
+        vh = v[np.arange(inputs.heads) // group, begin:end]
+        scores = np.einsum("hd,hnd->hn", q, kh) * SCALE
+        top = scores.max(axis=1, keepdims=True)
+        weights = np.exp(scores - top)
+        outs.append(np.einsum("hn,hnd->hd", weights / weights.sum(axis=1, keepdims=True), vh))
+        stats.append(np.stack([top[:, 0], weights.sum(axis=1)], axis=-1))
+    return np.stack(outs, axis=1), np.stack(stats, axis=1)
+
+
+SINGLE_CASES = [
+    # (heads, kv_heads, keys, simdgroups)
+    (8, 2, 1, 4),  # first token: three simdgroups see no key
+    (8, 2, 31, 4),
+    (8, 2, 32, 4),
+    (8, 2, 33, 4),
+    (16, 2, 33, 3),  # the model's GQA 8: two threadgroups per KV head; keys not a multiple of the simdgroups
+    (4, 1, 100, 1),  # one simdgroup walks every key
+    (8, 1, 33, 32),  # a full 1024-thread threadgroup: 31 simdgroups see one key, one sees two
+    (16, 2, 300, 8),  # the model's heads at the engine's 256 threads
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,keys,simdgroups", SINGLE_CASES,
+                         ids=[f"h{c[0]}x{c[1]}-S{c[2]}-sg{c[3]}" for c in SINGLE_CASES])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_decode(dtype: str, heads: int, kv_heads: int, keys: int, simdgroups: int, kio) -> None:
+    rng = np.random.default_rng(1000 * keys + 10 * heads + simdgroups + DTYPES.index(dtype))
+    inputs = DecodeInputs(kio, dtype, rng, heads, kv_heads, keys)
+    out = run_single(inputs, simdgroups)
+    assert_close(kio, out, inputs.expected(), dtype, f"attention_decode {dtype} S={keys} heads={heads}x{kv_heads}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_decode_large_scores(dtype: str, kio) -> None:
+    """Scores in the hundreds: the online softmax must rescale rather than overflow exp."""
+    rng = np.random.default_rng(77 + DTYPES.index(dtype))
+    inputs = DecodeInputs(kio, dtype, rng, 8, 2, 40, query_scale=60.0)
+    out = run_single(inputs, 4)
+    # A score s carries an fp32 error of about |s| * 2^-24 * sqrt(D), which exp turns into a relative error of the
+    # weights: with scores near 200 that is ~10x the bound for unit-sized scores.
+    assert_close(kio, out, inputs.expected(), dtype, f"large scores {dtype}", widen=10.0)
+
+
+SPLIT_CASES = [
+    # (heads, kv_heads, keys, block_size, simdgroups)
+    (8, 2, 15, 16, 2),  # one partial block
+    (8, 2, 16, 16, 2),  # one full block
+    (8, 2, 17, 16, 2),  # a second block of one key
+    (8, 2, 33, 16, 3),  # three blocks, the last of one key
+    (16, 2, 47, 16, 2),  # the model's GQA 8, the last block one short
+    (8, 2, 64, 32, 4),  # two full blocks
+    (16, 2, 1025, 1024, 8),  # the model's heads and block size (LILY_ATTN_SPLIT_BLOCK): a second block of one key
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,keys,block_size,simdgroups", SPLIT_CASES,
+                         ids=[f"h{c[0]}x{c[1]}-S{c[2]}-B{c[3]}-sg{c[4]}" for c in SPLIT_CASES])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_decode_split(dtype: str, heads: int, kv_heads: int, keys: int, block_size: int, simdgroups: int,
+                                kio) -> None:
+    rng = np.random.default_rng(2000 * keys + 10 * block_size + heads + DTYPES.index(dtype))
+    inputs = DecodeInputs(kio, dtype, rng, heads, kv_heads, keys)
+    partial_out, partial_stats, out = run_split(inputs, block_size, simdgroups, combine_threads=64)
+    expected_out, expected_stats = block_partials(inputs, block_size)
+    what = f"{dtype} S={keys} block={block_size}"
+    assert_close(kio, partial_out.astype(np.float64), expected_out, "f32", f"attention_decode_partial outputs {what}")
+    assert_close(kio, partial_stats.astype(np.float64), expected_stats, "f32", f"attention_decode_partial stats {what}")
+    assert_close(kio, out, inputs.expected(), dtype, f"attention_decode_combine {what}")
+
+
+def test_attention_decode_split_matches_single_pass(kio) -> None:
+    """Both decode paths compute the same attention: they agree within fp32 rounding (combine with 100 threads)."""
+    rng = np.random.default_rng(9)
+    inputs = DecodeInputs(kio, "f32", rng, 8, 2, 70)
+    single = run_single(inputs, 4)
+    _, _, split = run_split(inputs, 24, 4, combine_threads=100)
+    assert_close(kio, split, single, "f32", "split vs single pass")
+    assert_close(kio, split, inputs.expected(), "f32", "split vs reference")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_attention_decode_independent_of_schedule(seed: int, kio) -> None:
+    """Keys are walked and simdgroups merged in a fixed order: FIFO and random schedules give the same bits."""
+    inputs = DecodeInputs(kio, "f32", np.random.default_rng(12), 8, 2, 45)
+    args = attention_args(1, 8, 2, 45, inputs.capacity)
+    results = []
+    for random_schedule in (False, True):
+        out = kio.poisoned((8, D), "f32")
+        msl.dispatch("attention_decode_f32_d256", [args, inputs.q, inputs.gate, inputs.k_cache, inputs.v_cache, out],
+                     (2, 1, 1), (160, 1, 1), random_schedule=random_schedule, seed=seed)
+        results.append(out)
+    assert np.array_equal(results[0], results[1])
+    assert_close(kio, results[1].astype(np.float64), inputs.expected(), "f32", "schedule")
