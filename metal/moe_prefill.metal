@@ -1,0 +1,451 @@
+// Sparse MoE block over a prefill chunk of T rows (model.md §2.6), GPU-resident from the router logits to the layer
+// output (no CPU round trip). Order of dispatches:
+//   moe_route_f32 (metal/moe.metal, grid T)   ids [T, k] uint32, weights [T, k] f32; pair p = row·k + slot.
+//   moe_sort_count_u32    per block of LILY_MOE_SORT_BLOCK pairs: histogram of expert ids (threadgroup atomics)
+//                         into block_counts [blocks, E].
+//   moe_sort_scan_u32     one threadgroup: block_counts -> offsets within each expert (in place), expert_offsets
+//                         [E + 1] (exclusive scan), and the block map: tile_map [max_tiles, 4] = (expert, first
+//                         sorted row, row count, 0) for every bm-row tile of every expert, tile_count[0] = tiles.
+//   moe_sort_scatter_u32  sorted_pairs [T·k]: the pairs in expert-contiguous order, within an expert by ascending
+//                         pair (deterministic: in-block ranks by counting, no atomics).
+//   moe_gemm_gate_up_<dtype>[_sf32]_bm<16|32>
+//                         h [T·k, I] (sorted order) = SiLU(x_row·gate_eᵀ) ⊙ (x_row·up_eᵀ).
+//   moe_gemm_down_<dtype>[_sf32]_bm<16|32>
+//                         expert_out [T·k, H] (pair order) = w_p · (h·down_eᵀ): the scatter back to token order, one
+//                         row per (token, slot), no float atomics.
+//   moe_combine_<dtype>   out = residual + Σ_slot expert_out (slot order) + sigmoid(gate logit) · shared_out.
+// The shared expert is a dense SwiGLU over all T rows: it runs as ordinary qmm (qmatmul family) into shared_out, and
+// its gate logit comes from the router's GEMM; moe_combine adds both.
+// Grouped GEMM: one threadgroup (4 simdgroups) per (64 output columns, tile of bm rows of one expert); the grid's y
+// is max_tiles = ceil(T·k / bm) + min(E, T·k), a bound on Σ_e ceil(count_e / bm) known without reading the counts;
+// threadgroups past tile_count[0] exit at once. Per 32-deep K step, bm rows of the activations (gathered through
+// sorted_pairs for gate/up) and the 64 × 32 weight block(s) are staged in threadgroup memory as fp32, the weights
+// dequantised there from 4-bit codes (never a full dequantised matrix); simdgroup_matrix 8×8 MMAs accumulate in fp32.
+// bm = 32 (2 × 2 simdgroups of 16 × 32) when the chunk's mean rows per expert T·k/E is at least
+// LILY_MOE_BM32_MIN_ROWS_PER_EXPERT, else bm = 16 (1 × 4 simdgroups of 16 × 16), so sparse experts pad fewer rows.
+// Each weight byte is read once per tile of its expert: with 64 rows per expert (2048-token chunk) that is 2 (bm 32)
+// or 4 (bm 16) reads, i.e. 114 or 57 FLOP per weight byte (performance.md §3.3). Outputs are rounded once to the
+// activation dtype (f32, f16, bf16); scales and biases are bf16, or f32 with the _sf32 suffix.
+// Verified on Linux (CPU harness): results, the block map and the sorted order exactly. Mac-only: speed, the
+// staging layout's bank conflicts, whether bf16 threadgroup staging (half the threadgroup traffic) pays off.
+#include <metal_stdlib>
+#include "lily.h"
+
+using namespace metal;
+
+constant constexpr uint MOE_NO_ROW = 0xFFFFFFFFu;  // row table entry of a padding row of a partial tile
+constant constexpr uint GEMM_BN = LILY_MOE_GEMM_BN;
+constant constexpr uint GEMM_BK = LILY_MOE_GEMM_BK;
+constant constexpr uint GEMM_THREADS = LILY_MOE_GEMM_THREADS;
+// Row strides of the threadgroup tiles: padded so that the 8 rows of a simdgroup_load fragment fall in different banks.
+constant constexpr uint A_STRIDE = LILY_MOE_GEMM_BK + LILY_MOE_GEMM_PAD;
+constant constexpr uint B_STRIDE = LILY_MOE_GEMM_BN + LILY_MOE_GEMM_PAD;
+
+inline float moe_prefill_sigmoid(float x) {
+  return 1.0f / (1.0f + precise::exp(-x));
+}
+
+inline float moe_prefill_silu(float x) {
+  return x / (1.0f + precise::exp(-x));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Routing: histogram, scan and block map, scatter
+// ---------------------------------------------------------------------------------------------------------------
+
+// Grid: ceil(T·k / LILY_MOE_SORT_BLOCK) threadgroups of any size.
+template <typename Id>
+[[kernel]] void moe_sort_count(constant lily::MoeArgs& args [[buffer(0)]],
+                               device const Id* expert_ids [[buffer(1)]],
+                               device uint* block_counts [[buffer(2)]],
+                               uint block [[threadgroup_position_in_grid]],
+                               uint tid [[thread_index_in_threadgroup]],
+                               uint n_threads [[threads_per_threadgroup]]) {
+  threadgroup atomic_uint counts[LILY_MOE_MAX_EXPERTS];
+  const uint num_experts = args.num_experts;
+  for (uint e = tid; e < num_experts; e += n_threads) {
+    atomic_store_explicit(&counts[e], 0u, memory_order_relaxed);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint total = args.num_rows * args.top_k;
+  const uint first = block * LILY_MOE_SORT_BLOCK;
+  const uint last = min(first + LILY_MOE_SORT_BLOCK, total);
+  for (uint p = first + tid; p < last; p += n_threads) {
+    uint e = uint(expert_ids[p]);
+    if (e < num_experts) {
+      atomic_fetch_add_explicit(&counts[e], 1u, memory_order_relaxed);
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint e = tid; e < num_experts; e += n_threads) {
+    block_counts[size_t(block) * num_experts + e] = atomic_load_explicit(&counts[e], memory_order_relaxed);
+  }
+}
+
+// Grid: one threadgroup of a multiple of 32 threads, at least E (LILY_MOE_MAX_EXPERTS fits every E). Thread e owns
+// expert e. max_tiles must be the bound above; entries past tile_count[0] are left unwritten.
+template <typename Id>
+[[kernel]] void moe_sort_scan(constant lily::MoeArgs& args [[buffer(0)]],
+                              device uint* block_counts [[buffer(1)]],
+                              device uint* expert_offsets [[buffer(2)]],
+                              device uint* tile_map [[buffer(3)]],
+                              device uint* tile_count [[buffer(4)]],
+                              uint tid [[thread_index_in_threadgroup]],
+                              uint n_threads [[threads_per_threadgroup]],
+                              uint lane [[thread_index_in_simdgroup]],
+                              uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  threadgroup uint simd_rows[32];
+  threadgroup uint simd_tiles[32];
+  const uint num_experts = args.num_experts;
+  const uint tile_rows = args.tile_rows;
+  const uint num_blocks = (args.num_rows * args.top_k + LILY_MOE_SORT_BLOCK - 1) / LILY_MOE_SORT_BLOCK;
+  const uint e = tid;
+
+  uint count = 0;  // rows of expert e; block counts become the expert's offsets at each block
+  if (e < num_experts) {
+    for (uint b = 0; b < num_blocks; ++b) {
+      uint c = block_counts[size_t(b) * num_experts + e];
+      block_counts[size_t(b) * num_experts + e] = count;
+      count += c;
+    }
+  }
+  const uint tiles = (count + tile_rows - 1) / tile_rows;
+
+  // Exclusive scans of rows and tiles over experts: within the simdgroup, then across simdgroup totals.
+  uint row_offset = simd_prefix_exclusive_sum(count);
+  uint tile_offset = simd_prefix_exclusive_sum(tiles);
+  uint simd_row_total = simd_sum(count);
+  uint simd_tile_total = simd_sum(tiles);
+  if (lane == 0) {
+    simd_rows[simd_group] = simd_row_total;
+    simd_tiles[simd_group] = simd_tile_total;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint s = 0; s < simd_group; ++s) {
+    row_offset += simd_rows[s];
+    tile_offset += simd_tiles[s];
+  }
+
+  if (e < num_experts) {
+    expert_offsets[e] = row_offset;
+    for (uint j = 0; j < tiles && tile_offset + j < args.max_tiles; ++j) {
+      device uint* entry = tile_map + size_t(tile_offset + j) * 4;
+      entry[0] = e;
+      entry[1] = row_offset + j * tile_rows;
+      entry[2] = min(tile_rows, count - j * tile_rows);
+      entry[3] = 0;
+    }
+  }
+  if (tid == n_threads - 1) {  // past every expert (n_threads > E or it is expert E-1): its offsets are the totals
+    expert_offsets[num_experts] = row_offset + count;
+    tile_count[0] = tile_offset + tiles;
+  }
+}
+
+// Grid: ceil(T·k / LILY_MOE_SORT_BLOCK) threadgroups of any size. A pair's sorted position is its expert's offset
+// + the offset of its block within the expert + its rank among the block's earlier pairs of the same expert.
+template <typename Id>
+[[kernel]] void moe_sort_scatter(constant lily::MoeArgs& args [[buffer(0)]],
+                                 device const Id* expert_ids [[buffer(1)]],
+                                 device const uint* block_offsets [[buffer(2)]],
+                                 device const uint* expert_offsets [[buffer(3)]],
+                                 device uint* sorted_pairs [[buffer(4)]],
+                                 uint block [[threadgroup_position_in_grid]],
+                                 uint tid [[thread_index_in_threadgroup]],
+                                 uint n_threads [[threads_per_threadgroup]]) {
+  threadgroup uint block_ids[LILY_MOE_SORT_BLOCK];
+  const uint num_experts = args.num_experts;
+  const uint total = args.num_rows * args.top_k;
+  const uint first = block * LILY_MOE_SORT_BLOCK;
+  const uint n = min(uint(LILY_MOE_SORT_BLOCK), total - first);
+  for (uint i = tid; i < LILY_MOE_SORT_BLOCK; i += n_threads) {
+    block_ids[i] = i < n ? uint(expert_ids[first + i]) : MOE_NO_ROW;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint i = tid; i < n; i += n_threads) {
+    const uint e = block_ids[i];
+    uint rank = 0;
+    for (uint q = 0; q < i; ++q) {
+      rank += block_ids[q] == e ? 1u : 0u;
+    }
+    if (e < num_experts) {
+      sorted_pairs[expert_offsets[e] + block_offsets[size_t(block) * num_experts + e] + rank] = first + i;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Grouped GEMM
+// ---------------------------------------------------------------------------------------------------------------
+
+// Simdgroup arrangement of a bm × 64 tile on 4 simdgroups: each computes 16 rows × (64 / SIMD_COLS) columns.
+template <int BM>
+struct MoeTile {
+  static constexpr int SIMD_ROWS = BM / 16;          // 1 or 2
+  static constexpr int SIMD_COLS = 4 / SIMD_ROWS;     // 4 or 2
+  static constexpr int COLS = int(GEMM_BN) / SIMD_COLS;  // 16 or 32 columns per simdgroup
+  static constexpr int FRAGS_N = COLS / 8;
+  static_assert(BM == 16 || BM == 32, "grouped GEMM tiles are 16 or 32 rows");
+  static_assert(GEMM_THREADS == 128 && GEMM_THREADS == 2 * GEMM_BN, "4 simdgroups; 2 threads per weight row");
+};
+
+// a_tile [BM][A_STRIDE] fp32 = rows row_src[m] of `a` (zero for padding rows), columns k0 .. k0+BK. Consecutive
+// threads read consecutive elements of a row.
+template <typename T, int BM>
+inline void moe_load_rows(threadgroup float* a_tile, device const T* a, threadgroup const uint* row_src,
+                          uint row_stride, uint k0, uint tid) {
+  for (uint i = tid; i < uint(BM) * GEMM_BK; i += GEMM_THREADS) {
+    const uint m = i / GEMM_BK;
+    const uint c = i % GEMM_BK;
+    const uint src = row_src[m];
+    a_tile[m * A_STRIDE + c] = src == MOE_NO_ROW ? 0.0f : float(a[size_t(src) * row_stride + k0 + c]);
+  }
+}
+
+// b_tile [BK][B_STRIDE] fp32, column n = weight row n0 + n over k0 .. k0+BK, dequantised (scale·q + bias): this
+// thread's share, words [first_word, first_word + num_words) of the row's BK/8 words. Stored k-major so the MMA loads
+// B fragments without a transposed load; the 32 lanes of a simdgroup own 32 consecutive columns, so each of their
+// threadgroup writes is one conflict-free row segment. The BK-wide step lies inside one group of 64: one scale and
+// bias per row.
+template <typename S>
+inline void moe_load_weight_row(threadgroup float* b_tile, device const uint* weight, device const S* scales,
+                                device const S* biases, uint in_size, uint n0, uint n, uint k0, uint first_word,
+                                uint num_words) {
+  const size_t row = n0 + n;
+  const float scale = float(scales[row * (in_size / 64) + k0 / 64]);
+  const float bias = float(biases[row * (in_size / 64) + k0 / 64]);
+  device const uint* words = weight + row * (in_size / 8) + k0 / 8;
+  for (uint w = first_word; w < first_word + num_words; ++w) {
+    const uint word = words[w];
+    for (uint j = 0; j < 8; ++j) {
+      b_tile[(w * 8 + j) * B_STRIDE + n] = scale * float((word >> (4 * j)) & 0xFu) + bias;
+    }
+  }
+}
+
+// acc[fm·FRAGS_N + fn] += a_tile(rows of this simdgroup) · b_tile(columns of this simdgroup) over one BK step.
+template <int BM>
+inline void moe_mma(thread simdgroup_float8x8* acc, threadgroup const float* a_tile, threadgroup const float* b_tile,
+                    uint row0, uint col0) {
+  for (uint kk = 0; kk < GEMM_BK; kk += 8) {
+    simdgroup_float8x8 a_frag[2];
+    simdgroup_float8x8 b_frag[MoeTile<BM>::FRAGS_N];
+    for (uint fm = 0; fm < 2; ++fm) {
+      simdgroup_load(a_frag[fm], a_tile + (row0 + fm * 8) * A_STRIDE + kk, A_STRIDE);
+    }
+    for (uint fn = 0; fn < uint(MoeTile<BM>::FRAGS_N); ++fn) {
+      simdgroup_load(b_frag[fn], b_tile + kk * B_STRIDE + col0 + fn * 8, B_STRIDE);
+    }
+    for (uint fm = 0; fm < 2; ++fm) {
+      for (uint fn = 0; fn < uint(MoeTile<BM>::FRAGS_N); ++fn) {
+        thread simdgroup_float8x8& c = acc[fm * MoeTile<BM>::FRAGS_N + fn];
+        simdgroup_multiply_accumulate(c, a_frag[fm], b_frag[fn], c);
+      }
+    }
+  }
+}
+
+// out_tile [BM][B_STRIDE] fp32 = this simdgroup's accumulators at (row0, col0).
+template <int BM>
+inline void moe_store_acc(threadgroup float* out_tile, thread const simdgroup_float8x8* acc, uint row0, uint col0) {
+  for (uint fm = 0; fm < 2; ++fm) {
+    for (uint fn = 0; fn < uint(MoeTile<BM>::FRAGS_N); ++fn) {
+      simdgroup_store(acc[fm * MoeTile<BM>::FRAGS_N + fn], out_tile + (row0 + fm * 8) * B_STRIDE + col0 + fn * 8,
+                      B_STRIDE);
+    }
+  }
+}
+
+// Grid: (I / 64, max_tiles) threadgroups of 128 threads.
+template <typename T, typename S, int BM>
+[[kernel]] void moe_gemm_gate_up(constant lily::MoeArgs& args [[buffer(0)]],
+                                 device const T* x [[buffer(1)]],
+                                 device const uint* sorted_pairs [[buffer(2)]],
+                                 device const uint* tile_map [[buffer(3)]],
+                                 device const uint* tile_count [[buffer(4)]],
+                                 device const uint* gate_weight [[buffer(5)]],
+                                 device const S* gate_scales [[buffer(6)]],
+                                 device const S* gate_biases [[buffer(7)]],
+                                 device const uint* up_weight [[buffer(8)]],
+                                 device const S* up_scales [[buffer(9)]],
+                                 device const S* up_biases [[buffer(10)]],
+                                 device T* hidden [[buffer(11)]],
+                                 uint2 group [[threadgroup_position_in_grid]],
+                                 uint tid [[thread_index_in_threadgroup]],
+                                 uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float a_tile[BM * LILY_MOE_GEMM_BK + BM * LILY_MOE_GEMM_PAD];
+  // [BK][B_STRIDE]; after the K loop, also the gate and up output tiles [BM][B_STRIDE]
+  threadgroup float gate_tile[LILY_MOE_GEMM_BK * LILY_MOE_GEMM_BN + LILY_MOE_GEMM_BK * LILY_MOE_GEMM_PAD];
+  threadgroup float up_tile[LILY_MOE_GEMM_BK * LILY_MOE_GEMM_BN + LILY_MOE_GEMM_BK * LILY_MOE_GEMM_PAD];
+  threadgroup uint row_src[BM];
+  static_assert(BM <= int(GEMM_BK), "the output tiles reuse the weight tiles");
+  const uint tile = group.y;
+  if (tile >= tile_count[0]) {
+    return;  // past the block map: the whole threadgroup leaves before any barrier
+  }
+  const uint expert = tile_map[tile * 4];
+  const uint first = tile_map[tile * 4 + 1];
+  const uint rows = tile_map[tile * 4 + 2];
+  const uint n0 = group.x * GEMM_BN;
+  const uint hidden_size = args.hidden_size;
+  const uint expert_size = args.expert_size;
+  for (uint m = tid; m < uint(BM); m += GEMM_THREADS) {
+    row_src[m] = m < rows ? sorted_pairs[first + m] / args.top_k : MOE_NO_ROW;  // token row of the pair
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  const size_t w_offset = size_t(expert) * expert_size * (hidden_size / 8);
+  const size_t s_offset = size_t(expert) * expert_size * (hidden_size / 64);
+  const uint row0 = (simd_group / MoeTile<BM>::SIMD_COLS) * 16;
+  const uint col0 = (simd_group % MoeTile<BM>::SIMD_COLS) * MoeTile<BM>::COLS;
+  simdgroup_float8x8 gate_acc[2 * MoeTile<BM>::FRAGS_N];
+  simdgroup_float8x8 up_acc[2 * MoeTile<BM>::FRAGS_N];
+  for (uint f = 0; f < uint(2 * MoeTile<BM>::FRAGS_N); ++f) {
+    gate_acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    up_acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  for (uint k0 = 0; k0 < hidden_size; k0 += GEMM_BK) {
+    moe_load_rows<T, BM>(a_tile, x, row_src, hidden_size, k0, tid);
+    // Simdgroups 0-1 dequantise the gate rows, 2-3 the up rows (uniform per simdgroup): one row per thread.
+    if (tid < GEMM_BN) {
+      moe_load_weight_row(gate_tile, gate_weight + w_offset, gate_scales + s_offset, gate_biases + s_offset,
+                          hidden_size, n0, tid, k0, 0, GEMM_BK / 8);
+    } else {
+      moe_load_weight_row(up_tile, up_weight + w_offset, up_scales + s_offset, up_biases + s_offset, hidden_size, n0,
+                          tid - GEMM_BN, k0, 0, GEMM_BK / 8);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    moe_mma<BM>(gate_acc, a_tile, gate_tile, row0, col0);
+    moe_mma<BM>(up_acc, a_tile, up_tile, row0, col0);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  moe_store_acc<BM>(gate_tile, gate_acc, row0, col0);
+  moe_store_acc<BM>(up_tile, up_acc, row0, col0);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // Only the tile's own rows: the rows after them in sorted order belong to the next tile or expert.
+  for (uint i = tid; i < rows * GEMM_BN; i += GEMM_THREADS) {
+    const uint m = i / GEMM_BN;
+    const uint n = i % GEMM_BN;
+    const float gate = gate_tile[m * B_STRIDE + n];
+    hidden[size_t(first + m) * expert_size + n0 + n] = T(moe_prefill_silu(gate) * up_tile[m * B_STRIDE + n]);
+  }
+}
+
+// Grid: (H / 64, max_tiles) threadgroups of 128 threads.
+template <typename T, typename S, int BM>
+[[kernel]] void moe_gemm_down(constant lily::MoeArgs& args [[buffer(0)]],
+                              device const T* hidden [[buffer(1)]],
+                              device const uint* sorted_pairs [[buffer(2)]],
+                              device const uint* tile_map [[buffer(3)]],
+                              device const uint* tile_count [[buffer(4)]],
+                              device const float* expert_weights [[buffer(5)]],
+                              device const uint* down_weight [[buffer(6)]],
+                              device const S* down_scales [[buffer(7)]],
+                              device const S* down_biases [[buffer(8)]],
+                              device T* expert_out [[buffer(9)]],
+                              uint2 group [[threadgroup_position_in_grid]],
+                              uint tid [[thread_index_in_threadgroup]],
+                              uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float a_tile[BM * LILY_MOE_GEMM_BK + BM * LILY_MOE_GEMM_PAD];
+  // [BK][B_STRIDE]; after the K loop, also the output tile [BM][B_STRIDE]
+  threadgroup float b_tile[LILY_MOE_GEMM_BK * LILY_MOE_GEMM_BN + LILY_MOE_GEMM_BK * LILY_MOE_GEMM_PAD];
+  threadgroup uint row_src[BM];
+  static_assert(BM <= int(GEMM_BK), "the output tile reuses the weight tile");
+  const uint tile = group.y;
+  if (tile >= tile_count[0]) {
+    return;
+  }
+  const uint expert = tile_map[tile * 4];
+  const uint first = tile_map[tile * 4 + 1];
+  const uint rows = tile_map[tile * 4 + 2];
+  const uint n0 = group.x * GEMM_BN;
+  const uint hidden_size = args.hidden_size;
+  const uint expert_size = args.expert_size;
+  for (uint m = tid; m < uint(BM); m += GEMM_THREADS) {
+    row_src[m] = m < rows ? first + m : MOE_NO_ROW;  // h is already in sorted order
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  const size_t w_offset = size_t(expert) * hidden_size * (expert_size / 8);
+  const size_t s_offset = size_t(expert) * hidden_size * (expert_size / 64);
+  const uint row0 = (simd_group / MoeTile<BM>::SIMD_COLS) * 16;
+  const uint col0 = (simd_group % MoeTile<BM>::SIMD_COLS) * MoeTile<BM>::COLS;
+  simdgroup_float8x8 acc[2 * MoeTile<BM>::FRAGS_N];
+  for (uint f = 0; f < uint(2 * MoeTile<BM>::FRAGS_N); ++f) {
+    acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  for (uint k0 = 0; k0 < expert_size; k0 += GEMM_BK) {
+    moe_load_rows<T, BM>(a_tile, hidden, row_src, expert_size, k0, tid);
+    // Two threads per weight row, half of its BK/8 words each; the 32 lanes of a simdgroup take 32 consecutive rows.
+    moe_load_weight_row(b_tile, down_weight + w_offset, down_scales + s_offset, down_biases + s_offset, expert_size,
+                        n0, tid % GEMM_BN, k0, (tid / GEMM_BN) * (GEMM_BK / 16), GEMM_BK / 16);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    moe_mma<BM>(acc, a_tile, b_tile, row0, col0);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  moe_store_acc<BM>(b_tile, acc, row0, col0);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint i = tid; i < rows * GEMM_BN; i += GEMM_THREADS) {
+    const uint m = i / GEMM_BN;
+    const uint n = i % GEMM_BN;
+    const uint pair = sorted_pairs[first + m];
+    expert_out[size_t(pair) * hidden_size + n0 + n] = T(b_tile[m * B_STRIDE + n] * expert_weights[pair]);
+  }
+}
+
+// Grid: (ceil(H / threads), T) threadgroups of any size; one thread per output element.
+template <typename T>
+[[kernel]] void moe_combine(constant lily::MoeArgs& args [[buffer(0)]],
+                            device const T* expert_out [[buffer(1)]],
+                            device const T* shared_out [[buffer(2)]],
+                            device const float* shared_gate_logit [[buffer(3)]],
+                            device const T* residual [[buffer(4)]],
+                            device T* out [[buffer(5)]],
+                            uint2 group [[threadgroup_position_in_grid]],
+                            uint tid [[thread_index_in_threadgroup]],
+                            uint n_threads [[threads_per_threadgroup]]) {
+  const uint hidden_size = args.hidden_size;
+  const uint column = group.x * n_threads + tid;
+  if (column >= hidden_size) {
+    return;
+  }
+  const size_t row = group.y;
+  float total = 0.0f;
+  for (uint slot = 0; slot < args.top_k; ++slot) {  // slot order: the same bits for any schedule
+    total += float(expert_out[(row * args.top_k + slot) * hidden_size + column]);
+  }
+  total += moe_prefill_sigmoid(shared_gate_logit[row]) * float(shared_out[row * hidden_size + column]);
+  // Read and write by the same thread: out may alias residual.
+  out[row * hidden_size + column] = T(float(residual[row * hidden_size + column]) + total);
+}
+
+LILY_INSTANTIATE_KERNEL("moe_sort_count_u32", moe_sort_count, uint)
+LILY_INSTANTIATE_KERNEL("moe_sort_scan_u32", moe_sort_scan, uint)
+LILY_INSTANTIATE_KERNEL("moe_sort_scatter_u32", moe_sort_scatter, uint)
+LILY_INSTANTIATE_KERNEL("moe_gemm_gate_up_f32_bm16", moe_gemm_gate_up, float, bfloat, 16)
+LILY_INSTANTIATE_KERNEL("moe_gemm_gate_up_f16_bm16", moe_gemm_gate_up, half, bfloat, 16)
+LILY_INSTANTIATE_KERNEL("moe_gemm_gate_up_bf16_bm16", moe_gemm_gate_up, bfloat, bfloat, 16)
+LILY_INSTANTIATE_KERNEL("moe_gemm_gate_up_f32_sf32_bm16", moe_gemm_gate_up, float, float, 16)
+LILY_INSTANTIATE_KERNEL("moe_gemm_gate_up_f16_sf32_bm16", moe_gemm_gate_up, half, float, 16)
+LILY_INSTANTIATE_KERNEL("moe_gemm_gate_up_bf16_sf32_bm16", moe_gemm_gate_up, bfloat, float, 16)
+LILY_INSTANTIATE_KERNEL("moe_gemm_gate_up_f32_bm32", moe_gemm_gate_up, float, bfloat, 32)
+LILY_INSTANTIATE_KERNEL("moe_gemm_gate_up_f16_bm32", moe_gemm_gate_up, half, bfloat, 32)
+LILY_INSTANTIATE_KERNEL("moe_gemm_gate_up_bf16_bm32", moe_gemm_gate_up, bfloat, bfloat, 32)
+LILY_INSTANTIATE_KERNEL("moe_gemm_gate_up_f32_sf32_bm32", moe_gemm_gate_up, float, float, 32)
+LILY_INSTANTIATE_KERNEL("moe_gemm_gate_up_f16_sf32_bm32", moe_gemm_gate_up, half, float, 32)
+LILY_INSTANTIATE_KERNEL("moe_gemm_gate_up_bf16_sf32_bm32", moe_gemm_gate_up, bfloat, float, 32)
+LILY_INSTANTIATE_KERNEL("moe_gemm_down_f32_bm16", moe_gemm_down, float, bfloat, 16)
+LILY_INSTANTIATE_KERNEL("moe_gemm_down_f16_bm16", moe_gemm_down, half, bfloat, 16)
+LILY_INSTANTIATE_KERNEL("moe_gemm_down_bf16_bm16", moe_gemm_down, bfloat, bfloat, 16)
+LILY_INSTANTIATE_KERNEL("moe_gemm_down_f32_sf32_bm16", moe_gemm_down, float, float, 16)
+LILY_INSTANTIATE_KERNEL("moe_gemm_down_f16_sf32_bm16", moe_gemm_down, half, float, 16)
+LILY_INSTANTIATE_KERNEL("moe_gemm_down_bf16_sf32_bm16", moe_gemm_down, bfloat, float, 16)
+LILY_INSTANTIATE_KERNEL("moe_gemm_down_f32_bm32", moe_gemm_down, float, bfloat, 32)
+LILY_INSTANTIATE_KERNEL("moe_gemm_down_f16_bm32", moe_gemm_down, half, bfloat, 32)
+LILY_INSTANTIATE_KERNEL("moe_gemm_down_bf16_bm32", moe_gemm_down, bfloat, bfloat, 32)
+LILY_INSTANTIATE_KERNEL("moe_gemm_down_f32_sf32_bm32", moe_gemm_down, float, float, 32)
+LILY_INSTANTIATE_KERNEL("moe_gemm_down_f16_sf32_bm32", moe_gemm_down, half, float, 32)
+LILY_INSTANTIATE_KERNEL("moe_gemm_down_bf16_sf32_bm32", moe_gemm_down, bfloat, float, 32)
+LILY_INSTANTIATE_KERNEL("moe_combine_f32", moe_combine, float)
+LILY_INSTANTIATE_KERNEL("moe_combine_f16", moe_combine, half)
+LILY_INSTANTIATE_KERNEL("moe_combine_bf16", moe_combine, bfloat)

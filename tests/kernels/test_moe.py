@@ -1,0 +1,291 @@
+"""metal/moe.metal (decode MoE) through the CPU harness, against lily.reference.moe_route / swiglu_experts / moe.
+
+Shapes keep the model's structure (up to 256 experts, top-k up to 8, a shared expert of its own width) at small
+sizes: H = 128 (half the lanes idle), 256 (one K step) and 320 (a partial second K step), I and Is multiples of 64
+with Is != I. The routed expert ids are read from the buffer moe_route wrote. Outputs start NaN-poisoned.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lily import reference
+from lily._ext import msl
+
+from moe_helpers import (
+    assert_close_dot,
+    moe_args,
+    quantized_weight,
+    sigmoid64,
+    silu64,
+)
+
+DTYPES = ["f32", "f16", "bf16"]
+# (activation dtype, scale/bias dtype) -> host name
+GATE_UP = {
+    ("f32", "bf16"): "moe_gate_up_swiglu_f32",
+    ("f16", "bf16"): "moe_gate_up_swiglu_f16",
+    ("bf16", "bf16"): "moe_gate_up_swiglu_bf16",
+    ("f32", "f32"): "moe_gate_up_swiglu_f32_sf32",
+    ("f16", "f32"): "moe_gate_up_swiglu_f16_sf32",
+    ("bf16", "f32"): "moe_gate_up_swiglu_bf16_sf32",
+}
+DOWN = {
+    ("f32", "bf16"): "moe_down_combine_f32",
+    ("f16", "bf16"): "moe_down_combine_f16",
+    ("bf16", "bf16"): "moe_down_combine_bf16",
+    ("f32", "f32"): "moe_down_combine_f32_sf32",
+    ("f16", "f32"): "moe_down_combine_f16_sf32",
+    ("bf16", "f32"): "moe_down_combine_bf16_sf32",
+}
+# Every kernel on the smallest shape; the other shapes with the checkpoints' bf16 scales.
+VARIANTS = [(dtype, scales, 0) for dtype in DTYPES for scales in ("bf16", "f32")] + [
+    (dtype, "bf16", shape) for dtype in DTYPES for shape in (1, 2)
+]
+VARIANT_IDS = [f"{d}-s{s}-shape{i}" for d, s, i in VARIANTS]
+GEMV_THREADS = 64  # 2 simdgroups x 4 rows (LILY_MOE_GEMV_*)
+GEMV_ROWS = 8
+# (E, k, H, I, Is)
+SHAPES = [(16, 4, 128, 64, 128), (64, 8, 256, 128, 64), (32, 5, 320, 64, 64)]
+
+
+def route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """moe_route_f32 over every row of `logits` [T, E]: ids [T, k] uint32, weights [T, k] f32."""
+    rows, num_experts = logits.shape
+    ids = np.full((rows, k), 0xFFFFFFFF, np.uint32)
+    weights = np.full((rows, k), np.nan, np.float32)
+    msl.dispatch(
+        "moe_route_f32",
+        [moe_args(rows, num_experts, k, 0, 0), np.ascontiguousarray(logits, np.float32), ids, weights],
+        (rows, 1, 1),
+        (32, 1, 1),
+    )
+    return ids, weights
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("num_experts,k", [(256, 8), (64, 8), (40, 16), (33, 5), (16, 4), (8, 8), (1, 1)])
+def test_moe_route(num_experts: int, k: int, rows: int, kio) -> None:
+    rng = np.random.default_rng(100 * num_experts + 10 * k + rows)
+    logits = (rng.standard_normal((rows, num_experts)) * 2.0).astype(np.float32)
+    ids, weights = route(logits, k)
+    expected_ids, expected_weights = reference.moe_route(logits, k)
+    assert np.array_equal(ids.astype(np.int64), expected_ids), f"ids {ids.tolist()} != {expected_ids.tolist()}"
+    kio.assert_close(weights, expected_weights, "f32", f"routing weights E={num_experts} k={k}")
+
+
+def test_moe_route_ties_go_to_lower_expert(kio) -> None:
+    """Logits drawn from three values: most probabilities tie, and the lower expert id must win every tie."""
+    rng = np.random.default_rng(3)
+    logits = rng.integers(0, 3, (4, 64)).astype(np.float32)
+    logits[3] = 0.0  # all equal: experts 0..k-1
+    ids, weights = route(logits, 8)
+    expected_ids, expected_weights = reference.moe_route(logits, 8)
+    assert np.array_equal(ids.astype(np.int64), expected_ids)
+    assert list(ids[3]) == list(range(8))
+    kio.assert_close(weights, expected_weights, "f32", "tied routing weights")
+
+
+def test_moe_route_large_logits(kio) -> None:
+    """Logits in the hundreds: the softmax must subtract the row max (exp would overflow otherwise)."""
+    rng = np.random.default_rng(4)
+    logits = (300.0 + rng.standard_normal((2, 128)) * 5.0).astype(np.float32)
+    ids, weights = route(logits, 8)
+    expected_ids, expected_weights = reference.moe_route(logits, 8)
+    assert np.array_equal(ids.astype(np.int64), expected_ids)
+    kio.assert_close(weights, expected_weights, "f32", "large logits")
+
+
+class DecodeLayer:
+    """One MoE layer's quantized weights (routed experts stacked, shared expert separate)."""
+
+    def __init__(self, rng: np.random.Generator, num_experts: int, hidden: int, expert: int, shared: int, kio,
+                 scales: str = "bf16"):
+        self.scales = scales
+        self.gate = quantized_weight(rng, (num_experts, expert, hidden), kio, scales)
+        self.up = quantized_weight(rng, (num_experts, expert, hidden), kio, scales)
+        self.down = quantized_weight(rng, (num_experts, hidden, expert), kio, scales)
+        self.shared_gate = quantized_weight(rng, (shared, hidden), kio, scales)
+        self.shared_up = quantized_weight(rng, (shared, hidden), kio, scales)
+        self.shared_down = quantized_weight(rng, (hidden, shared), kio, scales)
+
+
+def gate_up(layer: DecodeLayer, args: bytes, x: np.ndarray, ids: np.ndarray, k: int, expert: int, shared: int,
+            dtype: str) -> np.ndarray:
+    hidden = np.full(k * expert + shared, np.nan, np.float32)
+    buffers = [args, x, ids, *layer.gate.buffers(), *layer.up.buffers(), *layer.shared_gate.buffers(),
+               *layer.shared_up.buffers(), hidden]
+    grid = (-(-max(expert, shared) // GEMV_ROWS), k + 1, 1)
+    msl.dispatch(GATE_UP[dtype, layer.scales], buffers, grid, (GEMV_THREADS, 1, 1))
+    return hidden
+
+
+def down_combine(layer: DecodeLayer, args: bytes, hidden_act: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                 gate_logit: np.ndarray, residual: np.ndarray, out: np.ndarray, dtype: str, hidden: int) -> None:
+    buffers = [args, hidden_act, ids, weights, *layer.down.buffers(), *layer.shared_down.buffers(), gate_logit,
+               residual, out]
+    msl.dispatch(DOWN[dtype, layer.scales], buffers, (hidden // GEMV_ROWS, 1, 1), (GEMV_THREADS, 1, 1))
+
+
+@pytest.mark.parametrize("dtype,scales,shape_index", VARIANTS, ids=VARIANT_IDS)
+def test_moe_gate_up_swiglu(dtype: str, scales: str, shape_index: int, kio) -> None:
+    shape = SHAPES[shape_index]
+    num_experts, k, hidden, expert, shared = shape
+    rng = np.random.default_rng(hidden + 7 * k + DTYPES.index(dtype) + 100 * (scales == "f32"))
+    layer = DecodeLayer(rng, num_experts, hidden, expert, shared, kio, scales)
+    x = kio.to_device(rng.standard_normal(hidden), dtype)
+    ids = rng.choice(num_experts, k, replace=False).astype(np.uint32)
+    out = gate_up(layer, moe_args(1, num_experts, k, hidden, expert, shared), x, ids, k, expert, shared, dtype)
+
+    xs = kio.to_f64(x, dtype)
+    expected = []
+    for slot, e in enumerate(ids):
+        g = reference.linear(xs, layer.gate.dense[e]).astype(np.float64)
+        u = reference.linear(xs, layer.up.dense[e]).astype(np.float64)
+        expected.append(silu64(g) * u)
+    g = reference.linear(xs, layer.shared_gate.dense).astype(np.float64)
+    u = reference.linear(xs, layer.shared_up.dense).astype(np.float64)
+    expected.append(silu64(g) * u)
+    # The hidden scratch is fp32 in both modes.
+    assert_close_dot(kio, out, np.concatenate(expected), "f32", f"gate/up SwiGLU {dtype} scales {scales} {shape}")
+
+
+@pytest.mark.parametrize("dtype,scales,shape_index", VARIANTS, ids=VARIANT_IDS)
+def test_moe_down_combine(dtype: str, scales: str, shape_index: int, kio) -> None:
+    shape = SHAPES[shape_index]
+    num_experts, k, hidden, expert, shared = shape
+    rng = np.random.default_rng(3 * hidden + k + DTYPES.index(dtype) + 100 * (scales == "f32"))
+    layer = DecodeLayer(rng, num_experts, hidden, expert, shared, kio, scales)
+    h = rng.standard_normal(k * expert + shared).astype(np.float32)
+    ids = rng.choice(num_experts, k, replace=False).astype(np.uint32)
+    weights = rng.dirichlet(np.ones(k)).astype(np.float32)
+    gate_logit = np.array([rng.standard_normal()], np.float32)
+    residual = kio.to_device(rng.standard_normal(hidden) * 2.0, dtype)
+    out = kio.poisoned((hidden,), dtype)
+    args = moe_args(1, num_experts, k, hidden, expert, shared)
+    down_combine(layer, args, h, ids, weights, gate_logit, residual, out, dtype, hidden)
+
+    total = kio.to_f64(residual, dtype).copy()
+    for slot, e in enumerate(ids):
+        y = reference.linear(h[slot * expert : (slot + 1) * expert], layer.down.dense[e]).astype(np.float64)
+        total += float(weights[slot]) * y
+    y_shared = reference.linear(h[k * expert :], layer.shared_down.dense).astype(np.float64)
+    total += sigmoid64(gate_logit[0]) * y_shared
+    assert_close_dot(kio, kio.to_f64(out, dtype), kio.round(total, dtype), dtype, f"down+combine {dtype} scales {scales} {shape}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_down_combine_in_place(dtype: str, kio) -> None:
+    """out may alias residual: the residual stream is updated in place."""
+    num_experts, k, hidden, expert, shared = 16, 4, 128, 64, 64
+    rng = np.random.default_rng(21)
+    layer = DecodeLayer(rng, num_experts, hidden, expert, shared, kio)
+    h = rng.standard_normal(k * expert + shared).astype(np.float32)
+    ids = np.array([3, 0, 15, 7], np.uint32)
+    weights = rng.dirichlet(np.ones(k)).astype(np.float32)
+    gate_logit = np.array([-0.7], np.float32)
+    residual = kio.to_device(rng.standard_normal(hidden), dtype)
+    separate = kio.poisoned((hidden,), dtype)
+    args = moe_args(1, num_experts, k, hidden, expert, shared)
+    down_combine(layer, args, h, ids, weights, gate_logit, residual, separate, dtype, hidden)
+    down_combine(layer, args, h, ids, weights, gate_logit, residual, residual, dtype, hidden)
+    assert np.array_equal(residual, separate)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_decode_matches_reference_moe(dtype: str, kio) -> None:
+    """route -> gate/up -> down+combine, fed by GPU buffers only, against residual + lily.reference.moe."""
+    num_experts, k, hidden, expert, shared = 64, 8, 256, 64, 128
+    rng = np.random.default_rng(40 + DTYPES.index(dtype))
+    layer = DecodeLayer(rng, num_experts, hidden, expert, shared, kio)
+    router = (rng.standard_normal((num_experts, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    shared_gate_w = (rng.standard_normal((1, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    x = kio.to_device(rng.standard_normal(hidden), dtype)
+    residual = kio.to_device(rng.standard_normal(hidden), dtype)
+    xs = kio.to_f64(x, dtype).astype(np.float32)[None]
+
+    # The router and shared-gate GEMVs belong to the qmatmul family: their fp32 logits are this test's inputs.
+    ids, weights = route(reference.linear(xs, router), k)
+    gate_logit = reference.linear(xs, shared_gate_w)[0]
+    args = moe_args(1, num_experts, k, hidden, expert, shared)
+    hidden_act = gate_up(layer, args, x, ids[0], k, expert, shared, dtype)
+    out = kio.poisoned((hidden,), dtype)
+    down_combine(layer, args, hidden_act, ids[0], weights[0], gate_logit, residual, out, dtype, hidden)
+
+    weights_by_name = {
+        "gate.weight": router,
+        "switch_mlp.gate_proj.weight": layer.gate.tensor,
+        "switch_mlp.up_proj.weight": layer.up.tensor,
+        "switch_mlp.down_proj.weight": layer.down.tensor,
+        "shared_expert.gate_proj.weight": layer.shared_gate.tensor,
+        "shared_expert.up_proj.weight": layer.shared_up.tensor,
+        "shared_expert.down_proj.weight": layer.shared_down.tensor,
+        "shared_expert_gate.weight": shared_gate_w,
+    }
+    expected = kio.to_f64(residual, dtype) + reference.moe(xs, weights_by_name, num_experts_per_tok=k)[0]
+    assert_close_dot(kio, kio.to_f64(out, dtype), kio.round(expected, dtype), dtype, f"decode MoE {dtype}")
+
+
+def test_moe_route_nan_row_keeps_ids_valid() -> None:
+    """A NaN logit makes the row's softmax NaN: ids stay valid expert indices (no out-of-range weight reads in the
+    expert kernels) and every weight is NaN, so the fault reaches the layer output instead of being hidden."""
+    logits = np.random.default_rng(5).standard_normal((2, 40)).astype(np.float32)
+    logits[1, 17] = np.nan
+    ids, weights = route(logits, 6)
+    assert np.array_equal(ids[0].astype(np.int64), reference.moe_route(logits[:1], 6)[0][0])
+    assert not np.isnan(weights[0]).any()
+    assert (ids[1] < 40).all() and len(set(ids[1].tolist())) == 6, f"ids {ids[1].tolist()}"
+    assert np.isnan(weights[1]).all()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_moe_decode_model_width(dtype: str, kio) -> None:
+    """The model's H = 2048, I = Is = 512 and k = 8 (16 experts instead of 256 to keep the test small): 8 K steps for
+    gate/up, 2 for down, 64 threadgroups per slot."""
+    num_experts, k, hidden, expert, shared = 16, 8, 2048, 512, 512
+    rng = np.random.default_rng(80 + DTYPES.index(dtype))
+    layer = DecodeLayer(rng, num_experts, hidden, expert, shared, kio)
+    x = kio.to_device(rng.standard_normal(hidden), dtype)
+    residual = kio.to_device(rng.standard_normal(hidden), dtype)
+    ids = rng.choice(num_experts, k, replace=False).astype(np.uint32)
+    weights = rng.dirichlet(np.ones(k)).astype(np.float32)
+    gate_logit = np.array([0.3], np.float32)
+    args = moe_args(1, num_experts, k, hidden, expert, shared)
+    hidden_act = gate_up(layer, args, x, ids, k, expert, shared, dtype)
+    out = kio.poisoned((hidden,), dtype)
+    down_combine(layer, args, hidden_act, ids, weights, gate_logit, residual, out, dtype, hidden)
+
+    xs = kio.to_f64(x, dtype).astype(np.float32)[None]
+    routed = reference.swiglu_experts(
+        xs, layer.gate.tensor, layer.up.tensor, layer.down.tensor, ids[None].astype(np.int64), weights[None]
+    )
+    shared_y = reference.swiglu(xs, layer.shared_gate.tensor, layer.shared_up.tensor, layer.shared_down.tensor)
+    expected = kio.to_f64(residual, dtype) + routed[0] + sigmoid64(gate_logit[0]) * shared_y[0]
+    assert_close_dot(kio, kio.to_f64(out, dtype), kio.round(expected, dtype), dtype, f"model width {dtype}")
+
+
+def test_moe_decode_independent_of_schedule(kio) -> None:
+    """Every lane's partial sums and the simd_sum order are fixed: the bits do not depend on the fiber schedule."""
+    num_experts, k, hidden, expert, shared = 16, 4, 256, 64, 64
+    rng = np.random.default_rng(90)
+    layer = DecodeLayer(rng, num_experts, hidden, expert, shared, kio)
+    x = kio.to_device(rng.standard_normal(hidden), "bf16")
+    ids = np.array([2, 9, 0, 15], np.uint32)
+    weights = rng.dirichlet(np.ones(k)).astype(np.float32)
+    args = moe_args(1, num_experts, k, hidden, expert, shared)
+    results = []
+    for seed, random_schedule in ((0, False), (1, True), (2, True)):
+        hidden_act = np.full(k * expert + shared, np.nan, np.float32)
+        buffers = [args, x, ids, *layer.gate.buffers(), *layer.up.buffers(), *layer.shared_gate.buffers(),
+                   *layer.shared_up.buffers(), hidden_act]
+        msl.dispatch("moe_gate_up_swiglu_bf16", buffers, (expert // GEMV_ROWS, k + 1, 1), (GEMV_THREADS, 1, 1),
+                     random_schedule=random_schedule, seed=seed)
+        out = kio.poisoned((hidden,), "bf16")
+        buffers = [args, hidden_act, ids, weights, *layer.down.buffers(), *layer.shared_down.buffers(),
+                   np.array([0.1], np.float32), x, out]
+        msl.dispatch("moe_down_combine_bf16", buffers, (hidden // GEMV_ROWS, 1, 1), (GEMV_THREADS, 1, 1),
+                     random_schedule=random_schedule, seed=seed)
+        results.append((hidden_act, out))
+    for hidden_act, out in results[1:]:
+        assert np.array_equal(hidden_act, results[0][0]) and np.array_equal(out, results[0][1])

@@ -1,0 +1,354 @@
+"""metal/moe_prefill.metal (prefill MoE) through the CPU harness.
+
+The GPU routing pipeline (moe_route_f32 -> moe_sort_count -> moe_sort_scan -> moe_sort_scatter) is checked exactly
+against a numpy construction of the expert offsets, the sorted (token, slot) order and the block map. Router logits
+are built to force rows per expert 0, 1, 15, 16, 17, 31, 32, 33 (both tile sizes' boundaries), and a random routing
+at the model's E/k ratio spans two sort blocks. The grouped GEMMs are compared with lily.reference.linear on the
+dequantized expert weights (each stage on the previous stage's kernel output, rounded as stored), and the whole
+chain with residual + lily.reference.moe. Outputs start NaN-poisoned.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lily import reference
+from lily._ext import msl
+
+from moe_helpers import (
+    assert_close_dot,
+    logits_for_routing,
+    moe_args,
+    quantized_weight,
+    routing_for_counts,
+    sigmoid64,
+    silu64,
+)
+
+DTYPES = ["f32", "f16", "bf16"]
+SORT_BLOCK = 256  # LILY_MOE_SORT_BLOCK
+GEMM_BN = 64  # LILY_MOE_GEMM_BN
+GEMM_THREADS = 128
+# (activation dtype, scale/bias dtype, bm) -> host name
+GATE_UP = {
+    ("f32", "bf16", 16): "moe_gemm_gate_up_f32_bm16",
+    ("f32", "bf16", 32): "moe_gemm_gate_up_f32_bm32",
+    ("f32", "f32", 16): "moe_gemm_gate_up_f32_sf32_bm16",
+    ("f32", "f32", 32): "moe_gemm_gate_up_f32_sf32_bm32",
+    ("f16", "bf16", 16): "moe_gemm_gate_up_f16_bm16",
+    ("f16", "bf16", 32): "moe_gemm_gate_up_f16_bm32",
+    ("f16", "f32", 16): "moe_gemm_gate_up_f16_sf32_bm16",
+    ("f16", "f32", 32): "moe_gemm_gate_up_f16_sf32_bm32",
+    ("bf16", "bf16", 16): "moe_gemm_gate_up_bf16_bm16",
+    ("bf16", "bf16", 32): "moe_gemm_gate_up_bf16_bm32",
+    ("bf16", "f32", 16): "moe_gemm_gate_up_bf16_sf32_bm16",
+    ("bf16", "f32", 32): "moe_gemm_gate_up_bf16_sf32_bm32",
+}
+DOWN = {
+    ("f32", "bf16", 16): "moe_gemm_down_f32_bm16",
+    ("f32", "bf16", 32): "moe_gemm_down_f32_bm32",
+    ("f32", "f32", 16): "moe_gemm_down_f32_sf32_bm16",
+    ("f32", "f32", 32): "moe_gemm_down_f32_sf32_bm32",
+    ("f16", "bf16", 16): "moe_gemm_down_f16_bm16",
+    ("f16", "bf16", 32): "moe_gemm_down_f16_bm32",
+    ("f16", "f32", 16): "moe_gemm_down_f16_sf32_bm16",
+    ("f16", "f32", 32): "moe_gemm_down_f16_sf32_bm32",
+    ("bf16", "bf16", 16): "moe_gemm_down_bf16_bm16",
+    ("bf16", "bf16", 32): "moe_gemm_down_bf16_bm32",
+    ("bf16", "f32", 16): "moe_gemm_down_bf16_sf32_bm16",
+    ("bf16", "f32", 32): "moe_gemm_down_bf16_sf32_bm32",
+}
+COMBINE = {"f32": "moe_combine_f32", "f16": "moe_combine_f16", "bf16": "moe_combine_bf16"}
+# Rows per expert at every tile boundary; the remaining experts share what is left of T·k.
+BOUNDARY_COUNTS = [0, 1, 15, 16, 17, 31, 32, 33]
+
+
+def boundary_counts(num_experts: int, num_rows: int, top_k: int) -> list[int]:
+    rest = num_rows * top_k - sum(BOUNDARY_COUNTS)
+    others = num_experts - len(BOUNDARY_COUNTS)
+    fill = [rest // others + (1 if i < rest % others else 0) for i in range(others)]
+    counts = BOUNDARY_COUNTS + fill
+    order = np.random.default_rng(num_experts).permutation(num_experts)  # boundary experts at scattered ids
+    return [counts[i] for i in np.argsort(order)]
+
+
+def max_tiles(num_pairs: int, num_experts: int, tile_rows: int) -> int:
+    """The grid bound of the grouped GEMM: sum_e ceil(count_e / bm) <= ceil(T·k / bm) + min(E, T·k)."""
+    return -(-num_pairs // tile_rows) + min(num_experts, num_pairs)
+
+
+def numpy_block_map(ids: np.ndarray, num_experts: int, tile_rows: int):
+    """Expected (expert_offsets [E+1], sorted_pairs [T·k], tile_map [tiles, 4]) built directly in numpy."""
+    flat = ids.reshape(-1)
+    counts = np.bincount(flat, minlength=num_experts)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
+    sorted_pairs = np.argsort(flat, kind="stable").astype(np.uint32)
+    tiles = []
+    for e in range(num_experts):
+        for first in range(0, counts[e], tile_rows):
+            tiles.append((e, offsets[e] + first, min(tile_rows, counts[e] - first), 0))
+    return offsets, sorted_pairs, np.array(tiles, np.uint32).reshape(-1, 4)
+
+
+class Routing:
+    """The GPU routing pipeline's buffers for one chunk."""
+
+    def __init__(self, logits: np.ndarray, top_k: int, tile_rows: int, seed: int = 0):
+        num_rows, num_experts = logits.shape
+        self.num_rows, self.num_experts, self.top_k, self.tile_rows = num_rows, num_experts, top_k, tile_rows
+        pairs = num_rows * top_k
+        self.max_tiles = max_tiles(pairs, num_experts, tile_rows)
+        blocks = -(-pairs // SORT_BLOCK)
+        self.args = moe_args(num_rows, num_experts, top_k, 0, 0, 0, tile_rows, self.max_tiles)
+        self.ids = np.full((num_rows, top_k), 0xFFFFFFFF, np.uint32)
+        self.weights = np.full((num_rows, top_k), np.nan, np.float32)
+        self.block_counts = np.full((blocks, num_experts), 0xFFFFFFFF, np.uint32)
+        self.expert_offsets = np.full(num_experts + 1, 0xFFFFFFFF, np.uint32)
+        self.tile_map = np.full((self.max_tiles, 4), 0xFFFFFFFF, np.uint32)
+        self.tile_count = np.full(1, 0xFFFFFFFF, np.uint32)
+        self.sorted_pairs = np.full(pairs, 0xFFFFFFFF, np.uint32)
+
+        logits = np.ascontiguousarray(logits, np.float32)
+        msl.dispatch("moe_route_f32", [self.args, logits, self.ids, self.weights], (num_rows, 1, 1), (32, 1, 1),
+                     seed=seed)
+        msl.dispatch("moe_sort_count_u32", [self.args, self.ids, self.block_counts], (blocks, 1, 1),
+                     (SORT_BLOCK, 1, 1), seed=seed)
+        msl.dispatch(
+            "moe_sort_scan_u32",
+            [self.args, self.block_counts, self.expert_offsets, self.tile_map, self.tile_count],
+            (1, 1, 1),
+            (256, 1, 1),
+            seed=seed,
+        )
+        msl.dispatch(
+            "moe_sort_scatter_u32",
+            [self.args, self.ids, self.block_counts, self.expert_offsets, self.sorted_pairs],
+            (blocks, 1, 1),
+            (SORT_BLOCK, 1, 1),
+            seed=seed,
+        )
+
+    def check_exact(self) -> None:
+        offsets, sorted_pairs, tiles = numpy_block_map(self.ids.astype(np.int64), self.num_experts, self.tile_rows)
+        assert np.array_equal(self.expert_offsets, offsets), "expert offsets"
+        assert np.array_equal(self.sorted_pairs, sorted_pairs), "sorted (token, slot) order"
+        assert int(self.tile_count[0]) == len(tiles) <= self.max_tiles, f"tile count {self.tile_count[0]}"
+        assert np.array_equal(self.tile_map[: len(tiles)], tiles), "block map"
+
+
+def forced_chunk(num_experts: int, num_rows: int, top_k: int, seed: int):
+    rng = np.random.default_rng(seed)
+    ids = routing_for_counts(rng, boundary_counts(num_experts, num_rows, top_k), num_rows, top_k)
+    return ids, logits_for_routing(rng, ids, num_experts)
+
+
+@pytest.mark.parametrize("tile_rows", [16, 32])
+def test_routing_forced_counts_exact(tile_rows: int) -> None:
+    num_experts, num_rows, top_k = 16, 48, 4
+    ids, logits = forced_chunk(num_experts, num_rows, top_k, seed=tile_rows)
+    routing = Routing(logits, top_k, tile_rows)
+    expected_ids, expected_weights = reference.moe_route(logits, top_k)
+    assert np.array_equal(routing.ids.astype(np.int64), ids) and np.array_equal(expected_ids, ids)
+    np.testing.assert_allclose(routing.weights, expected_weights, rtol=2e-6, atol=1e-7)
+    counts = np.bincount(ids.reshape(-1), minlength=num_experts)
+    assert sorted(set(BOUNDARY_COUNTS)) == sorted(set(counts[np.isin(counts, BOUNDARY_COUNTS)].tolist()))
+    routing.check_exact()
+
+
+RANDOM_CHUNKS = [(1, 64), (33, 64), (40, 64), (70, 256)]  # (T, E) at k = 8: 8 to 560 pairs, one to three sort blocks
+
+
+@pytest.mark.parametrize("num_rows,num_experts", RANDOM_CHUNKS, ids=[f"T{t}-E{e}" for t, e in RANDOM_CHUNKS])
+def test_routing_random_exact(num_rows: int, num_experts: int) -> None:
+    """Random logits, top-8: the sorted order and block map across sort blocks and simdgroups of the expert scan."""
+    rng = np.random.default_rng(num_rows + num_experts)
+    logits = (rng.standard_normal((num_rows, num_experts)) * 2.0).astype(np.float32)
+    for tile_rows in (16, 32):
+        routing = Routing(logits, 8, tile_rows)
+        assert np.array_equal(routing.ids.astype(np.int64), reference.moe_route(logits, 8)[0])
+        routing.check_exact()
+
+
+def test_routing_all_rows_one_expert_set() -> None:
+    """Every row picks the same k experts: k experts of T rows each, all others empty (the maximum tile waste)."""
+    num_rows, num_experts, top_k = 70, 256, 8
+    ids = np.tile(np.array([255, 0, 128, 7, 64, 200, 1, 31]), (num_rows, 1))
+    logits = logits_for_routing(np.random.default_rng(9), ids, num_experts)
+    for tile_rows in (16, 32):
+        routing = Routing(logits, top_k, tile_rows)
+        routing.check_exact()
+
+
+class PrefillLayer:
+    """The stacked routed-expert weights of one layer."""
+
+    def __init__(self, rng: np.random.Generator, num_experts: int, hidden: int, expert: int, kio,
+                 scales: str = "bf16"):
+        self.hidden, self.expert, self.scales = hidden, expert, scales
+        self.gate = quantized_weight(rng, (num_experts, expert, hidden), kio, scales)
+        self.up = quantized_weight(rng, (num_experts, expert, hidden), kio, scales)
+        self.down = quantized_weight(rng, (num_experts, hidden, expert), kio, scales)
+
+
+def run_gate_up(layer: PrefillLayer, routing: Routing, x: np.ndarray, dtype: str, kio, seed: int = 0) -> np.ndarray:
+    pairs = routing.num_rows * routing.top_k
+    h = kio.poisoned((pairs, layer.expert), dtype)
+    args = moe_args(routing.num_rows, routing.num_experts, routing.top_k, layer.hidden, layer.expert, 0,
+                    routing.tile_rows, routing.max_tiles)
+    msl.dispatch(
+        GATE_UP[dtype, layer.scales, routing.tile_rows],
+        [args, x, routing.sorted_pairs, routing.tile_map, routing.tile_count, *layer.gate.buffers(),
+         *layer.up.buffers(), h],
+        (layer.expert // GEMM_BN, routing.max_tiles, 1),
+        (GEMM_THREADS, 1, 1),
+        seed=seed,
+    )
+    return h
+
+
+def run_down(layer: PrefillLayer, routing: Routing, h: np.ndarray, dtype: str, kio, seed: int = 0) -> np.ndarray:
+    pairs = routing.num_rows * routing.top_k
+    y = kio.poisoned((pairs, layer.hidden), dtype)
+    args = moe_args(routing.num_rows, routing.num_experts, routing.top_k, layer.hidden, layer.expert, 0,
+                    routing.tile_rows, routing.max_tiles)
+    msl.dispatch(
+        DOWN[dtype, layer.scales, routing.tile_rows],
+        [args, h, routing.sorted_pairs, routing.tile_map, routing.tile_count, routing.weights.reshape(-1),
+         *layer.down.buffers(), y],
+        (layer.hidden // GEMM_BN, routing.max_tiles, 1),
+        (GEMM_THREADS, 1, 1),
+        seed=seed,
+    )
+    return y
+
+
+def run_combine(routing: Routing, y, shared_out, gate_logits, residual, out, hidden: int, dtype: str,
+                seed: int = 0) -> None:
+    args = moe_args(routing.num_rows, routing.num_experts, routing.top_k, hidden, 0)
+    threads = 96  # not a divisor of H: the last threadgroup of each row is partial
+    msl.dispatch(
+        COMBINE[dtype],
+        [args, y, shared_out, gate_logits, residual, out],
+        (-(-hidden // threads), routing.num_rows, 1),
+        (threads, 1, 1),
+        seed=seed,
+    )
+
+
+@pytest.mark.parametrize("tile_rows", [16, 32])
+@pytest.mark.parametrize("scales", ["bf16", "f32"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_gemm_forced_counts(dtype: str, scales: str, tile_rows: int, kio) -> None:
+    """gate/up and down on a chunk with 0/1/15/16/17/31/32/33 rows per expert (E=16, k=4, H=128, I=64)."""
+    num_experts, num_rows, top_k, hidden, expert = 16, 48, 4, 128, 64
+    _, logits = forced_chunk(num_experts, num_rows, top_k, seed=5)
+    routing = Routing(logits, top_k, tile_rows)
+    rng = np.random.default_rng(50 + tile_rows + DTYPES.index(dtype) + 10 * (scales == "f32"))
+    layer = PrefillLayer(rng, num_experts, hidden, expert, kio, scales)
+    x = kio.to_device(rng.standard_normal((num_rows, hidden)), dtype)
+    h = run_gate_up(layer, routing, x, dtype, kio)
+
+    xs = kio.to_f64(x, dtype).astype(np.float32)
+    flat_ids = routing.ids.reshape(-1).astype(np.int64)
+    pairs = routing.sorted_pairs.astype(np.int64)
+    expected_h = np.empty((len(pairs), expert))
+    for pos, pair in enumerate(pairs):
+        e, row = flat_ids[pair], pair // top_k
+        g = reference.linear(xs[row], layer.gate.dense[e]).astype(np.float64)
+        u = reference.linear(xs[row], layer.up.dense[e]).astype(np.float64)
+        expected_h[pos] = silu64(g) * u
+    assert_close_dot(kio, kio.to_f64(h, dtype), kio.round(expected_h, dtype), dtype, f"gate/up {dtype} scales {scales} bm{tile_rows}")
+
+    y = run_down(layer, routing, h, dtype, kio)
+    hs = kio.to_f64(h, dtype).astype(np.float32)
+    expected_y = np.empty((len(pairs), hidden))
+    for pos, pair in enumerate(pairs):
+        down = reference.linear(hs[pos], layer.down.dense[flat_ids[pair]]).astype(np.float64)
+        expected_y[pair] = float(routing.weights.reshape(-1)[pair]) * down
+    assert_close_dot(kio, kio.to_f64(y, dtype), kio.round(expected_y, dtype), dtype, f"down {dtype} scales {scales} bm{tile_rows}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_combine(dtype: str, kio) -> None:
+    """Slots summed in slot order, plus the gated shared expert and the residual; out may alias residual."""
+    rng = np.random.default_rng(60 + DTYPES.index(dtype))
+    num_rows, top_k, hidden = 5, 8, 200
+    logits = rng.standard_normal((num_rows, 32)).astype(np.float32)
+    routing = Routing(logits, top_k, 16)
+    y = kio.to_device(rng.standard_normal((num_rows * top_k, hidden)) * 0.3, dtype)
+    shared_out = kio.to_device(rng.standard_normal((num_rows, hidden)), dtype)
+    gate_logits = (rng.standard_normal(num_rows) * 3.0).astype(np.float32)
+    residual = kio.to_device(rng.standard_normal((num_rows, hidden)) * 2.0, dtype)
+    out = kio.poisoned((num_rows, hidden), dtype)
+    run_combine(routing, y, shared_out, gate_logits, residual, out, hidden, dtype)
+    ys = kio.to_f64(y, dtype).reshape(num_rows, top_k, hidden)
+    expected = (kio.to_f64(residual, dtype) + ys.sum(axis=1)
+                + sigmoid64(gate_logits)[:, None] * kio.to_f64(shared_out, dtype))
+    kio.assert_close(kio.to_f64(out, dtype), kio.round(expected, dtype), dtype, f"combine {dtype}")
+    run_combine(routing, y, shared_out, gate_logits, residual, residual, hidden, dtype)
+    assert np.array_equal(residual, out), "in-place combine must give the same bits"
+
+
+E2E_SHAPES = [(16, 192, 128), (32, 128, 64), (32, 256, 128)]  # (bm, H, I): 1-4 column blocks, 4-8 K steps
+
+
+@pytest.mark.parametrize("tile_rows,hidden,expert", E2E_SHAPES, ids=[f"bm{b}-H{h}-I{i}" for b, h, i in E2E_SHAPES])
+def test_moe_prefill_matches_reference_moe(tile_rows: int, hidden: int, expert: int, kio) -> None:
+    """The whole f32 chain (route, sort, both GEMMs, combine) against residual + lily.reference.moe.
+
+    The shared expert's dense SwiGLU and the router/shared-gate logits are qmatmul outputs: taken from the reference.
+    """
+    num_rows, num_experts, top_k, shared = 24, 32, 8, 64
+    rng = np.random.default_rng(70 + tile_rows + hidden)
+    layer = PrefillLayer(rng, num_experts, hidden, expert, kio)
+    router = (rng.standard_normal((num_experts, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    shared_gate_w = (rng.standard_normal((1, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    shared_weights = [quantized_weight(rng, shape, kio).tensor
+                      for shape in ((shared, hidden), (shared, hidden), (hidden, shared))]
+    x = rng.standard_normal((num_rows, hidden)).astype(np.float32)
+    residual = rng.standard_normal((num_rows, hidden)).astype(np.float32)
+
+    routing = Routing(reference.linear(x, router), top_k, tile_rows)
+    routing.check_exact()
+    h = run_gate_up(layer, routing, x, "f32", kio)
+    y = run_down(layer, routing, h, "f32", kio)
+    shared_out = reference.swiglu(x, *shared_weights)
+    gate_logits = np.ascontiguousarray(reference.linear(x, shared_gate_w)[:, 0])
+    out = kio.poisoned((num_rows, hidden), "f32")
+    run_combine(routing, y, shared_out, gate_logits, residual, out, hidden, "f32")
+
+    weights_by_name = {
+        "gate.weight": router,
+        "switch_mlp.gate_proj.weight": layer.gate.tensor,
+        "switch_mlp.up_proj.weight": layer.up.tensor,
+        "switch_mlp.down_proj.weight": layer.down.tensor,
+        "shared_expert.gate_proj.weight": shared_weights[0],
+        "shared_expert.up_proj.weight": shared_weights[1],
+        "shared_expert.down_proj.weight": shared_weights[2],
+        "shared_expert_gate.weight": shared_gate_w,
+    }
+    expected = residual.astype(np.float64) + reference.moe(x, weights_by_name, num_experts_per_tok=top_k)
+    assert_close_dot(kio, out, expected, "f32", f"prefill MoE bm{tile_rows}")
+
+
+def test_moe_prefill_independent_of_schedule(kio) -> None:
+    """No float atomics and fixed summation orders: every buffer of the chain has the same bits under any schedule."""
+    num_rows, num_experts, top_k, hidden, expert = 20, 16, 4, 128, 64
+    rng = np.random.default_rng(99)
+    layer = PrefillLayer(rng, num_experts, hidden, expert, kio)
+    logits = rng.standard_normal((num_rows, num_experts)).astype(np.float32)
+    x = kio.to_device(rng.standard_normal((num_rows, hidden)), "bf16")
+    shared_out = kio.to_device(rng.standard_normal((num_rows, hidden)), "bf16")
+    gate_logits = rng.standard_normal(num_rows).astype(np.float32)
+    runs = []
+    for seed in (1, 2, 3):
+        routing = Routing(logits, top_k, 16, seed=seed)
+        h = run_gate_up(layer, routing, x, "bf16", kio, seed=seed)
+        y = run_down(layer, routing, h, "bf16", kio, seed=seed)
+        out = kio.poisoned((num_rows, hidden), "bf16")
+        run_combine(routing, y, shared_out, gate_logits, x, out, hidden, "bf16", seed=seed)
+        runs.append([routing.ids, routing.weights, routing.sorted_pairs, routing.tile_map, h, y, out])
+    for run in runs[1:]:
+        for got, first in zip(run, runs[0]):
+            assert np.array_equal(got, first, equal_nan=got.dtype.kind == "f")
