@@ -101,3 +101,11 @@ class KernelIO:
 def kio() -> KernelIO:
     """Conversion and comparison helpers for kernel tests."""
     return KernelIO()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Print the kernel coverage count at the end of every run that collected the kernel tests."""
+    from test_registry import kernel_test_coverage
+
+    names, tested = kernel_test_coverage()
+    terminalreporter.write_line(f"instantiated kernels: {len(names)}, tested: {len(tested)}")
