@@ -28,6 +28,9 @@ dtype="float32"|"bfloat16"|"float16", shards=1)``
 ``save_mlx_checkpoint(hf_dir, out_dir, *, bits=4, dtype="bfloat16")``
     runs ``mlx_lm.convert`` (affine, group 64) on an HF fused checkpoint.
 
+``relative_error(got, expected)``
+    ``max|got - expected| / max|expected|`` in fp64, ``expected`` being the oracle's output.
+
 Every Linear input dimension is a multiple of 64, so MLX group-64 quantization applies to all
 of them.
 """
@@ -38,6 +41,8 @@ import copy
 import json
 import math
 from pathlib import Path
+
+import numpy as np
 
 _ROPE_QUARTER = {
     "rope_type": "default",
@@ -117,6 +122,13 @@ _TINY_VISION_CONFIG = dict(
     temporal_patch_size=2,
     num_position_embeddings=64,
 )
+
+
+def relative_error(got, expected) -> float:
+    """max|got - expected| / max|expected|, in fp64; the shapes must match."""
+    got, expected = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    return float(np.abs(got - expected).max() / np.abs(expected).max())
 
 
 def text_config(variant: str) -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -49,6 +48,18 @@ def call_xml(name: str, **params: str) -> str:
 def summary(message: ParsedMessage) -> tuple:
     """Everything but the random call ids."""
     return message.reasoning, message.content, [(c.name, c.arguments) for c in message.tool_calls]
+
+
+def add_events(events: list, reasoning: str, content: str, calls: list) -> tuple[str, str, list]:
+    """The reasoning, content and tool calls seen so far, extended by ``events``."""
+    for event in events:
+        if isinstance(event, ReasoningDelta):
+            reasoning += event.text
+        elif isinstance(event, ContentDelta):
+            content += event.text
+        else:
+            calls.append(event.call)
+    return reasoning, content, calls
 
 
 def stream(text: str, cuts: list[int], **kwargs) -> tuple[ParsedMessage, list]:
@@ -274,23 +285,11 @@ def test_streaming_in_random_pieces_equals_whole_text(text: str, options: dict, 
     reasoning, content, calls = "", "", []
     bounds = [0, *sorted({c for c in cuts if c < len(text)}), len(text)]
     for a, b in zip(bounds, bounds[1:]):
-        for event in parser.feed(text[a:b]):
-            if isinstance(event, ReasoningDelta):
-                reasoning += event.text
-            elif isinstance(event, ContentDelta):
-                content += event.text
-            else:
-                calls.append(event.call)
+        reasoning, content, calls = add_events(parser.feed(text[a:b]), reasoning, content, calls)
         # what has been shown is never taken back: no partial markup leaks out
         assert (whole.reasoning or "").startswith(reasoning)
         assert whole.content.startswith(content)
-    for event in parser.finish():
-        if isinstance(event, ReasoningDelta):
-            reasoning += event.text
-        elif isinstance(event, ContentDelta):
-            content += event.text
-        else:
-            calls.append(event.call)
+    reasoning, content, calls = add_events(parser.finish(), reasoning, content, calls)
     assert (reasoning or None, content, [(c.name, c.arguments) for c in calls]) == summary(whole)
     assert summary(parser.message) == summary(whole)
 
@@ -334,3 +333,19 @@ def test_template_rendered_turns_parse_back_exactly(tok: Tokenizer, reasoning: s
     assert summary(parse_assistant(generated, tools=TOOLS)) == expected
     cuts = list(range(0, len(generated), 5))
     assert summary(stream(generated, cuts, tools=TOOLS)[0]) == expected
+
+
+@pytest.mark.parametrize(
+    ("tools", "match"),
+    [
+        ({"name": "f"}, r"tools: expected a list"),
+        ([5], r"tools\[0\]: expected an object, got int"),
+        ([{"function": {"name": 3}}], r"tools\[0\]: expected a function with a string 'name'"),
+    ],
+)
+def test_bad_tools_are_refused_alike_by_the_parser_and_the_template(tok: Tokenizer, tools, match: str) -> None:
+    messages = [{"role": "user", "content": "a"}]
+    for build in (lambda: StreamingParser(tools=tools), lambda: parse_assistant("x", tools=tools),
+                  lambda: tok.apply_chat_template(messages, tools=tools)):
+        with pytest.raises(ValueError, match=match):
+            build()

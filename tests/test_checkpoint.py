@@ -447,3 +447,23 @@ def test_generation_config_eos_is_merged(tiny_hf_dir: Path, tmp_path: Path) -> N
     d = _copy(tiny_hf_dir, tmp_path)
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 1]}))
     assert load_checkpoint(d).args.eos_token_ids == (1, 7)
+
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ('{"eos_token_id": "1"}', "eos_token_id: must be a non-negative integer"),
+        ('{"eos_token_id": -1}', "eos_token_id: must be a non-negative integer"),
+        ('{"eos_token_id": true}', "eos_token_id: must be a non-negative integer"),
+        ('{"eos_token_id": [1, null]}', "eos_token_id: must be a non-negative integer"),
+        ("[1]", "expected a JSON object, got list"),
+        ('{"eos_token_id": ', "not valid JSON"),
+    ],
+)
+def test_bad_generation_config_names_file_and_field(
+    tiny_hf_dir: Path, tmp_path: Path, text: str, fragment: str
+) -> None:
+    d = _copy(tiny_hf_dir, tmp_path)
+    (d / "generation_config.json").write_text(text)
+    _expect_error(d, "generation_config.json", fragment)

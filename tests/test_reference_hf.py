@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from fixtures import TINY_CONFIGS
+from fixtures import TINY_CONFIGS, relative_error
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_qwen
 
 from lily import reference
@@ -26,13 +26,6 @@ OP_TOLERANCE = 2e-6  # one fp32 op vs the same op in torch
 PROMPT_LENGTH = 64
 GREEDY_PROMPT_LENGTH = 16
 GREEDY_STEPS = 32
-
-
-def relative_error(got: np.ndarray, expected: np.ndarray) -> float:
-    """max|got - expected| / max|expected|."""
-    got, expected = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
-    assert got.shape == expected.shape, (got.shape, expected.shape)
-    return float(np.abs(got - expected).max() / np.abs(expected).max())
 
 
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:

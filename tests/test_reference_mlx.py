@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from fixtures import relative_error
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
@@ -24,13 +25,6 @@ LOGITS_TOLERANCE = 1e-3
 PROMPT_LENGTH = 64
 DECODE_PROMPT_LENGTH = 16
 DECODE_STEPS = 24
-
-
-def relative_error(got: np.ndarray, expected: np.ndarray) -> float:
-    """max|got - expected| / max|expected|."""
-    got, expected = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
-    assert got.shape == expected.shape, (got.shape, expected.shape)
-    return float(np.abs(got - expected).max() / np.abs(expected).max())
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"], ids=["bf16-scales", "f32-scales"])

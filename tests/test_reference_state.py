@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fixtures import relative_error
 
 from lily.checkpoint import load_checkpoint
 from lily.reference import KV_CACHE_MIN_CAPACITY, ReferenceModel
@@ -15,12 +16,6 @@ from lily.reference import KV_CACHE_MIN_CAPACITY, ReferenceModel
 # The same maths on differently batched tokens; the reference accumulates matmuls in fp64, so
 # only a rare last-bit rounding difference may remain.
 CHUNKING_TOLERANCE = 1e-6
-
-
-def relative_error(got: np.ndarray, expected: np.ndarray) -> float:
-    """max|got - expected| / max|expected|."""
-    assert got.shape == expected.shape, (got.shape, expected.shape)
-    return float(np.abs(got.astype(np.float64) - expected).max() / np.abs(expected).max())
 
 
 @pytest.fixture(scope="module", params=["kv64", "gqa4"])

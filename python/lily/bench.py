@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from lily.model import Model, Session, _peak_memory_gb
+from lily.model import Model, Session, peak_memory_gb
 
 
 @dataclass
@@ -37,10 +37,12 @@ class BenchRow:
 
     @property
     def avg_ts(self) -> float:
+        """Mean tokens per second over the repetitions."""
         return statistics.fmean(self.samples_ts)
 
     @property
     def stddev_ts(self) -> float:
+        """Sample standard deviation of tokens per second (0 for a single repetition)."""
         return statistics.stdev(self.samples_ts) if len(self.samples_ts) > 1 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -122,7 +124,7 @@ def run_bench(model: Model, *, prompts: Sequence[int] = (512,), gens: Sequence[i
                     seconds = _time_generate(model, base, n_gen, _random_ids(model, 1, rng)[0])
                 row.samples_ns.append(int(seconds * 1e9))
                 row.samples_ts.append((n_prompt or n_gen) / seconds if seconds > 0 else math.inf)
-            row.peak_memory = _peak_memory_gb(model.backend)
+            row.peak_memory = peak_memory_gb(model.backend)
             rows.append(row)
     return rows
 

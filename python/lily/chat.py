@@ -114,17 +114,31 @@ class _Unconvertible(Exception):
     """A parameter value does not fit its declared type."""
 
 
-def _tool_schemas(tools: Any) -> dict[str, dict[str, Any]] | None:
-    """Map each function name to its parameter schemas; None when no tools were given."""
+def tool_functions(tools: Any) -> list[Mapping[str, Any]] | None:
+    """The function schema of each tool (OpenAI ``{"type": "function", "function": {...}}`` or a
+    bare function); None when no tools were given. Raises ``ValueError`` naming the bad entry."""
     if tools is None:
         return None
     if isinstance(tools, (str, Mapping)) or not isinstance(tools, Sequence):
         raise ValueError(f"tools: expected a list of tool schemas, got {type(tools).__name__}")
-    schemas: dict[str, dict[str, Any]] = {}
+    functions = []
     for k, tool in enumerate(tools):
-        function = tool.get("function", tool) if isinstance(tool, Mapping) else None
+        if not isinstance(tool, Mapping):
+            raise ValueError(f"tools[{k}]: expected an object, got {type(tool).__name__}")
+        function = tool.get("function", tool)
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
             raise ValueError(f"tools[{k}]: expected a function with a string 'name'")
+        functions.append(function)
+    return functions
+
+
+def _tool_schemas(tools: Any) -> dict[str, dict[str, Any]] | None:
+    """Map each function name to its parameter schemas; None when no tools were given."""
+    functions = tool_functions(tools)
+    if functions is None:
+        return None
+    schemas: dict[str, dict[str, Any]] = {}
+    for function in functions:
         parameters = function.get("parameters")
         properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
         schemas[function["name"]] = dict(properties) if isinstance(properties, Mapping) else {}

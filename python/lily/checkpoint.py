@@ -19,7 +19,7 @@ from typing import Any, Iterator, Mapping, Union
 import numpy as np
 
 from lily import quant
-from lily.config import FULL_ATTENTION, ConfigError, ModelArgs
+from lily.config import FULL_ATTENTION, ConfigError, ModelArgs, eos_id_list, read_json_object
 from lily.quant import QuantizedTensor
 
 Tensor = Union[np.ndarray, QuantizedTensor]
@@ -318,6 +318,7 @@ class Weights(Mapping[str, Tensor]):
         return self._sources[name].dtype
 
     def is_quantized(self, name: str) -> bool:
+        """Whether the tensor is a ``QuantizedTensor`` (stored quantized, or quantized on load)."""
         return isinstance(self._sources[name], (_Quantized, _QuantizeOnLoad))
 
     def quantization(self, name: str) -> tuple[int, int] | None:
@@ -451,11 +452,7 @@ def _tensor_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
     """The safetensors files of a checkpoint and, if sharded, the index's weight_map."""
     index_path = directory / "model.safetensors.index.json"
     if index_path.is_file():
-        try:
-            index = json.loads(index_path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{index_path}: not valid JSON ({exc})") from None
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        weight_map = read_json_object(index_path, CheckpointError).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index_path}: missing or invalid 'weight_map'")
         files = []
@@ -489,7 +486,6 @@ class _Builder:
 
     def __init__(self, directory: Path, args: ModelArgs, quantize: int | None, spec: _QuantSpec | None) -> None:
         self.directory = directory
-        self.args = args
         self.quantize = quantize
         self.spec = spec
         self.expected = canonical_shapes(args)
@@ -700,24 +696,14 @@ class _Builder:
 
 def _generation_config(directory: Path) -> dict[str, Any]:
     path = directory / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path, CheckpointError) if path.is_file() else {}
 
 
 def _with_generation_eos(args: ModelArgs, generation: Mapping[str, Any], directory: Path) -> ModelArgs:
-    value = generation.get("eos_token_id")
-    if value is None:
+    where = f"{directory / 'generation_config.json'}: eos_token_id"
+    values = eos_id_list(generation.get("eos_token_id"), where, CheckpointError)
+    if not values:
         return args
-    values = value if isinstance(value, list) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise CheckpointError(f"{directory / 'generation_config.json'}: eos_token_id: invalid value {value!r}")
     merged = list(args.eos_token_ids) + [v for v in values if v not in args.eos_token_ids]
     return replace(args, eos_token_ids=tuple(merged))
 

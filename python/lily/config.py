@@ -46,6 +46,32 @@ class ConfigError(ValueError):
     """A config.json that is not a valid Qwen3.5/3.6-MoE text configuration."""
 
 
+def read_json_object(path: Path, error: type[ValueError]) -> dict[str, Any]:
+    """The JSON object stored in ``path``; an unreadable file, invalid JSON or another JSON value
+    raises ``error`` with a message that names the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise error(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def eos_id_list(value: Any, where: str, error: type[ValueError] = ConfigError) -> list[int]:
+    """An ``eos_token_id`` field (one id, a list of ids, or absent) as a list of ids; anything else
+    raises ``error`` prefixed by ``where`` (the file and field)."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise error(f"{where}: must be a non-negative integer or a list of them, got {value!r}")
+    return values
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     """The text-model hyper-parameters of a Qwen3.5/3.6-35B-A3B-family checkpoint."""
@@ -120,11 +146,7 @@ class ModelArgs:
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-        return cls.from_dict(config, source=str(path))
+        return cls.from_dict(read_json_object(path, ConfigError), source=str(path))
 
 
 class _Parser:
@@ -286,16 +308,8 @@ class _Parser:
     def eos_ids(self, text: Mapping[str, Any], top: Mapping[str, Any]) -> tuple[int, ...]:
         ids: list[int] = []
         for d in (text, top):
-            value = d.get("eos_token_id")
-            if value is None:
-                continue
-            values = value if isinstance(value, list) else [value]
-            for v in values:
-                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                    field = f"{self.prefix if d is text else ''}eos_token_id"
-                    raise ConfigError(
-                        f"{self.source}: {field}: must be a non-negative integer or a list of them, got {value!r}"
-                    )
+            field = f"{self.prefix if d is text else ''}eos_token_id"
+            for v in eos_id_list(d.get("eos_token_id"), f"{self.source}: {field}"):
                 if v not in ids:
                     ids.append(v)
         return tuple(ids)

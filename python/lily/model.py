@@ -99,7 +99,7 @@ def _is_cancelled(cancel: CancelCheck) -> bool:
     return bool(cancel())
 
 
-def _peak_memory_gb(backend: Any) -> float:
+def peak_memory_gb(backend: Any) -> float:
     """Backend-reported peak memory if it has one, else this process's peak RSS."""
     if hasattr(backend, "peak_memory"):
         return float(backend.peak_memory())
@@ -415,7 +415,7 @@ class Session:
             stats = dataclasses.replace(stats, generation_tokens=count,
                                         generation_tps=count / elapsed if elapsed > 0 else 0.0)
             if finish is not None:
-                stats.peak_memory = _peak_memory_gb(model.backend)
+                stats.peak_memory = peak_memory_gb(model.backend)
                 self.stats = stats
                 if self._use_cache and self._processed:
                     model.prompt_cache.insert(self._snapshot_processed())
@@ -661,7 +661,7 @@ class Model:
         elapsed = time.perf_counter() - start
         session.stats = Stats(prompt_tokens=cached + len(ids), cached_tokens=cached,
                               prompt_tps=len(ids) / elapsed if ids and elapsed > 0 else 0.0,
-                              peak_memory=_peak_memory_gb(self.backend))
+                              peak_memory=peak_memory_gb(self.backend))
         return session
 
     def generate(self, prompt: Prompt, *, session: Session | None = None, use_cache: bool = True,
@@ -683,7 +683,7 @@ class Model:
             raise ValueError("messages must be a non-empty list of chat messages")
         session = self.prefill(messages, tools=tools, enable_thinking=enable_thinking,
                                preserve_thinking=preserve_thinking, use_cache=use_cache, cancel=cancel)
-        tokens = _chat_stream(session.decode(cancel=cancel, **sampling), tools, enable_thinking)
+        tokens = chat_stream(session.decode(cancel=cancel, **sampling), tools, enable_thinking)
         return tokens if stream else _collect(tokens, parse=True)
 
 
@@ -707,8 +707,12 @@ class _Detokenizer:
         return self._inner.finish()
 
 
-def _chat_stream(tokens: Iterator[Token], tools: Any, thinking: bool) -> Iterator[Token]:
-    """Route each token's text through the reasoning/tool-call parser (lily.chat)."""
+def chat_stream(tokens: Iterator[Token], tools: Any, thinking: bool) -> Iterator[Token]:
+    """Route each decoded token's text through the reasoning/tool-call parser (``lily.chat``).
+
+    Fills every token's ``reasoning``/``content``/``tool_calls`` share; a generation that stops
+    after a tool call finishes with "tool_calls". Closing the result closes ``tokens``.
+    """
     from lily.chat import ContentDelta, ReasoningDelta, StreamingParser, ToolCallEvent
 
     parser = StreamingParser(tools=tools, thinking=thinking)

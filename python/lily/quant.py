@@ -51,7 +51,11 @@ def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
         return bfloat16_bits_to_float32(float32_to_bfloat16_bits(x))
     if dtype == "float16":
         return x.astype(np.float16).astype(np.float32)
-    raise QuantizationError(f"unsupported scale dtype {dtype!r}; expected one of {SCALE_DTYPES}")
+    raise _unsupported_dtype("scale", dtype)
+
+
+def _unsupported_dtype(role: str, dtype: str) -> QuantizationError:
+    return QuantizationError(f"unsupported {role} dtype {dtype!r}; expected one of {SCALE_DTYPES}")
 
 
 def _check_params(bits: int, group_size: int) -> None:
@@ -80,7 +84,7 @@ class QuantizedTensor:
     def __post_init__(self) -> None:
         _check_params(self.bits, self.group_size)
         if self.dtype not in SCALE_DTYPES:
-            raise QuantizationError(f"unsupported scale dtype {self.dtype!r}; expected one of {SCALE_DTYPES}")
+            raise _unsupported_dtype("scale", self.dtype)
         if self.weight.dtype != np.uint32:
             raise QuantizationError(f"packed weight must be uint32, got {self.weight.dtype}")
         if self.weight.ndim < 2:
@@ -101,6 +105,7 @@ class QuantizedTensor:
 
     @property
     def ndim(self) -> int:
+        """Number of dimensions of the logical (and of the packed) weight."""
         return self.weight.ndim
 
     def codes(self) -> np.ndarray:
@@ -177,7 +182,7 @@ def quantize(w: np.ndarray, bits: int = 4, group_size: int = 64, *, dtype: str |
         if dtype is None:
             raise QuantizationError(f"cannot quantize an array of dtype {w.dtype}; pass dtype=")
     if dtype not in SCALE_DTYPES:
-        raise QuantizationError(f"unsupported source dtype {dtype!r}; expected one of {SCALE_DTYPES}")
+        raise _unsupported_dtype("source", dtype)
     if w.ndim < 2:
         raise QuantizationError(f"quantize needs at least 2 dims [..., out, in], got shape {w.shape}")
     if w.shape[-1] % group_size:

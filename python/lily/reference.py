@@ -19,9 +19,8 @@ call that uses them, a block or an expert at a time, so no full-model fp32 copy 
 from __future__ import annotations
 
 import copy as _copy
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -411,6 +410,20 @@ def moe(x: np.ndarray, weights: Mapping[str, Tensor], *, num_experts_per_tok: in
 # ---------------------------------------------------------------------------------------------
 
 
+def check_token_ids(token_ids: Any, vocab_size: int) -> np.ndarray:
+    """``token_ids`` of a backend ``forward`` call as int64 [T]; ``ValueError`` unless they are a
+    non-empty 1-D sequence of integers in ``[0, vocab_size)``."""
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(
+            f"token_ids must be a non-empty 1-D sequence of integers; got shape {ids.shape}, dtype {ids.dtype}"
+        )
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        raise ValueError(f"token_ids must lie in [0, {vocab_size}); got {ids[bad][0]}")
+    return ids.astype(np.int64)
+
+
 class KVCache:
     """Keys (after k_norm and RoPE) and values of one attention layer; capacity grows by doubling."""
 
@@ -513,17 +526,10 @@ class ReferenceModel:
         return State(layers)
 
     def _check_inputs(self, token_ids: Any, state: State) -> np.ndarray:
-        ids = np.asarray(token_ids)
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(
-                f"token_ids must be a non-empty 1-D sequence of integers; got shape {ids.shape}, dtype {ids.dtype}"
-            )
-        bad = (ids < 0) | (ids >= self.args.vocab_size)
-        if bad.any():
-            raise ValueError(f"token_ids must lie in [0, {self.args.vocab_size}); got {ids[bad][0]}")
+        ids = check_token_ids(token_ids, self.args.vocab_size)
         if not self._owns(state):
             raise ValueError("state was not made by this model's new_state()")
-        return ids.astype(np.int64)
+        return ids
 
     def _owns(self, state: Any) -> bool:
         """Whether ``state`` has this model's layer pattern and state shapes."""

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence, TypeVar, Union
 
 import uvicorn
 from starlette.applications import Starlette
@@ -30,12 +30,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .sampling import SamplingParams
 from .server_engine import Engine, LilyEngine, TokenEvent, load_engine
 from .server_requests import (
     ApiError,
     ChatRequest,
     CompletionRequest,
-    SamplingParams,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
@@ -59,6 +59,8 @@ DEFAULT_MAX_QUEUE = 16
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_KEEPALIVE_S = 15.0
+
+_Parsed = TypeVar("_Parsed", bound=Union[ChatRequest, CompletionRequest])
 
 
 @dataclass
@@ -103,6 +105,7 @@ class ServerState:
 
     @property
     def context_length(self) -> int:
+        """The context a request may use: `max_context` if set, else the model's own."""
         assert self.engine is not None
         return self.config.max_context or self.engine.context_length
 
@@ -269,15 +272,24 @@ class _EventStream(Response):
             await self.chunks.aclose()  # type: ignore[attr-defined]
 
 
-async def _collect(request: Request, state: ServerState, job: Job) -> AsyncIterator[Any]:
-    """The job's events for a non-streaming reply, cancelling the job if the client disconnects."""
+async def _collect(
+    request: Request, state: ServerState, job: Job, prompt: list[int]
+) -> tuple[_Started, list[TokenEvent]]:
+    """The job's prefill report and tokens for a non-streaming reply, cancelling the job if the
+    client disconnects."""
+    started = _Started(len(prompt), 0)
+    tokens: list[TokenEvent] = []
     watcher = asyncio.create_task(_watch_disconnect(request.receive, lambda: state.scheduler.cancel(job)))
     try:
         async for item in _events(job):
-            yield item
+            if isinstance(item, _Started):
+                started = item
+            else:
+                tokens.append(item)
     finally:
         watcher.cancel()
         state.scheduler.cancel(job)
+    return started, tokens
 
 
 async def _stream_chat(
@@ -347,12 +359,20 @@ def _state(request: Request) -> ServerState:
     return request.app.state.lily
 
 
-async def _chat_completions(request: Request) -> Response:
+async def _parse_request(
+    request: Request, parse: Callable[[dict[str, Any], int, Mapping[str, float]], _Parsed]
+) -> tuple[ServerState, Engine, _Parsed]:
+    """Read and validate a generation request with `parse`, and check the model it names."""
     state = _state(request)
     body = parse_json_body(await _read_body(request, state.config))
     engine = state.ready_engine()
-    chat: ChatRequest = parse_chat_request(body, engine.vocab_size, engine.sampling_defaults)
-    _check_model(state, chat.model)
+    parsed = parse(body, engine.vocab_size, engine.sampling_defaults)
+    _check_model(state, parsed.model)
+    return state, engine, parsed
+
+
+async def _chat_completions(request: Request) -> Response:
+    state, engine, chat = await _parse_request(request, parse_chat_request)
     prompt = await run_in_threadpool(_encode_chat, engine, chat)
     _check_context(state, len(prompt), "messages")
     assembler = ChatAssembler(engine, logprobs=chat.sampling.logprobs, top_logprobs=chat.sampling.top_logprobs)
@@ -362,12 +382,9 @@ async def _chat_completions(request: Request) -> Response:
         writer = ChunkWriter("chat.completion.chunk", completion_id, engine.model_id, chat.include_usage)
         return _EventStream(_stream_chat(state, job, assembler, writer), lambda: state.scheduler.cancel(job))
 
-    started = _Started(len(prompt), 0)
-    async for item in _collect(request, state, job):
-        if isinstance(item, _Started):
-            started = item
-        else:
-            assembler.add(item)
+    started, tokens = await _collect(request, state, job, prompt)
+    for token in tokens:
+        assembler.add(token)
     return JSONResponse(
         {
             "id": completion_id,
@@ -399,11 +416,7 @@ def _encode_chat(engine: Engine, chat: ChatRequest) -> list[int]:
 
 
 async def _completions(request: Request) -> Response:
-    state = _state(request)
-    body = parse_json_body(await _read_body(request, state.config))
-    engine = state.ready_engine()
-    completion: CompletionRequest = parse_completion_request(body, engine.vocab_size, engine.sampling_defaults)
-    _check_model(state, completion.model)
+    state, engine, completion = await _parse_request(request, parse_completion_request)
     prompt = completion.prompt
     if isinstance(prompt, str):
         prompt = await run_in_threadpool(engine.encode_text, prompt)
@@ -417,13 +430,7 @@ async def _completions(request: Request) -> Response:
             _stream_completion(state, job, engine, sampling, writer), lambda: state.scheduler.cancel(job)
         )
 
-    started = _Started(len(prompt), 0)
-    tokens: list[TokenEvent] = []
-    async for item in _collect(request, state, job):
-        if isinstance(item, _Started):
-            started = item
-        else:
-            tokens.append(item)
+    started, tokens = await _collect(request, state, job, prompt)
     reason = next((t.finish_reason for t in reversed(tokens) if t.finish_reason), None) or "stop"
     return JSONResponse(
         {

@@ -11,18 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
-from .chat import ContentDelta, ReasoningDelta, StreamingParser, ToolCallEvent
-from .model import Model, Session, Token
-from .server_requests import ChatRequest, SamplingParams
-
-
-@dataclass
-class ToolCall:
-    """A complete tool call parsed from the output; `arguments` is a JSON-ready mapping."""
-
-    name: str
-    arguments: dict[str, Any]
-    id: str | None = None
+from .chat import ToolCall
+from .model import Model, Session, Token, chat_stream
+from .sampling import SamplingParams
+from .server_requests import ChatRequest
 
 
 @dataclass
@@ -47,7 +39,8 @@ class Generation(Protocol):
 
     def __iter__(self) -> Iterator[TokenEvent]: ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stop decoding early (the client went away or the job was cancelled)."""
 
 
 class Engine(Protocol):
@@ -58,55 +51,46 @@ class Engine(Protocol):
     vocab_size: int
     sampling_defaults: dict[str, float]  # used for omitted temperature / top_p / top_k
 
-    def encode_chat(self, chat: ChatRequest) -> list[int]: ...
+    def encode_chat(self, chat: ChatRequest) -> list[int]:
+        """Token ids of the rendered conversation; ``ValueError`` when it cannot be rendered."""
 
-    def encode_text(self, text: str) -> list[int]: ...
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of plain text."""
 
-    def token_text(self, token_id: int) -> str: ...
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, for logprobs."""
 
     def generate(
         self, prompt: list[int], chat: ChatRequest | None, sampling: SamplingParams, is_cancelled: Callable[[], bool]
-    ) -> Generation: ...
+    ) -> Generation:
+        """Prefill ``prompt`` (``chat`` set for chat requests) and return the running generation."""
 
 
 class _LilyGeneration:
-    """Adapts a `Session.decode` iterator; for chats, each token's text goes through
-    `lily.chat.StreamingParser` to split reasoning, content and tool calls."""
+    """Adapts a `Session.decode` iterator (for chats, already split into reasoning, content and
+    tool calls by `lily.model.chat_stream`) to `TokenEvent`s."""
 
-    def __init__(self, session: Session, tokens: Iterator[Token], parser: StreamingParser | None) -> None:
+    def __init__(self, session: Session, tokens: Iterator[Token], *, is_chat: bool) -> None:
         self._tokens = tokens
-        self._parser = parser
+        self._is_chat = is_chat
         self.prompt_tokens = session.stats.prompt_tokens
         self.cached_tokens = session.stats.cached_tokens
 
     def __iter__(self) -> Iterator[TokenEvent]:
         for token in self._tokens:
-            event = TokenEvent(
+            yield TokenEvent(
                 id=int(token.id),
                 text=token.text,
                 logprob=token.logprob,
                 top_logprobs=list(token.top_logprobs or []),
                 finish_reason=token.finish_reason,
+                reasoning=token.reasoning,
+                content=token.content if self._is_chat else token.text,
+                tool_calls=list(token.tool_calls),
             )
-            if self._parser is None:
-                event.content = token.text
-            else:
-                self._parse(event, token.finish_reason is not None)
-            yield event
-
-    def _parse(self, event: TokenEvent, last: bool) -> None:
-        parsed = self._parser.feed(event.text)
-        if last:
-            parsed += self._parser.finish()
-        for item in parsed:
-            if isinstance(item, ReasoningDelta):
-                event.reasoning += item.text
-            elif isinstance(item, ContentDelta):
-                event.content += item.text
-            elif isinstance(item, ToolCallEvent):
-                event.tool_calls.append(ToolCall(item.call.name, dict(item.call.arguments), item.call.id))
 
     def close(self) -> None:
+        """Stop decoding (the session keeps what was generated)."""
         close = getattr(self._tokens, "close", None)
         if close is not None:
             close()
@@ -179,15 +163,14 @@ class LilyEngine:
             "logprobs": sampling.logprobs,
             "top_logprobs": sampling.top_logprobs,
         }
-        parser = None
-        if chat is not None:
-            template = self._template_kwargs(chat)
-            # Passing the messages (not the ids) lets the model place its turn checkpoints.
-            session = self.model.prefill(chat.messages, cancel=is_cancelled, **template)
-            parser = StreamingParser(tools=chat.tools, thinking=template["enable_thinking"])
-        else:
+        if chat is None:
             session = self.model.prefill(prompt, cancel=is_cancelled)
-        return _LilyGeneration(session, session.decode(cancel=is_cancelled, **options), parser)
+            return _LilyGeneration(session, session.decode(cancel=is_cancelled, **options), is_chat=False)
+        template = self._template_kwargs(chat)
+        # Passing the messages (not the ids) lets the model place its turn checkpoints.
+        session = self.model.prefill(chat.messages, cancel=is_cancelled, **template)
+        tokens = chat_stream(session.decode(cancel=is_cancelled, **options), chat.tools, template["enable_thinking"])
+        return _LilyGeneration(session, tokens, is_chat=True)
 
 
 def load_engine(path: str, *, backend: str | None = None) -> LilyEngine:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
+
+from .sampling import SamplingParams
 
 # OpenAI's documented limits; stop strings are not limited to 4 here because local clients send more.
 MAX_STOP_STRINGS = 16
@@ -54,25 +56,6 @@ class ApiError(Exception):
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, f"'{param}': {message}", param=param, code=code)
-
-
-@dataclass
-class SamplingParams:
-    """Generation settings, with OpenAI names, handed to the engine as they are."""
-
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    logprobs: bool = False
-    top_logprobs: int = 0
 
 
 @dataclass

@@ -7,7 +7,8 @@ import secrets
 import time
 from typing import Any
 
-from .server_engine import Engine, TokenEvent, ToolCall
+from .chat import ToolCall
+from .server_engine import Engine, TokenEvent
 
 
 def new_id(prefix: str) -> str:
@@ -93,12 +94,7 @@ class ChatAssembler:
         return {"content": pending}
 
     def _tool_call(self, call: ToolCall) -> dict:
-        wire = {
-            "index": len(self.tool_calls),
-            "id": call.id or f"call_{secrets.token_hex(12)}",
-            "type": "function",
-            "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)},
-        }
+        wire = {"index": len(self.tool_calls), **call.to_openai()}
         self.tool_calls.append(wire)
         return wire
 

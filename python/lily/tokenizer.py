@@ -25,6 +25,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders
 
+from lily.chat import tool_functions
+from lily.config import read_json_object
+
 PACKAGED_TEMPLATE = Path(__file__).parent / "templates" / "qwen3_6.jinja"
 _STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 _ROLES = ("system", "user", "assistant", "tool")
@@ -50,14 +53,9 @@ def _byte_decoder() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"{path}: cannot read JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+def _check_id(token_id: Any, vocab_size: int) -> None:
+    if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < vocab_size:
+        raise TokenizerError(f"token id {token_id!r} is outside the vocabulary (0..{vocab_size - 1})")
 
 
 def _token_text(value: Any) -> str | None:
@@ -220,16 +218,8 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def _normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
-    if tools is None:
+    if tool_functions(tools) is None:
         return None
-    if isinstance(tools, (str, Mapping)) or not isinstance(tools, Sequence):
-        raise ValueError(f"tools: expected a list of tool schemas, got {type(tools).__name__}")
-    for k, tool in enumerate(tools):
-        if not isinstance(tool, Mapping):
-            raise ValueError(f"tools[{k}]: expected an object, got {type(tool).__name__}")
-        function = tool.get("function", tool)
-        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-            raise ValueError(f"tools[{k}]: expected a function with a string 'name'")
     return [dict(t) for t in tools]
 
 
@@ -282,11 +272,12 @@ class Tokenizer:
                 f"{tok_file}: decoder {type(backend.decoder).__name__} is not supported; Lily expects a "
                 "byte-level BPE tokenizer (Qwen3.5/3.6)"
             )
-        config = _read_json(root / "tokenizer_config.json") if (root / "tokenizer_config.json").is_file() else {}
+        config_file = root / "tokenizer_config.json"
+        config = read_json_object(config_file, TokenizerError) if config_file.is_file() else {}
         extra_eos: list[int] = []
         for name in ("generation_config.json", "config.json"):
             if (root / name).is_file():
-                data = _read_json(root / name)
+                data = read_json_object(root / name, TokenizerError)
                 extra_eos += _eos_list(data.get("eos_token_id"))
                 text_config = data.get("text_config")
                 if isinstance(text_config, Mapping):
@@ -325,17 +316,13 @@ class Tokenizer:
             raise TypeError(f"text: expected a string, got {type(text).__name__}")
         return self._backend.encode(text, add_special_tokens=False).ids
 
-    def _check_ids(self, ids: Iterable[int]) -> list[int]:
-        ids = list(ids)
-        for i in ids:
-            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size:
-                raise TokenizerError(f"token id {i!r} is outside the vocabulary (0..{self.vocab_size - 1})")
-        return ids
-
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; invalid UTF-8 becomes U+FFFD. ``skip_special_tokens`` drops control
         tokens such as ``<|im_end|>`` but keeps ``<think>`` and ``<tool_call>``."""
-        return self._backend.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        for token_id in ids:
+            _check_id(token_id, self.vocab_size)
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @cached_property
     def _id_bytes(self) -> list[bytes]:
@@ -396,15 +383,13 @@ class StreamingDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False) -> None:
-        self._tokenizer = tokenizer
         self._table = tokenizer._id_bytes
         self._skip = tokenizer._skipped_ids if skip_special_tokens else frozenset()
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def add(self, token_id: int) -> str:
         """Feed one id; return the newly complete text (possibly empty)."""
-        if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < len(self._table):
-            raise TokenizerError(f"token id {token_id!r} is outside the vocabulary (0..{len(self._table) - 1})")
+        _check_id(token_id, len(self._table))
         if token_id in self._skip:
             return ""
         return self._decoder.decode(self._table[token_id])
