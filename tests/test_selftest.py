@@ -1,4 +1,5 @@
-"""`python -m lily.selftest` in a subprocess: the JSON rows, the exit codes, and that a wrong case fails."""
+"""`python -m lily.selftest`: the JSON rows, the exit codes, that a wrong case fails, the two devices (the CPU harness
+and the Metal API, which on Linux is the fake Metal) agreeing, and the kernel runner behind ``--device metal-api``."""
 
 from __future__ import annotations
 
@@ -6,15 +7,20 @@ import json
 import math
 import os
 import platform
+import struct
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lily import selftest
-from lily._ext import msl
+from lily._ext import kernels, msl
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+ROOT = Path(__file__).resolve().parents[1]
+FAKE_DEVICE = "Lily fake Metal (CPU harness)"
 # Families whose selftest cases this test pins (other families are still being written).
 OWN_FAMILIES = r"^(rms_norm|gated_delta|argmax|sample)"
 
@@ -34,11 +40,30 @@ def rows_of(proc: subprocess.CompletedProcess[str]) -> list[dict]:
     return rows
 
 
+@pytest.fixture(scope="module")
+def harness_rows() -> list[dict]:
+    proc = run_selftest("--json", "--device", "harness")
+    assert proc.returncode in (0, 1), proc.stderr
+    return rows_of(proc)
+
+
 def test_every_kernel_has_a_row_and_the_exit_code_follows_the_rows() -> None:
-    proc = run_selftest("--json")
+    proc = run_selftest("--json")  # auto: the harness on Linux
     rows = rows_of(proc)
     assert [r["kernel"] for r in rows] == msl.kernel_names()
     assert proc.returncode == (0 if all(r["passed"] for r in rows) else 1), proc.stderr
+
+
+def test_metal_api_path_passes_every_kernel_and_agrees_with_the_harness(harness_rows: list[dict]) -> None:
+    proc = run_selftest("--json", "--device", "metal-api")
+    rows = rows_of(proc)
+    assert [r["kernel"] for r in rows] == msl.kernel_names()
+    failed = [r for r in rows if not r["passed"]]
+    assert proc.returncode == 0 and not failed, (failed, proc.stderr)
+    assert "not compiled for this GPU" not in proc.stderr
+    # Both paths end in the same harness with the same schedule, so the outputs, hence the errors, are identical:
+    # any difference is the binding, the argument convention or the copies in and out of Metal buffers.
+    assert rows == harness_rows
 
 
 def test_families_with_cases_pass() -> None:
@@ -50,9 +75,10 @@ def test_families_with_cases_pass() -> None:
     assert all(r["passed"] and r["error"] is not None and math.isfinite(r["error"]) for r in rows)
 
 
-def test_a_wrong_case_fails() -> None:
-    proc = run_selftest("--json", "--kernels", r"^(rms_norm_f32|sample_bf16)$", "--corrupt", "rms_norm_f32",
-                        "--corrupt", "sample_bf16")
+@pytest.mark.parametrize("device", ["harness", "metal-api"])
+def test_a_wrong_case_fails(device: str) -> None:
+    proc = run_selftest("--json", "--device", device, "--kernels", r"^(rms_norm_f32|sample_bf16)$",
+                        "--corrupt", "rms_norm_f32", "--corrupt", "sample_bf16")
     rows = {r["kernel"]: r for r in rows_of(proc)}
     assert proc.returncode == 1
     assert not rows["rms_norm_f32"]["passed"] and rows["rms_norm_f32"]["error"] > 1e-3
@@ -63,10 +89,13 @@ def test_table_output_and_bad_arguments() -> None:
     proc = run_selftest("--kernels", "^rms_norm_bf16$")
     assert proc.returncode == 0
     assert "rms_norm_bf16" in proc.stdout and "1/1 kernels passed" in proc.stdout and "no GPU is tested" in proc.stdout
+    assert "CPU execution harness" in proc.stdout
     proc = run_selftest("--kernels", "no_such_kernel_name")
     assert proc.returncode == 2 and "matches no instantiated kernel" in proc.stderr
     proc = run_selftest("--kernels", "^rms_norm_bf16$", "--corrupt", "rms_norm_f32")
     assert proc.returncode == 2 and "rms_norm_f32" in proc.stderr
+    proc = run_selftest("--device", "gpu")
+    assert proc.returncode == 2 and "--device" in proc.stderr and "metal-api" in proc.stderr
 
 
 def test_a_kernel_without_a_case_fails() -> None:
@@ -74,14 +103,130 @@ def test_a_kernel_without_a_case_fails() -> None:
     assert result.kernel == "rms_norm_f32" and not result.passed and result.shape == "no selftest case"
     (result,) = selftest.run(["rms_norm_f32"])
     assert result.passed
+    (result,) = selftest.run(["rms_norm_f32"], device=selftest.open_device("metal-api"))
+    assert result.passed
 
 
-def test_mac_without_harness_says_nothing_was_tested(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+# ---- on a Mac (platform.system() patched; the Metal API is the fake Metal here) ----
+
+
+def test_on_a_mac_auto_runs_through_the_metal_api_and_names_the_gpu(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    assert selftest.main(["--kernels", "^rms_norm_(f32|bf16)$"]) == 0
+    out, err = capsys.readouterr()
+    assert f"running the kernels on the GPU '{FAKE_DEVICE}' through the Metal API" in err
+    assert "2/2 kernels passed" in out and f"Kernels ran on the GPU '{FAKE_DEVICE}'" in out
+    assert "no GPU is tested" not in out
+    assert selftest.main(["--json", "--kernels", "^rms_norm_f32$", "--corrupt", "rms_norm_f32"]) == 1
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["kernel"] == "rms_norm_f32" and not row["passed"]
+
+
+def test_on_a_mac_the_harness_is_absent_and_nothing_is_tested(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     def missing_harness():
         raise ImportError("No module named 'lily._ext.msl'")
 
     monkeypatch.setattr(selftest, "_msl", missing_harness)
     monkeypatch.setattr(platform, "system", lambda: "Darwin")
-    assert selftest.main(["--json"]) == 2
+    assert selftest.main(["--json", "--device", "harness"]) == 2
     err = capsys.readouterr().err
-    assert "harness" in err and "no GPU is tested" in err and "Nothing was tested" in err
+    assert "harness" in err and "--device metal-api" in err and "Nothing was tested" in err
+
+
+def test_a_metal_device_that_cannot_open_is_reported(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setattr(selftest, "_metal_runner", lambda: kernels.Runner("#error this GPU's compiler says no\n"))
+    assert selftest.main(["--device", "metal-api"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot open the Metal device" in err and "this GPU's compiler says no" in err
+    assert "Nothing was tested" in err
+
+
+def test_kernels_the_gpu_did_not_compile_are_named_and_not_run(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    # As qmm_nax on a GPU without Metal 4 tensor ops: instantiated in the source, absent from the library.
+    source = (ROOT / "metal" / "lily.h").read_text() + (ROOT / "metal" / "rms_norm.metal").read_text() + (
+        "#if defined(__HAVE_A_FUTURE_GPU__)\nLILY_INSTANTIATE_KERNEL(\"rms_norm_future_f32\", rms_norm, float)\n"
+        "#endif\n")
+    monkeypatch.setattr(selftest, "_metal_runner", lambda: kernels.Runner(source))
+    assert selftest.main(["--json", "--device", "metal-api"]) == 0
+    out, err = capsys.readouterr()
+    rows = json.loads(out)
+    assert [r["kernel"] for r in rows] == sorted(k for k in msl.kernel_names() if k.startswith("rms_norm_"))
+    assert all(r["passed"] for r in rows)
+    assert "not compiled for this GPU" in err and "rms_norm_future_f32" in err
+
+
+# ---- the kernel runner (lily._ext.kernels.Runner) ----
+
+
+@pytest.fixture(scope="module")
+def runner() -> kernels.Runner:
+    return kernels.Runner()
+
+
+def test_runner_lists_the_kernels_the_source_instantiates(runner: kernels.Runner) -> None:
+    assert runner.device_name == FAKE_DEVICE
+    assert runner.kernel_names() == msl.kernel_names() and runner.missing_kernel_names() == []
+    # The harness's own test kernels (plain kernels and host_name instantiations) are registered by tools/msl2cpu.py
+    # independently of the runner's reading of the source.
+    test_sources = sorted((ROOT / "tests" / "harness").glob("*.metal")) + sorted((ROOT / "tests" / "engine").glob(
+        "*.metal"))
+    test_runner = kernels.Runner("\n".join(p.read_text() for p in test_sources))
+    assert test_runner.kernel_names() == msl.test_kernel_names() and test_runner.missing_kernel_names() == []
+    commented = kernels.Runner('// LILY_INSTANTIATE_KERNEL("rms_norm_x", rms_norm, float)\n'
+                               '/* [[kernel]] void engine_y(device float* a) */\n'
+                               'template <typename T>\n[[kernel]] void engine_scale(device T* a) {}\n'
+                               'template [[host_name("engine_scale")]] [[kernel]] decltype(f<float>) f<float>;\n'
+                               'LILY_INSTANTIATE_KERNEL("no_such_kernel", f, float)\n')
+    assert commented.kernel_names() == ["engine_scale"] and commented.missing_kernel_names() == ["no_such_kernel"]
+
+
+@pytest.mark.parametrize("count,threads", [(1, 32), (70, 32), (64, 64), (257, 128)])
+@pytest.mark.parametrize("add_one", [None, True, False])
+def test_runner_runs_a_kernel_with_function_constants(runner: kernels.Runner, count: int, threads: int,
+                                                      add_one: bool | None) -> None:
+    rng = np.random.default_rng(count * 7 + threads)
+    x = rng.standard_normal(count + 5).astype(np.float32)
+    y = np.full(count + 5, np.nan, np.float32)
+    scale = np.float32(rng.uniform(0.5, 3.0))
+    runner.run("engine_scale", [x, y, struct.pack("<f", scale), struct.pack("<I", count)],
+               (-(-count // threads), 1, 1), (threads, 1, 1), constants=None if add_one is None else {0: add_one})
+    expected = scale * x[:count] + np.float32(1.0 if add_one else 0.0)
+    np.testing.assert_array_equal(y[:count], expected)
+    assert np.isnan(y[count:]).all()  # past n: untouched, and copied back untouched
+
+
+def test_runner_errors_name_the_kernel_and_the_argument(runner: kernels.Runner) -> None:
+    x, y = np.zeros(64, np.float32), np.zeros(64, np.float32)
+    n = struct.pack("<I", 64)
+
+    def run(args, threads=32, constants=None):
+        runner.run("engine_scale", args, (2, 1, 1), (threads, 1, 1), constants=constants)
+
+    with pytest.raises(ValueError, match=r"kernel 'engine_scale' args\[1\]: .*not C-contiguous"):
+        run([x, np.zeros(128, np.float32)[::2], struct.pack("<f", 1.0), n])
+    readonly = np.zeros(64, np.float32)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match=r"kernel 'engine_scale' args\[1\]: .*read-only"):
+        run([x, readonly, struct.pack("<f", 1.0), n])
+    with pytest.raises(TypeError, match=r"kernel 'engine_scale' args\[2\]: expected a numpy array .* got float"):
+        run([x, y, 1.0, n])
+    with pytest.raises(RuntimeError, match=r"kernel 'engine_scale' args\[2\]: setBytes data must be 1 to 4096 bytes"):
+        run([x, y, bytes(4097), n])
+    with pytest.raises(RuntimeError, match=r"threads per threadgroup must be 1 to 1024; got 2048"):
+        run([x, y, struct.pack("<f", 1.0), n], threads=2048)
+    with pytest.raises(TypeError, match=r"constants\[0\] must be a bool or a 64-bit int; got float"):
+        run([x, y, struct.pack("<f", 1.0), n], constants={0: 0.5})
+    with pytest.raises(RuntimeError, match=r"kernel 'no_such_kernel': .*was not found in the library"):
+        runner.run("no_such_kernel", [x], (1, 1, 1), (1, 1, 1))
+    with pytest.raises(RuntimeError, match=r"cannot compile the kernel library: program_source:2: error: bad"):
+        kernels.Runner("// fine\n#error bad\n")
+
+
+def test_a_failing_command_buffer_names_the_kernel_and_leaves_the_arrays(runner: kernels.Runner) -> None:
+    x, out = np.arange(64, dtype=np.float32), np.full(64, np.nan, np.float32)
+    with pytest.raises(RuntimeError, match=r"kernel 'broken_barrier_early_return': .*command buffer failed: .*"
+                                           r"barrier divergence"):
+        runner.run("broken_barrier_early_return", [x, out, struct.pack("<I", 40)], (1, 1, 1), (64, 1, 1))
+    assert np.isnan(out).all()
+    runner.run("broken_barrier_early_return", [x, out, struct.pack("<I", 64)], (1, 1, 1), (64, 1, 1))
+    np.testing.assert_array_equal(out, x[::-1])

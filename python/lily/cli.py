@@ -1,4 +1,4 @@
-"""The ``lily`` command: generate, chat, serve, bench, download.
+"""The ``lily`` command: generate, chat, serve, bench, download, plan.
 
 Without ``--model`` every command uses the embedded demo model ``lily:demo``. Errors print one
 line (``lily: error: ...``) and exit with status 1; Ctrl-C exits with 130.
@@ -218,6 +218,20 @@ def cmd_download(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The decode graph's dispatches, barrier stages and bytes per token (built, not run)."""
+    import json
+
+    from lily import engine, hub
+    from lily.config import ModelArgs
+
+    model_args = engine.full_size_args() if args.full_size else ModelArgs.from_file(hub.resolve(args.model))
+    plan = engine.plan_decode(model_args, context=args.context, precision=args.precision,
+                              switches=engine.switches_from_env(os.environ))
+    print(json.dumps(plan, indent=2) if args.json else engine.format_plan(plan, engine.PLAN_TARGETS))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="lily", description="Fast local inference of Qwen3.5/3.6-35B-A3B.")
@@ -266,6 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("repo", help="Hugging Face repo id")
     p.add_argument("--revision", default=None, help="branch, tag or commit")
     p.set_defaults(func=cmd_download)
+
+    p = sub.add_parser("plan", help="decode graph per token: dispatches, barrier stages, bytes (not run)")
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="checkpoint whose config is planned (default lily:demo)")
+    p.add_argument("--full-size", action="store_true", help="plan Qwen3.6-35B-A3B itself (no weights needed)")
+    p.add_argument("--context", type=int, default=4096, help="tokens already in the cache (default 4096)")
+    p.add_argument("--precision", choices=("bfloat16", "float32"), default="bfloat16", help="activations (default bfloat16)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -1,12 +1,15 @@
-"""``python -m lily.selftest [--json]``: run every instantiated kernel once against ``lily.reference``.
+"""``python -m lily.selftest [--json] [--device {auto,metal-api,harness}]``: run every instantiated kernel once against
+``lily.reference``.
 
 Each kernel runs at one small representative shape on fresh random inputs and is compared with the numpy
 reference (relative RMS error for float outputs; mismatch count for token ids). The exit code is non-zero if any
 case fails or if an instantiated kernel has no case.
 
-Kernels run through the Linux CPU execution harness (``lily._ext.msl``, docs/harness.md). The Metal engine is not
-ready yet, so no GPU is tested anywhere: on a Mac this command says so and exits non-zero when the harness is
-absent (it is only built on Linux).
+``--device`` picks how the kernels run: ``metal-api`` through Lily's host Metal layer (``lily._ext.kernels.Runner``:
+the objc_msgSend binding, device, pipeline cache and encoder), which on a Mac is the real GPU and on Linux is the
+toy Objective-C runtime and fake Metal executing on the CPU harness (docs/engine.md); ``harness`` straight through
+the Linux CPU execution harness (``lily._ext.msl``, docs/harness.md; not built on macOS). ``auto`` (the default) is
+``metal-api`` on a Mac and ``harness`` elsewhere.
 
 Cases are a registry: a kernel family adds one builder with ``@case(r"regex over host names")``; the builder gets the
 host name and returns a ``Result``. Argument structs are packed here exactly as ``metal/lily.h`` lays them out.
@@ -21,7 +24,7 @@ import re
 import struct
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -139,6 +142,70 @@ def _msl():
     return msl
 
 
+def _metal_runner():
+    """A ``lily._ext.kernels.Runner`` over the embedded kernels: the Metal API on the default device."""
+    from lily._ext import kernels
+
+    return kernels.Runner()
+
+
+@dataclass
+class KernelDevice:
+    """Where the cases' dispatches go: what it is, its dispatch function and the kernels it has."""
+
+    kind: str  # "metal-api" or "harness"
+    name: str  # the Metal device's name, or "CPU execution harness"
+    # dispatch(kernel, args, threadgroups, threads_per_threadgroup): numpy arrays are device buffers (written back
+    # in place), bytes are setBytes data.
+    dispatch: Callable[[str, list, tuple[int, int, int], tuple[int, int, int]], None]
+    kernels: list[str]  # the instantiated kernels it runs, sorted
+    missing: list[str] = field(default_factory=list)  # instantiated in the source, not compiled for this GPU
+
+    @property
+    def gpu_tested(self) -> bool:
+        """Whether the kernels run on a real GPU (the Metal API on a Mac; the fake Metal elsewhere)."""
+        return self.kind == "metal-api" and platform.system() == "Darwin"
+
+    def note(self) -> str:
+        """One sentence for the summary: what ran the kernels."""
+        if self.kind == "harness":
+            return "Kernels ran on the CPU execution harness; no GPU is tested."
+        if self.gpu_tested:
+            return f"Kernels ran on the GPU '{self.name}' through the Metal API."
+        return f"Kernels ran through the Metal API on '{self.name}'; no GPU is tested."
+
+
+def open_device(choice: str = "auto") -> KernelDevice:
+    """The device for ``--device`` `choice`: auto, metal-api or harness.
+
+    Raises ImportError when the harness is not built (macOS), RuntimeError when Metal has no device or refuses the
+    kernel source, and ValueError for an unknown choice.
+    """
+    if choice == "auto":
+        choice = "metal-api" if platform.system() == "Darwin" else "harness"
+    if choice == "harness":
+        msl = _msl()
+        return KernelDevice("harness", "CPU execution harness", msl.dispatch, list(msl.kernel_names()))
+    if choice == "metal-api":
+        runner = _metal_runner()
+        return KernelDevice("metal-api", runner.device_name, runner.run, list(runner.kernel_names()),
+                            list(runner.missing_kernel_names()))
+    raise ValueError(f"selftest: device must be 'auto', 'metal-api' or 'harness'; got {choice!r}")
+
+
+# The device run() sends the cases' dispatches to.
+_device: list[KernelDevice | None] = [None]
+
+
+def _dispatch(kernel: str, args: list, threadgroups: tuple[int, int, int],
+              threads_per_threadgroup: tuple[int, int, int]) -> None:
+    """One dispatch of a case, on the device of the current run()."""
+    device = _device[0]
+    if device is None:
+        raise RuntimeError("selftest: cases dispatch only inside run()")
+    device.dispatch(kernel, args, threadgroups, threads_per_threadgroup)
+
+
 # ---- rms_norm family (metal/rms_norm.metal) ----
 
 
@@ -153,10 +220,10 @@ def rms_norm_case(kernel: str) -> Result:
     if kernel.startswith("rms_norm_residual"):
         residual = to_device(rng.standard_normal((rows, n)), dtype)
         summed = poisoned((rows, n), dtype)
-        _msl().dispatch(kernel, [args, x, residual, weight, out, summed], (rows, 1, 1), (256, 1, 1))
+        _dispatch(kernel, [args, x, residual, weight, out, summed], (rows, 1, 1), (256, 1, 1))
         h = to_f64(to_device(to_f64(x, dtype) + to_f64(residual, dtype), dtype), dtype)
     else:
-        _msl().dispatch(kernel, [args, x, weight, out], (rows, 1, 1), (256, 1, 1))
+        _dispatch(kernel, [args, x, weight, out], (rows, 1, 1), (256, 1, 1))
         h = to_f64(x, dtype)
     expected = reference.rms_norm(h, to_f64(weight, dtype), eps)
     return compare(kernel, f"rows={rows} n={n}", to_f64(out, dtype), expected, dtype)
@@ -202,7 +269,7 @@ def qmatmul_case(kernel: str) -> Result:
     qt, weight = _quantized_weight(kernel, n, k, rng)
     x = to_device(rng.standard_normal((m, k)), dtype)
     y = poisoned((m, n), dtype)
-    _msl().dispatch(kernel, [struct.pack("<IIII", k, n, m, 0), x, *weight, y], grid, (threads, 1, 1))
+    _dispatch(kernel, [struct.pack("<IIII", k, n, m, 0), x, *weight, y], grid, (threads, 1, 1))
     w = qt.dequantize().astype(np.float32)
     if "_nax_" in kernel:
         w = to_f64(to_device(w, dtype), dtype).astype(np.float32)  # tensor-op tiles hold weights in the dtype
@@ -218,8 +285,8 @@ def embedding_case(kernel: str) -> Result:
     ids = np.array([0, 7, 7, 3, 49], np.uint32)
     out = poisoned((ids.size - 1, hidden), dtype)
     # ids_offset 1: the decode path reads the slot the sampler wrote.
-    _msl().dispatch(kernel, [struct.pack("<IIII", hidden, vocab, 1, 0), ids, *weight, out], (ids.size - 1, 1, 1),
-                    (64, 1, 1))
+    _dispatch(kernel, [struct.pack("<IIII", hidden, vocab, 1, 0), ids, *weight, out], (ids.size - 1, 1, 1),
+             (64, 1, 1))
     expected = reference.embed(ids[1:], qt)
     return compare(kernel, f"V={vocab} H={hidden} T={ids.size - 1}", to_f64(out, dtype), expected, dtype)
 
@@ -262,8 +329,8 @@ def attention_prep_case(kernel: str) -> Result:
     v_cache = poisoned((kv_heads, capacity, _ATTN_D), cache_dtype)
     args = struct.pack("<IIIIIIff", tokens, heads, kv_heads, position, capacity, rotary_dim, theta, eps)
     rows = tokens * (heads + kv_heads)  # one simdgroup per (token, head) row
-    _msl().dispatch(kernel, [args, q_and_gate, k, v, q_norm, k_norm, q_out, gate_out, k_cache, v_cache],
-                    (-(-rows // 2), 1, 1), (64, 1, 1))
+    _dispatch(kernel, [args, q_and_gate, k, v, q_norm, k_norm, q_out, gate_out, k_cache, v_cache],
+             (-(-rows // 2), 1, 1), (64, 1, 1))
     q_ref, gate_ref, k_ref = reference.attention_prep(
         to_f64(q_and_gate, dtype), to_f64(k, dtype), to_f64(q_norm, dtype), to_f64(k_norm, dtype),
         np.arange(position, position + tokens), rotary_dim, theta, eps)
@@ -297,8 +364,8 @@ def attention_decode_case(kernel: str) -> Result:
     capacity, q, gate, k_cache, v_cache, expected = _decode_inputs(dtype, heads, kv_heads, keys,
                                                                    _rng(9))
     out = poisoned((heads, _ATTN_D), dtype)
-    _msl().dispatch(kernel, [_attention_args(1, heads, kv_heads, keys, capacity), q, gate, k_cache, v_cache, out],
-                    (heads // _ATTN_HEADS_PER_GROUP, 1, 1), (128, 1, 1))
+    _dispatch(kernel, [_attention_args(1, heads, kv_heads, keys, capacity), q, gate, k_cache, v_cache, out],
+             (heads // _ATTN_HEADS_PER_GROUP, 1, 1), (128, 1, 1))
     return compare(kernel, f"Hq={heads} Hkv={kv_heads} S={keys}", to_f64(out, dtype), expected, dtype)
 
 
@@ -332,13 +399,13 @@ def attention_split_case(kernel: str) -> Result:
     if "_partial_" in kernel:
         out = np.full((heads, blocks, _ATTN_D), np.nan, np.float32)
         stats = np.full((heads, blocks, 2), np.nan, np.float32)
-        _msl().dispatch(kernel, [args, q, k_cache, v_cache, out, stats],
-                        (heads // _ATTN_HEADS_PER_GROUP, blocks, 1), (64, 1, 1))
+        _dispatch(kernel, [args, q, k_cache, v_cache, out, stats],
+                 (heads // _ATTN_HEADS_PER_GROUP, blocks, 1), (64, 1, 1))
         actual = np.concatenate([out.ravel(), stats.ravel()])
         return compare(kernel, shape, actual, np.concatenate([part_out.ravel(), part_stats.ravel()]), "f32")
     out = poisoned((heads, _ATTN_D), dtype)
-    _msl().dispatch(kernel, [args, gate, part_out.astype(np.float32), part_stats.astype(np.float32), out],
-                    (heads, 1, 1), (64, 1, 1))
+    _dispatch(kernel, [args, gate, part_out.astype(np.float32), part_stats.astype(np.float32), out],
+             (heads, 1, 1), (64, 1, 1))
     return compare(kernel, shape, to_f64(out, dtype), expected, dtype)
 
 
@@ -357,9 +424,8 @@ def attention_prefill_case(kernel: str) -> Result:
     k_cache = _kv_cache(rng, cache_dtype, kv_heads, keys, capacity)
     v_cache = _kv_cache(rng, cache_dtype, kv_heads, keys, capacity)
     out = poisoned((queries, heads, _ATTN_D), dtype)
-    _msl().dispatch(kernel, [_attention_args(queries, heads, kv_heads, keys, capacity), q, gate, k_cache, v_cache,
-                             out],
-                    (-(-queries // queries_per_group), heads // _ATTN_HEADS_PER_GROUP, 1), (32 * simdgroups, 1, 1))
+    _dispatch(kernel, [_attention_args(queries, heads, kv_heads, keys, capacity), q, gate, k_cache, v_cache, out],
+             (-(-queries // queries_per_group), heads // _ATTN_HEADS_PER_GROUP, 1), (32 * simdgroups, 1, 1))
     k = to_f64(k_cache, cache_dtype)[:, :keys].transpose(1, 0, 2)
     v = to_f64(v_cache, cache_dtype)[:, :keys].transpose(1, 0, 2)
     expected = reference.attention(to_f64(q, dtype), k, v, to_f64(gate, dtype), offset=offset)
@@ -414,7 +480,7 @@ def moe_route_case(kernel: str) -> Result:
     logits = (2.0 * _rng(12).standard_normal((rows, experts))).astype(np.float32)
     ids = np.full((rows, k), 0xFFFFFFFF, np.uint32)
     weights = np.full((rows, k), np.nan, np.float32)
-    _msl().dispatch(kernel, [_moe_args(rows, experts, k, 0, 0), logits, ids, weights], (rows, 1, 1), (32, 1, 1))
+    _dispatch(kernel, [_moe_args(rows, experts, k, 0, 0), logits, ids, weights], (rows, 1, 1), (32, 1, 1))
     expected_ids, expected_weights = reference.moe_route(logits, k)
     shape = f"T={rows} E={experts} k={k}"
     if not np.array_equal(ids.astype(np.int64), expected_ids):
@@ -431,22 +497,22 @@ def moe_sort_case(kernel: str) -> Result:
     shape = f"T={rows} E={experts} k={k} bm={tile_rows}"
     if "_count_" in kernel:
         block_counts = np.full(r["block_counts"].shape, 0xFFFFFFFF, np.uint32)
-        _msl().dispatch(kernel, [args, r["ids"], block_counts], (blocks, 1, 1), (_MOE_SORT_BLOCK, 1, 1))
+        _dispatch(kernel, [args, r["ids"], block_counts], (blocks, 1, 1), (_MOE_SORT_BLOCK, 1, 1))
         return compare_ids(kernel, shape, block_counts.ravel(), [{int(v)} for v in r["block_counts"].ravel()])
     if "_scan_" in kernel:
         block_counts = r["block_counts"].copy()  # becomes the per-block offsets within each expert
         offsets = np.full(experts + 1, 0xFFFFFFFF, np.uint32)
         tile_map = np.full((r["max_tiles"], 4), 0xFFFFFFFF, np.uint32)
         tile_count = np.full(1, 0xFFFFFFFF, np.uint32)
-        _msl().dispatch(kernel, [args, block_counts, offsets, tile_map, tile_count], (1, 1, 1), (256, 1, 1))
+        _dispatch(kernel, [args, block_counts, offsets, tile_map, tile_count], (1, 1, 1), (256, 1, 1))
         tiles = int(r["tile_count"][0])
         actual = np.concatenate([block_counts.ravel(), offsets, tile_map[:tiles].ravel(), tile_count])
         expected = np.concatenate([r["block_offsets"].ravel(), r["offsets"], r["tile_map"][:tiles].ravel(),
                                    r["tile_count"]])
         return compare_ids(kernel, shape, actual, [{int(v)} for v in expected])
     sorted_pairs = np.full(rows * k, 0xFFFFFFFF, np.uint32)
-    _msl().dispatch(kernel, [args, r["ids"], r["block_offsets"], r["offsets"], sorted_pairs], (blocks, 1, 1),
-                    (_MOE_SORT_BLOCK, 1, 1))
+    _dispatch(kernel, [args, r["ids"], r["block_offsets"], r["offsets"], sorted_pairs], (blocks, 1, 1),
+             (_MOE_SORT_BLOCK, 1, 1))
     return compare_ids(kernel, shape, sorted_pairs, [{int(v)} for v in r["sorted_pairs"]])
 
 
@@ -466,8 +532,8 @@ def moe_gemm_case(kernel: str) -> Result:
         up, up_buffers = _quantized_weight(kernel, expert, hidden, rng, experts)
         x = to_device(rng.standard_normal((rows, hidden)), dtype)
         h = poisoned((pairs.size, expert), dtype)
-        _msl().dispatch(kernel, [args, x, *routing, *gate_buffers, *up_buffers, h],
-                        (expert // _MOE_GEMM_BN, r["max_tiles"], 1), (_MOE_GEMM_THREADS, 1, 1))
+        _dispatch(kernel, [args, x, *routing, *gate_buffers, *up_buffers, h],
+                 (expert // _MOE_GEMM_BN, r["max_tiles"], 1), (_MOE_GEMM_THREADS, 1, 1))
         xs = to_f64(x, dtype).astype(np.float32)
         g_all, u_all = gate.dequantize(), up.dequantize()
         expected = np.stack([_silu64(reference.linear(xs[p // k], g_all[flat_ids[p]]).astype(np.float64))
@@ -476,8 +542,8 @@ def moe_gemm_case(kernel: str) -> Result:
     down, down_buffers = _quantized_weight(kernel, hidden, expert, rng, experts)
     h = to_device(rng.standard_normal((pairs.size, expert)), dtype)  # sorted order
     y = poisoned((pairs.size, hidden), dtype)
-    _msl().dispatch(kernel, [args, h, *routing, r["weights"].reshape(-1), *down_buffers, y],
-                    (hidden // _MOE_GEMM_BN, r["max_tiles"], 1), (_MOE_GEMM_THREADS, 1, 1))
+    _dispatch(kernel, [args, h, *routing, r["weights"].reshape(-1), *down_buffers, y],
+             (hidden // _MOE_GEMM_BN, r["max_tiles"], 1), (_MOE_GEMM_THREADS, 1, 1))
     hs, d_all, w = to_f64(h, dtype).astype(np.float32), down.dequantize(), r["weights"].reshape(-1)
     expected = np.empty((pairs.size, hidden))
     for pos, pair in enumerate(pairs):
@@ -494,8 +560,8 @@ def moe_combine_case(kernel: str) -> Result:
     gate_logits = (3.0 * rng.standard_normal(rows)).astype(np.float32)
     residual = to_device(2.0 * rng.standard_normal((rows, hidden)), dtype)
     out = poisoned((rows, hidden), dtype)
-    _msl().dispatch(kernel, [_moe_args(rows, 32, k, hidden, 0), y, shared_out, gate_logits, residual, out],
-                    (-(-hidden // threads), rows, 1), (threads, 1, 1))
+    _dispatch(kernel, [_moe_args(rows, 32, k, hidden, 0), y, shared_out, gate_logits, residual, out],
+             (-(-hidden // threads), rows, 1), (threads, 1, 1))
     expected = (to_f64(residual, dtype) + to_f64(y, dtype).reshape(rows, k, hidden).sum(axis=1)
                 + to_f64(shared_out, dtype) / (1.0 + np.exp(-gate_logits.astype(np.float64)))[:, None])
     return compare(kernel, f"T={rows} k={k} H={hidden}", to_f64(out, dtype), expected, dtype)
@@ -516,9 +582,8 @@ def moe_decode_case(kernel: str) -> Result:
         shared_up, shared_up_buffers = _quantized_weight(kernel, shared, hidden, rng)
         x = to_device(rng.standard_normal(hidden), dtype)
         h = np.full(k * expert + shared, np.nan, np.float32)  # fp32 scratch in both modes
-        _msl().dispatch(kernel, [args, x, ids, *gate_buffers, *up_buffers, *shared_gate_buffers, *shared_up_buffers,
-                                 h],
-                        (-(-max(expert, shared) // _MOE_GEMV_ROWS), k + 1, 1), (_MOE_GEMV_THREADS, 1, 1))
+        _dispatch(kernel, [args, x, ids, *gate_buffers, *up_buffers, *shared_gate_buffers, *shared_up_buffers, h],
+                 (-(-max(expert, shared) // _MOE_GEMV_ROWS), k + 1, 1), (_MOE_GEMV_THREADS, 1, 1))
         xs = to_f64(x, dtype).astype(np.float32)
         pieces = [_silu64(reference.linear(xs, g).astype(np.float64)) * reference.linear(xs, u)
                   for g, u in [(gate.dequantize()[e], up.dequantize()[e]) for e in ids]
@@ -531,8 +596,8 @@ def moe_decode_case(kernel: str) -> Result:
     gate_logit = np.array([0.4], np.float32)
     residual = to_device(2.0 * rng.standard_normal(hidden), dtype)
     out = poisoned((hidden,), dtype)
-    _msl().dispatch(kernel, [args, h, ids, weights, *down_buffers, *shared_down_buffers, gate_logit, residual, out],
-                    (hidden // _MOE_GEMV_ROWS, 1, 1), (_MOE_GEMV_THREADS, 1, 1))
+    _dispatch(kernel, [args, h, ids, weights, *down_buffers, *shared_down_buffers, gate_logit, residual, out],
+             (hidden // _MOE_GEMV_ROWS, 1, 1), (_MOE_GEMV_THREADS, 1, 1))
     expected = to_f64(residual, dtype).copy()
     for slot, e in enumerate(ids):
         expected += float(weights[slot]) * reference.linear(h[slot * expert : (slot + 1) * expert],
@@ -593,8 +658,8 @@ def gated_delta_case(kernel: str) -> Result:
     out = poisoned((tokens, hv * dv), dtype)
     if "_conv_" in kernel:
         conv_out = np.full(mixed.shape, np.nan, np.float32)
-        _msl().dispatch(kernel, [args, inp["qkv"], inp["conv_weight"], inp["conv_state"], conv_out],
-                        (-(-mixed.shape[1] // 256), 1, 1), (256, 1, 1))
+        _dispatch(kernel, [args, inp["qkv"], inp["conv_weight"], inp["conv_state"], conv_out],
+                 (-(-mixed.shape[1] // 256), 1, 1), (256, 1, 1))
         return compare(kernel, shape, conv_out, mixed, "f32")
     if "_step_" in kernel:  # one threadgroup per key head
         buffers = [args, inp["qkv"], inp["z"], inp["b"], inp["a"], inp["conv_weight"], inp["a_log"], inp["dt_bias"],
@@ -605,7 +670,7 @@ def gated_delta_case(kernel: str) -> Result:
         buffers = [args, conv_out, inp["z"], inp["b"], inp["a"], inp["a_log"], inp["dt_bias"], inp["norm_weight"],
                    inp["state"], out]
         grid, threads = hv, 32 * dv // 8
-    _msl().dispatch(kernel, buffers, (grid, 1, 1), (threads, 1, 1))
+    _dispatch(kernel, buffers, (grid, 1, 1), (threads, 1, 1))
     result = compare(kernel, shape, to_f64(out, dtype), y, dtype)
     state_check = compare(kernel, shape, inp["state"], state, "f32")
     if not state_check.passed:
@@ -622,8 +687,8 @@ def argmax_partial_case(kernel: str) -> Result:
     logits = to_device(4.0 * _rng(3).standard_normal(vocab), dtype)
     partials = -(-vocab // block)
     values, ids = np.full(partials, np.nan, np.float32), np.full(partials, 0xFFFFFFFF, np.uint32)
-    _msl().dispatch(kernel, [struct.pack("<IIII", vocab, block, partials, 0), logits, values, ids],
-                    (partials, 1, 1), (256, 1, 1))
+    _dispatch(kernel, [struct.pack("<IIII", vocab, block, partials, 0), logits, values, ids],
+             (partials, 1, 1), (256, 1, 1))
     widened = to_f64(logits, dtype)
     expected = [{int(np.argmax(widened[s : s + block])) + s} for s in range(0, vocab, block)]
     return compare_ids(kernel, f"vocab={vocab} block={block}", ids, expected)
@@ -636,8 +701,8 @@ def argmax_final_case(kernel: str) -> Result:
     values = np.round(rng.standard_normal(partials), 1).astype(np.float32)  # rounding makes ties likely
     ids = rng.permutation(partials * 10)[:partials].astype(np.uint32)
     tokens = np.full(2, 0xFFFFFFFF, np.uint32)
-    _msl().dispatch(kernel, [struct.pack("<IIII", 248320, 4096, partials, 1), values, ids, tokens], (1, 1, 1),
-                    (64, 1, 1))
+    _dispatch(kernel, [struct.pack("<IIII", 248320, 4096, partials, 1), values, ids, tokens], (1, 1, 1),
+             (64, 1, 1))
     best = values.max()
     return compare_ids(kernel, f"partials={partials}", [tokens[1]], [{int(ids[values == best].min())}])
 
@@ -671,7 +736,7 @@ def sample_case(kernel: str) -> Result:
     for step in range(4):
         tokens = np.full(1, 0xFFFFFFFF, np.uint32)
         args = struct.pack("<IIfffIIIIIII", vocab, top_k, temperature, top_p, 0.0, seed, 0, step, 0, 0, 0, 0)
-        _msl().dispatch(kernel, [args, logits, tokens], (1, 1, 1), (256, 1, 1))
+        _dispatch(kernel, [args, logits, tokens], (1, 1, 1), (256, 1, 1))
         got.append(int(tokens[0]))
         u = (philox4x32_10((step, 0, 0, 0), (seed, 0))[0] >> 8) * 2.0**-24
         # fp32 sums in the kernel: accept the answers of u and top_p nudged by a few fp32 ulps of the total mass.
@@ -683,19 +748,25 @@ def sample_case(kernel: str) -> Result:
 # ---- running ----
 
 
-def run(kernels: Sequence[str], cases: Sequence[tuple[re.Pattern[str], Builder]] | None = None) -> list[Result]:
-    """Run the case of each kernel; a kernel without a case, or whose case raises, is a failed row."""
+def run(kernels: Sequence[str], cases: Sequence[tuple[re.Pattern[str], Builder]] | None = None,
+        device: KernelDevice | None = None) -> list[Result]:
+    """Run the case of each kernel on `device` (default: ``open_device("auto")``); a kernel without a case, or whose
+    case raises, is a failed row."""
     cases = CASES if cases is None else cases
+    previous, _device[0] = _device[0], device if device is not None else open_device("auto")
     results = []
-    for kernel in kernels:
-        builder = find_builder(kernel, cases)
-        if builder is None:
-            results.append(Result(kernel, "no selftest case", float("nan"), False))
-            continue
-        try:
-            results.append(builder(kernel))
-        except Exception as exc:  # a crashing case is a failure row, and the other kernels still run
-            results.append(Result(kernel, f"error: {type(exc).__name__}: {exc}", float("nan"), False))
+    try:
+        for kernel in kernels:
+            builder = find_builder(kernel, cases)
+            if builder is None:
+                results.append(Result(kernel, "no selftest case", float("nan"), False))
+                continue
+            try:
+                results.append(builder(kernel))
+            except Exception as exc:  # a crashing case is a failure row, and the other kernels still run
+                results.append(Result(kernel, f"error: {type(exc).__name__}: {exc}", float("nan"), False))
+    finally:
+        _device[0] = previous
     return results
 
 
@@ -710,24 +781,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m lily.selftest", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print a JSON list of {kernel, shape, error, passed}")
+    parser.add_argument("--device", choices=["auto", "metal-api", "harness"], default="auto",
+                        help="metal-api: through the Metal API (the GPU on a Mac, the fake Metal on Linux); "
+                             "harness: the Linux CPU execution harness; auto (default): metal-api on a Mac, "
+                             "harness elsewhere")
     parser.add_argument("--kernels", metavar="REGEX", help="only the instantiated kernels whose name matches REGEX")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     parser.add_argument("--corrupt", metavar="KERNEL", action="append", default=[],
                         help="perturb KERNEL's expected result (checks that a failing case is reported)")
     args = parser.parse_args(argv)
 
-    note = "Kernels run on the CPU execution harness; no GPU is tested (the Metal engine is not ready yet)."
     try:
-        msl = _msl()
+        device = open_device(args.device)
     except ImportError as exc:
-        where = "on macOS the harness is not built" if platform.system() == "Darwin" else f"import failed: {exc}"
-        print(f"lily.selftest: the CPU kernel harness lily._ext.msl is absent ({where}). {note} Nothing was tested.",
-              file=sys.stderr)
+        if args.device == "harness" or platform.system() != "Darwin":
+            where = "on macOS the harness is not built; use --device metal-api" if platform.system() == "Darwin" \
+                else f"import failed: {exc}"
+            print(f"lily.selftest: the CPU kernel harness lily._ext.msl is absent ({where}). Nothing was tested.",
+                  file=sys.stderr)
+        else:
+            print(f"lily.selftest: the Metal kernel runner lily._ext.kernels is absent (import failed: {exc}; "
+                  "rebuild Lily). Nothing was tested.", file=sys.stderr)
         return 2
-    if platform.system() == "Darwin":
-        print(f"lily.selftest: {note}", file=sys.stderr)
+    except RuntimeError as exc:  # no Metal device, or the kernel source does not compile
+        print(f"lily.selftest: cannot open the Metal device: {exc}. Nothing was tested.", file=sys.stderr)
+        return 2
+    if device.gpu_tested:
+        print(f"lily.selftest: running the kernels on the GPU '{device.name}' through the Metal API",
+              file=sys.stderr)
+    if device.missing:
+        print(f"lily.selftest: not compiled for this GPU, so not run (their #if is false here): "
+              f"{', '.join(device.missing)}", file=sys.stderr)
 
-    kernels = list(msl.kernel_names())
+    kernels = device.kernels
     if args.kernels:
         pattern = re.compile(args.kernels)
         kernels = [k for k in kernels if pattern.search(k)]
@@ -738,10 +824,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"lily.selftest: --corrupt names kernels that are not run: {unknown}", file=sys.stderr)
         return 2
+    _corrupted.clear()  # main() may run more than once in a process (tests)
     _corrupted.update(args.corrupt)
     _seed[0] = args.seed
 
-    results = run(kernels)
+    results = run(kernels, device=device)
     if args.json:
         # Strict JSON: an error that could not be measured (NaN) is null.
         rows = [{**asdict(r), "error": r.error if np.isfinite(r.error) else None} for r in results]
@@ -749,7 +836,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(_table(results))
         failed = [r.kernel for r in results if not r.passed]
-        print(f"\n{len(results) - len(failed)}/{len(results)} kernels passed. {note}")
+        print(f"\n{len(results) - len(failed)}/{len(results)} kernels passed. {device.note()}")
         if failed:
             print("failed: " + ", ".join(failed))
     return 0 if all(r.passed for r in results) else 1

@@ -1,0 +1,244 @@
+// The model as the engine runs it: its configuration, where every weight lives (a byte range of a buffer), the
+// state and scratch buffers, and the forward pass recorded as a graph of dispatches with declared read/write
+// ranges. The graph is plain data: `lily plan` counts it without a GPU; `Engine` replays it into an Encoder.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "device.h"
+#include "metal/mtl.h"
+
+namespace lily {
+
+enum class Precision { Float32, BFloat16 };
+
+// The text configuration (ModelArgs of lily.config), as the graph needs it.
+struct ModelConfig {
+  size_t vocab_size = 0, hidden_size = 0;
+  std::vector<bool> attention_layers;  // per layer: true = gated full attention, false = Gated DeltaNet
+  size_t num_heads = 0, num_kv_heads = 0, head_dim = 0, rotary_dim = 0;
+  size_t gdn_k_heads = 0, gdn_v_heads = 0, gdn_k_dim = 0, gdn_v_dim = 0, conv_kernel = 0;
+  size_t num_experts = 0, top_k = 0, expert_size = 0, shared_expert_size = 0;
+  float eps = 1e-6f, rope_theta = 1e7f;
+  size_t num_layers() const { return attention_layers.size(); }
+  size_t conv_dim() const { return 2 * gdn_k_heads * gdn_k_dim + gdn_v_heads * gdn_v_dim; }
+  // Throws Error naming the field when the shape is inconsistent (any graph, including `lily plan`).
+  void validate() const;
+  // Throws Error naming the field when the compiled kernels have no instance for this shape (running it).
+  void check_kernel_shapes() const;
+};
+
+// Engine options: every optimization can be switched off (LILY_DISABLE_<FEATURE>) to check it changes nothing.
+struct Switches {
+  bool concurrent = true;          // CONCURRENT: off = a barrier after every dispatch (serial)
+  bool fused_projections = true;   // FUSED_PROJECTIONS: off = one GEMV per projection matrix
+  bool split_kv = true;            // SPLIT_KV: off = never the long-context split-KV attention path
+  size_t split_kv_min_keys = 0;    // 0 = tuning::kAttentionSplitMinKeys (tests lower it to exercise the path)
+  bool gpu_token = true;           // GPU_TOKEN: off = the CPU reads logits and writes the next token itself
+  bool batched_prefill = true;     // BATCHED_PREFILL: off = prompts run one decode step per token
+  bool wide_tiles = true;          // WIDE_TILES: off = 16-row GEMM tiles only (qmm and the MoE grouped GEMMs)
+  size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
+  size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
+  size_t kv_growth_block() const;
+};
+
+// A byte range of a graph buffer.
+struct Span {
+  int buffer = -1;
+  size_t offset = 0;
+  size_t length = 0;
+};
+
+enum class DType { F32, BF16, F16, U32 };
+size_t dtype_size(DType dtype);
+const char* dtype_name(DType dtype);  // kernel-name suffix: f32, bf16, f16
+
+// One weight: dense (bits == 0: `data` of `dtype`) or MLX affine-quantized (codes in `data`, scales and biases of
+// `scale_dtype`, group 64 along the input axis). Shape [experts?, rows, cols] with cols the input features.
+struct WeightRef {
+  Span data, scales, biases;
+  int bits = 0;
+  DType dtype = DType::F32;
+  DType scale_dtype = DType::BF16;
+  size_t experts = 0, rows = 0, cols = 0;
+  size_t bytes() const { return data.length + scales.length + biases.length; }
+};
+
+enum class BufferRole { Weights, State, Scratch, Io };
+
+struct GraphBuffer {
+  std::string name;
+  size_t length = 0;
+  BufferRole role = BufferRole::Scratch;
+};
+
+// One kernel argument at [[buffer(i)]]: a buffer from an offset, or bytes (setBytes).
+struct NodeArg {
+  int buffer = -1;
+  size_t offset = 0;
+  std::vector<unsigned char> bytes;
+};
+
+// One dispatch. `reads`/`writes` decide the barriers; `traffic_*` are the bytes it moves (equal to the declared
+// ranges except where a kernel reads a data-dependent part of a range, e.g. 8 of 256 experts).
+struct Node {
+  std::string kernel;
+  std::string label;  // what it computes, for `lily plan --json` and errors
+  std::vector<NodeArg> args;
+  mtl::Size groups, threads;
+  std::vector<Span> reads, writes;
+  uint64_t traffic_read = 0, traffic_written = 0;
+  bool barrier_before = false;  // forced (serial mode)
+};
+
+// The buffers a forward pass uses, and its dispatches in order.
+struct Graph {
+  std::vector<GraphBuffer> buffers;
+  std::vector<Node> nodes;
+  int add_buffer(const std::string& name, size_t length, BufferRole role);
+};
+
+// Weights by canonical name (lily.checkpoint), plus the engine's fused tensors ("fused.*").
+using WeightTable = std::map<std::string, WeightRef>;
+
+// A weight table for a configuration with no checkpoint behind it (`lily plan --full-size`): every tensor laid
+// out in one virtual buffer as an MLX 4-bit checkpoint stores it (routers 8-bit, norms and conv bf16, A_log and
+// dt_bias f32), and the fused tensors in a second. Returns the table and adds the two buffers to `graph`.
+WeightTable synthetic_weights(const ModelConfig& config, Graph& graph, bool fused_projections);
+
+// Names of the fused tensors the engine materialises at load (concatenations of matrices that share an input),
+// with the canonical tensors each concatenates, in row order.
+std::vector<std::pair<std::string, std::vector<std::string>>> fused_tensors(const ModelConfig& config);
+
+// Sizes of the engine's state: conv state [K-1, C] (activation dtype), recurrent state [Hv, dv, Dk] fp32, KV cache
+// [Hkv, capacity, D] per attention layer (bf16, f32 in float32 mode).
+struct StateLayout {
+  size_t conv_bytes = 0, recurrent_bytes = 0, kv_bytes_per_row = 0;  // per layer; kv per cache row, K and V each
+};
+StateLayout state_layout(const ModelConfig& config, Precision precision);
+
+// Buffer indices of the state and scratch buffers of one decode step (created by `add_decode_buffers`).
+struct DecodeBuffers {
+  int hidden, normed, mixer_out, proj, gdn_out, q, gate, attn_out, attn_partial_out,
+      attn_partial_stats, router, expert_ids, expert_weights, moe_hidden, logits, argmax_values, argmax_ids,
+      tokens;
+  std::vector<int> conv_state, recurrent_state, k_cache, v_cache;  // per layer; -1 where the layer has none
+  size_t kv_capacity = 0;
+};
+// `max_keys` sizes the split-KV partials (the context limit); `kv_capacity` the caches.
+DecodeBuffers add_decode_buffers(const ModelConfig& config, Precision precision, size_t kv_capacity, size_t max_keys,
+                                 Graph& graph);
+
+// One decode step at `position` (tokens already in the caches): embedding of tokens[token_slot], every layer, the
+// final norm, lm_head into `logits`, and (if switches.gpu_token) argmax into tokens[next_slot].
+void build_decode_step(const ModelConfig& config, Precision precision, const Switches& switches,
+                       const WeightTable& weights, const DecodeBuffers& buffers, size_t position, int token_slot,
+                       int next_slot, Graph& graph);
+
+// Scratch of a prefill chunk of up to `max_tokens` rows (buffer indices). The shared-expert routing tables
+// (identity pairs, ones, tile map) are host-written: see `fill_shared_expert_routing`.
+struct PrefillBuffers {
+  size_t max_tokens = 0;
+  int ids, hidden, normed, mixer_out, qkv, z, b, a, conv_out, gdn_out, q_and_gate, k, v, q, gate, attn_out, router,
+      shared_gate_logit, expert_ids, expert_weights, block_counts, expert_offsets, tile_map, tile_count,
+      sorted_pairs, moe_hidden, expert_out, shared_pairs, shared_tile_map, shared_tile_count, ones, shared_hidden,
+      shared_out, logits;
+};
+PrefillBuffers add_prefill_buffers(const ModelConfig& config, Precision precision, size_t max_tokens, Graph& graph);
+
+// One prefill chunk: `tokens` ids from p.ids at `position`, every layer with T-row kernels, logits [T, V] into
+// p.logits. Projections run unfused (the T-row kernels read [T, n] blocks, not interleaved rows).
+void build_prefill_chunk(const ModelConfig& config, Precision precision, const Switches& switches,
+                         const WeightTable& weights, const DecodeBuffers& state, const PrefillBuffers& p,
+                         size_t position, size_t tokens, Graph& graph);
+
+// The shared expert's static routing for `tokens` rows: (pairs, ones, tile map, tile count) as the host writes them.
+struct SharedExpertRouting {
+  std::vector<uint32_t> pairs, tile_map;
+  std::vector<float> ones;
+  uint32_t tile_count = 0;
+};
+SharedExpertRouting shared_expert_routing(size_t tokens, bool wide_tiles);
+
+// A checkpoint file mapped once (private: the file is never written), page-aligned (16 KB, Apple silicon) and padded to whole pages, so that
+// Metal can wrap all of it as one buffer without a copy.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  void* data() const { return data_; }
+  size_t mapped_length() const { return mapped_length_; }  // whole pages
+
+ private:
+  void* reservation_ = nullptr;
+  size_t reservation_length_ = 0;
+  void* data_ = nullptr;
+  size_t mapped_length_ = 0, file_length_ = 0;
+};
+
+// The Metal engine: weights bound to mapped files (or materialised once), state buffers, and the decode graph run
+// one token per command buffer. Not thread-safe.
+class Engine {
+ public:
+  Engine(const ModelConfig& config, Precision precision, const Switches& switches, size_t max_context,
+         const std::string& kernel_source);
+  ~Engine();
+
+  // Loading. Graph-buffer ids name where a weight's bytes are: a mapped file or a materialised (owned) copy.
+  int add_file(const std::string& path);
+  int add_owned(const void* data, size_t length);
+  void bind_weight(const std::string& name, const WeightRef& ref);
+  // Checks every tensor the graph needs is bound, materialises the fused tensors, allocates the state.
+  void finish_loading();
+
+  // State: one live sequence. `reset` empties it; `snapshot` copies the conv and recurrent state and the KV prefix
+  // in use; `restore` puts a snapshot back.
+  void reset();
+  size_t position() const { return position_; }
+  std::vector<unsigned char> snapshot() const;
+  void restore(const std::vector<unsigned char>& snapshot, size_t position);
+  size_t snapshot_bytes(size_t position) const;
+
+  // Runs `tokens` one decode step each; writes logits [T, V] (fp32). `dropped_barrier` >= 0 leaves out the barrier
+  // in front of that node of each step (tests: a missing barrier must break the result).
+  void forward(const std::vector<uint32_t>& tokens, float* logits, long dropped_barrier = -1);
+  // Greedy continuation on the GPU: step k+1 is committed before step k is waited on, each reading the token the
+  // previous step's argmax wrote into the other token slot. Returns `count` tokens after `first`.
+  std::vector<uint32_t> generate_greedy(uint32_t first, size_t count);
+  // The last step's graph counters.
+  const Graph& last_graph() const { return last_graph_; }
+  const ModelConfig& config() const { return config_; }
+
+ private:
+  void ensure_capacity(size_t keys);
+  void prefill_chunk(const uint32_t* tokens, size_t count, float* logits, long dropped_barrier);
+  std::unique_ptr<class Encoder> encode_step(uint32_t token_slot, long dropped_barrier);
+  std::unique_ptr<class Encoder> encode_graph(Graph graph, long dropped_barrier);
+  void read_rows(int buffer_id, size_t rows, float* out) const;
+  const Buffer& buffer(int id) const { return buffers_.at(static_cast<size_t>(id)); }
+
+  ModelConfig config_;
+  Precision precision_;
+  Switches switches_;
+  size_t max_context_;
+  std::unique_ptr<Device> device_;
+  std::vector<std::unique_ptr<MappedFile>> files_;
+  Graph base_;                   // buffers only
+  std::vector<Buffer> buffers_;  // one per graph buffer
+  WeightTable weights_;
+  DecodeBuffers decode_{};
+  PrefillBuffers prefill_{};
+  bool has_prefill_ = false;
+  bool loaded_ = false;
+  size_t position_ = 0;
+  Graph last_graph_;
+};
+
+}  // namespace lily

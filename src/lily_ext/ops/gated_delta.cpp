@@ -1,0 +1,29 @@
+// gated_delta_step_<dtype>_dk<Dk> (metal/gated_delta.metal): one decode token of a DeltaNet layer, fused.
+#include "../../../metal/lily.h"
+#include "../tuning.h"
+#include "ops.h"
+
+namespace lily::ops {
+
+void gated_delta_step(Context& ctx, const ModelConfig& c, const std::string& label, const GatedDeltaSpans& s) {
+  GatedDeltaArgs a{};
+  a.num_tokens = 1;
+  a.num_k_heads = static_cast<u32>(c.gdn_k_heads);
+  a.num_v_heads = static_cast<u32>(c.gdn_v_heads);
+  a.head_v_dim = static_cast<u32>(c.gdn_v_dim);
+  a.l2_eps = 1e-6f;  // model.md: the L2 norm's eps is fixed, not rms_norm_eps
+  a.norm_eps = c.eps;
+  // One threadgroup per key head; enough simdgroups that each holds LILY_GDN_ROWS_PER_SIMDGROUP state rows.
+  size_t rows = (c.gdn_v_heads / c.gdn_k_heads) * c.gdn_v_dim;
+  size_t simdgroups = (rows + tuning::kGdnRowsPerSimdgroup - 1) / tuning::kGdnRowsPerSimdgroup;
+  std::string name = std::string("gated_delta_step_") + dtype_name(ctx.act) + "_dk" + std::to_string(c.gdn_k_dim);
+  add_node(ctx, name, label,
+           {arg_value(a), arg(s.qkv), arg(s.z), arg(s.b), arg(s.a), arg(s.conv_weight->data), arg(s.a_log->data),
+            arg(s.dt_bias->data), arg(s.norm_weight->data), arg(s.conv_state), arg(s.recurrent_state), arg(s.out)},
+           {c.gdn_k_heads, 1, 1}, {32 * simdgroups, 1, 1},
+           {s.qkv, s.z, s.b, s.a, s.conv_weight->data, s.a_log->data, s.dt_bias->data, s.norm_weight->data,
+            s.conv_state, s.recurrent_state},
+           {s.conv_state, s.recurrent_state, s.out});
+}
+
+}  // namespace lily::ops

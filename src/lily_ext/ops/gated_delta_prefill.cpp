@@ -1,0 +1,33 @@
+// gated_delta_conv_<dtype>_dk<Dk>, gated_delta_prefill_<dtype>_dk<Dk> (metal/gated_delta.metal): T tokens.
+#include "../../../metal/lily.h"
+#include "../tuning.h"
+#include "ops.h"
+
+namespace lily::ops {
+
+void gated_delta_prefill(Context& ctx, const ModelConfig& c, const std::string& label,
+                         const GatedDeltaPrefillSpans& s, size_t tokens) {
+  GatedDeltaArgs a{};
+  a.num_tokens = static_cast<u32>(tokens);
+  a.num_k_heads = static_cast<u32>(c.gdn_k_heads);
+  a.num_v_heads = static_cast<u32>(c.gdn_v_heads);
+  a.head_v_dim = static_cast<u32>(c.gdn_v_dim);
+  a.l2_eps = 1e-6f;
+  a.norm_eps = c.eps;
+  const std::string suffix = std::string(dtype_name(ctx.act)) + "_dk" + std::to_string(c.gdn_k_dim);
+  const size_t channels = c.conv_dim();
+  add_node(ctx, "gated_delta_conv_" + suffix, label + " conv",
+           {arg_value(a), arg(s.qkv), arg(s.conv_weight->data), arg(s.conv_state), arg(s.conv_out)},
+           {(channels + tuning::kGdnConvThreads - 1) / tuning::kGdnConvThreads, 1, 1}, {tuning::kGdnConvThreads, 1, 1},
+           {s.qkv, s.conv_weight->data, s.conv_state}, {s.conv_state, s.conv_out});
+  // One threadgroup per value head; each simdgroup keeps LILY_GDN_ROWS_PER_SIMDGROUP state rows in registers.
+  const size_t simdgroups = (c.gdn_v_dim + tuning::kGdnRowsPerSimdgroup - 1) / tuning::kGdnRowsPerSimdgroup;
+  add_node(ctx, "gated_delta_prefill_" + suffix, label,
+           {arg_value(a), arg(s.conv_out), arg(s.z), arg(s.b), arg(s.a), arg(s.a_log->data), arg(s.dt_bias->data),
+            arg(s.norm_weight->data), arg(s.recurrent_state), arg(s.out)},
+           {c.gdn_v_heads, 1, 1}, {32 * simdgroups, 1, 1},
+           {s.conv_out, s.z, s.b, s.a, s.a_log->data, s.dt_bias->data, s.norm_weight->data, s.recurrent_state},
+           {s.recurrent_state, s.out});
+}
+
+}  // namespace lily::ops

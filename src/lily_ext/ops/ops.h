@@ -1,0 +1,93 @@
+// One function per kernel dispatch: each builds the kernel name, fills the argument struct, declares the ranges
+// it reads and writes, and appends the dispatch to a Graph. One file per kernel family.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "../model.h"
+
+namespace lily::ops {
+
+// Where dispatches go and in which dtype activations travel.
+struct Context {
+  Graph& graph;
+  DType act;     // activation dtype: F32 (float32 mode) or BF16
+  bool serial;   // a barrier before every dispatch (the CONCURRENT switch off)
+  bool wide_tiles = true;  // 32-row GEMM tiles allowed (the WIDE_TILES switch)
+};
+
+// Appends a node; traffic defaults to the declared ranges.
+Node& add_node(Context& ctx, std::string kernel, std::string label, std::vector<NodeArg> args, mtl::Size groups,
+               mtl::Size threads, std::vector<Span> reads, std::vector<Span> writes);
+NodeArg arg(const Span& span);
+template <class T>
+NodeArg arg_value(const T& value) {
+  NodeArg a;
+  const auto* p = reinterpret_cast<const unsigned char*>(&value);
+  a.bytes.assign(p, p + sizeof(T));
+  return a;
+}
+Span sub(const Span& span, size_t offset, size_t length);  // a sub-range, checked
+
+// rms_norm.cpp
+void rms_norm(Context& ctx, const std::string& label, const Span& x, const WeightRef& weight, const Span& out,
+              size_t rows, size_t row_length, float eps);
+void rms_norm_residual(Context& ctx, const std::string& label, const Span& x, const Span& residual,
+                       const WeightRef& weight, const Span& out, const Span& sum, size_t rows, size_t row_length,
+                       float eps);
+// qmatmul.cpp: y[rows, w.rows] = x[rows, w.cols] * W^T (qmv for few rows, qmm otherwise). y may be an f32 buffer
+// only when x is (the kernels share one dtype for x and y).
+void qmatmul(Context& ctx, const std::string& label, const Span& x, const WeightRef& w, const Span& y, size_t rows,
+             DType dtype);
+// embedding.cpp: out[t] = table row ids[ids_offset + t].
+void embedding(Context& ctx, const Span& ids, size_t ids_offset, const WeightRef& table, const Span& out,
+               size_t tokens);
+// gated_delta.cpp: one decode token of a DeltaNet layer's core.
+struct GatedDeltaSpans {
+  Span qkv, z, b, a, out, conv_state, recurrent_state;
+  const WeightRef *conv_weight, *a_log, *dt_bias, *norm_weight;
+};
+void gated_delta_step(Context& ctx, const ModelConfig& config, const std::string& label, const GatedDeltaSpans& s);
+// gated_delta_prefill.cpp: T tokens of a DeltaNet layer's core (causal conv into an f32 scratch, then the scan).
+struct GatedDeltaPrefillSpans {
+  Span qkv, z, b, a, conv_out, out, conv_state, recurrent_state;
+  const WeightRef *conv_weight, *a_log, *dt_bias, *norm_weight;
+};
+void gated_delta_prefill(Context& ctx, const ModelConfig& config, const std::string& label,
+                         const GatedDeltaPrefillSpans& s, size_t tokens);
+// attention.cpp: preparation (norms, rope, KV write) and decode attention for one token at `position`.
+struct AttentionSpans {
+  Span q_and_gate, k, v, q, gate, out, k_cache, v_cache, partial_out, partial_stats;
+  const WeightRef *q_norm, *k_norm;
+  size_t capacity;
+};
+void attention_decode(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
+                      size_t position, bool split);
+// attention_prefill.cpp: T tokens at positions position .. position+T-1 (prep writes their KV rows first).
+void attention_prefill(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
+                       size_t position, size_t tokens);
+// moe.cpp: routing and the fused expert GEMVs of one decode token.
+struct MoeSpans {
+  Span x, router_logits, expert_ids, expert_weights, hidden, residual_out;
+  const WeightRef *gate, *up, *down, *shared_gate, *shared_up, *shared_down;
+};
+void moe_decode(Context& ctx, const ModelConfig& config, const std::string& label, const MoeSpans& s);
+// moe_prefill.cpp: T rows, routed on the GPU (route, count, scan, scatter), grouped GEMMs, combine; the shared expert
+// runs through the same grouped GEMMs as one expert that every row uses (a static identity routing the host fills).
+struct MoePrefillSpans {
+  Span x, router_logits, shared_gate_logit, expert_ids, expert_weights, block_counts, expert_offsets, tile_map,
+      tile_count, sorted_pairs, hidden, expert_out, shared_pairs, shared_tile_map, shared_tile_count, ones,
+      shared_hidden, shared_out, residual_out;
+  const WeightRef *gate, *up, *down, *shared_gate, *shared_up, *shared_down;
+};
+void moe_prefill(Context& ctx, const ModelConfig& config, const std::string& label, const MoePrefillSpans& s,
+                 size_t tokens);
+// Rows per grouped-GEMM tile for `rows_per_expert` mean rows (16 or 32), and the tile-map bound for T*k pairs.
+size_t moe_tile_rows(double rows_per_expert, bool wide_tiles);
+size_t moe_max_tiles(size_t pairs, size_t experts, size_t tile_rows);
+// sampling.cpp: greedy token selection into tokens[out_index].
+void argmax(Context& ctx, const Span& logits, size_t vocab, const Span& partial_values, const Span& partial_ids,
+            const Span& tokens, size_t out_index);
+
+}  // namespace lily::ops

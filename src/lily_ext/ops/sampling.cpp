@@ -1,0 +1,23 @@
+// argmax_partial_<dtype>, argmax_final_f32 (metal/sampling.metal): greedy selection written to the token buffer.
+#include "../../../metal/lily.h"
+#include "../tuning.h"
+#include "ops.h"
+
+namespace lily::ops {
+
+void argmax(Context& ctx, const Span& logits, size_t vocab, const Span& partial_values, const Span& partial_ids,
+            const Span& tokens, size_t out_index) {
+  ArgmaxArgs a{};
+  a.vocab_size = static_cast<u32>(vocab);
+  a.block_size = LILY_ARGMAX_BLOCK;
+  a.num_partials = static_cast<u32>((vocab + LILY_ARGMAX_BLOCK - 1) / LILY_ARGMAX_BLOCK);
+  a.out_index = static_cast<u32>(out_index);
+  Span values = sub(partial_values, 0, a.num_partials * 4), ids = sub(partial_ids, 0, a.num_partials * 4);
+  add_node(ctx, std::string("argmax_partial_") + dtype_name(ctx.act), "argmax partial",
+           {arg_value(a), arg(logits), arg(values), arg(ids)}, {a.num_partials, 1, 1}, {tuning::kArgmaxThreads, 1, 1},
+           {logits}, {values, ids});
+  add_node(ctx, "argmax_final_f32", "argmax final", {arg_value(a), arg(values), arg(ids), arg(tokens)}, {1, 1, 1},
+           {tuning::kArgmaxThreads, 1, 1}, {values, ids}, {sub(tokens, out_index * 4, 4)});
+}
+
+}  // namespace lily::ops

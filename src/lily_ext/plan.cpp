@@ -1,0 +1,92 @@
+// Graph counting and the decode plan (see plan.h).
+#include "plan.h"
+
+#include <vector>
+
+#include "tuning.h"
+
+namespace lily {
+
+std::vector<bool> stage_starts(const Graph& graph) {
+  std::vector<bool> starts;
+  // Spans of the current stage; spans of different buffers never alias (each buffer is its own allocation).
+  std::vector<Span> stage_reads, stage_writes;
+  auto overlaps = [](const std::vector<Span>& a, const std::vector<Span>& b) {
+    for (const Span& x : a) {
+      for (const Span& y : b) {
+        if (x.buffer == y.buffer && x.length && y.length && x.offset < y.offset + y.length &&
+            y.offset < x.offset + x.length) {
+          return true;
+        }
+      }
+    }
+    return false;
+  };
+  for (const Node& node : graph.nodes) {
+    bool conflict = overlaps(node.reads, stage_writes) || overlaps(node.writes, stage_reads) ||
+                    overlaps(node.writes, stage_writes);
+    bool start = starts.empty() || node.barrier_before || conflict;
+    if (start) {
+      stage_reads.clear();
+      stage_writes.clear();
+    }
+    starts.push_back(start);
+    stage_reads.insert(stage_reads.end(), node.reads.begin(), node.reads.end());
+    stage_writes.insert(stage_writes.end(), node.writes.begin(), node.writes.end());
+  }
+  return starts;
+}
+
+GraphCounts count_graph(const Graph& graph) {
+  GraphCounts counts;
+  std::vector<bool> starts = stage_starts(graph);
+  for (size_t i = 0; i < graph.nodes.size(); ++i) {
+    const Node& node = graph.nodes[i];
+    counts.stages += starts[i];
+    counts.barriers += starts[i] && i > 0;
+    ++counts.dispatches;
+    ++counts.dispatches_by_kernel[node.kernel];
+    counts.bytes_read += node.traffic_read;
+    counts.bytes_written += node.traffic_written;
+  }
+  return counts;
+}
+
+MinimumBytes minimum_bytes(const ModelConfig& c, Precision precision, const WeightTable& weights, size_t context) {
+  MinimumBytes m;
+  for (const auto& [name, w] : weights) {
+    if (name.rfind("fused.", 0) == 0) continue;  // copies of canonical tensors
+    if (name == "embed_tokens.weight") {
+      m.weights += w.bytes() / w.rows;  // one row
+    } else if (w.experts) {
+      m.weights += w.bytes() / w.experts * c.top_k;  // the k routed experts
+    } else {
+      m.weights += w.bytes();
+    }
+  }
+  StateLayout s = state_layout(c, precision);
+  size_t attention = 0;
+  for (bool a : c.attention_layers) attention += a;
+  size_t gdn = c.num_layers() - attention;
+  m.recurrent_state = 2 * gdn * s.recurrent_bytes;
+  m.conv_state = 2 * gdn * s.conv_bytes;
+  m.kv_cache = attention * 2 * s.kv_bytes_per_row * context;
+  return m;
+}
+
+DecodePlan plan_decode(const ModelConfig& config, Precision precision, const Switches& switches, size_t context) {
+  config.validate();
+  DecodePlan plan;
+  plan.context = context;
+  // The cache holds the context plus the new token, grown in whole blocks.
+  const size_t block = switches.kv_growth_block();
+  plan.kv_capacity = (context + 1 + block - 1) / block * block;
+  WeightTable weights = synthetic_weights(config, plan.graph, switches.fused_projections);
+  DecodeBuffers buffers = add_decode_buffers(config, precision, plan.kv_capacity, plan.kv_capacity, plan.graph);
+  build_decode_step(config, precision, switches, weights, buffers, context, 0, 1, plan.graph);
+  plan.counts = count_graph(plan.graph);
+  plan.minimum = minimum_bytes(config, precision, weights, context);
+  return plan;
+}
+
+}  // namespace lily

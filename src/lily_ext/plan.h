@@ -1,0 +1,46 @@
+// `lily plan`: the decode graph of a configuration, built but not run, and what it costs per token.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "model.h"
+
+namespace lily {
+
+// Counts of a graph. Stages come from the barrier rule the Encoder applies to declared ranges (encoder.cpp,
+// Encoder::conflicts_with_stage): a dispatch opens a new stage when it reads what the stage writes, or writes what
+// the stage reads or writes; tests check these counts against a real Encoder's counters.
+struct GraphCounts {
+  uint64_t dispatches = 0, stages = 0, barriers = 0;
+  uint64_t bytes_read = 0, bytes_written = 0;  // traffic (data-dependent reads counted as what is read)
+  std::map<std::string, uint64_t> dispatches_by_kernel;
+};
+GraphCounts count_graph(const Graph& graph);
+// Per node: whether it opens a new stage (a barrier in front of it, except the first).
+std::vector<bool> stage_starts(const Graph& graph);
+
+// The minimum bytes one decode token must move (performance.md section 2.2): active weights, DeltaNet recurrent state
+// read and written, conv state read and written, and the KV cache of `context` tokens.
+struct MinimumBytes {
+  uint64_t weights = 0, recurrent_state = 0, conv_state = 0, kv_cache = 0;
+  uint64_t total() const { return weights + recurrent_state + conv_state + kv_cache; }
+};
+
+struct DecodePlan {
+  GraphCounts counts;
+  MinimumBytes minimum;
+  size_t context = 0, kv_capacity = 0;
+  Graph graph;
+};
+
+// The decode step at `context` tokens already cached, with synthetic weights (MLX 4-bit layout) for `config`.
+DecodePlan plan_decode(const ModelConfig& config, Precision precision, const Switches& switches, size_t context);
+
+// The minimum for a weight table (canonical tensors only, MoE stacks at k of E experts, one embedding row).
+MinimumBytes minimum_bytes(const ModelConfig& config, Precision precision, const WeightTable& weights,
+                           size_t context);
+
+}  // namespace lily

@@ -1,0 +1,61 @@
+// Kernel choice by workload shape, in one table. Every value says why it is what it is. Where a kernel
+// family keeps its own threshold in metal/lily.h, this file refers to it rather than copying it.
+// None of these is tuned on a Mac yet (issue 5): they are derived from performance.md and the kernels' designs.
+#pragma once
+
+#include <cstddef>
+
+#include "../../metal/lily.h"
+
+namespace lily::tuning {
+
+// GEMV vs GEMM by rows: at most this many rows run qmv (weights re-read from cache per row); more rows run
+// qmm. The qmatmul kernels define the crossover with their tile shapes.
+constexpr size_t kQmvMaxRows = LILY_QMV_MAX_ROWS;
+// 16-row vs 32-row qmm tiles: up to this many rows the 16-row tile wastes fewer padded rows.
+constexpr size_t kQmmBm16MaxRows = LILY_QMM_BM16_MAX_ROWS;
+// MoE grouped GEMM tile by mean rows per expert (T*k/E): 32-row tiles from this value on.
+constexpr size_t kMoeBm32MinRowsPerExpert = LILY_MOE_BM32_MIN_ROWS_PER_EXPERT;
+// Prefill attention: the matrix-unit kernel from this many queries (an 8-row fragment is mostly padding below).
+constexpr size_t kAttentionMmaMinQueries = LILY_ATTN_MMA_MIN_QUERIES;
+// Attention path by context: split-KV decode (partials + combine) from this many keys on.
+constexpr size_t kAttentionSplitMinKeys = LILY_ATTN_SPLIT_MIN_KEYS;
+// Keys per split-KV block (fixed by the kernel's design).
+constexpr size_t kAttentionSplitBlock = LILY_ATTN_SPLIT_BLOCK;
+
+// Threads per threadgroup.
+// qmv: 2 simdgroups x 4 rows = 8 output rows per threadgroup (the kernel's fixed shape).
+constexpr size_t kQmvThreads = 32 * LILY_QMV_SIMDGROUPS;
+constexpr size_t kQmvRowsPerThreadgroup = LILY_QMV_ROWS_PER_SIMDGROUP * LILY_QMV_SIMDGROUPS;
+// rms_norm: one threadgroup per row; 256 threads already cover H = 2048 with 8 elements per thread, and a smaller
+// group than the 1024 maximum leaves room for other dispatches of the same stage.
+constexpr size_t kRmsNormThreads = 256;
+// Gated DeltaNet: LILY_GDN_ROWS_PER_SIMDGROUP state rows per simdgroup; the host sizes the group from (Hv/Hk)*dv.
+constexpr size_t kGdnRowsPerSimdgroup = LILY_GDN_ROWS_PER_SIMDGROUP;
+// attention_prep: 8 simdgroups (8 head rows) per threadgroup: the model's 18 rows per token fill 3 groups.
+constexpr size_t kAttentionPrepSimdgroups = 8;
+// attention_decode: 8 simdgroups split the keys; enough lanes to stream a KV head at 4K context, few enough that
+// the merge through threadgroup memory stays short.
+constexpr size_t kAttentionDecodeThreads = 256;
+// MoE decode GEMVs: 2 simdgroups x 4 rows (the kernels' fixed shape).
+constexpr size_t kMoeGemvThreads = 32 * LILY_MOE_GEMV_SIMDGROUPS;
+constexpr size_t kMoeGemvRowsPerThreadgroup = LILY_MOE_GEMV_ROWS_PER_SIMDGROUP * LILY_MOE_GEMV_SIMDGROUPS;
+// gated_delta_conv: one thread per channel; 256 per group keeps 32 groups busy on the model's 8192 channels.
+constexpr size_t kGdnConvThreads = 256;
+// MoE prefill: one thread per (token, slot) pair in the sort kernels (the kernels' block), 256 per combine group.
+constexpr size_t kMoeSortThreads = LILY_MOE_SORT_BLOCK;
+constexpr size_t kMoeGemmThreads = LILY_MOE_GEMM_THREADS;
+constexpr size_t kMoeCombineThreads = 256;
+// Argmax: LILY_ARGMAX_BLOCK logits per partial threadgroup, 256 threads each; the final reduce runs one group.
+constexpr size_t kArgmaxThreads = 256;
+constexpr size_t kEmbeddingThreads = LILY_EMBEDDING_THREADS;
+
+// Prefill: tokens per chunk (one command buffer each). 512 keeps the chunk's temporaries (MoE gather buffers,
+// [T, 8192] projections, [T, V] logits) near 100 MB at full size and lets cancellation act between chunks, while
+// 512*8/256 = 16 rows per expert still fill 16-row GEMM tiles (performance.md section 3.3).
+constexpr size_t kPrefillChunk = 512;
+
+// KV cache growth: rows added per KV head at a time (bounded re-allocation count: 128 growths to 256K context).
+constexpr size_t kKvCacheBlock = 2048;
+
+}  // namespace lily::tuning

@@ -1,0 +1,232 @@
+"""The `metal` backend end to end through the Linux test runtime (fake Metal running the real kernels on the CPU
+harness), against lily.reference on tiny random checkpoints with the model's head shapes (attention head dim 256,
+DeltaNet dk = dv = 128: the shapes the kernels are built for), in the MLX 4-bit and the HF (quantized on load)
+layouts (bf16 and f32 HF files quantized on load), float32 mode."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from lily._ext import _test_engine as te
+from lily.checkpoint import load_checkpoint
+from lily.engine import MetalBackend
+from lily.reference import ReferenceModel
+
+from tests.fixtures import _KV64, build_hf_model, save_hf_checkpoint, save_mlx_checkpoint
+
+# The model's per-head shapes at a tiny width: 3 DeltaNet layers and 1 attention layer, 8 experts top-2.
+HEAD_SHAPES_CONFIG = copy.deepcopy(_KV64)
+HEAD_SHAPES_CONFIG.update(
+    vocab_size=640, hidden_size=128, head_dim=256, num_attention_heads=4, num_key_value_heads=1,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2,
+    moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+)
+# 9 tokens: one prefill chunk takes the matrix-unit attention path (>= 8 queries); chunks of 4 take the vector path.
+PROMPT = np.array([5, 17, 300, 2, 639, 0, 77, 123, 64])
+GREEDY_TOKENS = 32
+# Every switch off at once (split_kv_min_keys = 1 forces the long-context path instead of turning it off).
+ALL_FLIPPED = {"concurrent": False, "fused_projections": False, "split_kv_min_keys": 1, "gpu_token": False,
+               "batched_prefill": False}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("head_shapes")
+    model = build_hf_model(HEAD_SHAPES_CONFIG, seed=3)
+    hf = save_hf_checkpoint(model, root / "hf", dtype="bfloat16")
+    mlx = save_mlx_checkpoint(hf, root / "mlx")
+    hf32 = save_hf_checkpoint(model, root / "hf32", dtype="float32")
+    # hf32: quantized on load with f32 scales, so the "_sf32" kernel variants run.
+    return {"mlx": load_checkpoint(mlx), "hf": load_checkpoint(hf, quantize=4), "hf32": load_checkpoint(hf32, quantize=4)}
+
+
+@pytest.fixture(scope="module")
+def reference_run(checkpoints):
+    """Reference logits of the prompt and its greedy continuation, per layout."""
+    out = {}
+    for layout, checkpoint in checkpoints.items():
+        ref = ReferenceModel(checkpoint)
+        state = ref.new_state()
+        logits = ref.forward(PROMPT, state)
+        tokens = [int(np.argmax(logits[-1]))]
+        for _ in range(GREEDY_TOKENS - 1):
+            tokens.append(int(np.argmax(ref.forward(np.array([tokens[-1]]), state)[-1])))
+        out[layout] = (logits, tokens)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def reverse_order():
+    te.set_stage_order("reverse")  # dispatches of a stage run in reverse: a missing barrier shows
+    yield
+    te.set_stage_order("reverse")
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("layout", ["mlx", "hf", "hf32"])
+def test_logits_and_greedy_tokens_match_the_reference(checkpoints, reference_run, layout):
+    backend = MetalBackend(checkpoints[layout], precision="float32")
+    want_logits, want_tokens = reference_run[layout]
+    state = backend.new_state()
+    logits = backend.forward(PROMPT, state)
+    assert logits.shape == want_logits.shape and state.position == len(PROMPT)
+    assert relative_error(logits, want_logits) < 1e-3
+    first = int(np.argmax(logits[-1]))
+    assert first == want_tokens[0]
+    # The GPU chooses every next token; step k+1 is committed before step k is waited on.
+    assert [first] + backend.generate_greedy(state, first, GREEDY_TOKENS - 1) == want_tokens
+    assert state.position == len(PROMPT) + GREEDY_TOKENS - 1
+
+
+def test_every_switch_flipped_gives_the_same_tokens(checkpoints, reference_run):
+    backend = MetalBackend(checkpoints["mlx"], precision="float32", switches=ALL_FLIPPED)
+    want_logits, want_tokens = reference_run["mlx"]
+    state = backend.new_state()
+    logits = backend.forward(PROMPT, state)
+    assert relative_error(logits, want_logits) < 1e-3
+    counts = backend.last_step_counts()
+    assert counts["stages"] == counts["dispatches"]  # serial
+    tokens = [int(np.argmax(logits[-1]))]
+    for _ in range(GREEDY_TOKENS - 1):  # the CPU chooses (no GPU token)
+        tokens.append(int(np.argmax(backend.forward(np.array([tokens[-1]]), state)[-1])))
+    assert tokens == want_tokens
+
+
+@pytest.mark.parametrize("switch", [{"concurrent": False}, {"fused_projections": False},
+                                    {"split_kv_min_keys": 1}, {"split_kv": False}, {"gpu_token": False},
+                                    {"batched_prefill": False}, {"prefill_chunk": 4}])
+def test_each_switch_gives_the_same_logits(checkpoints, switch):
+    default = MetalBackend(checkpoints["mlx"], precision="float32")
+    flipped = MetalBackend(checkpoints["mlx"], precision="float32", switches=switch)
+    want_state, got_state = default.new_state(), flipped.new_state()
+    want = default.forward(PROMPT, want_state)
+    got = flipped.forward(PROMPT, got_state)
+    # A decode step after the prompt (the decode graph under the same switch).
+    want = np.concatenate([want, default.forward(PROMPT[:1], want_state)])
+    got = np.concatenate([got, flipped.forward(PROMPT[:1], got_state)])
+    # Other kernels or chunkings of the same maths (prefill vs decode kernels, split-KV merging per-block sums).
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
+
+
+def test_wide_and_narrow_gemm_tiles_agree(checkpoints):
+    # 100 rows: 100*2/8 = 25 rows per expert selects 32-row grouped-GEMM tiles, and > 16 rows 32-row qmm tiles.
+    checkpoint = checkpoints["mlx"]
+    ids = np.random.default_rng(7).integers(0, checkpoint.args.vocab_size, 100)
+    ref = ReferenceModel(checkpoint)
+    want = ref.forward(ids, ref.new_state())
+    results = {}
+    for wide in (True, False):
+        backend = MetalBackend(checkpoint, precision="float32", switches={"wide_tiles": wide})
+        results[wide] = backend.forward(ids, backend.new_state())
+        kernels = backend.last_step_counts()["dispatches_by_kernel"]
+        tiles = {name[-4:] for name in kernels if name.startswith(("qmm_", "moe_gemm_"))}
+        assert tiles == ({"bm32"} if wide else {"bm16"})
+        assert relative_error(results[wide], want) < 1e-3
+    np.testing.assert_allclose(results[True], results[False], rtol=0, atol=1e-5 * np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_any_order_within_a_stage_gives_the_same_result(checkpoints, reference_run, seed):
+    te.set_stage_order("shuffle", seed)  # dispatches of each stage run in a seeded order other than encoding order
+    backend = MetalBackend(checkpoints["mlx"], precision="float32")
+    want_logits, want_tokens = reference_run["mlx"]
+    state = backend.new_state()
+    assert relative_error(backend.forward(PROMPT, state), want_logits) < 1e-3
+    assert backend.generate_greedy(state, want_tokens[0], 4) == want_tokens[1:5]
+
+
+def test_a_removed_barrier_breaks_the_result(checkpoints, reference_run):
+    backend = MetalBackend(checkpoints["mlx"], precision="float32")
+    want_logits, _ = reference_run["mlx"]
+    ids = PROMPT[:2]
+    # Node 1 (the first layer's input norm) reads the embedding rows node 0 writes: without the barrier the fake
+    # Metal runs the norm first, on stale data. (Two tokens: the prefill graph; one token: the decode graph.)
+    broken = backend.forward(ids, backend.new_state(), dropped_barrier=1)
+    assert relative_error(broken, want_logits[:2]) > 1e-2
+    state = backend.new_state()
+    broken_step = backend.forward(ids[:1], state, dropped_barrier=1)
+    assert relative_error(broken_step, want_logits[:1]) > 1e-2
+    # The same encoding with every barrier in place (manual placement from the graph) is right.
+    good = backend.forward(ids, backend.new_state(), dropped_barrier=10**6)
+    assert relative_error(good, want_logits[:2]) < 1e-3
+
+
+def test_snapshots_copy_the_state(checkpoints, reference_run):
+    backend = MetalBackend(checkpoints["mlx"], precision="float32")
+    want_logits, _ = reference_run["mlx"]
+    state = backend.new_state()
+    backend.forward(PROMPT[:4], state)
+    fork = state.copy()
+    other = backend.new_state()  # a third sequence in between evicts the live one
+    backend.forward(PROMPT[:2], other)
+    a = backend.forward(PROMPT[4:], state)
+    b = backend.forward(PROMPT[4:], fork)
+    np.testing.assert_array_equal(a, b)
+    assert relative_error(a, want_logits[4:]) < 1e-3
+    assert fork.position == state.position == len(PROMPT)
+
+
+def test_kv_cache_grows_in_blocks_and_snapshots_follow(checkpoints, reference_run):
+    # Blocks of 2 rows: the 7-token prompt grows the cache 3 times, one of them after a restore.
+    backend = MetalBackend(checkpoints["mlx"], precision="float32", switches={"kv_block": 2})
+    want_logits, _ = reference_run["mlx"]
+    state = backend.new_state()
+    first = backend.forward(PROMPT[:3], state)
+    saved = state.copy()
+    backend.forward(PROMPT[3:5], backend.new_state())  # another sequence resets the live caches
+    rest = backend.forward(PROMPT[3:], saved)
+    assert relative_error(np.concatenate([first, rest]), want_logits) < 1e-3
+
+
+def test_weights_are_mapped_not_copied(checkpoints):
+    checkpoint = checkpoints["mlx"]
+    backend = MetalBackend(checkpoint, precision="float32")
+    assert backend.mapped_files == [str(f) for f in checkpoint.files]
+    # Materialised: only the small dense tensors not stored as f32 (norms, conv weights, A_log, dt_bias in bf16),
+    # widened to f32 for float32 mode; every quantized tensor is a range of the mapped file.
+    weights = checkpoint.weights
+    widened = sum(
+        int(np.prod(weights.shape(n))) * 4
+        for n in weights
+        if not weights.is_quantized(n) and weights.dtype(n) != "float32"
+    )
+    assert backend.materialised_bytes == widened
+
+
+def test_the_engine_releases_every_metal_object(checkpoints):
+    import gc
+
+    gc.collect()
+    baseline = te.live_objects()
+    backend = MetalBackend(checkpoints["mlx"], precision="float32")
+    state = backend.new_state()
+    backend.forward(PROMPT[:3], state)
+    backend.generate_greedy(state, 1, 2)
+    assert te.live_objects() > baseline
+    del backend, state
+    gc.collect()
+    assert te.live_objects() == baseline
+
+
+def test_bad_input_is_one_clear_error(checkpoints, tmp_path):
+    backend = MetalBackend(checkpoints["mlx"], precision="float32", max_context=4)
+    with pytest.raises(ValueError, match="token_ids must lie in"):
+        backend.forward(np.array([640]), backend.new_state())
+    with pytest.raises(ValueError, match="context limit is 4"):
+        backend.forward(PROMPT[:5], backend.new_state())
+    with pytest.raises(ValueError, match="unknown engine switch 'turbo'"):
+        MetalBackend(checkpoints["mlx"], switches={"turbo": False})
+    with pytest.raises(ValueError, match="precision bfloat16 needs a router GEMV"):
+        MetalBackend(checkpoints["mlx"], precision="bfloat16")
+    with pytest.raises(ValueError, match="state was not made by this backend"):
+        backend.forward(PROMPT[:1], ReferenceModel(checkpoints["mlx"]).new_state())
+    # The kernels are built for the model's head shapes: the tiny kv64 fixture (head dim 64) is refused by name.
+    kv64 = save_hf_checkpoint(build_hf_model("kv64", randomize=False), tmp_path / "kv64", dtype="bfloat16")
+    with pytest.raises(ValueError, match="head_dim"):
+        MetalBackend(load_checkpoint(kv64, quantize=4), precision="float32")

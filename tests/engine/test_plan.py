@@ -1,0 +1,160 @@
+"""`lily plan`: the decode graph built without running it, its counts, and its bytes against performance.md §2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lily import engine
+from lily._ext import _test_engine as te
+from lily.cli import main as cli_main
+from lily.config import ModelArgs
+
+from tests.fixtures import text_config
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL_SOURCE = "\n".join(p.read_text() for p in sorted((ROOT / "metal").glob("*.metal")))
+TEST_KERNEL_SOURCE = (Path(__file__).with_name("engine_kernels.metal")).read_text()
+
+
+def small_full_shape_args(layers: int = 4) -> ModelArgs:
+    """The model's structure (head dim 256, DeltaNet dk 128, attention every 4th layer) at a tiny width."""
+    config = dict(engine.FULL_SIZE_CONFIG)
+    config.update(
+        vocab_size=640, hidden_size=128, num_hidden_layers=layers,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        num_attention_heads=4, num_key_value_heads=1, linear_num_key_heads=1, linear_num_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    )
+    return ModelArgs.from_dict(config)
+
+
+def expected_dispatches(args: ModelArgs, *, fused: bool, split: bool = False) -> int:
+    """Dispatches of one decode token, counted from the model's structure (one kernel chain per layer kind)."""
+    attention = sum(t == "full_attention" for t in args.layer_types)
+    deltanet = args.num_hidden_layers - attention
+    moe = 1 + (1 if fused else 2) + 3  # post norm (+residual), router GEMV(s), route, gate/up, down+combine
+    per_deltanet = 1 + (1 if fused else 4) + 1 + 1 + moe  # input norm, in_proj(s), deltanet step, out_proj
+    per_attention = 1 + (1 if fused else 3) + 1 + (2 if split else 1) + 1 + moe  # norm, qkv, prep, attention, o_proj
+    return deltanet * per_deltanet + attention * per_attention + 1 + 1 + 1 + 2  # embed, norm, lm_head, argmax x2
+
+
+def performance_minimum(context: int) -> dict[str, float]:
+    """performance.md §2.4's script for the full-size model, in bytes."""
+    H, L, NGDN, NATT, V, nq, nkv, hd = 2048, 40, 30, 10, 248320, 16, 2, 256
+    lk, lv, dk, dv, conv_k, E, topk, Fi = 16, 32, 128, 128, 4, 256, 8, 512
+    b4, b8 = 0.5625, 1.0625
+    att = H * nq * hd * 2 + 2 * H * nkv * hd + nq * hd * H
+    gdn = H * (2 * lk * dk + lv * dv) + H * lv * dv + 2 * H * lv + lv * dv * H
+    expert, router = 3 * H * Fi, H * E
+    weights = (NATT * att * b4 + NGDN * (gdn * b4 + (2 * lk * dk + lv * dv) * conv_k * 2)
+               + L * ((topk + 1) * expert * b4 + (router + H) * b8) + V * H * b4)
+    state = 2 * NGDN * lv * dk * dv * 4
+    conv = 2 * NGDN * 3 * (2 * lk * dk + lv * dv) * 2
+    kv = NATT * 2 * nkv * hd * 2 * context
+    return {"weights": weights, "state": state, "conv": conv, "kv": kv, "total": weights + state + conv + kv}
+
+
+@pytest.mark.parametrize("context", [4096, 40000])
+def test_full_size_bytes_within_five_percent_of_the_minimum(context):
+    plan = engine.plan_decode(engine.full_size_args(), context=context)
+    expected = performance_minimum(context)
+    minimum = plan["minimum_bytes"]
+    # The formula leaves out norms (0.35 MB), A_log/dt_bias and the embedding row: well under 0.1 %.
+    assert minimum["total"] == pytest.approx(expected["total"], rel=1e-3)
+    assert minimum["recurrent_state"] == expected["state"]
+    assert minimum["conv_state"] == expected["conv"]
+    assert minimum["kv_cache"] == expected["kv"]
+    moved = plan["bytes_read"] + plan["bytes_written"]
+    assert expected["total"] <= moved <= 1.05 * expected["total"]
+
+
+def test_full_size_dispatch_counts_follow_the_layer_structure():
+    args = engine.full_size_args()
+    fused = engine.plan_decode(args, context=4096)
+    unfused = engine.plan_decode(args, context=4096, switches={"fused_projections": False})
+    split = engine.plan_decode(args, context=40000)
+    assert fused["dispatches"] == expected_dispatches(args, fused=True)
+    assert unfused["dispatches"] == expected_dispatches(args, fused=False)
+    # From LILY_ATTN_SPLIT_MIN_KEYS (32K) keys the attention runs as partials + combine.
+    assert split["dispatches"] == expected_dispatches(args, fused=True, split=True)
+    assert split["dispatches_by_kernel"]["attention_decode_partial_bf16_d256"] == 10
+    # Fusing projections removes dispatches, never stages: the separate GEMVs share one stage.
+    assert unfused["stages"] == fused["stages"]
+    assert fused["stages"] <= fused["dispatches"]
+
+
+def replay_through_encoder(plan: dict) -> dict:
+    """Encode the plan's dispatches into a real Encoder (fake Metal; never committed) with the same ranges."""
+    device = te.Device(TEST_KERNEL_SOURCE)
+    pipeline = device.pipeline("engine_scale")
+    buffers = [device.buffer(length) for _, length in plan["buffers"]]
+    encoder = te.Encoder(device)
+    for node in plan["nodes"]:
+        if node["barrier_before"]:
+            encoder.barrier()
+        encoder.dispatch(pipeline, [], (1, 1, 1), (1, 1, 1),
+                         [(buffers[b], o, n) for b, o, n in node["reads"]],
+                         [(buffers[b], o, n) for b, o, n in node["writes"]])
+    return encoder.counters
+
+
+@pytest.mark.parametrize("switches", [{}, {"concurrent": False}, {"fused_projections": False},
+                                      {"split_kv_min_keys": 8}])
+def test_stages_equal_the_encoders_automatic_barriers(switches):
+    plan = engine.plan_decode(small_full_shape_args(8), context=37, precision="float32", switches=switches,
+                              with_graph=True)
+    counters = replay_through_encoder(plan)
+    assert counters["dispatches"] == plan["dispatches"] == len(plan["nodes"])
+    assert counters["stages"] == plan["stages"]
+    assert counters["barriers"] == plan["barriers"]
+    declared_read = sum(n for node in plan["nodes"] for _, _, n in node["reads"])
+    assert counters["bytes_read"] == declared_read
+    if switches.get("concurrent") is False:
+        assert plan["stages"] == plan["dispatches"]
+
+
+def test_every_planned_kernel_exists_for_the_model_shape():
+    """The graph names only kernels the Metal source instantiates (full-size shapes, both precisions)."""
+    for precision in engine.PRECISIONS:
+        for switches in ({}, {"split_kv_min_keys": 1}):
+            plan = engine.plan_decode(engine.full_size_args(), context=10, precision=precision, switches=switches)
+            for kernel in plan["dispatches_by_kernel"]:
+                assert f'"{kernel}"' in KERNEL_SOURCE, kernel
+
+
+def test_tiny_config_graph():
+    args = ModelArgs.from_dict({**text_config("gqa4"), "model_type": "qwen3_5_moe_text"})
+    plan = engine.plan_decode(args, context=5, precision="float32")
+    assert plan["dispatches"] == expected_dispatches(args, fused=True)
+    by_kernel = plan["dispatches_by_kernel"]
+    assert by_kernel["gated_delta_step_f32_dk64"] == 4 and by_kernel["attention_prep_f32_d64"] == 2
+    assert by_kernel["moe_route_f32"] == 6
+    state = args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim * 4
+    assert plan["minimum_bytes"]["recurrent_state"] == 2 * 4 * state
+    assert plan["minimum_bytes"]["kv_cache"] == 2 * 2 * args.num_key_value_heads * args.head_dim * 4 * 5
+
+
+def test_bad_input_names_the_parameter():
+    args = engine.full_size_args()
+    with pytest.raises(ValueError, match="unknown engine switch 'fast'"):
+        engine.plan_decode(args, switches={"fast": True})
+    with pytest.raises(ValueError, match="precision"):
+        engine.plan_decode(args, precision="fp8")
+    with pytest.raises(ValueError, match="context"):
+        engine.plan_decode(args, context=-1)
+
+
+def test_cli_plan_json_and_table(capsys, monkeypatch):
+    assert cli_main(["plan", "--full-size", "--context", "4096", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["dispatches"] == expected_dispatches(engine.full_size_args(), fused=True)
+    monkeypatch.setenv("LILY_DISABLE_FUSED_PROJECTIONS", "1")
+    assert cli_main(["plan", "--full-size"]) == 0
+    table = capsys.readouterr().out
+    unfused = expected_dispatches(engine.full_size_args(), fused=False)
+    assert "dispatches per token" in table and str(unfused) in table
+    assert cli_main(["plan", "--model", "/nonexistent/dir"]) == 1
+    assert "lily: error:" in capsys.readouterr().err
