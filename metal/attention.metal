@@ -1,26 +1,33 @@
 // Gated GQA attention for decode (model.md §2.4): one query token over the KV cache, out = softmax(q k^T * scale) v
 // ⊙ sigmoid(gate), per query head h with KV head h / (Hq / Hkv).
-//   attention_decode_<dtype>_d256          single pass: one threadgroup per LILY_ATTN_HEADS_PER_GROUP (4) query heads
-//                                          of one KV head, over all keys, gate fused. Chosen below
-//                                          LILY_ATTN_SPLIT_MIN_KEYS keys.
-//   attention_decode_partial_<dtype>_d256  split-KV pass 1: the same threadgroup over one fixed block of block_size
+//   attention_decode_<dtype>_d<D>          single pass: one threadgroup per G query heads of one KV head (G = 4 at
+//                                          D = 256, LILY_ATTN_HEADS_PER_GROUP; 2 at D = 64, ..._D64), over all keys,
+//                                          gate fused. Chosen below LILY_ATTN_SPLIT_MIN_KEYS keys.
+//   attention_decode_partial_<dtype>_d<D>  split-KV pass 1: the same threadgroup over one fixed block of block_size
 //                                          keys (grid y = block); writes the block's normalised output and its
 //                                          softmax max and sum, fp32. Chosen from LILY_ATTN_SPLIT_MIN_KEYS keys.
-//   attention_decode_combine_<dtype>_d256  split-KV pass 2: one threadgroup per query head merges the blocks
+//   attention_decode_combine_<dtype>_d<D>  split-KV pass 2: one threadgroup per query head merges the blocks
 //                                          (weights sum_b * exp(max_b - max)) and applies the gate.
+//   attention_decode[_partial]_unpacked_<dtype>_d<D>  the same with G = 1 (one query head per threadgroup, no K/V
+//                                          row sharing): the GQA-packing ablation, chosen only when the engine switch
+//                                          LILY_DISABLE_GQA_PACKING is set. f32 and bf16.
 // Dtypes: q, gate, out are T (f32, bf16, f16); the cache is C = f32 in float32 mode, bf16 otherwise (also for f16
 // activations: the model's cache dtype); partials are fp32.
 // Layout: q, gate, out [Hq, D]; k_cache, v_cache [Hkv, capacity, D]; partial_out [Hq, num_blocks, D];
-// partial_stats [Hq, num_blocks, 2] (max, sum). Head dim 256 only (the model's).
-// Dispatch: 32*n threads (n <= 32 simdgroups; the engine picks n); grid (Hq/4) single pass, (Hq/4, num_blocks) partial,
-// (Hq) combine with any thread count.
+// partial_stats [Hq, num_blocks, 2] (max, sum). Head dims 256 (the model's; f32, bf16, f16) and 64 (the demo model
+// and test fixtures; f32, bf16).
+// Dispatch: 32*n threads (n <= 32 simdgroups; the engine picks n); grid (Hq/G) single pass, (Hq/G, num_blocks) partial,
+// (Hq) combine with any thread count. Hq/Hkv must be a multiple of G.
 // Design (performance.md §5.5, §6): simdgroup s takes keys s, s+n, ...; each K and V row is read once per
-// threadgroup and serves 4 query heads (GQA packing: 4x less cache traffic than one head per threadgroup; the 8 heads
-// of a KV head are 2 threadgroups). A lane holds 8 of the 256 elements as two chunks of 4 at chunk indices lane and
-// lane + 32, so each simdgroup load reads 32 consecutive chunks (coalesced). The 4 heads' dot products go through one
-// float4 simd_sum per key. fp32 online softmax per simdgroup, then the n simdgroups are merged through threadgroup
-// memory in 8 rounds of 128 floats per simdgroup. Per call the kernel reads num_keys * D * 2 cache elements per
-// 4 heads once and writes 4 * D outputs; split-KV adds 4 * D * 4 bytes of partials per block per 4 heads.
+// threadgroup and serves G query heads (GQA packing: 4x less cache traffic than one head per threadgroup at G = 4;
+// the model's 8 heads of a KV head are 2 threadgroups). A lane holds 8 of the 256 elements as two chunks of 4 at chunk
+// indices lane and lane + 32, so each simdgroup load reads 32 consecutive chunks (coalesced); at D = 64 a row is 16
+// chunks and lanes 16..31 hold zeros (half the lanes idle; the demo model is launch-bound). The G heads' dot products
+// go through one float4 simd_sum per key (components past G stay 0). fp32 online softmax per simdgroup, then the n
+// simdgroups are merged through threadgroup memory in rounds of min(D, 128) floats per simdgroup. Per call the kernel
+// reads num_keys * D * 2 cache elements per G heads once and writes G * D outputs; split-KV adds G * D * 4 bytes of
+// partials per block per G heads. Unpacked (G = 1) reads the cache once per query head: 4x the traffic of G = 4 at
+// the model's shape, for 4x the threadgroups.
 // Verified here: the maths, boundaries and races through the CPU harness. Only a Mac can verify the speed, the
 // block size and the switch point.
 #include <metal_stdlib>
@@ -36,28 +43,35 @@ inline float attn_decode_sigmoid(float x) {
   return 1.0f / (1.0f + precise::exp(-x));
 }
 
-// Attention of LILY_ATTN_HEADS_PER_GROUP query heads (head0 ...) over keys [key_begin, key_end) of their KV head.
+// Attention of G query heads (head0 ...) over keys [key_begin, key_end) of their KV head (G = 1, 2 or 4).
 // Leaves the normalised output of head h, element e in result[h * D + e] (visible to every thread on return) and the
-// softmax max and sum per head in max_out / sum_out. Every thread of the threadgroup must call it.
-template <typename T, typename C, uint D>
+// softmax max and sum per head in components 0 .. G-1 of max_out / sum_out. Every thread of the threadgroup must
+// call it.
+template <typename T, typename C, uint D, uint G>
 inline void attn_decode_heads(constant lily::AttentionArgs& args, device const T* q, device const C* k_cache,
                               device const C* v_cache, uint head0, uint key_begin, uint key_end,
                               threadgroup float* stats_max, threadgroup float* stats_sum, threadgroup float* merge,
                               threadgroup float* result, thread float4& max_out, thread float4& sum_out, uint tid,
                               uint n_threads, uint simd_lane, uint simd_group, uint n_simdgroups) {
-  static_assert(LILY_ATTN_HEADS_PER_GROUP == 4, "the four heads' scores travel as one float4");
-  static_assert(D % 128 == 0, "a lane holds D/32 elements as chunks of 4");
-  constexpr uint CPL = D / 128;  // chunks of 4 per lane
+  static_assert(G == 1 || G == 2 || G == 4, "up to four heads' scores travel as one float4");
+  static_assert(D % 128 == 0 || D == 64, "a lane holds chunks of 4 at chunk indices lane + 32c");
+  constexpr uint CHUNKS = D / 4;               // chunks of 4 per row
+  constexpr uint CPL = (CHUNKS + 31) / 32;     // chunks per lane (D = 64: lanes 16..31 hold none)
+  constexpr uint ROUND = D < 128 ? D : 128;    // floats per simdgroup per merge round
   const uint kv_head = head0 / (args.num_heads / args.num_kv_heads);
+  // Lanes past the row hold zeros: they add 0 to every dot product and never store.
+  const bool lane_active = simd_lane < CHUNKS;
 
-  float4 query[4][CPL];
-  float4 acc[4][CPL];
-  for (uint h = 0; h < 4; ++h) {
+  float4 query[G][CPL];
+  float4 acc[G][CPL];
+  for (uint h = 0; h < G; ++h) {
     for (uint c = 0; c < CPL; ++c) {
-      query[h][c] = lily::attn_load4(q + size_t(head0 + h) * D + 4 * (simd_lane + 32 * c)) * args.scale;
+      query[h][c] = lane_active ? lily::attn_load4(q + size_t(head0 + h) * D + 4 * (simd_lane + 32 * c)) * args.scale
+                                : float4(0.0f);
       acc[h][c] = float4(0.0f);
     }
   }
+  // Components G..3 of the score vectors stay 0 (finite): they cost nothing but a few spare ALU lanes.
   float4 run_max = float4(-INFINITY);
   float4 run_sum = float4(0.0f);
 
@@ -68,8 +82,8 @@ inline void attn_decode_heads(constant lily::AttentionArgs& args, device const T
     float4 key[CPL];
     float4 partial = float4(0.0f);
     for (uint c = 0; c < CPL; ++c) {
-      key[c] = lily::attn_load4(k_head + size_t(s) * D + 4 * (simd_lane + 32 * c));
-      for (uint h = 0; h < 4; ++h) {
+      key[c] = lane_active ? lily::attn_load4(k_head + size_t(s) * D + 4 * (simd_lane + 32 * c)) : float4(0.0f);
+      for (uint h = 0; h < G; ++h) {
         partial[h] += dot(query[h][c], key[c]);
       }
     }
@@ -80,16 +94,17 @@ inline void attn_decode_heads(constant lily::AttentionArgs& args, device const T
     run_sum = run_sum * rescale + p;
     run_max = new_max;
     for (uint c = 0; c < CPL; ++c) {
-      const float4 value = lily::attn_load4(v_head + size_t(s) * D + 4 * (simd_lane + 32 * c));
-      for (uint h = 0; h < 4; ++h) {
+      const float4 value =
+          lane_active ? lily::attn_load4(v_head + size_t(s) * D + 4 * (simd_lane + 32 * c)) : float4(0.0f);
+      for (uint h = 0; h < G; ++h) {
         acc[h][c] = acc[h][c] * rescale[h] + p[h] * value;
       }
     }
   }
 
-  // Merge the simdgroups: global max, total sum, then the rescaled accumulators, 128 floats per simdgroup per round.
+  // Merge the simdgroups: global max, total sum, then the rescaled accumulators, ROUND floats per simdgroup per round.
   if (simd_lane == 0) {
-    for (uint h = 0; h < 4; ++h) {
+    for (uint h = 0; h < G; ++h) {
       stats_max[simd_group * 4 + h] = run_max[h];
       stats_sum[simd_group * 4 + h] = run_sum[h];
     }
@@ -97,31 +112,33 @@ inline void attn_decode_heads(constant lily::AttentionArgs& args, device const T
   threadgroup_barrier(mem_flags::mem_threadgroup);
   float4 total_max = float4(-INFINITY);
   for (uint g = 0; g < n_simdgroups; ++g) {
-    for (uint h = 0; h < 4; ++h) {
+    for (uint h = 0; h < G; ++h) {
       total_max[h] = max(total_max[h], stats_max[g * 4 + h]);
     }
   }
   float4 total_sum = float4(0.0f);
   for (uint g = 0; g < n_simdgroups; ++g) {
-    for (uint h = 0; h < 4; ++h) {
+    for (uint h = 0; h < G; ++h) {
       // A simdgroup that saw no key has max -inf and sum 0: weight exp(-inf) = 0 (total_max is finite).
       total_sum[h] += stats_sum[g * 4 + h] * precise::exp(stats_max[g * 4 + h] - total_max[h]);
     }
   }
-  const float4 own_weight = precise::exp(run_max - total_max);
-  for (uint h = 0; h < 4; ++h) {
+  for (uint h = 0; h < G; ++h) {
+    const float own_weight = precise::exp(run_max[h] - total_max[h]);
     for (uint c = 0; c < CPL; ++c) {
-      const float4 mine = acc[h][c] * own_weight[h];
-      for (uint j = 0; j < 4; ++j) {
-        merge[simd_group * 128 + 4 * simd_lane + j] = mine[j];
+      const float4 mine = acc[h][c] * own_weight;
+      if (lane_active) {
+        for (uint j = 0; j < 4; ++j) {
+          merge[simd_group * ROUND + 4 * simd_lane + j] = mine[j];
+        }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      for (uint e = tid; e < 128; e += n_threads) {
+      for (uint e = tid; e < ROUND; e += n_threads) {
         float total = 0.0f;
         for (uint g = 0; g < n_simdgroups; ++g) {
-          total += merge[g * 128 + e];
+          total += merge[g * ROUND + e];
         }
-        result[h * D + 128 * c + e] = total / total_sum[h];
+        result[h * D + ROUND * c + e] = total / total_sum[h];
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
@@ -130,7 +147,7 @@ inline void attn_decode_heads(constant lily::AttentionArgs& args, device const T
   sum_out = total_sum;
 }
 
-template <typename T, typename C, uint D>
+template <typename T, typename C, uint D, uint G>
 [[kernel]] void attention_decode(constant lily::AttentionArgs& args [[buffer(0)]],
                                  device const T* q [[buffer(1)]],
                                  device const T* gate [[buffer(2)]],
@@ -143,22 +160,22 @@ template <typename T, typename C, uint D>
                                  uint simd_lane [[thread_index_in_simdgroup]],
                                  uint simd_group [[simdgroup_index_in_threadgroup]],
                                  uint n_simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float stats_max[ATTN_DECODE_MAX_SIMDGROUPS * LILY_ATTN_HEADS_PER_GROUP];
-  threadgroup float stats_sum[ATTN_DECODE_MAX_SIMDGROUPS * LILY_ATTN_HEADS_PER_GROUP];
+  threadgroup float stats_max[ATTN_DECODE_MAX_SIMDGROUPS * 4];
+  threadgroup float stats_sum[ATTN_DECODE_MAX_SIMDGROUPS * 4];
   threadgroup float merge[ATTN_DECODE_MERGE_FLOATS];
-  threadgroup float result[LILY_ATTN_HEADS_PER_GROUP * D];
-  const uint head0 = group * LILY_ATTN_HEADS_PER_GROUP;
+  threadgroup float result[G * D];
+  const uint head0 = group * G;
   float4 total_max;
   float4 total_sum;
-  attn_decode_heads<T, C, D>(args, q, k_cache, v_cache, head0, 0, args.num_keys, stats_max, stats_sum, merge, result,
+  attn_decode_heads<T, C, D, G>(args, q, k_cache, v_cache, head0, 0, args.num_keys, stats_max, stats_sum, merge, result,
                              total_max, total_sum, tid, n_threads, simd_lane, simd_group, n_simdgroups);
-  for (uint i = tid; i < LILY_ATTN_HEADS_PER_GROUP * D; i += n_threads) {
+  for (uint i = tid; i < G * D; i += n_threads) {
     const size_t index = size_t(head0) * D + i;  // head0 + i / D, element i % D
     out[index] = T(result[i] * attn_decode_sigmoid(float(gate[index])));
   }
 }
 
-template <typename T, typename C, uint D>
+template <typename T, typename C, uint D, uint G>
 [[kernel]] void attention_decode_partial(constant lily::AttentionArgs& args [[buffer(0)]],
                                          device const T* q [[buffer(1)]],
                                          device const C* k_cache [[buffer(2)]],
@@ -171,23 +188,23 @@ template <typename T, typename C, uint D>
                                          uint simd_lane [[thread_index_in_simdgroup]],
                                          uint simd_group [[simdgroup_index_in_threadgroup]],
                                          uint n_simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float stats_max[ATTN_DECODE_MAX_SIMDGROUPS * LILY_ATTN_HEADS_PER_GROUP];
-  threadgroup float stats_sum[ATTN_DECODE_MAX_SIMDGROUPS * LILY_ATTN_HEADS_PER_GROUP];
+  threadgroup float stats_max[ATTN_DECODE_MAX_SIMDGROUPS * 4];
+  threadgroup float stats_sum[ATTN_DECODE_MAX_SIMDGROUPS * 4];
   threadgroup float merge[ATTN_DECODE_MERGE_FLOATS];
-  threadgroup float result[LILY_ATTN_HEADS_PER_GROUP * D];
-  const uint head0 = group.x * LILY_ATTN_HEADS_PER_GROUP;
+  threadgroup float result[G * D];
+  const uint head0 = group.x * G;
   const uint block = group.y;
   const uint key_begin = block * args.block_size;
   const uint key_end = min(args.num_keys, key_begin + args.block_size);
   float4 block_max;
   float4 block_sum;
-  attn_decode_heads<T, C, D>(args, q, k_cache, v_cache, head0, key_begin, key_end, stats_max, stats_sum, merge,
+  attn_decode_heads<T, C, D, G>(args, q, k_cache, v_cache, head0, key_begin, key_end, stats_max, stats_sum, merge,
                              result, block_max, block_sum, tid, n_threads, simd_lane, simd_group, n_simdgroups);
-  for (uint i = tid; i < LILY_ATTN_HEADS_PER_GROUP * D; i += n_threads) {
+  for (uint i = tid; i < G * D; i += n_threads) {
     const uint head = head0 + i / D;
     partial_out[(size_t(head) * args.num_blocks + block) * D + i % D] = result[i];
   }
-  if (tid < LILY_ATTN_HEADS_PER_GROUP) {
+  if (tid < G) {
     const size_t slot = (size_t(head0 + tid) * args.num_blocks + block) * 2;
     partial_stats[slot] = block_max[tid];
     partial_stats[slot + 1] = block_sum[tid];
@@ -224,12 +241,29 @@ template <typename T, uint D>
   }
 }
 
-LILY_INSTANTIATE_KERNEL("attention_decode_f32_d256", attention_decode, float, float, 256)
-LILY_INSTANTIATE_KERNEL("attention_decode_bf16_d256", attention_decode, bfloat, bfloat, 256)
-LILY_INSTANTIATE_KERNEL("attention_decode_f16_d256", attention_decode, half, bfloat, 256)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_f32_d256", attention_decode_partial, float, float, 256)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_bf16_d256", attention_decode_partial, bfloat, bfloat, 256)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_f16_d256", attention_decode_partial, half, bfloat, 256)
+// Model (head dim 256, GQA group 8): 4 heads per threadgroup.
+LILY_INSTANTIATE_KERNEL("attention_decode_f32_d256", attention_decode, float, float, 256, 4)
+LILY_INSTANTIATE_KERNEL("attention_decode_bf16_d256", attention_decode, bfloat, bfloat, 256, 4)
+LILY_INSTANTIATE_KERNEL("attention_decode_f16_d256", attention_decode, half, bfloat, 256, 4)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_f32_d256", attention_decode_partial, float, float, 256, 4)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_bf16_d256", attention_decode_partial, bfloat, bfloat, 256, 4)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_f16_d256", attention_decode_partial, half, bfloat, 256, 4)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_f32_d256", attention_decode_combine, float, 256)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_bf16_d256", attention_decode_combine, bfloat, 256)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_f16_d256", attention_decode_combine, half, 256)
+// Demo model and tiny fixtures (head dim 64, GQA group 2 or 4): 2 heads per threadgroup, float32 and bf16 modes.
+LILY_INSTANTIATE_KERNEL("attention_decode_f32_d64", attention_decode, float, float, 64, 2)
+LILY_INSTANTIATE_KERNEL("attention_decode_bf16_d64", attention_decode, bfloat, bfloat, 64, 2)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_f32_d64", attention_decode_partial, float, float, 64, 2)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_bf16_d64", attention_decode_partial, bfloat, bfloat, 64, 2)
+LILY_INSTANTIATE_KERNEL("attention_decode_combine_f32_d64", attention_decode_combine, float, 64)
+LILY_INSTANTIATE_KERNEL("attention_decode_combine_bf16_d64", attention_decode_combine, bfloat, 64)
+// GQA-packing ablation (LILY_DISABLE_GQA_PACKING): one head per threadgroup; the combine kernels are shared.
+LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_f32_d256", attention_decode, float, float, 256, 1)
+LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_bf16_d256", attention_decode, bfloat, bfloat, 256, 1)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_unpacked_f32_d256", attention_decode_partial, float, float, 256, 1)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_unpacked_bf16_d256", attention_decode_partial, bfloat, bfloat, 256, 1)
+LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_f32_d64", attention_decode, float, float, 64, 1)
+LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_bf16_d64", attention_decode, bfloat, bfloat, 64, 1)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_unpacked_f32_d64", attention_decode_partial, float, float, 64, 1)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_unpacked_bf16_d64", attention_decode_partial, bfloat, bfloat, 64, 1)

@@ -1,24 +1,26 @@
 // Gated causal GQA attention for prefill (model.md §2.4): T query tokens of a chunk over the KV cache, which already
 // holds the keys of earlier chunks (rows 0 .. num_keys - T - 1) and of this chunk (written by attention_prep).
 // out = softmax(q k^T * scale + causal mask) v ⊙ sigmoid(gate), fp32 online softmax, the gate fused.
-//   attention_prefill_mma_<dtype>_d256  matrix units: one threadgroup of 4 simdgroups per (8 query tokens,
-//                                       LILY_ATTN_HEADS_PER_GROUP query heads of one KV head); simdgroup s owns head
+//   attention_prefill_mma_<dtype>_d<D> matrix units: one threadgroup of G simdgroups per (8 query tokens, G query
+//                                       heads of one KV head; G = 4 at D = 256, 2 at D = 64); simdgroup s owns head
 //                                       head0 + s. Scores S = Q K^T and the update O += P V are simdgroup_float8x8
 //                                       products over key tiles of LILY_ATTN_MMA_TILE_KEYS (8) keys staged in fp32
 //                                       threadgroup memory (K transposed, so no transposed load is needed). Q (32
 //                                       fragments) and O (32 fragments) stay in registers for the whole chunk.
 //                                       Chosen for T >= LILY_ATTN_MMA_MIN_QUERIES (8).
-//   attention_prefill_<dtype>_d256      vector ALUs: one threadgroup per (n consecutive queries, 4 query heads);
-//                                       simdgroup s owns query q0 + s for the 4 heads, one float4 simd_sum of the 4
-//                                       heads' dot products per key; K and V staged in tiles of
-//                                       LILY_ATTN_PREFILL_TILE_BYTES / (D * sizeof(C)) keys (16 in bf16, 8 in f32).
+//   attention_prefill_<dtype>_d<D>      vector ALUs: one threadgroup per (n consecutive queries, G query heads);
+//                                       simdgroup s owns query q0 + s for the G heads, one float4 simd_sum of the G
+//                                       heads' dot products per key (at D = 64 lanes 16..31 hold zeros); K and V
+//                                       staged in tiles of LILY_ATTN_PREFILL_TILE_BYTES / (D * sizeof(C)) keys (16
+//                                       in bf16, 8 in f32 at D = 256; 64 and 32 at D = 64).
 //                                       Chosen for 1 < T < 8, where an 8-row fragment would be mostly padding.
 // Query t sits at position num_keys - T + t and sees cache rows 0 .. its position (causal, KV offset included).
 // Dtypes: q, gate, out are T (f32, bf16, f16); the cache is C = f32 in float32 mode, bf16 otherwise.
-// Layout: q, gate, out [T, Hq, D]; k_cache, v_cache [Hkv, capacity, D]. Head dim 256 only (the model's).
-// Dispatch: mma: grid (ceil(T / 8), Hq / 4), 128 threads. vector: grid (ceil(T / n), Hq / 4), 32*n threads (n <= 32).
-// Reuse: each staged K/V element is read from device memory once per threadgroup and serves 8 queries x 4 heads (mma)
-// or n queries x 4 heads (vector); tiles past the causal limit of the threadgroup's last query are never loaded. Loads
+// Layout: q, gate, out [T, Hq, D]; k_cache, v_cache [Hkv, capacity, D]. Head dims 256 (the model's; f32, bf16, f16)
+// and 64 (demo model and test fixtures, whose GQA group is 2 or 4; f32, bf16).
+// Dispatch: mma: grid (ceil(T / 8), Hq / G), 32*G threads. vector: grid (ceil(T / n), Hq / G), 32*n threads (n <= 32).
+// Reuse: each staged K/V element is read from device memory once per threadgroup and serves 8 queries x G heads (mma)
+// or n queries x G heads (vector); tiles past the causal limit of the threadgroup's last query are never loaded. Loads
 // are coalesced (consecutive threads read consecutive 4-element chunks of a row).
 // Verified here: the maths, causality, KV offsets, boundaries and races (CPU harness, which emulates
 // simdgroup_matrix with MLX's lane layout, metal-on-linux.md §4). Mac only: compiler acceptance, the lane layout
@@ -33,7 +35,7 @@ inline float attn_prefill_sigmoid(float x) {
   return 1.0f / (1.0f + precise::exp(-x));
 }
 
-template <typename T, typename C, uint D>
+template <typename T, typename C, uint D, uint G>
 [[kernel]] void attention_prefill(constant lily::AttentionArgs& args [[buffer(0)]],
                                   device const T* q [[buffer(1)]],
                                   device const T* gate [[buffer(2)]],
@@ -49,30 +51,32 @@ template <typename T, typename C, uint D>
   constexpr uint TILE_ELEMENTS = LILY_ATTN_PREFILL_TILE_BYTES / sizeof(C);
   threadgroup C k_tile[TILE_ELEMENTS];
   threadgroup C v_tile[TILE_ELEMENTS];
-  static_assert(LILY_ATTN_HEADS_PER_GROUP == 4, "the four heads' scores travel as one float4");
-  static_assert(D % 128 == 0, "a lane holds D/32 elements as chunks of 4");
-  constexpr uint CPL = D / 128;  // chunks of 4 per lane
-  constexpr uint TILE_KEYS = TILE_ELEMENTS / D;
+  static_assert(G == 2 || G == 4, "up to four heads' scores travel as one float4");
+  static_assert(D % 128 == 0 || D == 64, "a lane holds chunks of 4 at chunk indices lane + 32c");
   constexpr uint CHUNKS_PER_ROW = D / 4;
+  constexpr uint CPL = (CHUNKS_PER_ROW + 31) / 32;  // chunks of 4 per lane (D = 64: lanes 16..31 hold none)
+  constexpr uint TILE_KEYS = TILE_ELEMENTS / D;
 
-  const uint head0 = group.y * LILY_ATTN_HEADS_PER_GROUP;
+  const uint head0 = group.y * G;
   const uint kv_head = head0 / (args.num_heads / args.num_kv_heads);
   const uint first_position = args.num_keys - args.num_queries;  // position of query 0 (the KV offset)
   const uint q0 = group.x * n_simdgroups;
   const uint t = q0 + simd_group;
   const bool active = t < args.num_queries;  // the last tile's spare simdgroups still help load and meet barriers
   const uint position = first_position + t;
+  const bool lane_active = simd_lane < CHUNKS_PER_ROW;  // lanes past the row hold zeros and store nothing
 
-  float4 query[4][CPL];
-  float4 acc[4][CPL];
-  for (uint h = 0; h < 4; ++h) {
+  float4 query[G][CPL];
+  float4 acc[G][CPL];
+  for (uint h = 0; h < G; ++h) {
     for (uint c = 0; c < CPL; ++c) {
-      query[h][c] = active ? lily::attn_load4(q + (size_t(t) * args.num_heads + head0 + h) * D +
+      query[h][c] = active && lane_active ? lily::attn_load4(q + (size_t(t) * args.num_heads + head0 + h) * D +
                                               4 * (simd_lane + 32 * c)) * args.scale
                            : float4(0.0f);
       acc[h][c] = float4(0.0f);
     }
   }
+  // Components G..3 of the score vectors stay 0 (finite) and are never read back.
   float4 run_max = float4(-INFINITY);
   float4 run_sum = float4(0.0f);
 
@@ -94,8 +98,8 @@ template <typename T, typename C, uint D>
       float4 key[CPL];
       float4 partial = float4(0.0f);
       for (uint c = 0; c < CPL; ++c) {
-        key[c] = lily::attn_load4(k_tile + r * D + 4 * (simd_lane + 32 * c));
-        for (uint h = 0; h < 4; ++h) {
+        key[c] = lane_active ? lily::attn_load4(k_tile + r * D + 4 * (simd_lane + 32 * c)) : float4(0.0f);
+        for (uint h = 0; h < G; ++h) {
           partial[h] += dot(query[h][c], key[c]);
         }
       }
@@ -106,8 +110,9 @@ template <typename T, typename C, uint D>
       run_sum = run_sum * rescale + p;
       run_max = new_max;
       for (uint c = 0; c < CPL; ++c) {
-        const float4 value = lily::attn_load4(v_tile + r * D + 4 * (simd_lane + 32 * c));
-        for (uint h = 0; h < 4; ++h) {
+        const float4 value =
+            lane_active ? lily::attn_load4(v_tile + r * D + 4 * (simd_lane + 32 * c)) : float4(0.0f);
+        for (uint h = 0; h < G; ++h) {
           acc[h][c] = acc[h][c] * rescale[h] + p[h] * value;
         }
       }
@@ -115,8 +120,8 @@ template <typename T, typename C, uint D>
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the tile is consumed before the next load overwrites it
   }
 
-  if (active) {
-    for (uint h = 0; h < 4; ++h) {
+  if (active && lane_active) {
+    for (uint h = 0; h < G; ++h) {
       const size_t row = (size_t(t) * args.num_heads + head0 + h) * D;
       for (uint c = 0; c < CPL; ++c) {
         const uint e = 4 * (simd_lane + 32 * c);
@@ -150,7 +155,7 @@ inline float attn_mma_row_sum(float x) {
   return x + simd_shuffle_xor(x, ushort(8));
 }
 
-template <typename T, typename C, uint D>
+template <typename T, typename C, uint D, uint G>
 [[kernel]] void attention_prefill_mma(constant lily::AttentionArgs& args [[buffer(0)]],
                                       device const T* q [[buffer(1)]],
                                       device const T* gate [[buffer(2)]],
@@ -168,9 +173,9 @@ template <typename T, typename C, uint D>
   static_assert(D % 8 == 0, "head_dim is a whole number of 8-wide fragments");
   constexpr uint BK = LILY_ATTN_MMA_TILE_KEYS;
   constexpr uint FRAGS = D / 8;   // 8x8 fragments across the head dim
-  constexpr uint THREADS = 32 * LILY_ATTN_HEADS_PER_GROUP;
+  constexpr uint THREADS = 32 * G;  // one simdgroup per head
 
-  const uint head = group.y * LILY_ATTN_HEADS_PER_GROUP + simd_group;  // simdgroup s owns query head head0 + s
+  const uint head = group.y * G + simd_group;  // simdgroup s owns query head head0 + s
   const uint kv_head = head / (args.num_heads / args.num_kv_heads);
   const uint first_position = args.num_keys - args.num_queries;
   const uint q0 = group.x * 8;  // the threadgroup's 8 query tokens
@@ -257,9 +262,15 @@ template <typename T, typename C, uint D>
   }
 }
 
-LILY_INSTANTIATE_KERNEL("attention_prefill_f32_d256", attention_prefill, float, float, 256)
-LILY_INSTANTIATE_KERNEL("attention_prefill_bf16_d256", attention_prefill, bfloat, bfloat, 256)
-LILY_INSTANTIATE_KERNEL("attention_prefill_f16_d256", attention_prefill, half, bfloat, 256)
-LILY_INSTANTIATE_KERNEL("attention_prefill_mma_f32_d256", attention_prefill_mma, float, float, 256)
-LILY_INSTANTIATE_KERNEL("attention_prefill_mma_bf16_d256", attention_prefill_mma, bfloat, bfloat, 256)
-LILY_INSTANTIATE_KERNEL("attention_prefill_mma_f16_d256", attention_prefill_mma, half, bfloat, 256)
+// Model (head dim 256, GQA group 8): 4 heads per threadgroup.
+LILY_INSTANTIATE_KERNEL("attention_prefill_f32_d256", attention_prefill, float, float, 256, 4)
+LILY_INSTANTIATE_KERNEL("attention_prefill_bf16_d256", attention_prefill, bfloat, bfloat, 256, 4)
+LILY_INSTANTIATE_KERNEL("attention_prefill_f16_d256", attention_prefill, half, bfloat, 256, 4)
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_f32_d256", attention_prefill_mma, float, float, 256, 4)
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_bf16_d256", attention_prefill_mma, bfloat, bfloat, 256, 4)
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_f16_d256", attention_prefill_mma, half, bfloat, 256, 4)
+// Demo model and tiny fixtures (head dim 64, GQA group 2 or 4): 2 heads per threadgroup, float32 and bf16 modes.
+LILY_INSTANTIATE_KERNEL("attention_prefill_f32_d64", attention_prefill, float, float, 64, 2)
+LILY_INSTANTIATE_KERNEL("attention_prefill_bf16_d64", attention_prefill, bfloat, bfloat, 64, 2)
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_f32_d64", attention_prefill_mma, float, float, 64, 2)
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_bf16_d64", attention_prefill_mma, bfloat, bfloat, 64, 2)

@@ -7,6 +7,8 @@
 //                                      [T, C], continuing from and updating the conv state. One thread per channel.
 //   gated_delta_prefill_<dtype>_dk128  prefill part 2: the sequential scan over T tokens with the state rows held in
 //                                      registers for the whole chunk. Chosen for T > 1 (after gated_delta_conv).
+//   *_dk64 (f32, bf16)                 the same three at Dk = 64 (two state elements per lane) for the embedded demo
+//                                      model and the test fixtures; the host picks by linear_key_head_dim.
 // Layout: C = 2·Hk·Dk + Hv·dv channels [q | k | v]; conv state [K-1, C] (raw in_proj_qkv outputs, time-major);
 // recurrent state [Hv, dv, Dk] fp32 (one contiguous Dk row per output channel: the transpose of
 // lily.reference's [Hv, dk, dv]). Value head j uses key head j / (Hv/Hk).
@@ -348,3 +350,10 @@ LILY_INSTANTIATE_KERNEL("gated_delta_conv_bf16_dk128", gated_delta_conv, bfloat,
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f32_dk128", gated_delta_prefill, float, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f16_dk128", gated_delta_prefill, half, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_bf16_dk128", gated_delta_prefill, bfloat, 128)
+// Demo model and tiny fixtures (Dk = 64: two state elements per lane), float32 and bf16 modes.
+LILY_INSTANTIATE_KERNEL("gated_delta_step_f32_dk64", gated_delta_step, float, 64)
+LILY_INSTANTIATE_KERNEL("gated_delta_step_bf16_dk64", gated_delta_step, bfloat, 64)
+LILY_INSTANTIATE_KERNEL("gated_delta_conv_f32_dk64", gated_delta_conv, float, 64)
+LILY_INSTANTIATE_KERNEL("gated_delta_conv_bf16_dk64", gated_delta_conv, bfloat, 64)
+LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f32_dk64", gated_delta_prefill, float, 64)
+LILY_INSTANTIATE_KERNEL("gated_delta_prefill_bf16_dk64", gated_delta_prefill, bfloat, 64)

@@ -36,7 +36,7 @@ static_assert(sizeof(RmsNormArgs) == 16, "RmsNormArgs layout must match the host
 // gated_delta_conv_*, gated_delta_step_*, gated_delta_prefill_* (metal/gated_delta.metal): one Gated DeltaNet
 // layer's token mixer core. Shapes: C = 2*Hk*Dk + Hv*dv conv channels [q | k | v]; conv state [K-1, C] (time-major,
 // raw in_proj_qkv outputs); recurrent state [Hv, dv, Dk] fp32 (each dv row contiguous over Dk: the TRANSPOSE of
-// lily.reference's [Hv, dk, dv]). Dk is the kernel's template parameter (128).
+// lily.reference's [Hv, dk, dv]). Dk is the kernel's template parameter (128; 64 for the demo model).
 struct GatedDeltaArgs {
   u32 num_tokens;   // T: tokens in this call (1 for gated_delta_step)
   u32 num_k_heads;  // Hk; gated_delta_step runs one threadgroup per key head
@@ -87,6 +87,16 @@ struct QMatmulArgs {
 };
 static_assert(sizeof(QMatmulArgs) == 16, "QMatmulArgs layout must match the host and tests");
 
+// qmv_norm_* (metal/qmatmul.metal): y = W · (rms_norm(x) ⊙ norm_weight), the RMSNorm folded into the GEMV. The norm
+// is over the whole input row (K = in_features elements).
+struct QMatmulNormArgs {
+  u32 in_features;   // K: also the RMSNorm row length
+  u32 out_features;  // N
+  u32 num_rows;      // M: rows of X and Y (tokens)
+  f32 eps;           // added to mean(x^2); 1e-6 for this model
+};
+static_assert(sizeof(QMatmulNormArgs) == 16, "QMatmulNormArgs layout must match the host and tests");
+
 // embedding_gather_* (metal/embedding.metal): out[t] = dequantized row ids[ids_offset + t] of the quantized table.
 struct EmbeddingArgs {
   u32 hidden_size;  // H, a multiple of 64
@@ -111,6 +121,17 @@ struct MoeArgs {
 };
 static_assert(sizeof(MoeArgs) == 32, "MoeArgs layout must match the host and tests");
 
+// moe_gate_up_swiglu_routed_* (metal/moe.metal): the decode gate/up kernel with moe_route and the post-attention
+// RMSNorm of the hidden stream folded in. `moe` as for the other decode kernels (num_rows 1).
+struct MoeRoutedArgs {
+  MoeArgs moe;
+  f32 eps;  // RMSNorm eps (model: 1e-6)
+  u32 _pad0;
+  u32 _pad1;
+  u32 _pad2;
+};
+static_assert(sizeof(MoeRoutedArgs) == 48, "MoeRoutedArgs layout must match the host and tests");
+
 // attention_prep_* (metal/rope.metal): per-head q/k RMSNorm, partial RoPE, [query | gate] split, KV-cache write.
 // Token t sits at position first_position + t and is written to cache row first_position + t.
 struct AttentionPrepArgs {
@@ -128,7 +149,8 @@ static_assert(sizeof(AttentionPrepArgs) == 32, "AttentionPrepArgs layout must ma
 // attention_decode*, attention_prefill_* (metal/attention.metal, metal/attention_prefill.metal): gated causal GQA
 // attention over the KV cache [Hkv, capacity, D]. Query t of the call sits at position num_keys - num_queries + t and
 // sees cache rows 0 .. its position. Query head h reads KV head h / (Hq / Hkv); Hq / Hkv must be a multiple of
-// LILY_ATTN_HEADS_PER_GROUP (the heads one threadgroup packs).
+// the heads one threadgroup packs (LILY_ATTN_HEADS_PER_GROUP at D = 256, LILY_ATTN_HEADS_PER_GROUP_D64 at D = 64,
+// 1 for the attention_decode*_unpacked_* kernels).
 struct AttentionArgs {
   u32 num_queries;     // T: 1 for the decode kernels
   u32 num_heads;       // Hq
@@ -218,6 +240,8 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // Attention (metal/attention.metal, metal/attention_prefill.metal). Untuned: no Mac benchmark yet (issue 5).
 // Query heads per threadgroup sharing one KV head (GQA packing): each K/V row read serves this many heads.
 #define LILY_ATTN_HEADS_PER_GROUP 4
+// The same for the head-dim-64 instances (demo model, test fixtures): their GQA group is 2 (demo) or 4, so 2.
+#define LILY_ATTN_HEADS_PER_GROUP_D64 2
 // Decode switches from the single-pass kernel to split-KV (attention_decode_partial + attention_decode_combine) at
 // this many keys: below it the Hq/4 single-pass threadgroups stream the cache fast enough; above it they are too few
 // to keep the GPU's memory system busy (design report: +7.7 % at 32K, +40 % at 128K for head dim 256, GQA 8).

@@ -8,6 +8,13 @@
 //   moe_gate_up_swiglu_<dtype>[_sf32]
 //       h = SiLU(gate·x) ⊙ (up·x) for the k routed experts (ids read from the GPU buffer) and the shared expert
 //       (slot k), into an fp32 scratch hidden [k·I + Is].
+//   moe_gate_up_swiglu_routed_<dtype>[_sf32]
+//       moe_route and the post-attention RMSNorm folded into moe_gate_up_swiglu (decode fusion): x is the hidden
+//       stream itself; every routed simdgroup recomputes the softmax/top-k over the E f32 logits (E/32 values per
+//       lane, k simd_max/simd_min rounds: far cheaper than a dispatch and a barrier stage) to find its slot's expert,
+//       and sums x^2 while it folds x ⊙ norm_weight into its dot products (1/rms applied after the sums). One thread
+//       (threadgroup (0, 0), simdgroup 0, lane 0) writes the ids and renormalised weights moe_down_combine reads.
+//       Extra reads per simdgroup: E logits and the H norm weights, from cache. Chosen whenever fusion is on.
 //   moe_down_combine_<dtype>[_sf32]
 //       out = residual + Σ_s w_s·down_s·h_s + sigmoid(gate logit)·down_shared·h_shared: the layer output written once
 //       (out may alias residual: the residual stream updated in place).
@@ -46,6 +53,60 @@ inline float moe_dot8(uint word, thread const float* xv) {
   return dot;
 }
 
+constant constexpr uint MOE_PER_LANE = LILY_MOE_MAX_EXPERTS / 32;
+
+// Softmax over one row of E router logits into p: expert e = lane + 32·j lives in p[j] of its lane. Called by a whole
+// simdgroup (convergent).
+template <typename T>
+inline void moe_probabilities(device const T* logits, uint num_experts, uint lane, thread float* p) {
+  float row_max = -INFINITY;
+  for (uint j = 0; j < MOE_PER_LANE; ++j) {
+    uint e = lane + 32 * j;
+    p[j] = e < num_experts ? float(logits[e]) : -INFINITY;
+    row_max = max(row_max, p[j]);
+  }
+  row_max = simd_max(row_max);
+  float sum = 0.0f;
+  for (uint j = 0; j < MOE_PER_LANE; ++j) {
+    p[j] = lane + 32 * j < num_experts ? precise::exp(p[j] - row_max) : 0.0f;
+    sum += p[j];
+  }
+  sum = simd_sum(sum);
+  // Select on the normalised probabilities, as the reference does: rounding may merge near-equal values into ties,
+  // and ties must then go to the lower id.
+  for (uint j = 0; j < MOE_PER_LANE; ++j) {
+    p[j] = p[j] / sum;
+  }
+}
+
+// Round `round` of top-k: the largest probability not yet taken (ties to the lower id), marked taken; its probability
+// goes to `top`. Every lane gets the same winner. Convergent.
+inline uint moe_pick(thread const float* p, thread uint& taken, uint num_experts, uint lane, uint round,
+                     thread float& top) {
+  float best = -1.0f;  // below every probability, so a lane with no candidate never wins
+  uint best_id = 0xFFFFFFFFu;
+  for (uint j = 0; j < MOE_PER_LANE; ++j) {
+    uint e = lane + 32 * j;
+    // Strict '>' keeps the lowest id among equal values within the lane (e grows with j).
+    if (e < num_experts && ((taken >> j) & 1u) == 0 && p[j] > best) {
+      best = p[j];
+      best_id = e;
+    }
+  }
+  top = simd_max(best);
+  uint winner = simd_min(best == top ? best_id : 0xFFFFFFFFu);
+  if (winner >= num_experts) {
+    // No candidate: the row's probabilities are NaN (a NaN or infinite logit). Keep the ids valid for the expert
+    // kernels and let NaN weights carry the fault to the layer output.
+    winner = round;
+    top = NAN;
+  }
+  if (winner % 32 == lane) {
+    taken |= 1u << (winner / 32);
+  }
+  return winner;
+}
+
 template <typename T>
 [[kernel]] void moe_route(constant lily::MoeArgs& args [[buffer(0)]],
                           device const T* router_logits [[buffer(1)]],
@@ -53,31 +114,10 @@ template <typename T>
                           device float* expert_weights [[buffer(3)]],
                           uint row [[threadgroup_position_in_grid]],
                           uint lane [[thread_index_in_simdgroup]]) {
-  constexpr uint PER_LANE = LILY_MOE_MAX_EXPERTS / 32;
   const uint num_experts = args.num_experts;
   const uint k = args.top_k;
-  device const T* logits = router_logits + size_t(row) * num_experts;
-
-  // Expert e = lane + 32·j lives in p[j] of its lane.
-  float p[PER_LANE];
-  float row_max = -INFINITY;
-  for (uint j = 0; j < PER_LANE; ++j) {
-    uint e = lane + 32 * j;
-    p[j] = e < num_experts ? float(logits[e]) : -INFINITY;
-    row_max = max(row_max, p[j]);
-  }
-  row_max = simd_max(row_max);
-  float sum = 0.0f;
-  for (uint j = 0; j < PER_LANE; ++j) {
-    p[j] = lane + 32 * j < num_experts ? precise::exp(p[j] - row_max) : 0.0f;
-    sum += p[j];
-  }
-  sum = simd_sum(sum);
-  // Select on the normalised probabilities, as the reference does: rounding may merge near-equal values into ties,
-  // and ties must then go to the lower id.
-  for (uint j = 0; j < PER_LANE; ++j) {
-    p[j] = p[j] / sum;
-  }
+  float p[MOE_PER_LANE];
+  moe_probabilities(router_logits + size_t(row) * num_experts, num_experts, lane, p);
 
   // k rounds of argmax. Every lane sees the same winners in the same order, so lane 0 can write each as it is found
   // and renormalise its own writes afterwards: no per-thread array, and any k <= E works.
@@ -86,27 +126,8 @@ template <typename T>
   uint taken = 0;  // bit j: expert lane + 32·j already chosen
   float chosen_sum = 0.0f;
   for (uint r = 0; r < k; ++r) {
-    float best = -1.0f;  // below every probability, so a lane with no candidate never wins
-    uint best_id = 0xFFFFFFFFu;
-    for (uint j = 0; j < PER_LANE; ++j) {
-      uint e = lane + 32 * j;
-      // Strict '>' keeps the lowest id among equal values within the lane (e grows with j).
-      if (e < num_experts && ((taken >> j) & 1u) == 0 && p[j] > best) {
-        best = p[j];
-        best_id = e;
-      }
-    }
-    float top = simd_max(best);
-    uint winner = simd_min(best == top ? best_id : 0xFFFFFFFFu);
-    if (winner >= num_experts) {
-      // No candidate: the row's probabilities are NaN (a NaN or infinite logit). Keep the ids valid for the expert
-      // kernels and let NaN weights carry the fault to the layer output.
-      winner = r;
-      top = NAN;
-    }
-    if (winner % 32 == lane) {
-      taken |= 1u << (winner / 32);
-    }
+    float top;
+    const uint winner = moe_pick(p, taken, num_experts, lane, r, top);
     chosen_sum += top;
     if (lane == 0) {
       row_ids[r] = winner;
@@ -190,6 +211,114 @@ template <typename T, typename S>
   }
 }
 
+// moe_route and the post-attention RMSNorm folded into moe_gate_up_swiglu. Grid and slots as moe_gate_up_swiglu; x
+// is the un-normalised hidden stream. Each routed simdgroup recomputes the softmax/top-k over the E f32 logits (E/32
+// per lane, k rounds: cheaper than a dispatch and a barrier) to find its slot's expert, and sums x^2 over the row
+// while it folds x ⊙ norm_weight into its dot products; 1/rms is applied after the sums. Threadgroup (0, 0),
+// simdgroup 0, lane 0 writes the ids and renormalised weights that moe_down_combine reads.
+template <typename T, typename S>
+[[kernel]] void moe_gate_up_swiglu_routed(constant lily::MoeRoutedArgs& args [[buffer(0)]],
+                                          device const T* x [[buffer(1)]],
+                                          device const T* norm_weight [[buffer(2)]],
+                                          device const float* router_logits [[buffer(3)]],
+                                          device uint* expert_ids [[buffer(4)]],
+                                          device float* expert_weights [[buffer(5)]],
+                                          device const uint* gate_weight [[buffer(6)]],
+                                          device const S* gate_scales [[buffer(7)]],
+                                          device const S* gate_biases [[buffer(8)]],
+                                          device const uint* up_weight [[buffer(9)]],
+                                          device const S* up_scales [[buffer(10)]],
+                                          device const S* up_biases [[buffer(11)]],
+                                          device const uint* shared_gate_weight [[buffer(12)]],
+                                          device const S* shared_gate_scales [[buffer(13)]],
+                                          device const S* shared_gate_biases [[buffer(14)]],
+                                          device const uint* shared_up_weight [[buffer(15)]],
+                                          device const S* shared_up_scales [[buffer(16)]],
+                                          device const S* shared_up_biases [[buffer(17)]],
+                                          device float* hidden [[buffer(18)]],
+                                          uint2 group [[threadgroup_position_in_grid]],
+                                          uint lane [[thread_index_in_simdgroup]],
+                                          uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  const uint slot = group.y;
+  const uint k = args.moe.top_k;
+  const bool is_shared = slot == k;
+  const uint out_rows = is_shared ? args.moe.shared_expert_size : args.moe.expert_size;
+  const uint first_row = group.x * MOE_ROWS_PER_THREADGROUP + simd_group * MOE_ROWS;
+  if (first_row >= out_rows) {
+    return;  // the whole simdgroup leaves together (out_rows is a multiple of 64): collectives stay convergent
+  }
+  uint expert = 0;
+  if (!is_shared) {
+    const uint num_experts = args.moe.num_experts;
+    const bool writer = group.x == 0 && group.y == 0 && simd_group == 0 && lane == 0;
+    float p[MOE_PER_LANE];
+    moe_probabilities(router_logits, num_experts, lane, p);
+    uint taken = 0;
+    float chosen_sum = 0.0f;
+    for (uint r = 0; r < k; ++r) {
+      float top;
+      const uint winner = moe_pick(p, taken, num_experts, lane, r, top);
+      chosen_sum += top;
+      if (r == slot) {
+        expert = winner;
+      }
+      if (writer) {
+        expert_ids[r] = winner;
+        expert_weights[r] = top;
+      }
+    }
+    if (writer) {
+      for (uint r = 0; r < k; ++r) {
+        expert_weights[r] = expert_weights[r] / chosen_sum;
+      }
+    }
+  }
+  const uint words = args.moe.hidden_size / 8;
+  const uint groups = args.moe.hidden_size / 64;
+  size_t row0 = first_row;
+  if (!is_shared) {
+    row0 += size_t(expert) * args.moe.expert_size;
+  }
+  device const uint* wg = (is_shared ? shared_gate_weight : gate_weight) + row0 * words;
+  device const S* sg = (is_shared ? shared_gate_scales : gate_scales) + row0 * groups;
+  device const S* bg = (is_shared ? shared_gate_biases : gate_biases) + row0 * groups;
+  device const uint* wu = (is_shared ? shared_up_weight : up_weight) + row0 * words;
+  device const S* su = (is_shared ? shared_up_scales : up_scales) + row0 * groups;
+  device const S* bu = (is_shared ? shared_up_biases : up_biases) + row0 * groups;
+
+  float acc_gate[MOE_ROWS];
+  float acc_up[MOE_ROWS];
+  for (uint r = 0; r < MOE_ROWS; ++r) {
+    acc_gate[r] = 0.0f;
+    acc_up[r] = 0.0f;
+  }
+  float sum_sq = 0.0f;
+  for (uint w = lane; w < words; w += 32) {
+    float xv[8];
+    float x_sum = 0.0f;
+    for (uint j = 0; j < 8; ++j) {
+      const float v = float(x[8 * w + j]);
+      sum_sq += v * v;
+      xv[j] = v * float(norm_weight[8 * w + j]);
+      x_sum += xv[j];
+    }
+    const uint g = w / 8;  // 8 words = one group of 64
+    for (uint r = 0; r < MOE_ROWS; ++r) {
+      acc_gate[r] += float(sg[r * groups + g]) * moe_dot8(wg[r * words + w], xv) + float(bg[r * groups + g]) * x_sum;
+      acc_up[r] += float(su[r * groups + g]) * moe_dot8(wu[r * words + w], xv) + float(bu[r * groups + g]) * x_sum;
+    }
+  }
+  const float inv_rms = precise::rsqrt(simd_sum(sum_sq) / float(args.moe.hidden_size) + args.eps);
+  device float* out = hidden + size_t(slot) * args.moe.expert_size + first_row;
+  for (uint r = 0; r < MOE_ROWS; ++r) {
+    float gate = simd_sum(acc_gate[r]) * inv_rms;
+    float up = simd_sum(acc_up[r]) * inv_rms;
+    if (lane == r) {
+      out[r] = moe_silu(gate) * up;
+    }
+  }
+}
+
 // Grid: H / 8 threadgroups of 64 threads. Every lane accumulates w_s·(its partial dot) over all k + 1 slots, so one
 // simd_sum per output row finishes the routed sum, the gated shared expert and (on lane r) the residual add.
 template <typename T, typename S>
@@ -261,6 +390,10 @@ LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_bf16", moe_gate_up_swiglu, bfloat, b
 LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_f32_sf32", moe_gate_up_swiglu, float, float)
 LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_f16_sf32", moe_gate_up_swiglu, half, float)
 LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_bf16_sf32", moe_gate_up_swiglu, bfloat, float)
+LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_routed_f32", moe_gate_up_swiglu_routed, float, bfloat)
+LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_routed_bf16", moe_gate_up_swiglu_routed, bfloat, bfloat)
+LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_routed_f32_sf32", moe_gate_up_swiglu_routed, float, float)
+LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_routed_bf16_sf32", moe_gate_up_swiglu_routed, bfloat, float)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_f32", moe_down_combine, float, bfloat)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_f16", moe_down_combine, half, bfloat)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_bf16", moe_down_combine, bfloat, bfloat)

@@ -10,6 +10,24 @@
 //                                          bias*sum(x), then one simd_sum per row. Reads every weight byte once per
 //                                          input row (8-byte runs per lane, 256 contiguous bytes per simdgroup and row
 //                                          at 4 bits), x once per simdgroup (from cache). Writes N values per row.
+//   qmv_q<b>_g64_bf16[_sf32]_of32          the same GEMV with bf16 input and f32 output: the router and shared-expert
+//                                          gate logits in bf16 mode (moe_route / moe_down_combine read f32 logits).
+//   qmv_norm_q<b>_g64_<dtype>[_sf32][_of32] decode GEMV with the RMSNorm in front of it folded in (fusion):
+//                                          y = W · (rms_norm(x) ⊙ norm_weight). Same grid and lanes as qmv; each
+//                                          lane also sums x^2 over the values it reads and folds x ⊙ norm_weight into
+//                                          its dot products, and each simdgroup's simd_sum of x^2 gives 1/rms, applied
+//                                          after the row sums (a scalar per row). So x is still read once per
+//                                          simdgroup (from cache), no normalised copy is written, rounded or re-read,
+//                                          and the separate rms_norm dispatch and its barrier stage disappear. Extra
+//                                          work: one FMA per x element per simdgroup; extra bytes: the norm weight
+//                                          (K elements, from cache). Chosen for every decode projection that follows
+//                                          an RMSNorm of the hidden stream (DeltaNet in_proj, attention q|k|v, router
+//                                          | shared gate with _of32 in bf16 mode, lm_head).
+//   qmv_residual_q<b>_g64_<dtype>[_sf32]   decode GEMV with the residual add folded in (fusion): out = residual +
+//                                          W · x, one rounding; out may alias residual (the hidden stream updated in
+//                                          place: each element is read and written by the same lane). Chosen for the
+//                                          DeltaNet out_proj and the attention o_proj; saves the mixer-output write
+//                                          and re-read and, with qmv_norm, the rms_norm_residual stage.
 //   qmm_q<b>_g64_<dtype>[_sf32]_bm<BM>     prefill GEMM. Grid (ceil(N / 32), ceil(M / BM), 1); BM = 16 with 2
 //                                          simdgroups (64 threads) for M <= LILY_QMM_BM16_MAX_ROWS, BM = 32 with 4
 //                                          simdgroups (128 threads) above. Per K step of 32 the threadgroup copies a
@@ -106,32 +124,23 @@ inline void store_y_tile(threadgroup const float* tile, uint ld, uint rows, uint
 
 }  // namespace lily_qmatmul
 
-template <typename T, typename S, int Bits>
-[[kernel]] void qmv(constant lily::QMatmulArgs& args [[buffer(0)]],
-                    device const T* x [[buffer(1)]],
-                    device const uint* weight [[buffer(2)]],
-                    device const S* scales [[buffer(3)]],
-                    device const S* biases [[buffer(4)]],
-                    device T* y [[buffer(5)]],
-                    uint3 tg [[threadgroup_position_in_grid]],
-                    uint lane [[thread_index_in_simdgroup]],
-                    uint simd_group [[simdgroup_index_in_threadgroup]]) {
+namespace lily_qmatmul {
+
+// One simdgroup's part of a decode GEMV: acc[r] = sum_k x'_k w[first_row + r, k] (this lane's share; the caller does
+// the simd_sum), with x' = x ⊙ norm_weight when Norm (returns this lane's share of sum_k x_k^2 for the RMS; the scalar
+// 1/rms is applied by the caller after the sum, so x is read once and no normalised copy is rounded or stored).
+template <bool Norm, int Bits, typename T, typename S>
+inline float qmv_accumulate(thread float* acc, device const T* x_row, device const T* norm_weight,
+                            device const uint* weight, device const S* scales, device const S* biases, uint K, uint N,
+                            uint first_row, uint lane) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
   constexpr uint kValues = LILY_QMV_VALUES_PER_LANE;  // codes per lane, row and step; divides the group size
   constexpr uint kPerWord = 32 / Bits;
   constexpr uint kWords = kValues / kPerWord;
   constexpr uint kMask = (1u << Bits) - 1u;
-  const uint K = args.in_features;
-  const uint N = args.out_features;
-  const uint first_row = (tg.x * LILY_QMV_SIMDGROUPS + simd_group) * kRows;
-  if (first_row >= N) {
-    return;  // the whole simdgroup leaves: the simd_sum below stays convergent
-  }
   const uint words_per_row = K / kPerWord;
-  const uint groups_per_row = K / lily_qmatmul::kGroupSize;
-  device const T* x_row = x + size_t(tg.y) * K;
-
-  float acc[kRows];
+  const uint groups_per_row = K / kGroupSize;
+  float sum_sq = 0.0f;
   for (uint r = 0; r < kRows; ++r) {
     acc[r] = 0.0f;
   }
@@ -140,6 +149,10 @@ template <typename T, typename S, int Bits>
     float x_sum = 0.0f;
     for (uint i = 0; i < kValues; ++i) {
       xs[i] = float(x_row[k0 + i]);
+      if (Norm) {
+        sum_sq += xs[i] * xs[i];
+        xs[i] *= float(norm_weight[k0 + i]);
+      }
       x_sum += xs[i];
     }
     for (uint r = 0; r < kRows; ++r) {
@@ -153,16 +166,106 @@ template <typename T, typename S, int Bits>
             dot += xs[j * kPerWord + e] * float((word >> (e * Bits)) & kMask);
           }
         }
-        const size_t g = size_t(n) * groups_per_row + k0 / lily_qmatmul::kGroupSize;
+        const size_t g = size_t(n) * groups_per_row + k0 / kGroupSize;
         // sum_i x_i (s q_i + b) = s * sum_i x_i q_i + b * sum_i x_i: one fold per group chunk.
         acc[r] += float(scales[g]) * dot + float(biases[g]) * x_sum;
       }
     }
   }
+  return sum_sq;
+}
+
+}  // namespace lily_qmatmul
+
+// O is the output type: T, or float for the router and shared-expert gate logits in bf16 mode (_of32).
+template <typename T, typename S, int Bits, typename O>
+[[kernel]] void qmv(constant lily::QMatmulArgs& args [[buffer(0)]],
+                    device const T* x [[buffer(1)]],
+                    device const uint* weight [[buffer(2)]],
+                    device const S* scales [[buffer(3)]],
+                    device const S* biases [[buffer(4)]],
+                    device O* y [[buffer(5)]],
+                    uint3 tg [[threadgroup_position_in_grid]],
+                    uint lane [[thread_index_in_simdgroup]],
+                    uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  const uint K = args.in_features;
+  const uint N = args.out_features;
+  const uint first_row = (tg.x * LILY_QMV_SIMDGROUPS + simd_group) * kRows;
+  if (first_row >= N) {
+    return;  // the whole simdgroup leaves: the simd_sum below stays convergent
+  }
+  float acc[kRows];
+  lily_qmatmul::qmv_accumulate<false, Bits>(acc, x + size_t(tg.y) * K, x, weight, scales, biases, K, N, first_row,
+                                            lane);
   for (uint r = 0; r < kRows; ++r) {
     const float total = simd_sum(acc[r]);
     if (lane == 0 && first_row + r < N) {
-      y[size_t(tg.y) * N + first_row + r] = T(total);
+      y[size_t(tg.y) * N + first_row + r] = O(total);
+    }
+  }
+}
+
+// y = W · (rms_norm(x) ⊙ norm_weight): the RMSNorm in front of a projection folded into its GEMV. Every simdgroup
+// sums x^2 over the whole row itself (it reads all of x anyway), so no threadgroup memory and no extra pass.
+template <typename T, typename S, int Bits, typename O>
+[[kernel]] void qmv_norm(constant lily::QMatmulNormArgs& args [[buffer(0)]],
+                         device const T* x [[buffer(1)]],
+                         device const T* norm_weight [[buffer(2)]],
+                         device const uint* weight [[buffer(3)]],
+                         device const S* scales [[buffer(4)]],
+                         device const S* biases [[buffer(5)]],
+                         device O* y [[buffer(6)]],
+                         uint3 tg [[threadgroup_position_in_grid]],
+                         uint lane [[thread_index_in_simdgroup]],
+                         uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  const uint K = args.in_features;
+  const uint N = args.out_features;
+  const uint first_row = (tg.x * LILY_QMV_SIMDGROUPS + simd_group) * kRows;
+  if (first_row >= N) {
+    return;  // the whole simdgroup leaves: the simd_sums below stay convergent
+  }
+  float acc[kRows];
+  const float sum_sq = lily_qmatmul::qmv_accumulate<true, Bits>(acc, x + size_t(tg.y) * K, norm_weight, weight,
+                                                                scales, biases, K, N, first_row, lane);
+  const float inv_rms = precise::rsqrt(simd_sum(sum_sq) / float(K) + args.eps);
+  for (uint r = 0; r < kRows; ++r) {
+    const float total = simd_sum(acc[r]);
+    if (lane == 0 && first_row + r < N) {
+      y[size_t(tg.y) * N + first_row + r] = O(total * inv_rms);
+    }
+  }
+}
+
+// out = residual + W · x, written once: the residual add after the out/o projection folded into its GEMV. out may
+// alias residual (the residual stream updated in place): each element is read and written by the same thread.
+template <typename T, typename S, int Bits>
+[[kernel]] void qmv_residual(constant lily::QMatmulArgs& args [[buffer(0)]],
+                             device const T* x [[buffer(1)]],
+                             device const uint* weight [[buffer(2)]],
+                             device const S* scales [[buffer(3)]],
+                             device const S* biases [[buffer(4)]],
+                             device const T* residual [[buffer(5)]],
+                             device T* out [[buffer(6)]],
+                             uint3 tg [[threadgroup_position_in_grid]],
+                             uint lane [[thread_index_in_simdgroup]],
+                             uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  const uint K = args.in_features;
+  const uint N = args.out_features;
+  const uint first_row = (tg.x * LILY_QMV_SIMDGROUPS + simd_group) * kRows;
+  if (first_row >= N) {
+    return;  // the whole simdgroup leaves: the simd_sum below stays convergent
+  }
+  float acc[kRows];
+  lily_qmatmul::qmv_accumulate<false, Bits>(acc, x + size_t(tg.y) * K, x, weight, scales, biases, K, N, first_row,
+                                            lane);
+  for (uint r = 0; r < kRows; ++r) {
+    const float total = simd_sum(acc[r]);
+    if (lane == 0 && first_row + r < N) {
+      const size_t i = size_t(tg.y) * N + first_row + r;
+      out[i] = T(float(residual[i]) + total);
     }
   }
 }
@@ -289,18 +392,45 @@ template <typename T, typename S, int Bits>
 }
 #endif
 
-LILY_INSTANTIATE_KERNEL("qmv_q4_g64_f32", qmv, float, bfloat, 4)
-LILY_INSTANTIATE_KERNEL("qmv_q4_g64_f16", qmv, half, bfloat, 4)
-LILY_INSTANTIATE_KERNEL("qmv_q4_g64_bf16", qmv, bfloat, bfloat, 4)
-LILY_INSTANTIATE_KERNEL("qmv_q4_g64_f32_sf32", qmv, float, float, 4)
-LILY_INSTANTIATE_KERNEL("qmv_q4_g64_f16_sf32", qmv, half, float, 4)
-LILY_INSTANTIATE_KERNEL("qmv_q4_g64_bf16_sf32", qmv, bfloat, float, 4)
-LILY_INSTANTIATE_KERNEL("qmv_q8_g64_f32", qmv, float, bfloat, 8)
-LILY_INSTANTIATE_KERNEL("qmv_q8_g64_f16", qmv, half, bfloat, 8)
-LILY_INSTANTIATE_KERNEL("qmv_q8_g64_bf16", qmv, bfloat, bfloat, 8)
-LILY_INSTANTIATE_KERNEL("qmv_q8_g64_f32_sf32", qmv, float, float, 8)
-LILY_INSTANTIATE_KERNEL("qmv_q8_g64_f16_sf32", qmv, half, float, 8)
-LILY_INSTANTIATE_KERNEL("qmv_q8_g64_bf16_sf32", qmv, bfloat, float, 8)
+LILY_INSTANTIATE_KERNEL("qmv_q4_g64_f32", qmv, float, bfloat, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_q4_g64_f16", qmv, half, bfloat, 4, half)
+LILY_INSTANTIATE_KERNEL("qmv_q4_g64_bf16", qmv, bfloat, bfloat, 4, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_q4_g64_f32_sf32", qmv, float, float, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_q4_g64_f16_sf32", qmv, half, float, 4, half)
+LILY_INSTANTIATE_KERNEL("qmv_q4_g64_bf16_sf32", qmv, bfloat, float, 4, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_q8_g64_f32", qmv, float, bfloat, 8, float)
+LILY_INSTANTIATE_KERNEL("qmv_q8_g64_f16", qmv, half, bfloat, 8, half)
+LILY_INSTANTIATE_KERNEL("qmv_q8_g64_bf16", qmv, bfloat, bfloat, 8, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_q8_g64_f32_sf32", qmv, float, float, 8, float)
+LILY_INSTANTIATE_KERNEL("qmv_q8_g64_f16_sf32", qmv, half, float, 8, half)
+LILY_INSTANTIATE_KERNEL("qmv_q8_g64_bf16_sf32", qmv, bfloat, float, 8, bfloat)
+
+LILY_INSTANTIATE_KERNEL("qmv_q4_g64_bf16_of32", qmv, bfloat, bfloat, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_q4_g64_bf16_sf32_of32", qmv, bfloat, float, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_q8_g64_bf16_of32", qmv, bfloat, bfloat, 8, float)
+LILY_INSTANTIATE_KERNEL("qmv_q8_g64_bf16_sf32_of32", qmv, bfloat, float, 8, float)
+
+LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_f32", qmv_norm, float, bfloat, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_f32_sf32", qmv_norm, float, float, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16", qmv_norm, bfloat, bfloat, 4, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16_sf32", qmv_norm, bfloat, float, 4, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_norm_q8_g64_f32", qmv_norm, float, bfloat, 8, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_q8_g64_f32_sf32", qmv_norm, float, float, 8, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_q8_g64_bf16", qmv_norm, bfloat, bfloat, 8, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_norm_q8_g64_bf16_sf32", qmv_norm, bfloat, float, 8, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16_of32", qmv_norm, bfloat, bfloat, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16_sf32_of32", qmv_norm, bfloat, float, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_q8_g64_bf16_of32", qmv_norm, bfloat, bfloat, 8, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_q8_g64_bf16_sf32_of32", qmv_norm, bfloat, float, 8, float)
+
+LILY_INSTANTIATE_KERNEL("qmv_residual_q4_g64_f32", qmv_residual, float, bfloat, 4)
+LILY_INSTANTIATE_KERNEL("qmv_residual_q4_g64_f32_sf32", qmv_residual, float, float, 4)
+LILY_INSTANTIATE_KERNEL("qmv_residual_q4_g64_bf16", qmv_residual, bfloat, bfloat, 4)
+LILY_INSTANTIATE_KERNEL("qmv_residual_q4_g64_bf16_sf32", qmv_residual, bfloat, float, 4)
+LILY_INSTANTIATE_KERNEL("qmv_residual_q8_g64_f32", qmv_residual, float, bfloat, 8)
+LILY_INSTANTIATE_KERNEL("qmv_residual_q8_g64_f32_sf32", qmv_residual, float, float, 8)
+LILY_INSTANTIATE_KERNEL("qmv_residual_q8_g64_bf16", qmv_residual, bfloat, bfloat, 8)
+LILY_INSTANTIATE_KERNEL("qmv_residual_q8_g64_bf16_sf32", qmv_residual, bfloat, float, 8)
 
 LILY_INSTANTIATE_KERNEL("qmm_q4_g64_f32_bm16", qmm, float, bfloat, 4, 16)
 LILY_INSTANTIATE_KERNEL("qmm_q4_g64_f16_bm16", qmm, half, bfloat, 4, 16)

@@ -1,5 +1,5 @@
 // Attention preparation (model.md §2.4, §3.1): everything between the q/k/v projections and the attention core.
-//   attention_prep_<dtype>_d256   for each token t and head: split q_proj's per-head [query | gate] row, RMS-norm the
+//   attention_prep_<dtype>_d<D>   for each token t and head: split q_proj's per-head [query | gate] row, RMS-norm the
 //                                 query (q_norm) and the key (k_norm) over all head_dim dims with the multiplier
 //                                 (canonical 1+w), apply partial rotary embedding to the first rotary_dim dims
 //                                 (rotate-half pairing (d, d + rotary_dim/2), inv_freq = theta^(-2i/rotary_dim),
@@ -7,7 +7,8 @@
 //                                 write the roped key and the value into the KV cache at row first_position + t.
 //                                 One kernel for decode (T = 1) and prefill (T tokens): the rows are independent.
 // Dtypes: activations (q_and_gate, k, v, norms, q, gate) are T; the cache is C = bf16 for bf16 and f16 activations,
-// f32 in float32 mode. Instantiated for head_dim 256 only (the model's).
+// f32 in float32 mode. Instantiated for head_dim 256 (the model's; f32, bf16, f16) and 64 (the demo model and test
+// fixtures; f32 and bf16), where lanes 16..31 of each simdgroup idle: a 64-dim row is only 16 chunks of 4.
 // Layout: q_and_gate [T, Hq, 2D]; k, v [T, Hkv, D]; q, gate [T, Hq, D]; k_cache, v_cache [Hkv, capacity, D].
 // Dispatch: one simdgroup per (token, head) row, rows t*(Hq+Hkv) + h with h < Hq a query head and h >= Hq key head
 // h - Hq (which also copies its value row); any 32*n threads per threadgroup, ceil(rows / n) threadgroups.
@@ -49,10 +50,12 @@ template <typename T, typename C, uint D>
                                uint simd_lane [[thread_index_in_simdgroup]],
                                uint simd_group [[simdgroup_index_in_threadgroup]],
                                uint n_simdgroups [[simdgroups_per_threadgroup]]) {
-  // A lane holds D/32 elements as CPL chunks of 4 at chunk indices lane + 32*c: consecutive lanes touch consecutive
-  // chunks (coalesced).
-  static_assert(D % 128 == 0, "head_dim must be a multiple of 128 (4 elements x 32 lanes)");
-  constexpr uint CPL = D / 128;
+  // A lane holds CPL chunks of 4 at chunk indices lane + 32*c: consecutive lanes touch consecutive chunks
+  // (coalesced). At D = 64 the row is 16 chunks: lanes 16..31 hold none (they still join the simd_sum with 0).
+  static_assert(D % 128 == 0 || D == 64, "head_dim must be 64 or a multiple of 128 (4 elements x 32 lanes)");
+  constexpr uint CHUNKS = D / 4;
+  constexpr uint CPL = (CHUNKS + 31) / 32;
+  const bool lane_active = simd_lane < CHUNKS;
   const uint heads_per_token = args.num_heads + args.num_kv_heads;
   const uint row = group * n_simdgroups + simd_group;
   if (row >= args.num_tokens * heads_per_token) {
@@ -71,7 +74,7 @@ template <typename T, typename C, uint D>
   float4 values[CPL];
   float sum_sq = 0.0f;
   for (uint c = 0; c < CPL; ++c) {
-    values[c] = lily::attn_load4(x + 4 * (simd_lane + 32 * c));
+    values[c] = lane_active ? lily::attn_load4(x + 4 * (simd_lane + 32 * c)) : float4(0.0f);
     sum_sq += dot(values[c], values[c]);
   }
   const float inv_rms = precise::rsqrt(simd_sum(sum_sq) / float(D) + args.eps);
@@ -79,7 +82,7 @@ template <typename T, typename C, uint D>
   const float pos = float(position);
   const uint rotary_dim = args.rotary_dim;
   float4 rotated[CPL];
-  for (uint c = 0; c < CPL; ++c) {
+  for (uint c = 0; c < CPL && lane_active; ++c) {
     for (uint j = 0; j < 4; ++j) {
       const uint e = 4 * (simd_lane + 32 * c) + j;
       const float y = values[c][j] * inv_rms * float(weight[e]);
@@ -95,6 +98,9 @@ template <typename T, typename C, uint D>
     }
   }
 
+  if (!lane_active) {
+    return;  // nothing left to store, and no collective follows
+  }
   if (is_query) {
     const size_t out_row = (size_t(t) * args.num_heads + head) * D;
     for (uint c = 0; c < CPL; ++c) {
@@ -116,3 +122,6 @@ template <typename T, typename C, uint D>
 LILY_INSTANTIATE_KERNEL("attention_prep_f32_d256", attention_prep, float, float, 256)
 LILY_INSTANTIATE_KERNEL("attention_prep_bf16_d256", attention_prep, bfloat, bfloat, 256)
 LILY_INSTANTIATE_KERNEL("attention_prep_f16_d256", attention_prep, half, bfloat, 256)
+// Demo model and tiny fixtures (head dim 64): float32 and bf16 modes.
+LILY_INSTANTIATE_KERNEL("attention_prep_f32_d64", attention_prep, float, float, 64)
+LILY_INSTANTIATE_KERNEL("attention_prep_bf16_d64", attention_prep, bfloat, bfloat, 64)

@@ -50,9 +50,13 @@ FULL_SIZE_CONFIG: dict[str, Any] = {
 
 PRECISIONS = ("bfloat16", "float32")
 # Engine switches (each also LILY_DISABLE_<NAME> in the environment): concurrent dispatch, fused projection GEMVs,
+# decode kernel fusion (RMSNorm into the next GEMV, residual add into the out/o projection, routing into the experts),
 # the long-context split-KV attention path, the GPU writing the next token, prompts in T-row chunks (off: one decode
-# step per token), 32-row GEMM tiles (off: 16-row tiles only).
-SWITCHES = ("concurrent", "fused_projections", "split_kv", "gpu_token", "batched_prefill", "wide_tiles")
+# step per token), 32-row GEMM tiles (off: 16-row tiles only), the prefill MoE sort on the GPU (off: a CPU round trip
+# per layer), prompts in chunks of the prefill chunk size (off: one chunk for the whole prompt), decode attention
+# packing the query heads of one KV head per threadgroup (off: one head per threadgroup, each re-reading the cache).
+SWITCHES = ("concurrent", "fused_projections", "fusion", "split_kv", "gpu_token", "batched_prefill", "wide_tiles",
+            "gpu_routing", "chunked_prefill", "gqa_packing")
 # Sizes tests lower to reach rare paths quickly: the split-KV threshold (keys), the KV cache growth step (rows) and
 # the prefill chunk (rows).
 TEST_OPTIONS = ("split_kv_min_keys", "kv_block", "prefill_chunk")
@@ -168,24 +172,34 @@ def _as_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
 
 
 class MetalState:
-    """A sequence's state in the metal backend: live in the engine's buffers, or a host snapshot of them."""
+    """A sequence's state in the metal backend: live in the engine's buffers, or a host snapshot of them.
 
-    def __init__(self, backend: "MetalBackend", position: int = 0, snapshot: bytes | None = None) -> None:
+    The instance fields are exactly ``position`` and ``_snapshot`` (a uint8 array of the conv and recurrent state
+    and the KV prefix, or None while the engine holds the state live), so ``Session.save`` writes just those and
+    the prompt cache counts the snapshot's bytes; the link to the backend is a slot, outside the fields.
+    """
+
+    __slots__ = ("_backend", "__dict__")
+
+    def __init__(self, backend: "MetalBackend", position: int = 0, snapshot: np.ndarray | None = None) -> None:
         self._backend = backend
         self.position = position
         self._snapshot = snapshot
 
     def copy(self) -> "MetalState":
         """An independent snapshot: the conv and recurrent state and the KV prefix in use."""
-        snapshot = self._backend._engine.snapshot() if self._backend._live is self else self._snapshot
+        if self._backend._live is self:
+            snapshot = np.frombuffer(self._backend._engine.snapshot(), dtype=np.uint8)
+        else:
+            snapshot = self._snapshot
         return MetalState(self._backend, self.position, snapshot)
 
 
 class MetalBackend:
     """The ``metal`` backend: ``lily._ext.Engine`` behind the backend interface of docs/architecture.md.
 
-    ``precision``: "float32" (f32 activations, weights as stored) or "bfloat16" (bf16 activations, fp32
-    accumulation and DeltaNet state; refused until the kernels provide a bf16-in/f32-out router GEMV).
+    ``precision``: "bfloat16" (the default: bf16 activations and KV cache, fp32 accumulation, fp32 DeltaNet state,
+    f32 router logits) or "float32" (f32 activations and KV cache, weights as stored).
     ``switches``: engine options turned off (see ``SWITCHES``; also ``LILY_DISABLE_<NAME>``).
     ``max_context``: the KV cache's limit in tokens (it grows in blocks up to it).
     """
@@ -194,7 +208,7 @@ class MetalBackend:
         self,
         checkpoint: "Checkpoint",
         *,
-        precision: str = "float32",
+        precision: str = "bfloat16",
         switches: Mapping[str, Any] | None = None,
         max_context: int = DEFAULT_MAX_CONTEXT,
     ) -> None:
@@ -299,14 +313,24 @@ class MetalBackend:
         """Make ``state`` the engine's live state, saving the one it replaces."""
         if self._live is state:
             return
-        if self._live is not None:
-            self._live._snapshot = self._engine.snapshot()
-        if state._snapshot is None:
+        snapshot = state._snapshot
+        if snapshot is None:
             if state.position != 0:
                 raise ValueError("state has no snapshot for its position; it was not made by this backend")
+        else:
+            snapshot = np.ascontiguousarray(snapshot, dtype=np.uint8).reshape(-1)
+            expected = self._engine.snapshot_bytes(int(state.position))
+            if snapshot.nbytes != expected:
+                raise ValueError(
+                    f"state snapshot holds {snapshot.nbytes} bytes; this backend's state after {state.position} "
+                    f"tokens is {expected} bytes (saved from another model or precision?)"
+                )
+        if self._live is not None:
+            self._live._snapshot = np.frombuffer(self._engine.snapshot(), dtype=np.uint8)
+        if snapshot is None:
             self._engine.reset()
         else:
-            self._engine.restore(state._snapshot, state.position)
+            self._engine.restore(snapshot, int(state.position))
         state._snapshot = None
         self._live = state
 

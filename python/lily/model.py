@@ -477,6 +477,18 @@ def _choose_backend(name: str) -> str:
     return name
 
 
+def _check_precision(requested: str, backend: str, precision: str | None) -> None:
+    from lily.engine import PRECISIONS
+
+    if precision is None:
+        return
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    if backend == "reference" and precision != "float32":
+        raise ValueError(f"the reference backend computes in float32 only; got precision={precision!r}"
+                         + (" (backend='auto' chose reference: no Metal device here)" if requested == "auto" else ""))
+
+
 def _fingerprint(checkpoint: Any, quantize: int | None) -> str:
     """A short hash of the config, the tensor names, shapes and quantization, and a sample of the
     bytes of every weight file (its size and its first and last 64 KiB)."""
@@ -521,30 +533,39 @@ class Model:
         return f"Model({str(self.path)!r}, backend={self.backend_name!r})"
 
     @classmethod
-    def load(cls, path_or_repo: str | Path, *, backend: str = "auto", revision: str | None = None,
-             quantize: int | None = None, prompt_cache_entries: int = 16,
+    def load(cls, path_or_repo: str | Path, *, backend: str = "auto", precision: str | None = None,
+             revision: str | None = None, quantize: int | None = None, prompt_cache_entries: int = 16,
              prompt_cache_bytes: int = 4 << 30, prefill_step_size: int = 512,
              progress: bool = True) -> Model:
         """Load a checkpoint from a directory, a Hugging Face repo id or ``"lily:demo"``.
 
         ``backend``: "reference" (numpy), "metal" (the compiled engine) or "auto" (metal on a Mac
-        when the extension provides it, else reference). ``quantize=4`` quantizes an HF bf16/fp32
-        checkpoint on load. The prompt cache keeps at most ``prompt_cache_entries`` snapshots and
-        ``prompt_cache_bytes`` bytes. ``progress`` shows download progress bars (on stderr).
+        when the extension drives real Metal, else reference). On Linux "metal" selects the
+        engine's test runtime (the kernels run on the CPU harness: correct, and slow).
+        ``precision``: the metal backend's activations, "bfloat16" or "float32" (None: the
+        backend's default); the reference backend computes in float32 only. ``quantize=4``
+        quantizes an HF bf16/fp32 checkpoint on load. The prompt cache keeps at most
+        ``prompt_cache_entries`` snapshots and ``prompt_cache_bytes`` bytes. ``progress`` shows
+        download progress bars (on stderr).
         """
         from lily import hub
         from lily.checkpoint import load_checkpoint
 
         chosen = _choose_backend(backend)
+        _check_precision(backend, chosen, precision)
         if prefill_step_size < 1:
             raise ValueError(f"prefill_step_size must be >= 1; got {prefill_step_size}")
         directory = Path(hub.resolve(path_or_repo, revision=revision, progress=progress))
         checkpoint = load_checkpoint(directory, quantize=quantize)
+        engine: Any
         if chosen == "metal":
-            raise RuntimeError("the metal backend is not available in this build; use backend='reference'")
-        from lily.reference import ReferenceModel
+            from lily.engine import MetalBackend
 
-        engine = ReferenceModel(checkpoint)
+            engine = MetalBackend(checkpoint, **({} if precision is None else {"precision": precision}))
+        else:
+            from lily.reference import ReferenceModel
+
+            engine = ReferenceModel(checkpoint)
         tokenizer = None
         tokenizer_dir = Path(checkpoint.tokenizer_dir or directory)
         if (tokenizer_dir / "tokenizer.json").is_file():

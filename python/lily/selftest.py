@@ -277,6 +277,36 @@ def qmatmul_case(kernel: str) -> Result:
     return compare(kernel, f"M={m} N={n} K={k}", to_f64(y, dtype), expected, dtype)
 
 
+@case(r"qmv_q(4|8)_g64_bf16(_sf32)?_of32"
+      r"|qmv_norm_q(4|8)_g64_(f32|bf16)(_sf32)?"
+      r"|qmv_norm_q(4|8)_g64_bf16(_sf32)?_of32"
+      r"|qmv_residual_q(4|8)_g64_(f32|bf16)(_sf32)?")
+def qmv_fused_case(kernel: str) -> Result:
+    """The decode GEMV variants: f32 output (_of32), the RMSNorm folded in (qmv_norm), the residual add folded in."""
+    dtype = dtype_of(kernel)
+    out_dtype = "f32" if kernel.endswith("_of32") else dtype
+    rng = _rng(17)
+    m, n, k, eps = 1, 40, 512, 1e-6
+    qt, weight = _quantized_weight(kernel, n, k, rng)
+    w = qt.dequantize().astype(np.float32)
+    x = to_device(3.0 * rng.standard_normal((m, k)), dtype)
+    y = poisoned((m, n), out_dtype)
+    grid, threads = (-(-n // 8), m, 1), (64, 1, 1)  # 8 output rows per threadgroup (LILY_QMV_*)
+    xs = to_f64(x, dtype)
+    if kernel.startswith("qmv_norm"):
+        norm_weight = to_device(1.0 + 0.3 * rng.standard_normal(k), dtype)
+        _dispatch(kernel, [struct.pack("<IIIf", k, n, m, eps), x, norm_weight, *weight, y], grid, threads)
+        expected = reference.linear(reference.rms_norm(xs, to_f64(norm_weight, dtype), eps), w)
+    elif kernel.startswith("qmv_residual"):
+        residual = to_device(rng.standard_normal((m, n)), dtype)
+        _dispatch(kernel, [struct.pack("<IIII", k, n, m, 0), x, *weight, residual, y], grid, threads)
+        expected = to_f64(residual, dtype) + reference.linear(xs.astype(np.float32), w)
+    else:
+        _dispatch(kernel, [struct.pack("<IIII", k, n, m, 0), x, *weight, y], grid, threads)
+        expected = reference.linear(xs.astype(np.float32), w)
+    return compare(kernel, f"M={m} N={n} K={k}", to_f64(y, out_dtype), expected, out_dtype)
+
+
 @case(r"embedding_gather_q(4|8)_g64_(f32|f16|bf16)(_sf32)?")
 def embedding_case(kernel: str) -> Result:
     dtype, vocab, hidden = dtype_of(kernel), 50, 256
@@ -293,40 +323,51 @@ def embedding_case(kernel: str) -> Result:
 
 # ---- gated attention (metal/rope.metal, metal/attention.metal, metal/attention_prefill.metal) ----
 
-_ATTN_D = 256
-_ATTN_HEADS_PER_GROUP = 4  # LILY_ATTN_HEADS_PER_GROUP: query heads per threadgroup
+# Query heads per threadgroup of the packed kernels by head dim (LILY_ATTN_HEADS_PER_GROUP, ..._D64); the
+# attention_decode*_unpacked_* kernels (the GQA-packing ablation) take one.
+_ATTN_HEADS_PER_GROUP = {256: 4, 64: 2}
 # The KV cache is bf16 except in float32 mode.
 _CACHE_DTYPE = {"f32": "f32", "f16": "bf16", "bf16": "bf16"}
 
 
-def _attention_args(queries: int, heads: int, kv_heads: int, keys: int, capacity: int, block_size: int = 0,
-                    num_blocks: int = 0) -> bytes:
+def _attn_layout(kernel: str) -> tuple[int, int, int]:
+    """(head dim, query heads per threadgroup, query heads of the case) of an attention kernel's host name: the model's
+    16 heads at head dim 256, the demo model's 4 at head dim 64, always 2 KV heads."""
+    head_dim = int(re.search(r"_d(\d+)$", kernel).group(1))
+    per_group = 1 if "_unpacked_" in kernel else _ATTN_HEADS_PER_GROUP[head_dim]
+    return head_dim, per_group, 16 if head_dim == 256 else 4
+
+
+def _attention_args(queries: int, heads: int, kv_heads: int, keys: int, capacity: int, head_dim: int,
+                    block_size: int = 0, num_blocks: int = 0) -> bytes:
     return struct.pack("<IIIIIIIf", queries, heads, kv_heads, keys, capacity, block_size, num_blocks,
-                       _ATTN_D**-0.5)  # lily::AttentionArgs
+                       head_dim**-0.5)  # lily::AttentionArgs
 
 
-def _kv_cache(rng: np.random.Generator, cache_dtype: str, kv_heads: int, keys: int, capacity: int) -> np.ndarray:
+def _kv_cache(rng: np.random.Generator, cache_dtype: str, kv_heads: int, keys: int, capacity: int,
+              head_dim: int) -> np.ndarray:
     """[Hkv, capacity, D] with `keys` random rows and NaN after them (a read past the context shows)."""
-    cache = poisoned((kv_heads, capacity, _ATTN_D), cache_dtype)
-    cache[:, :keys] = to_device(rng.standard_normal((kv_heads, keys, _ATTN_D)), cache_dtype)
+    cache = poisoned((kv_heads, capacity, head_dim), cache_dtype)
+    cache[:, :keys] = to_device(rng.standard_normal((kv_heads, keys, head_dim)), cache_dtype)
     return cache
 
 
-@case(r"attention_prep_(f32|f16|bf16)_d256")
+@case(r"attention_prep_(f32|f16|bf16)_d(256|64)")
 def attention_prep_case(kernel: str) -> Result:
     dtype = dtype_of(kernel)
     cache_dtype = _CACHE_DTYPE[dtype]
-    tokens, heads, kv_heads, position, rotary_dim, theta, eps = 3, 16, 2, 37, 64, 1e7, 1e-6
+    d, _, heads = _attn_layout(kernel)
+    tokens, kv_heads, position, rotary_dim, theta, eps = 3, 2, 37, d // 4, 1e7, 1e-6  # partial rotary factor 0.25
     capacity = position + tokens + 2
     rng = _rng(8)
-    q_and_gate = to_device(2.0 * rng.standard_normal((tokens, heads, 2 * _ATTN_D)), dtype)
-    k = to_device(2.0 * rng.standard_normal((tokens, kv_heads, _ATTN_D)), dtype)
-    v = to_device(rng.standard_normal((tokens, kv_heads, _ATTN_D)), dtype)
-    q_norm = to_device(1.0 + 0.3 * rng.standard_normal(_ATTN_D), dtype)
-    k_norm = to_device(1.0 + 0.3 * rng.standard_normal(_ATTN_D), dtype)
-    q_out, gate_out = poisoned((tokens, heads, _ATTN_D), dtype), poisoned((tokens, heads, _ATTN_D), dtype)
-    k_cache = poisoned((kv_heads, capacity, _ATTN_D), cache_dtype)
-    v_cache = poisoned((kv_heads, capacity, _ATTN_D), cache_dtype)
+    q_and_gate = to_device(2.0 * rng.standard_normal((tokens, heads, 2 * d)), dtype)
+    k = to_device(2.0 * rng.standard_normal((tokens, kv_heads, d)), dtype)
+    v = to_device(rng.standard_normal((tokens, kv_heads, d)), dtype)
+    q_norm = to_device(1.0 + 0.3 * rng.standard_normal(d), dtype)
+    k_norm = to_device(1.0 + 0.3 * rng.standard_normal(d), dtype)
+    q_out, gate_out = poisoned((tokens, heads, d), dtype), poisoned((tokens, heads, d), dtype)
+    k_cache = poisoned((kv_heads, capacity, d), cache_dtype)
+    v_cache = poisoned((kv_heads, capacity, d), cache_dtype)
     args = struct.pack("<IIIIIIff", tokens, heads, kv_heads, position, capacity, rotary_dim, theta, eps)
     rows = tokens * (heads + kv_heads)  # one simdgroup per (token, head) row
     _dispatch(kernel, [args, q_and_gate, k, v, q_norm, k_norm, q_out, gate_out, k_cache, v_cache],
@@ -341,32 +382,32 @@ def attention_prep_case(kernel: str) -> Result:
     expected = np.concatenate([q_ref.ravel(), gate_ref.ravel(), k_ref.transpose(1, 0, 2).ravel(),
                                to_f64(v, dtype).transpose(1, 0, 2).ravel()])
     # q and the cache are checked together: the looser tolerance of the two dtypes.
-    return compare(kernel, f"T={tokens} Hq={heads} Hkv={kv_heads} pos={position} R={rotary_dim}", actual, expected,
-                   "bf16" if cache_dtype == "bf16" else dtype)
+    return compare(kernel, f"T={tokens} Hq={heads} Hkv={kv_heads} pos={position} R={rotary_dim} D={d}", actual,
+                   expected, "bf16" if cache_dtype == "bf16" else dtype)
 
 
-def _decode_inputs(dtype: str, heads: int, kv_heads: int, keys: int, rng: np.random.Generator):
+def _decode_inputs(dtype: str, heads: int, kv_heads: int, keys: int, head_dim: int, rng: np.random.Generator):
     cache_dtype = _CACHE_DTYPE[dtype]
     capacity = keys + 3
-    q = to_device(2.0 * rng.standard_normal((heads, _ATTN_D)), dtype)
-    gate = to_device(2.0 * rng.standard_normal((heads, _ATTN_D)), dtype)
-    k_cache = _kv_cache(rng, cache_dtype, kv_heads, keys, capacity)
-    v_cache = _kv_cache(rng, cache_dtype, kv_heads, keys, capacity)
+    q = to_device(2.0 * rng.standard_normal((heads, head_dim)), dtype)
+    gate = to_device(2.0 * rng.standard_normal((heads, head_dim)), dtype)
+    k_cache = _kv_cache(rng, cache_dtype, kv_heads, keys, capacity, head_dim)
+    v_cache = _kv_cache(rng, cache_dtype, kv_heads, keys, capacity, head_dim)
     k = to_f64(k_cache, cache_dtype)[:, :keys].transpose(1, 0, 2)
     v = to_f64(v_cache, cache_dtype)[:, :keys].transpose(1, 0, 2)
     expected = reference.attention(to_f64(q, dtype)[None], k, v, to_f64(gate, dtype)[None], offset=keys - 1)[0]
     return capacity, q, gate, k_cache, v_cache, expected
 
 
-@case(r"attention_decode_(f32|f16|bf16)_d256")
+@case(r"attention_decode_(unpacked_)?(f32|f16|bf16)_d(256|64)")
 def attention_decode_case(kernel: str) -> Result:
-    dtype, heads, kv_heads, keys = dtype_of(kernel), 16, 2, 45
-    capacity, q, gate, k_cache, v_cache, expected = _decode_inputs(dtype, heads, kv_heads, keys,
-                                                                   _rng(9))
-    out = poisoned((heads, _ATTN_D), dtype)
-    _dispatch(kernel, [_attention_args(1, heads, kv_heads, keys, capacity), q, gate, k_cache, v_cache, out],
-             (heads // _ATTN_HEADS_PER_GROUP, 1, 1), (128, 1, 1))
-    return compare(kernel, f"Hq={heads} Hkv={kv_heads} S={keys}", to_f64(out, dtype), expected, dtype)
+    dtype, kv_heads, keys = dtype_of(kernel), 2, 45
+    d, per_group, heads = _attn_layout(kernel)
+    capacity, q, gate, k_cache, v_cache, expected = _decode_inputs(dtype, heads, kv_heads, keys, d, _rng(9))
+    out = poisoned((heads, d), dtype)
+    _dispatch(kernel, [_attention_args(1, heads, kv_heads, keys, capacity, d), q, gate, k_cache, v_cache, out],
+             (heads // per_group, 1, 1), (128, 1, 1))
+    return compare(kernel, f"Hq={heads} Hkv={kv_heads} S={keys} D={d}", to_f64(out, dtype), expected, dtype)
 
 
 def _block_partials(q: np.ndarray, k: np.ndarray, v: np.ndarray, group: int, block: int):
@@ -376,7 +417,7 @@ def _block_partials(q: np.ndarray, k: np.ndarray, v: np.ndarray, group: int, blo
     outs, stats = [], []
     for begin in range(0, k.shape[0], block):
         kb, vb = k[begin : begin + block][:, kv], v[begin : begin + block][:, kv]  # [n, Hq, D]
-        scores = np.einsum("hd,nhd->hn", q, kb) * _ATTN_D**-0.5
+        scores = np.einsum("hd,nhd->hn", q, kb) * q.shape[1] ** -0.5
         top = scores.max(axis=1, keepdims=True)
         weights = np.exp(scores - top)
         outs.append(np.einsum("hn,nhd->hd", weights / weights.sum(axis=1, keepdims=True), vb))
@@ -384,53 +425,55 @@ def _block_partials(q: np.ndarray, k: np.ndarray, v: np.ndarray, group: int, blo
     return np.stack(outs, axis=1), np.stack(stats, axis=1)
 
 
-@case(r"attention_decode_(partial|combine)_(f32|f16|bf16)_d256")
+@case(r"attention_decode_(partial|partial_unpacked|combine)_(f32|f16|bf16)_d(256|64)")
 def attention_split_case(kernel: str) -> Result:
-    dtype, heads, kv_heads, keys, block = dtype_of(kernel), 16, 2, 45, 16
-    capacity, q, gate, k_cache, v_cache, expected = _decode_inputs(dtype, heads, kv_heads, keys,
-                                                                   _rng(10))
+    dtype, kv_heads, keys, block = dtype_of(kernel), 2, 45, 16
+    d, per_group, heads = _attn_layout(kernel)
+    capacity, q, gate, k_cache, v_cache, expected = _decode_inputs(dtype, heads, kv_heads, keys, d, _rng(10))
     blocks = -(-keys // block)
-    args = _attention_args(1, heads, kv_heads, keys, capacity, block, blocks)
+    args = _attention_args(1, heads, kv_heads, keys, capacity, d, block, blocks)
     cache_dtype = _CACHE_DTYPE[dtype]
     k = to_f64(k_cache, cache_dtype)[:, :keys].transpose(1, 0, 2)
     v = to_f64(v_cache, cache_dtype)[:, :keys].transpose(1, 0, 2)
     part_out, part_stats = _block_partials(to_f64(q, dtype), k, v, heads // kv_heads, block)
-    shape = f"Hq={heads} Hkv={kv_heads} S={keys} block={block}"
-    if "_partial_" in kernel:
-        out = np.full((heads, blocks, _ATTN_D), np.nan, np.float32)
+    shape = f"Hq={heads} Hkv={kv_heads} S={keys} block={block} D={d}"
+    if "_partial" in kernel:
+        out = np.full((heads, blocks, d), np.nan, np.float32)
         stats = np.full((heads, blocks, 2), np.nan, np.float32)
-        _dispatch(kernel, [args, q, k_cache, v_cache, out, stats],
-                 (heads // _ATTN_HEADS_PER_GROUP, blocks, 1), (64, 1, 1))
+        _dispatch(kernel, [args, q, k_cache, v_cache, out, stats], (heads // per_group, blocks, 1), (64, 1, 1))
         actual = np.concatenate([out.ravel(), stats.ravel()])
         return compare(kernel, shape, actual, np.concatenate([part_out.ravel(), part_stats.ravel()]), "f32")
-    out = poisoned((heads, _ATTN_D), dtype)
+    out = poisoned((heads, d), dtype)
     _dispatch(kernel, [args, gate, part_out.astype(np.float32), part_stats.astype(np.float32), out],
              (heads, 1, 1), (64, 1, 1))
     return compare(kernel, shape, to_f64(out, dtype), expected, dtype)
 
 
-@case(r"attention_prefill(_mma)?_(f32|f16|bf16)_d256")
+@case(r"attention_prefill(_mma)?_(f32|f16|bf16)_d(256|64)")
 def attention_prefill_case(kernel: str) -> Result:
-    dtype, heads, kv_heads, queries, offset, simdgroups = dtype_of(kernel), 16, 2, 12, 21, 4
-    # The mma variant takes 4 simdgroups and 8 queries (one 8-row fragment) per threadgroup; the other one query per
-    # simdgroup.
-    queries_per_group = 8 if "_mma_" in kernel else simdgroups
+    dtype, kv_heads, queries, offset = dtype_of(kernel), 2, 12, 21
+    d, per_group, heads = _attn_layout(kernel)
+    # The mma variant takes one simdgroup per packed head and 8 queries (one 8-row fragment) per threadgroup; the
+    # other one query per simdgroup (4 simdgroups here).
+    mma = "_mma_" in kernel
+    simdgroups = per_group if mma else 4
+    queries_per_group = 8 if mma else simdgroups
     cache_dtype = _CACHE_DTYPE[dtype]
     keys = offset + queries
     capacity = keys + 4
     rng = _rng(11)
-    q = to_device(2.0 * rng.standard_normal((queries, heads, _ATTN_D)), dtype)
-    gate = to_device(2.0 * rng.standard_normal((queries, heads, _ATTN_D)), dtype)
-    k_cache = _kv_cache(rng, cache_dtype, kv_heads, keys, capacity)
-    v_cache = _kv_cache(rng, cache_dtype, kv_heads, keys, capacity)
-    out = poisoned((queries, heads, _ATTN_D), dtype)
-    _dispatch(kernel, [_attention_args(queries, heads, kv_heads, keys, capacity), q, gate, k_cache, v_cache, out],
-             (-(-queries // queries_per_group), heads // _ATTN_HEADS_PER_GROUP, 1), (32 * simdgroups, 1, 1))
+    q = to_device(2.0 * rng.standard_normal((queries, heads, d)), dtype)
+    gate = to_device(2.0 * rng.standard_normal((queries, heads, d)), dtype)
+    k_cache = _kv_cache(rng, cache_dtype, kv_heads, keys, capacity, d)
+    v_cache = _kv_cache(rng, cache_dtype, kv_heads, keys, capacity, d)
+    out = poisoned((queries, heads, d), dtype)
+    _dispatch(kernel, [_attention_args(queries, heads, kv_heads, keys, capacity, d), q, gate, k_cache, v_cache, out],
+             (-(-queries // queries_per_group), heads // per_group, 1), (32 * simdgroups, 1, 1))
     k = to_f64(k_cache, cache_dtype)[:, :keys].transpose(1, 0, 2)
     v = to_f64(v_cache, cache_dtype)[:, :keys].transpose(1, 0, 2)
     expected = reference.attention(to_f64(q, dtype), k, v, to_f64(gate, dtype), offset=offset)
-    return compare(kernel, f"T={queries} offset={offset} Hq={heads} Hkv={kv_heads}", to_f64(out, dtype), expected,
-                   dtype)
+    return compare(kernel, f"T={queries} offset={offset} Hq={heads} Hkv={kv_heads} D={d}", to_f64(out, dtype),
+                   expected, dtype)
 
 
 # ---- mixture of experts (metal/moe.metal: decode; metal/moe_prefill.metal: prefill) ----
@@ -606,13 +649,48 @@ def moe_decode_case(kernel: str) -> Result:
     return compare(kernel, shape, to_f64(out, dtype), expected, dtype)
 
 
+@case(r"moe_gate_up_swiglu_routed_(f32|bf16)(_sf32)?")
+def moe_routed_case(kernel: str) -> Result:
+    """Routing (softmax/top-k over f32 logits) and the RMSNorm folded into gate/up: the hidden scratch and the ids and
+    weights it writes for moe_down_combine."""
+    dtype = dtype_of(kernel)
+    _, experts, k, hidden, expert, shared = _MOE_SHAPE
+    rng = _rng(18)
+    eps = 1e-6
+    gate, gate_buffers = _quantized_weight(kernel, expert, hidden, rng, experts)
+    up, up_buffers = _quantized_weight(kernel, expert, hidden, rng, experts)
+    shared_gate, shared_gate_buffers = _quantized_weight(kernel, shared, hidden, rng)
+    shared_up, shared_up_buffers = _quantized_weight(kernel, shared, hidden, rng)
+    x = to_device(2.0 * rng.standard_normal(hidden), dtype)
+    norm_weight = to_device(1.0 + 0.3 * rng.standard_normal(hidden), dtype)
+    logits = (2.0 * rng.standard_normal((1, experts))).astype(np.float32)
+    ids = np.full(k, 0xFFFFFFFF, np.uint32)
+    weights = np.full(k, np.nan, np.float32)
+    h = np.full(k * expert + shared, np.nan, np.float32)
+    args = _moe_args(1, experts, k, hidden, expert, shared) + struct.pack("<fIII", eps, 0, 0, 0)  # MoeRoutedArgs
+    _dispatch(kernel, [args, x, norm_weight, logits, ids, weights, *gate_buffers, *up_buffers, *shared_gate_buffers,
+                       *shared_up_buffers, h],
+              (-(-max(expert, shared) // _MOE_GEMV_ROWS), k + 1, 1), (_MOE_GEMV_THREADS, 1, 1))
+    expected_ids, expected_weights = reference.moe_route(logits, k)
+    xs = reference.rms_norm(to_f64(x, dtype), to_f64(norm_weight, dtype), eps)
+    pieces = [_silu64(reference.linear(xs, g).astype(np.float64)) * reference.linear(xs, u)
+              for g, u in [(gate.dequantize()[e], up.dequantize()[e]) for e in expected_ids[0]]
+              + [(shared_gate.dequantize(), shared_up.dequantize())]]
+    result = compare(kernel, f"E={experts} k={k} H={hidden} I={expert} Is={shared}",
+                     np.concatenate([h, weights]), np.concatenate(pieces + [expected_weights[0]]), "f32")
+    if not np.array_equal(ids.astype(np.int64), expected_ids[0]):
+        return Result(kernel, result.shape + " (wrong expert ids)", result.error, False)
+    return result
+
+
 # ---- Gated DeltaNet (metal/gated_delta.metal) ----
 
-_GDN_DK, _GDN_TAPS = 128, 4
+_GDN_TAPS = 4
 
 
-def _gdn_inputs(dtype: str, hk: int, hv: int, dv: int, tokens: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    c = 2 * hk * _GDN_DK + hv * dv
+def _gdn_inputs(dtype: str, hk: int, hv: int, dk: int, dv: int, tokens: int,
+                rng: np.random.Generator) -> dict[str, np.ndarray]:
+    c = 2 * hk * dk + hv * dv
     return {
         "qkv": to_device(rng.standard_normal((tokens, c)), dtype),
         "z": to_device(rng.standard_normal((tokens, hv * dv)), dtype),
@@ -623,18 +701,18 @@ def _gdn_inputs(dtype: str, hk: int, hv: int, dv: int, tokens: int, rng: np.rand
         "dt_bias": rng.standard_normal(hv).astype(np.float32),
         "norm_weight": to_device(1.0 + 0.2 * rng.standard_normal(dv), dtype),
         "conv_state": to_device(rng.standard_normal((_GDN_TAPS - 1, c)), dtype),
-        "state": np.ascontiguousarray(0.3 * rng.standard_normal((hv, dv, _GDN_DK)), np.float32),  # [Hv, dv, Dk]
+        "state": np.ascontiguousarray(0.3 * rng.standard_normal((hv, dv, dk)), np.float32),  # [Hv, dv, Dk]
     }
 
 
-def _gdn_reference(inp: dict[str, np.ndarray], dtype: str, hk: int, hv: int, dv: int):
+def _gdn_reference(inp: dict[str, np.ndarray], dtype: str, hk: int, hv: int, dk: int, dv: int):
     """lily.reference's DeltaNet pieces: outputs [T, Hv*dv], conv output [T, C], state [Hv, dv, Dk]."""
     qkv = to_f64(inp["qkv"], dtype)
     t = qkv.shape[0]
     mixed, _ = reference.causal_conv1d(qkv, to_f64(inp["conv_weight"], dtype), to_f64(inp["conv_state"], dtype))
-    key_dim = hk * _GDN_DK
-    q = reference.l2_normalize(mixed[:, :key_dim].reshape(t, hk, _GDN_DK)) * np.float32(_GDN_DK**-0.5)
-    k = reference.l2_normalize(mixed[:, key_dim : 2 * key_dim].reshape(t, hk, _GDN_DK))
+    key_dim = hk * dk
+    q = reference.l2_normalize(mixed[:, :key_dim].reshape(t, hk, dk)) * np.float32(dk**-0.5)
+    k = reference.l2_normalize(mixed[:, key_dim : 2 * key_dim].reshape(t, hk, dk))
     v = mixed[:, 2 * key_dim :].reshape(t, hv, dv)
     beta = 1.0 / (1.0 + np.exp(-to_f64(inp["b"], dtype)))
     g = -np.exp(inp["a_log"].astype(np.float64)) * np.logaddexp(0.0, to_f64(inp["a"], dtype) + inp["dt_bias"])
@@ -648,13 +726,15 @@ def _gdn_args(tokens: int, hk: int, hv: int, dv: int) -> bytes:
     return struct.pack("<IIIIffII", tokens, hk, hv, dv, 1e-6, 1e-6, 0, 0)  # lily::GatedDeltaArgs
 
 
-@case(r"gated_delta_(step|conv|prefill)_(f32|f16|bf16)_dk128")
+@case(r"gated_delta_(step|conv|prefill)_(f32|f16|bf16)_dk(128|64)")
 def gated_delta_case(kernel: str) -> Result:
-    dtype, hk, hv, dv = dtype_of(kernel), 1, 2, 128  # one key head of the model: 2 value heads, 256 state rows
+    # One key head with 2 value heads: the model's (dk = dv = 128, 256 state rows) or the demo model's (dk = dv = 64).
+    dk = int(re.search(r"_dk(\d+)$", kernel).group(1))
+    dtype, hk, hv, dv = dtype_of(kernel), 1, 2, dk
     tokens = 1 if "_step_" in kernel else 4
-    inp = _gdn_inputs(dtype, hk, hv, dv, tokens, _rng(2))
-    y, mixed, state = _gdn_reference(inp, dtype, hk, hv, dv)
-    args, shape = _gdn_args(tokens, hk, hv, dv), f"T={tokens} Hk={hk} Hv={hv} dk=128 dv={dv}"
+    inp = _gdn_inputs(dtype, hk, hv, dk, dv, tokens, _rng(2))
+    y, mixed, state = _gdn_reference(inp, dtype, hk, hv, dk, dv)
+    args, shape = _gdn_args(tokens, hk, hv, dv), f"T={tokens} Hk={hk} Hv={hv} dk={dk} dv={dv}"
     out = poisoned((tokens, hv * dv), dtype)
     if "_conv_" in kernel:
         conv_out = np.full(mixed.shape, np.nan, np.float32)

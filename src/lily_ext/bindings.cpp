@@ -57,6 +57,7 @@ lily::Switches switches_from_dict(const nb::dict& d) {
     std::string name = nb::cast<std::string>(key);
     if (name == "concurrent") s.concurrent = nb::cast<bool>(value);
     else if (name == "fused_projections") s.fused_projections = nb::cast<bool>(value);
+    else if (name == "fusion") s.fusion = nb::cast<bool>(value);
     else if (name == "split_kv") s.split_kv = nb::cast<bool>(value);
     else if (name == "split_kv_min_keys") s.split_kv_min_keys = nb::cast<size_t>(value);
     else if (name == "gpu_token") s.gpu_token = nb::cast<bool>(value);
@@ -64,6 +65,9 @@ lily::Switches switches_from_dict(const nb::dict& d) {
     else if (name == "batched_prefill") s.batched_prefill = nb::cast<bool>(value);
     else if (name == "wide_tiles") s.wide_tiles = nb::cast<bool>(value);
     else if (name == "prefill_chunk") s.prefill_chunk = nb::cast<size_t>(value);
+    else if (name == "gpu_routing") s.gpu_routing = nb::cast<bool>(value);
+    else if (name == "chunked_prefill") s.chunked_prefill = nb::cast<bool>(value);
+    else if (name == "gqa_packing") s.gqa_packing = nb::cast<bool>(value);
     else throw nb::value_error(("unknown engine switch '" + name + "'").c_str());
   }
   return s;
@@ -325,11 +329,10 @@ NB_MODULE(_ext, m) {
              return nb::bytes(reinterpret_cast<const char*>(s.data()), s.size());
            })
       .def("restore",
-           [](lily::Engine& e, const nb::bytes& data, size_t position) {
-             const auto* p = static_cast<const unsigned char*>(data.data());
-             e.restore(std::vector<unsigned char>(p, p + data.size()), position);
-           },
+           [](lily::Engine& e, nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> data,
+              size_t position) { e.restore(data.data(), data.shape(0), position); },
            nb::arg("snapshot"), nb::arg("position"))
+      .def("snapshot_bytes", &lily::Engine::snapshot_bytes, nb::arg("position"))
       .def("forward",
            [](lily::Engine& e, const std::vector<uint32_t>& tokens,
               nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out, long dropped_barrier) {

@@ -53,14 +53,9 @@ void ModelConfig::validate() const {
 void ModelConfig::check_kernel_shapes() const {
   bool any_attention = std::find(attention_layers.begin(), attention_layers.end(), true) != attention_layers.end();
   bool any_gdn = std::find(attention_layers.begin(), attention_layers.end(), false) != attention_layers.end();
-  if (any_attention) {
-    if (head_dim != 256) bad_config("head_dim", "the attention kernels are built for 256; got " + std::to_string(head_dim));
-    if (num_kv_heads == 0 || num_heads % (num_kv_heads * LILY_ATTN_HEADS_PER_GROUP)) {
-      bad_config("num_attention_heads", "must be a multiple of 4 x num_key_value_heads (GQA packing)");
-    }
-  }
+  if (any_attention) ops::check_attention_shapes(*this);  // head dims 256 and 64, the GQA packing
   if (any_gdn) {
-    if (gdn_k_dim != 128) bad_config("linear_key_head_dim", "the DeltaNet kernels are built for 128; got " + std::to_string(gdn_k_dim));
+    ops::check_gated_delta_shapes(*this);  // key head dims 128 and 64
     if ((gdn_v_heads / gdn_k_heads) * gdn_v_dim > LILY_GDN_MAX_ROWS) bad_config("linear_value_head_dim", "(Hv/Hk) x dv must be at most 256");
     if (conv_kernel != LILY_GDN_CONV_KERNEL) bad_config("linear_conv_kernel_dim", "must be 4");
   }
@@ -270,35 +265,64 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
   const DType act = precision == Precision::Float32 ? DType::F32 : DType::BF16;
   const size_t a = dtype_size(act), H = c.hidden_size;
   ops::Context ctx{g, act, !sw.concurrent, sw.wide_tiles};
+  ctx.gqa_packing = sw.gqa_packing;
   Span hidden = whole(g, b.hidden), normed = whole(g, b.normed), mixer_out = whole(g, b.mixer_out);
   Span proj = whole(g, b.proj);
   const size_t split_min = sw.split_kv_min_keys ? sw.split_kv_min_keys : tuning::kAttentionSplitMinKeys;
 
   ops::embedding(ctx, whole(g, b.tokens), static_cast<size_t>(token_slot), weight(w, "embed_tokens.weight"), hidden, 1);
+  // With fusion on, every RMSNorm of the hidden stream is folded into the GEMV(s) reading it (qmv_norm: each
+  // simdgroup recomputes the row's sum of squares), the residual adds into the out/o projection (qmv_residual), and
+  // moe_route with the post-attention norm into the experts' gate/up kernel: 6 dispatches per DeltaNet layer, 7 per
+  // attention layer (short context), each depending on the one before.
+  const bool fuse = sw.fusion;
+  // `norm` (rms_norm(x) ⊙ norm, written to `normed`) in front of the GEMVs that read it: its own dispatch, or folded.
+  auto normalise = [&](const std::string& label, const WeightRef& norm) -> Span {
+    if (fuse) return hidden;
+    ops::rms_norm(ctx, label, hidden, norm, normed, 1, H, c.eps);
+    return normed;
+  };
+  auto gemv = [&](const std::string& label, const Span& x, const WeightRef& m, const Span& out, DType dtype,
+                  const WeightRef& norm) {
+    if (fuse) {
+      ops::qmatmul_norm(ctx, label, x, norm, m, out, c.eps, dtype);
+    } else {
+      ops::qmatmul(ctx, label, x, m, out, 1, dtype);
+    }
+  };
   // Projections sharing an input: one GEMV over the fused (concatenated) tensor, or one per matrix writing its
   // slice of the same output.
   auto projections = [&](const std::string& fused, const std::vector<std::string>& parts, const Span& x,
-                         const Span& out, DType dtype, bool use_fused) {
+                         const Span& out, DType dtype, bool use_fused, const WeightRef& norm) {
     if (use_fused) {
       const WeightRef& f = weight(w, fused);
-      ops::qmatmul(ctx, fused, x, f, ops::sub(out, 0, f.rows * dtype_size(dtype)), 1, dtype);
+      gemv(fused, x, f, ops::sub(out, 0, f.rows * dtype_size(dtype)), dtype, norm);
       return;
     }
     size_t offset = 0;
     for (const std::string& name : parts) {
       const WeightRef& p = weight(w, name);
-      ops::qmatmul(ctx, name, x, p, ops::sub(out, offset, p.rows * dtype_size(dtype)), 1, dtype);
+      gemv(name, x, p, ops::sub(out, offset, p.rows * dtype_size(dtype)), dtype, norm);
       offset += p.rows * dtype_size(dtype);
+    }
+  };
+  // The out/o projection: hidden += W · x in one GEMV, or into mixer_out (the residual add comes with the next norm).
+  auto out_projection = [&](const std::string& label, const Span& x, const WeightRef& m) {
+    if (fuse) {
+      ops::qmatmul_residual(ctx, label, x, m, hidden);
+    } else {
+      ops::qmatmul(ctx, label, x, m, mixer_out, 1, act);
     }
   };
   for (size_t i = 0; i < c.num_layers(); ++i) {
     const std::string p = layer_prefix(i);
-    ops::rms_norm(ctx, p + "input_layernorm", hidden, weight(w, p + "input_layernorm.weight"), normed, 1, H, c.eps);
+    const WeightRef& input_norm = weight(w, p + "input_layernorm.weight");
+    const Span mixer_in = normalise(p + "input_layernorm", input_norm);
     if (c.attention_layers[i]) {
       const std::string s = p + "self_attn.";
       const size_t qg = 2 * c.num_heads * c.head_dim * a, kv = c.num_kv_heads * c.head_dim * a;
-      projections("fused." + s + "in_proj", {s + "q_proj.weight", s + "k_proj.weight", s + "v_proj.weight"}, normed,
-                  proj, act, sw.fused_projections);
+      projections("fused." + s + "in_proj", {s + "q_proj.weight", s + "k_proj.weight", s + "v_proj.weight"},
+                  mixer_in, proj, act, sw.fused_projections, input_norm);
       ops::AttentionSpans at;
       at.q_and_gate = ops::sub(proj, 0, qg);
       at.k = ops::sub(proj, qg, kv);
@@ -315,13 +339,13 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
       at.capacity = b.kv_capacity;
       bool split = sw.split_kv && position + 1 >= split_min;
       ops::attention_decode(ctx, c, p + "attention", at, position, split);
-      ops::qmatmul(ctx, s + "o_proj", at.out, weight(w, s + "o_proj.weight"), mixer_out, 1, act);
+      out_projection(s + "o_proj", at.out, weight(w, s + "o_proj.weight"));
     } else {
       const std::string s = p + "linear_attn.";
       const size_t C = c.conv_dim() * a, vd = c.gdn_v_heads * c.gdn_v_dim * a, hv = c.gdn_v_heads * a;
       projections("fused." + s + "in_proj",
                   {s + "in_proj_qkv.weight", s + "in_proj_z.weight", s + "in_proj_b.weight", s + "in_proj_a.weight"},
-                  normed, proj, act, sw.fused_projections);
+                  mixer_in, proj, act, sw.fused_projections, input_norm);
       ops::GatedDeltaSpans gd;
       gd.qkv = ops::sub(proj, 0, C);
       gd.z = ops::sub(proj, C, vd);
@@ -335,17 +359,21 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
       gd.dt_bias = &weight(w, s + "dt_bias");
       gd.norm_weight = &weight(w, s + "norm.weight");
       ops::gated_delta_step(ctx, c, p + "deltanet", gd);
-      ops::qmatmul(ctx, s + "out_proj", gd.out, weight(w, s + "out_proj.weight"), mixer_out, 1, act);
+      out_projection(s + "out_proj", gd.out, weight(w, s + "out_proj.weight"));
     }
-    // hidden += mixer out (in place), normed = post_attention_layernorm(hidden).
-    ops::rms_norm_residual(ctx, p + "post_attention_layernorm", mixer_out, hidden,
-                           weight(w, p + "post_attention_layernorm.weight"), normed, hidden, 1, H, c.eps);
+    const WeightRef& post_norm = weight(w, p + "post_attention_layernorm.weight");
+    if (!fuse) {
+      // hidden += mixer out (in place), normed = post_attention_layernorm(hidden).
+      ops::rms_norm_residual(ctx, p + "post_attention_layernorm", mixer_out, hidden, post_norm, normed, hidden, 1, H,
+                             c.eps);
+    }
+    const Span moe_in = fuse ? hidden : normed;
     const std::string m = p + "mlp.";
     // Router logits stay f32 (moe_route and moe_down_combine read f32).
-    projections("fused." + m + "router", {m + "gate.weight", m + "shared_expert_gate.weight"}, normed,
-                whole(g, b.router), DType::F32, sw.fused_projections);
+    projections("fused." + m + "router", {m + "gate.weight", m + "shared_expert_gate.weight"}, moe_in,
+                whole(g, b.router), DType::F32, sw.fused_projections, post_norm);
     ops::MoeSpans mo;
-    mo.x = normed;
+    mo.x = moe_in;
     mo.router_logits = whole(g, b.router);
     mo.expert_ids = whole(g, b.expert_ids);
     mo.expert_weights = whole(g, b.expert_weights);
@@ -357,11 +385,15 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
     mo.shared_gate = &weight(w, m + "shared_expert.gate_proj.weight");
     mo.shared_up = &weight(w, m + "shared_expert.up_proj.weight");
     mo.shared_down = &weight(w, m + "shared_expert.down_proj.weight");
-    ops::moe_decode(ctx, c, p + "moe", mo);
+    if (fuse) {
+      ops::moe_decode_routed(ctx, c, p + "moe", mo, post_norm, c.eps);
+    } else {
+      ops::moe_decode(ctx, c, p + "moe", mo);
+    }
   }
-  ops::rms_norm(ctx, "norm", hidden, weight(w, "norm.weight"), normed, 1, H, c.eps);
+  const WeightRef& final_norm = weight(w, "norm.weight");
   Span logits = whole(g, b.logits);
-  ops::qmatmul(ctx, "lm_head", normed, weight(w, "lm_head.weight"), logits, 1, act);
+  gemv("lm_head", normalise("norm", final_norm), weight(w, "lm_head.weight"), logits, act, final_norm);
   if (sw.gpu_token) {
     ops::argmax(ctx, logits, c.vocab_size, whole(g, b.argmax_values), whole(g, b.argmax_ids), whole(g, b.tokens),
                 static_cast<size_t>(next_slot));
@@ -433,6 +465,7 @@ void build_prefill_chunk(const ModelConfig& c, Precision precision, const Switch
   const DType act = precision == Precision::Float32 ? DType::F32 : DType::BF16;
   const size_t a = dtype_size(act), H = c.hidden_size;
   ops::Context ctx{g, act, !sw.concurrent, sw.wide_tiles};
+  ctx.gpu_routing = sw.gpu_routing;
   auto rows = [&](int buffer, size_t row_bytes) { return Span{buffer, 0, T * row_bytes}; };
   Span hidden = rows(p.hidden, H * a), normed = rows(p.normed, H * a), mixer_out = rows(p.mixer_out, H * a);
   ops::embedding(ctx, rows(p.ids, 4), 0, weight(w, "embed_tokens.weight"), hidden, T);
@@ -487,9 +520,9 @@ void build_prefill_chunk(const ModelConfig& c, Precision precision, const Switch
     mo.x = normed;
     mo.router_logits = rows(p.router, c.num_experts * 4);
     mo.shared_gate_logit = rows(p.shared_gate_logit, 4);
-    ops::qmatmul(ctx, m + "gate", normed, weight(w, m + "gate.weight"), mo.router_logits, T, DType::F32);
-    ops::qmatmul(ctx, m + "shared_expert_gate", normed, weight(w, m + "shared_expert_gate.weight"),
-                 mo.shared_gate_logit, T, DType::F32);
+    ops::moe_router_logits(ctx, m + "gate", normed, weight(w, m + "gate.weight"), mo.router_logits, T);
+    ops::moe_router_logits(ctx, m + "shared_expert_gate", normed, weight(w, m + "shared_expert_gate.weight"),
+                           mo.shared_gate_logit, T);
     mo.expert_ids = whole(g, p.expert_ids);
     mo.expert_weights = whole(g, p.expert_weights);
     mo.block_counts = whole(g, p.block_counts);
@@ -516,6 +549,36 @@ void build_prefill_chunk(const ModelConfig& c, Precision precision, const Switch
   }
   ops::rms_norm(ctx, "norm", hidden, weight(w, "norm.weight"), normed, T, H, c.eps);
   ops::qmatmul(ctx, "lm_head", normed, weight(w, "lm_head.weight"), rows(p.logits, c.vocab_size * a), T, act);
+}
+
+void host_moe_sort(const HostMoeSort& s, const uint32_t* ids, uint32_t* expert_offsets, uint32_t* tile_map,
+                   uint32_t* tile_count, uint32_t* sorted_pairs) {
+  std::vector<uint32_t> counts(s.experts, 0);
+  for (size_t p = 0; p < s.pairs; ++p) {
+    if (ids[p] >= s.experts) {
+      throw mtl::Error("[engine] MoE routing wrote expert id " + std::to_string(ids[p]) + " for pair " +
+                       std::to_string(p) + "; the layer has " + std::to_string(s.experts) + " experts");
+    }
+    ++counts[ids[p]];
+  }
+  uint32_t rows = 0, tiles = 0;
+  for (size_t e = 0; e < s.experts; ++e) {
+    expert_offsets[e] = rows;
+    for (uint32_t first = 0; first < counts[e]; first += static_cast<uint32_t>(s.tile_rows)) {
+      if (tiles >= s.max_tiles) throw std::logic_error("[engine] MoE tile map bound exceeded");
+      uint32_t* entry = tile_map + static_cast<size_t>(tiles++) * 4;
+      entry[0] = static_cast<uint32_t>(e);
+      entry[1] = rows + first;
+      entry[2] = std::min(static_cast<uint32_t>(s.tile_rows), counts[e] - first);
+      entry[3] = 0;
+    }
+    rows += counts[e];
+  }
+  expert_offsets[s.experts] = rows;
+  *tile_count = tiles;
+  // Stable: within an expert, pairs in ascending order (as moe_sort_scatter writes them).
+  std::vector<uint32_t> cursor(expert_offsets, expert_offsets + s.experts);
+  for (size_t p = 0; p < s.pairs; ++p) sorted_pairs[cursor[ids[p]]++] = static_cast<uint32_t>(p);
 }
 
 // ---- mapped files ----
@@ -573,12 +636,6 @@ Engine::Engine(const ModelConfig& config, Precision precision, const Switches& s
   config_.validate();
   config_.check_kernel_shapes();
   if (max_context_ == 0) throw mtl::Error("[engine] max_context must be positive");
-  // moe_route and moe_down_combine read f32 router logits; with bf16 activations the router GEMV would need a bf16
-  // input and an f32 output, which metal/qmatmul.metal does not instantiate.
-  if (precision_ == Precision::BFloat16) {
-    throw mtl::Error("[engine] precision bfloat16 needs a router GEMV with bf16 input and f32 output, which the "
-                     "kernels do not provide yet; use precision float32");
-  }
   device_ = std::make_unique<Device>(kernel_source);
 }
 
@@ -661,6 +718,9 @@ void Engine::finish_loading() {
   Graph probe;
   probe.buffers = base_.buffers;
   build_decode_step(config_, precision_, switches_, weights_, decode_, 0, 0, 1, probe);
+  // Every decode pipeline is built now: a kernel missing for this checkpoint's quantization is named at load, and
+  // the first token does not pay for compilation.
+  for (const Node& node : probe.nodes) device_->pipeline(node.kernel);
   loaded_ = true;
   reset();
 }
@@ -707,7 +767,13 @@ std::unique_ptr<Encoder> Engine::encode_step(uint32_t token_slot, long dropped_b
 }
 
 std::unique_ptr<Encoder> Engine::encode_graph(Graph graph, long dropped_barrier) {
-  const std::vector<bool> starts = stage_starts(graph);
+  std::unique_ptr<Encoder> encoder = encode_nodes(graph, stage_starts(graph), 0, graph.nodes.size(), dropped_barrier);
+  last_graph_ = std::move(graph);
+  return encoder;
+}
+
+std::unique_ptr<Encoder> Engine::encode_nodes(const Graph& graph, const std::vector<bool>& starts, size_t begin,
+                                              size_t end, long dropped_barrier) {
   const bool manual = dropped_barrier >= 0;
   auto encoder = std::make_unique<Encoder>(*device_, manual ? BarrierPolicy::Manual : BarrierPolicy::Automatic);
   auto ranges = [&](const std::vector<Span>& spans) {
@@ -715,11 +781,11 @@ std::unique_ptr<Encoder> Engine::encode_graph(Graph graph, long dropped_barrier)
     for (const Span& s : spans) out.push_back({&buffer(s.buffer), s.offset, s.length});
     return out;
   };
-  for (size_t i = 0; i < graph.nodes.size(); ++i) {
+  for (size_t i = begin; i < end; ++i) {
     const Node& node = graph.nodes[i];
     // Automatic: the Encoder places barriers from the ranges (serial mode adds one before every node). Manual:
     // the same places, computed here, with one left out.
-    if (manual ? (i > 0 && starts[i] && static_cast<long>(i) != dropped_barrier) : node.barrier_before) {
+    if (manual ? (i > begin && starts[i] && static_cast<long>(i) != dropped_barrier) : node.barrier_before) {
       encoder->barrier();
     }
     std::vector<Argument> args;
@@ -730,8 +796,37 @@ std::unique_ptr<Encoder> Engine::encode_graph(Graph graph, long dropped_barrier)
     encoder->dispatch(device_->pipeline(node.kernel), args, node.groups, node.threads, ranges(node.reads),
                       ranges(node.writes));
   }
-  last_graph_ = std::move(graph);
   return encoder;
+}
+
+void Engine::run_graph(Graph graph, long dropped_barrier) {
+  if (graph.host_sorts.empty()) {
+    std::unique_ptr<Encoder> encoder = encode_graph(std::move(graph), dropped_barrier);
+    encoder->commit();
+    encoder->wait();
+    return;
+  }
+  const std::vector<bool> starts = stage_starts(graph);
+  size_t begin = 0;
+  for (const HostMoeSort& sort : graph.host_sorts) {
+    std::unique_ptr<Encoder> encoder = encode_nodes(graph, starts, begin, sort.before_node, dropped_barrier);
+    encoder->commit();
+    encoder->wait();
+    run_host_sort(sort);
+    begin = sort.before_node;
+  }
+  std::unique_ptr<Encoder> encoder = encode_nodes(graph, starts, begin, graph.nodes.size(), dropped_barrier);
+  encoder->commit();
+  encoder->wait();
+  last_graph_ = std::move(graph);
+}
+
+void Engine::run_host_sort(const HostMoeSort& sort) {
+  auto at = [&](const Span& span) {
+    return reinterpret_cast<uint32_t*>(static_cast<unsigned char*>(buffers_[span.buffer].contents()) + span.offset);
+  };
+  host_moe_sort(sort, at(sort.expert_ids), at(sort.expert_offsets), at(sort.tile_map), at(sort.tile_count),
+                at(sort.sorted_pairs));
 }
 
 void Engine::read_rows(int buffer_id, size_t rows, float* out) const {
@@ -748,16 +843,24 @@ void Engine::read_rows(int buffer_id, size_t rows, float* out) const {
   }
 }
 
-void Engine::prefill_chunk(const uint32_t* tokens, size_t count, float* logits, long dropped_barrier) {
-  if (!has_prefill_) {
-    size_t first_new = base_.buffers.size();
-    size_t chunk = switches_.prefill_chunk ? switches_.prefill_chunk : tuning::kPrefillChunk;
-    prefill_ = add_prefill_buffers(config_, precision_, std::min(chunk, max_context_), base_);
-    for (size_t i = first_new; i < base_.buffers.size(); ++i) {
-      buffers_.push_back(device_->new_buffer(base_.buffers[i].length));
-    }
-    has_prefill_ = true;
+void Engine::ensure_prefill_rows(size_t rows) {
+  if (has_prefill_ && prefill_.max_tokens >= rows) return;
+  // The prefill scratch is the last group of buffers: a larger chunk replaces the group (same ids, new sizes).
+  if (has_prefill_) {
+    base_.buffers.erase(base_.buffers.begin() + static_cast<long>(prefill_first_buffer_), base_.buffers.end());
+    buffers_.erase(buffers_.begin() + static_cast<long>(prefill_first_buffer_), buffers_.end());
   }
+  prefill_first_buffer_ = base_.buffers.size();
+  prefill_ = add_prefill_buffers(config_, precision_, rows, base_);
+  for (size_t i = prefill_first_buffer_; i < base_.buffers.size(); ++i) {
+    buffers_.push_back(device_->new_buffer(base_.buffers[i].length));
+  }
+  has_prefill_ = true;
+}
+
+void Engine::prefill_chunk(const uint32_t* tokens, size_t count, float* logits, long dropped_barrier) {
+  const size_t chunk = switches_.prefill_chunk ? switches_.prefill_chunk : tuning::kPrefillChunk;
+  ensure_prefill_rows(std::max(count, std::min(chunk, max_context_)));
   SharedExpertRouting routing = shared_expert_routing(count, switches_.wide_tiles);
   auto put = [&](int id, const void* data, size_t bytes) { std::memcpy(buffers_[id].contents(), data, bytes); };
   put(prefill_.ids, tokens, count * 4);
@@ -768,9 +871,7 @@ void Engine::prefill_chunk(const uint32_t* tokens, size_t count, float* logits, 
   Graph graph;
   graph.buffers = base_.buffers;
   build_prefill_chunk(config_, precision_, switches_, weights_, decode_, prefill_, position_, count, graph);
-  std::unique_ptr<Encoder> encoder = encode_graph(std::move(graph), dropped_barrier);
-  encoder->commit();
-  encoder->wait();
+  run_graph(std::move(graph), dropped_barrier);
   read_rows(prefill_.logits, count, logits);
   position_ += count;
 }
@@ -785,8 +886,9 @@ void Engine::forward(const std::vector<uint32_t>& tokens, float* logits, long dr
   }
   ensure_capacity(position_ + tokens.size());
   if (switches_.batched_prefill && tokens.size() > 1) {
-    const size_t chunk = std::min(switches_.prefill_chunk ? switches_.prefill_chunk : tuning::kPrefillChunk,
-                                  max_context_);
+    const size_t chunk = !switches_.chunked_prefill ? tokens.size()
+                         : std::min(switches_.prefill_chunk ? switches_.prefill_chunk : tuning::kPrefillChunk,
+                                    max_context_);
     for (size_t start = 0; start < tokens.size(); start += chunk) {
       const size_t count = std::min(chunk, tokens.size() - start);
       prefill_chunk(tokens.data() + start, count, logits + start * config_.vocab_size, dropped_barrier);
@@ -861,15 +963,15 @@ std::vector<unsigned char> Engine::snapshot() const {
   return out;
 }
 
-void Engine::restore(const std::vector<unsigned char>& snapshot, size_t position) {
-  if (snapshot.size() != snapshot_bytes(position)) {
-    throw mtl::Error("[engine] snapshot of " + std::to_string(snapshot.size()) + " bytes does not match " +
+void Engine::restore(const unsigned char* snapshot, size_t length, size_t position) {
+  if (length != snapshot_bytes(position)) {
+    throw mtl::Error("[engine] snapshot of " + std::to_string(length) + " bytes does not match " +
                      std::to_string(position) + " tokens of this model's state");
   }
   position_ = 0;
   ensure_capacity(std::max<size_t>(position, 1));
   const size_t row = state_layout(config_, precision_).kv_bytes_per_row / config_.num_kv_heads;
-  const unsigned char* p = snapshot.data();
+  const unsigned char* p = snapshot;
   for (size_t layer = 0; layer < config_.num_layers(); ++layer) {
     if (!config_.attention_layers[layer]) {
       for (int id : {decode_.conv_state[layer], decode_.recurrent_state[layer]}) {

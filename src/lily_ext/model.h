@@ -37,11 +37,15 @@ struct ModelConfig {
 struct Switches {
   bool concurrent = true;          // CONCURRENT: off = a barrier after every dispatch (serial)
   bool fused_projections = true;   // FUSED_PROJECTIONS: off = one GEMV per projection matrix
+  bool fusion = true;              // FUSION: off = decode RMSNorms, residual adds and routing as their own dispatches
   bool split_kv = true;            // SPLIT_KV: off = never the long-context split-KV attention path
   size_t split_kv_min_keys = 0;    // 0 = tuning::kAttentionSplitMinKeys (tests lower it to exercise the path)
   bool gpu_token = true;           // GPU_TOKEN: off = the CPU reads logits and writes the next token itself
   bool batched_prefill = true;     // BATCHED_PREFILL: off = prompts run one decode step per token
   bool wide_tiles = true;          // WIDE_TILES: off = 16-row GEMM tiles only (qmm and the MoE grouped GEMMs)
+  bool gpu_routing = true;         // GPU_ROUTING: off = prefill MoE pairs sorted on the CPU (a round trip per layer)
+  bool chunked_prefill = true;     // CHUNKED_PREFILL: off = a prompt runs as one chunk, however long
+  bool gqa_packing = true;         // GQA_PACKING: off = decode attention runs one query head per threadgroup
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
   size_t kv_growth_block() const;
@@ -96,12 +100,28 @@ struct Node {
   bool barrier_before = false;  // forced (serial mode)
 };
 
-// The buffers a forward pass uses, and its dispatches in order.
+// A step the CPU runs inside a forward pass (the GPU_ROUTING switch off): the nodes before `before_node` are
+// committed and waited on, then the CPU reads the expert ids of `pairs` (token, slot) pairs and writes what the
+// grouped GEMMs read, exactly as moe_sort_count/scan/scatter would: the pairs sorted by expert (stable), the
+// expert offsets [E + 1], the tile map [tiles, 4] = (expert, first sorted row, rows, 0) and the tile count.
+struct HostMoeSort {
+  size_t before_node = 0;
+  Span expert_ids, expert_offsets, tile_map, tile_count, sorted_pairs;
+  size_t pairs = 0, experts = 0, tile_rows = 0, max_tiles = 0;
+};
+
+// The buffers a forward pass uses, its dispatches in order, and the CPU steps between them (none by default).
 struct Graph {
   std::vector<GraphBuffer> buffers;
   std::vector<Node> nodes;
+  std::vector<HostMoeSort> host_sorts;  // ascending before_node
   int add_buffer(const std::string& name, size_t length, BufferRole role);
 };
+
+// Runs a HostMoeSort on CPU-visible memory: `ids` in, the other four tables out. Throws Error on an expert id out
+// of range (the GPU's routing output is checked before it indexes anything).
+void host_moe_sort(const HostMoeSort& sort, const uint32_t* ids, uint32_t* expert_offsets, uint32_t* tile_map,
+                   uint32_t* tile_count, uint32_t* sorted_pairs);
 
 // Weights by canonical name (lily.checkpoint), plus the engine's fused tensors ("fused.*").
 using WeightTable = std::map<std::string, WeightRef>;
@@ -203,7 +223,7 @@ class Engine {
   void reset();
   size_t position() const { return position_; }
   std::vector<unsigned char> snapshot() const;
-  void restore(const std::vector<unsigned char>& snapshot, size_t position);
+  void restore(const unsigned char* snapshot, size_t length, size_t position);
   size_t snapshot_bytes(size_t position) const;
 
   // Runs `tokens` one decode step each; writes logits [T, V] (fp32). `dropped_barrier` >= 0 leaves out the barrier
@@ -221,6 +241,13 @@ class Engine {
   void prefill_chunk(const uint32_t* tokens, size_t count, float* logits, long dropped_barrier);
   std::unique_ptr<class Encoder> encode_step(uint32_t token_slot, long dropped_barrier);
   std::unique_ptr<class Encoder> encode_graph(Graph graph, long dropped_barrier);
+  // Nodes [begin, end) of `graph` into a new Encoder; `starts` are the graph's stage starts (manual barriers).
+  std::unique_ptr<class Encoder> encode_nodes(const Graph& graph, const std::vector<bool>& starts, size_t begin,
+                                              size_t end, long dropped_barrier);
+  // Commits `graph` and waits, running its host steps in between (one command buffer per segment).
+  void run_graph(Graph graph, long dropped_barrier);
+  void run_host_sort(const HostMoeSort& sort);
+  void ensure_prefill_rows(size_t rows);
   void read_rows(int buffer_id, size_t rows, float* out) const;
   const Buffer& buffer(int id) const { return buffers_.at(static_cast<size_t>(id)); }
 
@@ -236,6 +263,7 @@ class Engine {
   DecodeBuffers decode_{};
   PrefillBuffers prefill_{};
   bool has_prefill_ = false;
+  size_t prefill_first_buffer_ = 0;  // the prefill scratch buffers are the last ones, from this id on
   bool loaded_ = false;
   size_t position_ = 0;
   Graph last_graph_;

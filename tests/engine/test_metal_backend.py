@@ -1,7 +1,7 @@
 """The `metal` backend end to end through the Linux test runtime (fake Metal running the real kernels on the CPU
 harness), against lily.reference on tiny random checkpoints with the model's head shapes (attention head dim 256,
 DeltaNet dk = dv = 128: the shapes the kernels are built for), in the MLX 4-bit and the HF (quantized on load)
-layouts (bf16 and f32 HF files quantized on load), float32 mode."""
+layouts (bf16 and f32 HF files quantized on load), float32 mode, and the bfloat16 (default) mode."""
 
 from __future__ import annotations
 
@@ -100,7 +100,8 @@ def test_every_switch_flipped_gives_the_same_tokens(checkpoints, reference_run):
 
 @pytest.mark.parametrize("switch", [{"concurrent": False}, {"fused_projections": False},
                                     {"split_kv_min_keys": 1}, {"split_kv": False}, {"gpu_token": False},
-                                    {"batched_prefill": False}, {"prefill_chunk": 4}])
+                                    {"batched_prefill": False}, {"prefill_chunk": 4}, {"gpu_routing": False},
+                                    {"prefill_chunk": 4, "chunked_prefill": False}])
 def test_each_switch_gives_the_same_logits(checkpoints, switch):
     default = MetalBackend(checkpoints["mlx"], precision="float32")
     flipped = MetalBackend(checkpoints["mlx"], precision="float32", switches=switch)
@@ -222,11 +223,76 @@ def test_bad_input_is_one_clear_error(checkpoints, tmp_path):
         backend.forward(PROMPT[:5], backend.new_state())
     with pytest.raises(ValueError, match="unknown engine switch 'turbo'"):
         MetalBackend(checkpoints["mlx"], switches={"turbo": False})
-    with pytest.raises(ValueError, match="precision bfloat16 needs a router GEMV"):
-        MetalBackend(checkpoints["mlx"], precision="bfloat16")
     with pytest.raises(ValueError, match="state was not made by this backend"):
         backend.forward(PROMPT[:1], ReferenceModel(checkpoints["mlx"]).new_state())
-    # The kernels are built for the model's head shapes: the tiny kv64 fixture (head dim 64) is refused by name.
-    kv64 = save_hf_checkpoint(build_hf_model("kv64", randomize=False), tmp_path / "kv64", dtype="bfloat16")
-    with pytest.raises(ValueError, match="head_dim"):
-        MetalBackend(load_checkpoint(kv64, quantize=4), precision="float32")
+    # The kernels are built for key head dims 128 and 64: the tiny dk32 fixture is refused by name.
+    dk32 = save_hf_checkpoint(build_hf_model("dk32", randomize=False), tmp_path / "dk32", dtype="bfloat16")
+    with pytest.raises(ValueError, match="linear_key_head_dim"):
+        MetalBackend(load_checkpoint(dk32, quantize=4), precision="float32")
+
+
+def test_cpu_routing_round_trip_matches_the_gpu_sort(checkpoints):
+    # 40 rows in chunks of 20 (two chunks, each with several 16-row tiles per expert): the CPU builds the sort
+    # between command buffers instead of moe_sort_count/scan/scatter, and the result is bit-identical.
+    checkpoint = checkpoints["mlx"]
+    ids = np.random.default_rng(11).integers(0, checkpoint.args.vocab_size, 40)
+    results, kernels = {}, {}
+    for gpu in (True, False):
+        backend = MetalBackend(checkpoint, precision="float32", switches={"gpu_routing": gpu, "prefill_chunk": 20})
+        results[gpu] = backend.forward(ids, backend.new_state())
+        kernels[gpu] = backend.last_step_counts()["dispatches_by_kernel"]
+    assert kernels[True]["moe_sort_scatter_u32"] == len(checkpoint.args.layer_types)
+    assert not any(name.startswith("moe_sort_") for name in kernels[False])
+    np.testing.assert_array_equal(results[False], results[True])
+
+
+def test_whole_prompt_prefill_grows_the_chunk_scratch(checkpoints, reference_run):
+    # Chunk size 2 with chunking off: a 3-token prompt, then the 6 others as one chunk each (the scratch grows).
+    backend = MetalBackend(checkpoints["mlx"], precision="float32",
+                           switches={"prefill_chunk": 2, "chunked_prefill": False})
+    want_logits, _ = reference_run["mlx"]
+    state = backend.new_state()
+    first = backend.forward(PROMPT[:3], state)
+    assert backend.last_step_counts()["dispatches_by_kernel"]["embedding_gather_q4_g64_f32"] == 1
+    rest = backend.forward(PROMPT[3:], state)
+    assert relative_error(np.concatenate([first, rest]), want_logits) < 1e-3
+
+
+def test_bfloat16_mode_follows_the_reference(checkpoints, reference_run):
+    # bf16 activations and KV cache, f32 router logits and DeltaNet state: prefill and decode stay within bf16
+    # rounding of the fp32 reference and choose the same next tokens.
+    backend = MetalBackend(checkpoints["mlx"])
+    assert backend.precision == "bfloat16"
+    want_logits, want_tokens = reference_run["mlx"]
+    state = backend.new_state()
+    logits = backend.forward(PROMPT, state)
+    kernels = backend.last_step_counts()["dispatches_by_kernel"]
+    assert {name for name in kernels if name.endswith("_of32")} == {"qmv_q8_g64_bf16_of32"}  # f32 router logits
+    assert relative_error(logits, want_logits) < 5e-2  # measured 2.2e-2
+    assert np.mean(logits.argmax(-1) == want_logits.argmax(-1)) >= 8 / 9
+    ref = ReferenceModel(checkpoints["mlx"])
+    ref_state = ref.new_state()
+    ref.forward(PROMPT, ref_state)
+    step = backend.forward(np.array([want_tokens[0]]), state)  # the decode graph
+    want_step = ref.forward(np.array([want_tokens[0]]), ref_state)
+    assert relative_error(step, want_step) < 5e-2  # measured 1.4e-2
+    assert int(np.argmax(step[-1])) == want_tokens[1]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_kv64_fixture_in_the_hf_layout_matches_the_reference(tmp_path, dtype):
+    # The tiny kv64 fixture (head dim 64, DeltaNet dk 64) in the HF layout, quantized on load: bf16 scales from a
+    # bf16 file, f32 scales ("_sf32" kernels) from an f32 file. (tests/engine/test_metal_head_dims.py runs the MLX
+    # layouts of kv64 and gqa4.)
+    checkpoint = load_checkpoint(save_hf_checkpoint(build_hf_model("kv64", seed=9), tmp_path, dtype=dtype), quantize=4)
+    ids = np.random.default_rng(5).integers(0, checkpoint.args.vocab_size, 9)
+    ref = ReferenceModel(checkpoint)
+    ref_state = ref.new_state()
+    want = ref.forward(ids, ref_state)
+    tokens = [int(np.argmax(want[-1]))]
+    for _ in range(5):
+        tokens.append(int(np.argmax(ref.forward(np.array([tokens[-1]]), ref_state)[-1])))
+    backend = MetalBackend(checkpoint, precision="float32")
+    state = backend.new_state()
+    assert relative_error(backend.forward(ids, state), want) < 1e-3
+    assert [tokens[0]] + backend.generate_greedy(state, tokens[0], 5) == tokens

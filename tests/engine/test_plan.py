@@ -31,14 +31,20 @@ def small_full_shape_args(layers: int = 4) -> ModelArgs:
     return ModelArgs.from_dict(config)
 
 
-def expected_dispatches(args: ModelArgs, *, fused: bool, split: bool = False) -> int:
-    """Dispatches of one decode token, counted from the model's structure (one kernel chain per layer kind)."""
+def expected_dispatches(args: ModelArgs, *, fused: bool, split: bool = False, fusion: bool = True) -> int:
+    """Dispatches of one decode token, counted from the model's structure (one kernel chain per layer kind).
+
+    ``fused``: projections sharing an input as one GEMV; ``fusion``: norms folded into the GEMVs after them, the
+    residual add into the out/o projection, routing into the experts' gate/up kernel.
+    """
     attention = sum(t == "full_attention" for t in args.layer_types)
     deltanet = args.num_hidden_layers - attention
-    moe = 1 + (1 if fused else 2) + 3  # post norm (+residual), router GEMV(s), route, gate/up, down+combine
-    per_deltanet = 1 + (1 if fused else 4) + 1 + 1 + moe  # input norm, in_proj(s), deltanet step, out_proj
-    per_attention = 1 + (1 if fused else 3) + 1 + (2 if split else 1) + 1 + moe  # norm, qkv, prep, attention, o_proj
-    return deltanet * per_deltanet + attention * per_attention + 1 + 1 + 1 + 2  # embed, norm, lm_head, argmax x2
+    norm = 0 if fusion else 1  # a separate RMSNorm dispatch (the post-attention one also adds the residual)
+    route = 0 if fusion else 1
+    moe = norm + (1 if fused else 2) + route + 2  # post norm, router GEMV(s), route, gate/up, down+combine
+    per_deltanet = norm + (1 if fused else 4) + 1 + 1 + moe  # input norm, in_proj(s), deltanet step, out_proj
+    per_attention = norm + (1 if fused else 3) + 1 + (2 if split else 1) + 1 + moe  # qkv, prep, attention, o_proj
+    return deltanet * per_deltanet + attention * per_attention + 1 + norm + 1 + 2  # embed, norm, lm_head, argmax x2
 
 
 def performance_minimum(context: int) -> dict[str, float]:
@@ -57,9 +63,10 @@ def performance_minimum(context: int) -> dict[str, float]:
     return {"weights": weights, "state": state, "conv": conv, "kv": kv, "total": weights + state + conv + kv}
 
 
+@pytest.mark.parametrize("switches", [{}, {"fusion": False}], ids=["fusion", "unfused"])
 @pytest.mark.parametrize("context", [4096, 40000])
-def test_full_size_bytes_within_five_percent_of_the_minimum(context):
-    plan = engine.plan_decode(engine.full_size_args(), context=context)
+def test_full_size_bytes_within_five_percent_of_the_minimum(context, switches):
+    plan = engine.plan_decode(engine.full_size_args(), context=context, switches=switches)
     expected = performance_minimum(context)
     minimum = plan["minimum_bytes"]
     # The formula leaves out norms (0.35 MB), A_log/dt_bias and the embedding row: well under 0.1 %.
@@ -78,6 +85,8 @@ def test_full_size_dispatch_counts_follow_the_layer_structure():
     split = engine.plan_decode(args, context=40000)
     assert fused["dispatches"] == expected_dispatches(args, fused=True)
     assert unfused["dispatches"] == expected_dispatches(args, fused=False)
+    no_fusion = engine.plan_decode(args, context=4096, switches={"fusion": False})
+    assert no_fusion["dispatches"] == expected_dispatches(args, fused=True, fusion=False)
     # From LILY_ATTN_SPLIT_MIN_KEYS (32K) keys the attention runs as partials + combine.
     assert split["dispatches"] == expected_dispatches(args, fused=True, split=True)
     assert split["dispatches_by_kernel"]["attention_decode_partial_bf16_d256"] == 10
@@ -101,7 +110,7 @@ def replay_through_encoder(plan: dict) -> dict:
     return encoder.counters
 
 
-@pytest.mark.parametrize("switches", [{}, {"concurrent": False}, {"fused_projections": False},
+@pytest.mark.parametrize("switches", [{}, {"concurrent": False}, {"fused_projections": False}, {"fusion": False},
                                       {"split_kv_min_keys": 8}])
 def test_stages_equal_the_encoders_automatic_barriers(switches):
     plan = engine.plan_decode(small_full_shape_args(8), context=37, precision="float32", switches=switches,
@@ -116,10 +125,28 @@ def test_stages_equal_the_encoders_automatic_barriers(switches):
         assert plan["stages"] == plan["dispatches"]
 
 
+@pytest.mark.parametrize("context", [4096, 40000])
+def test_full_size_meets_the_decode_targets(context):
+    """Issue 6: at most 360 dispatches and 300 barrier stages per decode token at full size (bf16, the default)."""
+    plan = engine.plan_decode(engine.full_size_args(), context=context)
+    assert plan["dispatches"] <= 360
+    assert plan["stages"] <= 300
+    # Every decode dispatch reads what the one before wrote: the chain is serial, so fusion is what cuts stages.
+    assert plan["stages"] == plan["dispatches"]
+    by_kernel = plan["dispatches_by_kernel"]
+    assert "rms_norm_bf16" not in by_kernel and "rms_norm_residual_bf16" not in by_kernel
+    assert "moe_route_f32" not in by_kernel
+    assert by_kernel["moe_gate_up_swiglu_routed_bf16"] == 40
+    assert by_kernel["qmv_norm_q8_g64_bf16_of32"] == 40  # router | shared-expert gate, f32 logits
+    assert by_kernel["qmv_residual_q4_g64_bf16"] == 40  # out_proj / o_proj
+    unfused = engine.plan_decode(engine.full_size_args(), context=context, switches={"fusion": False})
+    assert unfused["dispatches"] - plan["dispatches"] == 3 * 40 + 1
+
+
 def test_every_planned_kernel_exists_for_the_model_shape():
     """The graph names only kernels the Metal source instantiates (full-size shapes, both precisions)."""
     for precision in engine.PRECISIONS:
-        for switches in ({}, {"split_kv_min_keys": 1}):
+        for switches in ({}, {"split_kv_min_keys": 1}, {"fusion": False}, {"fusion": False, "fused_projections": False}):
             plan = engine.plan_decode(engine.full_size_args(), context=10, precision=precision, switches=switches)
             for kernel in plan["dispatches_by_kernel"]:
                 assert f'"{kernel}"' in KERNEL_SOURCE, kernel
@@ -131,7 +158,7 @@ def test_tiny_config_graph():
     assert plan["dispatches"] == expected_dispatches(args, fused=True)
     by_kernel = plan["dispatches_by_kernel"]
     assert by_kernel["gated_delta_step_f32_dk64"] == 4 and by_kernel["attention_prep_f32_d64"] == 2
-    assert by_kernel["moe_route_f32"] == 6
+    assert by_kernel["moe_gate_up_swiglu_routed_f32"] == 6
     state = args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim * 4
     assert plan["minimum_bytes"]["recurrent_state"] == 2 * 4 * state
     assert plan["minimum_bytes"]["kv_cache"] == 2 * 2 * args.num_key_value_heads * args.head_dim * 4 * 5

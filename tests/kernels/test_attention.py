@@ -1,12 +1,14 @@
 """metal/attention.metal (decode attention) through the CPU harness, against lily.reference.attention.
 
-One query token over a KV cache [Hkv, capacity, D] with D = 256 (the only instantiated head dim). The single-pass
+One query token over a KV cache [Hkv, capacity, D] with D = 256 (the model's head dim). The single-pass
 kernel runs at contexts 1, 31, 32, 33, 100 and 300 with 1, 3, 4, 8 and 32 simdgroups (simdgroups that see no key),
 with GQA groups of 4 (one threadgroup per KV head) and 8 (the model's: two threadgroups per KV head). The split-KV
 pair (attention_decode_partial + attention_decode_combine) runs with small blocks at contexts around block boundaries
 and with the model's block of 1024 at 1025 keys; its partials are also checked against a numpy per-block softmax.
 Outputs and partials start NaN-poisoned; the cache has spare rows past the context holding NaN, so reading a key
-past the context is caught.
+past the context is caught. The head-dim-64 instances (2 heads per threadgroup; demo model: 4/2 heads, fixtures 8/2)
+and the unpacked instances of the GQA-packing ablation (1 head per threadgroup; d256 and d64) run the same single-pass
+and split-KV checks on their own cases, including GQA groups of 2 and 1 head per KV head.
 """
 
 from __future__ import annotations
@@ -36,14 +38,33 @@ COMBINE = {
     "bf16": "attention_decode_combine_bf16_d256",
     "f16": "attention_decode_combine_f16_d256",
 }
+# Other instances: (head dim, heads per threadgroup) -> {dtype: (single-pass, partial, combine)}.
+VARIANTS = {
+    (64, 2): {
+        "f32": ("attention_decode_f32_d64", "attention_decode_partial_f32_d64", "attention_decode_combine_f32_d64"),
+        "bf16": ("attention_decode_bf16_d64", "attention_decode_partial_bf16_d64", "attention_decode_combine_bf16_d64"),
+    },
+    (256, 1): {
+        "f32": ("attention_decode_unpacked_f32_d256", "attention_decode_partial_unpacked_f32_d256",
+                "attention_decode_combine_f32_d256"),
+        "bf16": ("attention_decode_unpacked_bf16_d256", "attention_decode_partial_unpacked_bf16_d256",
+                 "attention_decode_combine_bf16_d256"),
+    },
+    (64, 1): {
+        "f32": ("attention_decode_unpacked_f32_d64", "attention_decode_partial_unpacked_f32_d64",
+                "attention_decode_combine_f32_d64"),
+        "bf16": ("attention_decode_unpacked_bf16_d64", "attention_decode_partial_unpacked_bf16_d64",
+                 "attention_decode_combine_bf16_d64"),
+    },
+}
 # fp32 outputs: the kernel's fp32 dot products, exps and sums over up to 100 keys against an fp64 reference.
 F32_SUMS = {"rtol": 2e-5, "atol": 2e-6, "rel_rms": 5e-6}
 
 
 def attention_args(queries: int, heads: int, kv_heads: int, keys: int, capacity: int, block_size: int = 0,
-                   num_blocks: int = 0) -> bytes:
+                   num_blocks: int = 0, scale: float = SCALE) -> bytes:
     """lily::AttentionArgs (metal/lily.h)."""
-    return struct.pack("<IIIIIIIf", queries, heads, kv_heads, keys, capacity, block_size, num_blocks, SCALE)
+    return struct.pack("<IIIIIIIf", queries, heads, kv_heads, keys, capacity, block_size, num_blocks, scale)
 
 
 def assert_close(kio, actual: np.ndarray, expected: np.ndarray, dtype: str, what: str, widen: float = 1.0) -> None:
@@ -63,16 +84,18 @@ class DecodeInputs:
     """Random q, gate and KV cache for one decode step; the cache's spare rows hold NaN."""
 
     def __init__(self, kio, dtype: str, rng: np.random.Generator, heads: int, kv_heads: int, keys: int,
-                 query_scale: float = 2.0):
+                 query_scale: float = 2.0, head_dim: int = D):
         self.dtype, self.heads, self.kv_heads, self.keys = dtype, heads, kv_heads, keys
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
         self.capacity = keys + 3
-        self.q = kio.to_device(rng.standard_normal((heads, D)) * query_scale, dtype)
-        self.gate = kio.to_device(rng.standard_normal((heads, D)) * 2.0, dtype)
+        self.q = kio.to_device(rng.standard_normal((heads, head_dim)) * query_scale, dtype)
+        self.gate = kio.to_device(rng.standard_normal((heads, head_dim)) * 2.0, dtype)
         cache_dtype = self.cache_dtype = CACHE_DTYPE[dtype]
-        self.k_cache = kio.poisoned((kv_heads, self.capacity, D), cache_dtype)
-        self.v_cache = kio.poisoned((kv_heads, self.capacity, D), cache_dtype)
-        self.k_cache[:, :keys] = kio.to_device(rng.standard_normal((kv_heads, keys, D)), cache_dtype)
-        self.v_cache[:, :keys] = kio.to_device(rng.standard_normal((kv_heads, keys, D)), cache_dtype)
+        self.k_cache = kio.poisoned((kv_heads, self.capacity, head_dim), cache_dtype)
+        self.v_cache = kio.poisoned((kv_heads, self.capacity, head_dim), cache_dtype)
+        self.k_cache[:, :keys] = kio.to_device(rng.standard_normal((kv_heads, keys, head_dim)), cache_dtype)
+        self.v_cache[:, :keys] = kio.to_device(rng.standard_normal((kv_heads, keys, head_dim)), cache_dtype)
         self.kio = kio
 
     def f64(self, name: str) -> np.ndarray:
@@ -86,32 +109,38 @@ class DecodeInputs:
         return self.kio.round(out[0], self.dtype)
 
 
-def run_single(inputs: DecodeInputs, simdgroups: int) -> np.ndarray:
-    out = inputs.kio.poisoned((inputs.heads, D), inputs.dtype)
+def run_single(inputs: DecodeInputs, simdgroups: int, kernel: str | None = None,
+               heads_per_group: int = HEADS_PER_GROUP) -> np.ndarray:
+    """The single-pass kernel (default: the d256 one of the inputs' dtype), one threadgroup per heads_per_group."""
+    out = inputs.kio.poisoned((inputs.heads, inputs.head_dim), inputs.dtype)
     msl.dispatch(
-        SINGLE[inputs.dtype],
-        [attention_args(1, inputs.heads, inputs.kv_heads, inputs.keys, inputs.capacity), inputs.q, inputs.gate,
-         inputs.k_cache, inputs.v_cache, out],
-        (inputs.heads // HEADS_PER_GROUP, 1, 1),
+        kernel or SINGLE[inputs.dtype],
+        [attention_args(1, inputs.heads, inputs.kv_heads, inputs.keys, inputs.capacity, scale=inputs.scale),
+         inputs.q, inputs.gate, inputs.k_cache, inputs.v_cache, out],
+        (inputs.heads // heads_per_group, 1, 1),
         (32 * simdgroups, 1, 1),
     )
     return inputs.kio.to_f64(out, inputs.dtype)
 
 
-def run_split(inputs: DecodeInputs, block_size: int, simdgroups: int, combine_threads: int):
+def run_split(inputs: DecodeInputs, block_size: int, simdgroups: int, combine_threads: int,
+              kernels: tuple[str, str] | None = None, heads_per_group: int = HEADS_PER_GROUP):
+    """The split-KV pair (default: the d256 kernels of the inputs' dtype): partials, stats and the output."""
+    partial_kernel, combine_kernel = kernels or (PARTIAL[inputs.dtype], COMBINE[inputs.dtype])
     num_blocks = -(-inputs.keys // block_size)
-    args = attention_args(1, inputs.heads, inputs.kv_heads, inputs.keys, inputs.capacity, block_size, num_blocks)
-    partial_out = np.full((inputs.heads, num_blocks, D), np.nan, np.float32)
+    args = attention_args(1, inputs.heads, inputs.kv_heads, inputs.keys, inputs.capacity, block_size, num_blocks,
+                          inputs.scale)
+    partial_out = np.full((inputs.heads, num_blocks, inputs.head_dim), np.nan, np.float32)
     partial_stats = np.full((inputs.heads, num_blocks, 2), np.nan, np.float32)
     msl.dispatch(
-        PARTIAL[inputs.dtype],
+        partial_kernel,
         [args, inputs.q, inputs.k_cache, inputs.v_cache, partial_out, partial_stats],
-        (inputs.heads // HEADS_PER_GROUP, num_blocks, 1),
+        (inputs.heads // heads_per_group, num_blocks, 1),
         (32 * simdgroups, 1, 1),
     )
-    out = inputs.kio.poisoned((inputs.heads, D), inputs.dtype)
+    out = inputs.kio.poisoned((inputs.heads, inputs.head_dim), inputs.dtype)
     msl.dispatch(
-        COMBINE[inputs.dtype],
+        combine_kernel,
         [args, inputs.gate, partial_out, partial_stats, out],
         (inputs.heads, 1, 1),
         (combine_threads, 1, 1),
@@ -128,7 +157,7 @@ def block_partials(inputs: DecodeInputs, block_size: int):
         end = min(begin + block_size, inputs.keys)
         kh = k[np.arange(inputs.heads) // group, begin:end]  # [Hq, n, D]
         vh = v[np.arange(inputs.heads) // group, begin:end]
-        scores = np.einsum("hd,hnd->hn", q, kh) * SCALE
+        scores = np.einsum("hd,hnd->hn", q, kh) * inputs.scale
         top = scores.max(axis=1, keepdims=True)
         weights = np.exp(scores - top)
         outs.append(np.einsum("hn,hnd->hd", weights / weights.sum(axis=1, keepdims=True), vh))
@@ -220,3 +249,66 @@ def test_attention_decode_independent_of_schedule(seed: int, kio) -> None:
         results.append(out)
     assert np.array_equal(results[0], results[1])
     assert_close(kio, results[1].astype(np.float64), inputs.expected(), "f32", "schedule")
+
+
+VARIANT_CASES = [
+    # (head_dim, heads_per_group, heads, kv_heads, keys, simdgroups)
+    (64, 2, 4, 2, 1, 8),  # the demo model's heads (GQA 2: one threadgroup per KV head), first token, engine's 8 sg
+    (64, 2, 4, 2, 33, 3),
+    (64, 2, 8, 2, 32, 4),  # the gqa4 fixture: two threadgroups per KV head
+    (64, 2, 2, 1, 100, 1),  # one simdgroup walks every key
+    (256, 1, 4, 2, 31, 4),  # unpacked at GQA 2: two threadgroups read each KV head
+    (256, 1, 16, 2, 33, 8),  # unpacked with the model's heads (GQA 8)
+    (64, 1, 4, 2, 33, 2),
+    (64, 1, 3, 3, 5, 8),  # unpacked needs no group: 3 heads of 3 KV heads (MHA), five keys over 8 simdgroups
+]
+
+
+@pytest.mark.parametrize("head_dim,per_group,heads,kv_heads,keys,simdgroups", VARIANT_CASES,
+                         ids=[f"d{c[0]}-g{c[1]}-h{c[2]}x{c[3]}-S{c[4]}-sg{c[5]}" for c in VARIANT_CASES])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_attention_decode_variants(dtype: str, head_dim: int, per_group: int, heads: int, kv_heads: int, keys: int,
+                                   simdgroups: int, kio) -> None:
+    """Head dim 64 (2 heads per threadgroup) and unpacked (1 head) single-pass kernels against the reference."""
+    rng = np.random.default_rng(7000 + 1000 * keys + 10 * heads + head_dim + per_group + simdgroups)
+    inputs = DecodeInputs(kio, dtype, rng, heads, kv_heads, keys, head_dim=head_dim)
+    kernel = VARIANTS[(head_dim, per_group)][dtype][0]
+    out = run_single(inputs, simdgroups, kernel, per_group)
+    assert_close(kio, out, inputs.expected(), dtype, f"{kernel} S={keys} heads={heads}x{kv_heads}")
+
+
+VARIANT_SPLIT_CASES = [
+    # (head_dim, heads_per_group, heads, kv_heads, keys, block_size, simdgroups)
+    (64, 2, 4, 2, 17, 16, 2),  # the demo model's heads; a second block of one key
+    (64, 2, 8, 2, 33, 16, 3),
+    (256, 1, 4, 2, 47, 16, 2),
+    (256, 1, 16, 2, 1025, 1024, 8),  # the model's heads and block: what the ablation runs past the split switch
+    (64, 1, 4, 2, 32, 16, 4),
+]
+
+
+@pytest.mark.parametrize("head_dim,per_group,heads,kv_heads,keys,block_size,simdgroups", VARIANT_SPLIT_CASES,
+                         ids=[f"d{c[0]}-g{c[1]}-h{c[2]}x{c[3]}-S{c[4]}-B{c[5]}" for c in VARIANT_SPLIT_CASES])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_attention_decode_variants_split(dtype: str, head_dim: int, per_group: int, heads: int, kv_heads: int,
+                                         keys: int, block_size: int, simdgroups: int, kio) -> None:
+    """The split-KV pair of the head-dim-64 and unpacked instances: partials, stats and the combined output."""
+    rng = np.random.default_rng(9000 + 1000 * keys + 10 * block_size + head_dim + per_group)
+    inputs = DecodeInputs(kio, dtype, rng, heads, kv_heads, keys, head_dim=head_dim)
+    single, partial, combine = VARIANTS[(head_dim, per_group)][dtype]
+    partial_out, partial_stats, out = run_split(inputs, block_size, simdgroups, 64, (partial, combine), per_group)
+    expected_out, expected_stats = block_partials(inputs, block_size)
+    what = f"{partial} S={keys} block={block_size}"
+    assert_close(kio, partial_out.astype(np.float64), expected_out, "f32", f"outputs {what}")
+    assert_close(kio, partial_stats.astype(np.float64), expected_stats, "f32", f"stats {what}")
+    assert_close(kio, out, inputs.expected(), dtype, f"{combine} {what}")
+
+
+def test_attention_decode_unpacked_matches_packed(kio) -> None:
+    """The GQA-packing ablation changes the schedule, not the maths: per head, the same keys in the same order, so
+    the packed and unpacked kernels agree within fp32 rounding (and both with the reference)."""
+    inputs = DecodeInputs(kio, "f32", np.random.default_rng(21), 16, 2, 70)
+    packed = run_single(inputs, 8)
+    unpacked = run_single(inputs, 8, VARIANTS[(256, 1)]["f32"][0], 1)
+    assert_close(kio, unpacked, packed, "f32", "unpacked vs packed")
+    assert_close(kio, unpacked, inputs.expected(), "f32", "unpacked vs reference")

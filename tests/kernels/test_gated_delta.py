@@ -5,7 +5,8 @@ The reference chain is ``causal_conv1d`` -> split q|k|v -> ``l2_normalize`` (q a
 Shapes keep Dk = 128 (the kernel's template parameter) and the model's head grouping (Hv/Hk = 2), with smaller
 dv and head counts; they also cover Hv/Hk = 1 and 4, rows that do not divide evenly over the simdgroups, the full
 256-row key head and dv = 128 value head, and chunks of 1, 2, 3, 17 tokens continuing from random conv and recurrent
-states. Outputs start NaN-poisoned.
+states. The Dk = 64 instances (demo model and fixtures: Hk 2, Hv 4 or 6, dv 64) run decode steps, chunks and the
+prefill-equals-steps check. Outputs start NaN-poisoned.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ PREFILL = {
     "f16": "gated_delta_prefill_f16_dk128",
     "bf16": "gated_delta_prefill_bf16_dk128",
 }
+STEP_DK64 = {"f32": "gated_delta_step_f32_dk64", "bf16": "gated_delta_step_bf16_dk64"}
+CONV_DK64 = {"f32": "gated_delta_conv_f32_dk64", "bf16": "gated_delta_conv_bf16_dk64"}
+PREFILL_DK64 = {"f32": "gated_delta_prefill_f32_dk64", "bf16": "gated_delta_prefill_bf16_dk64"}
 # The kernels compute in fp32 from rounded inputs and round once: bf16/f16 outputs are within 1 ulp of the rounded
 # reference. fp32 outputs go through ~10 dependent fp32 operations per token, so they get a few ulp, not one.
 F32_CHAIN = {"rtol": 3e-5, "atol": 3e-6, "rel_rms": 5e-6}
@@ -54,16 +58,24 @@ class Layer:
     norm_weight: np.ndarray  # [dv]
     conv_state: np.ndarray  # [K-1, C]
     state: np.ndarray  # [Hv, dv, Dk] f32 (kernel layout)
+    dk: int = DK  # the kernel instance's key head dim
 
     @property
     def channels(self) -> int:
-        return 2 * self.hk * DK + self.hv * self.dv
+        return 2 * self.hk * self.dk + self.hv * self.dv
+
+    def kernel(self, family: str) -> str:
+        """The instance of `family` ("step", "conv" or "prefill") for this layer's dtype and Dk."""
+        if self.dk == DK:
+            return {"step": STEP, "conv": CONV, "prefill": PREFILL}[family][self.dtype]
+        return {"step": STEP_DK64, "conv": CONV_DK64, "prefill": PREFILL_DK64}[family][self.dtype]
 
 
-def make_layer(rng: np.random.Generator, hk: int, hv: int, dv: int, dtype: str, kio, fresh: bool = False) -> Layer:
-    c = 2 * hk * DK + hv * dv
+def make_layer(rng: np.random.Generator, hk: int, hv: int, dv: int, dtype: str, kio, fresh: bool = False,
+               dk: int = DK) -> Layer:
+    c = 2 * hk * dk + hv * dv
     conv_state = np.zeros((K - 1, c)) if fresh else rng.standard_normal((K - 1, c))
-    state = np.zeros((hv, dv, DK)) if fresh else 0.3 * rng.standard_normal((hv, dv, DK))
+    state = np.zeros((hv, dv, dk)) if fresh else 0.3 * rng.standard_normal((hv, dv, dk))
     return Layer(
         hk, hv, dv, dtype,
         conv_weight=kio.to_device(0.5 * rng.standard_normal((c, K)), dtype),
@@ -72,6 +84,7 @@ def make_layer(rng: np.random.Generator, hk: int, hv: int, dv: int, dtype: str, 
         norm_weight=kio.to_device(1.0 + 0.2 * rng.standard_normal(dv), dtype),
         conv_state=kio.to_device(conv_state, dtype),
         state=np.ascontiguousarray(state, dtype=np.float32),
+        dk=dk,
     )
 
 
@@ -88,13 +101,13 @@ def make_tokens(rng: np.random.Generator, layer: Layer, num_tokens: int, kio) ->
 
 def reference_chain(layer: Layer, tokens: dict[str, np.ndarray], kio):
     """lily.reference over the widened kernel inputs: out [T, Hv*dv], conv state [K-1, C], state [Hv, dv, Dk]."""
-    d, hk, hv, dv = layer.dtype, layer.hk, layer.hv, layer.dv
+    d, hk, hv, dv, dk = layer.dtype, layer.hk, layer.hv, layer.dv, layer.dk
     qkv = kio.to_f64(tokens["qkv"], d)
     t = qkv.shape[0]
     mixed, conv_state = reference.causal_conv1d(qkv, kio.to_f64(layer.conv_weight, d), kio.to_f64(layer.conv_state, d))
-    q = reference.l2_normalize(mixed[:, : hk * DK].reshape(t, hk, DK)) * np.float32(DK**-0.5)
-    k = reference.l2_normalize(mixed[:, hk * DK : 2 * hk * DK].reshape(t, hk, DK))
-    v = mixed[:, 2 * hk * DK :].reshape(t, hv, dv)
+    q = reference.l2_normalize(mixed[:, : hk * dk].reshape(t, hk, dk)) * np.float32(dk**-0.5)
+    k = reference.l2_normalize(mixed[:, hk * dk : 2 * hk * dk].reshape(t, hk, dk))
+    v = mixed[:, 2 * hk * dk :].reshape(t, hv, dv)
     b, a = kio.to_f64(tokens["b"], d), kio.to_f64(tokens["a"], d)
     beta = 1.0 / (1.0 + np.exp(-b))
     g = -np.exp(layer.a_log.astype(np.float64)) * np.logaddexp(0.0, a + layer.dt_bias)
@@ -113,7 +126,7 @@ def run_step(layer: Layer, token: dict[str, np.ndarray], threads: int, kio, seed
     """One gated_delta_step dispatch (token arrays are [1, ...]); updates layer.conv_state/state in place."""
     out = kio.poisoned((1, layer.hv * layer.dv), layer.dtype)
     msl.dispatch(
-        STEP[layer.dtype],
+        layer.kernel("step"),
         [gdn_args(1, layer.hk, layer.hv, layer.dv), token["qkv"], token["z"], token["b"], token["a"],
          layer.conv_weight, layer.a_log, layer.dt_bias, layer.norm_weight, layer.conv_state, layer.state, out],
         (layer.hk, 1, 1), (threads, 1, 1), seed=seed,
@@ -126,11 +139,11 @@ def run_prefill(layer: Layer, tokens: dict[str, np.ndarray], threads: int, kio, 
     t = tokens["qkv"].shape[0]
     conv_out = np.full((t, layer.channels), np.nan, np.float32)
     args = gdn_args(t, layer.hk, layer.hv, layer.dv)
-    msl.dispatch(CONV[layer.dtype], [args, tokens["qkv"], layer.conv_weight, layer.conv_state, conv_out],
+    msl.dispatch(layer.kernel("conv"), [args, tokens["qkv"], layer.conv_weight, layer.conv_state, conv_out],
                  (-(-layer.channels // 64), 1, 1), (64, 1, 1), seed=seed)
     out = kio.poisoned((t, layer.hv * layer.dv), layer.dtype)
     msl.dispatch(
-        PREFILL[layer.dtype],
+        layer.kernel("prefill"),
         [args, conv_out, tokens["z"], tokens["b"], tokens["a"], layer.a_log, layer.dt_bias, layer.norm_weight,
          layer.state, out],
         (layer.hv, 1, 1), (threads, 1, 1), seed=seed,
@@ -281,3 +294,48 @@ def test_model_size_layer_bf16(kio) -> None:
     first = run_step(layer, {n: x[:1] for n, x in tokens.items()}, 1024, kio)
     rest = run_prefill(layer, {n: x[1:] for n, x in tokens.items()}, prefill_threads(layer), kio)
     check_against_reference(layer, start, tokens, np.concatenate([first, rest]), kio, "model-size layer")
+
+
+# (Hk, Hv, dv, step threads): the demo model (2/4/64) at the engine's 8 rows per simdgroup (16 simdgroups), the gqa4
+# fixture (Hv/Hk = 3), one simdgroup for all 128 rows of a key head.
+DK64_CONFIGS = [(2, 4, 64, 512), (2, 6, 64, 768), (1, 2, 64, 32)]
+
+
+@pytest.mark.parametrize("hk,hv,dv,threads", DK64_CONFIGS,
+                         ids=[f"hk{a}-hv{b}-dv{c}-t{d}" for a, b, c, d in DK64_CONFIGS])
+@pytest.mark.parametrize("dtype", list(STEP_DK64))
+def test_gated_delta_step_dk64(dtype: str, hk: int, hv: int, dv: int, threads: int, kio) -> None:
+    """Two decode steps of the Dk = 64 instance from random states against the reference."""
+    rng = np.random.default_rng(400 + 10 * DK64_CONFIGS.index((hk, hv, dv, threads)) + DTYPES.index(dtype))
+    layer = make_layer(rng, hk, hv, dv, dtype, kio, dk=64)
+    start = copy_layer(layer)
+    tokens = make_tokens(rng, layer, 2, kio)
+    outs = [run_step(layer, {n: x[t : t + 1] for n, x in tokens.items()}, threads, kio, seed=t) for t in range(2)]
+    check_against_reference(layer, start, tokens, np.concatenate(outs), kio, f"{STEP_DK64[dtype]} {hk}/{hv}/{dv}")
+
+
+@pytest.mark.parametrize("num_tokens,hv,extra", [(1, 4, 0), (5, 4, 1), (17, 6, 0)])
+@pytest.mark.parametrize("dtype", list(PREFILL_DK64))
+def test_gated_delta_prefill_dk64(dtype: str, num_tokens: int, hv: int, extra: int, kio) -> None:
+    """gated_delta_conv + gated_delta_prefill (Dk = 64, dv = 64) over a chunk, continuing from random states."""
+    rng = np.random.default_rng(500 + num_tokens + hv + 7 * DTYPES.index(dtype))
+    layer = make_layer(rng, 2, hv, 64, dtype, kio, dk=64)
+    start = copy_layer(layer)
+    tokens = make_tokens(rng, layer, num_tokens, kio)
+    out = run_prefill(layer, tokens, prefill_threads(layer, extra), kio)
+    check_against_reference(layer, start, tokens, out, kio, f"{PREFILL_DK64[dtype]} T={num_tokens}")
+
+
+@pytest.mark.parametrize("dtype", list(STEP_DK64))
+def test_prefill_equals_decode_steps_bitwise_dk64(dtype: str, kio) -> None:
+    """Dk = 64: one conv + prefill of T tokens and T decode steps give identical outputs and states."""
+    rng = np.random.default_rng(56)
+    stepped = make_layer(rng, 2, 4, 64, dtype, kio, dk=64)
+    prefilled = copy_layer(stepped)
+    tokens = make_tokens(rng, stepped, 3, kio)
+    outs = np.concatenate([run_step(stepped, {n: x[t : t + 1] for n, x in tokens.items()}, 512, kio, seed=t)
+                           for t in range(3)])
+    out = run_prefill(prefilled, tokens, prefill_threads(prefilled), kio, seed=4)
+    assert np.array_equal(outs, out)
+    assert np.array_equal(stepped.conv_state, prefilled.conv_state)
+    assert np.array_equal(stepped.state, prefilled.state)

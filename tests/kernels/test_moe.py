@@ -7,6 +7,8 @@ with Is != I. The routed expert ids are read from the buffer moe_route wrote. Ou
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 
@@ -289,3 +291,130 @@ def test_moe_decode_independent_of_schedule(kio) -> None:
         results.append((hidden_act, out))
     for hidden_act, out in results[1:]:
         assert np.array_equal(hidden_act, results[0][0]) and np.array_equal(out, results[0][1])
+
+
+# ---- moe_gate_up_swiglu_routed: routing and the post-attention RMSNorm folded into gate/up ----
+
+ROUTED = {
+    ("f32", "bf16"): "moe_gate_up_swiglu_routed_f32",
+    ("bf16", "bf16"): "moe_gate_up_swiglu_routed_bf16",
+    ("f32", "f32"): "moe_gate_up_swiglu_routed_f32_sf32",
+    ("bf16", "f32"): "moe_gate_up_swiglu_routed_bf16_sf32",
+}
+NORM_EPS = 1e-6
+# (E, k, H, I, Is): the model's 256 experts and top-8; E not a multiple of 32 (idle lanes); k = E; Is != I; H with a
+# partial second K step.
+ROUTED_SHAPES = [(256, 8, 256, 64, 64), (33, 5, 320, 64, 128), (8, 8, 128, 64, 64), (16, 1, 128, 128, 64)]
+ROUTED_VARIANTS = [(key, 0) for key in ROUTED] + [(("bf16", "bf16"), i) for i in (1, 2, 3)] + [(("f32", "bf16"), 1)]
+ROUTED_IDS = [f"{ROUTED[key]}-shape{i}" for key, i in ROUTED_VARIANTS]
+
+
+def moe_routed_args(num_experts: int, k: int, hidden: int, expert: int, shared: int, eps: float = NORM_EPS) -> bytes:
+    """lily::MoeRoutedArgs (metal/lily.h): MoeArgs, f32 eps, three u32 of padding."""
+    return moe_args(1, num_experts, k, hidden, expert, shared) + struct.pack("<fIII", eps, 0, 0, 0)
+
+
+def gate_up_routed(layer: DecodeLayer, x: np.ndarray, norm_weight: np.ndarray, logits: np.ndarray, k: int,
+                   num_experts: int, hidden: int, expert: int, shared: int, dtype: str, *, random_schedule: bool = True,
+                   seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One dispatch: (expert ids, routing weights, fp32 SwiGLU hidden) from NaN/0xFFFFFFFF-poisoned buffers."""
+    ids = np.full(k, 0xFFFFFFFF, np.uint32)
+    weights = np.full(k, np.nan, np.float32)
+    hidden_act = np.full(k * expert + shared, np.nan, np.float32)
+    buffers = [moe_routed_args(num_experts, k, hidden, expert, shared), x, norm_weight,
+               np.ascontiguousarray(logits, np.float32), ids, weights, *layer.gate.buffers(), *layer.up.buffers(),
+               *layer.shared_gate.buffers(), *layer.shared_up.buffers(), hidden_act]
+    grid = (-(-max(expert, shared) // GEMV_ROWS), k + 1, 1)
+    msl.dispatch(ROUTED[dtype, layer.scales], buffers, grid, (GEMV_THREADS, 1, 1), random_schedule=random_schedule,
+                 seed=seed)
+    return ids, weights, hidden_act
+
+
+@pytest.mark.parametrize("key,shape_index", ROUTED_VARIANTS, ids=ROUTED_IDS)
+def test_moe_gate_up_swiglu_routed(key, shape_index: int, kio) -> None:
+    """Against reference.moe_route on the logits and reference.rms_norm -> SwiGLU of the chosen experts; the ids and
+    weights it writes for moe_down_combine must equal moe_route's."""
+    dtype, scales = key
+    num_experts, k, hidden, expert, shared = ROUTED_SHAPES[shape_index]
+    rng = np.random.default_rng([num_experts, k, hidden, shape_index, len(ROUTED[key])])
+    layer = DecodeLayer(rng, num_experts, hidden, expert, shared, kio, scales)
+    x = kio.to_device(3.0 * rng.standard_normal(hidden), dtype)
+    norm_weight = kio.to_device(1.0 + 0.3 * rng.standard_normal(hidden), dtype)
+    logits = (2.0 * rng.standard_normal((1, num_experts))).astype(np.float32)
+    ids, weights, out = gate_up_routed(layer, x, norm_weight, logits, k, num_experts, hidden, expert, shared, dtype)
+
+    expected_ids, expected_weights = reference.moe_route(logits, k)
+    assert np.array_equal(ids.astype(np.int64), expected_ids[0]), f"ids {ids.tolist()} != {expected_ids[0].tolist()}"
+    kio.assert_close(weights, expected_weights[0], "f32", f"routed weights {ROUTED[key]}")
+    normed = reference.rms_norm(kio.to_f64(x, dtype), kio.to_f64(norm_weight, dtype), NORM_EPS)
+    expected = []
+    for e in expected_ids[0]:
+        expected.append(silu64(reference.linear(normed, layer.gate.dense[e])) * reference.linear(normed, layer.up.dense[e]))
+    expected.append(silu64(reference.linear(normed, layer.shared_gate.dense)) *
+                    reference.linear(normed, layer.shared_up.dense))
+    assert_close_dot(kio, out, np.concatenate(expected), "f32", f"{ROUTED[key]} {ROUTED_SHAPES[shape_index]}")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_moe_routed_decode_matches_reference_moe(dtype: str, kio) -> None:
+    """The fused chain the engine runs: router logits (inputs here) -> gate_up_routed -> down_combine in place on the
+    hidden stream, against hidden + lily.reference.moe(rms_norm(hidden))."""
+    num_experts, k, hidden, expert, shared = 64, 8, 256, 64, 128
+    rng = np.random.default_rng(140 + len(dtype))
+    layer = DecodeLayer(rng, num_experts, hidden, expert, shared, kio)
+    router = (rng.standard_normal((num_experts, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    shared_gate_w = (rng.standard_normal((1, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    stream = kio.to_device(2.0 * rng.standard_normal(hidden), dtype)
+    norm_weight = kio.to_device(1.0 + 0.2 * rng.standard_normal(hidden), dtype)
+    normed = reference.rms_norm(kio.to_f64(stream, dtype)[None], kio.to_f64(norm_weight, dtype), NORM_EPS)
+    # The router GEMV (qmv_norm, tested in test_qmatmul.py) writes E logits then the shared-expert gate logit.
+    logits = np.concatenate([reference.linear(normed, router)[0], reference.linear(normed, shared_gate_w)[0]])
+    ids, weights, hidden_act = gate_up_routed(layer, stream, norm_weight, logits, k, num_experts, hidden, expert,
+                                              shared, dtype)
+    expected = kio.to_f64(stream, dtype) + reference.moe(normed, {
+        "gate.weight": router,
+        "switch_mlp.gate_proj.weight": layer.gate.tensor,
+        "switch_mlp.up_proj.weight": layer.up.tensor,
+        "switch_mlp.down_proj.weight": layer.down.tensor,
+        "shared_expert.gate_proj.weight": layer.shared_gate.tensor,
+        "shared_expert.up_proj.weight": layer.shared_up.tensor,
+        "shared_expert.down_proj.weight": layer.shared_down.tensor,
+        "shared_expert_gate.weight": shared_gate_w,
+    }, num_experts_per_tok=k)[0]
+    args = moe_args(1, num_experts, k, hidden, expert, shared)
+    down_combine(layer, args, hidden_act, ids, weights, logits[num_experts:], stream, stream, dtype, hidden)
+    assert_close_dot(kio, kio.to_f64(stream, dtype), kio.round(expected, dtype), dtype, f"fused decode MoE {dtype}")
+
+
+def test_moe_gate_up_swiglu_routed_independent_of_schedule(kio) -> None:
+    """Every routed simdgroup routes for itself and one thread writes ids/weights: the bits never depend on the
+    fiber schedule."""
+    num_experts, k, hidden, expert, shared = 40, 4, 256, 64, 64
+    rng = np.random.default_rng(91)
+    layer = DecodeLayer(rng, num_experts, hidden, expert, shared, kio)
+    x = kio.to_device(rng.standard_normal(hidden), "bf16")
+    norm_weight = kio.to_device(1.0 + 0.1 * rng.standard_normal(hidden), "bf16")
+    logits = rng.standard_normal((1, num_experts)).astype(np.float32)
+    runs = [gate_up_routed(layer, x, norm_weight, logits, k, num_experts, hidden, expert, shared, "bf16",
+                           random_schedule=random_schedule, seed=seed)
+            for seed, random_schedule in ((0, False), (1, True), (2, True))]
+    for run in runs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(runs[0], run))
+
+
+def test_moe_gate_up_swiglu_routed_ties_go_to_lower_expert(kio) -> None:
+    """Logits from three values: most probabilities tie; every simdgroup must pick the same, lowest, ids."""
+    num_experts, k, hidden, expert, shared = 64, 8, 128, 64, 64
+    rng = np.random.default_rng(92)
+    layer = DecodeLayer(rng, num_experts, hidden, expert, shared, kio)
+    x = kio.to_device(rng.standard_normal(hidden), "f32")
+    norm_weight = kio.to_device(np.ones(hidden), "f32")
+    logits = rng.integers(0, 3, (1, num_experts)).astype(np.float32)
+    ids, weights, out = gate_up_routed(layer, x, norm_weight, logits, k, num_experts, hidden, expert, shared, "f32")
+    expected_ids, expected_weights = reference.moe_route(logits, k)
+    assert np.array_equal(ids.astype(np.int64), expected_ids[0])
+    kio.assert_close(weights, expected_weights[0], "f32", "tied routed weights")
+    normed = reference.rms_norm(kio.to_f64(x, "f32"), np.ones(hidden, np.float32), NORM_EPS)
+    e = int(expected_ids[0][k - 1])  # the last slot: its simdgroups picked it after k - 1 tie-breaks of their own
+    last = silu64(reference.linear(normed, layer.gate.dense[e])) * reference.linear(normed, layer.up.dense[e])
+    assert_close_dot(kio, out[(k - 1) * expert : k * expert], last, "f32", "tied routing, last slot")

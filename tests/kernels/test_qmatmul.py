@@ -330,3 +330,152 @@ def test_qmm_nax(key, m: int, n: int, k: int, kio) -> None:
     y = run_qmm(QMM_NAX[key], NAX_BM, NAX_BN, 128, x, qt, "bf16", dtype, kio)
     weight_in_tile = kio.round(qt.dequantize(), dtype).astype(np.float32)
     assert_matmul_close(y, x, weight_in_tile, dtype, kio, f"{QMM_NAX[key]} M={m} N={n} K={k}")
+
+
+# ---- decode fusions: qmv with f32 output, qmv_norm (RMSNorm folded in), qmv_residual (residual add folded in) ----
+
+# (bits, activation dtype, scale dtype) -> host name; output in the activation dtype unless the name ends in _of32.
+QMV_OF32 = {
+    (4, "bf16", "bf16"): "qmv_q4_g64_bf16_of32",
+    (4, "bf16", "f32"): "qmv_q4_g64_bf16_sf32_of32",
+    (8, "bf16", "bf16"): "qmv_q8_g64_bf16_of32",
+    (8, "bf16", "f32"): "qmv_q8_g64_bf16_sf32_of32",
+}
+QMV_NORM = {
+    (4, "f32", "bf16"): "qmv_norm_q4_g64_f32",
+    (4, "f32", "f32"): "qmv_norm_q4_g64_f32_sf32",
+    (4, "bf16", "bf16"): "qmv_norm_q4_g64_bf16",
+    (4, "bf16", "f32"): "qmv_norm_q4_g64_bf16_sf32",
+    (8, "f32", "bf16"): "qmv_norm_q8_g64_f32",
+    (8, "f32", "f32"): "qmv_norm_q8_g64_f32_sf32",
+    (8, "bf16", "bf16"): "qmv_norm_q8_g64_bf16",
+    (8, "bf16", "f32"): "qmv_norm_q8_g64_bf16_sf32",
+}
+QMV_NORM_OF32 = {
+    (4, "bf16", "bf16"): "qmv_norm_q4_g64_bf16_of32",
+    (4, "bf16", "f32"): "qmv_norm_q4_g64_bf16_sf32_of32",
+    (8, "bf16", "bf16"): "qmv_norm_q8_g64_bf16_of32",
+    (8, "bf16", "f32"): "qmv_norm_q8_g64_bf16_sf32_of32",
+}
+QMV_RESIDUAL = {
+    (4, "f32", "bf16"): "qmv_residual_q4_g64_f32",
+    (4, "f32", "f32"): "qmv_residual_q4_g64_f32_sf32",
+    (4, "bf16", "bf16"): "qmv_residual_q4_g64_bf16",
+    (4, "bf16", "f32"): "qmv_residual_q4_g64_bf16_sf32",
+    (8, "f32", "bf16"): "qmv_residual_q8_g64_f32",
+    (8, "f32", "f32"): "qmv_residual_q8_g64_f32_sf32",
+    (8, "bf16", "bf16"): "qmv_residual_q8_g64_bf16",
+    (8, "bf16", "f32"): "qmv_residual_q8_g64_bf16_sf32",
+}
+NORM_EPS = 1e-6
+# (M, N, K): one row with N = 1 (the shared-expert gate), partial threadgroups, K below/at/above the 512 step.
+FUSED_SHAPES = [(1, 1, 64), (1, 9, 576), (2, 33, 128), (1, 12, 1024)]
+FUSED_SHAPE_IDS = [f"m{m}-n{n}-k{k}" for m, n, k in FUSED_SHAPES]
+
+
+def qmatmul_norm_args(k: int, n: int, m: int, eps: float) -> bytes:
+    """lily::QMatmulNormArgs (metal/lily.h): u32 in_features, out_features, num_rows, f32 eps."""
+    return struct.pack("<IIIf", k, n, m, eps)
+
+
+def assert_gemv_close(actual: np.ndarray, expected: np.ndarray, magnitude: np.ndarray, k: int, dtype: str, kio,
+                      what: str, *, relative_ulps: float = 0.0) -> None:
+    """assert_matmul_close on a precomputed expectation: the dtype's tolerance plus the fp32 accumulation allowance
+    sqrt(K)·2^-24·`magnitude`, plus `relative_ulps`·sqrt(K)·2^-24·|expected| (a scalar computed by a K-term fp32 sum,
+    such as 1/rms, scales the whole output)."""
+    tol = kio.tolerances[dtype]
+    assert not np.isnan(actual).any(), f"{what}: NaN at {np.argwhere(np.isnan(actual))[:5].tolist()}"
+    unit = np.sqrt(k) * 2.0**-24
+    allowance = ACCUMULATION_ULPS * unit * magnitude + relative_ulps * unit * np.abs(expected)
+    err = np.abs(actual - expected)
+    limit = tol.atol + tol.rtol * np.abs(expected) + allowance
+    worst = np.unravel_index(int(np.argmax(err - limit)), err.shape)
+    assert (err <= limit).all(), (
+        f"{what}: element {worst}: got {actual[worst]!r}, expected {expected[worst]!r} "
+        f"(error {err[worst]:.3g}, limit {limit[worst]:.3g}, {dtype})"
+    )
+    scale = np.sqrt(np.mean(expected**2))
+    rel_rms = np.sqrt(np.mean((actual - expected) ** 2)) / scale
+    rel_limit = tol.rel_rms + np.sqrt(np.mean(allowance**2)) / scale
+    assert rel_rms <= rel_limit, f"{what}: relative RMS error {rel_rms:.3g} > {rel_limit:.3g} ({dtype})"
+
+
+def run_qmv_norm(name: str, x: np.ndarray, norm_weight: np.ndarray, qt: QuantizedTensor, scale_dtype: str,
+                 out_dtype: str, kio, eps: float = NORM_EPS) -> np.ndarray:
+    m, k = x.shape
+    n = qt.shape[0]
+    y = kio.poisoned((m, n), out_dtype)
+    grid = (-(-n // QMV_ROWS_PER_THREADGROUP), m, 1)
+    msl.dispatch(name, [qmatmul_norm_args(k, n, m, eps), x, norm_weight, *weight_buffers(qt, scale_dtype, kio), y],
+                 grid, (64, 1, 1))
+    return y
+
+
+def check_qmv_norm(name: str, bits: int, dtype: str, scale_dtype: str, out_dtype: str, m: int, n: int, k: int,
+                   rng: np.random.Generator, kio, x_scale: float = 1.0) -> None:
+    """qmv_norm against reference.linear(reference.rms_norm(x, w)): the normalised row is never rounded to the
+    activation dtype (it only lives in registers), so the reference keeps it in fp32 too."""
+    qt = random_weight(rng, n, k, bits, scale_dtype)
+    x = kio.to_device(rng.standard_normal((m, k)) * x_scale, dtype)
+    norm_weight = kio.to_device(1.0 + 0.3 * rng.standard_normal(k), dtype)
+    y = run_qmv_norm(name, x, norm_weight, qt, scale_dtype, out_dtype, kio)
+    normed = reference.rms_norm(kio.to_f64(x, dtype), kio.to_f64(norm_weight, dtype), NORM_EPS)
+    expected = kio.round(reference.linear(normed, qt), out_dtype)
+    magnitude = accumulation_magnitude(normed, qt, "f32", kio)
+    assert_gemv_close(kio.to_f64(y, out_dtype), expected, magnitude, k, out_dtype, kio, f"{name} M={m} N={n} K={k}",
+                      relative_ulps=1.0)
+
+
+@pytest.mark.parametrize("m,n,k", FUSED_SHAPES, ids=FUSED_SHAPE_IDS)
+@pytest.mark.parametrize("key", list(QMV_OF32), ids=list(QMV_OF32.values()))
+def test_qmv_f32_output(key, m: int, n: int, k: int, kio) -> None:
+    """bf16 input, f32 output (router logits in bf16 mode): the sum is rounded once, to f32."""
+    bits, dtype, scale_dtype = key
+    rng = np.random.default_rng([bits, m, n, k, 17])
+    qt = random_weight(rng, n, k, bits, scale_dtype)
+    x = random_x(rng, m, k, dtype, kio)
+    y = run_qmv(QMV_OF32[key], x, qt, scale_dtype, "f32", kio)
+    expected = reference.linear(kio.to_f64(x, dtype).astype(np.float32), qt).astype(np.float64)
+    magnitude = accumulation_magnitude(x, qt, dtype, kio)
+    assert_gemv_close(y.astype(np.float64), expected, magnitude, k, "f32", kio, f"{QMV_OF32[key]} M={m} N={n} K={k}")
+
+
+@pytest.mark.parametrize("m,n,k", FUSED_SHAPES, ids=FUSED_SHAPE_IDS)
+@pytest.mark.parametrize("key,out_dtype", [(key, key[1]) for key in QMV_NORM] + [(key, "f32") for key in QMV_NORM_OF32],
+                         ids=list(QMV_NORM.values()) + list(QMV_NORM_OF32.values()))
+def test_qmv_norm(key, out_dtype: str, m: int, n: int, k: int, kio) -> None:
+    bits, dtype, scale_dtype = key
+    name = QMV_NORM[key] if out_dtype == dtype else QMV_NORM_OF32[key]
+    rng = np.random.default_rng([bits, m, n, k, len(name), 31])
+    check_qmv_norm(name, bits, dtype, scale_dtype, out_dtype, m, n, k, rng, kio)
+
+
+@pytest.mark.parametrize("x_scale", [1e-4, 30.0])
+def test_qmv_norm_scale_of_x(x_scale: float, kio) -> None:
+    """Tiny rows (eps matters: 1/rms is not 1/|x|) and large ones (the norm undoes the scale) at the model's K."""
+    rng = np.random.default_rng(int(x_scale * 1e4))
+    check_qmv_norm("qmv_norm_q4_g64_f32", 4, "f32", "bf16", "f32", 1, 20, 2048, rng, kio, x_scale=x_scale)
+
+
+@pytest.mark.parametrize("m,n,k", FUSED_SHAPES, ids=FUSED_SHAPE_IDS)
+@pytest.mark.parametrize("key", list(QMV_RESIDUAL), ids=list(QMV_RESIDUAL.values()))
+def test_qmv_residual(key, m: int, n: int, k: int, kio) -> None:
+    """out = residual + W·x rounded once; written in place over the residual (the engine's use) and to a separate
+    buffer, with the same bits."""
+    bits, dtype, scale_dtype = key
+    name = QMV_RESIDUAL[key]
+    rng = np.random.default_rng([bits, m, n, k, list(QMV_RESIDUAL).index(key), 47])
+    qt = random_weight(rng, n, k, bits, scale_dtype)
+    x = random_x(rng, m, k, dtype, kio)
+    residual = kio.to_device(2.0 * rng.standard_normal((m, n)), dtype)
+    grid = (-(-n // QMV_ROWS_PER_THREADGROUP), m, 1)
+    separate = kio.poisoned((m, n), dtype)
+    buffers = weight_buffers(qt, scale_dtype, kio)
+    msl.dispatch(name, [qmatmul_args(k, n, m), x, *buffers, residual, separate], grid, (64, 1, 1))
+    expected_sum = kio.to_f64(residual, dtype) + reference.linear(kio.to_f64(x, dtype).astype(np.float32), qt)
+    expected = kio.round(expected_sum, dtype)
+    magnitude = accumulation_magnitude(x, qt, dtype, kio)
+    assert_gemv_close(kio.to_f64(separate, dtype), expected, magnitude, k, dtype, kio, f"{name} M={m} N={n} K={k}")
+    in_place = residual.copy()
+    msl.dispatch(name, [qmatmul_args(k, n, m), x, *buffers, in_place, in_place], grid, (64, 1, 1))
+    assert np.array_equal(in_place, separate), f"{name}: in-place result differs"

@@ -4,8 +4,10 @@ attention_prep splits q_proj's per-head [query | gate] rows, RMS-norms q and k o
 applies partial rotate-half RoPE, and writes the roped key and the value into the KV cache at the token's position.
 Cases: decode (1 token) at positions 0, 37 and 30001 (fp32 angles far from zero), prefill chunks of 3 and 7 tokens
 continuing a cache, the model's head counts (16/2) and a small GQA layout, rotary dims 64 (the model's), 16 (pairs
-across lanes) and 256 (the whole head), 1 and 3 simdgroups per threadgroup (a partial last threadgroup). Outputs and
-the written cache rows start NaN-poisoned; the other cache rows hold random values that must survive.
+across lanes) and 256 (the whole head), 1 and 3 simdgroups per threadgroup (a partial last threadgroup). The head-dim
+64 instances (demo model, fixtures: 16 chunks of 4 per row, so lanes 16..31 idle) run the demo model's layout (4/2
+heads, rotary 16), rotary 64 (the whole head) and 32, decode and prefill. Outputs and the written cache rows start
+NaN-poisoned; the other cache rows hold random values that must survive.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ EPS = 1e-6
 THETA = 1e7
 KERNELS = {"f32": "attention_prep_f32_d256", "bf16": "attention_prep_bf16_d256", "f16": "attention_prep_f16_d256"}
 DTYPES = list(KERNELS)
+KERNELS_D64 = {"f32": "attention_prep_f32_d64", "bf16": "attention_prep_bf16_d64"}
 # The KV cache dtype of each activation dtype: f32 in float32 mode, bf16 otherwise.
 CACHE_DTYPE = {"f32": "f32", "bf16": "bf16", "f16": "bf16"}
 
@@ -34,26 +37,27 @@ def prep_args(tokens: int, heads: int, kv_heads: int, position: int, capacity: i
 
 
 def run_prep(kio, dtype: str, rng: np.random.Generator, tokens: int, heads: int, kv_heads: int, position: int,
-             rotary_dim: int, simdgroups: int, theta: float = THETA, eps: float = EPS):
-    """Dispatch attention_prep on fresh random inputs; return (inputs, outputs) as float64 values."""
+             rotary_dim: int, simdgroups: int, theta: float = THETA, eps: float = EPS, head_dim: int = D):
+    """Dispatch attention_prep (the instance for `head_dim`) on fresh random inputs; return (inputs, outputs) as
+    float64 values."""
     capacity = position + tokens + 5
-    q_and_gate = kio.to_device(rng.standard_normal((tokens, heads, 2 * D)) * 2.0, dtype)
-    k = kio.to_device(rng.standard_normal((tokens, kv_heads, D)) * 2.0, dtype)
-    v = kio.to_device(rng.standard_normal((tokens, kv_heads, D)), dtype)
-    q_norm = kio.to_device(1.0 + 0.3 * rng.standard_normal(D), dtype)
-    k_norm = kio.to_device(1.0 + 0.3 * rng.standard_normal(D), dtype)
-    q_out = kio.poisoned((tokens, heads, D), dtype)
-    gate_out = kio.poisoned((tokens, heads, D), dtype)
+    q_and_gate = kio.to_device(rng.standard_normal((tokens, heads, 2 * head_dim)) * 2.0, dtype)
+    k = kio.to_device(rng.standard_normal((tokens, kv_heads, head_dim)) * 2.0, dtype)
+    v = kio.to_device(rng.standard_normal((tokens, kv_heads, head_dim)), dtype)
+    q_norm = kio.to_device(1.0 + 0.3 * rng.standard_normal(head_dim), dtype)
+    k_norm = kio.to_device(1.0 + 0.3 * rng.standard_normal(head_dim), dtype)
+    q_out = kio.poisoned((tokens, heads, head_dim), dtype)
+    gate_out = kio.poisoned((tokens, heads, head_dim), dtype)
     # Rows outside [position, position + tokens) hold earlier tokens: random values that must stay untouched.
     cache_dtype = CACHE_DTYPE[dtype]
-    k_cache = kio.to_device(rng.standard_normal((kv_heads, capacity, D)), cache_dtype)
-    v_cache = kio.to_device(rng.standard_normal((kv_heads, capacity, D)), cache_dtype)
-    k_cache[:, position : position + tokens] = kio.poisoned((kv_heads, tokens, D), cache_dtype)
-    v_cache[:, position : position + tokens] = kio.poisoned((kv_heads, tokens, D), cache_dtype)
+    k_cache = kio.to_device(rng.standard_normal((kv_heads, capacity, head_dim)), cache_dtype)
+    v_cache = kio.to_device(rng.standard_normal((kv_heads, capacity, head_dim)), cache_dtype)
+    k_cache[:, position : position + tokens] = kio.poisoned((kv_heads, tokens, head_dim), cache_dtype)
+    v_cache[:, position : position + tokens] = kio.poisoned((kv_heads, tokens, head_dim), cache_dtype)
     k_before, v_before = k_cache.copy(), v_cache.copy()
     rows = tokens * (heads + kv_heads)
     msl.dispatch(
-        KERNELS[dtype],
+        (KERNELS if head_dim == 256 else KERNELS_D64)[dtype],
         [prep_args(tokens, heads, kv_heads, position, capacity, rotary_dim, theta, eps), q_and_gate, k, v, q_norm,
          k_norm, q_out, gate_out, k_cache, v_cache],
         (-(-rows // simdgroups), 1, 1),
@@ -129,3 +133,24 @@ def test_attention_prep_norm_before_rope_over_whole_head(kio) -> None:
     normed = reference.rms_norm(inputs["q_and_gate"][..., :D], inputs["q_norm"], EPS)
     kio.assert_close(outputs["q"][..., rotary_dim:], normed[..., rotary_dim:], "f32", "pass-through dims")
     assert not np.allclose(outputs["q"][..., :rotary_dim], normed[..., :rotary_dim], atol=1e-3), "rotary dims rotate"
+
+
+D64_CASES = [
+    # (tokens, heads, kv_heads, position, rotary_dim, simdgroups)
+    (1, 4, 2, 0, 16, 8),  # the demo model's decode layout (rotary 64 * 0.25) at the engine's 8 simdgroups
+    (1, 4, 2, 301, 16, 3),  # decode, a partial last threadgroup
+    (5, 4, 2, 7, 16, 2),  # a prefill chunk continuing a cache
+    (3, 8, 2, 11, 32, 3),  # the gqa4 fixture's layout (rotary 64 * 0.5): pairs (d, d+16) in different lanes
+    (2, 2, 1, 40, 64, 1),  # rotary over the whole head
+]
+
+
+@pytest.mark.parametrize("tokens,heads,kv_heads,position,rotary_dim,simdgroups", D64_CASES,
+                         ids=[f"T{c[0]}-h{c[1]}x{c[2]}-p{c[3]}-r{c[4]}-sg{c[5]}" for c in D64_CASES])
+@pytest.mark.parametrize("dtype", list(KERNELS_D64))
+def test_attention_prep_d64(dtype: str, tokens: int, heads: int, kv_heads: int, position: int, rotary_dim: int,
+                            simdgroups: int, kio) -> None:
+    rng = np.random.default_rng(500 + 100 * tokens + 10 * position + rotary_dim + DTYPES.index(dtype))
+    inputs, outputs = run_prep(kio, dtype, rng, tokens, heads, kv_heads, position, rotary_dim, simdgroups,
+                               head_dim=64)
+    check_against_reference(kio, dtype, inputs, outputs, position, rotary_dim)

@@ -7,6 +7,39 @@
 
 namespace lily::ops {
 
+namespace {
+
+// Head dims with instantiated attention kernels (metal/rope.metal, attention.metal, attention_prefill.metal) and
+// the query heads their packed kernels put in one threadgroup.
+size_t packed_heads(size_t head_dim) {
+  if (head_dim == 256) return LILY_ATTN_HEADS_PER_GROUP;
+  if (head_dim == 64) return LILY_ATTN_HEADS_PER_GROUP_D64;
+  return 0;
+}
+
+}  // namespace
+
+void check_attention_shapes(const ModelConfig& c) {
+  const size_t packed = packed_heads(c.head_dim);
+  if (packed == 0) {
+    throw mtl::Error("[engine] config field head_dim: the attention kernels are built for 256 and 64; got " +
+                     std::to_string(c.head_dim));
+  }
+  if (c.num_kv_heads == 0 || c.num_heads % (c.num_kv_heads * packed)) {
+    throw mtl::Error("[engine] config field num_attention_heads: must be a multiple of " + std::to_string(packed) +
+                     " x num_key_value_heads at head_dim " + std::to_string(c.head_dim) +
+                     " (GQA packing); got " + std::to_string(c.num_heads) + " heads, " +
+                     std::to_string(c.num_kv_heads) + " KV heads");
+  }
+}
+
+size_t attention_heads_per_group(const ModelConfig& c, bool packing) {
+  if (!packing) return 1;
+  // `lily plan` may count a shape without kernels (check_attention_shapes refuses to run it): plan it as the model's.
+  const size_t packed = packed_heads(c.head_dim);
+  return packed ? packed : LILY_ATTN_HEADS_PER_GROUP;
+}
+
 void attention_decode(Context& ctx, const ModelConfig& c, const std::string& label, const AttentionSpans& s,
                       size_t position, bool split) {
   const size_t D = c.head_dim, cache_elem = ctx.act == DType::F32 ? 4 : 2;
@@ -45,11 +78,14 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   a.num_keys = static_cast<u32>(keys);
   a.cache_capacity = static_cast<u32>(s.capacity);
   a.scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const size_t packs = (c.num_heads + LILY_ATTN_HEADS_PER_GROUP - 1) / LILY_ATTN_HEADS_PER_GROUP;
+  // GQA packing off (the ablation): the *_unpacked_* kernels, one query head per threadgroup.
+  const size_t heads_per_group = attention_heads_per_group(c, ctx.gqa_packing);
+  const size_t packs = (c.num_heads + heads_per_group - 1) / heads_per_group;
+  const std::string variant = ctx.gqa_packing ? "" : "unpacked_";
   std::vector<Span> reads = {s.q, s.gate};
   reads.insert(reads.end(), cache_prefix.begin(), cache_prefix.end());
   if (!split) {
-    add_node(ctx, "attention_decode_" + dt + suffix, label,
+    add_node(ctx, "attention_decode_" + variant + dt + suffix, label,
              {arg_value(a), arg(s.q), arg(s.gate), arg(s.k_cache), arg(s.v_cache), arg(s.out)}, {packs, 1, 1},
              {tuning::kAttentionDecodeThreads, 1, 1}, reads, {s.out});
     return;
@@ -59,7 +95,7 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   Span partial_out = sub(s.partial_out, 0, c.num_heads * a.num_blocks * D * 4);
   Span partial_stats = sub(s.partial_stats, 0, c.num_heads * a.num_blocks * 2 * 4);
   reads.erase(reads.begin() + 1);  // the partial pass does not read the gate
-  add_node(ctx, "attention_decode_partial_" + dt + suffix, label + " partial",
+  add_node(ctx, "attention_decode_partial_" + variant + dt + suffix, label + " partial",
            {arg_value(a), arg(s.q), arg(s.k_cache), arg(s.v_cache), arg(partial_out), arg(partial_stats)},
            {packs, a.num_blocks, 1}, {tuning::kAttentionDecodeThreads, 1, 1}, reads, {partial_out, partial_stats});
   add_node(ctx, "attention_decode_combine_" + dt + suffix, label + " combine",

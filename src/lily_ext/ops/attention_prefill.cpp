@@ -43,13 +43,15 @@ void attention_prefill(Context& ctx, const ModelConfig& c, const std::string& la
   a.num_keys = static_cast<u32>(keys);
   a.cache_capacity = static_cast<u32>(s.capacity);
   a.scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const size_t packs = (c.num_heads + LILY_ATTN_HEADS_PER_GROUP - 1) / LILY_ATTN_HEADS_PER_GROUP;
+  // Prefill always packs (the GQA_PACKING switch is a decode ablation): G heads of one KV head per threadgroup.
+  const size_t heads_per_group = attention_heads_per_group(c, true);
+  const size_t packs = (c.num_heads + heads_per_group - 1) / heads_per_group;
   const std::vector<NodeArg> args = {arg_value(a), arg(s.q), arg(s.gate), arg(s.k_cache), arg(s.v_cache),
                                      arg(s.out)};
   if (tokens >= tuning::kAttentionMmaMinQueries) {
-    // Matrix units: 8 queries x 4 heads per threadgroup of 4 simdgroups.
-    add_node(ctx, "attention_prefill_mma_" + dt + suffix, label, args, {(tokens + 7) / 8, packs, 1}, {128, 1, 1},
-             prefix, {s.out});
+    // Matrix units: 8 queries x G heads per threadgroup, one simdgroup per head.
+    add_node(ctx, "attention_prefill_mma_" + dt + suffix, label, args, {(tokens + 7) / 8, packs, 1},
+             {32 * heads_per_group, 1, 1}, prefix, {s.out});
   } else {
     // Few queries: one simdgroup per query.
     add_node(ctx, "attention_prefill_" + dt + suffix, label, args, {1, packs, 1}, {32 * tokens, 1, 1}, prefix,

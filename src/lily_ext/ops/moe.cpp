@@ -1,4 +1,4 @@
-// moe_route_f32, moe_gate_up_swiglu_<dtype>, moe_down_combine_<dtype> (metal/moe.metal): one decode token.
+// moe_route_f32, moe_gate_up_swiglu[_routed]_<dtype>, moe_down_combine_<dtype> (metal/moe.metal): one decode token.
 #include <algorithm>
 
 #include "../../../metal/lily.h"
@@ -7,7 +7,9 @@
 
 namespace lily::ops {
 
-void moe_decode(Context& ctx, const ModelConfig& c, const std::string& label, const MoeSpans& s) {
+namespace {
+
+MoeArgs decode_args(const ModelConfig& c) {
   MoeArgs a{};
   a.num_rows = 1;
   a.num_experts = static_cast<u32>(c.num_experts);
@@ -15,35 +17,44 @@ void moe_decode(Context& ctx, const ModelConfig& c, const std::string& label, co
   a.hidden_size = static_cast<u32>(c.hidden_size);
   a.expert_size = static_cast<u32>(c.expert_size);
   a.shared_expert_size = static_cast<u32>(c.shared_expert_size);
-  // Every expert tensor of a layer shares one scale dtype (the checkpoint's); "_sf32" kernels read f32 scales.
-  const std::string dt = std::string(dtype_name(ctx.act)) + (s.gate->scale_dtype == DType::F32 ? "_sf32" : "");
-  Span logits = sub(s.router_logits, 0, c.num_experts * 4), gate_logit = sub(s.router_logits, c.num_experts * 4, 4);
-  Span ids = sub(s.expert_ids, 0, c.top_k * 4), weights = sub(s.expert_weights, 0, c.top_k * 4);
-  add_node(ctx, "moe_route_f32", label + " route", {arg_value(a), arg(logits), arg(ids), arg(weights)}, {1, 1, 1},
-           {32, 1, 1}, {logits}, {ids, weights});
+  return a;
+}
 
-  // Only k of the E stacked experts are read: the ranges cover the stacks (read-only: no ordering), the traffic
-  // counts k experts.
-  auto expert_fraction = [&](const WeightRef* w) { return w->bytes() / w->experts * c.top_k; };
+// Every expert tensor of a layer shares one scale dtype (the checkpoint's); "_sf32" kernels read f32 scales.
+std::string decode_suffix(const Context& ctx, const MoeSpans& s) {
+  return std::string(dtype_name(ctx.act)) + (s.gate->scale_dtype == DType::F32 ? "_sf32" : "");
+}
+
+// Only k of the E stacked experts are read: the ranges cover the stacks (read-only: no ordering), the traffic counts
+// k experts.
+size_t expert_fraction(const ModelConfig& c, const WeightRef* w) { return w->bytes() / w->experts * c.top_k; }
+
+mtl::Size gate_up_groups(const ModelConfig& c) {
   const size_t rows = std::max(c.expert_size, c.shared_expert_size);
-  Span hidden = sub(s.hidden, 0, (c.top_k * c.expert_size + c.shared_expert_size) * 4);
-  Node& gate_up = add_node(
-      ctx, "moe_gate_up_swiglu_" + dt, label + " gate/up",
-      {arg_value(a), arg(s.x), arg(ids), arg(s.gate->data), arg(s.gate->scales), arg(s.gate->biases), arg(s.up->data),
-       arg(s.up->scales), arg(s.up->biases), arg(s.shared_gate->data), arg(s.shared_gate->scales),
-       arg(s.shared_gate->biases), arg(s.shared_up->data), arg(s.shared_up->scales), arg(s.shared_up->biases),
-       arg(hidden)},
-      {(rows + tuning::kMoeGemvRowsPerThreadgroup - 1) / tuning::kMoeGemvRowsPerThreadgroup, c.top_k + 1, 1},
-      {tuning::kMoeGemvThreads, 1, 1},
-      {s.x, ids, s.gate->data, s.gate->scales, s.gate->biases, s.up->data, s.up->scales, s.up->biases,
-       s.shared_gate->data, s.shared_gate->scales, s.shared_gate->biases, s.shared_up->data, s.shared_up->scales,
-       s.shared_up->biases},
-      {hidden});
-  gate_up.traffic_read = s.x.length + ids.length + expert_fraction(s.gate) + expert_fraction(s.up) +
-                         s.shared_gate->bytes() + s.shared_up->bytes();
+  return {(rows + tuning::kMoeGemvRowsPerThreadgroup - 1) / tuning::kMoeGemvRowsPerThreadgroup, c.top_k + 1, 1};
+}
 
+std::vector<NodeArg> gate_up_weight_args(const MoeSpans& s) {
+  return {arg(s.gate->data),        arg(s.gate->scales),        arg(s.gate->biases),
+          arg(s.up->data),          arg(s.up->scales),          arg(s.up->biases),
+          arg(s.shared_gate->data), arg(s.shared_gate->scales), arg(s.shared_gate->biases),
+          arg(s.shared_up->data),   arg(s.shared_up->scales),   arg(s.shared_up->biases)};
+}
+
+std::vector<Span> gate_up_weight_spans(const MoeSpans& s) {
+  return {s.gate->data,        s.gate->scales,        s.gate->biases,        s.up->data,
+          s.up->scales,        s.up->biases,          s.shared_gate->data,   s.shared_gate->scales,
+          s.shared_gate->biases, s.shared_up->data,   s.shared_up->scales,   s.shared_up->biases};
+}
+
+size_t gate_up_weight_traffic(const ModelConfig& c, const MoeSpans& s) {
+  return expert_fraction(c, s.gate) + expert_fraction(c, s.up) + s.shared_gate->bytes() + s.shared_up->bytes();
+}
+
+void down_combine(Context& ctx, const ModelConfig& c, const std::string& label, const MoeSpans& s, const MoeArgs& a,
+                  const Span& hidden, const Span& ids, const Span& weights, const Span& gate_logit) {
   Node& down = add_node(
-      ctx, "moe_down_combine_" + dt, label + " down/combine",
+      ctx, "moe_down_combine_" + decode_suffix(ctx, s), label + " down/combine",
       {arg_value(a), arg(hidden), arg(ids), arg(weights), arg(s.down->data), arg(s.down->scales), arg(s.down->biases),
        arg(s.shared_down->data), arg(s.shared_down->scales), arg(s.shared_down->biases), arg(gate_logit),
        arg(s.residual_out), arg(s.residual_out)},
@@ -52,8 +63,53 @@ void moe_decode(Context& ctx, const ModelConfig& c, const std::string& label, co
       {hidden, ids, weights, s.down->data, s.down->scales, s.down->biases, s.shared_down->data,
        s.shared_down->scales, s.shared_down->biases, gate_logit, s.residual_out},
       {s.residual_out});
-  down.traffic_read = hidden.length + ids.length + weights.length + expert_fraction(s.down) + s.shared_down->bytes() +
-                      gate_logit.length + s.residual_out.length;
+  down.traffic_read = hidden.length + ids.length + weights.length + expert_fraction(c, s.down) +
+                      s.shared_down->bytes() + gate_logit.length + s.residual_out.length;
+}
+
+}  // namespace
+
+void moe_decode(Context& ctx, const ModelConfig& c, const std::string& label, const MoeSpans& s) {
+  const MoeArgs a = decode_args(c);
+  Span logits = sub(s.router_logits, 0, c.num_experts * 4), gate_logit = sub(s.router_logits, c.num_experts * 4, 4);
+  Span ids = sub(s.expert_ids, 0, c.top_k * 4), weights = sub(s.expert_weights, 0, c.top_k * 4);
+  add_node(ctx, "moe_route_f32", label + " route", {arg_value(a), arg(logits), arg(ids), arg(weights)}, {1, 1, 1},
+           {32, 1, 1}, {logits}, {ids, weights});
+
+  Span hidden = sub(s.hidden, 0, (c.top_k * c.expert_size + c.shared_expert_size) * 4);
+  std::vector<NodeArg> args = {arg_value(a), arg(s.x), arg(ids)};
+  for (NodeArg& w : gate_up_weight_args(s)) args.push_back(std::move(w));
+  args.push_back(arg(hidden));
+  std::vector<Span> reads = {s.x, ids};
+  for (const Span& w : gate_up_weight_spans(s)) reads.push_back(w);
+  Node& gate_up = add_node(ctx, "moe_gate_up_swiglu_" + decode_suffix(ctx, s), label + " gate/up", std::move(args),
+                           gate_up_groups(c), {tuning::kMoeGemvThreads, 1, 1}, std::move(reads), {hidden});
+  gate_up.traffic_read = s.x.length + ids.length + gate_up_weight_traffic(c, s);
+
+  down_combine(ctx, c, label, s, a, hidden, ids, weights, gate_logit);
+}
+
+void moe_decode_routed(Context& ctx, const ModelConfig& c, const std::string& label, const MoeSpans& s,
+                       const WeightRef& norm_weight, float eps) {
+  MoeRoutedArgs a{};
+  a.moe = decode_args(c);
+  a.eps = eps;
+  // gate/up routes on the E router logits; moe_down_combine reads the shared-expert gate logit after them.
+  Span logits = sub(s.router_logits, 0, c.num_experts * 4), gate_logit = sub(s.router_logits, c.num_experts * 4, 4);
+  Span ids = sub(s.expert_ids, 0, c.top_k * 4), weights = sub(s.expert_weights, 0, c.top_k * 4);
+  Span hidden = sub(s.hidden, 0, (c.top_k * c.expert_size + c.shared_expert_size) * 4);
+  std::vector<NodeArg> args = {arg_value(a), arg(s.x), arg(norm_weight.data), arg(logits), arg(ids), arg(weights)};
+  for (NodeArg& w : gate_up_weight_args(s)) args.push_back(std::move(w));
+  args.push_back(arg(hidden));
+  std::vector<Span> reads = {s.x, norm_weight.data, logits};
+  for (const Span& w : gate_up_weight_spans(s)) reads.push_back(w);
+  Node& gate_up = add_node(ctx, "moe_gate_up_swiglu_routed_" + decode_suffix(ctx, s), label + " route+gate/up",
+                           std::move(args), gate_up_groups(c), {tuning::kMoeGemvThreads, 1, 1}, std::move(reads),
+                           {ids, weights, hidden});
+  // The logits are read once per routed simdgroup, but from cache: count them once, like x.
+  gate_up.traffic_read = s.x.length + norm_weight.data.length + logits.length + gate_up_weight_traffic(c, s);
+
+  down_combine(ctx, c, label, s, a.moe, hidden, ids, weights, gate_logit);
 }
 
 }  // namespace lily::ops

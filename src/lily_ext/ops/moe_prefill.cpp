@@ -1,4 +1,5 @@
-// moe_route_f32 (metal/moe.metal) and moe_sort_*, moe_gemm_*, moe_combine_* (metal/moe_prefill.metal): T rows.
+// moe_route_f32 (metal/moe.metal) and moe_sort_*, moe_gemm_*, moe_combine_* (metal/moe_prefill.metal): T rows;
+// the router GEMMs in front of them (qmm, or qmv_*_of32 in bf16 mode: metal/qmatmul.metal).
 #include <algorithm>
 
 #include "../../../metal/lily.h"
@@ -6,6 +7,26 @@
 #include "ops.h"
 
 namespace lily::ops {
+
+void moe_router_logits(Context& ctx, const std::string& label, const Span& x, const WeightRef& w, const Span& y,
+                       size_t rows) {
+  if (ctx.act == DType::F32) {
+    qmatmul(ctx, label, x, w, y, rows, DType::F32);
+    return;
+  }
+  // bf16 in, f32 out: only the qmv "_of32" variants exist (no qmm writes f32 from bf16). qmv takes any number of
+  // rows (grid y); it re-reads the router per row, from cache: it is E x H at 8 bits (0.5 MB at full size).
+  if (w.bits != 8) throw mtl::Error("[engine] " + label + ": bfloat16 mode needs 8-bit router weights (as MLX stores them)");
+  QMatmulArgs a{};
+  a.in_features = static_cast<u32>(w.cols);
+  a.out_features = static_cast<u32>(w.rows);
+  a.num_rows = static_cast<u32>(rows);
+  std::string name = std::string("qmv_q8_g64_") + dtype_name(ctx.act) + (w.scale_dtype == DType::F32 ? "_sf32" : "") +
+                     "_of32";
+  add_node(ctx, name, label, {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(y)},
+           {(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup, rows, 1},
+           {tuning::kQmvThreads, 1, 1}, {x, w.data, w.scales, w.biases}, {y});
+}
 
 size_t moe_tile_rows(double rows_per_expert, bool wide_tiles) {
   return wide_tiles && rows_per_expert >= static_cast<double>(tuning::kMoeBm32MinRowsPerExpert) ? 32 : 16;
@@ -66,14 +87,30 @@ void moe_prefill(Context& ctx, const ModelConfig& c, const std::string& label, c
   Span offsets = sub(s.expert_offsets, 0, (c.num_experts + 1) * 4);
   Span tile_map = sub(s.tile_map, 0, a.max_tiles * 4 * 4), tile_count = sub(s.tile_count, 0, 4);
   Span sorted = sub(s.sorted_pairs, 0, pairs * 4);
-  add_node(ctx, "moe_sort_count_u32", label + " count", {arg_value(a), arg(ids), arg(counts)}, {blocks, 1, 1},
-           {tuning::kMoeSortThreads, 1, 1}, {ids}, {counts});
-  add_node(ctx, "moe_sort_scan_u32", label + " scan",
-           {arg_value(a), arg(counts), arg(offsets), arg(tile_map), arg(tile_count)}, {1, 1, 1},
-           {(c.num_experts + 31) / 32 * 32, 1, 1}, {counts}, {counts, offsets, tile_map, tile_count});
-  add_node(ctx, "moe_sort_scatter_u32", label + " scatter",
-           {arg_value(a), arg(ids), arg(counts), arg(offsets), arg(sorted)}, {blocks, 1, 1},
-           {tuning::kMoeSortThreads, 1, 1}, {ids, counts, offsets}, {sorted});
+  if (ctx.gpu_routing) {
+    add_node(ctx, "moe_sort_count_u32", label + " count", {arg_value(a), arg(ids), arg(counts)}, {blocks, 1, 1},
+             {tuning::kMoeSortThreads, 1, 1}, {ids}, {counts});
+    add_node(ctx, "moe_sort_scan_u32", label + " scan",
+             {arg_value(a), arg(counts), arg(offsets), arg(tile_map), arg(tile_count)}, {1, 1, 1},
+             {(c.num_experts + 31) / 32 * 32, 1, 1}, {counts}, {counts, offsets, tile_map, tile_count});
+    add_node(ctx, "moe_sort_scatter_u32", label + " scatter",
+             {arg_value(a), arg(ids), arg(counts), arg(offsets), arg(sorted)}, {blocks, 1, 1},
+             {tuning::kMoeSortThreads, 1, 1}, {ids, counts, offsets}, {sorted});
+  } else {
+    // The CPU round trip: the command buffer ends after the routing, the CPU sorts, the next one starts here.
+    HostMoeSort sort;
+    sort.before_node = ctx.graph.nodes.size();
+    sort.expert_ids = ids;
+    sort.expert_offsets = offsets;
+    sort.tile_map = tile_map;
+    sort.tile_count = tile_count;
+    sort.sorted_pairs = sorted;
+    sort.pairs = pairs;
+    sort.experts = c.num_experts;
+    sort.tile_rows = a.tile_rows;
+    sort.max_tiles = a.max_tiles;
+    ctx.graph.host_sorts.push_back(sort);
+  }
   // Each routed expert's weights are read once per tile; at most min(E, T*k) experts are used.
   const double used = std::min(1.0, static_cast<double>(pairs) / c.num_experts);
   Span hidden = sub(s.hidden, 0, pairs * c.expert_size * act), expert_out = sub(s.expert_out, 0, pairs * c.hidden_size * act);

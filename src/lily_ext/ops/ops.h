@@ -15,6 +15,8 @@ struct Context {
   DType act;     // activation dtype: F32 (float32 mode) or BF16
   bool serial;   // a barrier before every dispatch (the CONCURRENT switch off)
   bool wide_tiles = true;  // 32-row GEMM tiles allowed (the WIDE_TILES switch)
+  bool gpu_routing = true;  // prefill MoE pairs sorted on the GPU; off = a HostMoeSort step (the GPU_ROUTING switch)
+  bool gqa_packing = true;  // decode attention packs query heads of one KV head per threadgroup (GQA_PACKING)
 };
 
 // Appends a node; traffic defaults to the declared ranges.
@@ -40,6 +42,12 @@ void rms_norm_residual(Context& ctx, const std::string& label, const Span& x, co
 // only when x is (the kernels share one dtype for x and y).
 void qmatmul(Context& ctx, const std::string& label, const Span& x, const WeightRef& w, const Span& y, size_t rows,
              DType dtype);
+// qmatmul.cpp, decode fusions (one row): y = W · (rms_norm(x) ⊙ norm_weight) with y in the activation dtype or f32
+// (qmv_norm), and residual_out += W · x in place (qmv_residual).
+void qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const WeightRef& norm_weight,
+                  const WeightRef& w, const Span& y, float eps, DType dtype);
+void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, const WeightRef& w,
+                      const Span& residual_out);
 // embedding.cpp: out[t] = table row ids[ids_offset + t].
 void embedding(Context& ctx, const Span& ids, size_t ids_offset, const WeightRef& table, const Span& out,
                size_t tokens);
@@ -49,6 +57,8 @@ struct GatedDeltaSpans {
   const WeightRef *conv_weight, *a_log, *dt_bias, *norm_weight;
 };
 void gated_delta_step(Context& ctx, const ModelConfig& config, const std::string& label, const GatedDeltaSpans& s);
+// Throws Error naming the config field when no DeltaNet kernel is instantiated for its key head dim.
+void check_gated_delta_shapes(const ModelConfig& config);
 // gated_delta_prefill.cpp: T tokens of a DeltaNet layer's core (causal conv into an f32 scratch, then the scan).
 struct GatedDeltaPrefillSpans {
   Span qkv, z, b, a, conv_out, out, conv_state, recurrent_state;
@@ -64,6 +74,11 @@ struct AttentionSpans {
 };
 void attention_decode(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
                       size_t position, bool split);
+// Throws Error naming the config field when no attention kernel is instantiated for its head dim and GQA group.
+void check_attention_shapes(const ModelConfig& config);
+// Query heads one attention threadgroup packs (the kernels' G) at the config's head dim; 1 when `packing` is off.
+// Does not check the shape (`lily plan` counts any consistent config; check_attention_shapes guards running).
+size_t attention_heads_per_group(const ModelConfig& config, bool packing);
 // attention_prefill.cpp: T tokens at positions position .. position+T-1 (prep writes their KV rows first).
 void attention_prefill(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
                        size_t position, size_t tokens);
@@ -73,6 +88,10 @@ struct MoeSpans {
   const WeightRef *gate, *up, *down, *shared_gate, *shared_up, *shared_down;
 };
 void moe_decode(Context& ctx, const ModelConfig& config, const std::string& label, const MoeSpans& s);
+// moe.cpp, fused: routing and the post-attention RMSNorm folded into the gate/up kernel (s.x is the un-normalised
+// hidden stream, which is also the residual); then moe_down_combine.
+void moe_decode_routed(Context& ctx, const ModelConfig& config, const std::string& label, const MoeSpans& s,
+                       const WeightRef& norm_weight, float eps);
 // moe_prefill.cpp: T rows, routed on the GPU (route, count, scan, scatter), grouped GEMMs, combine; the shared expert
 // runs through the same grouped GEMMs as one expert that every row uses (a static identity routing the host fills).
 struct MoePrefillSpans {
@@ -83,6 +102,9 @@ struct MoePrefillSpans {
 };
 void moe_prefill(Context& ctx, const ModelConfig& config, const std::string& label, const MoePrefillSpans& s,
                  size_t tokens);
+// The router (and shared-expert gate) logits of T rows, f32 whatever the activation dtype.
+void moe_router_logits(Context& ctx, const std::string& label, const Span& x, const WeightRef& w, const Span& y,
+                       size_t rows);
 // Rows per grouped-GEMM tile for `rows_per_expert` mean rows (16 or 32), and the tile-map bound for T*k pairs.
 size_t moe_tile_rows(double rows_per_expert, bool wide_tiles);
 size_t moe_max_tiles(size_t pairs, size_t experts, size_t tile_rows);

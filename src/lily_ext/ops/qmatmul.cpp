@@ -1,4 +1,4 @@
-// qmv_*, qmm_* (metal/qmatmul.metal): Y = X W^T with W MLX affine-quantized, group 64.
+// qmv_*, qmv_norm_*, qmv_residual_*, qmm_* (metal/qmatmul.metal): Y = X W^T with W MLX affine-quantized, group 64.
 #include <stdexcept>
 
 #include "../../../metal/lily.h"
@@ -15,8 +15,11 @@ void qmatmul(Context& ctx, const std::string& label, const Span& x, const Weight
   a.out_features = static_cast<u32>(w.rows);
   a.num_rows = static_cast<u32>(rows);
   std::string name = rows <= tuning::kQmvMaxRows ? "qmv" : "qmm";
-  name += "_q" + std::to_string(w.bits) + "_g64_" + dtype_name(dtype);
+  // qmv reads x in the activation dtype and may write f32 (router logits in bf16 mode: the _of32 variants).
+  const bool f32_out = rows <= tuning::kQmvMaxRows && dtype == DType::F32 && ctx.act != DType::F32;
+  name += "_q" + std::to_string(w.bits) + "_g64_" + dtype_name(f32_out ? ctx.act : dtype);
   if (w.scale_dtype == DType::F32) name += "_sf32";
+  if (f32_out) name += "_of32";
   mtl::Size groups{(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup, rows, 1};
   mtl::Size threads{tuning::kQmvThreads, 1, 1};
   if (rows > tuning::kQmvMaxRows) {
@@ -27,6 +30,45 @@ void qmatmul(Context& ctx, const std::string& label, const Span& x, const Weight
   }
   add_node(ctx, name, label, {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(y)}, groups,
            threads, {x, w.data, w.scales, w.biases}, {y});
+}
+
+namespace {
+void check_qmv_weight(const std::string& label, const WeightRef& w) {
+  if (w.bits != 4 && w.bits != 8) throw std::logic_error("[graph] " + label + ": qmv needs a 4- or 8-bit weight");
+}
+std::string qmv_suffix(const WeightRef& w, DType act) {
+  return "_q" + std::to_string(w.bits) + "_g64_" + dtype_name(act) + (w.scale_dtype == DType::F32 ? "_sf32" : "");
+}
+mtl::Size qmv_groups(const WeightRef& w) {
+  return {(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup, 1, 1};
+}
+}  // namespace
+
+void qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const WeightRef& norm_weight,
+                  const WeightRef& w, const Span& y, float eps, DType dtype) {
+  check_qmv_weight(label, w);
+  if (dtype != ctx.act && dtype != DType::F32) throw std::logic_error("[graph] " + label + ": bad output dtype");
+  QMatmulNormArgs a{};
+  a.in_features = static_cast<u32>(w.cols);
+  a.out_features = static_cast<u32>(w.rows);
+  a.num_rows = 1;
+  a.eps = eps;
+  std::string name = "qmv_norm" + qmv_suffix(w, ctx.act) + (dtype != ctx.act ? "_of32" : "");
+  add_node(ctx, name, label,
+           {arg_value(a), arg(x), arg(norm_weight.data), arg(w.data), arg(w.scales), arg(w.biases), arg(y)},
+           qmv_groups(w), {tuning::kQmvThreads, 1, 1}, {x, norm_weight.data, w.data, w.scales, w.biases}, {y});
+}
+
+void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, const WeightRef& w,
+                      const Span& residual_out) {
+  check_qmv_weight(label, w);
+  QMatmulArgs a{};
+  a.in_features = static_cast<u32>(w.cols);
+  a.out_features = static_cast<u32>(w.rows);
+  a.num_rows = 1;
+  add_node(ctx, "qmv_residual" + qmv_suffix(w, ctx.act), label,
+           {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(residual_out), arg(residual_out)},
+           qmv_groups(w), {tuning::kQmvThreads, 1, 1}, {x, w.data, w.scales, w.biases, residual_out}, {residual_out});
 }
 
 }  // namespace lily::ops

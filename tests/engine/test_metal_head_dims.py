@@ -1,0 +1,123 @@
+"""The `metal` backend at the head dims other than the model's and with the GQA-packing ablation, against
+lily.reference (float32 mode, the Linux test runtime running the real kernels on the CPU harness).
+
+Head dim 64 / DeltaNet dk = dv = 64 (the `*_d64` / `*_dk64` kernels): the embedded demo model (4 query / 2 KV heads:
+a GQA group of 2, so its threadgroups pack 2 heads) and the tiny fixtures kv64 (GQA 2) and gqa4 (GQA 4, Hv/Hk = 3).
+The GQA_PACKING switch off runs the `attention_decode*_unpacked_*` kernels (one query head per threadgroup) at head
+dim 64 and at the model's 256. Shapes without kernels are refused naming the config field.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lily.checkpoint import load_checkpoint
+from lily.engine import MetalBackend, switches_from_env
+from lily.reference import ReferenceModel
+
+from tests.fixtures import _KV64, build_hf_model, save_hf_checkpoint, save_mlx_checkpoint
+
+DEMO = Path(__file__).resolve().parents[2] / "python" / "lily" / "demo"
+# The model's head shapes (head dim 256, dk = dv = 128) at a tiny width, GQA 4 (one packed threadgroup per KV head).
+D256_CONFIG = copy.deepcopy(_KV64)
+D256_CONFIG.update(
+    vocab_size=640, hidden_size=128, head_dim=256, num_attention_heads=4, num_key_value_heads=1,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2,
+    moe_intermediate_size=64, shared_expert_intermediate_size=64,
+)
+# 9 tokens: the prefill takes the matrix-unit attention kernel (>= 8 queries); then 3 decode steps.
+PROMPT = np.array([5, 17, 300, 2, 639, 0, 77, 123, 64])
+DECODE = [7, 450, 3]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("head_dims")
+    out = {"demo": load_checkpoint(DEMO)}
+    for name, config in (("kv64", "kv64"), ("gqa4", "gqa4"), ("d256", D256_CONFIG)):
+        hf = save_hf_checkpoint(build_hf_model(config, seed=5), root / name, dtype="bfloat16")
+        out[name] = load_checkpoint(save_mlx_checkpoint(hf, root / f"{name}-mlx"))
+    return out
+
+
+def reference_logits(checkpoint) -> np.ndarray:
+    """Reference logits of the prompt and of each decode token after it: [len(PROMPT) + len(DECODE), V]."""
+    ref = ReferenceModel(checkpoint)
+    state = ref.new_state()
+    rows = [ref.forward(PROMPT, state)]
+    rows += [ref.forward(np.array([token]), state) for token in DECODE]
+    return np.concatenate(rows)
+
+
+def run_backend(backend: MetalBackend) -> tuple[np.ndarray, dict[str, int]]:
+    """The backend's logits for the same tokens, and the kernels of its last decode step."""
+    state = backend.new_state()
+    rows = [backend.forward(PROMPT, state)]
+    rows += [backend.forward(np.array([token]), state) for token in DECODE]
+    return np.concatenate(rows), backend.last_step_counts()["dispatches_by_kernel"]
+
+
+CASES = [
+    # (checkpoint, switches, head dim suffix, DeltaNet suffix)
+    ("demo", {}, "d64", "dk64"),
+    ("demo", {"gqa_packing": False}, "d64", "dk64"),
+    ("kv64", {"split_kv_min_keys": 1}, "d64", "dk64"),  # the split-KV decode path at head dim 64
+    ("gqa4", {}, "d64", "dk64"),
+    ("gqa4", {"gqa_packing": False, "split_kv_min_keys": 1}, "d64", "dk64"),
+    ("d256", {"gqa_packing": False}, "d256", "dk128"),
+    ("d256", {"gqa_packing": False, "split_kv_min_keys": 1}, "d256", "dk128"),
+]
+
+
+@pytest.mark.parametrize("name,switches,attn,gdn", CASES,
+                         ids=[f"{c[0]}-{'-'.join(f'{k}={v}' for k, v in c[1].items()) or 'default'}" for c in CASES])
+def test_logits_match_the_reference(checkpoints, name, switches, attn, gdn):
+    checkpoint = checkpoints[name]
+    want = reference_logits(checkpoint)
+    got, kernels = run_backend(MetalBackend(checkpoint, precision="float32", switches=switches))
+    rel = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    assert rel < 1e-4, f"{name} {switches}: relative error {rel:.3g}"
+    # The decode step ran the instances of this head dim, packed or not as the switch says.
+    unpacked = "unpacked_" if switches.get("gqa_packing") is False else ""
+    split = "partial_" if "split_kv_min_keys" in switches else ""
+    attention_layers = checkpoint.args.layer_types.count("full_attention")
+    assert kernels.get(f"attention_decode_{split}{unpacked}f32_{attn}") == attention_layers, sorted(kernels)
+    assert kernels.get(f"attention_prep_f32_{attn}") == attention_layers
+    assert kernels.get(f"gated_delta_step_f32_{gdn}") == len(checkpoint.args.layer_types) - attention_layers
+    if unpacked:
+        packed = [k for k in kernels if k.startswith("attention_decode_") and "unpacked" not in k
+                  and "combine" not in k]
+        assert not packed, f"packed decode kernels with GQA_PACKING off: {packed}"
+
+
+def test_packing_switch_changes_only_the_schedule(checkpoints):
+    """Packed and unpacked decode attention agree within fp32 rounding (gqa4 fixture: GQA 4, 2 heads per group)."""
+    packed, _ = run_backend(MetalBackend(checkpoints["gqa4"], precision="float32"))
+    unpacked, _ = run_backend(MetalBackend(checkpoints["gqa4"], precision="float32",
+                                           switches={"gqa_packing": False}))
+    np.testing.assert_allclose(unpacked, packed, rtol=0, atol=1e-5 * np.max(np.abs(packed)))
+
+
+@pytest.mark.parametrize("field,value", [("head_dim", 32), ("head_dim", 128), ("linear_key_head_dim", 32)])
+def test_head_dims_without_kernels_are_refused(tmp_path, field, value):
+    config = {**_KV64, field: value}
+    hf = save_hf_checkpoint(build_hf_model(config, randomize=False), tmp_path / "model", dtype="bfloat16")
+    with pytest.raises(ValueError, match=f"{field}: .*built for .*got {value}"):
+        MetalBackend(load_checkpoint(hf, quantize=4), precision="float32")
+
+
+def test_gqa_group_the_packing_cannot_split_is_refused(tmp_path):
+    # Head dim 64 packs 2 query heads of one KV head per threadgroup: 3 heads over 3 KV heads (GQA 1) cannot.
+    config = {**_KV64, "num_attention_heads": 3, "num_key_value_heads": 3}
+    hf = save_hf_checkpoint(build_hf_model(config, randomize=False), tmp_path / "model", dtype="bfloat16")
+    with pytest.raises(ValueError, match="num_attention_heads: must be a multiple of 2 x num_key_value_heads"):
+        MetalBackend(load_checkpoint(hf, quantize=4), precision="float32")
+
+
+def test_packing_switch_is_read_from_the_environment():
+    assert switches_from_env({"LILY_DISABLE_GQA_PACKING": "1"}) == {"gqa_packing": False}
+    assert switches_from_env({"LILY_DISABLE_GQA_PACKING": "0"}) == {}
