@@ -80,11 +80,23 @@ def test_serve_delegates_with_its_flags(monkeypatch):
     import lily.server
 
     seen = {}
-    monkeypatch.setattr(lily.server, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    monkeypatch.setattr(lily.server, "main", lambda argv: seen.__setitem__("argv", argv) or 0)
     assert cli.main(["serve", "--port", "9000", "--api-key", "k", "--cors-origin", "http://x",
                      "--max-context", "128"]) == 0
     assert seen["argv"] == ["lily:demo", "--host", "127.0.0.1", "--port", "9000", "--backend", "auto",
                             "--api-key", "k", "--cors-origin", "http://x", "--max-context", "128"]
+    assert cli.main(["serve", "--backend", "metal", "--precision", "float32", "--max-queue", "3",
+                     "--keepalive", "0"]) == 0
+    assert seen["argv"] == ["lily:demo", "--host", "127.0.0.1", "--port", "8080", "--backend", "metal",
+                            "--max-queue", "3", "--keepalive", "0.0", "--precision", "float32"]
+
+
+def test_generate_on_the_metal_backend_matches_the_reference(capsys):
+    argv = ["generate", "ROMEO:", "--max-tokens", "4", "--temp", "0"]
+    code, reference_out, _ = run_cli(argv + ["--backend", "reference"], capsys)
+    assert code == 0 and reference_out.strip()
+    code, metal_out, _ = run_cli(argv + ["--backend", "metal", "--precision", "float32"], capsys)
+    assert code == 0 and metal_out == reference_out
 
 
 def test_download_prints_the_local_path(monkeypatch, capsys, tmp_path):

@@ -20,6 +20,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="checkpoint directory, Hugging Face repo id, or lily:demo (default)")
     p.add_argument("--backend", default="auto", choices=("auto", "reference", "metal"),
                    help="engine backend (default: auto)")
+    p.add_argument("--precision", default=None, choices=("bfloat16", "float32"),
+                   help="metal backend activations (default: the backend's own, bfloat16 for metal)")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
@@ -60,7 +62,7 @@ def _load(args: argparse.Namespace) -> Any:
     from lily import Model
 
     print(f"Loading {args.model} ...", file=sys.stderr, flush=True)
-    return Model.load(args.model, backend=args.backend)
+    return Model.load(args.model, backend=args.backend, precision=args.precision)
 
 
 def _print_stats(stats: Any, out: TextIO) -> None:
@@ -185,7 +187,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     argv = [args.model, "--host", args.host, "--port", str(args.port), "--backend", args.backend]
     for flag, value in (("--api-key", args.api_key), ("--cors-origin", args.cors_origin),
                         ("--max-context", args.max_context), ("--max-queue", args.max_queue),
-                        ("--keepalive", args.keepalive)):
+                        ("--keepalive", args.keepalive), ("--precision", args.precision)):
         if value is not None:
             argv += [flag, str(value)]
     return server.main(argv)

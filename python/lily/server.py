@@ -590,6 +590,7 @@ def serve(
     max_queue: int = DEFAULT_MAX_QUEUE,
     *,
     backend: str | None = None,
+    precision: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     keepalive_s: float = DEFAULT_KEEPALIVE_S,
@@ -618,7 +619,7 @@ def serve(
     def load() -> None:
         try:
             if isinstance(model, (str, os.PathLike)):
-                engine = load_engine(os.fspath(model), backend=backend)
+                engine = load_engine(os.fspath(model), backend=backend, precision=precision)
             elif hasattr(model, "encode_chat") and hasattr(model, "generate"):
                 engine = model
             else:
@@ -650,6 +651,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-context", type=int, default=None, help="context limit below the model's own")
     parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="requests allowed to wait")
     parser.add_argument("--backend", default=None, help="engine backend (default: the best available)")
+    parser.add_argument("--precision", default=None, choices=("bfloat16", "float32"),
+                        help="metal backend activations (default: the backend's own)")
     parser.add_argument(
         "--keepalive", type=float, default=DEFAULT_KEEPALIVE_S, help="seconds between SSE keep-alive comments (0: off)"
     )
@@ -671,6 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_context=args.max_context,
             max_queue=args.max_queue,
             backend=args.backend,
+            precision=args.precision,
             keepalive_s=args.keepalive,
         )
     except RuntimeError as exc:

@@ -173,8 +173,8 @@ class LilyEngine:
         return _LilyGeneration(session, tokens, is_chat=True)
 
 
-def load_engine(path: str, *, backend: str | None = None) -> LilyEngine:
+def load_engine(path: str, *, backend: str | None = None, precision: str | None = None) -> LilyEngine:
     """Load a checkpoint (a directory, a Hugging Face repo id or `lily:demo`) for serving."""
-    model = Model.load(path, backend=backend or "auto")
+    model = Model.load(path, backend=backend or "auto", precision=precision)
     name = path if path.startswith("lily:") or not Path(path).exists() else Path(path).resolve().name
     return LilyEngine(model, model_id=name)
