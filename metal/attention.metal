@@ -11,6 +11,12 @@
 //   attention_decode[_partial]_unpacked_<dtype>_d<D>  the same with G = 1 (one query head per threadgroup, no K/V
 //                                          row sharing): the GQA-packing ablation, chosen only when the engine switch
 //                                          LILY_DISABLE_GQA_PACKING is set. f32 and bf16.
+//   attention_decode[_partial]_plain_<dtype>_d<D>  the packed kernels with the plain (uncoalesced) row mapping: lane
+//                                          l holds the CPL consecutive chunks l*CPL .. l*CPL+CPL-1 of each row, so one
+//                                          simdgroup load touches addresses CPL chunks apart instead of consecutive
+//                                          ones: the coalesced-KV ablation, chosen only when the engine switch
+//                                          LILY_DISABLE_COALESCED_KV is set (and GQA packing is on). f32 and bf16.
+//                                          At D = 64 a row is 16 chunks (one per lane) and both mappings coincide.
 // Dtypes: q, gate, out are T (f32, bf16, f16); the cache is C = f32 in float32 mode, bf16 otherwise (also for f16
 // activations: the model's cache dtype); partials are fp32.
 // Layout: q, gate, out [Hq, D]; k_cache, v_cache [Hkv, capacity, D]; partial_out [Hq, num_blocks, D];
@@ -47,14 +53,21 @@ inline float attn_decode_sigmoid(float x) {
 // Leaves the normalised output of head h, element e in result[h * D + e] (visible to every thread on return) and the
 // softmax max and sum per head in components 0 .. G-1 of max_out / sum_out. Every thread of the threadgroup must
 // call it.
-template <typename T, typename C, uint D, uint G>
+// Chunk (of 4 elements) of a row that lane `lane` holds in its slot c. Coalesced: lane + 32c, so one simdgroup load
+// reads 32 consecutive chunks. Plain (the ablation): lane * cpl + c, so consecutive lanes read cpl chunks apart.
+template <bool COALESCED>
+inline uint attn_decode_chunk(uint lane, uint c, uint cpl) {
+  return COALESCED ? lane + 32 * c : lane * cpl + c;
+}
+
+template <typename T, typename C, uint D, uint G, bool COALESCED>
 inline void attn_decode_heads(constant lily::AttentionArgs& args, device const T* q, device const C* k_cache,
                               device const C* v_cache, uint head0, uint key_begin, uint key_end,
                               threadgroup float* stats_max, threadgroup float* stats_sum, threadgroup float* merge,
                               threadgroup float* result, thread float4& max_out, thread float4& sum_out, uint tid,
                               uint n_threads, uint simd_lane, uint simd_group, uint n_simdgroups) {
   static_assert(G == 1 || G == 2 || G == 4, "up to four heads' scores travel as one float4");
-  static_assert(D % 128 == 0 || D == 64, "a lane holds chunks of 4 at chunk indices lane + 32c");
+  static_assert(D % 128 == 0 || D == 64, "a lane holds CPL chunks of 4 (attn_decode_chunk)");
   constexpr uint CHUNKS = D / 4;               // chunks of 4 per row
   constexpr uint CPL = (CHUNKS + 31) / 32;     // chunks per lane (D = 64: lanes 16..31 hold none)
   constexpr uint ROUND = D < 128 ? D : 128;    // floats per simdgroup per merge round
@@ -66,8 +79,8 @@ inline void attn_decode_heads(constant lily::AttentionArgs& args, device const T
   float4 acc[G][CPL];
   for (uint h = 0; h < G; ++h) {
     for (uint c = 0; c < CPL; ++c) {
-      query[h][c] = lane_active ? lily::attn_load4(q + size_t(head0 + h) * D + 4 * (simd_lane + 32 * c)) * args.scale
-                                : float4(0.0f);
+      const uint chunk = attn_decode_chunk<COALESCED>(simd_lane, c, CPL);
+      query[h][c] = lane_active ? lily::attn_load4(q + size_t(head0 + h) * D + 4 * chunk) * args.scale : float4(0.0f);
       acc[h][c] = float4(0.0f);
     }
   }
@@ -82,7 +95,8 @@ inline void attn_decode_heads(constant lily::AttentionArgs& args, device const T
     float4 key[CPL];
     float4 partial = float4(0.0f);
     for (uint c = 0; c < CPL; ++c) {
-      key[c] = lane_active ? lily::attn_load4(k_head + size_t(s) * D + 4 * (simd_lane + 32 * c)) : float4(0.0f);
+      const uint chunk = attn_decode_chunk<COALESCED>(simd_lane, c, CPL);
+      key[c] = lane_active ? lily::attn_load4(k_head + size_t(s) * D + 4 * chunk) : float4(0.0f);
       for (uint h = 0; h < G; ++h) {
         partial[h] += dot(query[h][c], key[c]);
       }
@@ -94,8 +108,8 @@ inline void attn_decode_heads(constant lily::AttentionArgs& args, device const T
     run_sum = run_sum * rescale + p;
     run_max = new_max;
     for (uint c = 0; c < CPL; ++c) {
-      const float4 value =
-          lane_active ? lily::attn_load4(v_head + size_t(s) * D + 4 * (simd_lane + 32 * c)) : float4(0.0f);
+      const uint chunk = attn_decode_chunk<COALESCED>(simd_lane, c, CPL);
+      const float4 value = lane_active ? lily::attn_load4(v_head + size_t(s) * D + 4 * chunk) : float4(0.0f);
       for (uint h = 0; h < G; ++h) {
         acc[h][c] = acc[h][c] * rescale[h] + p[h] * value;
       }
@@ -138,7 +152,8 @@ inline void attn_decode_heads(constant lily::AttentionArgs& args, device const T
         for (uint g = 0; g < n_simdgroups; ++g) {
           total += merge[g * ROUND + e];
         }
-        result[h * D + ROUND * c + e] = total / total_sum[h];
+        // Merge slot e of round c is element e % 4 of chunk (lane e / 4, slot c).
+        result[h * D + 4 * attn_decode_chunk<COALESCED>(e / 4, c, CPL) + e % 4] = total / total_sum[h];
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
@@ -147,7 +162,7 @@ inline void attn_decode_heads(constant lily::AttentionArgs& args, device const T
   sum_out = total_sum;
 }
 
-template <typename T, typename C, uint D, uint G>
+template <typename T, typename C, uint D, uint G, bool COALESCED>
 [[kernel]] void attention_decode(constant lily::AttentionArgs& args [[buffer(0)]],
                                  device const T* q [[buffer(1)]],
                                  device const T* gate [[buffer(2)]],
@@ -167,15 +182,16 @@ template <typename T, typename C, uint D, uint G>
   const uint head0 = group * G;
   float4 total_max;
   float4 total_sum;
-  attn_decode_heads<T, C, D, G>(args, q, k_cache, v_cache, head0, 0, args.num_keys, stats_max, stats_sum, merge, result,
-                             total_max, total_sum, tid, n_threads, simd_lane, simd_group, n_simdgroups);
+  attn_decode_heads<T, C, D, G, COALESCED>(args, q, k_cache, v_cache, head0, 0, args.num_keys, stats_max, stats_sum,
+                                        merge, result, total_max, total_sum, tid, n_threads, simd_lane, simd_group,
+                                        n_simdgroups);
   for (uint i = tid; i < G * D; i += n_threads) {
     const size_t index = size_t(head0) * D + i;  // head0 + i / D, element i % D
     out[index] = T(result[i] * attn_decode_sigmoid(float(gate[index])));
   }
 }
 
-template <typename T, typename C, uint D, uint G>
+template <typename T, typename C, uint D, uint G, bool COALESCED>
 [[kernel]] void attention_decode_partial(constant lily::AttentionArgs& args [[buffer(0)]],
                                          device const T* q [[buffer(1)]],
                                          device const C* k_cache [[buffer(2)]],
@@ -198,8 +214,9 @@ template <typename T, typename C, uint D, uint G>
   const uint key_end = min(args.num_keys, key_begin + args.block_size);
   float4 block_max;
   float4 block_sum;
-  attn_decode_heads<T, C, D, G>(args, q, k_cache, v_cache, head0, key_begin, key_end, stats_max, stats_sum, merge,
-                             result, block_max, block_sum, tid, n_threads, simd_lane, simd_group, n_simdgroups);
+  attn_decode_heads<T, C, D, G, COALESCED>(args, q, k_cache, v_cache, head0, key_begin, key_end, stats_max, stats_sum,
+                                        merge, result, block_max, block_sum, tid, n_threads, simd_lane, simd_group,
+                                        n_simdgroups);
   for (uint i = tid; i < G * D; i += n_threads) {
     const uint head = head0 + i / D;
     partial_out[(size_t(head) * args.num_blocks + block) * D + i % D] = result[i];
@@ -242,28 +259,37 @@ template <typename T, uint D>
 }
 
 // Model (head dim 256, GQA group 8): 4 heads per threadgroup.
-LILY_INSTANTIATE_KERNEL("attention_decode_f32_d256", attention_decode, float, float, 256, 4)
-LILY_INSTANTIATE_KERNEL("attention_decode_bf16_d256", attention_decode, bfloat, bfloat, 256, 4)
-LILY_INSTANTIATE_KERNEL("attention_decode_f16_d256", attention_decode, half, bfloat, 256, 4)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_f32_d256", attention_decode_partial, float, float, 256, 4)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_bf16_d256", attention_decode_partial, bfloat, bfloat, 256, 4)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_f16_d256", attention_decode_partial, half, bfloat, 256, 4)
+LILY_INSTANTIATE_KERNEL("attention_decode_f32_d256", attention_decode, float, float, 256, 4, true)
+LILY_INSTANTIATE_KERNEL("attention_decode_bf16_d256", attention_decode, bfloat, bfloat, 256, 4, true)
+LILY_INSTANTIATE_KERNEL("attention_decode_f16_d256", attention_decode, half, bfloat, 256, 4, true)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_f32_d256", attention_decode_partial, float, float, 256, 4, true)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_bf16_d256", attention_decode_partial, bfloat, bfloat, 256, 4, true)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_f16_d256", attention_decode_partial, half, bfloat, 256, 4, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_f32_d256", attention_decode_combine, float, 256)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_bf16_d256", attention_decode_combine, bfloat, 256)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_f16_d256", attention_decode_combine, half, 256)
 // Demo model and tiny fixtures (head dim 64, GQA group 2 or 4): 2 heads per threadgroup, float32 and bf16 modes.
-LILY_INSTANTIATE_KERNEL("attention_decode_f32_d64", attention_decode, float, float, 64, 2)
-LILY_INSTANTIATE_KERNEL("attention_decode_bf16_d64", attention_decode, bfloat, bfloat, 64, 2)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_f32_d64", attention_decode_partial, float, float, 64, 2)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_bf16_d64", attention_decode_partial, bfloat, bfloat, 64, 2)
+LILY_INSTANTIATE_KERNEL("attention_decode_f32_d64", attention_decode, float, float, 64, 2, true)
+LILY_INSTANTIATE_KERNEL("attention_decode_bf16_d64", attention_decode, bfloat, bfloat, 64, 2, true)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_f32_d64", attention_decode_partial, float, float, 64, 2, true)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_bf16_d64", attention_decode_partial, bfloat, bfloat, 64, 2, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_f32_d64", attention_decode_combine, float, 64)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_bf16_d64", attention_decode_combine, bfloat, 64)
 // GQA-packing ablation (LILY_DISABLE_GQA_PACKING): one head per threadgroup; the combine kernels are shared.
-LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_f32_d256", attention_decode, float, float, 256, 1)
-LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_bf16_d256", attention_decode, bfloat, bfloat, 256, 1)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_unpacked_f32_d256", attention_decode_partial, float, float, 256, 1)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_unpacked_bf16_d256", attention_decode_partial, bfloat, bfloat, 256, 1)
-LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_f32_d64", attention_decode, float, float, 64, 1)
-LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_bf16_d64", attention_decode, bfloat, bfloat, 64, 1)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_unpacked_f32_d64", attention_decode_partial, float, float, 64, 1)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_unpacked_bf16_d64", attention_decode_partial, bfloat, bfloat, 64, 1)
+LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_f32_d256", attention_decode, float, float, 256, 1, true)
+LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_bf16_d256", attention_decode, bfloat, bfloat, 256, 1, true)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_unpacked_f32_d256", attention_decode_partial, float, float, 256, 1, true)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_unpacked_bf16_d256", attention_decode_partial, bfloat, bfloat, 256, 1, true)
+LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_f32_d64", attention_decode, float, float, 64, 1, true)
+LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_bf16_d64", attention_decode, bfloat, bfloat, 64, 1, true)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_unpacked_f32_d64", attention_decode_partial, float, float, 64, 1, true)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_unpacked_bf16_d64", attention_decode_partial, bfloat, bfloat, 64, 1, true)
+// Coalesced-KV ablation (LILY_DISABLE_COALESCED_KV): the packed kernels with the plain row mapping.
+LILY_INSTANTIATE_KERNEL("attention_decode_plain_f32_d256", attention_decode, float, float, 256, 4, false)
+LILY_INSTANTIATE_KERNEL("attention_decode_plain_bf16_d256", attention_decode, bfloat, bfloat, 256, 4, false)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_plain_f32_d256", attention_decode_partial, float, float, 256, 4, false)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_plain_bf16_d256", attention_decode_partial, bfloat, bfloat, 256, 4, false)
+LILY_INSTANTIATE_KERNEL("attention_decode_plain_f32_d64", attention_decode, float, float, 64, 2, false)
+LILY_INSTANTIATE_KERNEL("attention_decode_plain_bf16_d64", attention_decode, bfloat, bfloat, 64, 2, false)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_plain_f32_d64", attention_decode_partial, float, float, 64, 2, false)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_plain_bf16_d64", attention_decode_partial, bfloat, bfloat, 64, 2, false)

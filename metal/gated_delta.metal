@@ -7,7 +7,12 @@
 //                                      [T, C], continuing from and updating the conv state. One thread per channel.
 //   gated_delta_prefill_<dtype>_dk128  prefill part 2: the sequential scan over T tokens with the state rows held in
 //                                      registers for the whole chunk. Chosen for T > 1 (after gated_delta_conv).
-//   *_dk64 (f32, bf16)                 the same three at Dk = 64 (two state elements per lane) for the embedded demo
+//   gated_delta_prefill_blockwise_<dtype>_dk128
+//                                      the REGISTER_SCAN ablation (switch off; f32 and bf16, the engine's modes): the
+//                                      same scan, but the state rows round-trip through device memory every
+//                                      LILY_GDN_SCAN_BLOCK tokens (load at the start of a block, store at its end), the
+//                                      design before register residency. Same arithmetic, so the same bits.
+//   *_dk64 (f32, bf16)                 the same four at Dk = 64 (two state elements per lane) for the embedded demo
 //                                      model and the test fixtures; the host picks by linear_key_head_dim.
 // Layout: C = 2·Hk·Dk + Hv·dv channels [q | k | v]; conv state [K-1, C] (raw in_proj_qkv outputs, time-major);
 // recurrent state [Hv, dv, Dk] fp32 (one contiguous Dk row per output channel: the transpose of
@@ -22,7 +27,9 @@
 // norm are reduced inside one simdgroup), and the kernels share every arithmetic helper, so T step dispatches and one
 // conv + prefill of T tokens give identical bits.
 // Traffic: the step kernel reads and writes each fp32 state row once (64 KiB per value head at Dk = dv = 128, 2 MiB
-// per layer each way), far more than its inputs; the prefill kernel does so once per chunk, not once per token.
+// per layer each way), far more than its inputs; the prefill kernel does so once per chunk, not once per token; the
+// blockwise variant once per block of LILY_GDN_SCAN_BLOCK tokens (a 512-token chunk: 32 x 2 MiB each way per layer
+// instead of 2 MiB, four times the chunk's 16 MiB fp32 conv_out scratch).
 #include <metal_stdlib>
 #include "lily.h"
 
@@ -257,7 +264,9 @@ template <typename T, uint Dk>
   }
 }
 
-template <typename T, uint Dk>
+// Block = 0: the state rows stay in registers for the whole chunk. Block > 0 (blockwise): they are stored to and
+// reloaded from `state` every Block tokens.
+template <typename T, uint Dk, uint Block>
 [[kernel]] void gated_delta_prefill(constant lily::GatedDeltaArgs& args [[buffer(0)]],
                                     device const float* conv_out [[buffer(1)]],  // [T, C] from gated_delta_conv
                                     device const T* z [[buffer(2)]],             // [T, Hv·dv]
@@ -287,56 +296,65 @@ template <typename T, uint Dk>
   const uint key_head = v_head / (args.num_v_heads / args.num_k_heads);
   const size_t v_offset = size_t(v_head) * dv;
 
-  // This simdgroup's rows r = sg + m·n_sg stay in registers for the whole chunk (host: dv <= 8·n_sg).
+  // This simdgroup's rows r = sg + m·n_sg stay in registers for a block of tokens (host: dv <= 8·n_sg): the whole
+  // chunk when Block = 0.
   float s[LILY_GDN_ROWS_PER_SIMDGROUP][Dk / 32];
-  for (uint m = 0; m < LILY_GDN_ROWS_PER_SIMDGROUP; ++m) {
-    const uint r = sg + m * n_sg;
-    for (uint e = 0; e < Dk / 32 && r < dv; ++e) {
-      s[m][e] = state[(v_offset + r) * Dk + lane * (Dk / 32) + e];
-    }
-  }
-  for (uint t = 0; t < args.num_tokens; ++t) {
-    // Two barriers per token suffice: the writes below only race with reads made before the previous token's
-    // second barrier (q/k/v/gates) or after this token's first barrier (o).
-    device const float* x = conv_out + size_t(t) * channels;
-    for (uint i = tid; i < 2 * Dk + dv; i += n_threads) {
-      if (i < Dk) {
-        q_tg[i] = x[key_head * Dk + i];
-      } else if (i < 2 * Dk) {
-        k_tg[i - Dk] = x[key_dim + key_head * Dk + (i - Dk)];
-      } else {
-        v_tg[i - 2 * Dk] = x[2 * key_dim + v_offset + (i - 2 * Dk)];
-      }
-    }
-    if (tid == 0) {
-      gdn_gates<T>(v_head, t, args, b, a, a_log, dt_bias, &beta_tg[0], &decay_tg[0]);
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-
-    float q[Dk / 32];
-    float k[Dk / 32];
-    gdn_normalized_qk<Dk>(q_tg, k_tg, args.l2_eps, q, k, lane);
+  const uint block = Block != 0 ? Block : args.num_tokens;
+  for (uint first = 0; first < args.num_tokens; first += block) {
     for (uint m = 0; m < LILY_GDN_ROWS_PER_SIMDGROUP; ++m) {
       const uint r = sg + m * n_sg;
-      if (r >= dv) {
-        break;  // uniform over the simdgroup: the collectives stay convergent
-      }
-      const float o = gdn_update_row<Dk>(s[m], q, k, decay_tg[0], beta_tg[0], v_tg[r]);
-      if (lane == 0) {
-        o_tg[r] = o;
+      for (uint e = 0; e < Dk / 32 && r < dv; ++e) {
+        s[m][e] = state[(v_offset + r) * Dk + lane * (Dk / 32) + e];
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint t = first; t < min(first + block, args.num_tokens); ++t) {
+      // Two barriers per token suffice: the writes below only race with reads made before the previous token's
+      // second barrier (q/k/v/gates) or after this token's first barrier (o).
+      device const float* x = conv_out + size_t(t) * channels;
+      for (uint i = tid; i < 2 * Dk + dv; i += n_threads) {
+        if (i < Dk) {
+          q_tg[i] = x[key_head * Dk + i];
+        } else if (i < 2 * Dk) {
+          k_tg[i - Dk] = x[key_dim + key_head * Dk + (i - Dk)];
+        } else {
+          v_tg[i - 2 * Dk] = x[2 * key_dim + v_offset + (i - 2 * Dk)];
+        }
+      }
+      if (tid == 0) {
+        gdn_gates<T>(v_head, t, args, b, a, a_log, dt_bias, &beta_tg[0], &decay_tg[0]);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    if (sg == 0) {
-      const size_t offset = size_t(t) * args.num_v_heads * dv + v_offset;
-      gdn_gated_norm<T>(o_tg, z + offset, norm_weight, out + offset, dv, args.norm_eps, lane);
+      float q[Dk / 32];
+      float k[Dk / 32];
+      gdn_normalized_qk<Dk>(q_tg, k_tg, args.l2_eps, q, k, lane);
+      for (uint m = 0; m < LILY_GDN_ROWS_PER_SIMDGROUP; ++m) {
+        const uint r = sg + m * n_sg;
+        if (r >= dv) {
+          break;  // uniform over the simdgroup: the collectives stay convergent
+        }
+        const float o = gdn_update_row<Dk>(s[m], q, k, decay_tg[0], beta_tg[0], v_tg[r]);
+        if (lane == 0) {
+          o_tg[r] = o;
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+
+      if (sg == 0) {
+        const size_t offset = size_t(t) * args.num_v_heads * dv + v_offset;
+        gdn_gated_norm<T>(o_tg, z + offset, norm_weight, out + offset, dv, args.norm_eps, lane);
+      }
     }
-  }
-  for (uint m = 0; m < LILY_GDN_ROWS_PER_SIMDGROUP; ++m) {
-    const uint r = sg + m * n_sg;
-    for (uint e = 0; e < Dk / 32 && r < dv; ++e) {
-      state[(v_offset + r) * Dk + lane * (Dk / 32) + e] = s[m][e];
+    for (uint m = 0; m < LILY_GDN_ROWS_PER_SIMDGROUP; ++m) {
+      const uint r = sg + m * n_sg;
+      for (uint e = 0; e < Dk / 32 && r < dv; ++e) {
+        state[(v_offset + r) * Dk + lane * (Dk / 32) + e] = s[m][e];
+      }
+    }
+    if (Block != 0) {
+      // A device-memory fence between the store and the next block's load: the compiler may not carry the rows in
+      // registers across it, so the ablation really moves the state through memory (each lane reloads its own writes).
+      threadgroup_barrier(mem_flags::mem_device);
     }
   }
 }
@@ -347,13 +365,18 @@ LILY_INSTANTIATE_KERNEL("gated_delta_step_bf16_dk128", gated_delta_step, bfloat,
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_f32_dk128", gated_delta_conv, float, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_f16_dk128", gated_delta_conv, half, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_bf16_dk128", gated_delta_conv, bfloat, 128)
-LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f32_dk128", gated_delta_prefill, float, 128)
-LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f16_dk128", gated_delta_prefill, half, 128)
-LILY_INSTANTIATE_KERNEL("gated_delta_prefill_bf16_dk128", gated_delta_prefill, bfloat, 128)
+LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f32_dk128", gated_delta_prefill, float, 128, 0)
+LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f16_dk128", gated_delta_prefill, half, 128, 0)
+LILY_INSTANTIATE_KERNEL("gated_delta_prefill_bf16_dk128", gated_delta_prefill, bfloat, 128, 0)
 // Demo model and tiny fixtures (Dk = 64: two state elements per lane), float32 and bf16 modes.
 LILY_INSTANTIATE_KERNEL("gated_delta_step_f32_dk64", gated_delta_step, float, 64)
 LILY_INSTANTIATE_KERNEL("gated_delta_step_bf16_dk64", gated_delta_step, bfloat, 64)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_f32_dk64", gated_delta_conv, float, 64)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_bf16_dk64", gated_delta_conv, bfloat, 64)
-LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f32_dk64", gated_delta_prefill, float, 64)
-LILY_INSTANTIATE_KERNEL("gated_delta_prefill_bf16_dk64", gated_delta_prefill, bfloat, 64)
+LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f32_dk64", gated_delta_prefill, float, 64, 0)
+LILY_INSTANTIATE_KERNEL("gated_delta_prefill_bf16_dk64", gated_delta_prefill, bfloat, 64, 0)
+// REGISTER_SCAN off (the ablation): the state round-trips through memory every LILY_GDN_SCAN_BLOCK tokens.
+LILY_INSTANTIATE_KERNEL("gated_delta_prefill_blockwise_f32_dk128", gated_delta_prefill, float, 128, LILY_GDN_SCAN_BLOCK)
+LILY_INSTANTIATE_KERNEL("gated_delta_prefill_blockwise_bf16_dk128", gated_delta_prefill, bfloat, 128, LILY_GDN_SCAN_BLOCK)
+LILY_INSTANTIATE_KERNEL("gated_delta_prefill_blockwise_f32_dk64", gated_delta_prefill, float, 64, LILY_GDN_SCAN_BLOCK)
+LILY_INSTANTIATE_KERNEL("gated_delta_prefill_blockwise_bf16_dk64", gated_delta_prefill, bfloat, 64, LILY_GDN_SCAN_BLOCK)

@@ -87,6 +87,16 @@ struct QMatmulArgs {
 };
 static_assert(sizeof(QMatmulArgs) == 16, "QMatmulArgs layout must match the host and tests");
 
+// dequantize_* (metal/dequantize.metal): out[n, k] = scale * q + bias for the whole [N, K] weight (the
+// IN_GEMM_DEQUANT switch off: a separate pass before the dense mm_* GEMM).
+struct DequantizeArgs {
+  u32 in_features;   // K: a multiple of 64
+  u32 out_features;  // N
+  u32 _pad0;
+  u32 _pad1;
+};
+static_assert(sizeof(DequantizeArgs) == 16, "DequantizeArgs layout must match the host and tests");
+
 // qmv_norm_* (metal/qmatmul.metal): y = W · (rms_norm(x) ⊙ norm_weight), the RMSNorm folded into the GEMV. The norm
 // is over the whole input row (K = in_features elements).
 struct QMatmulNormArgs {
@@ -186,6 +196,9 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 #define LILY_GDN_MAX_HEADS_PER_GROUP 8
 // Causal conv taps (linear_conv_kernel_dim of the model).
 #define LILY_GDN_CONV_KERNEL 4
+// gated_delta_prefill_blockwise (the REGISTER_SCAN ablation): tokens between two state round trips through memory.
+// 16 as in the blockwise scans that preceded register residency; not a tuning point (the ablation's baseline).
+#define LILY_GDN_SCAN_BLOCK 16
 
 // Sampling (metal/sampling.metal). Untuned: no Mac benchmark yet (issue 5).
 // argmax_partial: logits per threadgroup; 248320 / 4096 = 61 threadgroups, few enough for one argmax_final group.
@@ -214,6 +227,8 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // qmm_nax (Metal 4 tensor ops): 32 x 64 output tile, 4 simdgroups each running a 16x32x32 matmul2d.
 #define LILY_QMM_NAX_BM 32
 #define LILY_QMM_NAX_BN 64
+// dequantize: threads per threadgroup, each expanding one packed uint32 word. Untuned: no Mac benchmark yet.
+#define LILY_DEQUANTIZE_THREADS 256
 // embedding_gather: threads per token row (each folds 8 codes per step).
 #define LILY_EMBEDDING_THREADS 256
 

@@ -44,6 +44,12 @@
 //                                          emulation; the host picks it by host name only on M5-class GPUs.
 //                                          UNVERIFIED UNTIL A MAC RUNS IT: the emulation fixes our reading of the API,
 //                                          not Apple's compiler or hardware behaviour.
+//   mm_<dtype>_bm<BM>                      dense prefill GEMM, Y = X W^T with W [N, K] already dequantized in the
+//                                          activation dtype: the IN_GEMM_DEQUANT switch off (docs/engine.md), after
+//                                          dequantize_* (metal/dequantize.metal) wrote W to an engine scratch. The qmm
+//                                          tiles, grid, threads and accumulation, with the W tile copied (widened to
+//                                          fp32) instead of dequantized; never chosen by default (W moves through
+//                                          device memory twice more than with qmm).
 // dtype is the activation dtype (f32, f16, bf16); scales and biases are bf16 (MLX checkpoints) unless the name has
 // _sf32 (f32 scales and biases: checkpoints converted from fp32 weights); qmm_nax takes bf16 scales only. Partial
 // tiles in M and N are handled; out counts need not be multiples of any tile (the shared-expert gate has N = 1).
@@ -106,6 +112,18 @@ inline void dequantize_w_tile(device const uint* weight, device const S* scales,
         tile[r * ld + c0 + e] = w;
       }
     }
+  }
+}
+
+// Copies rows [n0, n0 + rows) x columns [k0, k0 + cols) of a dense W[N, K] into a k-major threadgroup tile
+// (tile[k * ld + n], as simdgroup_load wants W^T), widened to fp32; rows past N are zero.
+template <typename T>
+inline void load_wt_tile(device const T* w, threadgroup float* tile, uint ld, uint rows, uint cols, uint n0, uint k0,
+                         uint N, uint K, uint tid, uint n_threads) {
+  for (uint i = tid; i < rows * cols; i += n_threads) {
+    uint r = i / cols, c = i % cols;
+    uint n = n0 + r;
+    tile[c * ld + r] = n < N ? float(w[size_t(n) * K + k0 + c]) : 0.0f;
   }
 }
 
@@ -334,6 +352,66 @@ template <typename T, typename S, int Bits, int BM>
   lily_qmatmul::store_y_tile(&y_tile[0][0], kLdW, BM, BN, y, row0, n0, M, N, tid, n_threads);
 }
 
+// The qmm GEMM on a dense weight (IN_GEMM_DEQUANT off): same tiles and MMAs, the W tile copied instead of dequantized.
+template <typename T, int BM>
+[[kernel]] void mm(constant lily::QMatmulArgs& args [[buffer(0)]],
+                   device const T* x [[buffer(1)]],
+                   device const T* w [[buffer(2)]],
+                   device T* y [[buffer(3)]],
+                   uint3 tg [[threadgroup_position_in_grid]],
+                   uint tid [[thread_index_in_threadgroup]],
+                   uint n_threads [[threads_per_threadgroup]],
+                   uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float x_tile[BM][LILY_QMM_BK + LILY_QMM_PAD];
+  threadgroup float wt_tile[LILY_QMM_BK][LILY_QMM_BN + LILY_QMM_PAD];
+  threadgroup float y_tile[BM][LILY_QMM_BN + LILY_QMM_PAD];
+  constexpr uint BN = LILY_QMM_BN;
+  constexpr uint BK = LILY_QMM_BK;
+  constexpr uint kLdX = LILY_QMM_BK + LILY_QMM_PAD;
+  constexpr uint kLdW = LILY_QMM_BN + LILY_QMM_PAD;
+  static_assert(BN == 32 && (BM == 16 || BM == 32), "simdgroups own 16 x 16 blocks: (BM / 16) x 2 simdgroups");
+  const uint K = args.in_features;
+  const uint N = args.out_features;
+  const uint M = args.num_rows;
+  const uint row0 = tg.y * BM;
+  const uint n0 = tg.x * BN;
+  const uint sub_row = (simd_group / 2) * 16;
+  const uint sub_col = (simd_group % 2) * 16;
+
+  simdgroup_float8x8 acc[2][2];
+  for (uint i = 0; i < 2; ++i) {
+    for (uint j = 0; j < 2; ++j) {
+      acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+  }
+  for (uint k0 = 0; k0 < K; k0 += BK) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done reading the previous step's tiles
+    lily_qmatmul::load_x_tile(x, &x_tile[0][0], kLdX, BM, BK, row0, k0, M, K, tid, n_threads);
+    lily_qmatmul::load_wt_tile(w, &wt_tile[0][0], kLdW, BN, BK, n0, k0, N, K, tid, n_threads);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint kk = 0; kk < BK; kk += 8) {
+      simdgroup_float8x8 a[2];
+      simdgroup_float8x8 b[2];
+      for (uint i = 0; i < 2; ++i) {
+        simdgroup_load(a[i], &x_tile[sub_row + 8 * i][kk], kLdX);
+        simdgroup_load(b[i], &wt_tile[kk][sub_col + 8 * i], kLdW);
+      }
+      for (uint i = 0; i < 2; ++i) {
+        for (uint j = 0; j < 2; ++j) {
+          simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+        }
+      }
+    }
+  }
+  for (uint i = 0; i < 2; ++i) {
+    for (uint j = 0; j < 2; ++j) {
+      simdgroup_store(acc[i][j], &y_tile[sub_row + 8 * i][sub_col + 8 * j], kLdW);
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  lily_qmatmul::store_y_tile(&y_tile[0][0], kLdW, BM, BN, y, row0, n0, M, N, tid, n_threads);
+}
+
 #if defined(LILY_QMATMUL_HAS_TENSOR_OPS)
 template <typename T, typename S, int Bits>
 [[kernel]] void qmm_nax(constant lily::QMatmulArgs& args [[buffer(0)]],
@@ -456,6 +534,11 @@ LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_bm32", qmm, bfloat, bfloat, 8, 32)
 LILY_INSTANTIATE_KERNEL("qmm_q8_g64_f32_sf32_bm32", qmm, float, float, 8, 32)
 LILY_INSTANTIATE_KERNEL("qmm_q8_g64_f16_sf32_bm32", qmm, half, float, 8, 32)
 LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_sf32_bm32", qmm, bfloat, float, 8, 32)
+
+LILY_INSTANTIATE_KERNEL("mm_f32_bm16", mm, float, 16)
+LILY_INSTANTIATE_KERNEL("mm_bf16_bm16", mm, bfloat, 16)
+LILY_INSTANTIATE_KERNEL("mm_f32_bm32", mm, float, 32)
+LILY_INSTANTIATE_KERNEL("mm_bf16_bm32", mm, bfloat, 32)
 
 #if defined(LILY_QMATMUL_HAS_TENSOR_OPS)
 LILY_INSTANTIATE_KERNEL("qmm_nax_q4_g64_f16", qmm_nax, half, bfloat, 4)

@@ -55,8 +55,12 @@ PRECISIONS = ("bfloat16", "float32")
 # step per token), 32-row GEMM tiles (off: 16-row tiles only), the prefill MoE sort on the GPU (off: a CPU round trip
 # per layer), prompts in chunks of the prefill chunk size (off: one chunk for the whole prompt), decode attention
 # packing the query heads of one KV head per threadgroup (off: one head per threadgroup, each re-reading the cache).
+# Decode attention lanes reading consecutive chunks of a K/V row (coalesced_kv off: the plain lane mapping).
+# Prefill GEMMs dequantizing weight tiles inside the GEMM (in_gemm_dequant off: a dequantize pass, then a dense GEMM).
+# The prefill DeltaNet scan keeping its state in registers (register_scan off: a memory round trip per 16 tokens).
 SWITCHES = ("concurrent", "fused_projections", "fusion", "split_kv", "gpu_token", "batched_prefill", "wide_tiles",
-            "gpu_routing", "chunked_prefill", "gqa_packing")
+            "gpu_routing", "chunked_prefill", "gqa_packing", "coalesced_kv", "in_gemm_dequant",
+            "register_scan")
 # Sizes tests lower to reach rare paths quickly: the split-KV threshold (keys), the KV cache growth step (rows) and
 # the prefill chunk (rows).
 TEST_OPTIONS = ("split_kv_min_keys", "kv_block", "prefill_chunk")
@@ -195,6 +199,27 @@ class MetalState:
         return MetalState(self._backend, self.position, snapshot)
 
 
+def kernel_metallib() -> str | None:
+    """The path of ``lily.metallib`` when this build compiled the kernels ahead of time, else None.
+
+    The build has one kernel-library mode (conventions.md §2 item 17): by default the kernel source embedded in
+    ``_ext`` is compiled at first use; with ``-DLILY_AOT_METALLIB=ON`` the library is installed next to ``_ext`` and
+    found only there. Raises FileNotFoundError naming the path when an AOT build's library is missing.
+    """
+    import importlib.resources
+
+    from lily import _ext
+
+    if not _ext.kernels.aot_metallib:
+        return None
+    path = importlib.resources.files("lily") / "lily.metallib"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"lily was built with LILY_AOT_METALLIB=ON but its kernel library {path} is missing; reinstall lily"
+        )
+    return str(path)
+
+
 class MetalBackend:
     """The ``metal`` backend: ``lily._ext.Engine`` behind the backend interface of docs/architecture.md.
 
@@ -225,7 +250,8 @@ class MetalBackend:
         self.args = checkpoint.args
         self.precision = precision
         try:
-            self._engine = _ext.Engine(engine_config(self.args), precision, chosen, max_context)
+            self._engine = _ext.Engine(engine_config(self.args), precision, chosen, max_context,
+                                       metallib=kernel_metallib())
         except RuntimeError as exc:
             raise ValueError(f"{checkpoint.path}: {exc}") from None
         self._files: dict[str, int] = {}

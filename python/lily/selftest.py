@@ -145,8 +145,9 @@ def _msl():
 def _metal_runner():
     """A ``lily._ext.kernels.Runner`` over the embedded kernels: the Metal API on the default device."""
     from lily._ext import kernels
+    from lily.engine import kernel_metallib
 
-    return kernels.Runner()
+    return kernels.Runner(metallib=kernel_metallib())
 
 
 @dataclass
@@ -307,6 +308,36 @@ def qmv_fused_case(kernel: str) -> Result:
     return compare(kernel, f"M={m} N={n} K={k}", to_f64(y, out_dtype), expected, out_dtype)
 
 
+@case(r"dequantize_q(4|8)_g64_(f32|bf16)(_sf32)?")
+def dequantize_case(kernel: str) -> Result:
+    """The IN_GEMM_DEQUANT ablation's first pass: the whole weight expanded to the activation dtype."""
+    dtype = dtype_of(kernel)
+    rng = _rng(23)
+    n, k = 40, 512
+    qt, weight = _quantized_weight(kernel, n, k, rng)
+    out = poisoned((n, k), dtype)
+    words = qt.weight.size
+    _dispatch(kernel, [struct.pack("<IIII", k, n, 0, 0), *weight, out], (-(-words // 256), 1, 1),
+              (256, 1, 1))  # one packed word per thread, LILY_DEQUANTIZE_THREADS per threadgroup
+    return compare(kernel, f"N={n} K={k}", to_f64(out, dtype), qt.dequantize(), dtype)
+
+
+@case(r"mm_(f32|bf16)_bm(16|32)")
+def mm_case(kernel: str) -> Result:
+    """The IN_GEMM_DEQUANT ablation's dense GEMM: qmm's tiles on an already dequantized weight."""
+    dtype = dtype_of(kernel)
+    rng = _rng(24)
+    bm = int(kernel[-2:])
+    m, n, k = bm + 3, 37, 256  # partial tiles in M and N
+    x = to_device(rng.standard_normal((m, k)), dtype)
+    w = to_device(rng.standard_normal((n, k)) / np.sqrt(k), dtype)
+    y = poisoned((m, n), dtype)
+    _dispatch(kernel, [struct.pack("<IIII", k, n, m, 0), x, w, y], (-(-n // 32), -(-m // bm), 1),
+              (64 if bm == 16 else 128, 1, 1))
+    expected = reference.linear(to_f64(x, dtype).astype(np.float32), to_f64(w, dtype).astype(np.float32))
+    return compare(kernel, f"M={m} N={n} K={k}", to_f64(y, dtype), expected, dtype)
+
+
 @case(r"embedding_gather_q(4|8)_g64_(f32|f16|bf16)(_sf32)?")
 def embedding_case(kernel: str) -> Result:
     dtype, vocab, hidden = dtype_of(kernel), 50, 256
@@ -324,7 +355,8 @@ def embedding_case(kernel: str) -> Result:
 # ---- gated attention (metal/rope.metal, metal/attention.metal, metal/attention_prefill.metal) ----
 
 # Query heads per threadgroup of the packed kernels by head dim (LILY_ATTN_HEADS_PER_GROUP, ..._D64); the
-# attention_decode*_unpacked_* kernels (the GQA-packing ablation) take one.
+# attention_decode*_unpacked_* kernels (the GQA-packing ablation) take one; the *_plain_* ones (coalesced-KV
+# ablation) pack like the default kernels.
 _ATTN_HEADS_PER_GROUP = {256: 4, 64: 2}
 # The KV cache is bf16 except in float32 mode.
 _CACHE_DTYPE = {"f32": "f32", "f16": "bf16", "bf16": "bf16"}
@@ -399,7 +431,7 @@ def _decode_inputs(dtype: str, heads: int, kv_heads: int, keys: int, head_dim: i
     return capacity, q, gate, k_cache, v_cache, expected
 
 
-@case(r"attention_decode_(unpacked_)?(f32|f16|bf16)_d(256|64)")
+@case(r"attention_decode_(unpacked_|plain_)?(f32|f16|bf16)_d(256|64)")
 def attention_decode_case(kernel: str) -> Result:
     dtype, kv_heads, keys = dtype_of(kernel), 2, 45
     d, per_group, heads = _attn_layout(kernel)
@@ -425,7 +457,7 @@ def _block_partials(q: np.ndarray, k: np.ndarray, v: np.ndarray, group: int, blo
     return np.stack(outs, axis=1), np.stack(stats, axis=1)
 
 
-@case(r"attention_decode_(partial|partial_unpacked|combine)_(f32|f16|bf16)_d(256|64)")
+@case(r"attention_decode_(partial|partial_unpacked|partial_plain|combine)_(f32|f16|bf16)_d(256|64)")
 def attention_split_case(kernel: str) -> Result:
     dtype, kv_heads, keys, block = dtype_of(kernel), 2, 45, 16
     d, per_group, heads = _attn_layout(kernel)
@@ -726,12 +758,13 @@ def _gdn_args(tokens: int, hk: int, hv: int, dv: int) -> bytes:
     return struct.pack("<IIIIffII", tokens, hk, hv, dv, 1e-6, 1e-6, 0, 0)  # lily::GatedDeltaArgs
 
 
-@case(r"gated_delta_(step|conv|prefill)_(f32|f16|bf16)_dk(128|64)")
+@case(r"gated_delta_(step|conv|prefill|prefill_blockwise)_(f32|f16|bf16)_dk(128|64)")
 def gated_delta_case(kernel: str) -> Result:
     # One key head with 2 value heads: the model's (dk = dv = 128, 256 state rows) or the demo model's (dk = dv = 64).
     dk = int(re.search(r"_dk(\d+)$", kernel).group(1))
     dtype, hk, hv, dv = dtype_of(kernel), 1, 2, dk
-    tokens = 1 if "_step_" in kernel else 4
+    # The blockwise scan gets more tokens than its 16-token block, so its state makes a round trip through memory.
+    tokens = 1 if "_step_" in kernel else 19 if "_blockwise_" in kernel else 4
     inp = _gdn_inputs(dtype, hk, hv, dk, dv, tokens, _rng(2))
     y, mixed, state = _gdn_reference(inp, dtype, hk, hv, dk, dv)
     args, shape = _gdn_args(tokens, hk, hv, dv), f"T={tokens} Hk={hk} Hv={hv} dk={dk} dv={dv}"

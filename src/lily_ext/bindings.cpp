@@ -68,6 +68,9 @@ lily::Switches switches_from_dict(const nb::dict& d) {
     else if (name == "gpu_routing") s.gpu_routing = nb::cast<bool>(value);
     else if (name == "chunked_prefill") s.chunked_prefill = nb::cast<bool>(value);
     else if (name == "gqa_packing") s.gqa_packing = nb::cast<bool>(value);
+    else if (name == "register_scan") s.register_scan = nb::cast<bool>(value);
+    else if (name == "in_gemm_dequant") s.in_gemm_dequant = nb::cast<bool>(value);
+    else if (name == "coalesced_kv") s.coalesced_kv = nb::cast<bool>(value);
     else throw nb::value_error(("unknown engine switch '" + name + "'").c_str());
   }
   return s;
@@ -258,14 +261,27 @@ std::vector<lily::FunctionConstant> runner_constants(const std::optional<nb::dic
 
 void bind_kernel_runner(nb::module_ m) {
   m.doc() = "Runs one kernel at a time through the Metal API (the real GPU on macOS, the fake Metal on Linux).";
+  // The build's one kernel-library mode: True when lily.metallib was built ahead of time (LILY_AOT_METALLIB).
+#if defined(LILY_AOT_METALLIB)
+  m.attr("aot_metallib") = true;
+#else
+  m.attr("aot_metallib") = false;
+#endif
   nb::class_<lily::KernelRunner>(m, "Runner")
       .def(
           "__init__",
-          [](lily::KernelRunner* runner, const std::optional<std::string>& kernel_source) {
-            new (runner) lily::KernelRunner(kernel_source ? *kernel_source : lily::embedded_kernel_source());
+          [](lily::KernelRunner* runner, const std::optional<std::string>& kernel_source,
+             const std::optional<std::string>& metallib) {
+            std::string source = kernel_source ? *kernel_source : lily::embedded_kernel_source();
+            if (metallib) {
+              new (runner) lily::KernelRunner(lily::MetallibFile{*metallib}, source);
+            } else {
+              new (runner) lily::KernelRunner(source);
+            }
           },
-          nb::arg("kernel_source") = nb::none(),
-          "Opens the default Metal device and compiles kernel_source (default: Lily's embedded kernels).")
+          nb::arg("kernel_source") = nb::none(), nb::arg("metallib") = nb::none(),
+          "Opens the default Metal device and compiles kernel_source (default: Lily's embedded kernels), or,\n"
+          "given metallib (a path), loads that precompiled library; kernel_source then lists its kernels.")
       .def_prop_ro("device_name", &lily::KernelRunner::device_name)
       .def("kernel_names", &lily::KernelRunner::kernel_names, nb::call_guard<nb::gil_scoped_release>(),
            "Kernels instantiated in the source that the compiled library has, sorted.")
@@ -306,11 +322,14 @@ NB_MODULE(_ext, m) {
   nb::class_<lily::Engine>(m, "Engine")
       .def("__init__",
            [](lily::Engine* e, const nb::dict& config, const std::string& precision, const nb::dict& switches,
-              size_t max_context) {
+              size_t max_context, const std::optional<std::string>& metallib) {
+             std::optional<lily::MetallibFile> library;
+             if (metallib) library = lily::MetallibFile{*metallib};
              new (e) lily::Engine(config_from_dict(config), precision_from(precision), switches_from_dict(switches),
-                                  max_context, kernel_source());
+                                  max_context, kernel_source(), library);
            },
-           nb::arg("config"), nb::arg("precision"), nb::arg("switches"), nb::arg("max_context"))
+           nb::arg("config"), nb::arg("precision"), nb::arg("switches"), nb::arg("max_context"),
+           nb::arg("metallib") = nb::none())
       .def("add_file", &lily::Engine::add_file, nb::arg("path"))
       .def("add_owned",
            [](lily::Engine& e, nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> bytes) {

@@ -30,6 +30,11 @@ Device::Device(const std::string& kernel_source)
       queue_(mtl::new_command_queue(device_.get())),
       library_(mtl::new_library_with_source(device_.get(), kernel_source)) {}
 
+Device::Device(const MetallibFile& metallib)
+    : device_(mtl::system_default_device()),
+      queue_(mtl::new_command_queue(device_.get())),
+      library_(mtl::new_library_with_file(device_.get(), metallib.path)) {}
+
 std::string Device::name() const { return mtl::device_name(device_.get()); }
 
 namespace {

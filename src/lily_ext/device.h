@@ -1,6 +1,6 @@
 // The Metal device as the engine sees it: one device, one command queue, the kernel library
-// compiled from source with fast math off, a pipeline cache keyed by (kernel name, function
-// constants), buffers and shared events.
+// (compiled from source with fast math off, or loaded from a metallib built that way), a pipeline
+// cache keyed by (kernel name, function constants), buffers and shared events.
 #pragma once
 
 #include <cstddef>
@@ -82,10 +82,17 @@ struct PipelineCacheStats {
   size_t misses = 0;
 };
 
+// A kernel library compiled ahead of time: the path of a .metallib file.
+struct MetallibFile {
+  std::string path;
+};
+
 class Device {
  public:
   // Opens the system's default Metal device and compiles `kernel_source` (MSL).
   explicit Device(const std::string& kernel_source);
+  // Opens the system's default Metal device and loads the precompiled library `metallib`.
+  explicit Device(const MetallibFile& metallib);
 
   std::string name() const;
   void* handle() const { return device_.get(); }

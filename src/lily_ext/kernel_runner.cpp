@@ -77,6 +77,9 @@ std::vector<std::string> instantiated_kernel_names(const std::string& source) {
 
 KernelRunner::KernelRunner(const std::string& kernel_source) : source_(kernel_source), device_(kernel_source) {}
 
+KernelRunner::KernelRunner(const MetallibFile& metallib, const std::string& kernel_source)
+    : source_(kernel_source), device_(metallib) {}
+
 std::string KernelRunner::device_name() const { return device_.name(); }
 
 // Creates the pipeline of every instantiated kernel (cached for run()). A kernel whose function

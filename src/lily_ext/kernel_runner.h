@@ -34,6 +34,9 @@ class KernelRunner {
   // Opens the default Metal device and compiles `kernel_source`; throws Error with Metal's
   // description if it does not compile.
   explicit KernelRunner(const std::string& kernel_source);
+  // Opens the default Metal device and loads the precompiled library `metallib`; `kernel_source`
+  // is the source it was built from, which lists the kernels it should hold.
+  KernelRunner(const MetallibFile& metallib, const std::string& kernel_source);
 
   std::string device_name() const;
 

@@ -266,6 +266,7 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
   const size_t a = dtype_size(act), H = c.hidden_size;
   ops::Context ctx{g, act, !sw.concurrent, sw.wide_tiles};
   ctx.gqa_packing = sw.gqa_packing;
+  ctx.coalesced_kv = sw.coalesced_kv;
   Span hidden = whole(g, b.hidden), normed = whole(g, b.normed), mixer_out = whole(g, b.mixer_out);
   Span proj = whole(g, b.proj);
   const size_t split_min = sw.split_kv_min_keys ? sw.split_kv_min_keys : tuning::kAttentionSplitMinKeys;
@@ -447,6 +448,15 @@ PrefillBuffers add_prefill_buffers(const ModelConfig& c, Precision precision, si
   return p;
 }
 
+int add_dequant_scratch(Precision precision, const WeightTable& weights, Graph& g) {
+  const size_t a = precision == Precision::Float32 ? 4 : 2;
+  size_t largest = 0;
+  for (const auto& [name, w] : weights) {
+    if (w.bits != 0 && w.experts == 0) largest = std::max(largest, w.rows * w.cols);
+  }
+  return g.add_buffer("prefill dequantized weight", std::max<size_t>(largest * a, 4), BufferRole::Scratch);
+}
+
 SharedExpertRouting shared_expert_routing(size_t tokens, bool wide_tiles) {
   SharedExpertRouting r;
   const size_t bm = ops::moe_tile_rows(static_cast<double>(tokens), wide_tiles);
@@ -466,6 +476,9 @@ void build_prefill_chunk(const ModelConfig& c, Precision precision, const Switch
   const size_t a = dtype_size(act), H = c.hidden_size;
   ops::Context ctx{g, act, !sw.concurrent, sw.wide_tiles};
   ctx.gpu_routing = sw.gpu_routing;
+  ctx.in_gemm_dequant = sw.in_gemm_dequant;
+  if (p.dequant >= 0) ctx.dequant_scratch = whole(g, p.dequant);
+  ctx.register_scan = sw.register_scan;
   auto rows = [&](int buffer, size_t row_bytes) { return Span{buffer, 0, T * row_bytes}; };
   Span hidden = rows(p.hidden, H * a), normed = rows(p.normed, H * a), mixer_out = rows(p.mixer_out, H * a);
   ops::embedding(ctx, rows(p.ids, 4), 0, weight(w, "embed_tokens.weight"), hidden, T);
@@ -631,12 +644,12 @@ MappedFile::~MappedFile() {
 // ---- the engine ----
 
 Engine::Engine(const ModelConfig& config, Precision precision, const Switches& switches, size_t max_context,
-               const std::string& kernel_source)
+               const std::string& kernel_source, const std::optional<MetallibFile>& metallib)
     : config_(config), precision_(precision), switches_(switches), max_context_(max_context) {
   config_.validate();
   config_.check_kernel_shapes();
   if (max_context_ == 0) throw mtl::Error("[engine] max_context must be positive");
-  device_ = std::make_unique<Device>(kernel_source);
+  device_ = metallib ? std::make_unique<Device>(*metallib) : std::make_unique<Device>(kernel_source);
 }
 
 Engine::~Engine() = default;
@@ -852,6 +865,7 @@ void Engine::ensure_prefill_rows(size_t rows) {
   }
   prefill_first_buffer_ = base_.buffers.size();
   prefill_ = add_prefill_buffers(config_, precision_, rows, base_);
+  if (!switches_.in_gemm_dequant) prefill_.dequant = add_dequant_scratch(precision_, weights_, base_);
   for (size_t i = prefill_first_buffer_; i < base_.buffers.size(); ++i) {
     buffers_.push_back(device_->new_buffer(base_.buffers[i].length));
   }

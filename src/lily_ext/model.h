@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,9 @@ struct Switches {
   bool gpu_routing = true;         // GPU_ROUTING: off = prefill MoE pairs sorted on the CPU (a round trip per layer)
   bool chunked_prefill = true;     // CHUNKED_PREFILL: off = a prompt runs as one chunk, however long
   bool gqa_packing = true;         // GQA_PACKING: off = decode attention runs one query head per threadgroup
+  bool register_scan = true;       // REGISTER_SCAN: off = the prefill DeltaNet state round-trips memory per block
+  bool in_gemm_dequant = true;     // IN_GEMM_DEQUANT: off = prefill qmm as a dequantize pass + a dense GEMM
+  bool coalesced_kv = true;        // COALESCED_KV: off = decode attention reads K/V rows with the plain lane mapping
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
   size_t kv_growth_block() const;
@@ -168,8 +172,11 @@ struct PrefillBuffers {
       shared_gate_logit, expert_ids, expert_weights, block_counts, expert_offsets, tile_map, tile_count,
       sorted_pairs, moe_hidden, expert_out, shared_pairs, shared_tile_map, shared_tile_count, ones, shared_hidden,
       shared_out, logits;
+  int dequant = -1;  // dense copy of one weight (IN_GEMM_DEQUANT off only): see add_dequant_scratch
 };
 PrefillBuffers add_prefill_buffers(const ModelConfig& config, Precision precision, size_t max_tokens, Graph& graph);
+// IN_GEMM_DEQUANT off: the buffer prefill GEMMs dequantize into, sized by the largest non-expert quantized weight.
+int add_dequant_scratch(Precision precision, const WeightTable& weights, Graph& graph);
 
 // One prefill chunk: `tokens` ids from p.ids at `position`, every layer with T-row kernels, logits [T, V] into
 // p.logits. Projections run unfused (the T-row kernels read [T, n] blocks, not interleaved rows).
@@ -207,8 +214,9 @@ class MappedFile {
 // one token per command buffer. Not thread-safe.
 class Engine {
  public:
+  // The kernels come from `metallib` when given (an ahead-of-time build), else from `kernel_source`.
   Engine(const ModelConfig& config, Precision precision, const Switches& switches, size_t max_context,
-         const std::string& kernel_source);
+         const std::string& kernel_source, const std::optional<MetallibFile>& metallib = std::nullopt);
   ~Engine();
 
   // Loading. Graph-buffer ids name where a weight's bytes are: a mapped file or a materialised (owned) copy.

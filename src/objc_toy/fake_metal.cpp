@@ -9,6 +9,8 @@
 // API misuse that Metal's validation layer would catch fails the command buffer with a
 // "fake Metal validation" error instead of crashing.
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -95,6 +97,17 @@ id new_string(const std::string& text) {
 
 id string_with_utf8(id, SEL, const char* text) { return objc_toy::autorelease(new_string(text)); }
 const char* string_utf8(id self, SEL) { return self_as<NSStringObject>(self)->text.c_str(); }
+
+// Only file URLs: the path of a metallib.
+struct NSURLObject : Object {
+  std::string path;
+};
+
+id url_file_url_with_path(id, SEL, id path) {
+  auto* url = make_object<NSURLObject>(class_named("NSURL"));
+  url->path = self_as<NSStringObject>(path)->text;
+  return objc_toy::autorelease(url);
+}
 
 struct NSErrorObject : Object {
   Ref description;
@@ -669,6 +682,51 @@ id device_new_library(id, SEL, id source, id options, id* error) {
   return library;
 }
 
+// True when `name` occurs in `text` as a whole identifier.
+bool names_identifier(const std::string& text, const std::string& name) {
+  auto is_word = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+  for (size_t at = text.find(name); at != std::string::npos; at = text.find(name, at + 1)) {
+    bool starts = at == 0 || !is_word(text[at - 1]);
+    bool ends = at + name.size() == text.size() || !is_word(text[at + name.size()]);
+    if (starts && ends) return true;
+  }
+  return false;
+}
+
+// A stand-in metallib: the real format's "MTLB" magic followed by MSL source. The library holds
+// the harness kernels that source names, so a test can tell which file the kernels came from.
+id device_new_library_with_url(id, SEL, id url, id* error) {
+  const std::string& path = self_as<NSURLObject>(url)->path;
+  std::string problem;
+  std::string text;
+  if (std::FILE* file = std::fopen(path.c_str(), "rb")) {
+    char chunk[4096];
+    for (size_t got; (got = std::fread(chunk, 1, sizeof chunk, file)) > 0;) text.append(chunk, got);
+    // A directory opens on Linux and fails on the first read.
+    bool unreadable = std::ferror(file);
+    int read_error = errno;
+    std::fclose(file);
+    if (unreadable) {
+      problem = "Invalid library file: " + path + " cannot be read (" + std::strerror(read_error) + ")";
+    } else if (text.compare(0, 4, "MTLB") != 0) {
+      problem = "Invalid library file: " + path + " is not a metallib (no MTLB header)";
+    }
+  } else {
+    problem = "Invalid library file: " + path + " cannot be read (" + std::strerror(errno) + ")";
+  }
+  if (!problem.empty()) {
+    if (error) *error = make_error(problem);
+    return nullptr;
+  }
+  auto* library = make_object<LibraryObject>(class_named("FakeMTLLibrary"));
+  for (const std::vector<std::string>& names : {msl_rt::kernel_names(), msl_rt::test_kernel_names()}) {
+    for (const std::string& name : names) {
+      if (names_identifier(text, name)) library->kernels.insert(name);
+    }
+  }
+  return library;
+}
+
 id device_new_pipeline(id, SEL, id function_object, id*) {
   auto* function = self_as<FunctionObject>(function_object);
   auto* pipeline = make_object<PipelineObject>(class_named("FakeMTLComputePipelineState"));
@@ -719,6 +777,8 @@ void load_images() {
   Class string = define_class("NSString", root);
   method(string, "stringWithUTF8String:", string_with_utf8, true);
   method(string, "UTF8String", string_utf8);
+  Class url = define_class("NSURL", root);
+  method(url, "fileURLWithPath:", url_file_url_with_path, true);
   Class error = define_class("NSError", root);
   method(error, "localizedDescription", error_localized_description);
 
@@ -736,6 +796,7 @@ void load_images() {
   method(device, "newBufferWithLength:options:", device_new_buffer);
   method(device, "newBufferWithBytesNoCopy:length:options:deallocator:", device_new_buffer_no_copy);
   method(device, "newLibraryWithSource:options:error:", device_new_library);
+  method(device, "newLibraryWithURL:error:", device_new_library_with_url);
   method(device, "newComputePipelineStateWithFunction:error:", device_new_pipeline);
   method(device, "newSharedEvent", device_new_event);
   Class queue = define_class("FakeMTLCommandQueue", root);

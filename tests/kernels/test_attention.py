@@ -8,7 +8,9 @@ and with the model's block of 1024 at 1025 keys; its partials are also checked a
 Outputs and partials start NaN-poisoned; the cache has spare rows past the context holding NaN, so reading a key
 past the context is caught. The head-dim-64 instances (2 heads per threadgroup; demo model: 4/2 heads, fixtures 8/2)
 and the unpacked instances of the GQA-packing ablation (1 head per threadgroup; d256 and d64) run the same single-pass
-and split-KV checks on their own cases, including GQA groups of 2 and 1 head per KV head.
+and split-KV checks on their own cases, including GQA groups of 2 and 1 head per KV head. The plain-mapping instances
+of the coalesced-KV ablation (packed heads, d256 and d64) run single-pass and split-KV checks against the reference
+and against the coalesced kernels.
 """
 
 from __future__ import annotations
@@ -312,3 +314,84 @@ def test_attention_decode_unpacked_matches_packed(kio) -> None:
     unpacked = run_single(inputs, 8, VARIANTS[(256, 1)]["f32"][0], 1)
     assert_close(kio, unpacked, packed, "f32", "unpacked vs packed")
     assert_close(kio, unpacked, inputs.expected(), "f32", "unpacked vs reference")
+
+
+# Coalesced-KV ablation (plain row mapping, packed heads): head dim -> {dtype: (single-pass, partial, combine)}.
+PLAIN = {
+    256: {
+        "f32": ("attention_decode_plain_f32_d256", "attention_decode_partial_plain_f32_d256",
+                "attention_decode_combine_f32_d256"),
+        "bf16": ("attention_decode_plain_bf16_d256", "attention_decode_partial_plain_bf16_d256",
+                 "attention_decode_combine_bf16_d256"),
+    },
+    64: {
+        "f32": ("attention_decode_plain_f32_d64", "attention_decode_partial_plain_f32_d64",
+                "attention_decode_combine_f32_d64"),
+        "bf16": ("attention_decode_plain_bf16_d64", "attention_decode_partial_plain_bf16_d64",
+                 "attention_decode_combine_bf16_d64"),
+    },
+}
+# Heads per threadgroup of the packed kernels by head dim (LILY_ATTN_HEADS_PER_GROUP, ..._D64).
+PACKED_HEADS = {256: HEADS_PER_GROUP, 64: 2}
+PLAIN_CASES = [
+    # (head_dim, heads, kv_heads, keys, simdgroups)
+    (256, 8, 2, 1, 4),  # first token: three simdgroups see no key
+    (256, 16, 2, 33, 3),  # the model's heads (GQA 8), keys not a multiple of the simdgroups
+    (256, 8, 1, 32, 8),
+    (64, 4, 2, 33, 3),  # the demo model's heads
+    (64, 8, 2, 31, 4),
+]
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads,keys,simdgroups", PLAIN_CASES,
+                         ids=[f"d{c[0]}-h{c[1]}x{c[2]}-S{c[3]}-sg{c[4]}" for c in PLAIN_CASES])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_attention_decode_plain(dtype: str, head_dim: int, heads: int, kv_heads: int, keys: int, simdgroups: int,
+                                kio) -> None:
+    """The plain-mapping single-pass kernels against the reference (NaN-poisoned output and spare cache rows)."""
+    rng = np.random.default_rng(31000 + 1000 * keys + 10 * heads + head_dim + simdgroups)
+    inputs = DecodeInputs(kio, dtype, rng, heads, kv_heads, keys, head_dim=head_dim)
+    kernel = PLAIN[head_dim][dtype][0]
+    out = run_single(inputs, simdgroups, kernel, PACKED_HEADS[head_dim])
+    assert_close(kio, out, inputs.expected(), dtype, f"{kernel} S={keys} heads={heads}x{kv_heads}")
+
+
+PLAIN_SPLIT_CASES = [
+    # (head_dim, heads, kv_heads, keys, block_size, simdgroups)
+    (256, 16, 2, 47, 16, 2),  # the model's heads, the last block one short
+    (256, 8, 2, 17, 16, 3),  # a second block of one key
+    (64, 4, 2, 33, 16, 2),
+]
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads,keys,block_size,simdgroups", PLAIN_SPLIT_CASES,
+                         ids=[f"d{c[0]}-h{c[1]}x{c[2]}-S{c[3]}-B{c[4]}" for c in PLAIN_SPLIT_CASES])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_attention_decode_plain_split(dtype: str, head_dim: int, heads: int, kv_heads: int, keys: int,
+                                      block_size: int, simdgroups: int, kio) -> None:
+    """The plain-mapping partial pass: partials and stats against numpy, the combined output against the reference."""
+    rng = np.random.default_rng(37000 + 1000 * keys + 10 * block_size + head_dim)
+    inputs = DecodeInputs(kio, dtype, rng, heads, kv_heads, keys, head_dim=head_dim)
+    _, partial, combine = PLAIN[head_dim][dtype]
+    partial_out, partial_stats, out = run_split(inputs, block_size, simdgroups, 64, (partial, combine),
+                                                PACKED_HEADS[head_dim])
+    expected_out, expected_stats = block_partials(inputs, block_size)
+    what = f"{partial} S={keys} block={block_size}"
+    assert_close(kio, partial_out.astype(np.float64), expected_out, "f32", f"outputs {what}")
+    assert_close(kio, partial_stats.astype(np.float64), expected_stats, "f32", f"stats {what}")
+    assert_close(kio, out, inputs.expected(), dtype, f"{combine} {what}")
+
+
+def test_attention_decode_plain_matches_coalesced(kio) -> None:
+    """The coalesced-KV ablation changes which lane reads which chunk, not the maths: the plain and coalesced kernels
+    agree within fp32 rounding (the dot products' lane partial sums are grouped differently), single pass and split."""
+    inputs = DecodeInputs(kio, "f32", np.random.default_rng(41), 16, 2, 70)
+    coalesced = run_single(inputs, 8)
+    plain = run_single(inputs, 8, PLAIN[256]["f32"][0])
+    assert_close(kio, plain, coalesced, "f32", "plain vs coalesced")
+    _, partial, combine = PLAIN[256]["f32"]
+    coalesced_parts, coalesced_stats, _ = run_split(inputs, 32, 4, 64)
+    plain_parts, plain_stats, plain_split = run_split(inputs, 32, 4, 64, (partial, combine))
+    assert_close(kio, plain_parts.astype(np.float64), coalesced_parts.astype(np.float64), "f32", "plain partials")
+    assert_close(kio, plain_stats.astype(np.float64), coalesced_stats.astype(np.float64), "f32", "plain stats")
+    assert_close(kio, plain_split, inputs.expected(), "f32", "plain split vs reference")

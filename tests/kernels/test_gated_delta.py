@@ -6,7 +6,9 @@ Shapes keep Dk = 128 (the kernel's template parameter) and the model's head grou
 dv and head counts; they also cover Hv/Hk = 1 and 4, rows that do not divide evenly over the simdgroups, the full
 256-row key head and dv = 128 value head, and chunks of 1, 2, 3, 17 tokens continuing from random conv and recurrent
 states. The Dk = 64 instances (demo model and fixtures: Hk 2, Hv 4 or 6, dv 64) run decode steps, chunks and the
-prefill-equals-steps check. Outputs start NaN-poisoned.
+prefill-equals-steps check. The blockwise prefill instances (the REGISTER_SCAN ablation: the state round-trips
+through memory every 16 tokens) run chunks shorter than, equal to and across the block against the reference and
+must give the register-resident kernel's bits. Outputs start NaN-poisoned.
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ PREFILL = {
 STEP_DK64 = {"f32": "gated_delta_step_f32_dk64", "bf16": "gated_delta_step_bf16_dk64"}
 CONV_DK64 = {"f32": "gated_delta_conv_f32_dk64", "bf16": "gated_delta_conv_bf16_dk64"}
 PREFILL_DK64 = {"f32": "gated_delta_prefill_f32_dk64", "bf16": "gated_delta_prefill_bf16_dk64"}
+# The REGISTER_SCAN ablation, instantiated for the engine's modes only (f32, bf16); keyed by (dtype, Dk).
+BLOCKWISE = {
+    ("f32", 128): "gated_delta_prefill_blockwise_f32_dk128",
+    ("bf16", 128): "gated_delta_prefill_blockwise_bf16_dk128",
+    ("f32", 64): "gated_delta_prefill_blockwise_f32_dk64",
+    ("bf16", 64): "gated_delta_prefill_blockwise_bf16_dk64",
+}
+SCAN_BLOCK = 16  # LILY_GDN_SCAN_BLOCK (metal/lily.h): tokens between the blockwise kernel's state round trips
 # The kernels compute in fp32 from rounded inputs and round once: bf16/f16 outputs are within 1 ulp of the rounded
 # reference. fp32 outputs go through ~10 dependent fp32 operations per token, so they get a few ulp, not one.
 F32_CHAIN = {"rtol": 3e-5, "atol": 3e-6, "rel_rms": 5e-6}
@@ -65,7 +75,9 @@ class Layer:
         return 2 * self.hk * self.dk + self.hv * self.dv
 
     def kernel(self, family: str) -> str:
-        """The instance of `family` ("step", "conv" or "prefill") for this layer's dtype and Dk."""
+        """The instance of `family` ("step", "conv", "prefill" or "blockwise") for this layer's dtype and Dk."""
+        if family == "blockwise":
+            return BLOCKWISE[(self.dtype, self.dk)]
         if self.dk == DK:
             return {"step": STEP, "conv": CONV, "prefill": PREFILL}[family][self.dtype]
         return {"step": STEP_DK64, "conv": CONV_DK64, "prefill": PREFILL_DK64}[family][self.dtype]
@@ -134,8 +146,10 @@ def run_step(layer: Layer, token: dict[str, np.ndarray], threads: int, kio, seed
     return out
 
 
-def run_prefill(layer: Layer, tokens: dict[str, np.ndarray], threads: int, kio, seed: int = 0) -> np.ndarray:
-    """gated_delta_conv then gated_delta_prefill over one chunk; updates the layer's states in place."""
+def run_prefill(layer: Layer, tokens: dict[str, np.ndarray], threads: int, kio, seed: int = 0,
+                scan: str = "prefill") -> np.ndarray:
+    """gated_delta_conv then the `scan` kernel ("prefill" or "blockwise") over one chunk; updates the layer's states
+    in place."""
     t = tokens["qkv"].shape[0]
     conv_out = np.full((t, layer.channels), np.nan, np.float32)
     args = gdn_args(t, layer.hk, layer.hv, layer.dv)
@@ -143,7 +157,7 @@ def run_prefill(layer: Layer, tokens: dict[str, np.ndarray], threads: int, kio, 
                  (-(-layer.channels // 64), 1, 1), (64, 1, 1), seed=seed)
     out = kio.poisoned((t, layer.hv * layer.dv), layer.dtype)
     msl.dispatch(
-        layer.kernel("prefill"),
+        layer.kernel(scan),
         [args, conv_out, tokens["z"], tokens["b"], tokens["a"], layer.a_log, layer.dt_bias, layer.norm_weight,
          layer.state, out],
         (layer.hv, 1, 1), (threads, 1, 1), seed=seed,
@@ -339,3 +353,47 @@ def test_prefill_equals_decode_steps_bitwise_dk64(dtype: str, kio) -> None:
     assert np.array_equal(outs, out)
     assert np.array_equal(stepped.conv_state, prefilled.conv_state)
     assert np.array_equal(stepped.state, prefilled.state)
+
+
+# (Dk, Hv, dv, tokens, extra simdgroups): one token; a chunk shorter than the block; exactly one block; one token
+# past it; two blocks and a partial third; Dk = 64 (demo model) with dv 33 rows over uneven simdgroups.
+BLOCKWISE_SHAPES = [(128, 4, 32, 1, 0), (128, 2, 33, 15, 1), (128, 4, 32, 16, 0), (128, 2, 32, 17, 0),
+                    (128, 2, 32, 33, 1), (64, 4, 64, 17, 0), (64, 6, 33, 32, 0)]
+
+
+@pytest.mark.parametrize("dk,hv,dv,num_tokens,extra", BLOCKWISE_SHAPES,
+                         ids=[f"dk{a}-hv{b}-dv{c}-T{d}-x{e}" for a, b, c, d, e in BLOCKWISE_SHAPES])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_gated_delta_prefill_blockwise(dtype: str, dk: int, hv: int, dv: int, num_tokens: int, extra: int,
+                                       kio) -> None:
+    """gated_delta_prefill_blockwise_*: against the reference, and bit-identical to the register-resident scan
+    (same arithmetic; the state only passes through memory between blocks, exact in fp32)."""
+    rng = np.random.default_rng(700 + num_tokens + dv + dk + 7 * DTYPES.index(dtype))
+    blockwise = make_layer(rng, 2, hv, dv, dtype, kio, dk=dk)
+    start, registers = copy_layer(blockwise), copy_layer(blockwise)
+    tokens = make_tokens(rng, blockwise, num_tokens, kio)
+    threads = prefill_threads(blockwise, extra)
+    out = run_prefill(blockwise, tokens, threads, kio, seed=3, scan="blockwise")
+    check_against_reference(blockwise, start, tokens, out, kio, f"{blockwise.kernel('blockwise')} T={num_tokens}")
+    expected = run_prefill(registers, tokens, prefill_threads(registers), kio, seed=5)
+    assert np.array_equal(out, expected), "blockwise and register scans differ in the output"
+    assert np.array_equal(blockwise.state, registers.state), "blockwise and register scans differ in the state"
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_gated_delta_prefill_blockwise_in_chunks_equals_steps(dtype: str, kio) -> None:
+    """A sequence start (zero states) in two blockwise chunks of 18 + 3 tokens gives the decode steps' bits."""
+    rng = np.random.default_rng(81 + DTYPES.index(dtype))
+    stepped = make_layer(rng, 1, 2, 32, dtype, kio, fresh=True)
+    chunked = copy_layer(stepped)
+    tokens = make_tokens(rng, stepped, SCAN_BLOCK + 5, kio)
+    outs = np.concatenate([run_step(stepped, {n: x[t : t + 1] for n, x in tokens.items()}, 64, kio, seed=t)
+                           for t in range(SCAN_BLOCK + 5)])
+    split = SCAN_BLOCK + 2
+    first = run_prefill(chunked, {n: x[:split] for n, x in tokens.items()}, prefill_threads(chunked), kio,
+                        scan="blockwise")
+    second = run_prefill(chunked, {n: x[split:] for n, x in tokens.items()}, prefill_threads(chunked, 1), kio,
+                         seed=2, scan="blockwise")
+    assert np.array_equal(outs, np.concatenate([first, second]))
+    assert np.array_equal(stepped.conv_state, chunked.conv_state)
+    assert np.array_equal(stepped.state, chunked.state)

@@ -40,6 +40,8 @@ const SEL length = sel_registerName("length");
 const SEL set_math_mode = sel_registerName("setMathMode:");
 const SEL set_fast_math_enabled = sel_registerName("setFastMathEnabled:");
 const SEL new_library_with_source = sel_registerName("newLibraryWithSource:options:error:");
+const SEL file_url_with_path = sel_registerName("fileURLWithPath:");
+const SEL new_library_with_url = sel_registerName("newLibraryWithURL:error:");
 const SEL set_constant_value = sel_registerName("setConstantValue:type:atIndex:");
 const SEL new_function = sel_registerName("newFunctionWithName:constantValues:error:");
 const SEL new_pipeline = sel_registerName("newComputePipelineStateWithFunction:error:");
@@ -235,6 +237,15 @@ Object new_library_with_source(void* device, const std::string& source) {
   void* library = send<void*>(device, sel::new_library_with_source, make_ns_string(source),
                               options.get(), &error);
   return adopt_or_throw(library, error, "cannot compile the kernel library");
+}
+
+Object new_library_with_file(void* device, const std::string& path) {
+  AutoreleasePool pool;
+  static Class url_class = lookup_class("NSURL");
+  void* url = send<void*>(url_class, sel::file_url_with_path, make_ns_string(path));
+  void* error = nullptr;
+  void* library = send<void*>(device, sel::new_library_with_url, url, &error);
+  return adopt_or_throw(library, error, "cannot load the kernel library " + path);
 }
 
 Object new_function_constant_values() {

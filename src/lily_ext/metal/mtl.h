@@ -102,6 +102,8 @@ size_t buffer_length(void* buffer);
 // Kernel library compiled at run time from source, with fast math off (MTLMathModeSafe on
 // macOS 15+, fastMathEnabled = NO before).
 Object new_library_with_source(void* device, const std::string& source);
+// Kernel library compiled ahead of time (a .metallib file at `path`, built with fast math off).
+Object new_library_with_file(void* device, const std::string& path);
 Object new_function_constant_values();
 // `value` points at a value of `type` (bool as one byte, Int as int32_t, ...).
 void set_function_constant(void* values, const void* value, DataType type, size_t index);

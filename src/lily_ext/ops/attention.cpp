@@ -81,7 +81,8 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   // GQA packing off (the ablation): the *_unpacked_* kernels, one query head per threadgroup.
   const size_t heads_per_group = attention_heads_per_group(c, ctx.gqa_packing);
   const size_t packs = (c.num_heads + heads_per_group - 1) / heads_per_group;
-  const std::string variant = ctx.gqa_packing ? "" : "unpacked_";
+  // Coalesced KV off (the ablation, packed kernels only): the *_plain_* kernels, the uncoalesced lane mapping.
+  const std::string variant = !ctx.gqa_packing ? "unpacked_" : ctx.coalesced_kv ? "" : "plain_";
   std::vector<Span> reads = {s.q, s.gate};
   reads.insert(reads.end(), cache_prefix.begin(), cache_prefix.end());
   if (!split) {

@@ -1,4 +1,4 @@
-// gated_delta_conv_<dtype>_dk<Dk>, gated_delta_prefill_<dtype>_dk<Dk> (metal/gated_delta.metal): T tokens.
+// gated_delta_conv_<dtype>_dk<Dk>, gated_delta_prefill[_blockwise]_<dtype>_dk<Dk> (metal/gated_delta.metal).
 #include "../../../metal/lily.h"
 #include "../tuning.h"
 #include "ops.h"
@@ -20,14 +20,23 @@ void gated_delta_prefill(Context& ctx, const ModelConfig& c, const std::string& 
            {arg_value(a), arg(s.qkv), arg(s.conv_weight->data), arg(s.conv_state), arg(s.conv_out)},
            {(channels + tuning::kGdnConvThreads - 1) / tuning::kGdnConvThreads, 1, 1}, {tuning::kGdnConvThreads, 1, 1},
            {s.qkv, s.conv_weight->data, s.conv_state}, {s.conv_state, s.conv_out});
-  // One threadgroup per value head; each simdgroup keeps LILY_GDN_ROWS_PER_SIMDGROUP state rows in registers.
+  // One threadgroup per value head; each simdgroup keeps LILY_GDN_ROWS_PER_SIMDGROUP state rows in registers, for
+  // the whole chunk, or (REGISTER_SCAN off) for LILY_GDN_SCAN_BLOCK tokens between round trips through memory.
   const size_t simdgroups = (c.gdn_v_dim + tuning::kGdnRowsPerSimdgroup - 1) / tuning::kGdnRowsPerSimdgroup;
-  add_node(ctx, "gated_delta_prefill_" + suffix, label,
-           {arg_value(a), arg(s.conv_out), arg(s.z), arg(s.b), arg(s.a), arg(s.a_log->data), arg(s.dt_bias->data),
-            arg(s.norm_weight->data), arg(s.recurrent_state), arg(s.out)},
-           {c.gdn_v_heads, 1, 1}, {32 * simdgroups, 1, 1},
-           {s.conv_out, s.z, s.b, s.a, s.a_log->data, s.dt_bias->data, s.norm_weight->data, s.recurrent_state},
-           {s.recurrent_state, s.out});
+  const std::string variant = ctx.register_scan ? "" : "blockwise_";
+  Node& scan = add_node(ctx, "gated_delta_prefill_" + variant + suffix, label,
+                        {arg_value(a), arg(s.conv_out), arg(s.z), arg(s.b), arg(s.a), arg(s.a_log->data),
+                         arg(s.dt_bias->data), arg(s.norm_weight->data), arg(s.recurrent_state), arg(s.out)},
+                        {c.gdn_v_heads, 1, 1}, {32 * simdgroups, 1, 1},
+                        {s.conv_out, s.z, s.b, s.a, s.a_log->data, s.dt_bias->data, s.norm_weight->data,
+                         s.recurrent_state},
+                        {s.recurrent_state, s.out});
+  if (!ctx.register_scan) {
+    // The state is read and written once per block, not once per chunk: the traffic the ablation measures.
+    const size_t extra_trips = (tokens + LILY_GDN_SCAN_BLOCK - 1) / LILY_GDN_SCAN_BLOCK - 1;
+    scan.traffic_read += extra_trips * s.recurrent_state.length;
+    scan.traffic_written += extra_trips * s.recurrent_state.length;
+  }
 }
 
 }  // namespace lily::ops

@@ -17,6 +17,10 @@ struct Context {
   bool wide_tiles = true;  // 32-row GEMM tiles allowed (the WIDE_TILES switch)
   bool gpu_routing = true;  // prefill MoE pairs sorted on the GPU; off = a HostMoeSort step (the GPU_ROUTING switch)
   bool gqa_packing = true;  // decode attention packs query heads of one KV head per threadgroup (GQA_PACKING)
+  bool register_scan = true;  // prefill DeltaNet scan keeps the state in registers per chunk (REGISTER_SCAN)
+  bool in_gemm_dequant = true;  // prefill GEMMs dequantize W tiles inside the GEMM (IN_GEMM_DEQUANT)
+  Span dequant_scratch{};   // IN_GEMM_DEQUANT off: prefill GEMMs dequantize W here, then run mm_* (else unused)
+  bool coalesced_kv = true;  // decode attention lanes read consecutive chunks of a K/V row (COALESCED_KV)
 };
 
 // Appends a node; traffic defaults to the declared ranges.
