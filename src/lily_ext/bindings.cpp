@@ -189,53 +189,9 @@ nb::dict counts_dict(const lily::Graph& graph) {
 #include <optional>
 
 #include "kernel_runner.h"
+#include "py_args.h"
 
 namespace {
-
-// The numpy arrays (device buffers) and bytes (setBytes data) of one run, as msl.dispatch takes
-// them; holds the arrays' buffer views until the run is over.
-class RunnerArguments {
- public:
-  RunnerArguments(const std::string& kernel, const nb::list& args) {
-    views_.reserve(args.size());
-    for (size_t i = 0; i < args.size(); ++i) add(kernel, i, args[i]);
-  }
-  ~RunnerArguments() {
-    for (Py_buffer& view : views_) PyBuffer_Release(&view);
-  }
-  RunnerArguments(const RunnerArguments&) = delete;
-  RunnerArguments& operator=(const RunnerArguments&) = delete;
-  const std::vector<lily::KernelArgument>& arguments() const { return arguments_; }
-
- private:
-  void add(const std::string& kernel, size_t i, nb::handle obj) {
-    if (PyBytes_Check(obj.ptr())) {
-      arguments_.push_back({PyBytes_AS_STRING(obj.ptr()), size_t(PyBytes_GET_SIZE(obj.ptr())), true});
-      return;
-    }
-    const std::string slot = "kernel '" + kernel + "' args[" + std::to_string(i) + "]: ";
-    Py_buffer view;
-    if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
-      PyErr_Clear();
-      std::string type = nb::type_name(obj.type()).c_str();
-      if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_STRIDES) != 0) {
-        PyErr_Clear();
-        throw nb::type_error((slot + "expected a numpy array (a device buffer) or bytes (setBytes data); got " +
-                              type).c_str());
-      }
-      bool readonly = view.readonly;
-      PyBuffer_Release(&view);
-      throw nb::value_error((slot + "the " + type + " is " +
-                             (readonly ? "read-only; device buffers are copied back into it"
-                                       : "not C-contiguous; pass numpy.ascontiguousarray(...)")).c_str());
-    }
-    views_.push_back(view);
-    arguments_.push_back({view.buf, size_t(view.len), false});
-  }
-
-  std::vector<Py_buffer> views_;
-  std::vector<lily::KernelArgument> arguments_;
-};
 
 // {index: bool} -> Bool constants; {index: int} -> Int constants (as _test_engine takes them).
 std::vector<lily::FunctionConstant> runner_constants(const std::optional<nb::dict>& constants) {
@@ -293,10 +249,11 @@ void bind_kernel_runner(nb::module_ m) {
           [](lily::KernelRunner& runner, const std::string& name, const nb::list& args,
              std::array<size_t, 3> threadgroups, std::array<size_t, 3> threads,
              const std::optional<nb::dict>& constants) {
-            RunnerArguments bound(name, args);
+            lily::py_args::BufferArguments<lily::KernelArgument> bound(
+                name, args, "copied back into it", lily::py_args::NotBufferError::TypeError);
             std::vector<lily::FunctionConstant> values = runner_constants(constants);
             nb::gil_scoped_release release;
-            runner.run(name, bound.arguments(), {threadgroups[0], threadgroups[1], threadgroups[2]},
+            runner.run(name, bound.bindings(), {threadgroups[0], threadgroups[1], threadgroups[2]},
                        {threads[0], threads[1], threads[2]}, std::move(values));
           },
           nb::arg("name"), nb::arg("args"), nb::arg("threadgroups"), nb::arg("threads_per_threadgroup"),

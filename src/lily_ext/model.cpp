@@ -258,6 +258,28 @@ const WeightRef& weight(const WeightTable& w, const std::string& name) {
   return found->second;
 }
 
+// The routed (switch_mlp) and shared expert weights of the MoE block `m` ("layers.N.mlp."); decode (MoeSpans) and
+// prefill (MoePrefillSpans) name them alike.
+template <typename MoeSpansT>
+void bind_expert_weights(const WeightTable& w, const std::string& m, MoeSpansT& mo) {
+  mo.gate = &weight(w, m + "switch_mlp.gate_proj.weight");
+  mo.up = &weight(w, m + "switch_mlp.up_proj.weight");
+  mo.down = &weight(w, m + "switch_mlp.down_proj.weight");
+  mo.shared_gate = &weight(w, m + "shared_expert.gate_proj.weight");
+  mo.shared_up = &weight(w, m + "shared_expert.up_proj.weight");
+  mo.shared_down = &weight(w, m + "shared_expert.down_proj.weight");
+}
+
+// The Gated DeltaNet weights of the mixer `s` ("layers.N.linear_attn."); decode (GatedDeltaSpans) and prefill
+// (GatedDeltaPrefillSpans) name them alike.
+template <typename GatedDeltaSpansT>
+void bind_deltanet_weights(const WeightTable& w, const std::string& s, GatedDeltaSpansT& gd) {
+  gd.conv_weight = &weight(w, s + "conv1d.weight");
+  gd.a_log = &weight(w, s + "A_log");
+  gd.dt_bias = &weight(w, s + "dt_bias");
+  gd.norm_weight = &weight(w, s + "norm.weight");
+}
+
 }  // namespace
 
 void build_decode_step(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,
@@ -355,10 +377,7 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
       gd.out = whole(g, b.gdn_out);
       gd.conv_state = whole(g, b.conv_state[i]);
       gd.recurrent_state = whole(g, b.recurrent_state[i]);
-      gd.conv_weight = &weight(w, s + "conv1d.weight");
-      gd.a_log = &weight(w, s + "A_log");
-      gd.dt_bias = &weight(w, s + "dt_bias");
-      gd.norm_weight = &weight(w, s + "norm.weight");
+      bind_deltanet_weights(w, s, gd);
       ops::gated_delta_step(ctx, c, p + "deltanet", gd);
       out_projection(s + "out_proj", gd.out, weight(w, s + "out_proj.weight"));
     }
@@ -380,12 +399,7 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
     mo.expert_weights = whole(g, b.expert_weights);
     mo.hidden = whole(g, b.moe_hidden);
     mo.residual_out = hidden;
-    mo.gate = &weight(w, m + "switch_mlp.gate_proj.weight");
-    mo.up = &weight(w, m + "switch_mlp.up_proj.weight");
-    mo.down = &weight(w, m + "switch_mlp.down_proj.weight");
-    mo.shared_gate = &weight(w, m + "shared_expert.gate_proj.weight");
-    mo.shared_up = &weight(w, m + "shared_expert.up_proj.weight");
-    mo.shared_down = &weight(w, m + "shared_expert.down_proj.weight");
+    bind_expert_weights(w, m, mo);
     if (fuse) {
       ops::moe_decode_routed(ctx, c, p + "moe", mo, post_norm, c.eps);
     } else {
@@ -515,10 +529,7 @@ void build_prefill_chunk(const ModelConfig& c, Precision precision, const Switch
       gd.out = rows(p.gdn_out, c.gdn_v_heads * c.gdn_v_dim * a);
       gd.conv_state = whole(g, state.conv_state[i]);
       gd.recurrent_state = whole(g, state.recurrent_state[i]);
-      gd.conv_weight = &weight(w, s + "conv1d.weight");
-      gd.a_log = &weight(w, s + "A_log");
-      gd.dt_bias = &weight(w, s + "dt_bias");
-      gd.norm_weight = &weight(w, s + "norm.weight");
+      bind_deltanet_weights(w, s, gd);
       ops::qmatmul(ctx, s + "in_proj_qkv", normed, weight(w, s + "in_proj_qkv.weight"), gd.qkv, T, act);
       ops::qmatmul(ctx, s + "in_proj_z", normed, weight(w, s + "in_proj_z.weight"), gd.z, T, act);
       ops::qmatmul(ctx, s + "in_proj_b", normed, weight(w, s + "in_proj_b.weight"), gd.b, T, act);
@@ -552,12 +563,7 @@ void build_prefill_chunk(const ModelConfig& c, Precision precision, const Switch
     mo.shared_hidden = whole(g, p.shared_hidden);
     mo.shared_out = whole(g, p.shared_out);
     mo.residual_out = hidden;
-    mo.gate = &weight(w, m + "switch_mlp.gate_proj.weight");
-    mo.up = &weight(w, m + "switch_mlp.up_proj.weight");
-    mo.down = &weight(w, m + "switch_mlp.down_proj.weight");
-    mo.shared_gate = &weight(w, m + "shared_expert.gate_proj.weight");
-    mo.shared_up = &weight(w, m + "shared_expert.up_proj.weight");
-    mo.shared_down = &weight(w, m + "shared_expert.down_proj.weight");
+    bind_expert_weights(w, m, mo);
     ops::moe_prefill(ctx, c, pre + "moe", mo, T);
   }
   ops::rms_norm(ctx, "norm", hidden, weight(w, "norm.weight"), normed, T, H, c.eps);

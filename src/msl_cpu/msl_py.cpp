@@ -9,9 +9,9 @@
 
 #include <array>
 #include <optional>
-#include <stdexcept>
 #include <string>
 
+#include "../lily_ext/py_args.h"
 #include "msl_rt.h"
 
 namespace nb = nanobind;
@@ -20,55 +20,12 @@ using namespace nb::literals;
 namespace msl_py {
 namespace {
 
-// Holds the buffer views of the arguments for the duration of a dispatch.
-class BoundArgs {
- public:
-  explicit BoundArgs(const std::string& name, nb::list args) {
-    views_.reserve(args.size());
-    for (size_t i = 0; i < args.size(); ++i) bind(name, i, args[i]);
-  }
-  ~BoundArgs() {
-    for (Py_buffer& v : views_) PyBuffer_Release(&v);
-  }
-  BoundArgs(const BoundArgs&) = delete;
-  BoundArgs& operator=(const BoundArgs&) = delete;
-  const std::vector<msl_rt::Binding>& bindings() const { return bindings_; }
-
- private:
-  void bind(const std::string& name, size_t i, nb::handle obj) {
-    std::string slot = "kernel '" + name + "' args[" + std::to_string(i) + "]";
-    if (PyBytes_Check(obj.ptr())) {
-      bindings_.push_back({PyBytes_AS_STRING(obj.ptr()), size_t(PyBytes_GET_SIZE(obj.ptr())), true});
-      return;
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
-      PyErr_Clear();
-      std::string type = nb::type_name(obj.type()).c_str();
-      if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_STRIDES) != 0) {
-        PyErr_Clear();
-        throw std::invalid_argument(slot + ": expected a numpy array (a device buffer) or bytes (setBytes data); got " +
-                                    type);
-      }
-      bool readonly = view.readonly;
-      PyBuffer_Release(&view);
-      throw std::invalid_argument(slot + ": the " + type + " is " +
-                                  (readonly ? "read-only; device buffers are written in place"
-                                            : "not C-contiguous; pass numpy.ascontiguousarray(...)"));
-    }
-    views_.push_back(view);
-    bindings_.push_back({view.buf, size_t(view.len), false});
-  }
-
-  std::vector<Py_buffer> views_;
-  std::vector<msl_rt::Binding> bindings_;
-};
-
 void dispatch(const std::string& name, nb::list args, std::array<uint32_t, 3> threadgroups,
               std::array<uint32_t, 3> threads_per_threadgroup, std::optional<std::map<int, int64_t>> constants,
               bool random_schedule, uint64_t seed, bool poison_threadgroup_memory, bool guard,
               std::optional<std::vector<size_t>> threadgroup_memory) {
-  BoundArgs bound(name, args);
+  lily::py_args::BufferArguments<msl_rt::Binding> bound(name, args, "written in place",
+                                                        lily::py_args::NotBufferError::ValueError);
   msl_rt::DispatchOptions opts;
   opts.random_schedule = random_schedule;
   opts.seed = seed;

@@ -112,6 +112,19 @@ class DecodeLayer:
         self.shared_up = quantized_weight(rng, (shared, hidden), kio, scales)
         self.shared_down = quantized_weight(rng, (hidden, shared), kio, scales)
 
+    def reference_weights(self, router: np.ndarray, shared_gate: np.ndarray) -> dict[str, object]:
+        """The layer's tensors, with the router and shared-expert gate, by the names lily.reference.moe reads."""
+        return {
+            "gate.weight": router,
+            "switch_mlp.gate_proj.weight": self.gate.tensor,
+            "switch_mlp.up_proj.weight": self.up.tensor,
+            "switch_mlp.down_proj.weight": self.down.tensor,
+            "shared_expert.gate_proj.weight": self.shared_gate.tensor,
+            "shared_expert.up_proj.weight": self.shared_up.tensor,
+            "shared_expert.down_proj.weight": self.shared_down.tensor,
+            "shared_expert_gate.weight": shared_gate,
+        }
+
 
 def gate_up(layer: DecodeLayer, args: bytes, x: np.ndarray, ids: np.ndarray, k: int, expert: int, shared: int,
             dtype: str) -> np.ndarray:
@@ -215,16 +228,7 @@ def test_moe_decode_matches_reference_moe(dtype: str, kio) -> None:
     out = kio.poisoned((hidden,), dtype)
     down_combine(layer, args, hidden_act, ids[0], weights[0], gate_logit, residual, out, dtype, hidden)
 
-    weights_by_name = {
-        "gate.weight": router,
-        "switch_mlp.gate_proj.weight": layer.gate.tensor,
-        "switch_mlp.up_proj.weight": layer.up.tensor,
-        "switch_mlp.down_proj.weight": layer.down.tensor,
-        "shared_expert.gate_proj.weight": layer.shared_gate.tensor,
-        "shared_expert.up_proj.weight": layer.shared_up.tensor,
-        "shared_expert.down_proj.weight": layer.shared_down.tensor,
-        "shared_expert_gate.weight": shared_gate_w,
-    }
+    weights_by_name = layer.reference_weights(router, shared_gate_w)
     expected = kio.to_f64(residual, dtype) + reference.moe(xs, weights_by_name, num_experts_per_tok=k)[0]
     assert_close_dot(kio, kio.to_f64(out, dtype), kio.round(expected, dtype), dtype, f"decode MoE {dtype}")
 
@@ -371,16 +375,8 @@ def test_moe_routed_decode_matches_reference_moe(dtype: str, kio) -> None:
     logits = np.concatenate([reference.linear(normed, router)[0], reference.linear(normed, shared_gate_w)[0]])
     ids, weights, hidden_act = gate_up_routed(layer, stream, norm_weight, logits, k, num_experts, hidden, expert,
                                               shared, dtype)
-    expected = kio.to_f64(stream, dtype) + reference.moe(normed, {
-        "gate.weight": router,
-        "switch_mlp.gate_proj.weight": layer.gate.tensor,
-        "switch_mlp.up_proj.weight": layer.up.tensor,
-        "switch_mlp.down_proj.weight": layer.down.tensor,
-        "shared_expert.gate_proj.weight": layer.shared_gate.tensor,
-        "shared_expert.up_proj.weight": layer.shared_up.tensor,
-        "shared_expert.down_proj.weight": layer.shared_down.tensor,
-        "shared_expert_gate.weight": shared_gate_w,
-    }, num_experts_per_tok=k)[0]
+    expected = kio.to_f64(stream, dtype) + reference.moe(
+        normed, layer.reference_weights(router, shared_gate_w), num_experts_per_tok=k)[0]
     args = moe_args(1, num_experts, k, hidden, expert, shared)
     down_combine(layer, args, hidden_act, ids, weights, logits[num_experts:], stream, stream, dtype, hidden)
     assert_close_dot(kio, kio.to_f64(stream, dtype), kio.round(expected, dtype), dtype, f"fused decode MoE {dtype}")

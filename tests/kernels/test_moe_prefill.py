@@ -190,12 +190,16 @@ class PrefillLayer:
         self.up = quantized_weight(rng, (num_experts, expert, hidden), kio, scales)
         self.down = quantized_weight(rng, (num_experts, hidden, expert), kio, scales)
 
+    def gemm_args(self, routing: Routing) -> bytes:
+        """The grouped-GEMM kernels' arguments for this layer's shapes under `routing` (no shared expert)."""
+        return moe_args(routing.num_rows, routing.num_experts, routing.top_k, self.hidden, self.expert, 0,
+                        routing.tile_rows, routing.max_tiles)
+
 
 def run_gate_up(layer: PrefillLayer, routing: Routing, x: np.ndarray, dtype: str, kio, seed: int = 0) -> np.ndarray:
     pairs = routing.num_rows * routing.top_k
     h = kio.poisoned((pairs, layer.expert), dtype)
-    args = moe_args(routing.num_rows, routing.num_experts, routing.top_k, layer.hidden, layer.expert, 0,
-                    routing.tile_rows, routing.max_tiles)
+    args = layer.gemm_args(routing)
     msl.dispatch(
         GATE_UP[dtype, layer.scales, routing.tile_rows],
         [args, x, routing.sorted_pairs, routing.tile_map, routing.tile_count, *layer.gate.buffers(),
@@ -210,8 +214,7 @@ def run_gate_up(layer: PrefillLayer, routing: Routing, x: np.ndarray, dtype: str
 def run_down(layer: PrefillLayer, routing: Routing, h: np.ndarray, dtype: str, kio, seed: int = 0) -> np.ndarray:
     pairs = routing.num_rows * routing.top_k
     y = kio.poisoned((pairs, layer.hidden), dtype)
-    args = moe_args(routing.num_rows, routing.num_experts, routing.top_k, layer.hidden, layer.expert, 0,
-                    routing.tile_rows, routing.max_tiles)
+    args = layer.gemm_args(routing)
     msl.dispatch(
         DOWN[dtype, layer.scales, routing.tile_rows],
         [args, h, routing.sorted_pairs, routing.tile_map, routing.tile_count, routing.weights.reshape(-1),

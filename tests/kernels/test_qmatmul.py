@@ -119,23 +119,8 @@ def assert_matmul_close(y: np.ndarray, x: np.ndarray, weight, dtype: str, kio, w
     cancellation (|y| much smaller than that sum) this exceeds the one-rounding tolerance of the table, so the
     allowance is added to the element bound and to the relative RMS bound. NaN anywhere fails.
     """
-    tol = kio.tolerances[dtype]
-    actual = kio.to_f64(y, dtype)
-    expected = expected_output(x, weight, dtype, kio)
-    assert not np.isnan(actual).any(), f"{what}: NaN at {np.argwhere(np.isnan(actual))[:5].tolist()}"
-    k = x.shape[-1]
-    allowance = ACCUMULATION_ULPS * np.sqrt(k) * 2.0**-24 * accumulation_magnitude(x, weight, dtype, kio)
-    err = np.abs(actual - expected)
-    limit = tol.atol + tol.rtol * np.abs(expected) + allowance
-    worst = np.unravel_index(int(np.argmax(err - limit)), err.shape)
-    assert (err <= limit).all(), (
-        f"{what}: element {worst}: got {actual[worst]!r}, expected {expected[worst]!r} "
-        f"(error {err[worst]:.3g}, limit {limit[worst]:.3g}, {dtype})"
-    )
-    scale = np.sqrt(np.mean(expected**2))
-    rel_rms = np.sqrt(np.mean((actual - expected) ** 2)) / scale
-    rel_limit = tol.rel_rms + np.sqrt(np.mean(allowance**2)) / scale
-    assert rel_rms <= rel_limit, f"{what}: relative RMS error {rel_rms:.3g} > {rel_limit:.3g} ({dtype})"
+    assert_gemv_close(kio.to_f64(y, dtype), expected_output(x, weight, dtype, kio),
+                      accumulation_magnitude(x, weight, dtype, kio), x.shape[-1], dtype, kio, what)
 
 
 def run_qmv(name: str, x: np.ndarray, qt: QuantizedTensor, scale_dtype: str, dtype: str, kio) -> np.ndarray:

@@ -1,4 +1,5 @@
-// attention_prep_* (metal/rope.metal) and attention_decode* (metal/attention.metal): one decode token.
+// attention_prep_* (metal/rope.metal; decode and prefill) and attention_decode* (metal/attention.metal): one
+// decode token.
 #include <cmath>
 
 #include "../../../metal/lily.h"
@@ -40,14 +41,14 @@ size_t attention_heads_per_group(const ModelConfig& c, bool packing) {
   return packed ? packed : LILY_ATTN_HEADS_PER_GROUP;
 }
 
-void attention_decode(Context& ctx, const ModelConfig& c, const std::string& label, const AttentionSpans& s,
-                      size_t position, bool split) {
+std::vector<Span> attention_prep(Context& ctx, const ModelConfig& c, const std::string& label,
+                                 const AttentionSpans& s, size_t position, size_t tokens) {
   const size_t D = c.head_dim, cache_elem = ctx.act == DType::F32 ? 4 : 2;
   const std::string dt = dtype_name(ctx.act), suffix = "_d" + std::to_string(D);
-  const size_t head_stride = s.capacity * D * cache_elem, row = D * cache_elem, keys = position + 1;
+  const size_t head_stride = s.capacity * D * cache_elem, row = D * cache_elem, keys = position + tokens;
 
   AttentionPrepArgs p{};
-  p.num_tokens = 1;
+  p.num_tokens = static_cast<u32>(tokens);
   p.num_heads = static_cast<u32>(c.num_heads);
   p.num_kv_heads = static_cast<u32>(c.num_kv_heads);
   p.first_position = static_cast<u32>(position);
@@ -55,36 +56,44 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   p.rotary_dim = static_cast<u32>(c.rotary_dim);
   p.rope_theta = c.rope_theta;
   p.eps = c.eps;
-  std::vector<Span> cache_rows, cache_prefix;
+  std::vector<Span> new_rows = {s.q, s.gate}, prefix = {s.q, s.gate};
   for (size_t h = 0; h < c.num_kv_heads; ++h) {
-    cache_rows.push_back(sub(s.k_cache, h * head_stride + position * row, row));
-    cache_rows.push_back(sub(s.v_cache, h * head_stride + position * row, row));
-    cache_prefix.push_back(sub(s.k_cache, h * head_stride, keys * row));
-    cache_prefix.push_back(sub(s.v_cache, h * head_stride, keys * row));
+    for (const Span& cache : {s.k_cache, s.v_cache}) {
+      new_rows.push_back(sub(cache, h * head_stride + position * row, tokens * row));
+      prefix.push_back(sub(cache, h * head_stride, keys * row));
+    }
   }
-  std::vector<Span> prep_writes = {s.q, s.gate};
-  prep_writes.insert(prep_writes.end(), cache_rows.begin(), cache_rows.end());
-  size_t rows = c.num_heads + c.num_kv_heads, per_group = tuning::kAttentionPrepSimdgroups;
+  const size_t rows = tokens * (c.num_heads + c.num_kv_heads), per_group = tuning::kAttentionPrepSimdgroups;
   add_node(ctx, "attention_prep_" + dt + suffix, label + " prep",
            {arg_value(p), arg(s.q_and_gate), arg(s.k), arg(s.v), arg(s.q_norm->data), arg(s.k_norm->data), arg(s.q),
             arg(s.gate), arg(s.k_cache), arg(s.v_cache)},
            {(rows + per_group - 1) / per_group, 1, 1}, {32 * per_group, 1, 1},
-           {s.q_and_gate, s.k, s.v, s.q_norm->data, s.k_norm->data}, prep_writes);
+           {s.q_and_gate, s.k, s.v, s.q_norm->data, s.k_norm->data}, new_rows);
+  return prefix;
+}
 
+AttentionArgs attention_args(const ModelConfig& c, const AttentionSpans& s, size_t queries, size_t keys) {
   AttentionArgs a{};
-  a.num_queries = 1;
+  a.num_queries = static_cast<u32>(queries);
   a.num_heads = static_cast<u32>(c.num_heads);
   a.num_kv_heads = static_cast<u32>(c.num_kv_heads);
   a.num_keys = static_cast<u32>(keys);
   a.cache_capacity = static_cast<u32>(s.capacity);
-  a.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  a.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  return a;
+}
+
+void attention_decode(Context& ctx, const ModelConfig& c, const std::string& label, const AttentionSpans& s,
+                      size_t position, bool split) {
+  const size_t D = c.head_dim, keys = position + 1;
+  const std::string dt = dtype_name(ctx.act), suffix = "_d" + std::to_string(D);
+  std::vector<Span> reads = attention_prep(ctx, c, label, s, position, 1);
+  AttentionArgs a = attention_args(c, s, 1, keys);
   // GQA packing off (the ablation): the *_unpacked_* kernels, one query head per threadgroup.
   const size_t heads_per_group = attention_heads_per_group(c, ctx.gqa_packing);
   const size_t packs = (c.num_heads + heads_per_group - 1) / heads_per_group;
   // Coalesced KV off (the ablation, packed kernels only): the *_plain_* kernels, the uncoalesced lane mapping.
   const std::string variant = !ctx.gqa_packing ? "unpacked_" : ctx.coalesced_kv ? "" : "plain_";
-  std::vector<Span> reads = {s.q, s.gate};
-  reads.insert(reads.end(), cache_prefix.begin(), cache_prefix.end());
   if (!split) {
     add_node(ctx, "attention_decode_" + variant + dt + suffix, label,
              {arg_value(a), arg(s.q), arg(s.gate), arg(s.k_cache), arg(s.v_cache), arg(s.out)}, {packs, 1, 1},

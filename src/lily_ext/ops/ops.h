@@ -7,6 +7,10 @@
 
 #include "../model.h"
 
+namespace lily {
+struct AttentionArgs;  // metal/lily.h
+}  // namespace lily
+
 namespace lily::ops {
 
 // Where dispatches go and in which dtype activations travel.
@@ -83,6 +87,12 @@ void check_attention_shapes(const ModelConfig& config);
 // Query heads one attention threadgroup packs (the kernels' G) at the config's head dim; 1 when `packing` is off.
 // Does not check the shape (`lily plan` counts any consistent config; check_attention_shapes guards running).
 size_t attention_heads_per_group(const ModelConfig& config, bool packing);
+// The attention_prep_* node for `tokens` new tokens at `position` (decode: 1; prefill: T); returns the spans the
+// attention kernels then read: q, gate and the K/V cache prefix of every KV head.
+std::vector<Span> attention_prep(Context& ctx, const ModelConfig& config, const std::string& label,
+                                 const AttentionSpans& s, size_t position, size_t tokens);
+// The attention kernels' arguments for `queries` query tokens over `keys` cached keys (no split blocks).
+AttentionArgs attention_args(const ModelConfig& config, const AttentionSpans& s, size_t queries, size_t keys);
 // attention_prefill.cpp: T tokens at positions position .. position+T-1 (prep writes their KV rows first).
 void attention_prefill(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
                        size_t position, size_t tokens);
