@@ -107,6 +107,19 @@ struct QMatmulNormArgs {
 };
 static_assert(sizeof(QMatmulNormArgs) == 16, "QMatmulNormArgs layout must match the host and tests");
 
+// qmv_seg_* / qmv_norm_seg_* (metal/qmatmul.metal): one decode GEMV over up to LILY_QMV_MAX_SEGMENTS matrices that
+// share their input, each bound from its own buffers (no concatenated copy); segment s writes output rows
+// [sum of rows before s, + rows[s]). eps is read by the _norm_ variants only.
+#define LILY_QMV_MAX_SEGMENTS 4
+struct QMatmulSegmentsArgs {
+  u32 in_features;                   // K
+  u32 out_features;                  // N: sum of rows[0 .. num_segments)
+  u32 num_segments;                  // 1..LILY_QMV_MAX_SEGMENTS; unused segments' bindings are never read
+  f32 eps;                           // added to mean(x^2) (qmv_norm_seg)
+  u32 rows[LILY_QMV_MAX_SEGMENTS];   // output rows of each segment
+};
+static_assert(sizeof(QMatmulSegmentsArgs) == 32, "QMatmulSegmentsArgs layout must match the host and tests");
+
 // embedding_gather_* (metal/embedding.metal): out[t] = dequantized row ids[ids_offset + t] of the quantized table.
 struct EmbeddingArgs {
   u32 hidden_size;  // H, a multiple of 64

@@ -23,6 +23,14 @@
 //                                          (K elements, from cache). Chosen for every decode projection that follows
 //                                          an RMSNorm of the hidden stream (DeltaNet in_proj, attention q|k|v, router
 //                                          | shared gate with _of32 in bf16 mode, lm_head).
+//   qmv[_norm]_seg_q<b>_g64_<dtype>[_sf32][_of32]  qmv / qmv_norm over up to 4 matrices sharing one input (DeltaNet
+//                                          in_proj_qkv|z|b|a, attention q|k|v, router|shared-expert gate), each bound
+//                                          from its own buffers, so loading maps the checkpoint and copies nothing.
+//                                          Each segment's rows are padded to whole threadgroups: a threadgroup reads
+//                                          one matrix; the grid is sum(ceil(rows_s / 8)) threadgroups, segment s
+//                                          writing y[offset_s .. offset_s + rows_s). Same bytes as one GEMV over the
+//                                          concatenation; at most 3 idle simdgroups per segment boundary. Chosen by
+//                                          the FUSED_PROJECTIONS switch (on by default).
 //   qmv_residual_q<b>_g64_<dtype>[_sf32]   decode GEMV with the residual add folded in (fusion): out = residual +
 //                                          W · x, one rounding; out may alias residual (the hidden stream updated in
 //                                          place: each element is read and written by the same lane). Chosen for the
@@ -288,6 +296,58 @@ template <typename T, typename S, int Bits>
   }
 }
 
+// The segmented decode GEMV: y = W_s · x' for the segment s a threadgroup falls in, x' = rms_norm(x) ⊙ norm_weight
+// when Norm. Each segment's rows are padded to whole threadgroups, so a threadgroup (and each simdgroup) reads one
+// matrix only; the segment walk is uniform per threadgroup and at most 3 steps.
+template <bool Norm, typename T, typename S, int Bits, typename O>
+[[kernel]] void qmv_segments(constant lily::QMatmulSegmentsArgs& args [[buffer(0)]],
+                             device const T* x [[buffer(1)]],
+                             device const T* norm_weight [[buffer(2)]],
+                             device const uint* weight0 [[buffer(3)]],
+                             device const S* scales0 [[buffer(4)]],
+                             device const S* biases0 [[buffer(5)]],
+                             device const uint* weight1 [[buffer(6)]],
+                             device const S* scales1 [[buffer(7)]],
+                             device const S* biases1 [[buffer(8)]],
+                             device const uint* weight2 [[buffer(9)]],
+                             device const S* scales2 [[buffer(10)]],
+                             device const S* biases2 [[buffer(11)]],
+                             device const uint* weight3 [[buffer(12)]],
+                             device const S* scales3 [[buffer(13)]],
+                             device const S* biases3 [[buffer(14)]],
+                             device O* y [[buffer(15)]],
+                             uint3 tg [[threadgroup_position_in_grid]],
+                             uint lane [[thread_index_in_simdgroup]],
+                             uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  constexpr uint kRowsPerGroup = LILY_QMV_SIMDGROUPS * kRows;
+  const uint K = args.in_features;
+  uint segment = 0, block = tg.x, row_offset = 0;
+  while (segment + 1 < args.num_segments && block >= (args.rows[segment] + kRowsPerGroup - 1) / kRowsPerGroup) {
+    block -= (args.rows[segment] + kRowsPerGroup - 1) / kRowsPerGroup;
+    row_offset += args.rows[segment];
+    ++segment;
+  }
+  const uint N = args.rows[segment];
+  const uint first_row = (block * LILY_QMV_SIMDGROUPS + simd_group) * kRows;
+  if (first_row >= N) {
+    return;  // the whole simdgroup leaves: the simd_sums below stay convergent
+  }
+  device const uint* weight = segment == 0 ? weight0 : segment == 1 ? weight1 : segment == 2 ? weight2 : weight3;
+  device const S* scales = segment == 0 ? scales0 : segment == 1 ? scales1 : segment == 2 ? scales2 : scales3;
+  device const S* biases = segment == 0 ? biases0 : segment == 1 ? biases1 : segment == 2 ? biases2 : biases3;
+  float acc[kRows];
+  const float sum_sq = lily_qmatmul::qmv_accumulate<Norm, Bits>(acc, x + size_t(tg.y) * K, norm_weight, weight,
+                                                                scales, biases, K, N, first_row, lane);
+  const float scale = Norm ? precise::rsqrt(simd_sum(sum_sq) / float(K) + args.eps) : 1.0f;
+  for (uint r = 0; r < kRows; ++r) {
+    const float total = simd_sum(acc[r]);
+    if (lane == 0 && first_row + r < N) {
+      y[size_t(tg.y) * args.out_features + row_offset + first_row + r] = O(total * scale);
+    }
+  }
+}
+
 template <typename T, typename S, int Bits, int BM>
 [[kernel]] void qmm(constant lily::QMatmulArgs& args [[buffer(0)]],
                     device const T* x [[buffer(1)]],
@@ -500,6 +560,31 @@ LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16_of32", qmv_norm, bfloat, bfloat, 4
 LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16_sf32_of32", qmv_norm, bfloat, float, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_norm_q8_g64_bf16_of32", qmv_norm, bfloat, bfloat, 8, float)
 LILY_INSTANTIATE_KERNEL("qmv_norm_q8_g64_bf16_sf32_of32", qmv_norm, bfloat, float, 8, float)
+
+LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_f32", qmv_segments, false, float, bfloat, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_f32_sf32", qmv_segments, false, float, float, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_bf16", qmv_segments, false, bfloat, bfloat, 4, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_bf16_of32", qmv_segments, false, bfloat, bfloat, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_bf16_sf32", qmv_segments, false, bfloat, float, 4, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_bf16_sf32_of32", qmv_segments, false, bfloat, float, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_seg_q8_g64_f32", qmv_segments, false, float, bfloat, 8, float)
+LILY_INSTANTIATE_KERNEL("qmv_seg_q8_g64_f32_sf32", qmv_segments, false, float, float, 8, float)
+LILY_INSTANTIATE_KERNEL("qmv_seg_q8_g64_bf16", qmv_segments, false, bfloat, bfloat, 8, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_seg_q8_g64_bf16_of32", qmv_segments, false, bfloat, bfloat, 8, float)
+LILY_INSTANTIATE_KERNEL("qmv_seg_q8_g64_bf16_sf32", qmv_segments, false, bfloat, float, 8, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_seg_q8_g64_bf16_sf32_of32", qmv_segments, false, bfloat, float, 8, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q4_g64_f32", qmv_segments, true, float, bfloat, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q4_g64_f32_sf32", qmv_segments, true, float, float, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q4_g64_bf16", qmv_segments, true, bfloat, bfloat, 4, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q4_g64_bf16_of32", qmv_segments, true, bfloat, bfloat, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q4_g64_bf16_sf32", qmv_segments, true, bfloat, float, 4, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q4_g64_bf16_sf32_of32", qmv_segments, true, bfloat, float, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q8_g64_f32", qmv_segments, true, float, bfloat, 8, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q8_g64_f32_sf32", qmv_segments, true, float, float, 8, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q8_g64_bf16", qmv_segments, true, bfloat, bfloat, 8, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q8_g64_bf16_of32", qmv_segments, true, bfloat, bfloat, 8, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q8_g64_bf16_sf32", qmv_segments, true, bfloat, float, 8, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q8_g64_bf16_sf32_of32", qmv_segments, true, bfloat, float, 8, float)
 
 LILY_INSTANTIATE_KERNEL("qmv_residual_q4_g64_f32", qmv_residual, float, bfloat, 4)
 LILY_INSTANTIATE_KERNEL("qmv_residual_q4_g64_f32_sf32", qmv_residual, float, float, 4)

@@ -255,7 +255,6 @@ class MetalBackend:
         except RuntimeError as exc:
             raise ValueError(f"{checkpoint.path}: {exc}") from None
         self._files: dict[str, int] = {}
-        self._materialised_bytes = 0
         for name in checkpoint.weights:
             self._bind(checkpoint, name)
         try:
@@ -274,7 +273,6 @@ class MetalBackend:
 
     def _owned(self, array: np.ndarray) -> tuple[int, int, int]:
         data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        self._materialised_bytes += data.nbytes
         return (self._engine.add_owned(data), 0, data.nbytes)
 
     def _bind(self, checkpoint: "Checkpoint", name: str) -> None:
@@ -321,8 +319,9 @@ class MetalBackend:
 
     @property
     def materialised_bytes(self) -> int:
-        """Bytes of weights copied at load (not a plain byte range of a file in a dtype the kernels take)."""
-        return self._materialised_bytes
+        """Bytes of weights copied at load (not a plain byte range of a file in a dtype the kernels take), counted
+        by the engine: the Python-side conversions and anything the engine itself copies."""
+        return int(self._engine.owned_bytes)
 
     @property
     def mapped_files(self) -> list[str]:

@@ -308,6 +308,29 @@ def qmv_fused_case(kernel: str) -> Result:
     return compare(kernel, f"M={m} N={n} K={k}", to_f64(y, out_dtype), expected, out_dtype)
 
 
+@case(r"qmv(_norm)?_seg_q(4|8)_g64_(f32|bf16)(_sf32)?(_of32)?")
+def qmv_segments_case(kernel: str) -> Result:
+    """The segmented decode GEMV (fused projections without a concatenated copy): four matrices sharing x, each in
+    its own buffers, against one GEMV over their concatenation; segments are not multiples of 8 rows."""
+    dtype = dtype_of(kernel)
+    out_dtype = "f32" if kernel.endswith("_of32") else dtype
+    rng = _rng(19)
+    rows, k, eps = [33, 9, 1, 1], 512, 1e-6
+    parts = [_quantized_weight(kernel, n, k, rng) for n in rows]
+    w = np.concatenate([qt.dequantize().astype(np.float32) for qt, _ in parts])
+    x = to_device(3.0 * rng.standard_normal((1, k)), dtype)
+    norm_weight = to_device(1.0 + 0.3 * rng.standard_normal(k), dtype)
+    y = poisoned((1, sum(rows)), out_dtype)
+    grid = (sum(-(-n // 8) for n in rows), 1, 1)  # each segment padded to 8-row threadgroups (LILY_QMV_*)
+    args = struct.pack("<IIIf4I", k, sum(rows), len(rows), eps, *rows)
+    _dispatch(kernel, [args, x, norm_weight, *[b for _, buffers in parts for b in buffers], y], grid, (64, 1, 1))
+    xs = to_f64(x, dtype)
+    if kernel.startswith("qmv_norm"):
+        xs = reference.rms_norm(xs, to_f64(norm_weight, dtype), eps)
+    expected = reference.linear(xs.astype(np.float32), w)
+    return compare(kernel, f"rows={rows} K={k}", to_f64(y, out_dtype), expected, out_dtype)
+
+
 @case(r"dequantize_q(4|8)_g64_(f32|bf16)(_sf32)?")
 def dequantize_case(kernel: str) -> Result:
     """The IN_GEMM_DEQUANT ablation's first pass: the whole weight expanded to the activation dtype."""

@@ -293,6 +293,7 @@ NB_MODULE(_ext, m) {
              return e.add_owned(bytes.data(), bytes.shape(0));
            },
            nb::arg("bytes"))
+      .def_prop_ro("owned_bytes", &lily::Engine::owned_bytes)
       .def("bind_weight", &bind_weight, nb::arg("name"), nb::arg("bits"), nb::arg("dtype"), nb::arg("scale_dtype"),
            nb::arg("experts"), nb::arg("rows"), nb::arg("cols"), nb::arg("data"), nb::arg("scales"),
            nb::arg("biases"))

@@ -80,26 +80,7 @@ int Graph::add_buffer(const std::string& name, size_t length, BufferRole role) {
   return static_cast<int>(buffers.size()) - 1;
 }
 
-std::vector<std::pair<std::string, std::vector<std::string>>> fused_tensors(const ModelConfig& c) {
-  std::vector<std::pair<std::string, std::vector<std::string>>> out;
-  for (size_t i = 0; i < c.num_layers(); ++i) {
-    std::string p = layer_prefix(i);
-    if (c.attention_layers[i]) {
-      out.push_back({"fused." + p + "self_attn.in_proj",
-                     {p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"}});
-    } else {
-      out.push_back({"fused." + p + "linear_attn.in_proj",
-                     {p + "linear_attn.in_proj_qkv.weight", p + "linear_attn.in_proj_z.weight",
-                      p + "linear_attn.in_proj_b.weight", p + "linear_attn.in_proj_a.weight"}});
-    }
-    // The router and the shared-expert gate share their input; moe_down_combine reads the gate's logit right after
-    // the E router logits, so one GEMV writes both.
-    out.push_back({"fused." + p + "mlp.router", {p + "mlp.gate.weight", p + "mlp.shared_expert_gate.weight"}});
-  }
-  return out;
-}
-
-WeightTable synthetic_weights(const ModelConfig& c, Graph& graph, bool fused_projections) {
+WeightTable synthetic_weights(const ModelConfig& c, Graph& graph) {
   WeightTable table;
   struct Pending {
     std::string name;
@@ -179,24 +160,6 @@ WeightTable synthetic_weights(const ModelConfig& c, Graph& graph, bool fused_pro
     table[p.name] = p.ref;
   }
   graph.buffers[file].length = cursor;
-  // The fused tensors the engine materialises at load.
-  int fused = graph.add_buffer("fused weights", 16, BufferRole::Weights);
-  cursor = 0;
-  for (const auto& [name, parts] : fused_tensors(c)) {
-    bool is_router = name.find("mlp.router") != std::string::npos;
-    if (!fused_projections && !is_router) continue;
-    WeightRef w = table.at(parts[0]);
-    w.rows = 0;
-    for (const std::string& part : parts) w.rows += table.at(part).rows;
-    size_t per_row = w.data.length / table.at(parts[0]).rows, group_row = w.scales.length / table.at(parts[0]).rows;
-    w.data.length = w.rows * per_row;
-    w.scales.length = w.biases.length = w.rows * group_row;
-    place(w.data, cursor, fused);
-    place(w.scales, cursor, fused);
-    place(w.biases, cursor, fused);
-    table[name] = w;
-  }
-  graph.buffers[fused].length = std::max<size_t>(cursor, 16);
   return table;
 }
 
@@ -313,13 +276,19 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
       ops::qmatmul(ctx, label, x, m, out, 1, dtype);
     }
   };
-  // Projections sharing an input: one GEMV over the fused (concatenated) tensor, or one per matrix writing its
-  // slice of the same output.
-  auto projections = [&](const std::string& fused, const std::vector<std::string>& parts, const Span& x,
+  // Projections sharing an input: one segmented GEMV reading each matrix's own (mapped) bytes, or one GEMV per
+  // matrix; either way each writes its slice of the same output.
+  auto projections = [&](const std::string& label, const std::vector<std::string>& parts, const Span& x,
                          const Span& out, DType dtype, bool use_fused, const WeightRef& norm) {
     if (use_fused) {
-      const WeightRef& f = weight(w, fused);
-      gemv(fused, x, f, ops::sub(out, 0, f.rows * dtype_size(dtype)), dtype, norm);
+      std::vector<const WeightRef*> refs;
+      size_t rows = 0;
+      for (const std::string& name : parts) {
+        refs.push_back(&weight(w, name));
+        rows += refs.back()->rows;
+      }
+      ops::qmatmul_segments(ctx, label, x, fuse ? &norm : nullptr, refs, parts, ops::sub(out, 0, rows * dtype_size(dtype)),
+                            c.eps, dtype);
       return;
     }
     size_t offset = 0;
@@ -344,7 +313,7 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
     if (c.attention_layers[i]) {
       const std::string s = p + "self_attn.";
       const size_t qg = 2 * c.num_heads * c.head_dim * a, kv = c.num_kv_heads * c.head_dim * a;
-      projections("fused." + s + "in_proj", {s + "q_proj.weight", s + "k_proj.weight", s + "v_proj.weight"},
+      projections(s + "in_proj", {s + "q_proj.weight", s + "k_proj.weight", s + "v_proj.weight"},
                   mixer_in, proj, act, sw.fused_projections, input_norm);
       ops::AttentionSpans at;
       at.q_and_gate = ops::sub(proj, 0, qg);
@@ -366,7 +335,7 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
     } else {
       const std::string s = p + "linear_attn.";
       const size_t C = c.conv_dim() * a, vd = c.gdn_v_heads * c.gdn_v_dim * a, hv = c.gdn_v_heads * a;
-      projections("fused." + s + "in_proj",
+      projections(s + "in_proj",
                   {s + "in_proj_qkv.weight", s + "in_proj_z.weight", s + "in_proj_b.weight", s + "in_proj_a.weight"},
                   mixer_in, proj, act, sw.fused_projections, input_norm);
       ops::GatedDeltaSpans gd;
@@ -390,7 +359,7 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
     const Span moe_in = fuse ? hidden : normed;
     const std::string m = p + "mlp.";
     // Router logits stay f32 (moe_route and moe_down_combine read f32).
-    projections("fused." + m + "router", {m + "gate.weight", m + "shared_expert_gate.weight"}, moe_in,
+    projections(m + "router", {m + "gate.weight", m + "shared_expert_gate.weight"}, moe_in,
                 whole(g, b.router), DType::F32, sw.fused_projections, post_norm);
     ops::MoeSpans mo;
     mo.x = moe_in;
@@ -672,6 +641,7 @@ int Engine::add_owned(const void* data, size_t length) {
   int id = base_.add_buffer("materialised weights", length, BufferRole::Weights);
   buffers_.push_back(device_->new_buffer(base_.buffers[id].length));
   if (length) std::memcpy(buffers_.back().contents(), data, length);
+  owned_bytes_ += length;
   return id;
 }
 
@@ -689,36 +659,6 @@ void Engine::bind_weight(const std::string& name, const WeightRef& ref) {
 }
 
 void Engine::finish_loading() {
-  // Fused tensors: matrices sharing an input, concatenated along rows (bytes of row-major tensors concatenate).
-  for (const auto& [name, parts] : fused_tensors(config_)) {
-    bool is_router = name.find("mlp.router") != std::string::npos;
-    if (!switches_.fused_projections && !is_router) continue;
-    std::vector<const WeightRef*> refs;
-    for (const std::string& part : parts) {
-      auto found = weights_.find(part);
-      if (found == weights_.end()) throw mtl::Error("[engine] the checkpoint has no tensor " + part);
-      refs.push_back(&found->second);
-    }
-    WeightRef fused = *refs[0];
-    fused.rows = 0;
-    std::vector<unsigned char> bytes[3];
-    for (size_t i = 0; i < refs.size(); ++i) {
-      const WeightRef& r = *refs[i];
-      if (!r.bits || r.bits != fused.bits || r.cols != fused.cols || r.scale_dtype != fused.scale_dtype || r.experts) {
-        throw mtl::Error("[engine] " + parts[i] + " cannot be fused with " + parts[0] +
-                         ": fused tensors must be quantized alike (bits, input features, scale dtype)");
-      }
-      fused.rows += r.rows;
-      const Span* spans[3] = {&r.data, &r.scales, &r.biases};
-      for (int k = 0; k < 3; ++k) {
-        const auto* begin = static_cast<const unsigned char*>(buffer(spans[k]->buffer).contents()) + spans[k]->offset;
-        bytes[k].insert(bytes[k].end(), begin, begin + spans[k]->length);
-      }
-    }
-    Span* out[3] = {&fused.data, &fused.scales, &fused.biases};
-    for (int k = 0; k < 3; ++k) *out[k] = Span{add_owned(bytes[k].data(), bytes[k].size()), 0, bytes[k].size()};
-    weights_[name] = fused;
-  }
   // Dense tensors are read by kernels templated on the activation dtype, except A_log and dt_bias (always f32).
   const DType act = precision_ == Precision::Float32 ? DType::F32 : DType::BF16;
   for (const auto& [name, w] : weights_) {

@@ -127,17 +127,13 @@ struct Graph {
 void host_moe_sort(const HostMoeSort& sort, const uint32_t* ids, uint32_t* expert_offsets, uint32_t* tile_map,
                    uint32_t* tile_count, uint32_t* sorted_pairs);
 
-// Weights by canonical name (lily.checkpoint), plus the engine's fused tensors ("fused.*").
+// Weights by canonical name (lily.checkpoint).
 using WeightTable = std::map<std::string, WeightRef>;
 
 // A weight table for a configuration with no checkpoint behind it (`lily plan --full-size`): every tensor laid
 // out in one virtual buffer as an MLX 4-bit checkpoint stores it (routers 8-bit, norms and conv bf16, A_log and
-// dt_bias f32), and the fused tensors in a second. Returns the table and adds the two buffers to `graph`.
-WeightTable synthetic_weights(const ModelConfig& config, Graph& graph, bool fused_projections);
-
-// Names of the fused tensors the engine materialises at load (concatenations of matrices that share an input),
-// with the canonical tensors each concatenates, in row order.
-std::vector<std::pair<std::string, std::vector<std::string>>> fused_tensors(const ModelConfig& config);
+// dt_bias f32). Returns the table and adds the buffer to `graph`.
+WeightTable synthetic_weights(const ModelConfig& config, Graph& graph);
 
 // Sizes of the engine's state: conv state [K-1, C] (activation dtype), recurrent state [Hv, dv, Dk] fp32, KV cache
 // [Hkv, capacity, D] per attention layer (bf16, f32 in float32 mode).
@@ -222,8 +218,10 @@ class Engine {
   // Loading. Graph-buffer ids name where a weight's bytes are: a mapped file or a materialised (owned) copy.
   int add_file(const std::string& path);
   int add_owned(const void* data, size_t length);
+  // Bytes copied into engine-owned weight buffers so far (everything not bound as a range of a mapped file).
+  size_t owned_bytes() const { return owned_bytes_; }
   void bind_weight(const std::string& name, const WeightRef& ref);
-  // Checks every tensor the graph needs is bound, materialises the fused tensors, allocates the state.
+  // Checks every tensor the graph needs is bound (copying nothing), allocates the state.
   void finish_loading();
 
   // State: one live sequence. `reset` empties it; `snapshot` copies the conv and recurrent state and the KV prefix
@@ -274,6 +272,7 @@ class Engine {
   size_t prefill_first_buffer_ = 0;  // the prefill scratch buffers are the last ones, from this id on
   bool loaded_ = false;
   size_t position_ = 0;
+  size_t owned_bytes_ = 0;
   Graph last_graph_;
 };
 

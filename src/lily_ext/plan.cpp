@@ -55,7 +55,6 @@ GraphCounts count_graph(const Graph& graph) {
 MinimumBytes minimum_bytes(const ModelConfig& c, Precision precision, const WeightTable& weights, size_t context) {
   MinimumBytes m;
   for (const auto& [name, w] : weights) {
-    if (name.rfind("fused.", 0) == 0) continue;  // copies of canonical tensors
     if (name == "embed_tokens.weight") {
       m.weights += w.bytes() / w.rows;  // one row
     } else if (w.experts) {
@@ -81,7 +80,7 @@ DecodePlan plan_decode(const ModelConfig& config, Precision precision, const Swi
   // The cache holds the context plus the new token, grown in whole blocks.
   const size_t block = switches.kv_growth_block();
   plan.kv_capacity = (context + 1 + block - 1) / block * block;
-  WeightTable weights = synthetic_weights(config, plan.graph, switches.fused_projections);
+  WeightTable weights = synthetic_weights(config, plan.graph);
   DecodeBuffers buffers = add_decode_buffers(config, precision, plan.kv_capacity, plan.kv_capacity, plan.graph);
   build_decode_step(config, precision, switches, weights, buffers, context, 0, 1, plan.graph);
   plan.counts = count_graph(plan.graph);

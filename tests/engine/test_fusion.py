@@ -83,7 +83,7 @@ def test_bfloat16_fused_decode_follows_the_reference(checkpoints):
         errors[fusion] = relative_error(logits, want)
         assert np.mean(logits.argmax(-1) == want.argmax(-1)) >= 6 / 7
         kernels = backend.last_step_counts()["dispatches_by_kernel"]
-        of32 = "qmv_norm_q8_g64_bf16_of32" if fusion else "qmv_q8_g64_bf16_of32"
+        of32 = "qmv_norm_seg_q8_g64_bf16_of32" if fusion else "qmv_seg_q8_g64_bf16_of32"  # router | shared gate
         assert {name for name in kernels if name.endswith("_of32")} == {of32}
     assert errors[True] < 5e-2 and errors[False] < 5e-2, errors  # measured 1.6e-2 fused, 2.1e-2 unfused
 

@@ -200,6 +200,29 @@ def test_weights_are_mapped_not_copied(checkpoints):
     assert backend.materialised_bytes == widened
 
 
+def test_bfloat16_mode_maps_an_mlx_checkpoint_without_copies(checkpoints):
+    """bf16 mode on an MLX 4-bit checkpoint: every quantized tensor (fused projections included: the segmented GEMVs
+    bind each part's own bytes) and every bf16 dense tensor is a range of the mapped file; only dense tensors stored
+    in another dtype than the kernels take (A_log, dt_bias: f32) are converted."""
+    checkpoint = checkpoints["mlx"]
+    backend = MetalBackend(checkpoint, precision="bfloat16", switches={"fused_projections": True})
+    weights = checkpoint.weights
+
+    def wanted(name: str) -> str:
+        return "float32" if name.endswith(("A_log", "dt_bias")) else "bfloat16"
+
+    converted = sum(
+        int(np.prod(weights.shape(n))) * (4 if wanted(n) == "float32" else 2)
+        for n in weights
+        if not weights.is_quantized(n) and weights.dtype(n) != wanted(n)
+    )
+    file_bytes = sum(f.stat().st_size for f in checkpoint.files)
+    assert backend.materialised_bytes == converted
+    assert backend.materialised_bytes < 0.01 * file_bytes
+    backend.forward(PROMPT[:1], backend.new_state())  # one decode step: the fused projections are segmented GEMVs
+    assert backend.last_step_counts()["dispatches_by_kernel"].get("qmv_norm_seg_q4_g64_bf16", 0) > 0
+
+
 def test_the_engine_releases_every_metal_object(checkpoints):
     import gc
 

@@ -137,7 +137,8 @@ def test_full_size_meets_the_decode_targets(context):
     assert "rms_norm_bf16" not in by_kernel and "rms_norm_residual_bf16" not in by_kernel
     assert "moe_route_f32" not in by_kernel
     assert by_kernel["moe_gate_up_swiglu_routed_bf16"] == 40
-    assert by_kernel["qmv_norm_q8_g64_bf16_of32"] == 40  # router | shared-expert gate, f32 logits
+    assert by_kernel["qmv_norm_seg_q8_g64_bf16_of32"] == 40  # router | shared-expert gate, f32 logits
+    assert by_kernel["qmv_norm_seg_q4_g64_bf16"] == 40  # in_proj_qkv|z|b|a and q|k|v: no concatenated copies
     assert by_kernel["qmv_residual_q4_g64_bf16"] == 40  # out_proj / o_proj
     unfused = engine.plan_decode(engine.full_size_args(), context=context, switches={"fusion": False})
     assert unfused["dispatches"] - plan["dispatches"] == 3 * 40 + 1

@@ -464,3 +464,96 @@ def test_qmv_residual(key, m: int, n: int, k: int, kio) -> None:
     in_place = residual.copy()
     msl.dispatch(name, [qmatmul_args(k, n, m), x, *buffers, in_place, in_place], grid, (64, 1, 1))
     assert np.array_equal(in_place, separate), f"{name}: in-place result differs"
+
+
+# ---- segmented decode GEMVs: one dispatch over up to 4 matrices sharing x, each from its own buffers ----
+
+# (norm folded in, bits, activation dtype, scale dtype, output dtype) -> host name
+QMV_SEG = {
+    (False, 4, "f32", "bf16", "f32"): "qmv_seg_q4_g64_f32",
+    (False, 4, "f32", "f32", "f32"): "qmv_seg_q4_g64_f32_sf32",
+    (False, 4, "bf16", "bf16", "bf16"): "qmv_seg_q4_g64_bf16",
+    (False, 4, "bf16", "f32", "bf16"): "qmv_seg_q4_g64_bf16_sf32",
+    (False, 4, "bf16", "bf16", "f32"): "qmv_seg_q4_g64_bf16_of32",
+    (False, 4, "bf16", "f32", "f32"): "qmv_seg_q4_g64_bf16_sf32_of32",
+    (False, 8, "f32", "bf16", "f32"): "qmv_seg_q8_g64_f32",
+    (False, 8, "f32", "f32", "f32"): "qmv_seg_q8_g64_f32_sf32",
+    (False, 8, "bf16", "bf16", "bf16"): "qmv_seg_q8_g64_bf16",
+    (False, 8, "bf16", "f32", "bf16"): "qmv_seg_q8_g64_bf16_sf32",
+    (False, 8, "bf16", "bf16", "f32"): "qmv_seg_q8_g64_bf16_of32",
+    (False, 8, "bf16", "f32", "f32"): "qmv_seg_q8_g64_bf16_sf32_of32",
+    (True, 4, "f32", "bf16", "f32"): "qmv_norm_seg_q4_g64_f32",
+    (True, 4, "f32", "f32", "f32"): "qmv_norm_seg_q4_g64_f32_sf32",
+    (True, 4, "bf16", "bf16", "bf16"): "qmv_norm_seg_q4_g64_bf16",
+    (True, 4, "bf16", "f32", "bf16"): "qmv_norm_seg_q4_g64_bf16_sf32",
+    (True, 4, "bf16", "bf16", "f32"): "qmv_norm_seg_q4_g64_bf16_of32",
+    (True, 4, "bf16", "f32", "f32"): "qmv_norm_seg_q4_g64_bf16_sf32_of32",
+    (True, 8, "f32", "bf16", "f32"): "qmv_norm_seg_q8_g64_f32",
+    (True, 8, "f32", "f32", "f32"): "qmv_norm_seg_q8_g64_f32_sf32",
+    (True, 8, "bf16", "bf16", "bf16"): "qmv_norm_seg_q8_g64_bf16",
+    (True, 8, "bf16", "f32", "bf16"): "qmv_norm_seg_q8_g64_bf16_sf32",
+    (True, 8, "bf16", "bf16", "f32"): "qmv_norm_seg_q8_g64_bf16_of32",
+    (True, 8, "bf16", "f32", "f32"): "qmv_norm_seg_q8_g64_bf16_sf32_of32",
+}
+MAX_SEGMENTS = 4  # LILY_QMV_MAX_SEGMENTS
+
+
+def qmatmul_segments_args(k: int, rows: list[int], eps: float) -> bytes:
+    """lily::QMatmulSegmentsArgs (metal/lily.h): u32 in_features, out_features, num_segments, f32 eps, u32 rows[4]."""
+    padded = list(rows) + [0] * (MAX_SEGMENTS - len(rows))
+    return struct.pack("<IIIf4I", k, sum(rows), len(rows), eps, *padded)
+
+
+def concatenated(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """The matrices stacked along output rows: what the segmented GEMV must compute, as one reference weight."""
+    return QuantizedTensor(np.concatenate([p.weight for p in parts]), np.concatenate([p.scales for p in parts]),
+                           np.concatenate([p.biases for p in parts]), parts[0].bits, parts[0].group_size,
+                           dtype=parts[0].dtype)
+
+
+def check_qmv_segments(key, rows: list[int], k: int, m: int, rng: np.random.Generator, kio) -> None:
+    norm, bits, dtype, scale_dtype, out_dtype = key
+    name = QMV_SEG[key]
+    parts = [random_weight(rng, n, k, bits, scale_dtype) for n in rows]
+    x = random_x(rng, m, k, dtype, kio)
+    norm_weight = kio.to_device(1.0 + 0.3 * rng.standard_normal(k), dtype)
+    buffers = [weight_buffers(p, scale_dtype, kio) for p in parts]
+    # Unused segments bind the first matrix again, as the host does; the kernel must not read them.
+    bindings = [b for s in range(MAX_SEGMENTS) for b in buffers[s if s < len(parts) else 0]]
+    y = kio.poisoned((m, sum(rows)), out_dtype)
+    grid = (sum(-(-n // QMV_ROWS_PER_THREADGROUP) for n in rows), m, 1)
+    msl.dispatch(name, [qmatmul_segments_args(k, rows, NORM_EPS), x, norm_weight, *bindings, y], grid, (64, 1, 1))
+    whole = concatenated(parts)
+    x_in = kio.to_f64(x, dtype)
+    if norm:
+        x_in = reference.rms_norm(x_in, kio.to_f64(norm_weight, dtype), NORM_EPS)
+    expected = kio.round(reference.linear(x_in.astype(np.float32), whole), out_dtype)
+    magnitude = accumulation_magnitude(x_in.astype(np.float32), whole, "f32", kio)
+    assert_gemv_close(kio.to_f64(y, out_dtype), expected, magnitude, k, out_dtype, kio,
+                      f"{name} rows={rows} M={m} K={k}", relative_ulps=1.0 if norm else 0.0)
+
+
+@pytest.mark.parametrize("key", list(QMV_SEG), ids=list(QMV_SEG.values()))
+def test_qmv_segments(key, kio) -> None:
+    """Every instantiated variant against reference.linear on the concatenated weight (DeltaNet-like: 4 segments,
+    the last two of one row)."""
+    rng = np.random.default_rng([list(QMV_SEG).index(key), 61])
+    check_qmv_segments(key, [9, 17, 1, 1], 128, 1, rng, kio)
+
+
+# Segment sizes: one row, 31/32/33 (around the 8-row threadgroup and 4-row simdgroup), not multiples of 8, 1 to 4
+# segments; K across the 512-element step.
+SEGMENT_LAYOUTS = [([1], 64), ([32], 64), ([33, 31], 64), ([31, 32, 33, 1], 64), ([5, 3], 576), ([1, 1, 1], 1024)]
+
+
+@pytest.mark.parametrize("rows,k", SEGMENT_LAYOUTS, ids=[f"{'-'.join(map(str, r))}-k{k}" for r, k in SEGMENT_LAYOUTS])
+@pytest.mark.parametrize("norm", [False, True])
+def test_qmv_segments_boundaries(rows: list[int], k: int, norm: bool, kio) -> None:
+    key = (norm, 4, "bf16", "bf16", "f32")  # the router | shared-gate variant in bf16 mode
+    rng = np.random.default_rng([sum(rows), len(rows), k, norm, 67])
+    check_qmv_segments(key, rows, k, 1, rng, kio)
+
+
+def test_qmv_segments_several_input_rows(kio) -> None:
+    """One grid row per input row, each writing its own output row of sum(rows) values."""
+    check_qmv_segments((True, 4, "f32", "bf16", "f32"), [3, 9], 64, 2, np.random.default_rng(71), kio)

@@ -56,6 +56,11 @@ void qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const W
                   const WeightRef& w, const Span& y, float eps, DType dtype);
 void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, const WeightRef& w,
                       const Span& residual_out);
+// qmatmul.cpp, decode (one row): y = [W_0; W_1; ...] · x' over up to 4 matrices sharing x, each read from its own
+// bytes (qmv_seg / qmv_norm_seg: no concatenated copy); x' = rms_norm(x) ⊙ norm_weight when norm_weight is given.
+void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, const WeightRef* norm_weight,
+                      const std::vector<const WeightRef*>& parts, const std::vector<std::string>& part_names,
+                      const Span& y, float eps, DType dtype);
 // embedding.cpp: out[t] = table row ids[ids_offset + t].
 void embedding(Context& ctx, const Span& ids, size_t ids_offset, const WeightRef& table, const Span& out,
                size_t tokens);

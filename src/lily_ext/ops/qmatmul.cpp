@@ -92,4 +92,44 @@ void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, con
            qmv_groups(w), {tuning::kQmvThreads, 1, 1}, {x, w.data, w.scales, w.biases, residual_out}, {residual_out});
 }
 
+void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, const WeightRef* norm_weight,
+                      const std::vector<const WeightRef*>& parts, const std::vector<std::string>& part_names,
+                      const Span& y, float eps, DType dtype) {
+  if (parts.empty() || parts.size() > LILY_QMV_MAX_SEGMENTS) {
+    throw std::logic_error("[graph] " + label + ": a segmented GEMV takes 1 to 4 matrices");
+  }
+  if (dtype != ctx.act && dtype != DType::F32) throw std::logic_error("[graph] " + label + ": bad output dtype");
+  const WeightRef& first = *parts[0];
+  check_qmv_weight(label, first);
+  QMatmulSegmentsArgs a{};
+  a.in_features = static_cast<u32>(first.cols);
+  a.num_segments = static_cast<u32>(parts.size());
+  a.eps = eps;
+  std::vector<NodeArg> args{arg_value(a), arg(x), arg(norm_weight ? norm_weight->data : x)};
+  std::vector<Span> reads{x};
+  if (norm_weight) reads.push_back(norm_weight->data);
+  size_t groups = 0;
+  for (size_t s = 0; s < LILY_QMV_MAX_SEGMENTS; ++s) {
+    // Unused segments bind the first matrix again: the kernel never reads them.
+    const WeightRef& w = *parts[s < parts.size() ? s : 0];
+    if (s < parts.size()) {
+      // One kernel instance reads every segment: they must be quantized alike.
+      if (w.bits != first.bits || w.cols != first.cols || w.scale_dtype != first.scale_dtype || w.experts) {
+        throw std::logic_error("[graph] " + part_names[s] + " cannot share a GEMV with " + part_names[0] +
+                               ": the matrices must be quantized alike (bits, input features, scale dtype)");
+      }
+      a.rows[s] = static_cast<u32>(w.rows);
+      a.out_features += static_cast<u32>(w.rows);
+      groups += (w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup;
+      reads.insert(reads.end(), {w.data, w.scales, w.biases});
+    }
+    args.insert(args.end(), {arg(w.data), arg(w.scales), arg(w.biases)});
+  }
+  args[0] = arg_value(a);
+  args.push_back(arg(y));
+  std::string name = std::string(norm_weight ? "qmv_norm_seg" : "qmv_seg") + qmv_suffix(first, ctx.act) +
+                     (dtype != ctx.act ? "_of32" : "");
+  add_node(ctx, name, label, args, {groups, 1, 1}, {tuning::kQmvThreads, 1, 1}, reads, {y});
+}
+
 }  // namespace lily::ops
