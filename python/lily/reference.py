@@ -142,13 +142,19 @@ def rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, theta: float) ->
     """Partial rotary embedding, rotate-half (NeoX) pairing, on the first ``rotary_dim`` dims.
 
     Pairs are (d, d + rotary_dim/2); the remaining dims pass through. Angles are formed in fp32,
-    as every reference implementation (and the model's training) does.
+    as every reference implementation (and the model's training) does: exponent, power, reciprocal and
+    product each rounded once to fp32 from an fp64 result, so the angles are the IEEE fp32 ones on any
+    CPU (numpy's own float32 ``power`` differs by an ulp between SIMD paths, and at position 250,000 an
+    ulp of inv_freq moves the angle by 0.01 rad).
     x: [T, heads, D]; positions: [T] int  ->  [T, heads, D]
     """
     x = _f32(x)
     half = rotary_dim // 2
-    inv_freq = np.float32(1.0) / np.float32(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim)
-    angles = np.asarray(positions, dtype=np.float32)[:, None] * inv_freq[None, :]  # [T, half] fp32
+    exponent = (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim).astype(np.float32)
+    power = (np.float64(np.float32(theta)) ** exponent.astype(np.float64)).astype(np.float32)
+    inv_freq = (1.0 / power.astype(np.float64)).astype(np.float32)
+    positions32 = np.asarray(positions, dtype=np.float32).astype(np.float64)
+    angles = (positions32[:, None] * inv_freq.astype(np.float64)[None, :]).astype(np.float32)  # [T, half]
     cos = np.cos(angles.astype(np.float64))[:, None, :]
     sin = np.sin(angles.astype(np.float64))[:, None, :]
     first, second = x[..., :half].astype(np.float64), x[..., half:rotary_dim].astype(np.float64)
