@@ -224,7 +224,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """The decode graph's dispatches, barrier stages and bytes per token (built, not run)."""
     import json
 
-    from lily import engine, hub
+    from lily import hub
+    from lily.backends import metal as engine
     from lily.config import ModelArgs
 
     model_args = engine.full_size_args() if args.full_size else ModelArgs.from_file(hub.resolve(args.model))

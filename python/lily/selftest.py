@@ -145,7 +145,7 @@ def _msl():
 def _metal_runner():
     """A ``lily._ext.kernels.Runner`` over the embedded kernels: the Metal API on the default device."""
     from lily._ext import kernels
-    from lily.engine import kernel_metallib
+    from lily.backends.metal import kernel_metallib
 
     return kernels.Runner(metallib=kernel_metallib())
 

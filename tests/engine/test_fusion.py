@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lily import engine
+from lily.backends import metal as engine
 from lily._ext import _test_engine as te
 from lily.checkpoint import load_checkpoint
-from lily.engine import MetalBackend
+from lily.backends.metal import MetalBackend
 from lily.reference import ReferenceModel
 
 from tests.engine.test_metal_backend import HEAD_SHAPES_CONFIG, relative_error

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lily import engine
+from lily.backends import metal as engine
 from lily._ext import _test_engine as te
 from lily.cli import main as cli_main
 from lily.config import ModelArgs
