@@ -375,7 +375,7 @@ def embedding_case(kernel: str) -> Result:
     return compare(kernel, f"V={vocab} H={hidden} T={ids.size - 1}", to_f64(out, dtype), expected, dtype)
 
 
-# ---- gated attention (metal/rope.metal, metal/attention.metal, metal/attention_prefill.metal) ----
+# ---- gated attention (metal/attention_prep.metal, metal/attention.metal, metal/attention_prefill.metal) ----
 
 # Query heads per threadgroup of the packed kernels by head dim (LILY_ATTN_HEADS_PER_GROUP, ..._D64); the
 # attention_decode*_unpacked_* kernels (the GQA-packing ablation) take one; the *_plain_* ones (coalesced-KV

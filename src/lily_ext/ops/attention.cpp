@@ -1,4 +1,4 @@
-// attention_prep_* (metal/rope.metal; decode and prefill) and attention_decode* (metal/attention.metal): one
+// attention_prep_* (metal/attention_prep.metal; decode and prefill) and attention_decode* (metal/attention.metal): one
 // decode token.
 #include <cmath>
 
@@ -10,7 +10,7 @@ namespace lily::ops {
 
 namespace {
 
-// Head dims with instantiated attention kernels (metal/rope.metal, attention.metal, attention_prefill.metal) and
+// Head dims with instantiated attention kernels (metal/attention_prep.metal, attention.metal, attention_prefill.metal) and
 // the query heads their packed kernels put in one threadgroup.
 size_t packed_heads(size_t head_dim) {
   if (head_dim == 256) return LILY_ATTN_HEADS_PER_GROUP;
