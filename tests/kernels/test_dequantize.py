@@ -1,7 +1,7 @@
 """metal/dequantize.metal and the dense mm_* GEMM of metal/qmatmul.metal (the IN_GEMM_DEQUANT ablation).
 
 dequantize_* is compared with lily.quant.dequantize (exact fp32 scale * q + bias) rounded once to the output dtype;
-mm_* with lily.reference.linear on the kernel's exact dense weight. Shapes cross the kernels' boundaries: word counts
+mm_* with lily.reference.qmatmul on the kernel's exact dense weight. Shapes cross the kernels' boundaries: word counts
 around the 256-thread threadgroup of dequantize (a partial last threadgroup), one output row, M and N around the
 16/32-row and 32-column tiles of mm, K of one and several 64-groups. Outputs start NaN-poisoned; the fiber schedule is
 randomised.

@@ -1,7 +1,7 @@
 """metal/gated_delta.metal through the CPU harness, against lily.reference's Gated DeltaNet pieces.
 
 The reference chain is ``causal_conv1d`` -> split q|k|v -> ``l2_normalize`` (q also times dk^-0.5) ->
-``gated_delta_rule`` -> ``gated_rms_norm``, as in ``lily.reference.gated_delta_net`` without the projections.
+``gated_delta_rule`` -> ``gated_rms_norm``, as in ``lily.reference.gated_delta_layer`` without the projections.
 Shapes keep Dk = 128 (the kernel's template parameter) and the model's head grouping (Hv/Hk = 2), with smaller
 dv and head counts; they also cover Hv/Hk = 1 and 4, rows that do not divide evenly over the simdgroups, the full
 256-row key head and dv = 128 value head, and chunks of 1, 2, 3, 17 tokens continuing from random conv and recurrent
