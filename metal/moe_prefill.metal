@@ -29,6 +29,7 @@
 // Verified on Linux (CPU harness): results, the block map and the sorted order exactly. Mac-only: speed, the
 // staging layout's bank conflicts, whether bf16 threadgroup staging (half the threadgroup traffic) pays off.
 #include <metal_stdlib>
+#include "activations.h"
 #include "lily.h"
 
 using namespace metal;
@@ -40,14 +41,6 @@ constant constexpr uint GEMM_THREADS = LILY_MOE_GEMM_THREADS;
 // Row strides of the threadgroup tiles: padded so that the 8 rows of a simdgroup_load fragment fall in different banks.
 constant constexpr uint A_STRIDE = LILY_MOE_GEMM_BK + LILY_MOE_GEMM_PAD;
 constant constexpr uint B_STRIDE = LILY_MOE_GEMM_BN + LILY_MOE_GEMM_PAD;
-
-inline float moe_prefill_sigmoid(float x) {
-  return 1.0f / (1.0f + precise::exp(-x));
-}
-
-inline float moe_prefill_silu(float x) {
-  return x / (1.0f + precise::exp(-x));
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Routing: histogram, scan and block map, scatter
@@ -327,7 +320,7 @@ template <typename T, typename S, int BM>
     const uint m = i / GEMM_BN;
     const uint n = i % GEMM_BN;
     const float gate = gate_tile[m * B_STRIDE + n];
-    hidden[size_t(first + m) * expert_size + n0 + n] = T(moe_prefill_silu(gate) * up_tile[m * B_STRIDE + n]);
+    hidden[size_t(first + m) * expert_size + n0 + n] = T(lily::silu(gate) * up_tile[m * B_STRIDE + n]);
   }
 }
 
@@ -414,7 +407,7 @@ template <typename T>
   for (uint slot = 0; slot < args.top_k; ++slot) {  // slot order: the same bits for any schedule
     total += float(expert_out[(row * args.top_k + slot) * hidden_size + column]);
   }
-  total += moe_prefill_sigmoid(shared_gate_logit[row]) * float(shared_out[row * hidden_size + column]);
+  total += lily::sigmoid(shared_gate_logit[row]) * float(shared_out[row * hidden_size + column]);
   // Read and write by the same thread: out may alias residual.
   out[row * hidden_size + column] = T(float(residual[row * hidden_size + column]) + total);
 }
