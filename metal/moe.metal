@@ -31,20 +31,12 @@
 #include <metal_stdlib>
 #include "activations.h"
 #include "lily.h"
+#include "quantized.h"
 
 using namespace metal;
 
 constant constexpr uint MOE_ROWS = LILY_MOE_GEMV_ROWS_PER_SIMDGROUP;
 constant constexpr uint MOE_ROWS_PER_THREADGROUP = LILY_MOE_GEMV_ROWS_PER_SIMDGROUP * LILY_MOE_GEMV_SIMDGROUPS;
-
-// Σ_j q_j·x_j over the 8 codes of one packed word.
-inline float moe_dot8(uint word, thread const float* xv) {
-  float dot = 0.0f;
-  for (uint j = 0; j < 8; ++j) {
-    dot += float((word >> (4 * j)) & 0xFu) * xv[j];
-  }
-  return dot;
-}
 
 constant constexpr uint MOE_PER_LANE = LILY_MOE_MAX_EXPERTS / 32;
 
@@ -190,8 +182,10 @@ template <typename T, typename S>
     }
     const uint g = w / 8;  // 8 words = one group of 64
     for (uint r = 0; r < MOE_ROWS; ++r) {
-      acc_gate[r] += float(sg[r * groups + g]) * moe_dot8(wg[r * words + w], xv) + float(bg[r * groups + g]) * x_sum;
-      acc_up[r] += float(su[r * groups + g]) * moe_dot8(wu[r * words + w], xv) + float(bu[r * groups + g]) * x_sum;
+      acc_gate[r] += float(sg[r * groups + g]) * lily::dot_codes<4>(wg[r * words + w], xv)
+                     + float(bg[r * groups + g]) * x_sum;
+      acc_up[r] += float(su[r * groups + g]) * lily::dot_codes<4>(wu[r * words + w], xv)
+                   + float(bu[r * groups + g]) * x_sum;
     }
   }
   device float* out = hidden + size_t(slot) * args.expert_size + first_row;
@@ -297,8 +291,10 @@ template <typename T, typename S>
     }
     const uint g = w / 8;  // 8 words = one group of 64
     for (uint r = 0; r < MOE_ROWS; ++r) {
-      acc_gate[r] += float(sg[r * groups + g]) * moe_dot8(wg[r * words + w], xv) + float(bg[r * groups + g]) * x_sum;
-      acc_up[r] += float(su[r * groups + g]) * moe_dot8(wu[r * words + w], xv) + float(bu[r * groups + g]) * x_sum;
+      acc_gate[r] += float(sg[r * groups + g]) * lily::dot_codes<4>(wg[r * words + w], xv)
+                     + float(bg[r * groups + g]) * x_sum;
+      acc_up[r] += float(su[r * groups + g]) * lily::dot_codes<4>(wu[r * words + w], xv)
+                   + float(bu[r * groups + g]) * x_sum;
     }
   }
   const float inv_rms = precise::rsqrt(simd_sum(sum_sq) / float(args.moe.hidden_size) + args.eps);
@@ -362,7 +358,7 @@ template <typename T, typename S>
       }
       const uint g = w / 8;
       for (uint r = 0; r < MOE_ROWS; ++r) {
-        const float dot = float(sd[r * groups + g]) * moe_dot8(wd[r * words + w], hv);
+        const float dot = float(sd[r * groups + g]) * lily::dot_codes<4>(wd[r * words + w], hv);
         acc[r] += weight * (dot + float(bd[r * groups + g]) * h_sum);
       }
     }
