@@ -98,8 +98,8 @@ void check_attention_shapes(const ModelConfig& config);
 // Query heads one attention threadgroup packs (the kernels' G) at the config's head dim; 1 when `packing` is off.
 // Does not check the shape (`lily plan` counts any consistent config; check_attention_shapes guards running).
 size_t attention_heads_per_group(const ModelConfig& config, bool packing);
-// The attention_prep_* node for `tokens` new tokens at `position` (decode: 1; prefill: T); returns the spans the
-// attention kernels then read: q, gate and the K/V cache prefix of every KV head.
+// attention_prep.cpp: the attention_prep_* node for `tokens` new tokens at `position` (decode: 1; prefill: T);
+// returns the spans the attention kernels then read: q, gate and the K/V cache prefix of every KV head.
 std::vector<Span> attention_prep(Context& ctx, const ModelConfig& config, const std::string& label,
                                  const AttentionSpans& s, size_t position, size_t tokens);
 // The attention kernels' arguments for `queries` query tokens over `keys` cached keys (no split blocks).
