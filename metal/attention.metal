@@ -37,6 +37,7 @@
 // Verified here: the maths, boundaries and races through the CPU harness. Only a Mac can verify the speed, the
 // block size and the switch point.
 #include <metal_stdlib>
+#include "activations.h"
 #include "lily.h"
 
 using namespace metal;
@@ -44,10 +45,6 @@ using namespace metal;
 // Threadgroup-array sizes: up to 32 simdgroups, each with a 128-float slice (one chunk per lane) in the merge.
 #define ATTN_DECODE_MAX_SIMDGROUPS 32
 #define ATTN_DECODE_MERGE_FLOATS 4096
-
-inline float attn_decode_sigmoid(float x) {
-  return 1.0f / (1.0f + precise::exp(-x));
-}
 
 // Attention of G query heads (head0 ...) over keys [key_begin, key_end) of their KV head (G = 1, 2 or 4).
 // Leaves the normalised output of head h, element e in result[h * D + e] (visible to every thread on return) and the
@@ -187,7 +184,7 @@ template <typename T, typename C, uint D, uint G, bool COALESCED>
                                         n_simdgroups);
   for (uint i = tid; i < G * D; i += n_threads) {
     const size_t index = size_t(head0) * D + i;  // head0 + i / D, element i % D
-    out[index] = T(result[i] * attn_decode_sigmoid(float(gate[index])));
+    out[index] = T(result[i] * lily::sigmoid(float(gate[index])));
   }
 }
 
@@ -254,7 +251,7 @@ template <typename T, uint D>
       value += stats[2 * b + 1] * precise::exp(stats[2 * b] - total_max) * outs[size_t(b) * D + e];
     }
     const size_t index = size_t(head) * D + e;
-    out[index] = T(value / total_sum * attn_decode_sigmoid(float(gate[index])));
+    out[index] = T(value / total_sum * lily::sigmoid(float(gate[index])));
   }
 }
 

@@ -27,13 +27,10 @@
 // the mma kernel's softmax relies on, register pressure (128 fp32 fragment elements per lane), speed; the key tile
 // (8) is small because the fp32 tiles must fit 32 KiB, and bf16 tiles with bf16 fragments are the obvious next step.
 #include <metal_stdlib>
+#include "activations.h"
 #include "lily.h"
 
 using namespace metal;
-
-inline float attn_prefill_sigmoid(float x) {
-  return 1.0f / (1.0f + precise::exp(-x));
-}
 
 template <typename T, typename C, uint D, uint G>
 [[kernel]] void attention_prefill(constant lily::AttentionArgs& args [[buffer(0)]],
@@ -128,7 +125,7 @@ template <typename T, typename C, uint D, uint G>
         float4 g = lily::attn_load4(gate + row + e);
         float4 gated;
         for (uint j = 0; j < 4; ++j) {
-          gated[j] = acc[h][c][j] / run_sum[h] * attn_prefill_sigmoid(g[j]);
+          gated[j] = acc[h][c][j] / run_sum[h] * lily::sigmoid(g[j]);
         }
         lily::attn_store4(out + row + e, gated);
       }
@@ -256,7 +253,7 @@ template <typename T, typename C, uint D, uint G>
       const float2 o = acc[f].thread_elements() / run_sum;
       for (uint e = 0; e < 2; ++e) {
         const size_t index = out_row + 8 * f + col + e;
-        out[index] = T(o[e] * attn_prefill_sigmoid(float(gate[index])));
+        out[index] = T(o[e] * lily::sigmoid(float(gate[index])));
       }
     }
   }

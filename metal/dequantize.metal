@@ -14,6 +14,7 @@
 // element (fp32 scale * q + bias, then to the dtype: exact in f32 mode).
 #include <metal_stdlib>
 #include "lily.h"
+#include "quantized.h"
 
 using namespace metal;
 
@@ -24,9 +25,7 @@ template <typename T, typename S, int Bits>
                            device const S* biases [[buffer(3)]],
                            device T* out [[buffer(4)]],
                            uint word_index [[thread_position_in_grid]]) {
-  constexpr uint kPerWord = 32 / Bits;
-  constexpr uint kMask = (1u << Bits) - 1u;
-  constexpr uint kGroupSize = 64;
+  constexpr uint kPerWord = lily::codes_per_word<Bits>();
   const uint K = args.in_features;
   const size_t words = size_t(args.out_features) * (K / kPerWord);
   if (size_t(word_index) >= words) {
@@ -34,12 +33,13 @@ template <typename T, typename S, int Bits>
   }
   // Element index of this word's first code; a word never straddles a group (kPerWord divides 64).
   const size_t first = size_t(word_index) * kPerWord;
-  const size_t group = first / kGroupSize;  // rows hold K / 64 groups each, so the flat group index is the scale's
+  // Rows hold K / 64 groups each, so the flat group index is the scale's.
+  const size_t group = first / lily::kQuantGroupSize;
   const float scale = float(scales[group]);
   const float bias = float(biases[group]);
   const uint word = weight[word_index];
   for (uint e = 0; e < kPerWord; ++e) {
-    out[first + e] = T(scale * float((word >> (e * Bits)) & kMask) + bias);
+    out[first + e] = T(lily::dequantize_code<Bits>(word, e, scale, bias));
   }
 }
 

@@ -10,6 +10,7 @@
 // not instantiated: the host must refuse them). H % 64 == 0.
 #include <metal_stdlib>
 #include "lily.h"
+#include "quantized.h"
 
 using namespace metal;
 
@@ -23,8 +24,7 @@ template <typename T, typename S, int Bits>
                                  uint token [[threadgroup_position_in_grid]],
                                  uint tid [[thread_index_in_threadgroup]],
                                  uint n_threads [[threads_per_threadgroup]]) {
-  constexpr uint kPerWord = 32 / Bits;
-  constexpr uint kMask = (1u << Bits) - 1u;
+  constexpr uint kPerWord = lily::codes_per_word<Bits>();
   const uint H = args.hidden_size;
   const uint id = ids[args.ids_offset + token];
   device T* out_row = out + size_t(token) * H;
@@ -39,11 +39,11 @@ template <typename T, typename S, int Bits>
   for (uint w = tid; w < words_per_row; w += n_threads) {
     const uint word = row[w];
     const uint k0 = w * kPerWord;
-    const size_t g = size_t(id) * (H / 64) + k0 / 64;
+    const size_t g = size_t(id) * (H / lily::kQuantGroupSize) + k0 / lily::kQuantGroupSize;
     const float scale = float(scales[g]);
     const float bias = float(biases[g]);
     for (uint e = 0; e < kPerWord; ++e) {
-      out_row[k0 + e] = T(scale * float((word >> (e * Bits)) & kMask) + bias);
+      out_row[k0 + e] = T(lily::dequantize_code<Bits>(word, e, scale, bias));
     }
   }
 }

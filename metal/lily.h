@@ -155,7 +155,8 @@ struct MoeRoutedArgs {
 };
 static_assert(sizeof(MoeRoutedArgs) == 48, "MoeRoutedArgs layout must match the host and tests");
 
-// attention_prep_* (metal/rope.metal): per-head q/k RMSNorm, partial RoPE, [query | gate] split, KV-cache write.
+// attention_prep_* (metal/attention_prep.metal): per-head q/k RMSNorm, partial RoPE, [query | gate] split, KV-cache
+// write.
 // Token t sits at position first_position + t and is written to cache row first_position + t.
 struct AttentionPrepArgs {
   u32 num_tokens;      // T: 1 for decode

@@ -29,29 +29,14 @@
 // 1152 B (codes + scales + biases) ≈ 10.6 MB, down 9 × 2048 rows × 288 B ≈ 5.3 MB; activations are < 40 KB. The
 // hidden scratch stays fp32 (18 KB written and read once): rounding it would save 9 KB and add an error.
 #include <metal_stdlib>
+#include "activations.h"
 #include "lily.h"
+#include "quantized.h"
 
 using namespace metal;
 
 constant constexpr uint MOE_ROWS = LILY_MOE_GEMV_ROWS_PER_SIMDGROUP;
 constant constexpr uint MOE_ROWS_PER_THREADGROUP = LILY_MOE_GEMV_ROWS_PER_SIMDGROUP * LILY_MOE_GEMV_SIMDGROUPS;
-
-inline float moe_sigmoid(float x) {
-  return 1.0f / (1.0f + precise::exp(-x));
-}
-
-inline float moe_silu(float x) {
-  return x / (1.0f + precise::exp(-x));
-}
-
-// Σ_j q_j·x_j over the 8 codes of one packed word.
-inline float moe_dot8(uint word, thread const float* xv) {
-  float dot = 0.0f;
-  for (uint j = 0; j < 8; ++j) {
-    dot += float((word >> (4 * j)) & 0xFu) * xv[j];
-  }
-  return dot;
-}
 
 constant constexpr uint MOE_PER_LANE = LILY_MOE_MAX_EXPERTS / 32;
 
@@ -197,8 +182,10 @@ template <typename T, typename S>
     }
     const uint g = w / 8;  // 8 words = one group of 64
     for (uint r = 0; r < MOE_ROWS; ++r) {
-      acc_gate[r] += float(sg[r * groups + g]) * moe_dot8(wg[r * words + w], xv) + float(bg[r * groups + g]) * x_sum;
-      acc_up[r] += float(su[r * groups + g]) * moe_dot8(wu[r * words + w], xv) + float(bu[r * groups + g]) * x_sum;
+      acc_gate[r] += float(sg[r * groups + g]) * lily::dot_codes<4>(wg[r * words + w], xv)
+                     + float(bg[r * groups + g]) * x_sum;
+      acc_up[r] += float(su[r * groups + g]) * lily::dot_codes<4>(wu[r * words + w], xv)
+                   + float(bu[r * groups + g]) * x_sum;
     }
   }
   device float* out = hidden + size_t(slot) * args.expert_size + first_row;
@@ -206,7 +193,7 @@ template <typename T, typename S>
     float gate = simd_sum(acc_gate[r]);
     float up = simd_sum(acc_up[r]);
     if (lane == r) {
-      out[r] = moe_silu(gate) * up;
+      out[r] = lily::silu(gate) * up;
     }
   }
 }
@@ -304,8 +291,10 @@ template <typename T, typename S>
     }
     const uint g = w / 8;  // 8 words = one group of 64
     for (uint r = 0; r < MOE_ROWS; ++r) {
-      acc_gate[r] += float(sg[r * groups + g]) * moe_dot8(wg[r * words + w], xv) + float(bg[r * groups + g]) * x_sum;
-      acc_up[r] += float(su[r * groups + g]) * moe_dot8(wu[r * words + w], xv) + float(bu[r * groups + g]) * x_sum;
+      acc_gate[r] += float(sg[r * groups + g]) * lily::dot_codes<4>(wg[r * words + w], xv)
+                     + float(bg[r * groups + g]) * x_sum;
+      acc_up[r] += float(su[r * groups + g]) * lily::dot_codes<4>(wu[r * words + w], xv)
+                   + float(bu[r * groups + g]) * x_sum;
     }
   }
   const float inv_rms = precise::rsqrt(simd_sum(sum_sq) / float(args.moe.hidden_size) + args.eps);
@@ -314,7 +303,7 @@ template <typename T, typename S>
     float gate = simd_sum(acc_gate[r]) * inv_rms;
     float up = simd_sum(acc_up[r]) * inv_rms;
     if (lane == r) {
-      out[r] = moe_silu(gate) * up;
+      out[r] = lily::silu(gate) * up;
     }
   }
 }
@@ -355,7 +344,7 @@ template <typename T, typename S>
     if (!is_shared) {
       row0 += size_t(expert_ids[slot]) * args.hidden_size;
     }
-    const float weight = is_shared ? moe_sigmoid(shared_gate_logit[0]) : expert_weights[slot];
+    const float weight = is_shared ? lily::sigmoid(shared_gate_logit[0]) : expert_weights[slot];
     device const uint* wd = (is_shared ? shared_down_weight : down_weight) + row0 * words;
     device const S* sd = (is_shared ? shared_down_scales : down_scales) + row0 * groups;
     device const S* bd = (is_shared ? shared_down_biases : down_biases) + row0 * groups;
@@ -369,7 +358,7 @@ template <typename T, typename S>
       }
       const uint g = w / 8;
       for (uint r = 0; r < MOE_ROWS; ++r) {
-        const float dot = float(sd[r * groups + g]) * moe_dot8(wd[r * words + w], hv);
+        const float dot = float(sd[r * groups + g]) * lily::dot_codes<4>(wd[r * words + w], hv);
         acc[r] += weight * (dot + float(bd[r * groups + g]) * h_sum);
       }
     }

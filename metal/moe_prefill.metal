@@ -29,7 +29,10 @@
 // Verified on Linux (CPU harness): results, the block map and the sorted order exactly. Mac-only: speed, the
 // staging layout's bank conflicts, whether bf16 threadgroup staging (half the threadgroup traffic) pays off.
 #include <metal_stdlib>
+#include "activations.h"
+#include "gemm.h"
 #include "lily.h"
+#include "quantized.h"
 
 using namespace metal;
 
@@ -40,14 +43,6 @@ constant constexpr uint GEMM_THREADS = LILY_MOE_GEMM_THREADS;
 // Row strides of the threadgroup tiles: padded so that the 8 rows of a simdgroup_load fragment fall in different banks.
 constant constexpr uint A_STRIDE = LILY_MOE_GEMM_BK + LILY_MOE_GEMM_PAD;
 constant constexpr uint B_STRIDE = LILY_MOE_GEMM_BN + LILY_MOE_GEMM_PAD;
-
-inline float moe_prefill_sigmoid(float x) {
-  return 1.0f / (1.0f + precise::exp(-x));
-}
-
-inline float moe_prefill_silu(float x) {
-  return x / (1.0f + precise::exp(-x));
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Routing: histogram, scan and block map, scatter
@@ -218,42 +213,23 @@ inline void moe_load_weight_row(threadgroup float* b_tile, device const uint* we
   for (uint w = first_word; w < first_word + num_words; ++w) {
     const uint word = words[w];
     for (uint j = 0; j < 8; ++j) {
-      b_tile[(w * 8 + j) * B_STRIDE + n] = scale * float((word >> (4 * j)) & 0xFu) + bias;
+      b_tile[(w * 8 + j) * B_STRIDE + n] = lily::dequantize_code<4>(word, j, scale, bias);
     }
   }
 }
 
-// acc[fm·FRAGS_N + fn] += a_tile(rows of this simdgroup) · b_tile(columns of this simdgroup) over one BK step.
+// acc[fm·FRAGS_N + fn] += a_tile(rows of this simdgroup) · b_tile(columns of this simdgroup) over one BK step
+// (lily::mma_step of metal/gemm.h on the MoE tile strides).
 template <int BM>
 inline void moe_mma(thread simdgroup_float8x8* acc, threadgroup const float* a_tile, threadgroup const float* b_tile,
                     uint row0, uint col0) {
-  for (uint kk = 0; kk < GEMM_BK; kk += 8) {
-    simdgroup_float8x8 a_frag[2];
-    simdgroup_float8x8 b_frag[MoeTile<BM>::FRAGS_N];
-    for (uint fm = 0; fm < 2; ++fm) {
-      simdgroup_load(a_frag[fm], a_tile + (row0 + fm * 8) * A_STRIDE + kk, A_STRIDE);
-    }
-    for (uint fn = 0; fn < uint(MoeTile<BM>::FRAGS_N); ++fn) {
-      simdgroup_load(b_frag[fn], b_tile + kk * B_STRIDE + col0 + fn * 8, B_STRIDE);
-    }
-    for (uint fm = 0; fm < 2; ++fm) {
-      for (uint fn = 0; fn < uint(MoeTile<BM>::FRAGS_N); ++fn) {
-        thread simdgroup_float8x8& c = acc[fm * MoeTile<BM>::FRAGS_N + fn];
-        simdgroup_multiply_accumulate(c, a_frag[fm], b_frag[fn], c);
-      }
-    }
-  }
+  lily::mma_step<2, uint(MoeTile<BM>::FRAGS_N)>(acc, a_tile, A_STRIDE, b_tile, B_STRIDE, GEMM_BK, row0, col0);
 }
 
 // out_tile [BM][B_STRIDE] fp32 = this simdgroup's accumulators at (row0, col0).
 template <int BM>
 inline void moe_store_acc(threadgroup float* out_tile, thread const simdgroup_float8x8* acc, uint row0, uint col0) {
-  for (uint fm = 0; fm < 2; ++fm) {
-    for (uint fn = 0; fn < uint(MoeTile<BM>::FRAGS_N); ++fn) {
-      simdgroup_store(acc[fm * MoeTile<BM>::FRAGS_N + fn], out_tile + (row0 + fm * 8) * B_STRIDE + col0 + fn * 8,
-                      B_STRIDE);
-    }
-  }
+  lily::store_fragments<2, uint(MoeTile<BM>::FRAGS_N)>(out_tile, B_STRIDE, acc, row0, col0);
 }
 
 // Grid: (I / 64, max_tiles) threadgroups of 128 threads.
@@ -327,7 +303,7 @@ template <typename T, typename S, int BM>
     const uint m = i / GEMM_BN;
     const uint n = i % GEMM_BN;
     const float gate = gate_tile[m * B_STRIDE + n];
-    hidden[size_t(first + m) * expert_size + n0 + n] = T(moe_prefill_silu(gate) * up_tile[m * B_STRIDE + n]);
+    hidden[size_t(first + m) * expert_size + n0 + n] = T(lily::silu(gate) * up_tile[m * B_STRIDE + n]);
   }
 }
 
@@ -414,7 +390,7 @@ template <typename T>
   for (uint slot = 0; slot < args.top_k; ++slot) {  // slot order: the same bits for any schedule
     total += float(expert_out[(row * args.top_k + slot) * hidden_size + column]);
   }
-  total += moe_prefill_sigmoid(shared_gate_logit[row]) * float(shared_out[row * hidden_size + column]);
+  total += lily::sigmoid(shared_gate_logit[row]) * float(shared_out[row * hidden_size + column]);
   // Read and write by the same thread: out may alias residual.
   out[row * hidden_size + column] = T(float(residual[row * hidden_size + column]) + total);
 }

@@ -52,17 +52,14 @@
 //                                          emulation; the host picks it by host name only on M5-class GPUs.
 //                                          UNVERIFIED UNTIL A MAC RUNS IT: the emulation fixes our reading of the API,
 //                                          not Apple's compiler or hardware behaviour.
-//   mm_<dtype>_bm<BM>                      dense prefill GEMM, Y = X W^T with W [N, K] already dequantized in the
-//                                          activation dtype: the IN_GEMM_DEQUANT switch off (docs/engine.md), after
-//                                          dequantize_* (metal/dequantize.metal) wrote W to an engine scratch. The qmm
-//                                          tiles, grid, threads and accumulation, with the W tile copied (widened to
-//                                          fp32) instead of dequantized; never chosen by default (W moves through
-//                                          device memory twice more than with qmm).
+//   (the dense mm_* GEMM of the IN_GEMM_DEQUANT ablation shares the qmm tile loop: metal/mm.metal, metal/gemm.h)
 // dtype is the activation dtype (f32, f16, bf16); scales and biases are bf16 (MLX checkpoints) unless the name has
 // _sf32 (f32 scales and biases: checkpoints converted from fp32 weights); qmm_nax takes bf16 scales only. Partial
 // tiles in M and N are handled; out counts need not be multiples of any tile (the shared-expert gate has N = 1).
 #include <metal_stdlib>
+#include "gemm.h"
 #include "lily.h"
+#include "quantized.h"
 
 using namespace metal;
 
@@ -74,19 +71,7 @@ using namespace metal;
 
 namespace lily_qmatmul {
 
-enum : uint { kGroupSize = 64 };  // elements per scale/bias group (MLX affine, group 64)
-
-// Copies rows [row0, row0 + rows) x columns [k0, k0 + cols) of X into a threadgroup tile (row stride `ld`), widened or
-// rounded to the tile type; rows past M are zero. Consecutive threads read consecutive k: coalesced.
-template <typename T, typename TileT>
-inline void load_x_tile(device const T* x, threadgroup TileT* tile, uint ld, uint rows, uint cols, uint row0, uint k0,
-                        uint M, uint K, uint tid, uint n_threads) {
-  for (uint i = tid; i < rows * cols; i += n_threads) {
-    uint r = i / cols, c = i % cols;
-    uint m = row0 + r;
-    tile[r * ld + c] = m < M ? TileT(float(x[size_t(m) * K + k0 + c])) : TileT(0.0f);
-  }
-}
+enum : uint { kGroupSize = lily::kQuantGroupSize };
 
 // Dequantizes rows [n0, n0 + rows) x columns [k0, k0 + cols) of W into a threadgroup tile, one packed word (32 / Bits
 // codes) per thread and iteration. `cols` divides the group size and k0 is a multiple of it, so a tile row uses one
@@ -96,8 +81,7 @@ template <int Bits, bool Transposed, typename S, typename TileT>
 inline void dequantize_w_tile(device const uint* weight, device const S* scales, device const S* biases,
                               threadgroup TileT* tile, uint ld, uint rows, uint cols, uint n0, uint k0, uint N, uint K,
                               uint tid, uint n_threads) {
-  constexpr uint kPerWord = 32 / Bits;
-  constexpr uint kMask = (1u << Bits) - 1u;
+  constexpr uint kPerWord = lily::codes_per_word<Bits>();
   const uint words_per_tile_row = cols / kPerWord;
   const uint words_per_row = K / kPerWord;
   for (uint i = tid; i < rows * words_per_tile_row; i += n_threads) {
@@ -113,7 +97,7 @@ inline void dequantize_w_tile(device const uint* weight, device const S* scales,
       bias = float(biases[g]);
     }
     for (uint e = 0; e < kPerWord; ++e) {
-      TileT w = TileT(scale * float((word >> (e * Bits)) & kMask) + bias);
+      TileT w = TileT(lily::dequantize_code<Bits>(word, e, scale, bias));
       if (Transposed) {
         tile[(c0 + e) * ld + r] = w;
       } else {
@@ -123,30 +107,18 @@ inline void dequantize_w_tile(device const uint* weight, device const S* scales,
   }
 }
 
-// Copies rows [n0, n0 + rows) x columns [k0, k0 + cols) of a dense W[N, K] into a k-major threadgroup tile
-// (tile[k * ld + n], as simdgroup_load wants W^T), widened to fp32; rows past N are zero.
-template <typename T>
-inline void load_wt_tile(device const T* w, threadgroup float* tile, uint ld, uint rows, uint cols, uint n0, uint k0,
-                         uint N, uint K, uint tid, uint n_threads) {
-  for (uint i = tid; i < rows * cols; i += n_threads) {
-    uint r = i / cols, c = i % cols;
-    uint n = n0 + r;
-    tile[c * ld + r] = n < N ? float(w[size_t(n) * K + k0 + c]) : 0.0f;
-  }
-}
+// The qmm W^T tile source for lily::gemm_tiles: dequantizes the tile from the packed weights.
+template <int Bits, typename S>
+struct QuantizedWTile {
+  device const uint* weight;
+  device const S* scales;
+  device const S* biases;
 
-// Writes the valid part of a BM x BN fp32 threadgroup tile to Y[row0 + r, n0 + c], rounded once to T.
-template <typename T>
-inline void store_y_tile(threadgroup const float* tile, uint ld, uint rows, uint cols, device T* y, uint row0, uint n0,
-                         uint M, uint N, uint tid, uint n_threads) {
-  for (uint i = tid; i < rows * cols; i += n_threads) {
-    uint r = i / cols, c = i % cols;
-    uint m = row0 + r, n = n0 + c;
-    if (m < M && n < N) {
-      y[size_t(m) * N + n] = T(tile[r * ld + c]);
-    }
+  void load(threadgroup float* tile, uint ld, uint rows, uint cols, uint n0, uint k0, uint N, uint K, uint tid,
+            uint n_threads) const {
+    dequantize_w_tile<Bits, true>(weight, scales, biases, tile, ld, rows, cols, n0, k0, N, K, tid, n_threads);
   }
-}
+};
 
 }  // namespace lily_qmatmul
 
@@ -362,114 +334,10 @@ template <typename T, typename S, int Bits, int BM>
   threadgroup float x_tile[BM][LILY_QMM_BK + LILY_QMM_PAD];
   threadgroup float wt_tile[LILY_QMM_BK][LILY_QMM_BN + LILY_QMM_PAD];
   threadgroup float y_tile[BM][LILY_QMM_BN + LILY_QMM_PAD];
-  constexpr uint BN = LILY_QMM_BN;
-  constexpr uint BK = LILY_QMM_BK;
-  constexpr uint kLdX = LILY_QMM_BK + LILY_QMM_PAD;
-  constexpr uint kLdW = LILY_QMM_BN + LILY_QMM_PAD;
-  static_assert(lily_qmatmul::kGroupSize % BK == 0, "a K step must stay inside one quantization group");
-  static_assert(BN == 32 && (BM == 16 || BM == 32), "simdgroups own 16 x 16 blocks: (BM / 16) x 2 simdgroups");
-  const uint K = args.in_features;
-  const uint N = args.out_features;
-  const uint M = args.num_rows;
-  const uint row0 = tg.y * BM;
-  const uint n0 = tg.x * BN;
-  const uint sub_row = (simd_group / 2) * 16;  // this simdgroup's 16 x 16 block of the tile
-  const uint sub_col = (simd_group % 2) * 16;
-
-  simdgroup_float8x8 acc[2][2];
-  for (uint i = 0; i < 2; ++i) {
-    for (uint j = 0; j < 2; ++j) {
-      acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    }
-  }
-  for (uint k0 = 0; k0 < K; k0 += BK) {
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done reading the previous step's tiles
-    lily_qmatmul::load_x_tile(x, &x_tile[0][0], kLdX, BM, BK, row0, k0, M, K, tid, n_threads);
-    lily_qmatmul::dequantize_w_tile<Bits, true>(weight, scales, biases, &wt_tile[0][0], kLdW, BN, BK, n0, k0, N, K, tid,
-                                                n_threads);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint kk = 0; kk < BK; kk += 8) {
-      simdgroup_float8x8 a[2];
-      simdgroup_float8x8 b[2];
-      for (uint i = 0; i < 2; ++i) {
-        simdgroup_load(a[i], &x_tile[sub_row + 8 * i][kk], kLdX);
-        simdgroup_load(b[i], &wt_tile[kk][sub_col + 8 * i], kLdW);
-      }
-      for (uint i = 0; i < 2; ++i) {
-        for (uint j = 0; j < 2; ++j) {
-          simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
-        }
-      }
-    }
-  }
-  // Through threadgroup memory: partial tiles are clipped and rounded per element, independent of the lane layout.
-  for (uint i = 0; i < 2; ++i) {
-    for (uint j = 0; j < 2; ++j) {
-      simdgroup_store(acc[i][j], &y_tile[sub_row + 8 * i][sub_col + 8 * j], kLdW);
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  lily_qmatmul::store_y_tile(&y_tile[0][0], kLdW, BM, BN, y, row0, n0, M, N, tid, n_threads);
-}
-
-// The qmm GEMM on a dense weight (IN_GEMM_DEQUANT off): same tiles and MMAs, the W tile copied instead of dequantized.
-template <typename T, int BM>
-[[kernel]] void mm(constant lily::QMatmulArgs& args [[buffer(0)]],
-                   device const T* x [[buffer(1)]],
-                   device const T* w [[buffer(2)]],
-                   device T* y [[buffer(3)]],
-                   uint3 tg [[threadgroup_position_in_grid]],
-                   uint tid [[thread_index_in_threadgroup]],
-                   uint n_threads [[threads_per_threadgroup]],
-                   uint simd_group [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float x_tile[BM][LILY_QMM_BK + LILY_QMM_PAD];
-  threadgroup float wt_tile[LILY_QMM_BK][LILY_QMM_BN + LILY_QMM_PAD];
-  threadgroup float y_tile[BM][LILY_QMM_BN + LILY_QMM_PAD];
-  constexpr uint BN = LILY_QMM_BN;
-  constexpr uint BK = LILY_QMM_BK;
-  constexpr uint kLdX = LILY_QMM_BK + LILY_QMM_PAD;
-  constexpr uint kLdW = LILY_QMM_BN + LILY_QMM_PAD;
-  static_assert(BN == 32 && (BM == 16 || BM == 32), "simdgroups own 16 x 16 blocks: (BM / 16) x 2 simdgroups");
-  const uint K = args.in_features;
-  const uint N = args.out_features;
-  const uint M = args.num_rows;
-  const uint row0 = tg.y * BM;
-  const uint n0 = tg.x * BN;
-  const uint sub_row = (simd_group / 2) * 16;
-  const uint sub_col = (simd_group % 2) * 16;
-
-  simdgroup_float8x8 acc[2][2];
-  for (uint i = 0; i < 2; ++i) {
-    for (uint j = 0; j < 2; ++j) {
-      acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    }
-  }
-  for (uint k0 = 0; k0 < K; k0 += BK) {
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done reading the previous step's tiles
-    lily_qmatmul::load_x_tile(x, &x_tile[0][0], kLdX, BM, BK, row0, k0, M, K, tid, n_threads);
-    lily_qmatmul::load_wt_tile(w, &wt_tile[0][0], kLdW, BN, BK, n0, k0, N, K, tid, n_threads);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint kk = 0; kk < BK; kk += 8) {
-      simdgroup_float8x8 a[2];
-      simdgroup_float8x8 b[2];
-      for (uint i = 0; i < 2; ++i) {
-        simdgroup_load(a[i], &x_tile[sub_row + 8 * i][kk], kLdX);
-        simdgroup_load(b[i], &wt_tile[kk][sub_col + 8 * i], kLdW);
-      }
-      for (uint i = 0; i < 2; ++i) {
-        for (uint j = 0; j < 2; ++j) {
-          simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
-        }
-      }
-    }
-  }
-  for (uint i = 0; i < 2; ++i) {
-    for (uint j = 0; j < 2; ++j) {
-      simdgroup_store(acc[i][j], &y_tile[sub_row + 8 * i][sub_col + 8 * j], kLdW);
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  lily_qmatmul::store_y_tile(&y_tile[0][0], kLdW, BM, BN, y, row0, n0, M, N, tid, n_threads);
+  static_assert(lily_qmatmul::kGroupSize % LILY_QMM_BK == 0, "a K step must stay inside one quantization group");
+  const lily_qmatmul::QuantizedWTile<Bits, S> w_tile{weight, scales, biases};
+  lily::gemm_tiles<BM>(x, w_tile, y, &x_tile[0][0], &wt_tile[0][0], &y_tile[0][0], args.num_rows, args.out_features,
+                       args.in_features, tg, tid, n_threads, simd_group);
 }
 
 #if defined(LILY_QMATMUL_HAS_TENSOR_OPS)
@@ -517,7 +385,7 @@ template <typename T, typename S, int Bits>
   }
   for (uint k0 = 0; k0 < K; k0 += BK) {
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    lily_qmatmul::load_x_tile(x, &x_tile[0][0], BK, BM, BK, row0, k0, M, K, tid, n_threads);
+    lily::load_x_tile(x, &x_tile[0][0], BK, BM, BK, row0, k0, M, K, tid, n_threads);
     lily_qmatmul::dequantize_w_tile<Bits, false>(weight, scales, biases, &w_tile[0][0], BK, BN, BK, n0, k0, N, K, tid,
                                                  n_threads);
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -526,7 +394,7 @@ template <typename T, typename S, int Bits>
   auto y_block = y_tensor.slice(int((simd_group % 2) * 32), int((simd_group / 2) * 16));
   acc.store(y_block);
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  lily_qmatmul::store_y_tile(&y_tile[0][0], BN, BM, BN, y, row0, n0, M, N, tid, n_threads);
+  lily::store_y_tile(&y_tile[0][0], BN, BM, BN, y, row0, n0, M, N, tid, n_threads);
 }
 #endif
 
@@ -619,11 +487,6 @@ LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_bm32", qmm, bfloat, bfloat, 8, 32)
 LILY_INSTANTIATE_KERNEL("qmm_q8_g64_f32_sf32_bm32", qmm, float, float, 8, 32)
 LILY_INSTANTIATE_KERNEL("qmm_q8_g64_f16_sf32_bm32", qmm, half, float, 8, 32)
 LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_sf32_bm32", qmm, bfloat, float, 8, 32)
-
-LILY_INSTANTIATE_KERNEL("mm_f32_bm16", mm, float, 16)
-LILY_INSTANTIATE_KERNEL("mm_bf16_bm16", mm, bfloat, 16)
-LILY_INSTANTIATE_KERNEL("mm_f32_bm32", mm, float, 32)
-LILY_INSTANTIATE_KERNEL("mm_bf16_bm32", mm, bfloat, 32)
 
 #if defined(LILY_QMATMUL_HAS_TENSOR_OPS)
 LILY_INSTANTIATE_KERNEL("qmm_nax_q4_g64_f16", qmm_nax, half, bfloat, 4)

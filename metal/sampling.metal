@@ -211,6 +211,182 @@ inline float sample_kept_mass(float x, float x_max, bool use_k, uint key_k, bool
   return kept ? e : 0.0f;
 }
 
+// The threadgroup scratch of `sample` (declared in the kernel) and this thread's place in the threadgroup.
+struct SampleScratch {
+  threadgroup float* f_part;        // [32] per-simdgroup float partials
+  threadgroup uint* u_part;         // [32] per-simdgroup uint partials
+  threadgroup uint* count_part;     // [32 * 16] per-simdgroup digit counts
+  threadgroup float* mass_part;     // [32 * 16] per-simdgroup digit masses
+  threadgroup uint* bin_count;      // [16]
+  threadgroup float* bin_mass;      // [16]
+  threadgroup uint* select_state;   // [3] digit prefix, remaining rank (top-k) or "keep all" flag (top-p), tie count
+  threadgroup float* above_tg;      // [1] top-p: kept mass strictly above the current prefix
+  threadgroup float* chunk_cum;     // [LILY_SAMPLE_THREADS]
+  threadgroup atomic_uint* claim;   // [2] first chunk whose cumulative mass passes the target; last non-empty chunk
+};
+
+struct SampleThread {
+  uint tid, n_threads, lane, sg, n_sg;
+};
+
+// What top-p keeps: every token (keep_all), or those with key > key, plus the first ties_kept tokens tied at key.
+struct TopPCut {
+  bool keep_all;
+  uint key;
+  uint ties_kept;
+};
+
+// 1. Temperature and the maximum (the max token survives every filter: its p is p_max, and e = 1).
+template <typename T>
+inline float sample_max_logit(device const T* logits, uint vocab, float temperature, SampleScratch tg,
+                              SampleThread th) {
+  float local_max = -INFINITY;
+  for (uint i = th.tid; i < vocab; i += th.n_threads) {
+    local_max = max(local_max, float(logits[i]) / temperature);
+  }
+  return sample_max(local_max, tg.f_part, th.lane, th.sg, th.n_sg);
+}
+
+// 2. Top-k: radix select of the key of the k-th largest x (keep key >= the result).
+template <typename T>
+inline uint sample_top_k_key(device const T* logits, uint vocab, float temperature, uint top_k, SampleScratch tg,
+                             SampleThread th) {
+  uint prefix = 0;
+  uint remaining = top_k;
+  for (int shift = 28; shift >= 0; shift -= 4) {
+    uint count[16];
+    float mass[16];
+    for (uint b = 0; b < 16; ++b) {
+      count[b] = 0;
+      mass[b] = 0.0f;
+    }
+    for (uint i = th.tid; i < vocab; i += th.n_threads) {
+      const uint key = sample_key(float(logits[i]) / temperature);
+      if (shift == 28 || (key >> (shift + 4)) == prefix) {
+        count[(key >> shift) & 15u] += 1;
+      }
+    }
+    sample_reduce_digits(count, mass, tg.count_part, tg.mass_part, tg.bin_count, tg.bin_mass, th.tid, th.lane, th.sg,
+                         th.n_sg);
+    if (th.tid == 0) {
+      uint b = 15;
+      while (b > 0 && tg.bin_count[b] < remaining) {
+        remaining -= tg.bin_count[b];
+        --b;
+      }
+      tg.select_state[0] = (prefix << 4) | b;
+      tg.select_state[1] = remaining;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    prefix = tg.select_state[0];
+    remaining = tg.select_state[1];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  return prefix;
+}
+
+// 3. Mass of what top-k keeps: the sum of e = exp(x - x_max).
+template <typename T>
+inline float sample_top_k_mass(device const T* logits, uint vocab, float temperature, float x_max, bool use_k,
+                               uint key_k, SampleScratch tg, SampleThread th) {
+  float local_mass = 0.0f;
+  for (uint i = th.tid; i < vocab; i += th.n_threads) {
+    const float x = float(logits[i]) / temperature;
+    if (!use_k || sample_key(x) >= key_k) {
+      local_mass += precise::exp(x - x_max);
+    }
+  }
+  return sample_sum(local_mass, tg.f_part, th.lane, th.sg, th.n_sg);
+}
+
+// 4. Top-p: radix select of the key of the last kept token in descending order, by mass.
+template <typename T>
+inline TopPCut sample_top_p_cut(device const T* logits, uint vocab, float temperature, float top_p, float x_max,
+                                bool use_k, uint key_k, float mass_k, SampleScratch tg, SampleThread th) {
+  TopPCut cut{!(top_p < 1.0f), 0u, 0u};
+  if (cut.keep_all) {
+    return cut;
+  }
+  const float target = top_p * mass_k;
+  uint prefix = 0;
+  float above = 0.0f;
+  uint tie_count = 0;
+  for (int shift = 28; shift >= 0; shift -= 4) {
+    uint count[16];
+    float mass[16];
+    for (uint b = 0; b < 16; ++b) {
+      count[b] = 0;
+      mass[b] = 0.0f;
+    }
+    for (uint i = th.tid; i < vocab; i += th.n_threads) {
+      const float x = float(logits[i]) / temperature;
+      const uint key = sample_key(x);
+      const float e = precise::exp(x - x_max);
+      if (e > 0.0f && (!use_k || key >= key_k) && (shift == 28 || (key >> (shift + 4)) == prefix)) {
+        count[(key >> shift) & 15u] += 1;
+        mass[(key >> shift) & 15u] += e;
+      }
+    }
+    sample_reduce_digits(count, mass, tg.count_part, tg.mass_part, tg.bin_count, tg.bin_mass, th.tid, th.lane, th.sg,
+                         th.n_sg);
+    if (th.tid == 0) {
+      uint found = 16;
+      for (int b = 15; b >= 0; --b) {
+        if (tg.bin_count[b] == 0) {
+          continue;
+        }
+        if (above + tg.bin_mass[b] < target) {
+          above += tg.bin_mass[b];  // the whole bin and the token after it are inside the nucleus
+        } else {
+          found = uint(b);
+          break;
+        }
+      }
+      tg.select_state[0] = found < 16 ? ((prefix << 4) | found) : prefix;
+      tg.select_state[1] = found < 16 ? 0u : 1u;  // rounding left the mass short of the target: keep everything
+      tg.select_state[2] = found < 16 ? tg.bin_count[found] : 0u;
+      tg.above_tg[0] = above;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    prefix = tg.select_state[0];
+    cut.keep_all = tg.select_state[1] != 0;
+    tie_count = tg.select_state[2];
+    above = tg.above_tg[0];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (cut.keep_all) {
+      return cut;  // uniform: every thread read the same flag
+    }
+  }
+  // Tokens tied at the cut key, in id order: the j-th is kept while the mass before it, above + j·e, is < target.
+  cut.key = prefix;
+  const float e_tie = precise::exp(sample_key_value(cut.key) - x_max);
+  const float needed = ceil((target - above) / e_tie);
+  cut.ties_kept = uint(clamp(needed, 1.0f, float(tie_count)));
+  return cut;
+}
+
+// 5a. Tokens tied at the top-p cut key in the chunks of the threads before this one (ids [0, begin)).
+template <typename T>
+inline uint sample_ties_before(device const T* logits, uint begin, uint end, float temperature, float x_max,
+                               uint key_p, SampleScratch tg, SampleThread th) {
+  uint ties = 0;
+  for (uint i = begin; i < end; ++i) {
+    const float x = float(logits[i]) / temperature;
+    ties += (sample_key(x) == key_p && precise::exp(x - x_max) > 0.0f) ? 1u : 0u;
+  }
+  const uint before_in_simd = simd_prefix_exclusive_sum(ties);
+  const uint simd_total = simd_sum(ties);
+  if (th.lane == 0) {
+    tg.u_part[th.sg] = simd_total;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  uint tie_rank = before_in_simd;
+  for (uint s = 0; s < th.sg; ++s) {
+    tie_rank += tg.u_part[s];
+  }
+  return tie_rank;
+}
+
 template <typename T>
 [[kernel]] void sample(constant lily::SampleArgs& args [[buffer(0)]],
                        device const T* logits [[buffer(1)]],  // [vocab]
@@ -226,156 +402,34 @@ template <typename T>
   threadgroup float mass_part[32 * 16];
   threadgroup uint bin_count[16];
   threadgroup float bin_mass[16];
-  threadgroup uint select_state[3];  // digit prefix, remaining rank (top-k) or "keep all" flag (top-p), tie count
-  threadgroup float above_tg[1];     // top-p: kept mass strictly above the current prefix
+  threadgroup uint select_state[3];
+  threadgroup float above_tg[1];
   threadgroup float chunk_cum[LILY_SAMPLE_THREADS];
-  threadgroup atomic_uint claim[2];  // first chunk whose cumulative mass passes the target; last non-empty chunk
+  threadgroup atomic_uint claim[2];
+  const SampleScratch tg{f_part,    u_part,       count_part, mass_part, bin_count,
+                         bin_mass, select_state, above_tg,   chunk_cum, claim};
+  const SampleThread th{tid, n_threads, lane, sg, n_sg};
 
   const uint vocab = args.vocab_size;
-  // 1. Temperature and the maximum (the max token survives every filter: its p is p_max, and e = 1).
-  float local_max = -INFINITY;
-  for (uint i = tid; i < vocab; i += n_threads) {
-    local_max = max(local_max, float(logits[i]) / args.temperature);
-  }
-  const float x_max = sample_max(local_max, f_part, lane, sg, n_sg);
-
-  // 2. Top-k: radix select of the k-th largest key; keep key >= key_k.
+  const float temperature = args.temperature;
+  const float x_max = sample_max_logit(logits, vocab, temperature, tg, th);
   const bool use_k = args.top_k > 0 && args.top_k < vocab;
-  uint key_k = 0;
-  if (use_k) {
-    uint prefix = 0;
-    uint remaining = args.top_k;
-    for (int shift = 28; shift >= 0; shift -= 4) {
-      uint count[16];
-      float mass[16];
-      for (uint b = 0; b < 16; ++b) {
-        count[b] = 0;
-        mass[b] = 0.0f;
-      }
-      for (uint i = tid; i < vocab; i += n_threads) {
-        const uint key = sample_key(float(logits[i]) / args.temperature);
-        if (shift == 28 || (key >> (shift + 4)) == prefix) {
-          count[(key >> shift) & 15u] += 1;
-        }
-      }
-      sample_reduce_digits(count, mass, count_part, mass_part, bin_count, bin_mass, tid, lane, sg, n_sg);
-      if (tid == 0) {
-        uint b = 15;
-        while (b > 0 && bin_count[b] < remaining) {
-          remaining -= bin_count[b];
-          --b;
-        }
-        select_state[0] = (prefix << 4) | b;
-        select_state[1] = remaining;
-      }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      prefix = select_state[0];
-      remaining = select_state[1];
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-    }
-    key_k = prefix;
-  }
-
-  // 3. Mass of what top-k keeps: e = exp(x - x_max).
-  float local_mass = 0.0f;
-  for (uint i = tid; i < vocab; i += n_threads) {
-    const float x = float(logits[i]) / args.temperature;
-    if (!use_k || sample_key(x) >= key_k) {
-      local_mass += precise::exp(x - x_max);
-    }
-  }
-  const float mass_k = sample_sum(local_mass, f_part, lane, sg, n_sg);
-
-  // 4. Top-p: radix select of the key of the last kept token in descending order, by mass.
-  bool keep_all_p = !(args.top_p < 1.0f);
-  uint key_p = 0;
-  uint ties_kept = 0;
-  if (!keep_all_p) {
-    const float target = args.top_p * mass_k;
-    uint prefix = 0;
-    float above = 0.0f;
-    uint tie_count = 0;
-    for (int shift = 28; shift >= 0; shift -= 4) {
-      uint count[16];
-      float mass[16];
-      for (uint b = 0; b < 16; ++b) {
-        count[b] = 0;
-        mass[b] = 0.0f;
-      }
-      for (uint i = tid; i < vocab; i += n_threads) {
-        const float x = float(logits[i]) / args.temperature;
-        const uint key = sample_key(x);
-        const float e = precise::exp(x - x_max);
-        if (e > 0.0f && (!use_k || key >= key_k) && (shift == 28 || (key >> (shift + 4)) == prefix)) {
-          count[(key >> shift) & 15u] += 1;
-          mass[(key >> shift) & 15u] += e;
-        }
-      }
-      sample_reduce_digits(count, mass, count_part, mass_part, bin_count, bin_mass, tid, lane, sg, n_sg);
-      if (tid == 0) {
-        uint found = 16;
-        for (int b = 15; b >= 0; --b) {
-          if (bin_count[b] == 0) {
-            continue;
-          }
-          if (above + bin_mass[b] < target) {
-            above += bin_mass[b];  // the whole bin and the token after it are inside the nucleus
-          } else {
-            found = uint(b);
-            break;
-          }
-        }
-        select_state[0] = found < 16 ? ((prefix << 4) | found) : prefix;
-        select_state[1] = found < 16 ? 0u : 1u;  // rounding left the mass short of the target: keep everything
-        select_state[2] = found < 16 ? bin_count[found] : 0u;
-        above_tg[0] = above;
-      }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      prefix = select_state[0];
-      keep_all_p = select_state[1] != 0;
-      tie_count = select_state[2];
-      above = above_tg[0];
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      if (keep_all_p) {
-        break;  // uniform: every thread read the same flag
-      }
-    }
-    if (!keep_all_p) {
-      // Tokens tied at key_p, in id order: the j-th is kept while the mass before it, above + j·e, is < target.
-      key_p = prefix;
-      const float e_tie = precise::exp(sample_key_value(key_p) - x_max);
-      const float needed = ceil((target - above) / e_tie);
-      ties_kept = uint(clamp(needed, 1.0f, float(tie_count)));
-    }
-  }
+  const uint key_k = use_k ? sample_top_k_key(logits, vocab, temperature, args.top_k, tg, th) : 0u;
+  const float mass_k = sample_top_k_mass(logits, vocab, temperature, x_max, use_k, key_k, tg, th);
+  const TopPCut cut = sample_top_p_cut(logits, vocab, temperature, args.top_p, x_max, use_k, key_k, mass_k, tg, th);
 
   // 5. The draw: contiguous id chunks per thread, cumulative kept mass in id order.
   const uint chunk = (vocab + n_threads - 1) / n_threads;
   const uint begin = min(tid * chunk, vocab);
   const uint end = min(begin + chunk, vocab);
-  uint tie_rank = 0;  // ties at key_p before this chunk
-  if (!keep_all_p) {
-    uint ties = 0;
-    for (uint i = begin; i < end; ++i) {
-      const float x = float(logits[i]) / args.temperature;
-      ties += (sample_key(x) == key_p && precise::exp(x - x_max) > 0.0f) ? 1u : 0u;
-    }
-    const uint before_in_simd = simd_prefix_exclusive_sum(ties);
-    const uint simd_total = simd_sum(ties);
-    if (lane == 0) {
-      u_part[sg] = simd_total;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    tie_rank = before_in_simd;
-    for (uint s = 0; s < sg; ++s) {
-      tie_rank += u_part[s];
-    }
-  }
-  const uint first_tie_rank = tie_rank;
+  const uint first_tie_rank =
+      cut.keep_all ? 0u : sample_ties_before(logits, begin, end, temperature, x_max, cut.key, tg, th);
+  uint tie_rank = first_tie_rank;
   float chunk_mass = 0.0f;
   for (uint i = begin; i < end; ++i) {
-    const float x = float(logits[i]) / args.temperature;
-    chunk_mass += sample_kept_mass(x, x_max, use_k, key_k, keep_all_p, key_p, ties_kept, args.min_p, tie_rank);
+    const float x = float(logits[i]) / temperature;
+    chunk_mass += sample_kept_mass(x, x_max, use_k, key_k, cut.keep_all, cut.key, cut.ties_kept, args.min_p,
+                                   tie_rank);
   }
   const float cum_in_simd = simd_prefix_inclusive_sum(chunk_mass);
   const float simd_total = simd_sum(chunk_mass);
@@ -416,8 +470,8 @@ template <typename T>
     float acc = 0.0f;
     uint token = begin;
     for (uint i = begin; i < end; ++i) {
-      const float e = sample_kept_mass(float(logits[i]) / args.temperature, x_max, use_k, key_k, keep_all_p, key_p,
-                                       ties_kept, args.min_p, rank);
+      const float e = sample_kept_mass(float(logits[i]) / temperature, x_max, use_k, key_k, cut.keep_all, cut.key,
+                                       cut.ties_kept, args.min_p, rank);
       if (e > 0.0f) {
         acc += e;
         token = i;

@@ -131,9 +131,12 @@ def with_backend(model: lily.Model, backend) -> lily.Model:
 
 
 def test_public_names_are_few_and_documented():
-    assert set(lily.__all__) == {"Model", "Session", "Token", "Result", "Cancelled"}
-    for name in lily.__all__:
+    assert set(lily.__all__) == {"Model", "Session", "Token", "Result", "Stats", "Snapshot", "Cancelled", "__version__"}
+    for name in set(lily.__all__) - {"__version__"}:
         assert getattr(lily, name).__doc__
+    from importlib.metadata import version
+
+    assert lily.__version__ == version("lily")
     for method in ("load", "logits", "prefill", "generate", "chat"):
         assert getattr(lily.Model, method).__doc__
     for method in ("decode", "snapshot", "restore", "fork", "save", "load"):

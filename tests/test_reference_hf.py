@@ -180,7 +180,7 @@ def test_moe_route_matches_hf_router() -> None:
         router.weight.copy_(torch.from_numpy(rng.standard_normal((num_experts, hidden), dtype=np.float32)))
         _, expected_weights, expected_indices = router(torch.from_numpy(x))
 
-    indices, weights = reference.moe_route(reference.linear(x, router.weight.detach().numpy()), top_k)
+    indices, weights = reference.moe_route(reference.qmatmul(x, router.weight.detach().numpy()), top_k)
 
     np.testing.assert_array_equal(indices, expected_indices.numpy())
     assert relative_error(weights, expected_weights.numpy()) <= OP_TOLERANCE
@@ -208,7 +208,7 @@ def test_gated_delta_net_and_moe_blocks_match_hf(tiny_checkpoints, variant_name:
     empty = ReferenceModel(checkpoint).new_state().layers[0]
     x = np.random.default_rng(6000).standard_normal((23, config.hidden_size), dtype=np.float32)
 
-    mixer_out, _, _ = reference.gated_delta_net(
+    mixer_out, _, _ = reference.gated_delta_layer(
         x,
         layer_weights(checkpoint, "layers.0.linear_attn."),
         empty.conv,

@@ -27,7 +27,7 @@ from server_helpers import (
 )
 from tokenizer_fixture import write_tiny_tokenizer
 
-from lily.server_engine import LilyEngine
+from lily.server.adapter import LilyEngine
 from lily.tokenizer import Tokenizer
 
 

@@ -17,7 +17,7 @@ from server_helpers import NO_THINKING, ServerThread, echo, raw_request, scripte
 from tokenizer_fixture import write_tiny_tokenizer
 
 from lily.server import ServerConfig
-from lily.server_engine import LilyEngine
+from lily.server.adapter import LilyEngine
 from lily.tokenizer import Tokenizer
 
 CHAT = "/v1/chat/completions"

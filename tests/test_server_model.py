@@ -24,7 +24,7 @@ from tokenizer_fixture import write_tiny_tokenizer
 
 from lily.chat import parse_assistant
 from lily.model import Model
-from lily.server_engine import LilyEngine, load_engine
+from lily.server.adapter import LilyEngine, load_engine
 
 
 @pytest.fixture(scope="module")

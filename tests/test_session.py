@@ -35,6 +35,7 @@ def test_restored_session_continues_exactly(model):
     prompt, more = random_ids(20, 9), random_ids(21, 5)
     session = model.prefill(prompt, use_cache=False)
     snap = session.snapshot()
+    assert isinstance(snap, lily.Snapshot) and isinstance(session.stats, lily.Stats)
     first = [t.id for t in session.decode(max_tokens=4, temperature=0, stop_token_ids=[])]
     model.prefill(more, session=session)
     logits_a = session.logits

@@ -11,7 +11,7 @@ Macros in src/msl_cpu/include/msl_cpu.h cover most of MSL; this script handles w
 Line numbers are kept (with #line), so compiler errors point into the .metal file.
 
     msl2cpu.py SOURCE.metal OUT_DIR [--test-registry]    -> OUT_DIR/<stem>.cpp, OUT_DIR/<stem>.body.inc
-    msl2cpu.py --embed OUT.cpp LILY_H SOURCE.metal...     -> the kernel source as one C++ string (Apple builds)
+    msl2cpu.py --embed OUT.cpp LILY_H SOURCE.metal...     -> the kernel source as one C++ string, headers inlined
 """
 
 from __future__ import annotations
@@ -246,11 +246,26 @@ def generate(source_path: Path, out_dir: Path, test_registry: bool) -> None:
         target.write_text(text)
 
 
+LOCAL_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)".*$', re.M)
+
+
 def embed(out: Path, header: Path, sources: list[Path]) -> None:
-    """One MSL source string: lily.h, then every kernel file without its include of lily.h."""
-    parts = [header.read_text()]
+    """One MSL source string: lily.h, then every kernel file with each of its local headers (metal/*.h) inlined
+    where it is first included and dropped after."""
+    inlined: set[str] = set()
+
+    def expand(path: Path) -> str:
+        inlined.add(path.name)
+
+        def include(m: re.Match) -> str:
+            name = m.group(1)
+            return "" if name in inlined else f"// ---- {name} ----\n" + expand(path.parent / name)
+
+        return LOCAL_INCLUDE_RE.sub(include, path.read_text())
+
+    parts = [expand(header)]
     for s in sources:
-        parts.append(f"// ---- {s.name} ----\n" + re.sub(r'^\s*#\s*include\s*"lily.h".*$', "", s.read_text(), flags=re.M))
+        parts.append(f"// ---- {s.name} ----\n" + expand(s))
     text = "\n".join(parts)
     if ')LILYMSL"' in text:
         raise RewriteError("kernel source contains the raw-string delimiter )LILYMSL\"")

@@ -5,6 +5,13 @@
 >>> print(model.generate("ROMEO:", max_tokens=32, temperature=0).text)
 """
 
-from lily.model import Cancelled, Model, Result, Session, Token
+from importlib.metadata import PackageNotFoundError, version
 
-__all__ = ["Model", "Session", "Token", "Result", "Cancelled"]
+from lily.model import Cancelled, Model, Result, Session, Snapshot, Stats, Token
+
+try:
+    __version__ = version("lily")
+except PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "unknown"
+
+__all__ = ["Model", "Session", "Token", "Result", "Stats", "Snapshot", "Cancelled", "__version__"]

@@ -141,14 +141,10 @@ def model_info(model: Model) -> dict[str, Any]:
 
 def system_info() -> str:
     """A one-line hardware/OS/version footer."""
-    from importlib.metadata import PackageNotFoundError, version
+    from lily import __version__
 
-    try:
-        lily_version = version("lily")
-    except PackageNotFoundError:
-        lily_version = "unknown"
     return (f"{platform.machine()} {platform.system()} {platform.release()}, Python "
-            f"{platform.python_version()}, lily {lily_version}, numpy {np.__version__}")
+            f"{platform.python_version()}, lily {__version__}, numpy {np.__version__}")
 
 
 def format_markdown(rows: Sequence[BenchRow], info: dict[str, Any]) -> str:

@@ -224,13 +224,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """The decode graph's dispatches, barrier stages and bytes per token (built, not run)."""
     import json
 
-    from lily import engine, hub
+    from lily import hub
+    from lily import plan as lily_plan
+    from lily.backends.metal import switches_from_env
     from lily.config import ModelArgs
 
-    model_args = engine.full_size_args() if args.full_size else ModelArgs.from_file(hub.resolve(args.model))
-    plan = engine.plan_decode(model_args, context=args.context, precision=args.precision,
-                              switches=engine.switches_from_env(os.environ))
-    print(json.dumps(plan, indent=2) if args.json else engine.format_plan(plan, engine.PLAN_TARGETS))
+    model_args = lily_plan.full_size_args() if args.full_size else ModelArgs.from_file(hub.resolve(args.model))
+    plan = lily_plan.plan_decode(model_args, context=args.context, precision=args.precision,
+                                 switches=switches_from_env(os.environ))
+    print(json.dumps(plan, indent=2) if args.json else lily_plan.format_plan(plan, lily_plan.PLAN_TARGETS))
     return 0
 
 

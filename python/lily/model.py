@@ -478,7 +478,7 @@ def _choose_backend(name: str) -> str:
 
 
 def _check_precision(requested: str, backend: str, precision: str | None) -> None:
-    from lily.engine import PRECISIONS
+    from lily.backends.metal import PRECISIONS
 
     if precision is None:
         return
@@ -559,7 +559,7 @@ class Model:
         checkpoint = load_checkpoint(directory, quantize=quantize)
         engine: Any
         if chosen == "metal":
-            from lily.engine import MetalBackend
+            from lily.backends.metal import MetalBackend
 
             engine = MetalBackend(checkpoint, **({} if precision is None else {"precision": precision}))
         else:

@@ -1,7 +1,8 @@
 """The numpy fp32 reference of the Qwen3.5/3.6-MoE text model: the specification of every kernel.
 
-Each function below is one op, named as the Metal kernel that implements it, and reads like the
-maths of ``model.md`` §2. Shapes in docstrings use: T new tokens, S cached + new tokens, H hidden
+Each public function below is one op, named as its kernel family (``metal/<op>.metal``, the index in
+docs/kernels.md; prefill kernels share the op's function), or a layer made of ops (``*_layer``), and
+reads like the model's maths. Shapes in docstrings use: T new tokens, S cached + new tokens, H hidden
 size, Hq/Hkv attention query/key-value heads, D attention head dim, Hk/Hv DeltaNet key/value
 heads, dk/dv DeltaNet head dims, C conv channels, K conv taps, E experts, I expert width, V vocab.
 
@@ -36,7 +37,7 @@ Tensor = Any  # numpy.ndarray or lily.quant.QuantizedTensor
 # Rows a KV cache holds before its first growth; it doubles from there.
 KV_CACHE_MIN_CAPACITY = 256
 
-# Output rows dequantized at once by `linear`: bounds the temporary fp32 copy of a big
+# Output rows dequantized at once by `qmatmul`: bounds the temporary fp32 copy of a big
 # quantized matrix (the 248320-row lm_head) to about 64 MiB at H = 2048.
 _DEQUANT_ROW_BLOCK = 8192
 
@@ -75,7 +76,23 @@ def _dequantize_rows(weight: Tensor, rows: slice | np.ndarray | int) -> np.ndarr
 # ---------------------------------------------------------------------------------------------
 
 
-def linear(x: np.ndarray, weight: Tensor) -> np.ndarray:
+def dequantize(weight: Tensor) -> np.ndarray:
+    """A weight as fp32: ``scale * q + bias`` per group for a quantized one (exact in fp32), a copy of a dense one.
+
+    weight: [..., out, in] dense or quantized  ->  [..., out, in]
+    """
+    return _dequantize_rows(weight, slice(None))
+
+
+def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w^T`` for a dense fp32 ``w``, accumulated in fp64 and rounded once to fp32 (``qmatmul`` on ``dequantize(W)``).
+
+    x: [..., in]; w: [out, in]  ->  [..., out]
+    """
+    return (_f32(x).astype(np.float64) @ _f32(w).astype(np.float64).T).astype(np.float32)
+
+
+def qmatmul(x: np.ndarray, weight: Tensor) -> np.ndarray:
     """``x @ W^T``, accumulated in fp64 and rounded once to fp32.
 
     The fp64 accumulation makes each output row independent of how many tokens share the call,
@@ -91,7 +108,7 @@ def linear(x: np.ndarray, weight: Tensor) -> np.ndarray:
     return out
 
 
-def embed(token_ids: np.ndarray, table: Tensor) -> np.ndarray:
+def embedding(token_ids: np.ndarray, table: Tensor) -> np.ndarray:
     """Embedding lookup (not scaled).
 
     token_ids: [T] int; table: [V, H] dense or quantized  ->  [T, H]
@@ -214,7 +231,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, gate: np.ndarray, off
     return out * _sigmoid(_f32(gate))
 
 
-def full_attention(
+def attention_layer(
     x: np.ndarray,
     weights: Mapping[str, Tensor],
     cache: KVCache,
@@ -233,15 +250,15 @@ def full_attention(
     x: [T, H]; positions: [T]  ->  [T, H]
     """
     num_tokens = x.shape[0]
-    q_and_gate = linear(x, weights["q_proj.weight"]).reshape(num_tokens, num_heads, 2 * head_dim)
-    k = linear(x, weights["k_proj.weight"]).reshape(num_tokens, num_kv_heads, head_dim)
-    v = linear(x, weights["v_proj.weight"]).reshape(num_tokens, num_kv_heads, head_dim)
+    q_and_gate = qmatmul(x, weights["q_proj.weight"]).reshape(num_tokens, num_heads, 2 * head_dim)
+    k = qmatmul(x, weights["k_proj.weight"]).reshape(num_tokens, num_kv_heads, head_dim)
+    v = qmatmul(x, weights["v_proj.weight"]).reshape(num_tokens, num_kv_heads, head_dim)
     q, gate, k = attention_prep(
         q_and_gate, k, weights["q_norm.weight"], weights["k_norm.weight"], positions, rotary_dim, theta, eps
     )
     keys, values = cache.append(k, v)
     out = attention(q, keys, values, gate, offset=int(positions[0]))
-    return linear(out.reshape(num_tokens, num_heads * head_dim), weights["o_proj.weight"])
+    return qmatmul(out.reshape(num_tokens, num_heads * head_dim), weights["o_proj.weight"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,8 +307,11 @@ def gated_delta_rule(
     return out, s
 
 
-def gated_delta_net(
-    x: np.ndarray,
+def gated_delta(
+    qkv: np.ndarray,
+    z: np.ndarray,
+    b: np.ndarray,
+    a: np.ndarray,
     weights: Mapping[str, Tensor],
     conv_state: np.ndarray,
     recurrent_state: np.ndarray,
@@ -302,22 +322,17 @@ def gated_delta_net(
     head_v_dim: int,
     eps: float,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One Gated DeltaNet token mixer (the ``linear_attn`` block), continuing from its state.
+    """The Gated DeltaNet mixer between its projections (the ``gated_delta_*`` kernels): causal conv + SiLU,
+    L2 norms, gates, the delta rule and the gated RMSNorm, continuing from the layer's states.
 
-    weights: the layer's ``linear_attn.*`` tensors by their names below that prefix
-    (``in_proj_qkv.weight`` ...). Channels of ``in_proj_qkv`` are ``[q (Hk*dk) | k (Hk*dk) |
-    v (Hv*dv)]``; only they are convolved.
-    x: [T, H]; conv_state: [K-1, C]; recurrent_state: [Hv, dk, dv]
-    ->  out [T, H], new conv_state, new recurrent_state
+    weights: ``conv1d.weight``, ``A_log``, ``dt_bias``, ``norm.weight`` of the layer's ``linear_attn``.
+    Channels of ``qkv`` are ``[q (Hk*dk) | k (Hk*dk) | v (Hv*dv)]``; only they are convolved.
+    qkv: [T, C]; z: [T, Hv*dv]; b, a: [T, Hv]; conv_state: [K-1, C]; recurrent_state: [Hv, dk, dv]
+    ->  y [T, Hv*dv], new conv_state, new recurrent_state
     """
-    num_tokens = x.shape[0]
-    key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
-
-    mixed, conv_state = causal_conv1d(linear(x, weights["in_proj_qkv.weight"]), weights["conv1d.weight"], conv_state)
-    z = linear(x, weights["in_proj_z.weight"]).reshape(num_tokens, num_v_heads, head_v_dim)
-    b = linear(x, weights["in_proj_b.weight"])  # [T, Hv]
-    a = linear(x, weights["in_proj_a.weight"])  # [T, Hv]
-
+    num_tokens = qkv.shape[0]
+    key_dim = num_k_heads * head_k_dim
+    mixed, conv_state = causal_conv1d(qkv, weights["conv1d.weight"], conv_state)
     q = mixed[:, :key_dim].reshape(num_tokens, num_k_heads, head_k_dim)
     k = mixed[:, key_dim : 2 * key_dim].reshape(num_tokens, num_k_heads, head_k_dim)
     v = mixed[:, 2 * key_dim :].reshape(num_tokens, num_v_heads, head_v_dim)
@@ -326,11 +341,31 @@ def gated_delta_net(
 
     beta = _sigmoid(b)
     a_log = _f32(weights["A_log"])
-    g = -np.exp(a_log) * _softplus(a + _f32(weights["dt_bias"]))  # log-decay, fp32
+    g = -np.exp(a_log) * _softplus(_f32(a) + _f32(weights["dt_bias"]))  # log-decay, fp32
 
     o, recurrent_state = gated_delta_rule(q, k, v, g, beta, recurrent_state)
-    y = gated_rms_norm(o, z, weights["norm.weight"], eps).reshape(num_tokens, value_dim)
-    return linear(y, weights["out_proj.weight"]), conv_state, recurrent_state
+    z = _f32(z).reshape(num_tokens, num_v_heads, head_v_dim)
+    y = gated_rms_norm(o, z, weights["norm.weight"], eps).reshape(num_tokens, num_v_heads * head_v_dim)
+    return y, conv_state, recurrent_state
+
+
+def gated_delta_layer(
+    x: np.ndarray,
+    weights: Mapping[str, Tensor],
+    conv_state: np.ndarray,
+    recurrent_state: np.ndarray,
+    **dims: Any,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One Gated DeltaNet token mixer (the ``linear_attn`` block): projections around ``gated_delta``.
+
+    weights: the layer's ``linear_attn.*`` tensors by their names below that prefix
+    (``in_proj_qkv.weight`` ...); dims: ``gated_delta``'s keyword arguments.
+    x: [T, H]; conv_state: [K-1, C]; recurrent_state: [Hv, dk, dv]
+    ->  out [T, H], new conv_state, new recurrent_state
+    """
+    projections = (qmatmul(x, weights[f"in_proj_{name}.weight"]) for name in ("qkv", "z", "b", "a"))
+    y, conv_state, recurrent_state = gated_delta(*projections, weights, conv_state, recurrent_state, **dims)
+    return qmatmul(y, weights["out_proj.weight"]), conv_state, recurrent_state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,10 +405,10 @@ def swiglu_experts(
     for expert in np.unique(indices):
         tokens, ranks = np.nonzero(indices == expert)
         xs = x[tokens]
-        hidden = _silu(linear(xs, _dequantize_rows(gate_proj, int(expert)))) * linear(
+        hidden = _silu(qmatmul(xs, _dequantize_rows(gate_proj, int(expert)))) * qmatmul(
             xs, _dequantize_rows(up_proj, int(expert))
         )
-        y = linear(hidden, _dequantize_rows(down_proj, int(expert)))
+        y = qmatmul(hidden, _dequantize_rows(down_proj, int(expert)))
         np.add.at(out, tokens, weights[tokens, ranks][:, None] * y)
     return out
 
@@ -383,7 +418,7 @@ def swiglu(x: np.ndarray, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor)
 
     x: [T, H]; gate_proj, up_proj: [I, H]; down_proj: [H, I]  ->  [T, H]
     """
-    return linear(_silu(linear(x, gate_proj)) * linear(x, up_proj), down_proj)
+    return qmatmul(_silu(qmatmul(x, gate_proj)) * qmatmul(x, up_proj), down_proj)
 
 
 def moe(x: np.ndarray, weights: Mapping[str, Tensor], *, num_experts_per_tok: int) -> np.ndarray:
@@ -393,7 +428,7 @@ def moe(x: np.ndarray, weights: Mapping[str, Tensor], *, num_experts_per_tok: in
     ``switch_mlp.gate_proj.weight`` ..., ``shared_expert.*``, ``shared_expert_gate.weight``).
     x: [T, H]  ->  [T, H]
     """
-    indices, routing_weights = moe_route(linear(x, weights["gate.weight"]), num_experts_per_tok)
+    indices, routing_weights = moe_route(qmatmul(x, weights["gate.weight"]), num_experts_per_tok)
     routed = swiglu_experts(
         x,
         weights["switch_mlp.gate_proj.weight"],
@@ -408,7 +443,7 @@ def moe(x: np.ndarray, weights: Mapping[str, Tensor], *, num_experts_per_tok: in
         weights["shared_expert.up_proj.weight"],
         weights["shared_expert.down_proj.weight"],
     )
-    return routed + _sigmoid(linear(x, weights["shared_expert_gate.weight"])) * shared
+    return routed + _sigmoid(qmatmul(x, weights["shared_expert_gate.weight"])) * shared
 
 
 # ---------------------------------------------------------------------------------------------
@@ -567,12 +602,12 @@ class ReferenceModel:
         eps = args.rms_norm_eps
         positions = state.position + np.arange(ids.shape[0])
 
-        h = embed(ids, w["embed_tokens.weight"])
+        h = embedding(ids, w["embed_tokens.weight"])
         for layer, layer_state in enumerate(state.layers):
             prefix = f"layers.{layer}."
             a = rms_norm(h, w[prefix + "input_layernorm.weight"], eps)
             if isinstance(layer_state, KVCache):
-                h = h + full_attention(
+                h = h + attention_layer(
                     a,
                     _Scope(w, prefix + "self_attn."),
                     layer_state,
@@ -585,7 +620,7 @@ class ReferenceModel:
                     eps=eps,
                 )
             else:
-                out, layer_state.conv, layer_state.recurrent = gated_delta_net(
+                out, layer_state.conv, layer_state.recurrent = gated_delta_layer(
                     a,
                     _Scope(w, prefix + "linear_attn."),
                     layer_state.conv,
@@ -601,4 +636,4 @@ class ReferenceModel:
             h = h + moe(m, _Scope(w, prefix + "mlp."), num_experts_per_tok=args.num_experts_per_tok)
 
         state.position += ids.shape[0]
-        return linear(rms_norm(h, w["norm.weight"], eps), w["lm_head.weight"])
+        return qmatmul(rms_norm(h, w["norm.weight"], eps), w["lm_head.weight"])

@@ -145,7 +145,7 @@ def _msl():
 def _metal_runner():
     """A ``lily._ext.kernels.Runner`` over the embedded kernels: the Metal API on the default device."""
     from lily._ext import kernels
-    from lily.engine import kernel_metallib
+    from lily.backends.metal import kernel_metallib
 
     return kernels.Runner(metallib=kernel_metallib())
 
@@ -274,7 +274,7 @@ def qmatmul_case(kernel: str) -> Result:
     w = qt.dequantize().astype(np.float32)
     if "_nax_" in kernel:
         w = to_f64(to_device(w, dtype), dtype).astype(np.float32)  # tensor-op tiles hold weights in the dtype
-    expected = reference.linear(to_f64(x, dtype).astype(np.float32), w)
+    expected = reference.qmatmul(to_f64(x, dtype).astype(np.float32), w)
     return compare(kernel, f"M={m} N={n} K={k}", to_f64(y, dtype), expected, dtype)
 
 
@@ -297,14 +297,14 @@ def qmv_fused_case(kernel: str) -> Result:
     if kernel.startswith("qmv_norm"):
         norm_weight = to_device(1.0 + 0.3 * rng.standard_normal(k), dtype)
         _dispatch(kernel, [struct.pack("<IIIf", k, n, m, eps), x, norm_weight, *weight, y], grid, threads)
-        expected = reference.linear(reference.rms_norm(xs, to_f64(norm_weight, dtype), eps), w)
+        expected = reference.qmatmul(reference.rms_norm(xs, to_f64(norm_weight, dtype), eps), w)
     elif kernel.startswith("qmv_residual"):
         residual = to_device(rng.standard_normal((m, n)), dtype)
         _dispatch(kernel, [struct.pack("<IIII", k, n, m, 0), x, *weight, residual, y], grid, threads)
-        expected = to_f64(residual, dtype) + reference.linear(xs.astype(np.float32), w)
+        expected = to_f64(residual, dtype) + reference.qmatmul(xs.astype(np.float32), w)
     else:
         _dispatch(kernel, [struct.pack("<IIII", k, n, m, 0), x, *weight, y], grid, threads)
-        expected = reference.linear(xs.astype(np.float32), w)
+        expected = reference.qmatmul(xs.astype(np.float32), w)
     return compare(kernel, f"M={m} N={n} K={k}", to_f64(y, out_dtype), expected, out_dtype)
 
 
@@ -327,7 +327,7 @@ def qmv_segments_case(kernel: str) -> Result:
     xs = to_f64(x, dtype)
     if kernel.startswith("qmv_norm"):
         xs = reference.rms_norm(xs, to_f64(norm_weight, dtype), eps)
-    expected = reference.linear(xs.astype(np.float32), w)
+    expected = reference.qmatmul(xs.astype(np.float32), w)
     return compare(kernel, f"rows={rows} K={k}", to_f64(y, out_dtype), expected, out_dtype)
 
 
@@ -357,7 +357,7 @@ def mm_case(kernel: str) -> Result:
     y = poisoned((m, n), dtype)
     _dispatch(kernel, [struct.pack("<IIII", k, n, m, 0), x, w, y], (-(-n // 32), -(-m // bm), 1),
               (64 if bm == 16 else 128, 1, 1))
-    expected = reference.linear(to_f64(x, dtype).astype(np.float32), to_f64(w, dtype).astype(np.float32))
+    expected = reference.qmatmul(to_f64(x, dtype).astype(np.float32), to_f64(w, dtype).astype(np.float32))
     return compare(kernel, f"M={m} N={n} K={k}", to_f64(y, dtype), expected, dtype)
 
 
@@ -371,11 +371,11 @@ def embedding_case(kernel: str) -> Result:
     # ids_offset 1: the decode path reads the slot the sampler wrote.
     _dispatch(kernel, [struct.pack("<IIII", hidden, vocab, 1, 0), ids, *weight, out], (ids.size - 1, 1, 1),
              (64, 1, 1))
-    expected = reference.embed(ids[1:], qt)
+    expected = reference.embedding(ids[1:], qt)
     return compare(kernel, f"V={vocab} H={hidden} T={ids.size - 1}", to_f64(out, dtype), expected, dtype)
 
 
-# ---- gated attention (metal/rope.metal, metal/attention.metal, metal/attention_prefill.metal) ----
+# ---- gated attention (metal/attention_prep.metal, metal/attention.metal, metal/attention_prefill.metal) ----
 
 # Query heads per threadgroup of the packed kernels by head dim (LILY_ATTN_HEADS_PER_GROUP, ..._D64); the
 # attention_decode*_unpacked_* kernels (the GQA-packing ablation) take one; the *_plain_* ones (coalesced-KV
@@ -634,8 +634,8 @@ def moe_gemm_case(kernel: str) -> Result:
                  (expert // _MOE_GEMM_BN, r["max_tiles"], 1), (_MOE_GEMM_THREADS, 1, 1))
         xs = to_f64(x, dtype).astype(np.float32)
         g_all, u_all = gate.dequantize(), up.dequantize()
-        expected = np.stack([_silu64(reference.linear(xs[p // k], g_all[flat_ids[p]]).astype(np.float64))
-                             * reference.linear(xs[p // k], u_all[flat_ids[p]]) for p in pairs])
+        expected = np.stack([_silu64(reference.qmatmul(xs[p // k], g_all[flat_ids[p]]).astype(np.float64))
+                             * reference.qmatmul(xs[p // k], u_all[flat_ids[p]]) for p in pairs])
         return compare(kernel, shape, to_f64(h, dtype), expected, dtype)
     down, down_buffers = _quantized_weight(kernel, hidden, expert, rng, experts)
     h = to_device(rng.standard_normal((pairs.size, expert)), dtype)  # sorted order
@@ -645,7 +645,7 @@ def moe_gemm_case(kernel: str) -> Result:
     hs, d_all, w = to_f64(h, dtype).astype(np.float32), down.dequantize(), r["weights"].reshape(-1)
     expected = np.empty((pairs.size, hidden))
     for pos, pair in enumerate(pairs):
-        expected[pair] = float(w[pair]) * reference.linear(hs[pos], d_all[flat_ids[pair]])
+        expected[pair] = float(w[pair]) * reference.qmatmul(hs[pos], d_all[flat_ids[pair]])
     return compare(kernel, shape, to_f64(y, dtype), expected, dtype)
 
 
@@ -683,7 +683,7 @@ def moe_decode_case(kernel: str) -> Result:
         _dispatch(kernel, [args, x, ids, *gate_buffers, *up_buffers, *shared_gate_buffers, *shared_up_buffers, h],
                  (-(-max(expert, shared) // _MOE_GEMV_ROWS), k + 1, 1), (_MOE_GEMV_THREADS, 1, 1))
         xs = to_f64(x, dtype).astype(np.float32)
-        pieces = [_silu64(reference.linear(xs, g).astype(np.float64)) * reference.linear(xs, u)
+        pieces = [_silu64(reference.qmatmul(xs, g).astype(np.float64)) * reference.qmatmul(xs, u)
                   for g, u in [(gate.dequantize()[e], up.dequantize()[e]) for e in ids]
                   + [(shared_gate.dequantize(), shared_up.dequantize())]]
         return compare(kernel, shape, h, np.concatenate(pieces), "f32")
@@ -698,9 +698,9 @@ def moe_decode_case(kernel: str) -> Result:
              (hidden // _MOE_GEMV_ROWS, 1, 1), (_MOE_GEMV_THREADS, 1, 1))
     expected = to_f64(residual, dtype).copy()
     for slot, e in enumerate(ids):
-        expected += float(weights[slot]) * reference.linear(h[slot * expert : (slot + 1) * expert],
+        expected += float(weights[slot]) * reference.qmatmul(h[slot * expert : (slot + 1) * expert],
                                                             down.dequantize()[e])
-    expected += reference.linear(h[k * expert :], shared_down.dequantize()) / (1.0 + np.exp(-0.4))
+    expected += reference.qmatmul(h[k * expert :], shared_down.dequantize()) / (1.0 + np.exp(-0.4))
     return compare(kernel, shape, to_f64(out, dtype), expected, dtype)
 
 
@@ -728,7 +728,7 @@ def moe_routed_case(kernel: str) -> Result:
               (-(-max(expert, shared) // _MOE_GEMV_ROWS), k + 1, 1), (_MOE_GEMV_THREADS, 1, 1))
     expected_ids, expected_weights = reference.moe_route(logits, k)
     xs = reference.rms_norm(to_f64(x, dtype), to_f64(norm_weight, dtype), eps)
-    pieces = [_silu64(reference.linear(xs, g).astype(np.float64)) * reference.linear(xs, u)
+    pieces = [_silu64(reference.qmatmul(xs, g).astype(np.float64)) * reference.qmatmul(xs, u)
               for g, u in [(gate.dequantize()[e], up.dequantize()[e]) for e in expected_ids[0]]
               + [(shared_gate.dequantize(), shared_up.dequantize())]]
     result = compare(kernel, f"E={experts} k={k} H={hidden} I={expert} Is={shared}",

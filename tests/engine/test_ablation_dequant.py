@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from lily.checkpoint import load_checkpoint
-from lily.engine import MetalBackend, switches_from_env
+from lily.backends.metal import MetalBackend, switches_from_env
 from lily.reference import ReferenceModel
 
 DEMO = Path(__file__).resolve().parents[2] / "python" / "lily" / "demo"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from lily.checkpoint import load_checkpoint
-from lily.engine import SWITCHES, MetalBackend, switches_from_env
+from lily.backends.metal import SWITCHES, MetalBackend, switches_from_env
 from lily.reference import ReferenceModel
 
 from tests.fixtures import _KV64, build_hf_model, save_hf_checkpoint, save_mlx_checkpoint

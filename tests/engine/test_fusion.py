@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lily import engine
+from lily import plan as lily_plan
 from lily._ext import _test_engine as te
+from lily.backends import metal as engine
+from lily.backends.metal import MetalBackend
 from lily.checkpoint import load_checkpoint
-from lily.engine import MetalBackend
 from lily.reference import ReferenceModel
 
 from tests.engine.test_metal_backend import HEAD_SHAPES_CONFIG, relative_error
@@ -105,8 +106,9 @@ def test_fused_decode_continues_a_batched_prefill(checkpoints):
 
 def test_disable_fusion_environment_variable():
     """LILY_DISABLE_FUSION=1 turns the switch off (MetalBackend and `lily plan` read the environment this way)."""
-    args = engine.full_size_args()
+    args = lily_plan.full_size_args()
     switches = engine.switches_from_env({"LILY_DISABLE_FUSION": "1"})
     assert switches == {"fusion": False}
-    fused = engine.plan_decode(args, context=64)["dispatches"]
-    assert engine.plan_decode(args, context=64, switches=switches)["dispatches"] == fused + 3 * args.num_hidden_layers + 1
+    fused = lily_plan.plan_decode(args, context=64)["dispatches"]
+    dispatches = lily_plan.plan_decode(args, context=64, switches=switches)["dispatches"]
+    assert dispatches == fused + 3 * args.num_hidden_layers + 1

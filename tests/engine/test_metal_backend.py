@@ -12,7 +12,7 @@ import pytest
 
 from lily._ext import _test_engine as te
 from lily.checkpoint import load_checkpoint
-from lily.engine import MetalBackend
+from lily.backends.metal import MetalBackend
 from lily.reference import ReferenceModel
 
 from tests.fixtures import _KV64, build_hf_model, save_hf_checkpoint, save_mlx_checkpoint

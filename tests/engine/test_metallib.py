@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lily import engine
+from lily.backends import metal as engine
 from lily._ext import kernels, msl
 
 ROOT = Path(__file__).resolve().parents[2]

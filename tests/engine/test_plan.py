@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lily import engine
+from lily import plan as lily_plan
 from lily._ext import _test_engine as te
 from lily.cli import main as cli_main
 from lily.config import ModelArgs
@@ -21,7 +21,7 @@ TEST_KERNEL_SOURCE = (Path(__file__).with_name("engine_kernels.metal")).read_tex
 
 def small_full_shape_args(layers: int = 4) -> ModelArgs:
     """The model's structure (head dim 256, DeltaNet dk 128, attention every 4th layer) at a tiny width."""
-    config = dict(engine.FULL_SIZE_CONFIG)
+    config = dict(lily_plan.FULL_SIZE_CONFIG)
     config.update(
         vocab_size=640, hidden_size=128, num_hidden_layers=layers,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
@@ -66,7 +66,7 @@ def performance_minimum(context: int) -> dict[str, float]:
 @pytest.mark.parametrize("switches", [{}, {"fusion": False}], ids=["fusion", "unfused"])
 @pytest.mark.parametrize("context", [4096, 40000])
 def test_full_size_bytes_within_five_percent_of_the_minimum(context, switches):
-    plan = engine.plan_decode(engine.full_size_args(), context=context, switches=switches)
+    plan = lily_plan.plan_decode(lily_plan.full_size_args(), context=context, switches=switches)
     expected = performance_minimum(context)
     minimum = plan["minimum_bytes"]
     # The formula leaves out norms (0.35 MB), A_log/dt_bias and the embedding row: well under 0.1 %.
@@ -79,13 +79,13 @@ def test_full_size_bytes_within_five_percent_of_the_minimum(context, switches):
 
 
 def test_full_size_dispatch_counts_follow_the_layer_structure():
-    args = engine.full_size_args()
-    fused = engine.plan_decode(args, context=4096)
-    unfused = engine.plan_decode(args, context=4096, switches={"fused_projections": False})
-    split = engine.plan_decode(args, context=40000)
+    args = lily_plan.full_size_args()
+    fused = lily_plan.plan_decode(args, context=4096)
+    unfused = lily_plan.plan_decode(args, context=4096, switches={"fused_projections": False})
+    split = lily_plan.plan_decode(args, context=40000)
     assert fused["dispatches"] == expected_dispatches(args, fused=True)
     assert unfused["dispatches"] == expected_dispatches(args, fused=False)
-    no_fusion = engine.plan_decode(args, context=4096, switches={"fusion": False})
+    no_fusion = lily_plan.plan_decode(args, context=4096, switches={"fusion": False})
     assert no_fusion["dispatches"] == expected_dispatches(args, fused=True, fusion=False)
     # From LILY_ATTN_SPLIT_MIN_KEYS (32K) keys the attention runs as partials + combine.
     assert split["dispatches"] == expected_dispatches(args, fused=True, split=True)
@@ -113,7 +113,7 @@ def replay_through_encoder(plan: dict) -> dict:
 @pytest.mark.parametrize("switches", [{}, {"concurrent": False}, {"fused_projections": False}, {"fusion": False},
                                       {"split_kv_min_keys": 8}])
 def test_stages_equal_the_encoders_automatic_barriers(switches):
-    plan = engine.plan_decode(small_full_shape_args(8), context=37, precision="float32", switches=switches,
+    plan = lily_plan.plan_decode(small_full_shape_args(8), context=37, precision="float32", switches=switches,
                               with_graph=True)
     counters = replay_through_encoder(plan)
     assert counters["dispatches"] == plan["dispatches"] == len(plan["nodes"])
@@ -128,7 +128,7 @@ def test_stages_equal_the_encoders_automatic_barriers(switches):
 @pytest.mark.parametrize("context", [4096, 40000])
 def test_full_size_meets_the_decode_targets(context):
     """Issue 6: at most 360 dispatches and 300 barrier stages per decode token at full size (bf16, the default)."""
-    plan = engine.plan_decode(engine.full_size_args(), context=context)
+    plan = lily_plan.plan_decode(lily_plan.full_size_args(), context=context)
     assert plan["dispatches"] <= 360
     assert plan["stages"] <= 300
     # Every decode dispatch reads what the one before wrote: the chain is serial, so fusion is what cuts stages.
@@ -140,22 +140,22 @@ def test_full_size_meets_the_decode_targets(context):
     assert by_kernel["qmv_norm_seg_q8_g64_bf16_of32"] == 40  # router | shared-expert gate, f32 logits
     assert by_kernel["qmv_norm_seg_q4_g64_bf16"] == 40  # in_proj_qkv|z|b|a and q|k|v: no concatenated copies
     assert by_kernel["qmv_residual_q4_g64_bf16"] == 40  # out_proj / o_proj
-    unfused = engine.plan_decode(engine.full_size_args(), context=context, switches={"fusion": False})
+    unfused = lily_plan.plan_decode(lily_plan.full_size_args(), context=context, switches={"fusion": False})
     assert unfused["dispatches"] - plan["dispatches"] == 3 * 40 + 1
 
 
 def test_every_planned_kernel_exists_for_the_model_shape():
     """The graph names only kernels the Metal source instantiates (full-size shapes, both precisions)."""
-    for precision in engine.PRECISIONS:
+    for precision in lily_plan.PRECISIONS:
         for switches in ({}, {"split_kv_min_keys": 1}, {"fusion": False}, {"fusion": False, "fused_projections": False}):
-            plan = engine.plan_decode(engine.full_size_args(), context=10, precision=precision, switches=switches)
+            plan = lily_plan.plan_decode(lily_plan.full_size_args(), context=10, precision=precision, switches=switches)
             for kernel in plan["dispatches_by_kernel"]:
                 assert f'"{kernel}"' in KERNEL_SOURCE, kernel
 
 
 def test_tiny_config_graph():
     args = ModelArgs.from_dict({**text_config("gqa4"), "model_type": "qwen3_5_moe_text"})
-    plan = engine.plan_decode(args, context=5, precision="float32")
+    plan = lily_plan.plan_decode(args, context=5, precision="float32")
     assert plan["dispatches"] == expected_dispatches(args, fused=True)
     by_kernel = plan["dispatches_by_kernel"]
     assert by_kernel["gated_delta_step_f32_dk64"] == 4 and by_kernel["attention_prep_f32_d64"] == 2
@@ -166,23 +166,23 @@ def test_tiny_config_graph():
 
 
 def test_bad_input_names_the_parameter():
-    args = engine.full_size_args()
+    args = lily_plan.full_size_args()
     with pytest.raises(ValueError, match="unknown engine switch 'fast'"):
-        engine.plan_decode(args, switches={"fast": True})
+        lily_plan.plan_decode(args, switches={"fast": True})
     with pytest.raises(ValueError, match="precision"):
-        engine.plan_decode(args, precision="fp8")
+        lily_plan.plan_decode(args, precision="fp8")
     with pytest.raises(ValueError, match="context"):
-        engine.plan_decode(args, context=-1)
+        lily_plan.plan_decode(args, context=-1)
 
 
 def test_cli_plan_json_and_table(capsys, monkeypatch):
     assert cli_main(["plan", "--full-size", "--context", "4096", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["dispatches"] == expected_dispatches(engine.full_size_args(), fused=True)
+    assert plan["dispatches"] == expected_dispatches(lily_plan.full_size_args(), fused=True)
     monkeypatch.setenv("LILY_DISABLE_FUSED_PROJECTIONS", "1")
     assert cli_main(["plan", "--full-size"]) == 0
     table = capsys.readouterr().out
-    unfused = expected_dispatches(engine.full_size_args(), fused=False)
+    unfused = expected_dispatches(lily_plan.full_size_args(), fused=False)
     assert "dispatches per token" in table and str(unfused) in table
     assert cli_main(["plan", "--model", "/nonexistent/dir"]) == 1
     assert "lily: error:" in capsys.readouterr().err

@@ -21,9 +21,9 @@ import pytest
 from test_attention import CACHE_DTYPE, D, assert_close, attention_args
 from test_attention import SINGLE as DECODE
 from test_attention import VARIANTS as DECODE_VARIANTS
-from test_rope import KERNELS as PREP
-from test_rope import KERNELS_D64 as PREP_D64
-from test_rope import prep_args
+from test_attention_prep import KERNELS as PREP
+from test_attention_prep import KERNELS_D64 as PREP_D64
+from test_attention_prep import prep_args
 
 from lily import reference
 from lily._ext import msl

@@ -1,4 +1,4 @@
-"""metal/embedding.metal through the CPU harness, against lily.reference.embed on the quantized table.
+"""metal/embedding.metal through the CPU harness, against lily.reference.embedding on the quantized table.
 
 The token ids come from a device buffer at an offset (decode reads the slot the sampler wrote); prefill gathers
 T rows, repeated ids and the first and last vocabulary rows included. Outputs start NaN-poisoned.
@@ -64,7 +64,7 @@ def test_embedding_prefill_rows(key, hidden: int, kio) -> None:
     qt = random_table(rng, vocab, hidden, bits, scale_dtype)
     ids = np.array([0, vocab - 1, 5, 5, *rng.integers(0, vocab, 3)], dtype=np.uint32)
     out = gather(KERNELS[key], ids, 0, len(ids), qt, scale_dtype, dtype, kio)
-    expected = kio.round(reference.embed(ids, qt), dtype)
+    expected = kio.round(reference.embedding(ids, qt), dtype)
     kio.assert_close(kio.to_f64(out, dtype), expected, dtype, f"{KERNELS[key]} H={hidden}")
 
 
@@ -76,7 +76,7 @@ def test_embedding_decode_reads_id_from_buffer_slot(slot: int, kio) -> None:
     qt = random_table(rng, vocab, hidden, 4, "bf16")
     ids = rng.integers(0, vocab, 8).astype(np.uint32)
     out = gather("embedding_gather_q4_g64_bf16", ids, slot, 1, qt, "bf16", "bf16", kio)
-    expected = kio.round(reference.embed(ids[slot : slot + 1], qt), "bf16")
+    expected = kio.round(reference.embedding(ids[slot : slot + 1], qt), "bf16")
     kio.assert_close(kio.to_f64(out, "bf16"), expected, "bf16", f"decode slot {slot}")
 
 
@@ -87,7 +87,7 @@ def test_embedding_any_thread_count(threads: int, kio) -> None:
     qt = random_table(rng, 10, 320, 8, "bf16")
     ids = np.array([9, 0, 4], dtype=np.uint32)
     out = gather("embedding_gather_q8_g64_f32", ids, 0, 3, qt, "bf16", "f32", kio, threads=threads)
-    kio.assert_close(out, kio.round(reference.embed(ids, qt), "f32"), "f32", f"{threads} threads")
+    kio.assert_close(out, kio.round(reference.embedding(ids, qt), "f32"), "f32", f"{threads} threads")
 
 
 def test_embedding_out_of_range_id_gives_nan_row(kio) -> None:
@@ -98,7 +98,7 @@ def test_embedding_out_of_range_id_gives_nan_row(kio) -> None:
     ids = np.array([3, vocab, 0xFFFFFFFF, 15], dtype=np.uint32)
     out = gather("embedding_gather_q4_g64_f32_sf32", ids, 0, 4, qt, "f32", "f32", kio)
     assert np.isnan(out[1:3]).all(), "rows of out-of-range ids must be NaN"
-    kio.assert_close(out[[0, 3]], reference.embed(ids[[0, 3]], qt).astype(np.float64), "f32", "valid rows")
+    kio.assert_close(out[[0, 3]], reference.embedding(ids[[0, 3]], qt).astype(np.float64), "f32", "valid rows")
 
 
 def test_embedding_wrong_argument_struct() -> None:

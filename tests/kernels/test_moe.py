@@ -156,11 +156,11 @@ def test_moe_gate_up_swiglu(dtype: str, scales: str, shape_index: int, kio) -> N
     xs = kio.to_f64(x, dtype)
     expected = []
     for slot, e in enumerate(ids):
-        g = reference.linear(xs, layer.gate.dense[e]).astype(np.float64)
-        u = reference.linear(xs, layer.up.dense[e]).astype(np.float64)
+        g = reference.qmatmul(xs, layer.gate.dense[e]).astype(np.float64)
+        u = reference.qmatmul(xs, layer.up.dense[e]).astype(np.float64)
         expected.append(silu64(g) * u)
-    g = reference.linear(xs, layer.shared_gate.dense).astype(np.float64)
-    u = reference.linear(xs, layer.shared_up.dense).astype(np.float64)
+    g = reference.qmatmul(xs, layer.shared_gate.dense).astype(np.float64)
+    u = reference.qmatmul(xs, layer.shared_up.dense).astype(np.float64)
     expected.append(silu64(g) * u)
     # The hidden scratch is fp32 in both modes.
     assert_close_dot(kio, out, np.concatenate(expected), "f32", f"gate/up SwiGLU {dtype} scales {scales} {shape}")
@@ -183,9 +183,9 @@ def test_moe_down_combine(dtype: str, scales: str, shape_index: int, kio) -> Non
 
     total = kio.to_f64(residual, dtype).copy()
     for slot, e in enumerate(ids):
-        y = reference.linear(h[slot * expert : (slot + 1) * expert], layer.down.dense[e]).astype(np.float64)
+        y = reference.qmatmul(h[slot * expert : (slot + 1) * expert], layer.down.dense[e]).astype(np.float64)
         total += float(weights[slot]) * y
-    y_shared = reference.linear(h[k * expert :], layer.shared_down.dense).astype(np.float64)
+    y_shared = reference.qmatmul(h[k * expert :], layer.shared_down.dense).astype(np.float64)
     total += sigmoid64(gate_logit[0]) * y_shared
     assert_close_dot(kio, kio.to_f64(out, dtype), kio.round(total, dtype), dtype, f"down+combine {dtype} scales {scales} {shape}")
 
@@ -221,8 +221,8 @@ def test_moe_decode_matches_reference_moe(dtype: str, kio) -> None:
     xs = kio.to_f64(x, dtype).astype(np.float32)[None]
 
     # The router and shared-gate GEMVs belong to the qmatmul family: their fp32 logits are this test's inputs.
-    ids, weights = route(reference.linear(xs, router), k)
-    gate_logit = reference.linear(xs, shared_gate_w)[0]
+    ids, weights = route(reference.qmatmul(xs, router), k)
+    gate_logit = reference.qmatmul(xs, shared_gate_w)[0]
     args = moe_args(1, num_experts, k, hidden, expert, shared)
     hidden_act = gate_up(layer, args, x, ids[0], k, expert, shared, dtype)
     out = kio.poisoned((hidden,), dtype)
@@ -353,9 +353,9 @@ def test_moe_gate_up_swiglu_routed(key, shape_index: int, kio) -> None:
     normed = reference.rms_norm(kio.to_f64(x, dtype), kio.to_f64(norm_weight, dtype), NORM_EPS)
     expected = []
     for e in expected_ids[0]:
-        expected.append(silu64(reference.linear(normed, layer.gate.dense[e])) * reference.linear(normed, layer.up.dense[e]))
-    expected.append(silu64(reference.linear(normed, layer.shared_gate.dense)) *
-                    reference.linear(normed, layer.shared_up.dense))
+        expected.append(silu64(reference.qmatmul(normed, layer.gate.dense[e])) * reference.qmatmul(normed, layer.up.dense[e]))
+    expected.append(silu64(reference.qmatmul(normed, layer.shared_gate.dense)) *
+                    reference.qmatmul(normed, layer.shared_up.dense))
     assert_close_dot(kio, out, np.concatenate(expected), "f32", f"{ROUTED[key]} {ROUTED_SHAPES[shape_index]}")
 
 
@@ -372,7 +372,7 @@ def test_moe_routed_decode_matches_reference_moe(dtype: str, kio) -> None:
     norm_weight = kio.to_device(1.0 + 0.2 * rng.standard_normal(hidden), dtype)
     normed = reference.rms_norm(kio.to_f64(stream, dtype)[None], kio.to_f64(norm_weight, dtype), NORM_EPS)
     # The router GEMV (qmv_norm, tested in test_qmatmul.py) writes E logits then the shared-expert gate logit.
-    logits = np.concatenate([reference.linear(normed, router)[0], reference.linear(normed, shared_gate_w)[0]])
+    logits = np.concatenate([reference.qmatmul(normed, router)[0], reference.qmatmul(normed, shared_gate_w)[0]])
     ids, weights, hidden_act = gate_up_routed(layer, stream, norm_weight, logits, k, num_experts, hidden, expert,
                                               shared, dtype)
     expected = kio.to_f64(stream, dtype) + reference.moe(
@@ -412,5 +412,5 @@ def test_moe_gate_up_swiglu_routed_ties_go_to_lower_expert(kio) -> None:
     kio.assert_close(weights, expected_weights[0], "f32", "tied routed weights")
     normed = reference.rms_norm(kio.to_f64(x, "f32"), np.ones(hidden, np.float32), NORM_EPS)
     e = int(expected_ids[0][k - 1])  # the last slot: its simdgroups picked it after k - 1 tie-breaks of their own
-    last = silu64(reference.linear(normed, layer.gate.dense[e])) * reference.linear(normed, layer.up.dense[e])
+    last = silu64(reference.qmatmul(normed, layer.gate.dense[e])) * reference.qmatmul(normed, layer.up.dense[e])
     assert_close_dot(kio, out[(k - 1) * expert : k * expert], last, "f32", "tied routing, last slot")

@@ -3,7 +3,7 @@
 The GPU routing pipeline (moe_route_f32 -> moe_sort_count -> moe_sort_scan -> moe_sort_scatter) is checked exactly
 against a numpy construction of the expert offsets, the sorted (token, slot) order and the block map. Router logits
 are built to force rows per expert 0, 1, 15, 16, 17, 31, 32, 33 (both tile sizes' boundaries), and a random routing
-at the model's E/k ratio spans two sort blocks. The grouped GEMMs are compared with lily.reference.linear on the
+at the model's E/k ratio spans two sort blocks. The grouped GEMMs are compared with lily.reference.qmatmul on the
 dequantized expert weights (each stage on the previous stage's kernel output, rounded as stored), and the whole
 chain with residual + lily.reference.moe. Outputs start NaN-poisoned.
 """
@@ -258,8 +258,8 @@ def test_grouped_gemm_forced_counts(dtype: str, scales: str, tile_rows: int, kio
     expected_h = np.empty((len(pairs), expert))
     for pos, pair in enumerate(pairs):
         e, row = flat_ids[pair], pair // top_k
-        g = reference.linear(xs[row], layer.gate.dense[e]).astype(np.float64)
-        u = reference.linear(xs[row], layer.up.dense[e]).astype(np.float64)
+        g = reference.qmatmul(xs[row], layer.gate.dense[e]).astype(np.float64)
+        u = reference.qmatmul(xs[row], layer.up.dense[e]).astype(np.float64)
         expected_h[pos] = silu64(g) * u
     assert_close_dot(kio, kio.to_f64(h, dtype), kio.round(expected_h, dtype), dtype, f"gate/up {dtype} scales {scales} bm{tile_rows}")
 
@@ -267,7 +267,7 @@ def test_grouped_gemm_forced_counts(dtype: str, scales: str, tile_rows: int, kio
     hs = kio.to_f64(h, dtype).astype(np.float32)
     expected_y = np.empty((len(pairs), hidden))
     for pos, pair in enumerate(pairs):
-        down = reference.linear(hs[pos], layer.down.dense[flat_ids[pair]]).astype(np.float64)
+        down = reference.qmatmul(hs[pos], layer.down.dense[flat_ids[pair]]).astype(np.float64)
         expected_y[pair] = float(routing.weights.reshape(-1)[pair]) * down
     assert_close_dot(kio, kio.to_f64(y, dtype), kio.round(expected_y, dtype), dtype, f"down {dtype} scales {scales} bm{tile_rows}")
 
@@ -312,12 +312,12 @@ def test_moe_prefill_matches_reference_moe(tile_rows: int, hidden: int, expert: 
     x = rng.standard_normal((num_rows, hidden)).astype(np.float32)
     residual = rng.standard_normal((num_rows, hidden)).astype(np.float32)
 
-    routing = Routing(reference.linear(x, router), top_k, tile_rows)
+    routing = Routing(reference.qmatmul(x, router), top_k, tile_rows)
     routing.check_exact()
     h = run_gate_up(layer, routing, x, "f32", kio)
     y = run_down(layer, routing, h, "f32", kio)
     shared_out = reference.swiglu(x, *shared_weights)
-    gate_logits = np.ascontiguousarray(reference.linear(x, shared_gate_w)[:, 0])
+    gate_logits = np.ascontiguousarray(reference.qmatmul(x, shared_gate_w)[:, 0])
     out = kio.poisoned((num_rows, hidden), "f32")
     run_combine(routing, y, shared_out, gate_logits, residual, out, hidden, "f32")
 

@@ -1,4 +1,4 @@
-"""metal/qmatmul.metal through the CPU harness, against lily.reference.linear on the dequantized weights.
+"""metal/qmatmul.metal through the CPU harness, against lily.reference.qmatmul on the dequantized weights.
 
 Weights are quantized with lily.quant.quantize (MLX affine, group 64; bf16 or f32 scales). Shapes cross every
 boundary of the kernels: output rows around the 4-row simdgroup and 8-row threadgroup of qmv (N = 1 is the shared-expert
@@ -98,8 +98,8 @@ def random_x(rng: np.random.Generator, m: int, k: int, dtype: str, kio) -> np.nd
 
 
 def expected_output(x: np.ndarray, weight, dtype: str, kio) -> np.ndarray:
-    """reference.linear on the kernel's exact inputs (fp64 sums, fp32 result), rounded once to the output dtype."""
-    return kio.round(reference.linear(kio.to_f64(x, dtype).astype(np.float32), weight), dtype)
+    """reference.qmatmul on the kernel's exact inputs (fp64 sums, fp32 result), rounded once to the output dtype."""
+    return kio.round(reference.qmatmul(kio.to_f64(x, dtype).astype(np.float32), weight), dtype)
 
 
 def accumulation_magnitude(x: np.ndarray, weight, dtype: str, kio) -> np.ndarray:
@@ -398,14 +398,14 @@ def run_qmv_norm(name: str, x: np.ndarray, norm_weight: np.ndarray, qt: Quantize
 
 def check_qmv_norm(name: str, bits: int, dtype: str, scale_dtype: str, out_dtype: str, m: int, n: int, k: int,
                    rng: np.random.Generator, kio, x_scale: float = 1.0) -> None:
-    """qmv_norm against reference.linear(reference.rms_norm(x, w)): the normalised row is never rounded to the
+    """qmv_norm against reference.qmatmul(reference.rms_norm(x, w)): the normalised row is never rounded to the
     activation dtype (it only lives in registers), so the reference keeps it in fp32 too."""
     qt = random_weight(rng, n, k, bits, scale_dtype)
     x = kio.to_device(rng.standard_normal((m, k)) * x_scale, dtype)
     norm_weight = kio.to_device(1.0 + 0.3 * rng.standard_normal(k), dtype)
     y = run_qmv_norm(name, x, norm_weight, qt, scale_dtype, out_dtype, kio)
     normed = reference.rms_norm(kio.to_f64(x, dtype), kio.to_f64(norm_weight, dtype), NORM_EPS)
-    expected = kio.round(reference.linear(normed, qt), out_dtype)
+    expected = kio.round(reference.qmatmul(normed, qt), out_dtype)
     magnitude = accumulation_magnitude(normed, qt, "f32", kio)
     assert_gemv_close(kio.to_f64(y, out_dtype), expected, magnitude, k, out_dtype, kio, f"{name} M={m} N={n} K={k}",
                       relative_ulps=1.0)
@@ -420,7 +420,7 @@ def test_qmv_f32_output(key, m: int, n: int, k: int, kio) -> None:
     qt = random_weight(rng, n, k, bits, scale_dtype)
     x = random_x(rng, m, k, dtype, kio)
     y = run_qmv(QMV_OF32[key], x, qt, scale_dtype, "f32", kio)
-    expected = reference.linear(kio.to_f64(x, dtype).astype(np.float32), qt).astype(np.float64)
+    expected = reference.qmatmul(kio.to_f64(x, dtype).astype(np.float32), qt).astype(np.float64)
     magnitude = accumulation_magnitude(x, qt, dtype, kio)
     assert_gemv_close(y.astype(np.float64), expected, magnitude, k, "f32", kio, f"{QMV_OF32[key]} M={m} N={n} K={k}")
 
@@ -457,7 +457,7 @@ def test_qmv_residual(key, m: int, n: int, k: int, kio) -> None:
     separate = kio.poisoned((m, n), dtype)
     buffers = weight_buffers(qt, scale_dtype, kio)
     msl.dispatch(name, [qmatmul_args(k, n, m), x, *buffers, residual, separate], grid, (64, 1, 1))
-    expected_sum = kio.to_f64(residual, dtype) + reference.linear(kio.to_f64(x, dtype).astype(np.float32), qt)
+    expected_sum = kio.to_f64(residual, dtype) + reference.qmatmul(kio.to_f64(x, dtype).astype(np.float32), qt)
     expected = kio.round(expected_sum, dtype)
     magnitude = accumulation_magnitude(x, qt, dtype, kio)
     assert_gemv_close(kio.to_f64(separate, dtype), expected, magnitude, k, dtype, kio, f"{name} M={m} N={n} K={k}")
@@ -527,7 +527,7 @@ def check_qmv_segments(key, rows: list[int], k: int, m: int, rng: np.random.Gene
     x_in = kio.to_f64(x, dtype)
     if norm:
         x_in = reference.rms_norm(x_in, kio.to_f64(norm_weight, dtype), NORM_EPS)
-    expected = kio.round(reference.linear(x_in.astype(np.float32), whole), out_dtype)
+    expected = kio.round(reference.qmatmul(x_in.astype(np.float32), whole), out_dtype)
     magnitude = accumulation_magnitude(x_in.astype(np.float32), whole, "f32", kio)
     assert_gemv_close(kio.to_f64(y, out_dtype), expected, magnitude, k, out_dtype, kio,
                       f"{name} rows={rows} M={m} K={k}", relative_ulps=1.0 if norm else 0.0)
@@ -535,7 +535,7 @@ def check_qmv_segments(key, rows: list[int], k: int, m: int, rng: np.random.Gene
 
 @pytest.mark.parametrize("key", list(QMV_SEG), ids=list(QMV_SEG.values()))
 def test_qmv_segments(key, kio) -> None:
-    """Every instantiated variant against reference.linear on the concatenated weight (DeltaNet-like: 4 segments,
+    """Every instantiated variant against reference.qmatmul on the concatenated weight (DeltaNet-like: 4 segments,
     the last two of one row)."""
     rng = np.random.default_rng([list(QMV_SEG).index(key), 61])
     check_qmv_segments(key, [9, 17, 1, 1], 128, 1, rng, kio)

@@ -1,5 +1,4 @@
-// attention_prep_* (metal/rope.metal; decode and prefill) and attention_decode* (metal/attention.metal): one
-// decode token.
+// attention_decode* (metal/attention.metal): one decode token, after attention_prep (attention_prep.cpp).
 #include <cmath>
 
 #include "../../../metal/lily.h"
@@ -10,8 +9,8 @@ namespace lily::ops {
 
 namespace {
 
-// Head dims with instantiated attention kernels (metal/rope.metal, attention.metal, attention_prefill.metal) and
-// the query heads their packed kernels put in one threadgroup.
+// Head dims with instantiated attention kernels (metal/attention_prep.metal, attention.metal,
+// attention_prefill.metal) and the query heads their packed kernels put in one threadgroup.
 size_t packed_heads(size_t head_dim) {
   if (head_dim == 256) return LILY_ATTN_HEADS_PER_GROUP;
   if (head_dim == 64) return LILY_ATTN_HEADS_PER_GROUP_D64;
@@ -39,37 +38,6 @@ size_t attention_heads_per_group(const ModelConfig& c, bool packing) {
   // `lily plan` may count a shape without kernels (check_attention_shapes refuses to run it): plan it as the model's.
   const size_t packed = packed_heads(c.head_dim);
   return packed ? packed : LILY_ATTN_HEADS_PER_GROUP;
-}
-
-std::vector<Span> attention_prep(Context& ctx, const ModelConfig& c, const std::string& label,
-                                 const AttentionSpans& s, size_t position, size_t tokens) {
-  const size_t D = c.head_dim, cache_elem = ctx.act == DType::F32 ? 4 : 2;
-  const std::string dt = dtype_name(ctx.act), suffix = "_d" + std::to_string(D);
-  const size_t head_stride = s.capacity * D * cache_elem, row = D * cache_elem, keys = position + tokens;
-
-  AttentionPrepArgs p{};
-  p.num_tokens = static_cast<u32>(tokens);
-  p.num_heads = static_cast<u32>(c.num_heads);
-  p.num_kv_heads = static_cast<u32>(c.num_kv_heads);
-  p.first_position = static_cast<u32>(position);
-  p.cache_capacity = static_cast<u32>(s.capacity);
-  p.rotary_dim = static_cast<u32>(c.rotary_dim);
-  p.rope_theta = c.rope_theta;
-  p.eps = c.eps;
-  std::vector<Span> new_rows = {s.q, s.gate}, prefix = {s.q, s.gate};
-  for (size_t h = 0; h < c.num_kv_heads; ++h) {
-    for (const Span& cache : {s.k_cache, s.v_cache}) {
-      new_rows.push_back(sub(cache, h * head_stride + position * row, tokens * row));
-      prefix.push_back(sub(cache, h * head_stride, keys * row));
-    }
-  }
-  const size_t rows = tokens * (c.num_heads + c.num_kv_heads), per_group = tuning::kAttentionPrepSimdgroups;
-  add_node(ctx, "attention_prep_" + dt + suffix, label + " prep",
-           {arg_value(p), arg(s.q_and_gate), arg(s.k), arg(s.v), arg(s.q_norm->data), arg(s.k_norm->data), arg(s.q),
-            arg(s.gate), arg(s.k_cache), arg(s.v_cache)},
-           {(rows + per_group - 1) / per_group, 1, 1}, {32 * per_group, 1, 1},
-           {s.q_and_gate, s.k, s.v, s.q_norm->data, s.k_norm->data}, new_rows);
-  return prefix;
 }
 
 AttentionArgs attention_args(const ModelConfig& c, const AttentionSpans& s, size_t queries, size_t keys) {

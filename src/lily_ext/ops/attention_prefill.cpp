@@ -1,4 +1,4 @@
-// attention_prefill[_mma]_* (metal/attention_prefill.metal): T tokens (after attention_prep, in attention.cpp).
+// attention_prefill[_mma]_* (metal/attention_prefill.metal): T tokens (after attention_prep, attention_prep.cpp).
 #include "../../../metal/lily.h"
 #include "../tuning.h"
 #include "ops.h"

@@ -1,4 +1,4 @@
-// gated_delta_conv_<dtype>_dk<Dk>, gated_delta_prefill[_blockwise]_<dtype>_dk<Dk> (metal/gated_delta.metal).
+// gated_delta_conv_<dtype>_dk<Dk>, gated_delta_prefill[_blockwise]_<dtype>_dk<Dk> (metal/gated_delta_prefill.metal).
 #include "../../../metal/lily.h"
 #include "../tuning.h"
 #include "ops.h"

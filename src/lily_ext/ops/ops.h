@@ -50,6 +50,12 @@ void rms_norm_residual(Context& ctx, const std::string& label, const Span& x, co
 // only when x is (the kernels share one dtype for x and y).
 void qmatmul(Context& ctx, const std::string& label, const Span& x, const WeightRef& w, const Span& y, size_t rows,
              DType dtype);
+// dequantize.cpp: the whole of `w` written densely in `dtype` at the start of `scratch`, returned (the IN_GEMM_DEQUANT
+// ablation).
+Span dequantize(Context& ctx, const std::string& label, const WeightRef& w, const Span& scratch, DType dtype);
+// mm.cpp: y[rows, out_features] = x[rows, in_features] * W^T with W dense in `dtype`, bm-row tiles (16 or 32).
+void mm(Context& ctx, const std::string& label, const Span& x, const Span& w, const Span& y, size_t rows,
+        size_t in_features, size_t out_features, size_t bm, DType dtype);
 // qmatmul.cpp, decode fusions (one row): y = W · (rms_norm(x) ⊙ norm_weight) with y in the activation dtype or f32
 // (qmv_norm), and residual_out += W · x in place (qmv_residual).
 void qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const WeightRef& norm_weight,
@@ -92,8 +98,8 @@ void check_attention_shapes(const ModelConfig& config);
 // Query heads one attention threadgroup packs (the kernels' G) at the config's head dim; 1 when `packing` is off.
 // Does not check the shape (`lily plan` counts any consistent config; check_attention_shapes guards running).
 size_t attention_heads_per_group(const ModelConfig& config, bool packing);
-// The attention_prep_* node for `tokens` new tokens at `position` (decode: 1; prefill: T); returns the spans the
-// attention kernels then read: q, gate and the K/V cache prefix of every KV head.
+// attention_prep.cpp: the attention_prep_* node for `tokens` new tokens at `position` (decode: 1; prefill: T);
+// returns the spans the attention kernels then read: q, gate and the K/V cache prefix of every KV head.
 std::vector<Span> attention_prep(Context& ctx, const ModelConfig& config, const std::string& label,
                                  const AttentionSpans& s, size_t position, size_t tokens);
 // The attention kernels' arguments for `queries` query tokens over `keys` cached keys (no split blocks).

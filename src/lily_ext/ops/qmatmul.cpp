@@ -1,5 +1,5 @@
 // qmv_*, qmv_norm_*, qmv_residual_*, qmm_* (metal/qmatmul.metal): Y = X W^T with W MLX affine-quantized, group 64;
-// with IN_GEMM_DEQUANT off, prefill GEMMs run dequantize_* (metal/dequantize.metal) and then mm_* instead of qmm_*.
+// with IN_GEMM_DEQUANT off, prefill GEMMs run dequantize (dequantize.cpp) and then mm (mm.cpp) instead of qmm_*.
 #include <stdexcept>
 
 #include "../../../metal/lily.h"
@@ -30,22 +30,8 @@ void qmatmul(Context& ctx, const std::string& label, const Span& x, const Weight
     threads = {bm == 16 ? 64u : 128u, 1, 1};
     if (!ctx.in_gemm_dequant) {
       // The ablation: the whole weight expanded into device memory first, then a dense GEMM with qmm's tiles.
-      const size_t dense_bytes = w.rows * w.cols * dtype_size(dtype);
-      if (dense_bytes > ctx.dequant_scratch.length) {
-        throw std::logic_error("[graph] " + label + ": the dequantize scratch is smaller than the weight");
-      }
-      const Span dense = sub(ctx.dequant_scratch, 0, dense_bytes);
-      DequantizeArgs d{};
-      d.in_features = a.in_features;
-      d.out_features = a.out_features;
-      const size_t words = w.rows * w.cols * static_cast<size_t>(w.bits) / 32;
-      std::string dq = "dequantize_q" + std::to_string(w.bits) + "_g64_" + dtype_name(dtype);
-      if (w.scale_dtype == DType::F32) dq += "_sf32";
-      add_node(ctx, dq, label + " dequantize", {arg_value(d), arg(w.data), arg(w.scales), arg(w.biases), arg(dense)},
-               {(words + LILY_DEQUANTIZE_THREADS - 1) / LILY_DEQUANTIZE_THREADS, 1, 1}, {LILY_DEQUANTIZE_THREADS, 1, 1},
-               {w.data, w.scales, w.biases}, {dense});
-      add_node(ctx, std::string("mm_") + dtype_name(dtype) + (bm == 16 ? "_bm16" : "_bm32"), label,
-               {arg_value(a), arg(x), arg(dense), arg(y)}, groups, threads, {x, dense}, {y});
+      const Span dense = dequantize(ctx, label, w, ctx.dequant_scratch, dtype);
+      mm(ctx, label, x, dense, y, rows, w.cols, w.rows, bm, dtype);
       return;
     }
   }

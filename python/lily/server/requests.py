@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from .sampling import SamplingParams
+from ..sampling import SamplingParams
 
 # OpenAI's documented limits; stop strings are not limited to 4 here because local clients send more.
 MAX_STOP_STRINGS = 16

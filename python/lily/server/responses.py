@@ -7,8 +7,8 @@ import secrets
 import time
 from typing import Any
 
-from .chat import ToolCall
-from .server_engine import Engine, TokenEvent
+from ..chat import ToolCall
+from .adapter import Engine, TokenEvent
 
 
 def new_id(prefix: str) -> str:

@@ -30,9 +30,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .sampling import SamplingParams
-from .server_engine import Engine, LilyEngine, TokenEvent, load_engine
-from .server_requests import (
+from ..sampling import SamplingParams
+from .adapter import Engine, LilyEngine, TokenEvent, load_engine
+from .requests import (
     ApiError,
     ChatRequest,
     CompletionRequest,
@@ -40,7 +40,7 @@ from .server_requests import (
     parse_completion_request,
     parse_json_body,
 )
-from .server_responses import (
+from .responses import (
     DONE_EVENT,
     ChatAssembler,
     ChunkWriter,
@@ -49,7 +49,7 @@ from .server_responses import (
     new_id,
     usage,
 )
-from .server_scheduler import Done, Job, QueueFull, Scheduler
+from .scheduler import Done, Job, QueueFull, Scheduler
 
 __all__ = ["ServerConfig", "create_app", "serve", "main"]
 

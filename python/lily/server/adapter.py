@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
-from .chat import ToolCall
-from .model import Model, Session, Token, chat_stream
-from .sampling import SamplingParams
-from .server_requests import ChatRequest
+from ..chat import ToolCall
+from ..model import Model, Session, Token, chat_stream
+from ..sampling import SamplingParams
+from .requests import ChatRequest
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""metal/rope.metal (attention_prep) through the CPU harness, against lily.reference.attention_prep.
+"""metal/attention_prep.metal (attention_prep) through the CPU harness, against lily.reference.attention_prep.
 
 attention_prep splits q_proj's per-head [query | gate] rows, RMS-norms q and k over the whole head (multiplier 1+w),
 applies partial rotate-half RoPE, and writes the roped key and the value into the KV cache at the token's position.

@@ -1,12 +1,9 @@
-"""The compiled Metal engine (``lily._ext``) seen from Python: the ``metal`` backend and ``lily plan``.
+"""The ``metal`` backend: the compiled Metal engine (``lily._ext``) seen from Python.
 
 ``MetalBackend`` implements the backend interface of docs/architecture.md (``new_state``, ``forward``,
 ``state.copy()``, ``state.position``) over ``lily._ext.Engine``. Weights that are a plain byte range of a
 checkpoint file are bound in place (each file is mapped once and wrapped whole as one Metal buffer); the others
 (HF layouts, quantized on load, a dtype the kernels do not take) are materialised once at load.
-
-``plan_decode`` builds the decode graph of a configuration without running it (no weights, no GPU) and reports
-dispatches, barrier stages and bytes per token next to the minimum of performance.md §2.2.
 """
 
 from __future__ import annotations
@@ -22,31 +19,6 @@ from lily.quant import QuantizedTensor
 
 if TYPE_CHECKING:
     from lily.checkpoint import Checkpoint
-
-# The text configuration of Qwen3.6-35B-A3B (model.md §1.1), for plans without a checkpoint.
-FULL_SIZE_CONFIG: dict[str, Any] = {
-    "model_type": "qwen3_5_moe_text",
-    "vocab_size": 248320,
-    "hidden_size": 2048,
-    "num_hidden_layers": 40,
-    "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)],
-    "num_attention_heads": 16,
-    "num_key_value_heads": 2,
-    "head_dim": 256,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4,
-    "num_experts": 256,
-    "num_experts_per_tok": 8,
-    "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512,
-    "max_position_embeddings": 262144,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
-}
 
 PRECISIONS = ("bfloat16", "float32")
 # Engine switches (each also LILY_DISABLE_<NAME> in the environment): concurrent dispatch, fused projection GEMVs,
@@ -64,11 +36,6 @@ SWITCHES = ("concurrent", "fused_projections", "fusion", "split_kv", "gpu_token"
 # Sizes tests lower to reach rare paths quickly: the split-KV threshold (keys), the KV cache growth step (rows) and
 # the prefill chunk (rows).
 TEST_OPTIONS = ("split_kv_min_keys", "kv_block", "prefill_chunk")
-
-
-def full_size_args() -> ModelArgs:
-    """ModelArgs of the full-size Qwen3.6-35B-A3B (no checkpoint needed)."""
-    return ModelArgs.from_dict(FULL_SIZE_CONFIG, source="Qwen3.6-35B-A3B (built in)")
 
 
 def engine_config(args: ModelArgs) -> dict[str, Any]:
@@ -100,61 +67,6 @@ def switches_from_env(environ: Mapping[str, str]) -> dict[str, bool]:
     return {
         name: False for name in SWITCHES if environ.get(f"LILY_DISABLE_{name.upper()}", "") not in ("", "0")
     }
-
-
-def plan_decode(
-    args: ModelArgs,
-    *,
-    context: int = 4096,
-    precision: str = "bfloat16",
-    switches: Mapping[str, Any] | None = None,
-    with_graph: bool = False,
-) -> dict[str, Any]:
-    """Build (not run) the decode step at ``context`` cached tokens; return its counts and the byte minimum.
-
-    Keys: dispatches, stages, barriers, bytes_read, bytes_written, minimum_bytes {weights, recurrent_state,
-    conv_state, kv_cache, total}, dispatches_by_kernel, context, kv_capacity; with ``with_graph`` also buffers
-    [(name, bytes)] and nodes [{kernel, label, reads, writes, barrier_before}] with ranges (buffer, offset, length).
-    """
-    from lily import _ext
-
-    if not isinstance(context, int) or context < 0:
-        raise ValueError(f"context must be a non-negative integer; got {context!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
-    unknown = set(switches or {}) - set(SWITCHES) - set(TEST_OPTIONS)
-    if unknown:
-        raise ValueError(f"unknown engine switch {sorted(unknown)[0]!r}; known: {SWITCHES}")
-    try:
-        return _ext.plan_decode(engine_config(args), context, precision, dict(switches or {}), with_graph)
-    except RuntimeError as exc:  # the engine's config check names the field
-        raise ValueError(str(exc)) from None
-
-
-def format_plan(plan: Mapping[str, Any], targets: Mapping[str, int]) -> str:
-    """The plan as a table: measured per token next to the target or the minimum."""
-    minimum = plan["minimum_bytes"]
-    moved = plan["bytes_read"] + plan["bytes_written"]
-    rows = [
-        ("dispatches per token", f"{plan['dispatches']}", f"<= {targets['dispatches']}"),
-        ("barrier stages per token", f"{plan['stages']}", f"<= {targets['stages']}"),
-        ("bytes read", f"{plan['bytes_read'] / 1e6:,.1f} MB", ""),
-        ("bytes written", f"{plan['bytes_written'] / 1e6:,.1f} MB", ""),
-        ("bytes moved", f"{moved / 1e6:,.1f} MB", f"minimum {minimum['total'] / 1e6:,.1f} MB"),
-        ("  weights", "", f"{minimum['weights'] / 1e6:,.1f} MB"),
-        ("  DeltaNet state read+write", "", f"{minimum['recurrent_state'] / 1e6:,.1f} MB"),
-        ("  conv state read+write", "", f"{minimum['conv_state'] / 1e6:,.1f} MB"),
-        (f"  KV cache x {plan['context']} tokens", "", f"{minimum['kv_cache'] / 1e6:,.1f} MB"),
-        ("over the minimum", f"{(moved / minimum['total'] - 1) * 100:+.2f} %", "<= +5 %"),
-    ]
-    width = max(len(r[0]) for r in rows)
-    lines = [f"{'per decode token':<{width}}  {'plan':>14}  target / minimum"]
-    lines += [f"{name:<{width}}  {value:>14}  {target}" for name, value, target in rows]
-    return "\n".join(lines)
-
-
-# Targets of issue 6 for one decode token.
-PLAN_TARGETS = {"dispatches": 360, "stages": 300}
 
 
 # Dense tensors the kernels read in the activation dtype; every other dense tensor (A_log, dt_bias) is read as f32.

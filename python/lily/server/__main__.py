@@ -1,0 +1,5 @@
+import sys
+
+from lily.server.app import main
+
+sys.exit(main())

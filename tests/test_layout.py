@@ -1,0 +1,148 @@
+"""The repository's layout rules, checked on the files themselves.
+
+One name per op: every ``metal/<op>.metal`` has its dispatch ``src/lily_ext/ops/<op>.cpp`` (opening with a comment that
+names the kernel file), its test ``tests/kernels/test_<op>.py`` and a row of the index table in docs/kernels.md whose
+reference resolves to a function named as the op (a prefill op shares its decode op's). Imports in ``python/lily``
+run only downward: cli -> server (and the other tools) -> model -> its helpers -> backends -> reference, checkpoint,
+quant, config.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "python" / "lily"
+DISPATCH_HELPERS = {"common"}  # src/lily_ext/ops/common.cpp: shared by every op file, dispatches nothing itself
+NON_OP_KERNEL_TESTS = {"registry"}  # tests/kernels/test_registry.py: checks every kernel, belongs to no op
+
+
+def ops_with(folder: Path, pattern: str, prefix: str = "") -> set[str]:
+    return {p.stem.removeprefix(prefix) for p in folder.glob(pattern)}
+
+
+def kernels_md_index() -> dict[str, list[str]]:
+    """op -> [kernels, dispatch, reference, test] from the index table of docs/kernels.md (backquotes removed)."""
+    text = (ROOT / "docs" / "kernels.md").read_text()
+    section = text.split("## Index", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 5 and cells[0] not in ("op", "---"):
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_every_kernel_file_has_a_dispatch_a_test_and_an_index_row() -> None:
+    ops = ops_with(ROOT / "metal", "*.metal")
+    dispatch = ops_with(ROOT / "src" / "lily_ext" / "ops", "*.cpp") - DISPATCH_HELPERS
+    tests = ops_with(ROOT / "tests" / "kernels", "test_*.py", "test_") - NON_OP_KERNEL_TESTS
+    index = kernels_md_index()
+    assert ops, "no kernel files found"
+    assert dispatch == ops, f"dispatch files without a kernel file: {sorted(dispatch - ops)}; " \
+                            f"kernel files without src/lily_ext/ops/<op>.cpp: {sorted(ops - dispatch)}"
+    assert tests == ops, f"kernel tests without a kernel file: {sorted(tests - ops)}; " \
+                         f"kernel files without tests/kernels/test_<op>.py: {sorted(ops - tests)}"
+    assert set(index) == ops, f"docs/kernels.md index rows without a kernel file: {sorted(set(index) - ops)}; " \
+                              f"kernel files without an index row: {sorted(ops - set(index))}"
+
+
+@pytest.mark.parametrize("op", sorted(kernels_md_index()))
+def test_index_row_names_the_ops_files_and_reference(op: str) -> None:
+    kernels, dispatch, reference, test = kernels_md_index()[op]
+    assert [kernels, dispatch, test] == [f"metal/{op}.metal", f"src/lily_ext/ops/{op}.cpp",
+                                         f"tests/kernels/test_{op}.py"]
+    for path in (kernels, dispatch, test):
+        assert (ROOT / path).is_file(), f"docs/kernels.md names {path}, which does not exist"
+    first_line = (ROOT / dispatch).read_text().splitlines()[0]
+    assert first_line.startswith("//") and kernels in first_line, \
+        f"{dispatch} must open with a comment naming the kernels it dispatches ({kernels}); got {first_line!r}"
+    module, _, name = reference.rpartition(".")
+    assert callable(getattr(importlib.import_module(module), name, None)), f"{reference} is not a function"
+    if module == "lily.reference":
+        assert name == op.removesuffix("_prefill"), f"lily.reference.{name} must be named as the op {op!r}"
+
+
+# Layers from the top; a module may import only from its own layer or below.
+LAYERS = [
+    ("lily.cli",),
+    ("lily.server", "lily.bench", "lily.selftest", "lily.plan", "lily"),
+    ("lily.model",),
+    ("lily.tokenizer", "lily.chat", "lily.sampling", "lily.hub"),
+    ("lily.backends",),
+    ("lily.reference", "lily.checkpoint", "lily.quant", "lily.config"),
+    ("lily._ext",),
+]
+
+
+def layer_of(module: str) -> int:
+    """The layer of a module: its longest listed prefix (a package stands for its modules; "lily" for itself only)."""
+    matches = [(len(name), i) for i, names in enumerate(LAYERS) for name in names
+               if module == name or (name != "lily" and module.startswith(name + "."))]
+    assert matches, f"{module} is in no layer: add it to LAYERS in tests/test_layout.py"
+    return max(matches)[1]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every lily module `path` imports, at any depth (function-level imports included)."""
+    this = module_name(path)
+    package = this if path.name == "__init__.py" else this.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                is_module = (PACKAGE.parent / Path(*submodule.split("."))).with_suffix(".py").is_file() or \
+                    (PACKAGE.parent / Path(*submodule.split("."))).is_dir()
+                found.add(submodule if is_module or submodule == "lily._ext" else base)
+    return {m for m in found if m == "lily" or m.startswith("lily.")}
+
+
+def upward_imports() -> list[str]:
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        this = module_name(path)
+        for target in sorted(imported_modules(path)):
+            if layer_of(target) < layer_of(this):
+                bad.append(f"{this} imports {target}")
+    return bad
+
+
+def test_imports_run_only_downward() -> None:
+    assert len(list(PACKAGE.rglob("*.py"))) > 20
+    assert upward_imports() == []
+
+
+def test_import_check_sees_an_upward_edge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check itself can fail: a reference module importing the model is reported."""
+    assert layer_of("lily.server.app") < layer_of("lily.model") < layer_of("lily.backends.metal") < \
+        layer_of("lily.reference")
+    fake = tmp_path / "lily"
+    fake.mkdir()
+    (fake / "model.py").write_text("")
+    (fake / "reference.py").write_text("from lily import model\nfrom lily.model import Model\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    assert upward_imports() == ["lily.reference imports lily.model"]
+
+
+def test_server_and_backends_are_packages() -> None:
+    for package in ("server", "backends"):
+        assert (PACKAGE / package / "__init__.py").is_file()
+    assert not re.search(r"^server_\w+\.py$", "\n".join(p.name for p in PACKAGE.glob("*.py")), re.M)
