@@ -263,7 +263,7 @@ def embed(out: Path, header: Path, sources: list[Path]) -> None:
         text = s.read_text()
         body = re.sub(r'^\s*#\s*include\s*"lily.h".*$', "", text, flags=re.M)
         source = (f'#line 1 "metal/{header.name}"\n' + header.read_text()
-                  + f'\n// ---- {s.name} ----\n#line 1 "metal/{s.name}"\n' + body)
+                  + f'\n#line 1 "metal/{s.name}"\n' + body)
         if ')LILYMSL"' in source:
             raise RewriteError(f"{s}: kernel source contains the raw-string delimiter )LILYMSL\"")
         families.append((s.stem, f"metal/{s.name}", source, msl_rules.BASE_METAL_VERSION))

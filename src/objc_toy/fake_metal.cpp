@@ -692,12 +692,15 @@ id device_new_library(id, SEL, id source, id options, id* error) {
     return nullptr;
   }
   auto* library = make_object<LibraryObject>(class_named("FakeMTLLibrary"));
-  // The harness's kernels stand for the compiled source: those of the kernel files the source holds (one family's
-  // library has the "// ---- X.metal ----" line tools/msl2cpu.py --embed writes), or all of them, test-only ones too.
+  // The harness's kernels stand for the compiled source: those of the .metal files it names in #line directives
+  // (a family's library, as tools/msl2cpu.py --embed writes it), else all of them, test-only ones too.
   std::set<std::string> files;
-  for (size_t at = text.find("// ---- "); at != std::string::npos; at = text.find("// ---- ", at + 1)) {
-    size_t end = text.find(" ----", at + 8);
-    if (end != std::string::npos) files.insert(text.substr(at + 8, end - at - 8));
+  for (size_t at = text.find("#line "); at != std::string::npos; at = text.find("#line ", at + 1)) {
+    size_t open = text.find('"', at), close = open == std::string::npos ? open : text.find('"', open + 1);
+    if (close == std::string::npos || text.find('\n', at) < close) continue;
+    std::string file = text.substr(open + 1, close - open - 1);
+    file = file.substr(file.rfind('/') + 1);  // the registry keeps the file name only
+    if (file.size() > 6 && file.compare(file.size() - 6, 6, ".metal") == 0) files.insert(file);
   }
   for (const std::vector<std::string>& names : {msl_rt::kernel_names(), msl_rt::test_kernel_names()}) {
     for (const std::string& name : names) {

@@ -341,8 +341,8 @@ inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(uint32_t
 
 // `site` ("file:line", passed by the macros at the end of this header) tells barriers and collectives apart.
 // The flags are required, as in Metal; tools/msl_rules.py rejects mem_none where threadgroup memory is used.
-inline void threadgroup_barrier_at(const char* site, mem_flags) {
-  ::msl_rt::threadgroup_barrier(site);
+inline void threadgroup_barrier_at(const char* site, mem_flags flags) {
+  ::msl_rt::threadgroup_barrier(site, (uint32_t(flags) & uint32_t(mem_flags::mem_threadgroup)) != 0);
 }
 
 namespace simd_detail {
