@@ -110,7 +110,7 @@ def expected_prep(inputs, positions: np.ndarray, rotary_dim: int, theta: float, 
 
 def test_reference_angles_differ_from_lily_reference_only_by_the_last_bit_of_inv_freq() -> None:
     """rope_f64 is reference.rope up to the rounding of theta^x: equal at position 0 (identity), and inv_freq within
-    1 ulp of the float32 power reference.rope uses."""
+    2 ulps of the float32 power reference.rope uses."""
     rng = np.random.default_rng(7)
     x = rng.standard_normal((3, 2, 64))
     positions = np.array([0, 1, 30001])
@@ -119,7 +119,7 @@ def test_reference_angles_differ_from_lily_reference_only_by_the_last_bit_of_inv
     np.testing.assert_allclose(ours, theirs, atol=1e-2)
     numpy_f32 = np.float32(1.0) / np.float32(THETA) ** (np.arange(0, 64, 2, dtype=np.float32) / 64)
     ulps = np.abs(inv_freq_f32(64, THETA).view(np.int32) - numpy_f32.view(np.int32))
-    assert ulps.max() <= 1
+    assert ulps.max() <= 2  # numpy's AVX-512 float32 power is up to 1 ulp off, the reciprocal adds 1
 
 
 def check_against_reference(kio, dtype: str, inputs, outputs, position: int, rotary_dim: int, theta: float = THETA,
