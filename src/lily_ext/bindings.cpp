@@ -214,6 +214,14 @@ void bind_kernel_runner(nb::module_ m) {
 #else
   m.attr("aot_metallib") = false;
 #endif
+  m.def(
+      "family_sources",
+      [] {
+        std::map<std::string, std::string> out;
+        for (const lily::KernelFamily& f : lily::embedded_kernel_families()) out[f.name] = f.source;
+        return out;
+      },
+      "The embedded kernel libraries: family name -> MSL source (metal/lily.h and metal/<family>.metal).");
   nb::class_<lily::KernelRunner>(m, "Runner")
       .def(
           "__init__",
