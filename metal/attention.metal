@@ -197,10 +197,11 @@ template <typename T, typename C, uint D, uint G, bool COALESCED>
                                          device float* partial_stats [[buffer(5)]],
                                          uint2 group [[threadgroup_position_in_grid]],
                                          uint tid [[thread_index_in_threadgroup]],
-                                         uint n_threads [[threads_per_threadgroup]],
+                                         uint2 threads_per_group [[threads_per_threadgroup]],
                                          uint simd_lane [[thread_index_in_simdgroup]],
                                          uint simd_group [[simdgroup_index_in_threadgroup]],
                                          uint n_simdgroups [[simdgroups_per_threadgroup]]) {
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups: the attribute's width matches the position's
   threadgroup float stats_max[ATTN_DECODE_MAX_SIMDGROUPS * 4];
   threadgroup float stats_sum[ATTN_DECODE_MAX_SIMDGROUPS * 4];
   threadgroup float merge[ATTN_DECODE_MERGE_FLOATS];

@@ -41,10 +41,11 @@ template <typename T, typename C, uint D, uint G>
                                   device T* out [[buffer(5)]],
                                   uint2 group [[threadgroup_position_in_grid]],
                                   uint tid [[thread_index_in_threadgroup]],
-                                  uint n_threads [[threads_per_threadgroup]],
+                                  uint2 threads_per_group [[threads_per_threadgroup]],
                                   uint simd_lane [[thread_index_in_simdgroup]],
                                   uint simd_group [[simdgroup_index_in_threadgroup]],
                                   uint n_simdgroups [[simdgroups_per_threadgroup]]) {
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups: the attribute's width matches the position's
   constexpr uint TILE_ELEMENTS = LILY_ATTN_PREFILL_TILE_BYTES / sizeof(C);
   threadgroup C k_tile[TILE_ELEMENTS];
   threadgroup C v_tile[TILE_ELEMENTS];

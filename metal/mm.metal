@@ -36,8 +36,9 @@ template <typename T, int BM>
                    device T* y [[buffer(3)]],
                    uint3 tg [[threadgroup_position_in_grid]],
                    uint tid [[thread_index_in_threadgroup]],
-                   uint n_threads [[threads_per_threadgroup]],
+                   uint3 threads_per_group [[threads_per_threadgroup]],
                    uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups: the attribute's width matches the position's
   threadgroup float x_tile[BM][LILY_QMM_BK + LILY_QMM_PAD];
   threadgroup float wt_tile[LILY_QMM_BK][LILY_QMM_BN + LILY_QMM_PAD];
   threadgroup float y_tile[BM][LILY_QMM_BN + LILY_QMM_PAD];

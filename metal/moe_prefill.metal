@@ -176,10 +176,10 @@ template <typename Id>
 // Simdgroup arrangement of a bm × 64 tile on 4 simdgroups: each computes 16 rows × (64 / SIMD_COLS) columns.
 template <int BM>
 struct MoeTile {
-  static constexpr int SIMD_ROWS = BM / 16;          // 1 or 2
-  static constexpr int SIMD_COLS = 4 / SIMD_ROWS;     // 4 or 2
-  static constexpr int COLS = int(GEMM_BN) / SIMD_COLS;  // 16 or 32 columns per simdgroup
-  static constexpr int FRAGS_N = COLS / 8;
+  static constant constexpr const int SIMD_ROWS = BM / 16;          // 1 or 2
+  static constant constexpr const int SIMD_COLS = 4 / SIMD_ROWS;     // 4 or 2
+  static constant constexpr const int COLS = int(GEMM_BN) / SIMD_COLS;  // 16 or 32 columns per simdgroup
+  static constant constexpr const int FRAGS_N = COLS / 8;
   static_assert(BM == 16 || BM == 32, "grouped GEMM tiles are 16 or 32 rows");
   static_assert(GEMM_THREADS == 128 && GEMM_THREADS == 2 * GEMM_BN, "4 simdgroups; 2 threads per weight row");
 };
@@ -379,7 +379,8 @@ template <typename T>
                             device T* out [[buffer(5)]],
                             uint2 group [[threadgroup_position_in_grid]],
                             uint tid [[thread_index_in_threadgroup]],
-                            uint n_threads [[threads_per_threadgroup]]) {
+                            uint2 threads_per_group [[threads_per_threadgroup]]) {
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups: the attribute's width matches the position's
   const uint hidden_size = args.hidden_size;
   const uint column = group.x * n_threads + tid;
   if (column >= hidden_size) {

@@ -329,8 +329,9 @@ template <typename T, typename S, int Bits, int BM>
                     device T* y [[buffer(5)]],
                     uint3 tg [[threadgroup_position_in_grid]],
                     uint tid [[thread_index_in_threadgroup]],
-                    uint n_threads [[threads_per_threadgroup]],
+                    uint3 threads_per_group [[threads_per_threadgroup]],
                     uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups: the attribute's width matches the position's
   threadgroup float x_tile[BM][LILY_QMM_BK + LILY_QMM_PAD];
   threadgroup float wt_tile[LILY_QMM_BK][LILY_QMM_BN + LILY_QMM_PAD];
   threadgroup float y_tile[BM][LILY_QMM_BN + LILY_QMM_PAD];
@@ -350,8 +351,9 @@ template <typename T, typename S, int Bits>
                         device T* y [[buffer(5)]],
                         uint3 tg [[threadgroup_position_in_grid]],
                         uint tid [[thread_index_in_threadgroup]],
-                        uint n_threads [[threads_per_threadgroup]],
+                        uint3 threads_per_group [[threads_per_threadgroup]],
                         uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups: the attribute's width matches the position's
   threadgroup T x_tile[LILY_QMM_NAX_BM][LILY_QMM_BK];
   threadgroup T w_tile[LILY_QMM_NAX_BN][LILY_QMM_BK];
   threadgroup float y_tile[LILY_QMM_NAX_BM][LILY_QMM_NAX_BN];

@@ -161,6 +161,8 @@ class KernelDevice:
     dispatch: Callable[[str, list, tuple[int, int, int], tuple[int, int, int]], None]
     kernels: list[str]  # the instantiated kernels it runs, sorted
     missing: list[str] = field(default_factory=list)  # instantiated in the source, not compiled for this GPU
+    # Kernel families (metal/<family>.metal) whose library did not compile: {family, file, diagnostic, kernels}.
+    failed_families: list[dict] = field(default_factory=list)
 
     @property
     def gpu_tested(self) -> bool:
@@ -190,7 +192,7 @@ def open_device(choice: str = "auto") -> KernelDevice:
     if choice == "metal-api":
         runner = _metal_runner()
         return KernelDevice("metal-api", runner.device_name, runner.run, list(runner.kernel_names()),
-                            list(runner.missing_kernel_names()))
+                            list(runner.missing_kernel_names()), list(runner.library_failures()))
     raise ValueError(f"selftest: device must be 'auto', 'metal-api' or 'harness'; got {choice!r}")
 
 
@@ -948,6 +950,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.missing:
         print(f"lily.selftest: not compiled for this GPU, so not run (their #if is false here): "
               f"{', '.join(device.missing)}", file=sys.stderr)
+    for failure in device.failed_families:
+        print(f"lily.selftest: the kernel family '{failure['family']}' ({failure['file']}) did not compile; its "
+              f"{len(failure['kernels'])} kernels fail below. Metal says: {failure['diagnostic']}", file=sys.stderr)
 
     kernels = device.kernels
     if args.kernels:
@@ -975,6 +980,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\n{len(results) - len(failed)}/{len(results)} kernels passed. {device.note()}")
         if failed:
             print("failed: " + ", ".join(failed))
+        if device.failed_families:
+            print("families that did not compile: " + ", ".join(
+                f"{f['family']} ({f['file']})" for f in device.failed_families))
     return 0 if all(r.passed for r in results) else 1
 
 

@@ -1,6 +1,7 @@
-// The Metal device as the engine sees it: one device, one command queue, the kernel library
-// (compiled from source with fast math off, or loaded from a metallib built that way), a pipeline
-// cache keyed by (kernel name, function constants), buffers and shared events.
+// The Metal device as the engine sees it: one device, one command queue, the kernel libraries
+// (one per op family, compiled from source with fast math off at an explicit language version, or
+// one metallib built that way), a pipeline cache keyed by (kernel name, function constants),
+// buffers and shared events.
 #pragma once
 
 #include <cstddef>
@@ -13,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernel_family.h"
 #include "metal/mtl.h"
 
 namespace lily {
@@ -87,14 +89,35 @@ struct MetallibFile {
   std::string path;
 };
 
+// A kernel family whose library did not compile: its kernels are unavailable, the others still run.
+struct LibraryFailure {
+  std::string family;                // "attention"
+  std::string file;                  // "metal/attention.metal"
+  std::string diagnostic;            // Metal's message ("metal/attention.metal:12:5: error: ...")
+  std::vector<std::string> kernels;  // the host names it instantiates
+};
+
+// Host names of the kernels MSL `source` instantiates (LILY_INSTANTIATE_KERNEL("name", ...),
+// [[host_name("name")]], and plain non-template kernels), comments ignored, sorted and without
+// duplicates. Kernels inside #if blocks are listed whether or not the compiler keeps them.
+std::vector<std::string> instantiated_kernel_names(const std::string& source);
+// Whether `error` is Metal's MTLLibraryErrorFunctionNotFound (the fake Metal says the same).
+bool is_function_not_found(const Error& error);
+
 class Device {
  public:
-  // Opens the system's default Metal device and compiles `kernel_source` (MSL).
+  // Opens the system's default Metal device and compiles `kernel_source` (MSL) as one library;
+  // throws Error with Metal's diagnostic if it does not compile.
   explicit Device(const std::string& kernel_source);
+  // Opens the system's default Metal device and compiles each family as its own library; tensor-op
+  // families (metal_version >= 400) only where the device supports them. A family that fails is
+  // reported on stderr and listed by library_failures(); its kernels then fail to load, naming it.
+  explicit Device(const std::vector<KernelFamily>& families);
   // Opens the system's default Metal device and loads the precompiled library `metallib`.
   explicit Device(const MetallibFile& metallib);
 
   std::string name() const;
+  const std::vector<LibraryFailure>& library_failures() const { return failures_; }
   void* handle() const { return device_.get(); }
   void* queue() const { return queue_.get(); }
 
@@ -113,10 +136,12 @@ class Device {
   // (name, [(index, type, value)] sorted by index).
   using PipelineKey =
       std::pair<std::string, std::vector<std::tuple<int, mtl::DataType, int64_t>>>;
+  mtl::Object find_function(const std::string& name, void* constant_values);
 
   mtl::Object device_;
   mtl::Object queue_;
-  mtl::Object library_;
+  std::vector<mtl::Object> libraries_;  // searched in order for a kernel
+  std::vector<LibraryFailure> failures_;
   mutable std::mutex cache_mutex_;
   std::map<PipelineKey, std::unique_ptr<Pipeline>> pipelines_;
   PipelineCacheStats cache_stats_;

@@ -619,12 +619,12 @@ MappedFile::~MappedFile() {
 // ---- the engine ----
 
 Engine::Engine(const ModelConfig& config, Precision precision, const Switches& switches, size_t max_context,
-               const std::string& kernel_source, const std::optional<MetallibFile>& metallib)
+               const std::vector<KernelFamily>& kernel_families, const std::optional<MetallibFile>& metallib)
     : config_(config), precision_(precision), switches_(switches), max_context_(max_context) {
   config_.validate();
   config_.check_kernel_shapes();
   if (max_context_ == 0) throw mtl::Error("[engine] max_context must be positive");
-  device_ = metallib ? std::make_unique<Device>(*metallib) : std::make_unique<Device>(kernel_source);
+  device_ = metallib ? std::make_unique<Device>(*metallib) : std::make_unique<Device>(kernel_families);
 }
 
 Engine::~Engine() = default;

@@ -210,9 +210,10 @@ class MappedFile {
 // one token per command buffer. Not thread-safe.
 class Engine {
  public:
-  // The kernels come from `metallib` when given (an ahead-of-time build), else from `kernel_source`.
+  // The kernels come from `metallib` when given (an ahead-of-time build), else from `kernel_families`.
   Engine(const ModelConfig& config, Precision precision, const Switches& switches, size_t max_context,
-         const std::string& kernel_source, const std::optional<MetallibFile>& metallib = std::nullopt);
+         const std::vector<KernelFamily>& kernel_families,
+         const std::optional<MetallibFile>& metallib = std::nullopt);
   ~Engine();
 
   // Loading. Graph-buffer ids name where a weight's bytes are: a mapped file or a materialised (owned) copy.

@@ -76,7 +76,8 @@ struct KernelRegistrar {
 // which writes every lane's `out`. in/out are indexed by lane; entries of inactive lanes are null.
 using CombineFn = void (*)(void* const* in, void* const* out, uint32_t active_mask);
 void simd_collective(CombineFn combine, void* in, void* out, const char* site, const char* what);
-void threadgroup_barrier(const char* site);
+// `orders_threadgroup` is whether the barrier's mem_flags include mem_threadgroup.
+void threadgroup_barrier(const char* site, bool orders_threadgroup);
 void yield_for_atomic();   // lets the scheduler run others while a thread polls (deadlock detection)
 void note_progress();      // an atomic write: someone polling may now advance
 uint32_t current_lane();

@@ -134,6 +134,9 @@ struct Worker {
   StackBlock stacks;
   std::vector<unsigned char> arena;
   size_t arena_used = 0, arena_payload = 0;
+  // The arena as the last barrier with mem_threadgroup left it: a barrier without it must find it unchanged.
+  std::vector<unsigned char> arena_fenced;
+  bool barrier_orders_threadgroup = true;
   std::vector<TgAlloc> allocs;
   std::vector<void*> tg_params;
 };
@@ -205,6 +208,14 @@ void complete_collective(Worker& w, uint32_t s) {
 }
 
 void release_barrier(Worker& w) {
+  if (w.barrier_orders_threadgroup) {
+    std::memcpy(w.arena_fenced.data(), w.arena.data(), w.arena_used);
+  } else if (std::memcmp(w.arena_fenced.data(), w.arena.data(), w.arena_used) != 0) {
+    fault_and_leave(w, w.current,
+                    std::string("threadgroup memory was written before the threadgroup_barrier at ") + w.barrier_site +
+                        ", whose mem_flags lack mem_threadgroup: other threads may not see the writes on a GPU "
+                        "(use mem_flags::mem_threadgroup)");
+  }
   for (uint32_t i = 0; i < w.fibers.size(); ++i)
     if (w.fibers[i].state == State::barrier) make_ready(w, i);
   w.at_barrier = 0;
@@ -371,6 +382,7 @@ void run_worker(Dispatch& d) {
   w.simdgroups.resize((d.n_threads + kSimdWidth - 1) / kSimdWidth);
   w.ready.reserve(d.n_threads * 2);
   w.arena.resize(kThreadgroupLimit + 64 * kTgGuardBytes + 64 * 16);
+  w.arena_fenced.resize(w.arena.size());
   w.stacks = acquire_stacks(d.n_threads);
   tls_worker = &w;
   while (!d.stop.load()) {
@@ -420,7 +432,7 @@ void simd_collective(CombineFn combine, void* in, void* out, const char* site, c
   yield(w);
 }
 
-void threadgroup_barrier(const char* site) {
+void threadgroup_barrier(const char* site, bool orders_threadgroup) {
   Worker& w = worker_or_die();
   Fiber& f = *w.current;
   if (w.done) {
@@ -443,6 +455,7 @@ void threadgroup_barrier(const char* site) {
   f.state = State::barrier;
   f.site = site;
   w.barrier_site = site;
+  w.barrier_orders_threadgroup = orders_threadgroup;  // one site, one set of flags
   if (++w.at_barrier == w.fibers.size()) release_barrier(w);
   yield(w);
 }
@@ -468,6 +481,7 @@ void* threadgroup_alloc(const char* key, size_t size) {
                     "threadgroup memory of " + std::to_string(w.arena_payload) + " bytes exceeds the 32 KB limit");
   std::memset(w.arena.data() + offset, w.d->opts.poison_threadgroup_memory ? 0xFF : 0, size);
   for (size_t k = 0; k < kTgGuardBytes; ++k) w.arena[offset + size + k] = guard_byte(k);
+  std::memcpy(w.arena_fenced.data() + offset, w.arena.data() + offset, size + kTgGuardBytes);
   w.allocs.push_back(TgAlloc{key, offset, size});
   w.arena_used = offset + size + kTgGuardBytes;
   return w.arena.data() + offset;

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "../msl_cpu/msl_rt.h"
+#include "../msl_cpu/registry.h"
 #include "fake_metal.h"
 #include "objc_toy.h"
 
@@ -128,10 +129,14 @@ id error_localized_description(id self, SEL) {
 
 struct CompileOptionsObject : Object {
   unsigned long math_mode = kMathModeFast;  // Metal's default
+  unsigned long language_version = 0;       // 0: not set, the OS default
 };
 
 void options_set_math_mode(id self, SEL, unsigned long mode) {
   self_as<CompileOptionsObject>(self)->math_mode = mode;
+}
+void options_set_language_version(id self, SEL, unsigned long version) {
+  self_as<CompileOptionsObject>(self)->language_version = version;
 }
 void options_set_fast_math(id self, SEL, BOOL enabled) {
   self_as<CompileOptionsObject>(self)->math_mode = enabled ? kMathModeFast : kMathModeSafe;
@@ -630,11 +635,15 @@ id device_new_buffer_no_copy(id, SEL, void* pointer, unsigned long length, unsig
   return buffer;
 }
 
+// The CPU harness runs every kernel the emulation has, Metal 4 tensor ops included: an M5-class GPU.
+BOOL device_supports_family(id, SEL, long) { return true; }
+
 // The CPU harness cannot compile MSL, so an #error outside every #if block stands for a compile
-// error: "program_source:LINE: error: MESSAGE", or "" when there is none.
+// error: "FILE:LINE: error: MESSAGE" (FILE from the last #line, else program_source), or "" when there is none.
 std::string unconditional_error_directive(const std::string& text) {
   int depth = 0;
   size_t line_number = 0;
+  std::string file = "program_source";
   for (size_t start = 0; start < text.size();) {
     size_t end = text.find('\n', start);
     if (end == std::string::npos) end = text.size();
@@ -645,13 +654,18 @@ std::string unconditional_error_directive(const std::string& text) {
       auto directive = [&](const char* name) {
         return word < end && text.compare(word, std::strlen(name), name) == 0;
       };
-      if (directive("if")) {
+      if (directive("line")) {  // #line N "file": the next line is line N of file
+        size_t number = text.find_first_not_of(" \t", word + 4);
+        line_number = std::strtoul(text.c_str() + number, nullptr, 10) - 1;
+        size_t quote = text.find('"', number);
+        if (quote < end) file = text.substr(quote + 1, text.find('"', quote + 1) - quote - 1);
+      } else if (directive("if")) {
         ++depth;  // #if, #ifdef, #ifndef
       } else if (directive("endif")) {
         --depth;
       } else if (directive("error") && depth == 0) {
         size_t message = text.find_first_not_of(" \t", word + 5);
-        return "program_source:" + std::to_string(line_number) + ": error: " +
+        return file + ":" + std::to_string(line_number) + ": error: " +
                (message < end ? text.substr(message, end - message) : std::string());
       }
     }
@@ -666,6 +680,8 @@ id device_new_library(id, SEL, id source, id options, id* error) {
   std::string problem;
   if (compile_options == nullptr || compile_options->math_mode != kMathModeSafe) {
     problem = "fake Metal: compile with fast math off (MTLMathModeSafe); the kernels are tested without it";
+  } else if (compile_options->language_version == 0) {
+    problem = "fake Metal: set the language version; the OS default differs from one macOS to the next";
   } else if (text.find_first_not_of(" \t\r\n") == std::string::npos) {
     problem = "program_source: error: the kernel source is empty";
   } else {
@@ -676,9 +692,21 @@ id device_new_library(id, SEL, id source, id options, id* error) {
     return nullptr;
   }
   auto* library = make_object<LibraryObject>(class_named("FakeMTLLibrary"));
-  // The harness's kernels stand for the compiled source: Lily's and the test-only ones.
-  for (const std::string& name : msl_rt::kernel_names()) library->kernels.insert(name);
-  for (const std::string& name : msl_rt::test_kernel_names()) library->kernels.insert(name);
+  // The harness's kernels stand for the compiled source: those of the .metal files it names in #line directives
+  // (a family's library, as tools/msl2cpu.py --embed writes it), else all of them, test-only ones too.
+  std::set<std::string> files;
+  for (size_t at = text.find("#line "); at != std::string::npos; at = text.find("#line ", at + 1)) {
+    size_t open = text.find('"', at), close = open == std::string::npos ? open : text.find('"', open + 1);
+    if (close == std::string::npos || text.find('\n', at) < close) continue;
+    std::string file = text.substr(open + 1, close - open - 1);
+    file = file.substr(file.rfind('/') + 1);  // the registry keeps the file name only
+    if (file.size() > 6 && file.compare(file.size() - 6, 6, ".metal") == 0) files.insert(file);
+  }
+  for (const std::vector<std::string>& names : {msl_rt::kernel_names(), msl_rt::test_kernel_names()}) {
+    for (const std::string& name : names) {
+      if (files.empty() || files.count(msl_rt::find_kernel(name)->front().source)) library->kernels.insert(name);
+    }
+  }
   return library;
 }
 
@@ -785,6 +813,7 @@ void load_images() {
   Class options = define_class("MTLCompileOptions", root);
   set_allocator(options, allocate<CompileOptionsObject>);
   method(options, "setMathMode:", options_set_math_mode);
+  method(options, "setLanguageVersion:", options_set_language_version);
   method(options, "setFastMathEnabled:", options_set_fast_math);
   Class constants = define_class("MTLFunctionConstantValues", root);
   set_allocator(constants, allocate<ConstantValuesObject>);
@@ -796,6 +825,7 @@ void load_images() {
   method(device, "newBufferWithLength:options:", device_new_buffer);
   method(device, "newBufferWithBytesNoCopy:length:options:deallocator:", device_new_buffer_no_copy);
   method(device, "newLibraryWithSource:options:error:", device_new_library);
+  method(device, "supportsFamily:", device_supports_family);
   method(device, "newLibraryWithURL:error:", device_new_library_with_url);
   method(device, "newComputePipelineStateWithFunction:error:", device_new_pipeline);
   method(device, "newSharedEvent", device_new_event);

@@ -334,7 +334,7 @@ using namespace metal;
 template <typename T>
 [[kernel]] void everything(device const T* x [[buffer(0)]], device T* y [[buffer(1)]],
                            device atomic_uint* counter [[buffer(2)]],
-                           uint2 tid [[thread_position_in_grid]], ushort lane [[thread_index_in_simdgroup]],
+                           uint3 tid [[thread_position_in_grid]], ushort lane [[thread_index_in_simdgroup]],
                            uint3 tg [[threadgroup_position_in_grid]], uint width [[thread_execution_width]]) {
   threadgroup T tile[8][8];
   threadgroup atomic_int local_count;
@@ -360,7 +360,7 @@ template <typename T>
   threadgroup_barrier(mem_flags::mem_threadgroup | mem_flags::mem_device);
   simdgroup_matrix<T, 8, 8> m = make_filled_simdgroup_matrix<T, 8, 8>(v);
   simdgroup_load(m, &tile[0][0], 8, ulong2(0, 0), true);
-  simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  simdgroup_matrix<T, 8, 8> acc = make_filled_simdgroup_matrix<T, 8, 8>(T(0));  // one element type, as Metal wants
   simdgroup_multiply_accumulate(acc, m, m, acc);
   simdgroup_multiply(acc, m, m);
   simdgroup_store(acc, y, 8);

@@ -39,6 +39,8 @@ const SEL contents = sel_registerName("contents");
 const SEL length = sel_registerName("length");
 const SEL set_math_mode = sel_registerName("setMathMode:");
 const SEL set_fast_math_enabled = sel_registerName("setFastMathEnabled:");
+const SEL set_language_version = sel_registerName("setLanguageVersion:");
+const SEL supports_family = sel_registerName("supportsFamily:");
 const SEL new_library_with_source = sel_registerName("newLibraryWithSource:options:error:");
 const SEL file_url_with_path = sel_registerName("fileURLWithPath:");
 const SEL new_library_with_url = sel_registerName("newLibraryWithURL:error:");
@@ -222,7 +224,7 @@ void* buffer_contents(void* buffer) { return send<void*>(buffer, sel::contents);
 
 size_t buffer_length(void* buffer) { return send<NSUInteger>(buffer, sel::length); }
 
-Object new_library_with_source(void* device, const std::string& source) {
+Object new_library_with_source(void* device, const std::string& source, unsigned metal_version) {
   AutoreleasePool pool;
   static Class compile_options_class = lookup_class("MTLCompileOptions");
   Object options = Object::adopt(
@@ -233,10 +235,19 @@ Object new_library_with_source(void* device, const std::string& source) {
   } else {
     send<void>(options.get(), sel::set_fast_math_enabled, static_cast<BOOL>(false));
   }
+  // An explicit version: the OS default would be Metal 4 on macOS 26 and 3.0 (no bfloat) on macOS 13.
+  const NSUInteger language_version = (metal_version / 100) << 16 | (metal_version / 10 % 10);
+  send<void>(options.get(), sel::set_language_version, language_version);
   void* error = nullptr;
   void* library = send<void*>(device, sel::new_library_with_source, make_ns_string(source),
                               options.get(), &error);
   return adopt_or_throw(library, error, "cannot compile the kernel library");
+}
+
+bool supports_tensor_ops(void* device) {
+  constexpr long kGPUFamilyApple10 = 1010, kGPUFamilyMetal4 = 5002;  // MTLGPUFamily (macOS 26 SDK)
+  return send<BOOL>(device, sel::supports_family, kGPUFamilyMetal4) &&
+         send<BOOL>(device, sel::supports_family, kGPUFamilyApple10);
 }
 
 Object new_library_with_file(void* device, const std::string& path) {

@@ -99,9 +99,11 @@ Object new_buffer_no_copy(void* device, void* pointer, size_t length);
 void* buffer_contents(void* buffer);
 size_t buffer_length(void* buffer);
 
-// Kernel library compiled at run time from source, with fast math off (MTLMathModeSafe on
-// macOS 15+, fastMathEnabled = NO before).
-Object new_library_with_source(void* device, const std::string& source);
+// Kernel library compiled at run time from source for `metal_version` (__METAL_VERSION__: 310 is
+// MTLLanguageVersion3_1), with fast math off (MTLMathModeSafe on macOS 15+, fastMathEnabled = NO before).
+Object new_library_with_source(void* device, const std::string& source, unsigned metal_version);
+// Whether the device supports Metal 4 tensor ops (MTLGPUFamilyMetal4 and MTLGPUFamilyApple10, M5 class).
+bool supports_tensor_ops(void* device);
 // Kernel library compiled ahead of time (a .metallib file at `path`, built with fast math off).
 Object new_library_with_file(void* device, const std::string& path);
 Object new_function_constant_values();

@@ -15,11 +15,16 @@
 #ifndef MSL_CPU
 #define MSL_CPU 1
 #endif
-#define __METAL_VERSION__ 310  // bfloat and simdgroup_matrix exist; Metal 4 tensor ops (>= 400) do not
+// The language version the file is compiled for (tools/msl2cpu.py --metal-version; tools/msl_rules.py has the
+// default): what the shim declares follows it, so a kernel using a newer type fails here as on an older Mac.
+#ifndef MSL_CPU_METAL_VERSION
+#define MSL_CPU_METAL_VERSION 310
+#endif
+#define __METAL_VERSION__ MSL_CPU_METAL_VERSION
 
 // ---- scalar and vector types (global, as in MSL) ----
 typedef _Float16 half;
-typedef __bf16 bfloat;
+typedef __bf16 bfloat;  // MSL 3.1; below that tools/msl_rules.py rejects it (the shim itself uses it)
 typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned char uchar;
@@ -335,8 +340,9 @@ enum class mem_flags : uint32_t { mem_none = 0, mem_device = 1, mem_threadgroup 
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(uint32_t(a) | uint32_t(b)); }
 
 // `site` ("file:line", passed by the macros at the end of this header) tells barriers and collectives apart.
-inline void threadgroup_barrier_at(const char* site, mem_flags = mem_flags::mem_none) {
-  ::msl_rt::threadgroup_barrier(site);
+// The flags are required, as in Metal; tools/msl_rules.py rejects mem_none where threadgroup memory is used.
+inline void threadgroup_barrier_at(const char* site, mem_flags flags) {
+  ::msl_rt::threadgroup_barrier(site, (uint32_t(flags) & uint32_t(mem_flags::mem_threadgroup)) != 0);
 }
 
 namespace simd_detail {
@@ -419,7 +425,7 @@ inline void combine_active_mask(void* const*, void* const* out, uint32_t mask) {
 
 #define MSL_CPU_COLLECTIVE(combine, in, out, what) ::msl_rt::simd_collective(combine, in, out, site, what)
 
-inline void simdgroup_barrier_at(const char* site, mem_flags = mem_flags::mem_none) {
+inline void simdgroup_barrier_at(const char* site, mem_flags) {
   MSL_CPU_COLLECTIVE(&simd_detail::combine_nothing, nullptr, nullptr, "simdgroup_barrier");
 }
 template <class T>
@@ -568,7 +574,7 @@ inline bool simd_is_first_at(const char* site) {
 }
 
 // ---- atomics: free functions (member calls on address-space objects do not compile) ----
-enum memory_order { memory_order_relaxed, memory_order_acquire, memory_order_release, memory_order_acq_rel, memory_order_seq_cst };
+enum memory_order { memory_order_relaxed };  // the only order Metal's atomic functions take
 template <class T>
 struct _atomic {
   T value;
@@ -577,7 +583,9 @@ template <class T>
 using atomic = _atomic<T>;
 typedef _atomic<int> atomic_int;
 typedef _atomic<uint> atomic_uint;
+#if __METAL_VERSION__ >= 300
 typedef _atomic<float> atomic_float;
+#endif
 typedef _atomic<bool> atomic_bool;
 
 namespace atomic_detail {
@@ -721,12 +729,17 @@ inline simdgroup_matrix<T, R, C> make_filled_simdgroup_matrix(T value) {
   return m;
 }
 
+// Metal declares simdgroup_load/store/multiply(_accumulate) over one element type T; clang would convert.
+#define MSL_CPU_SIMDGROUP_TYPES_RULE \
+  "[simdgroup-element-types] simdgroup_load/store and simdgroup_multiply(_accumulate) take matrices and " \
+  "memory of one element type: convert explicitly"
 // matrix_origin is (x = column, y = row) of the stored matrix; transpose loads its transpose.
 // (Both conventions are assumptions until checked on a Mac; see docs/harness.md.)
 #define MSL_CPU_MATRIX_AS(AS)                                                                         \
   template <class T, class S>                                                                         \
   inline void simdgroup_load(simdgroup_matrix<T, 8, 8>& d, const AS S* src, ulong elements_per_row = 8, \
                              ulong2 matrix_origin = ulong2{0, 0}, bool transpose = false) {           \
+    static_assert(std::is_same<T, S>::value, MSL_CPU_SIMDGROUP_TYPES_RULE);                           \
     int r, c;                                                                                         \
     matrix_detail::lane_coord(::msl_rt::current_lane(), r, c);                                        \
     for (int e = 0; e < 2; ++e) {                                                                     \
@@ -737,6 +750,7 @@ inline simdgroup_matrix<T, R, C> make_filled_simdgroup_matrix(T value) {
   template <class T, class S>                                                                         \
   inline void simdgroup_store(simdgroup_matrix<T, 8, 8> m, AS S* dst, ulong elements_per_row = 8,     \
                               ulong2 matrix_origin = ulong2{0, 0}, bool transpose = false) {          \
+    static_assert(std::is_same<T, S>::value, MSL_CPU_SIMDGROUP_TYPES_RULE);                           \
     int r, c;                                                                                         \
     matrix_detail::lane_coord(::msl_rt::current_lane(), r, c);                                        \
     for (int e = 0; e < 2; ++e) {                                                                     \
@@ -753,12 +767,15 @@ inline void simdgroup_multiply_accumulate_at(const char* site, simdgroup_matrix<
                                                              const simdgroup_matrix<TA, 8, 8>& a,
                                                              const simdgroup_matrix<TB, 8, 8>& b,
                                                              const simdgroup_matrix<TC, 8, 8>& c) {
+  static_assert(std::is_same<TD, TA>::value && std::is_same<TD, TB>::value && std::is_same<TD, TC>::value,
+                MSL_CPU_SIMDGROUP_TYPES_RULE);
   matrix_detail::MmaIn<TD, TA, TB, TC> in{&a, &b, &c};
   MSL_CPU_COLLECTIVE((&matrix_detail::combine_mma<TD, TA, TB, TC>), &in, &d, "simdgroup_multiply_accumulate");
 }
 template <class TD, class TA, class TB>
 inline void simdgroup_multiply_at(const char* site, simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
                                                   const simdgroup_matrix<TB, 8, 8>& b) {
+  static_assert(std::is_same<TD, TA>::value && std::is_same<TD, TB>::value, MSL_CPU_SIMDGROUP_TYPES_RULE);
   matrix_detail::MmaIn<TD, TA, TB, TD> in{&a, &b, nullptr};
   MSL_CPU_COLLECTIVE((&matrix_detail::combine_mma<TD, TA, TB, TD>), &in, &d, "simdgroup_multiply");
 }
