@@ -11,6 +11,7 @@ dispatches, barrier stages and bytes per token next to the minimum of performanc
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,22 @@ SWITCHES = ("concurrent", "fused_projections", "fusion", "split_kv", "gpu_token"
 TEST_OPTIONS = ("split_kv_min_keys", "kv_block", "prefill_chunk")
 
 
+# What a build of lily._ext without a Metal runtime lacks (lily._ext.platform == "none": a Linux build without clang,
+# or not on x86-64; CMakeLists.txt).
+NO_METAL_RUNTIME = "built without the Metal test runtime (needs clang-19 on x86-64)"
+
+_log = logging.getLogger(__name__)
+
+
+def require_metal_runtime() -> None:
+    """Raise RuntimeError, before any work, when this build cannot run the ``metal`` backend."""
+    from lily import _ext
+
+    if _ext.platform == "none":
+        raise RuntimeError(f"backend='metal' is unavailable: lily was {NO_METAL_RUNTIME}; reinstall with "
+                           "CXX=clang++-19 pip install ., or use backend='reference'")
+
+
 def full_size_args() -> ModelArgs:
     """ModelArgs of the full-size Qwen3.6-35B-A3B (no checkpoint needed)."""
     return ModelArgs.from_dict(FULL_SIZE_CONFIG, source="Qwen3.6-35B-A3B (built in)")
@@ -113,7 +130,8 @@ def plan_decode(
     """Build (not run) the decode step at ``context`` cached tokens; return its counts and the byte minimum.
 
     Keys: dispatches, stages, barriers, bytes_read, bytes_written, minimum_bytes {weights, recurrent_state,
-    conv_state, kv_cache, total}, dispatches_by_kernel, context, kv_capacity; with ``with_graph`` also buffers
+    conv_state, kv_cache, total}, dispatches_by_kernel, context, kv_capacity, fast_paths_left_out (one line per
+    fast path the shape does not fit, where the engine runs a general kernel instead); with ``with_graph`` also buffers
     [(name, bytes)] and nodes [{kernel, label, reads, writes, barrier_before}] with ranges (buffer, offset, length).
     """
     from lily import _ext
@@ -150,6 +168,7 @@ def format_plan(plan: Mapping[str, Any], targets: Mapping[str, int]) -> str:
     width = max(len(r[0]) for r in rows)
     lines = [f"{'per decode token':<{width}}  {'plan':>14}  target / minimum"]
     lines += [f"{name:<{width}}  {value:>14}  {target}" for name, value, target in rows]
+    lines += [f"fast path left out: {line}" for line in plan.get("fast_paths_left_out", ())]
     return "\n".join(lines)
 
 
@@ -239,6 +258,7 @@ class MetalBackend:
     ) -> None:
         from lily import _ext
 
+        require_metal_runtime()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
         chosen = {**switches_from_env(os.environ), **dict(switches or {})}
@@ -254,6 +274,8 @@ class MetalBackend:
                                        metallib=kernel_metallib())
         except RuntimeError as exc:
             raise ValueError(f"{checkpoint.path}: {exc}") from None
+        for line in _ext.fast_paths_left_out(engine_config(self.args)):
+            _log.debug("%s: fast path left out: %s", checkpoint.path, line)
         self._files: dict[str, int] = {}
         for name in checkpoint.weights:
             self._bind(checkpoint, name)

@@ -87,10 +87,14 @@ struct AttentionSpans {
 };
 void attention_decode(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
                       size_t position, bool split);
-// Throws Error naming the config field when no attention kernel is instantiated for its head dim and GQA group.
+// Throws Error naming the config field when no attention kernel is instantiated for its head dim.
 void check_attention_shapes(const ModelConfig& config);
-// Query heads one attention threadgroup packs (the kernels' G) at the config's head dim; 1 when `packing` is off.
-// Does not check the shape (`lily plan` counts any consistent config; check_attention_shapes guards running).
+// Whether the head ratio splits into the groups the packed attention kernels take at the config's head dim.
+bool gqa_packing_fits(const ModelConfig& config);
+// One line per attention fast path the config cannot take (empty when it takes them all), for `lily plan`.
+std::vector<std::string> attention_fast_paths_left_out(const ModelConfig& config);
+// Query heads one attention threadgroup packs (the kernels' G) at the config's head dim; 1 when `packing` is off
+// or the head ratio does not split into groups of G (the general *_unpacked_* kernels).
 size_t attention_heads_per_group(const ModelConfig& config, bool packing);
 // The attention_prep_* node for `tokens` new tokens at `position` (decode: 1; prefill: T); returns the spans the
 // attention kernels then read: q, gate and the K/V cache prefix of every KV head.
