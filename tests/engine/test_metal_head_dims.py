@@ -24,6 +24,8 @@ from lily.reference import ReferenceModel
 
 from tests.fixtures import _KV64, build_hf_model, save_hf_checkpoint, save_mlx_checkpoint
 
+pytestmark = pytest.mark.metal  # runs the metal backend (tests/conftest.py)
+
 DEMO = Path(__file__).resolve().parents[2] / "python" / "lily" / "demo"
 # The model's head shapes (head dim 256, dk = dv = 128) at a tiny width, GQA 4 (one packed threadgroup per KV head).
 D256_CONFIG = copy.deepcopy(_KV64)
