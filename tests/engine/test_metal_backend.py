@@ -6,10 +6,12 @@ layouts (bf16 and f32 HF files quantized on load), float32 mode, and the bfloat1
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
 
+import lily.checkpoint
 from lily._ext import _test_engine as te
 from lily.checkpoint import load_checkpoint
 from lily.engine import MetalBackend
@@ -327,3 +329,31 @@ def test_kv64_fixture_in_the_hf_layout_matches_the_reference(tmp_path, dtype):
     state = backend.new_state()
     assert relative_error(backend.forward(ids, state), want) < 1e-3
     assert [tokens[0]] + backend.generate_greedy(state, tokens[0], 5) == tokens
+
+
+def test_a_mixed_bit_router_runs_on_the_general_kernels(checkpoints, monkeypatch):
+    # The router at 4 bits next to an 8-bit shared-expert gate (mlx-lm quantizes both at 8): the bf16 prefill router
+    # runs the 4-bit "_of32" GEMV, and the decode's fused router | shared-gate GEMV, which needs matrices quantized
+    # alike, falls back to one GEMV per matrix. Both modes follow the reference on the same weights.
+    monkeypatch.setattr(lily.checkpoint, "_EIGHT_BIT", re.compile(r"\.mlp\.shared_expert_gate\.weight$"))
+    checkpoint = load_checkpoint(checkpoints["hf"].path, quantize=4)
+    assert checkpoint.weights.quantization("layers.0.mlp.gate.weight")[0] == 4
+    assert checkpoint.weights.quantization("layers.0.mlp.shared_expert_gate.weight")[0] == 8
+    ref = ReferenceModel(checkpoint)
+    ref_state = ref.new_state()
+    want = ref.forward(PROMPT, ref_state)
+    want_step = ref.forward(np.array([int(np.argmax(want[-1]))]), ref_state)
+    for precision, tolerance in (("float32", 1e-3), ("bfloat16", 5e-2)):
+        backend = MetalBackend(checkpoint, precision=precision)
+        state = backend.new_state()
+        logits = backend.forward(PROMPT, state)
+        prefill_kernels = backend.last_step_counts()["dispatches_by_kernel"]
+        step = backend.forward(np.array([int(np.argmax(want[-1]))]), state)
+        decode_kernels = backend.last_step_counts()["dispatches_by_kernel"]
+        assert relative_error(logits, want) < tolerance and relative_error(step, want_step) < tolerance, precision
+        assert int(np.argmax(step[-1])) == int(np.argmax(want_step[-1])), precision
+        if precision == "bfloat16":
+            layers = len(checkpoint.args.layer_types)
+            assert prefill_kernels.get("qmv_q4_g64_bf16_of32") == layers, sorted(prefill_kernels)
+            assert decode_kernels.get("qmv_norm_q4_g64_bf16_of32") == layers, sorted(decode_kernels)
+            assert decode_kernels.get("qmv_norm_q8_g64_bf16_of32") == layers, sorted(decode_kernels)

@@ -56,6 +56,8 @@ void qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const W
                   const WeightRef& w, const Span& y, float eps, DType dtype);
 void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, const WeightRef& w,
                       const Span& residual_out);
+// Whether matrices can share one segmented GEMV: same bits, input features and scale dtype, none stacked.
+bool quantized_alike(const std::vector<const WeightRef*>& parts);
 // qmatmul.cpp, decode (one row): y = [W_0; W_1; ...] · x' over up to 4 matrices sharing x, each read from its own
 // bytes (qmv_seg / qmv_norm_seg: no concatenated copy); x' = rms_norm(x) ⊙ norm_weight when norm_weight is given.
 void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, const WeightRef* norm_weight,
