@@ -14,6 +14,8 @@
 //                                       staged in tiles of LILY_ATTN_PREFILL_TILE_BYTES / (D * sizeof(C)) keys (16
 //                                       in bf16, 8 in f32 at D = 256; 64 and 32 at D = 64).
 //                                       Chosen for 1 < T < 8, where an 8-row fragment would be mostly padding.
+//   attention_prefill[_mma]_unpacked_<dtype>_d<D>  the same with G = 1 (one query head per threadgroup): the general
+//                                       kernels for head ratios Hq / Hkv that are not a multiple of G (f32, bf16).
 // Query t sits at position num_keys - T + t and sees cache rows 0 .. its position (causal, KV offset included).
 // Dtypes: q, gate, out are T (f32, bf16, f16); the cache is C = f32 in float32 mode, bf16 otherwise.
 // Layout: q, gate, out [T, Hq, D]; k_cache, v_cache [Hkv, capacity, D]. Head dims 256 (the model's; f32, bf16, f16)
@@ -49,7 +51,7 @@ template <typename T, typename C, uint D, uint G>
   constexpr uint TILE_ELEMENTS = LILY_ATTN_PREFILL_TILE_BYTES / sizeof(C);
   threadgroup C k_tile[TILE_ELEMENTS];
   threadgroup C v_tile[TILE_ELEMENTS];
-  static_assert(G == 2 || G == 4, "up to four heads' scores travel as one float4");
+  static_assert(G == 1 || G == 2 || G == 4, "up to four heads' scores travel as one float4");
   static_assert(D % 128 == 0 || D == 64, "a lane holds chunks of 4 at chunk indices lane + 32c");
   constexpr uint CHUNKS_PER_ROW = D / 4;
   constexpr uint CPL = (CHUNKS_PER_ROW + 31) / 32;  // chunks of 4 per lane (D = 64: lanes 16..31 hold none)
@@ -272,3 +274,12 @@ LILY_INSTANTIATE_KERNEL("attention_prefill_f32_d64", attention_prefill, float, f
 LILY_INSTANTIATE_KERNEL("attention_prefill_bf16_d64", attention_prefill, bfloat, bfloat, 64, 2)
 LILY_INSTANTIATE_KERNEL("attention_prefill_mma_f32_d64", attention_prefill_mma, float, float, 64, 2)
 LILY_INSTANTIATE_KERNEL("attention_prefill_mma_bf16_d64", attention_prefill_mma, bfloat, bfloat, 64, 2)
+// Head ratios the packing cannot split (e.g. 3 query heads per KV head at D = 64, or 1): one head per threadgroup.
+LILY_INSTANTIATE_KERNEL("attention_prefill_unpacked_f32_d256", attention_prefill, float, float, 256, 1)
+LILY_INSTANTIATE_KERNEL("attention_prefill_unpacked_bf16_d256", attention_prefill, bfloat, bfloat, 256, 1)
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_unpacked_f32_d256", attention_prefill_mma, float, float, 256, 1)
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_unpacked_bf16_d256", attention_prefill_mma, bfloat, bfloat, 256, 1)
+LILY_INSTANTIATE_KERNEL("attention_prefill_unpacked_f32_d64", attention_prefill, float, float, 64, 1)
+LILY_INSTANTIATE_KERNEL("attention_prefill_unpacked_bf16_d64", attention_prefill, bfloat, bfloat, 64, 1)
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_unpacked_f32_d64", attention_prefill_mma, float, float, 64, 1)
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_unpacked_bf16_d64", attention_prefill_mma, bfloat, bfloat, 64, 1)

@@ -10,6 +10,8 @@ if ! command -v clang++-19 >/dev/null 2>&1; then
 fi
 
 python -m pip install --upgrade pip >/dev/null
-python -m pip install ".[test]"
+# clang-19 builds the Metal test runtime (the kernels on the CPU harness, the fake Metal), so every test runs; any
+# other C++17 compiler builds Lily without it.
+CXX=clang++-19 python -m pip install ".[test]"
 export HF_HUB_OFFLINE=1
 python -m pytest -q "$@"

@@ -120,3 +120,53 @@ def variant_hf_dir(tiny_checkpoints: TinyCheckpoints, variant: str) -> Path:
 @pytest.fixture(scope="session")
 def variant_mlx4_dir(tiny_checkpoints: TinyCheckpoints, variant: str) -> Path:
     return tiny_checkpoints.mlx(variant, bits=4, dtype="bfloat16")
+
+
+# ---- What this build of lily._ext can run; tests that need more are skipped, saying why ----
+# A Mac build has real Metal and neither the MSL CPU harness (lily._ext.msl) nor the fake Metal's controls; a Linux
+# build without clang or off x86-64 has no Metal runtime at all (lily._ext.platform == "none", CMakeLists.txt).
+# Markers: `metal` (runs the metal backend or the Metal API: a Mac's GPU, or the Linux test runtime), `fake_metal`
+# (drives the fake Metal: stage order, dispatch statistics, live Objective-C objects). Modules that import the harness
+# (HARNESS_MODULES) are skipped whole where it is absent, before they are imported.
+try:
+    from lily import _ext
+except ImportError:  # not built: every test that needs the extension says so
+    _ext = None
+
+HAS_HARNESS = _ext is not None and getattr(_ext, "msl", None) is not None
+HAS_FAKE_METAL = _ext is not None and hasattr(_ext._test_engine, "set_stage_order")
+HAS_METAL = _ext is not None and _ext.platform != "none"
+HARNESS_MODULES = ("kernels/", "harness/", "test_selftest.py", "engine/test_metallib.py")
+SKIP_REASONS = {
+    "harness": "needs the MSL CPU execution harness (lily._ext.msl): Linux builds with clang on x86-64 only",
+    "fake_metal": "needs the fake Metal's controls (stage order, statistics): the Linux Metal test runtime only",
+    "metal": "needs a Metal runtime: this lily._ext was built without one (Linux without clang-19 on x86-64)",
+}
+
+
+class _HarnessAbsent(pytest.Module):
+    """A test module that imports the harness, in a build without it: collected as one skip with the reason."""
+
+    def collect(self):
+        pytest.skip(f"{self.path.relative_to(Path(__file__).parents[1]).as_posix()} {SKIP_REASONS['harness']}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makemodule(module_path: Path, parent):
+    relative = module_path.relative_to(Path(__file__).parent).as_posix()
+    if not HAS_HARNESS and relative.startswith(HARNESS_MODULES):
+        return _HarnessAbsent.from_parent(parent, path=module_path)
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for marker in ("metal", "fake_metal"):
+        config.addinivalue_line("markers", f"{marker}: {SKIP_REASONS[marker]} (skipped where absent)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    available = {"metal": HAS_METAL, "fake_metal": HAS_FAKE_METAL}
+    for item in items:
+        for marker, present in available.items():
+            if not present and item.get_closest_marker(marker):
+                item.add_marker(pytest.mark.skip(reason=SKIP_REASONS[marker]))

@@ -91,6 +91,7 @@ def test_serve_delegates_with_its_flags(monkeypatch):
                             "--max-queue", "3", "--keepalive", "0.0", "--precision", "float32"]
 
 
+@pytest.mark.metal
 def test_generate_on_the_metal_backend_matches_the_reference(capsys):
     argv = ["generate", "ROMEO:", "--max-tokens", "4", "--temp", "0"]
     code, reference_out, _ = run_cli(argv + ["--backend", "reference"], capsys)

@@ -474,6 +474,10 @@ def _choose_backend(name: str) -> str:
         return "metal" if getattr(_ext, "platform", "") == "metal" and hasattr(_ext, "Engine") else "reference"
     if name not in ("reference", "metal"):
         raise ValueError(f"backend must be 'auto', 'reference' or 'metal'; got {name!r}")
+    if name == "metal":
+        from lily.backends.metal import require_metal_runtime
+
+        require_metal_runtime()
     return name
 
 

@@ -53,7 +53,8 @@ def plan_decode(
     """Build (not run) the decode step at ``context`` cached tokens; return its counts and the byte minimum.
 
     Keys: dispatches, stages, barriers, bytes_read, bytes_written, minimum_bytes {weights, recurrent_state,
-    conv_state, kv_cache, total}, dispatches_by_kernel, context, kv_capacity; with ``with_graph`` also buffers
+    conv_state, kv_cache, total}, dispatches_by_kernel, context, kv_capacity, fast_paths_left_out (one line per
+    fast path the shape does not fit, where the engine runs a general kernel instead); with ``with_graph`` also buffers
     [(name, bytes)] and nodes [{kernel, label, reads, writes, barrier_before}] with ranges (buffer, offset, length).
     """
     from lily import _ext
@@ -90,6 +91,7 @@ def format_plan(plan: Mapping[str, Any], targets: Mapping[str, int]) -> str:
     width = max(len(r[0]) for r in rows)
     lines = [f"{'per decode token':<{width}}  {'plan':>14}  target / minimum"]
     lines += [f"{name:<{width}}  {value:>14}  {target}" for name, value, target in rows]
+    lines += [f"fast path left out: {line}" for line in plan.get("fast_paths_left_out", ())]
     return "\n".join(lines)
 
 

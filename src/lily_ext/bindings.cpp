@@ -12,7 +12,7 @@
 #include "plan.h"
 // ---- end ----
 
-#if !defined(__APPLE__)
+#if defined(LILY_METAL_TEST_RUNTIME)
 #include "msl_py.h"
 #endif
 
@@ -105,6 +105,7 @@ nb::dict plan_decode(const nb::dict& config, size_t context, const std::string& 
   out["minimum_bytes"] = minimum;
   for (const auto& [kernel, n] : plan.counts.dispatches_by_kernel) by_kernel[kernel.c_str()] = n;
   out["dispatches_by_kernel"] = by_kernel;
+  out["fast_paths_left_out"] = plan.fast_paths_left_out;
   if (with_graph) {
     nb::list buffers, nodes;
     for (const lily::GraphBuffer& b : plan.graph.buffers) buffers.append(nb::make_tuple(b.name, b.length));
@@ -294,6 +295,8 @@ NB_MODULE(_ext, m) {
   m.def("plan_decode", &plan_decode, nb::arg("config"), nb::arg("context"), nb::arg("precision") = "bfloat16",
         nb::arg("switches") = nb::dict(), nb::arg("with_graph") = false,
         "Build (not run) the decode graph of a config; counts and minimum bytes per token.");
+  m.def("fast_paths_left_out", [](const nb::dict& config) { return lily::fast_paths_left_out(config_from_dict(config)); },
+        nb::arg("config"), "The fast paths the config's shape does not fit, one line each (the engine runs general kernels).");
   nb::class_<lily::Engine>(m, "Engine")
       .def("__init__",
            [](lily::Engine* e, const nb::dict& config, const std::string& precision, const nb::dict& switches,
@@ -342,9 +345,11 @@ NB_MODULE(_ext, m) {
       .def("last_step_counts", [](const lily::Engine& e) { return counts_dict(e.last_graph()); });
 #if defined(__APPLE__)
   m.attr("platform") = "metal";
-#else
+#elif defined(LILY_METAL_TEST_RUNTIME)
   m.attr("platform") = "cpu-emulation";
   nb::module_ msl = m.def_submodule("msl");
   msl_py::bind(msl);
+#else
+  m.attr("platform") = "none";  // built without the Metal test runtime (CMakeLists.txt)
 #endif
 }

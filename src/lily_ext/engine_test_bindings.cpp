@@ -19,7 +19,7 @@
 #include "device.h"
 #include "encoder.h"
 
-#if !defined(__APPLE__)
+#if defined(LILY_METAL_TEST_RUNTIME)
 #include "../objc_toy/fake_metal.h"
 #include "../objc_toy/objc_toy.h"
 #endif
@@ -181,7 +181,7 @@ void bind_test_engine(nb::module_ m) {
       .def("wait", &Encoder::wait, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("counters", [](const Encoder& e) { return counters_dict(e.counters()); });
 
-#if !defined(__APPLE__)
+#if defined(LILY_METAL_TEST_RUNTIME)
   m.def(
       "set_stage_order",
       [](const std::string& order, uint64_t seed) {

@@ -287,9 +287,12 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
         refs.push_back(&weight(w, name));
         rows += refs.back()->rows;
       }
-      ops::qmatmul_segments(ctx, label, x, fuse ? &norm : nullptr, refs, parts, ops::sub(out, 0, rows * dtype_size(dtype)),
-                            c.eps, dtype);
-      return;
+      // Matrices quantized differently (a mixed-bit checkpoint) cannot share one kernel: one GEMV each, below.
+      if (ops::quantized_alike(refs)) {
+        ops::qmatmul_segments(ctx, label, x, fuse ? &norm : nullptr, refs, parts,
+                              ops::sub(out, 0, rows * dtype_size(dtype)), c.eps, dtype);
+        return;
+      }
     }
     size_t offset = 0;
     for (const std::string& name : parts) {

@@ -3,6 +3,7 @@
 
 #include <vector>
 
+#include "ops/ops.h"
 #include "tuning.h"
 
 namespace lily {
@@ -73,6 +74,12 @@ MinimumBytes minimum_bytes(const ModelConfig& c, Precision precision, const Weig
   return m;
 }
 
+std::vector<std::string> fast_paths_left_out(const ModelConfig& config) {
+  bool any_attention = false;
+  for (bool a : config.attention_layers) any_attention |= a;
+  return any_attention ? ops::attention_fast_paths_left_out(config) : std::vector<std::string>{};
+}
+
 DecodePlan plan_decode(const ModelConfig& config, Precision precision, const Switches& switches, size_t context) {
   config.validate();
   DecodePlan plan;
@@ -85,6 +92,7 @@ DecodePlan plan_decode(const ModelConfig& config, Precision precision, const Swi
   build_decode_step(config, precision, switches, weights, buffers, context, 0, 1, plan.graph);
   plan.counts = count_graph(plan.graph);
   plan.minimum = minimum_bytes(config, precision, weights, context);
+  plan.fast_paths_left_out = fast_paths_left_out(config);
   return plan;
 }
 

@@ -34,7 +34,12 @@ struct DecodePlan {
   MinimumBytes minimum;
   size_t context = 0, kv_capacity = 0;
   Graph graph;
+  std::vector<std::string> fast_paths_left_out;  // see fast_paths_left_out()
 };
+
+// One line per fast path the config's shape does not fit, naming the path, the reason and the general kernel the
+// engine runs instead (switches the user turned off are not listed). Empty for the model's own shape.
+std::vector<std::string> fast_paths_left_out(const ModelConfig& config);
 
 // The decode step at `context` tokens already cached, with synthetic weights (MLX 4-bit layout) for `config`.
 DecodePlan plan_decode(const ModelConfig& config, Precision precision, const Switches& switches, size_t context);

@@ -17,6 +17,8 @@ from lily.checkpoint import load_checkpoint
 from lily.backends.metal import MetalBackend, switches_from_env
 from lily.reference import ReferenceModel
 
+pytestmark = pytest.mark.metal  # runs the metal backend (tests/conftest.py)
+
 DEMO = Path(__file__).resolve().parents[2] / "python" / "lily" / "demo"
 
 

@@ -17,6 +17,8 @@ from lily.backends.metal import MetalBackend, switches_from_env
 from tests.engine.test_metal_head_dims import D256_CONFIG, DEMO, reference_logits, run_backend
 from tests.fixtures import build_hf_model, save_hf_checkpoint, save_mlx_checkpoint
 
+pytestmark = pytest.mark.metal  # runs the metal backend (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):

@@ -19,6 +19,8 @@ from lily.reference import ReferenceModel
 
 from tests.fixtures import _KV64, build_hf_model, save_hf_checkpoint, save_mlx_checkpoint
 
+pytestmark = pytest.mark.metal  # runs the metal backend (tests/conftest.py)
+
 DEMO = Path(__file__).resolve().parents[2] / "python" / "lily" / "demo"
 # The model's DeltaNet head shapes (dk = dv = 128, Hv/Hk = 2) at a tiny width.
 DK128_CONFIG = copy.deepcopy(_KV64)

@@ -16,6 +16,8 @@ import pytest
 
 from lily import Model
 
+pytestmark = pytest.mark.metal  # runs the metal backend (tests/conftest.py)
+
 HELDOUT = Path(__file__).resolve().parents[2] / "scripts" / "demo" / "heldout_sample.txt"
 POSITIONS = 256
 PREFILL_POSITIONS = 216  # the other 40 run as decode steps (the harness runs a step in 0.1-0.2 s)

@@ -6,16 +6,20 @@ layouts (bf16 and f32 HF files quantized on load), float32 mode, and the bfloat1
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
 
+import lily.checkpoint
 from lily._ext import _test_engine as te
 from lily.checkpoint import load_checkpoint
 from lily.backends.metal import MetalBackend
 from lily.reference import ReferenceModel
 
 from tests.fixtures import _KV64, build_hf_model, save_hf_checkpoint, save_mlx_checkpoint
+
+pytestmark = pytest.mark.metal  # runs the metal backend (tests/conftest.py)
 
 # The model's per-head shapes at a tiny width: 3 DeltaNet layers and 1 attention layer, 8 experts top-2.
 HEAD_SHAPES_CONFIG = copy.deepcopy(_KV64)
@@ -60,6 +64,9 @@ def reference_run(checkpoints):
 
 @pytest.fixture(autouse=True)
 def reverse_order():
+    if not hasattr(te, "set_stage_order"):  # a real GPU: its own dispatch order
+        yield
+        return
     te.set_stage_order("reverse")  # dispatches of a stage run in reverse: a missing barrier shows
     yield
     te.set_stage_order("reverse")
@@ -132,6 +139,7 @@ def test_wide_and_narrow_gemm_tiles_agree(checkpoints):
     np.testing.assert_allclose(results[True], results[False], rtol=0, atol=1e-5 * np.max(np.abs(want)))
 
 
+@pytest.mark.fake_metal
 @pytest.mark.parametrize("seed", [1, 2])
 def test_any_order_within_a_stage_gives_the_same_result(checkpoints, reference_run, seed):
     te.set_stage_order("shuffle", seed)  # dispatches of each stage run in a seeded order other than encoding order
@@ -142,6 +150,7 @@ def test_any_order_within_a_stage_gives_the_same_result(checkpoints, reference_r
     assert backend.generate_greedy(state, want_tokens[0], 4) == want_tokens[1:5]
 
 
+@pytest.mark.fake_metal
 def test_a_removed_barrier_breaks_the_result(checkpoints, reference_run):
     backend = MetalBackend(checkpoints["mlx"], precision="float32")
     want_logits, _ = reference_run["mlx"]
@@ -223,6 +232,7 @@ def test_bfloat16_mode_maps_an_mlx_checkpoint_without_copies(checkpoints):
     assert backend.last_step_counts()["dispatches_by_kernel"].get("qmv_norm_seg_q4_g64_bf16", 0) > 0
 
 
+@pytest.mark.fake_metal
 def test_the_engine_releases_every_metal_object(checkpoints):
     import gc
 
@@ -319,3 +329,31 @@ def test_kv64_fixture_in_the_hf_layout_matches_the_reference(tmp_path, dtype):
     state = backend.new_state()
     assert relative_error(backend.forward(ids, state), want) < 1e-3
     assert [tokens[0]] + backend.generate_greedy(state, tokens[0], 5) == tokens
+
+
+def test_a_mixed_bit_router_runs_on_the_general_kernels(checkpoints, monkeypatch):
+    # The router at 4 bits next to an 8-bit shared-expert gate (mlx-lm quantizes both at 8): the bf16 prefill router
+    # runs the 4-bit "_of32" GEMV, and the decode's fused router | shared-gate GEMV, which needs matrices quantized
+    # alike, falls back to one GEMV per matrix. Both modes follow the reference on the same weights.
+    monkeypatch.setattr(lily.checkpoint, "_EIGHT_BIT", re.compile(r"\.mlp\.shared_expert_gate\.weight$"))
+    checkpoint = load_checkpoint(checkpoints["hf"].path, quantize=4)
+    assert checkpoint.weights.quantization("layers.0.mlp.gate.weight")[0] == 4
+    assert checkpoint.weights.quantization("layers.0.mlp.shared_expert_gate.weight")[0] == 8
+    ref = ReferenceModel(checkpoint)
+    ref_state = ref.new_state()
+    want = ref.forward(PROMPT, ref_state)
+    want_step = ref.forward(np.array([int(np.argmax(want[-1]))]), ref_state)
+    for precision, tolerance in (("float32", 1e-3), ("bfloat16", 5e-2)):
+        backend = MetalBackend(checkpoint, precision=precision)
+        state = backend.new_state()
+        logits = backend.forward(PROMPT, state)
+        prefill_kernels = backend.last_step_counts()["dispatches_by_kernel"]
+        step = backend.forward(np.array([int(np.argmax(want[-1]))]), state)
+        decode_kernels = backend.last_step_counts()["dispatches_by_kernel"]
+        assert relative_error(logits, want) < tolerance and relative_error(step, want_step) < tolerance, precision
+        assert int(np.argmax(step[-1])) == int(np.argmax(want_step[-1])), precision
+        if precision == "bfloat16":
+            layers = len(checkpoint.args.layer_types)
+            assert prefill_kernels.get("qmv_q4_g64_bf16_of32") == layers, sorted(prefill_kernels)
+            assert decode_kernels.get("qmv_norm_q4_g64_bf16_of32") == layers, sorted(decode_kernels)
+            assert decode_kernels.get("qmv_norm_q8_g64_bf16_of32") == layers, sorted(decode_kernels)

@@ -4,12 +4,15 @@ lily.reference (float32 mode, the Linux test runtime running the real kernels on
 Head dim 64 / DeltaNet dk = dv = 64 (the `*_d64` / `*_dk64` kernels): the embedded demo model (4 query / 2 KV heads:
 a GQA group of 2, so its threadgroups pack 2 heads) and the tiny fixtures kv64 (GQA 2) and gqa4 (GQA 4, Hv/Hk = 3).
 The GQA_PACKING switch off runs the `attention_decode*_unpacked_*` kernels (one query head per threadgroup) at head
-dim 64 and at the model's 256. Shapes without kernels are refused naming the config field.
+dim 64 and at the model's 256. Head ratios the packing cannot split (3 and 1 at head dim 64, 3 at 256) run the
+unpacked prefill and decode kernels, and `lily plan` and the debug log name the fast path left out. Head dims without
+kernels are refused naming the config field, the value and the supported values.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +20,12 @@ import pytest
 
 from lily.checkpoint import load_checkpoint
 from lily.backends.metal import MetalBackend, switches_from_env
+from lily.plan import PLAN_TARGETS, format_plan, full_size_args, plan_decode
 from lily.reference import ReferenceModel
 
 from tests.fixtures import _KV64, build_hf_model, save_hf_checkpoint, save_mlx_checkpoint
+
+pytestmark = pytest.mark.metal  # runs the metal backend (tests/conftest.py)
 
 DEMO = Path(__file__).resolve().parents[2] / "python" / "lily" / "demo"
 # The model's head shapes (head dim 256, dk = dv = 128) at a tiny width, GQA 4 (one packed threadgroup per KV head).
@@ -29,6 +35,12 @@ D256_CONFIG.update(
     linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2,
     moe_intermediate_size=64, shared_expert_intermediate_size=64,
 )
+# Head ratios the packed kernels (2 heads per threadgroup at head dim 64, 4 at 256) cannot split: the engine falls
+# back to the *_unpacked_* kernels for prefill and decode, and names the fast path it left out.
+RATIO3_CONFIG = {**_KV64, "num_attention_heads": 6, "num_key_value_heads": 2}
+RATIO1_CONFIG = {**_KV64, "num_attention_heads": 2, "num_key_value_heads": 2}
+D256_RATIO3_CONFIG = {**D256_CONFIG, "num_attention_heads": 3, "num_key_value_heads": 1}
+FALLBACK = ("ratio3", "ratio1", "d256-ratio3")
 # 9 tokens: the prefill takes the matrix-unit attention kernel (>= 8 queries); then 3 decode steps.
 PROMPT = np.array([5, 17, 300, 2, 639, 0, 77, 123, 64])
 DECODE = [7, 450, 3]
@@ -38,7 +50,8 @@ DECODE = [7, 450, 3]
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("head_dims")
     out = {"demo": load_checkpoint(DEMO)}
-    for name, config in (("kv64", "kv64"), ("gqa4", "gqa4"), ("d256", D256_CONFIG)):
+    for name, config in (("kv64", "kv64"), ("gqa4", "gqa4"), ("d256", D256_CONFIG), ("ratio3", RATIO3_CONFIG),
+                         ("ratio1", RATIO1_CONFIG), ("d256-ratio3", D256_RATIO3_CONFIG)):
         hf = save_hf_checkpoint(build_hf_model(config, seed=5), root / name, dtype="bfloat16")
         out[name] = load_checkpoint(save_mlx_checkpoint(hf, root / f"{name}-mlx"))
     return out
@@ -70,6 +83,10 @@ CASES = [
     ("gqa4", {"gqa_packing": False, "split_kv_min_keys": 1}, "d64", "dk64"),
     ("d256", {"gqa_packing": False}, "d256", "dk128"),
     ("d256", {"gqa_packing": False, "split_kv_min_keys": 1}, "d256", "dk128"),
+    ("ratio3", {}, "d64", "dk64"),
+    ("ratio3", {"split_kv_min_keys": 1}, "d64", "dk64"),
+    ("ratio1", {}, "d64", "dk64"),
+    ("d256-ratio3", {}, "d256", "dk128"),
 ]
 
 
@@ -82,7 +99,7 @@ def test_logits_match_the_reference(checkpoints, name, switches, attn, gdn):
     rel = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
     assert rel < 1e-4, f"{name} {switches}: relative error {rel:.3g}"
     # The decode step ran the instances of this head dim, packed or not as the switch says.
-    unpacked = "unpacked_" if switches.get("gqa_packing") is False else ""
+    unpacked = "unpacked_" if switches.get("gqa_packing") is False or name in FALLBACK else ""
     split = "partial_" if "split_kv_min_keys" in switches else ""
     attention_layers = checkpoint.args.layer_types.count("full_attention")
     assert kernels.get(f"attention_decode_{split}{unpacked}f32_{attn}") == attention_layers, sorted(kernels)
@@ -110,12 +127,39 @@ def test_head_dims_without_kernels_are_refused(tmp_path, field, value):
         MetalBackend(load_checkpoint(hf, quantize=4), precision="float32")
 
 
-def test_gqa_group_the_packing_cannot_split_is_refused(tmp_path):
-    # Head dim 64 packs 2 query heads of one KV head per threadgroup: 3 heads over 3 KV heads (GQA 1) cannot.
-    config = {**_KV64, "num_attention_heads": 3, "num_key_value_heads": 3}
-    hf = save_hf_checkpoint(build_hf_model(config, randomize=False), tmp_path / "model", dtype="bfloat16")
-    with pytest.raises(ValueError, match="num_attention_heads: must be a multiple of 2 x num_key_value_heads"):
-        MetalBackend(load_checkpoint(hf, quantize=4), precision="float32")
+@pytest.mark.parametrize("name", FALLBACK)
+def test_head_ratios_the_packing_cannot_split_run_greedy_as_the_reference(checkpoints, name):
+    """Greedy tokens identical to the reference's over a prompt and 6 steps (float32 mode, the general kernels)."""
+    checkpoint = checkpoints[name]
+    ref = ReferenceModel(checkpoint)
+    state = ref.new_state()
+    logits = ref.forward(PROMPT, state)[-1]
+    want = []
+    for _ in range(6):
+        want.append(int(np.argmax(logits)))
+        logits = ref.forward(np.array([want[-1]]), state)[-1]
+    backend = MetalBackend(checkpoint, precision="float32")
+    metal_state = backend.new_state()
+    first = int(np.argmax(backend.forward(PROMPT, metal_state)[-1]))
+    assert [first, *backend.generate_greedy(metal_state, first, 5)] == want
+
+
+def test_fast_paths_left_out_are_named_in_the_plan_and_the_debug_log(checkpoints, caplog):
+    ratio3 = checkpoints["ratio3"]
+    plan = plan_decode(ratio3.args, context=16, precision="float32")
+    assert len(plan["fast_paths_left_out"]) == 1
+    line = plan["fast_paths_left_out"][0]
+    assert "GQA packing" in line and "6 / 2" in line and "multiple of 2" in line and "unpacked" in line, line
+    assert f"fast path left out: {line}" in format_plan(plan, PLAN_TARGETS)
+    # The plan counts the kernels the engine runs: unpacked decode attention, one threadgroup per query head.
+    attention_layers = ratio3.args.layer_types.count("full_attention")
+    assert plan["dispatches_by_kernel"].get("attention_decode_unpacked_f32_d64") == attention_layers
+    with caplog.at_level(logging.DEBUG, logger="lily.backends.metal"):
+        MetalBackend(ratio3, precision="float32")
+    assert any(line in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    # Shapes every fast path fits (the demo model, the packed fixtures, the full-size model) list nothing.
+    for args in (checkpoints["demo"].args, checkpoints["gqa4"].args, checkpoints["d256"].args, full_size_args()):
+        assert plan_decode(args, context=16)["fast_paths_left_out"] == []
 
 
 def test_packing_switch_is_read_from_the_environment():

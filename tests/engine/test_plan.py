@@ -110,6 +110,7 @@ def replay_through_encoder(plan: dict) -> dict:
     return encoder.counters
 
 
+@pytest.mark.metal
 @pytest.mark.parametrize("switches", [{}, {"concurrent": False}, {"fused_projections": False}, {"fusion": False},
                                       {"split_kv_min_keys": 8}])
 def test_stages_equal_the_encoders_automatic_barriers(switches):

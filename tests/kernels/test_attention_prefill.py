@@ -9,7 +9,8 @@ head), 1, 3 and 8 simdgroups per threadgroup. attention_prefill_mma (8x8 simdgro
 NaN-poisoned and the cache's spare rows hold NaN, so a key read past the causal limit is caught. The last test chains
 attention_prep with the attention kernels, as a layer runs them. The head-dim-64 instances (2 heads per threadgroup;
 the demo model's 4/2 heads and the gqa4 fixture's 8/2) run both kernels on first and continuing chunks, and the
-prep + prefill + decode chain.
+prep + prefill + decode chain. The *_unpacked_* instances (one head per threadgroup, the engine's fallback for head
+ratios the packing cannot split) run head ratios 3 and 1 at both head dims.
 """
 
 from __future__ import annotations
@@ -45,17 +46,32 @@ MMA_QUERIES = 8  # query tokens per attention_prefill_mma threadgroup (one 8-row
 HEADS_PER_GROUP_D64 = 2
 KERNELS_D64 = {"f32": "attention_prefill_f32_d64", "bf16": "attention_prefill_bf16_d64"}
 MMA_D64 = {"f32": "attention_prefill_mma_f32_d64", "bf16": "attention_prefill_mma_bf16_d64"}
+# One head per threadgroup, for head ratios the packing cannot split: {(mma, head dim, dtype): kernel}.
+UNPACKED = {
+    (False, 256, "f32"): "attention_prefill_unpacked_f32_d256",
+    (False, 256, "bf16"): "attention_prefill_unpacked_bf16_d256",
+    (True, 256, "f32"): "attention_prefill_mma_unpacked_f32_d256",
+    (True, 256, "bf16"): "attention_prefill_mma_unpacked_bf16_d256",
+    (False, 64, "f32"): "attention_prefill_unpacked_f32_d64",
+    (False, 64, "bf16"): "attention_prefill_unpacked_bf16_d64",
+    (True, 64, "f32"): "attention_prefill_mma_unpacked_f32_d64",
+    (True, 64, "bf16"): "attention_prefill_mma_unpacked_bf16_d64",
+}
 
 
 def run_prefill(kio, dtype: str, rng: np.random.Generator, heads: int, kv_heads: int, queries: int, offset: int,
-                simdgroups: int, mma: bool = False, head_dim: int = D):
+                simdgroups: int, mma: bool = False, head_dim: int = D, packed: bool = True):
     """Dispatch attention_prefill (or attention_prefill_mma, which takes one simdgroup per packed head and 8 queries
-    per threadgroup), the instance for `head_dim`, on fresh random inputs; return (out, expected) as float64."""
+    per threadgroup), the instance for `head_dim` (packed, or the *_unpacked_* one with one head per threadgroup), on
+    fresh random inputs; return (out, expected) as float64."""
     per_head_group = HEADS_PER_GROUP if head_dim == D else HEADS_PER_GROUP_D64
     if head_dim == D:
         kernel = (MMA if mma else KERNELS)[dtype]
     else:
         kernel = (MMA_D64 if mma else KERNELS_D64)[dtype]
+    if not packed:
+        per_head_group = 1
+        kernel = UNPACKED[(mma, head_dim, dtype)]
     keys = offset + queries
     capacity = keys + 4
     q = kio.to_device(rng.standard_normal((queries, heads, head_dim)) * 2.0, dtype)
@@ -159,6 +175,29 @@ def test_attention_prefill_mma_d64(dtype: str, heads: int, kv_heads: int, querie
     rng = np.random.default_rng(8000 + 1000 * queries + 10 * offset + heads + DTYPES.index(dtype))
     out, expected = run_prefill(kio, dtype, rng, heads, kv_heads, queries, offset, 0, mma=True, head_dim=64)
     assert_close(kio, out, expected, dtype, f"attention_prefill_mma d64 {dtype} T={queries} offset={offset}")
+
+
+UNPACKED_CASES = [
+    # (heads, kv_heads, queries, offset, simdgroups): head ratios 3 and 1, which no packed group of 2 or 4 splits
+    (6, 2, 9, 0, 4),  # ratio 3; a last query tile of one query
+    (6, 2, 5, 17, 3),  # ratio 3 continuing a cache
+    (3, 3, 12, 5, 8),  # ratio 1
+    (2, 2, 2, 0, 1),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,queries,offset,simdgroups", UNPACKED_CASES,
+                         ids=[f"h{c[0]}x{c[1]}-T{c[2]}-off{c[3]}-sg{c[4]}" for c in UNPACKED_CASES])
+@pytest.mark.parametrize("mma", [False, True], ids=["vector", "mma"])
+@pytest.mark.parametrize("head_dim", [64, D])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_attention_prefill_unpacked(dtype: str, head_dim: int, mma: bool, heads: int, kv_heads: int, queries: int,
+                                    offset: int, simdgroups: int, kio) -> None:
+    rng = np.random.default_rng(9000 + 1000 * queries + 10 * offset + heads + head_dim + mma)
+    out, expected = run_prefill(kio, dtype, rng, heads, kv_heads, queries, offset, simdgroups, mma=mma,
+                                head_dim=head_dim, packed=False)
+    what = f"{UNPACKED[(mma, head_dim, dtype)]} T={queries} offset={offset} h={heads}x{kv_heads}"
+    assert_close(kio, out, expected, dtype, what)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

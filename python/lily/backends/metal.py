@@ -8,6 +8,7 @@ checkpoint file are bound in place (each file is mapped once and wrapped whole a
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,22 @@ SWITCHES = ("concurrent", "fused_projections", "fusion", "split_kv", "gpu_token"
 # Sizes tests lower to reach rare paths quickly: the split-KV threshold (keys), the KV cache growth step (rows) and
 # the prefill chunk (rows).
 TEST_OPTIONS = ("split_kv_min_keys", "kv_block", "prefill_chunk")
+
+
+# What a build of lily._ext without a Metal runtime lacks (lily._ext.platform == "none": a Linux build without clang,
+# or not on x86-64; CMakeLists.txt).
+NO_METAL_RUNTIME = "built without the Metal test runtime (needs clang-19 on x86-64)"
+
+_log = logging.getLogger(__name__)
+
+
+def require_metal_runtime() -> None:
+    """Raise RuntimeError, before any work, when this build cannot run the ``metal`` backend."""
+    from lily import _ext
+
+    if _ext.platform == "none":
+        raise RuntimeError(f"backend='metal' is unavailable: lily was {NO_METAL_RUNTIME}; reinstall with "
+                           "CXX=clang++-19 pip install ., or use backend='reference'")
 
 
 def engine_config(args: ModelArgs) -> dict[str, Any]:
@@ -151,6 +168,7 @@ class MetalBackend:
     ) -> None:
         from lily import _ext
 
+        require_metal_runtime()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
         chosen = {**switches_from_env(os.environ), **dict(switches or {})}
@@ -166,6 +184,8 @@ class MetalBackend:
                                        metallib=kernel_metallib())
         except RuntimeError as exc:
             raise ValueError(f"{checkpoint.path}: {exc}") from None
+        for line in _ext.fast_paths_left_out(engine_config(self.args)):
+            _log.debug("%s: fast path left out: %s", checkpoint.path, line)
         self._files: dict[str, int] = {}
         for name in checkpoint.weights:
             self._bind(checkpoint, name)

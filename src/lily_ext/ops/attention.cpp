@@ -20,24 +20,31 @@ size_t packed_heads(size_t head_dim) {
 }  // namespace
 
 void check_attention_shapes(const ModelConfig& c) {
-  const size_t packed = packed_heads(c.head_dim);
-  if (packed == 0) {
+  if (packed_heads(c.head_dim) == 0) {
     throw mtl::Error("[engine] config field head_dim: the attention kernels are built for 256 and 64; got " +
                      std::to_string(c.head_dim));
   }
-  if (c.num_kv_heads == 0 || c.num_heads % (c.num_kv_heads * packed)) {
-    throw mtl::Error("[engine] config field num_attention_heads: must be a multiple of " + std::to_string(packed) +
-                     " x num_key_value_heads at head_dim " + std::to_string(c.head_dim) +
-                     " (GQA packing); got " + std::to_string(c.num_heads) + " heads, " +
-                     std::to_string(c.num_kv_heads) + " KV heads");
-  }
+}
+
+bool gqa_packing_fits(const ModelConfig& c) {
+  const size_t packed = packed_heads(c.head_dim);
+  return packed && c.num_kv_heads && (c.num_heads / c.num_kv_heads) % packed == 0;
+}
+
+std::vector<std::string> attention_fast_paths_left_out(const ModelConfig& c) {
+  // A head dim without kernels is refused by check_attention_shapes; `lily plan` counts it as unpacked.
+  const size_t packed = packed_heads(c.head_dim);
+  if (packed == 0 || gqa_packing_fits(c)) return {};
+  return {"GQA packing: the head ratio num_attention_heads / num_key_value_heads = " + std::to_string(c.num_heads) +
+          " / " + std::to_string(c.num_kv_heads) + " is not a multiple of " + std::to_string(packed) +
+          " (the query heads one threadgroup packs at head_dim " + std::to_string(c.head_dim) +
+          "); attention runs the *_unpacked_* kernels, one query head per threadgroup"};
 }
 
 size_t attention_heads_per_group(const ModelConfig& c, bool packing) {
-  if (!packing) return 1;
-  // `lily plan` may count a shape without kernels (check_attention_shapes refuses to run it): plan it as the model's.
-  const size_t packed = packed_heads(c.head_dim);
-  return packed ? packed : LILY_ATTN_HEADS_PER_GROUP;
+  // A head ratio the packed kernels cannot split falls back to one head per threadgroup, as packing off does.
+  if (!packing || !gqa_packing_fits(c)) return 1;
+  return packed_heads(c.head_dim);
 }
 
 AttentionArgs attention_args(const ModelConfig& c, const AttentionSpans& s, size_t queries, size_t keys) {
@@ -57,11 +64,12 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   const std::string dt = dtype_name(ctx.act), suffix = "_d" + std::to_string(D);
   std::vector<Span> reads = attention_prep(ctx, c, label, s, position, 1);
   AttentionArgs a = attention_args(c, s, 1, keys);
-  // GQA packing off (the ablation): the *_unpacked_* kernels, one query head per threadgroup.
+  // GQA packing off (the ablation) or a head ratio it cannot split: the *_unpacked_* kernels, one query head per
+  // threadgroup.
   const size_t heads_per_group = attention_heads_per_group(c, ctx.gqa_packing);
   const size_t packs = (c.num_heads + heads_per_group - 1) / heads_per_group;
   // Coalesced KV off (the ablation, packed kernels only): the *_plain_* kernels, the uncoalesced lane mapping.
-  const std::string variant = !ctx.gqa_packing ? "unpacked_" : ctx.coalesced_kv ? "" : "plain_";
+  const std::string variant = heads_per_group == 1 ? "unpacked_" : ctx.coalesced_kv ? "" : "plain_";
   if (!split) {
     add_node(ctx, "attention_decode_" + variant + dt + suffix, label,
              {arg_value(a), arg(s.q), arg(s.gate), arg(s.k_cache), arg(s.v_cache), arg(s.out)}, {packs, 1, 1},

@@ -14,15 +14,15 @@ void moe_router_logits(Context& ctx, const std::string& label, const Span& x, co
     qmatmul(ctx, label, x, w, y, rows, DType::F32);
     return;
   }
-  // bf16 in, f32 out: only the qmv "_of32" variants exist (no qmm writes f32 from bf16). qmv takes any number of
-  // rows (grid y); it re-reads the router per row, from cache: it is E x H at 8 bits (0.5 MB at full size).
-  if (w.bits != 8) throw mtl::Error("[engine] " + label + ": bfloat16 mode needs 8-bit router weights (as MLX stores them)");
+  // bf16 in, f32 out: only the qmv "_of32" variants exist (no qmm writes f32 from bf16), for 8-bit routers (as MLX
+  // stores them) and 4-bit ones. qmv takes any number of rows (grid y); it re-reads the router per row, from cache:
+  // it is E x H at 8 bits (0.5 MB at full size).
   QMatmulArgs a{};
   a.in_features = static_cast<u32>(w.cols);
   a.out_features = static_cast<u32>(w.rows);
   a.num_rows = static_cast<u32>(rows);
-  std::string name = std::string("qmv_q8_g64_") + dtype_name(ctx.act) + (w.scale_dtype == DType::F32 ? "_sf32" : "") +
-                     "_of32";
+  std::string name = "qmv_q" + std::to_string(w.bits) + "_g64_" + dtype_name(ctx.act) +
+                     (w.scale_dtype == DType::F32 ? "_sf32" : "") + "_of32";
   add_node(ctx, name, label, {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(y)},
            {(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup, rows, 1},
            {tuning::kQmvThreads, 1, 1}, {x, w.data, w.scales, w.biases}, {y});

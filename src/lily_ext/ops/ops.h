@@ -62,6 +62,8 @@ void qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const W
                   const WeightRef& w, const Span& y, float eps, DType dtype);
 void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, const WeightRef& w,
                       const Span& residual_out);
+// Whether matrices can share one segmented GEMV: same bits, input features and scale dtype, none stacked.
+bool quantized_alike(const std::vector<const WeightRef*>& parts);
 // qmatmul.cpp, decode (one row): y = [W_0; W_1; ...] · x' over up to 4 matrices sharing x, each read from its own
 // bytes (qmv_seg / qmv_norm_seg: no concatenated copy); x' = rms_norm(x) ⊙ norm_weight when norm_weight is given.
 void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, const WeightRef* norm_weight,
@@ -93,10 +95,14 @@ struct AttentionSpans {
 };
 void attention_decode(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
                       size_t position, bool split);
-// Throws Error naming the config field when no attention kernel is instantiated for its head dim and GQA group.
+// Throws Error naming the config field when no attention kernel is instantiated for its head dim.
 void check_attention_shapes(const ModelConfig& config);
-// Query heads one attention threadgroup packs (the kernels' G) at the config's head dim; 1 when `packing` is off.
-// Does not check the shape (`lily plan` counts any consistent config; check_attention_shapes guards running).
+// Whether the head ratio splits into the groups the packed attention kernels take at the config's head dim.
+bool gqa_packing_fits(const ModelConfig& config);
+// One line per attention fast path the config cannot take (empty when it takes them all), for `lily plan`.
+std::vector<std::string> attention_fast_paths_left_out(const ModelConfig& config);
+// Query heads one attention threadgroup packs (the kernels' G) at the config's head dim; 1 when `packing` is off
+// or the head ratio does not split into groups of G (the general *_unpacked_* kernels).
 size_t attention_heads_per_group(const ModelConfig& config, bool packing);
 // attention_prep.cpp: the attention_prep_* node for `tokens` new tokens at `position` (decode: 1; prefill: T);
 // returns the spans the attention kernels then read: q, gate and the K/V cache prefix of every KV head.

@@ -78,6 +78,16 @@ void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, con
            qmv_groups(w), {tuning::kQmvThreads, 1, 1}, {x, w.data, w.scales, w.biases, residual_out}, {residual_out});
 }
 
+bool quantized_alike(const std::vector<const WeightRef*>& parts) {
+  for (const WeightRef* w : parts) {
+    if (w->bits != parts[0]->bits || w->cols != parts[0]->cols || w->scale_dtype != parts[0]->scale_dtype ||
+        w->experts) {
+      return false;
+    }
+  }
+  return true;
+}
+
 void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, const WeightRef* norm_weight,
                       const std::vector<const WeightRef*>& parts, const std::vector<std::string>& part_names,
                       const Span& y, float eps, DType dtype) {
@@ -100,7 +110,7 @@ void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, con
     const WeightRef& w = *parts[s < parts.size() ? s : 0];
     if (s < parts.size()) {
       // One kernel instance reads every segment: they must be quantized alike.
-      if (w.bits != first.bits || w.cols != first.cols || w.scale_dtype != first.scale_dtype || w.experts) {
+      if (!quantized_alike({&first, &w})) {
         throw std::logic_error("[graph] " + part_names[s] + " cannot share a GEMV with " + part_names[0] +
                                ": the matrices must be quantized alike (bits, input features, scale dtype)");
       }

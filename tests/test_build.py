@@ -1,0 +1,96 @@
+"""Building Lily with any C++17 compiler (CMakeLists.txt): the compiler the user chose is the one CMake uses, and a
+machine without clang builds, installs and generates text, with `backend="metal"` saying what the build lacks.
+
+The full build (one, into a temporary directory, reusing ccache when present) takes minutes on a small machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_RUNTIME_LINE = "built without the Metal test runtime (needs clang-19 on x86-64"
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the Linux build (a Mac always builds with Metal)")
+
+
+def configure(tmp_path: Path, cxx: str) -> str:
+    """CMake's configure step of the project with CXX=`cxx`; its output."""
+    import nanobind
+
+    env = {**os.environ, "CXX": cxx}
+    proc = subprocess.run(
+        ["cmake", "-S", str(ROOT), "-B", str(tmp_path / "build"), "-G", "Ninja",
+         f"-DPython_EXECUTABLE={sys.executable}", f"-Dnanobind_DIR={nanobind.cmake_dir()}"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("cxx,compiler_id,runtime", [("g++", "GNU", False), ("clang++-19", "Clang", True)])
+def test_the_compiler_the_user_chose_is_used(tmp_path, cxx, compiler_id, runtime):
+    if shutil.which(cxx) is None:
+        pytest.fail(f"{cxx} is not installed (scripts/test.sh installs clang-19; g++ comes with the OS)")
+    out = configure(tmp_path, cxx)
+    assert f"The CXX compiler identification is {compiler_id} " in out, out
+    # One line says the Metal test runtime is left out, and only where it is.
+    assert out.count(NO_RUNTIME_LINE) == (0 if runtime else 1), out
+
+
+def path_without_clang(bin_dir: Path) -> str:
+    """A PATH of one directory linking every program on PATH except clang's."""
+    bin_dir.mkdir()
+    for directory in os.environ["PATH"].split(os.pathsep):
+        if not os.path.isdir(directory):
+            continue
+        for entry in os.scandir(directory):
+            target = bin_dir / entry.name
+            if "clang" in entry.name or target.exists() or not os.access(entry.path, os.X_OK) or entry.is_dir():
+                continue
+            target.symlink_to(entry.path)
+    return str(bin_dir)
+
+
+def test_a_machine_without_clang_builds_installs_and_generates(tmp_path):
+    env = {key: value for key, value in os.environ.items() if key not in ("CXX", "CC", "CMAKE_ARGS")}
+    env["PATH"] = path_without_clang(tmp_path / "bin")
+    if shutil.which("ccache", path=env["PATH"]):
+        env["CMAKE_CXX_COMPILER_LAUNCHER"] = "ccache"
+    assert shutil.which("g++", path=env["PATH"]) and not shutil.which("clang++-19", path=env["PATH"])
+    # `pip install .` as the README says, with no compiler chosen (scikit-build-core falls back to Python's, g++).
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-build-isolation", "--no-deps", "-v",
+         "-w", str(tmp_path / "wheel"), f"-Cbuild-dir={tmp_path / 'build'}"],
+        env=env, capture_output=True, text=True, timeout=1800,
+    )
+    assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
+    log = build.stdout + build.stderr
+    assert "The CXX compiler identification is GNU" in log, log[-4000:]
+    assert log.count(NO_RUNTIME_LINE) == 1, log[-4000:]
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    wheel = next((tmp_path / "wheel").glob("lily-*.whl"))
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
+                   env=env, check=True, timeout=600)
+    run_env = {**env, "HF_HUB_OFFLINE": "1"}
+    generate = subprocess.run([str(venv / "bin" / "lily"), "generate", "ROMEO:", "--max-tokens", "12"],
+                              cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=600)
+    assert generate.returncode == 0, generate.stderr[-3000:]
+    assert len(generate.stdout.strip()) > 0, generate.stderr[-3000:]
+    assert "Generation: 12 tokens" in generate.stderr
+    # The metal backend says what the build lacks, in one line, before loading anything.
+    metal = subprocess.run([str(venv / "bin" / "lily"), "generate", "ROMEO:", "--backend", "metal"],
+                           cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=600)
+    assert metal.returncode != 0
+    assert metal.stderr.strip().splitlines()[-1] == (
+        "lily: error: backend='metal' is unavailable: lily was built without the Metal test runtime (needs clang-19 "
+        "on x86-64); reinstall with CXX=clang++-19 pip install ., or use backend='reference'"
+    ), metal.stderr
+    assert "Traceback" not in metal.stderr
