@@ -84,6 +84,7 @@ class CpuBackend:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be a positive integer; got {threads!r}")
         self.args: ModelArgs = checkpoint.args
+        self.weights = checkpoint.weights  # shapes and names for `lily bench`; the engine reads the files
         try:
             self._model = _ext.cpu.CpuModel(cpu_config(self.args), threads)
             self._files: dict[str, int] = {}

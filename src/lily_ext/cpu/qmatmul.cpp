@@ -123,32 +123,74 @@ __attribute__((target("avx2,fma"))) void axpy_avx2(float alpha, const float* x, 
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
-// Rows [r0, r1) of a chunked weight times one token: xc in chunk order, xsum the per-group sums of x.
+template <DType D>
+inline float scale_at(const uint8_t* values, size_t index) {
+  if (D == DType::F32) {
+    float f;
+    std::memcpy(&f, values + 4 * index, 4);
+    return f;
+  }
+  uint16_t v;
+  std::memcpy(&v, values + 2 * index, 2);
+  return D == DType::BF16 ? bits_to_float(uint32_t(v) << 16) : half_to_float(v);
+}
+
+// Rows [r0, r1) of a chunked weight times one token: xc in chunk order, xsum the per-group sums of x. Four rows at
+// a time, so four independent FMA chains hide the FMA latency and share each load of x.
+template <DType D>
 __attribute__((target("avx2,fma"))) void gemv_chunked_avx2(const float* xc, const float* xsum, const Matrix& w,
                                                            size_t r0, size_t r1, float* out) {
+  constexpr size_t R = 4;
   const size_t per_word = 32 / w.bits, chunk = 8 * per_word, groups = w.cols / w.group;
-  const size_t chunks_per_group = w.group / chunk;
+  const size_t chunks_per_group = w.group / chunk, row_bytes = w.row_bytes();
   const __m256i mask = _mm256_set1_epi32((1 << w.bits) - 1);
   __m256i shifts[16];
   for (size_t s = 0; s < per_word; ++s) shifts[s] = _mm256_set1_epi32(int(s * w.bits));
-  for (size_t row = r0; row < r1; ++row) {
-    const uint8_t* data = w.data + row * w.row_bytes();
-    __m256 acc = _mm256_setzero_ps();
-    float bias_sum = 0;
+  size_t row = r0;
+  for (; row < r1; row += R) {
+    const size_t n = std::min(R, r1 - row);  // rows past the end repeat the last row and are not stored
+    const uint8_t* data[R];
+    for (size_t r = 0; r < R; ++r) data[r] = w.data + (row + std::min(r, n - 1)) * row_bytes;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    float bias_sum[R] = {0, 0, 0, 0};
     for (size_t g = 0; g < groups; ++g) {
-      __m256 group_acc = _mm256_setzero_ps();
+      // Written out for four rows: arrays indexed in a loop stay on the stack at -O2.
+      __m256 g0 = _mm256_setzero_ps(), g1 = g0, g2 = g0, g3 = g0;
       for (size_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + c * 32));
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data[0] + c * 32));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data[1] + c * 32));
+        const __m256i w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data[2] + c * 32));
+        const __m256i w3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data[3] + c * 32));
         const float* xp = xc + c * chunk;
         for (size_t s = 0; s < per_word; ++s) {
-          const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(words, shifts[s]), mask));
-          group_acc = _mm256_fmadd_ps(q, _mm256_loadu_ps(xp + 8 * s), group_acc);
+          const __m256 xv = _mm256_loadu_ps(xp + 8 * s);
+          const __m256i shift = shifts[s];
+          g0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w0, shift), mask)), xv, g0);
+          g1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w1, shift), mask)), xv, g1);
+          g2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w2, shift), mask)), xv, g2);
+          g3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w3, shift), mask)), xv, g3);
         }
       }
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(to_float(w.scales, w.dtype, row * groups + g)), group_acc, acc);
-      bias_sum += to_float(w.biases, w.dtype, row * groups + g) * xsum[g];
+      size_t index[R];
+      for (size_t r = 0; r < R; ++r) {
+        index[r] = (row + std::min(r, n - 1)) * groups + g;
+        bias_sum[r] += scale_at<D>(w.biases, index[r]) * xsum[g];
+      }
+      a0 = _mm256_fmadd_ps(_mm256_set1_ps(scale_at<D>(w.scales, index[0])), g0, a0);
+      a1 = _mm256_fmadd_ps(_mm256_set1_ps(scale_at<D>(w.scales, index[1])), g1, a1);
+      a2 = _mm256_fmadd_ps(_mm256_set1_ps(scale_at<D>(w.scales, index[2])), g2, a2);
+      a3 = _mm256_fmadd_ps(_mm256_set1_ps(scale_at<D>(w.scales, index[3])), g3, a3);
     }
-    out[row] = hsum(acc) + bias_sum;
+    const __m256 acc[R] = {a0, a1, a2, a3};
+    for (size_t r = 0; r < n; ++r) out[row + r] = hsum(acc[r]) + bias_sum[r];
+  }
+}
+
+void gemv_chunked(const float* xc, const float* xsum, const Matrix& w, size_t r0, size_t r1, float* out) {
+  switch (w.dtype) {
+    case DType::F32: return gemv_chunked_avx2<DType::F32>(xc, xsum, w, r0, r1, out);
+    case DType::BF16: return gemv_chunked_avx2<DType::BF16>(xc, xsum, w, r0, r1, out);
+    case DType::F16: return gemv_chunked_avx2<DType::F16>(xc, xsum, w, r0, r1, out);
   }
 }
 
@@ -351,7 +393,7 @@ void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPo
           xsum[g] = s;
         }
         const float* xt = xc.data() + t * cols;
-        run(pool, rows, min_rows(w), [&](size_t r0, size_t r1) { gemv_chunked_avx2(xt, xsum.data(), w, r0, r1, o); });
+        run(pool, rows, min_rows(w), [&](size_t r0, size_t r1) { gemv_chunked(xt, xsum.data(), w, r0, r1, o); });
         continue;
       }
 #endif
