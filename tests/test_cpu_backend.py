@@ -198,6 +198,21 @@ def test_auto_picks_the_cpu_backend_off_a_mac():
     assert lily.Model.load("lily:demo", backend="reference").backend_name == "reference"
 
 
+def test_cli_generate_and_bench_run_on_the_cpu_backend_by_default(capsys):
+    """The user path: `lily generate` and `lily bench` with no --backend go through auto -> cpu off a Mac."""
+    from test_cli import run_cli
+
+    if sys.platform == "darwin":
+        pytest.skip("a Mac runs the Metal engine (tests/engine)")
+    argv = ["generate", "ROMEO:", "--max-tokens", "8", "--temp", "0"]
+    code, default_out, _ = run_cli(argv, capsys)
+    assert code == 0 and default_out.strip()
+    code, reference_out, _ = run_cli(argv + ["--backend", "reference"], capsys)
+    assert code == 0 and default_out == reference_out
+    code, out, _ = run_cli(["bench", "-p", "8", "-n", "4", "-r", "1"], capsys)
+    assert code == 0 and "| cpu |" in out
+
+
 def test_demo_greedy_text_matches_the_reference():
     cpu = lily.Model.load("lily:demo", backend="cpu")
     ref = lily.Model.load("lily:demo", backend="reference")
