@@ -471,9 +471,11 @@ def _choose_backend(name: str) -> str:
             from lily import _ext
         except ImportError:
             return "reference"
-        return "metal" if getattr(_ext, "platform", "") == "metal" and hasattr(_ext, "Engine") else "reference"
-    if name not in ("reference", "metal"):
-        raise ValueError(f"backend must be 'auto', 'reference' or 'metal'; got {name!r}")
+        if getattr(_ext, "platform", "") == "metal" and hasattr(_ext, "Engine"):
+            return "metal"
+        return "cpu" if hasattr(_ext, "cpu") else "reference"
+    if name not in ("reference", "metal", "cpu"):
+        raise ValueError(f"backend must be 'auto', 'reference', 'metal' or 'cpu'; got {name!r}")
     if name == "metal":
         from lily.backends.metal import require_metal_runtime
 
@@ -488,9 +490,9 @@ def _check_precision(requested: str, backend: str, precision: str | None) -> Non
         return
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
-    if backend == "reference" and precision != "float32":
-        raise ValueError(f"the reference backend computes in float32 only; got precision={precision!r}"
-                         + (" (backend='auto' chose reference: no Metal device here)" if requested == "auto" else ""))
+    if backend in ("reference", "cpu") and precision != "float32":
+        raise ValueError(f"the {backend} backend computes in float32 only; got precision={precision!r}"
+                         + (f" (backend='auto' chose {backend}: no Metal device here)" if requested == "auto" else ""))
 
 
 def _fingerprint(checkpoint: Any, quantize: int | None) -> str:
@@ -543,11 +545,12 @@ class Model:
              progress: bool = True) -> Model:
         """Load a checkpoint from a directory, a Hugging Face repo id or ``"lily:demo"``.
 
-        ``backend``: "reference" (numpy), "metal" (the compiled engine) or "auto" (metal on a Mac
-        when the extension drives real Metal, else reference). On Linux "metal" selects the
-        engine's test runtime (the kernels run on the CPU harness: correct, and slow).
+        ``backend``: "reference" (numpy, the specification), "metal" (the compiled engine), "cpu"
+        (the compiled CPU engine) or "auto" (metal on a Mac when the extension drives real Metal,
+        else cpu). On Linux "metal" selects the engine's test runtime (the kernels run on the CPU
+        harness: correct, and slow).
         ``precision``: the metal backend's activations, "bfloat16" or "float32" (None: the
-        backend's default); the reference backend computes in float32 only. ``quantize=4``
+        backend's default); the reference and cpu backends compute in float32 only. ``quantize=4``
         quantizes an HF bf16/fp32 checkpoint on load. The prompt cache keeps at most
         ``prompt_cache_entries`` snapshots and ``prompt_cache_bytes`` bytes. ``progress`` shows
         download progress bars (on stderr).
@@ -566,6 +569,10 @@ class Model:
             from lily.backends.metal import MetalBackend
 
             engine = MetalBackend(checkpoint, **({} if precision is None else {"precision": precision}))
+        elif chosen == "cpu":
+            from lily.backends.cpu import CpuBackend
+
+            engine = CpuBackend(checkpoint)
         else:
             from lily.reference import ReferenceModel
 

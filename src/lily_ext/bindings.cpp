@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 
 #include "engine_test_bindings.h"
+#include "cpu/cpu_bindings.h"
 
 // ---- model graph and plan: includes ----
 #include <nanobind/ndarray.h>
@@ -291,6 +292,9 @@ NB_MODULE(_ext, m) {
   lily::bind_test_engine(m.def_submodule("_test_engine"));
   // Kernel runner: one kernel at a time through the Metal API (lily.selftest --device metal-api).
   bind_kernel_runner(m.def_submodule("kernels"));
+  // The CPU backend (backend="cpu").
+  nb::module_ cpu = m.def_submodule("cpu");
+  lily::cpu::bind(cpu);
   // Model graph and plan.
   m.def("plan_decode", &plan_decode, nb::arg("config"), nb::arg("context"), nb::arg("precision") = "bfloat16",
         nb::arg("switches") = nb::dict(), nb::arg("with_graph") = false,

@@ -1,0 +1,96 @@
+// nanobind bindings of the CPU backend (lily._ext.cpu): conversion only; python/lily/cpu.py is the caller.
+#include "cpu_bindings.h"
+
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "cpu_model.h"
+
+namespace nb = nanobind;
+
+namespace lily::cpu {
+
+namespace {
+
+template <typename T>
+T field(const nb::dict& d, const char* key) {
+  if (!d.contains(key)) throw nb::key_error((std::string("cpu config is missing '") + key + "'").c_str());
+  return nb::cast<T>(d[key]);
+}
+
+CpuConfig config_from_dict(const nb::dict& d) {
+  CpuConfig c;
+  c.vocab_size = field<size_t>(d, "vocab_size");
+  c.hidden_size = field<size_t>(d, "hidden_size");
+  for (nb::handle kind : nb::iter(d["layer_types"])) c.attention_layers.push_back(nb::cast<std::string>(kind) == "full_attention");
+  c.attention = {field<size_t>(d, "num_attention_heads"), field<size_t>(d, "num_key_value_heads"),
+                 field<size_t>(d, "head_dim"), field<size_t>(d, "rotary_dim")};
+  c.delta_net = {field<size_t>(d, "linear_num_key_heads"), field<size_t>(d, "linear_num_value_heads"),
+                 field<size_t>(d, "linear_key_head_dim"), field<size_t>(d, "linear_value_head_dim"),
+                 field<size_t>(d, "linear_conv_kernel_dim")};
+  c.num_experts = field<size_t>(d, "num_experts");
+  c.top_k = field<size_t>(d, "num_experts_per_tok");
+  c.expert_size = field<size_t>(d, "moe_intermediate_size");
+  c.shared_expert_size = field<size_t>(d, "shared_expert_intermediate_size");
+  c.eps = field<float>(d, "rms_norm_eps");
+  c.inv_freq = field<std::vector<float>>(d, "inv_freq");
+  return c;
+}
+
+using Floats = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
+
+Span span(const std::tuple<size_t, size_t, size_t>& t) { return {std::get<0>(t), std::get<1>(t), std::get<2>(t)}; }
+
+}  // namespace
+
+void bind(nb::module_& m) {
+  m.def("set_isa", &set_isa, nb::arg("name"),
+        "Instruction set of the hot loops: 'avx2' (AVX2 + FMA; ValueError where the CPU lacks them) or 'portable'.");
+  m.def("isa", &isa, "The instruction set in use: 'avx2' or 'portable'.");
+  nb::class_<CpuModel>(m, "CpuModel")
+      .def("__init__", [](CpuModel* model, const nb::dict& config, size_t threads) {
+             new (model) CpuModel(config_from_dict(config), threads);
+           }, nb::arg("config"), nb::arg("threads"))
+      .def("add_file", &CpuModel::add_file, nb::arg("path"))
+      .def("add_owned",
+           [](CpuModel& model, nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> bytes) {
+             return model.add_owned(bytes.data(), bytes.shape(0));
+           }, nb::arg("bytes"))
+      .def_prop_ro("owned_bytes", &CpuModel::owned_bytes)
+      .def_prop_ro("threads", &CpuModel::threads)
+      .def("bind_matrix",
+           [](CpuModel& model, const std::string& name, int bits, int group, const std::string& dtype, size_t experts,
+              size_t rows, size_t cols, const std::tuple<size_t, size_t, size_t>& data,
+              const std::tuple<size_t, size_t, size_t>& scales, const std::tuple<size_t, size_t, size_t>& biases) {
+             model.bind_matrix(name, bits, group, dtype_from_name(dtype), experts, rows, cols, span(data), span(scales),
+                               span(biases));
+           },
+           nb::arg("name"), nb::arg("bits"), nb::arg("group"), nb::arg("dtype"), nb::arg("experts"), nb::arg("rows"),
+           nb::arg("cols"), nb::arg("data"), nb::arg("scales"), nb::arg("biases"))
+      .def("bind_vector",
+           [](CpuModel& model, const std::string& name, nb::ndarray<const float, nb::c_contig, nb::device::cpu> values) {
+             model.bind_vector(name, std::vector<float>(values.data(), values.data() + values.size()));
+           }, nb::arg("name"), nb::arg("values"))
+      .def("finish_loading", &CpuModel::finish_loading)
+      .def("forward",
+           [](CpuModel& model, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> ids,
+              size_t position, const std::vector<std::tuple<Floats, Floats>>& states,
+              nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> logits, bool last_only) {
+             const size_t tokens = ids.shape(0);
+             if (tokens == 0) throw nb::value_error("forward needs at least one token");
+             if (logits.shape(0) != (last_only ? 1 : tokens) || logits.shape(1) != model.config().vocab_size)
+               throw nb::value_error("logits must be float32 [tokens (1 if last_only), vocab_size]");
+             std::vector<LayerState> layers;
+             for (const auto& [first, second] : states)
+               layers.push_back({first.data(), second.data(), first.size(), second.size()});
+             nb::gil_scoped_release release;
+             model.forward(ids.data(), tokens, position, layers, logits.data(), last_only);
+           },
+           nb::arg("ids"), nb::arg("position"), nb::arg("states"), nb::arg("logits"), nb::arg("last_only"),
+           "Run ids after `position` tokens; states[i] is layer i's (keys, values) or (conv, recurrent) float32\n"
+           "arrays, updated in place (keys/values need position + len(ids) rows).");
+}
+
+}  // namespace lily::cpu

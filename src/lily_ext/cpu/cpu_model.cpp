@@ -1,0 +1,301 @@
+// CpuModel: binding checks, then reference.forward op by op on the CPU ops (cpu_ops.h).
+#include "cpu_model.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+namespace lily::cpu {
+
+struct CpuModel::Buffer {
+  const uint8_t* data = nullptr;
+  size_t size = 0;
+  void* mapping = nullptr;  // munmap'd on destruction when set
+  std::vector<uint8_t> owned;
+  ~Buffer() {
+    if (mapping) munmap(mapping, size);
+  }
+};
+
+struct CpuModel::AttentionWeights {
+  const Matrix *q_proj, *k_proj, *v_proj, *o_proj;
+  const std::vector<float>*q_norm, *k_norm;
+};
+
+struct CpuModel::DeltaNetWeights {
+  const Matrix *in_proj_qkv, *in_proj_z, *in_proj_b, *in_proj_a, *out_proj;
+  const std::vector<float>*conv, *dt_bias, *a_log, *norm;
+};
+
+struct CpuModel::MoeWeights {
+  const Matrix *router, *gate_proj, *up_proj, *down_proj;
+  const Matrix *shared_gate_proj, *shared_up_proj, *shared_down_proj, *shared_expert_gate;
+};
+
+struct CpuModel::Layer {
+  bool attention = false;
+  const std::vector<float>*input_norm = nullptr, *post_norm = nullptr;
+  AttentionWeights attn{};
+  DeltaNetWeights gdn{};
+  MoeWeights moe{};
+};
+
+DType dtype_from_name(const std::string& name) {
+  if (name == "float32") return DType::F32;
+  if (name == "bfloat16") return DType::BF16;
+  if (name == "float16") return DType::F16;
+  throw std::invalid_argument("unsupported dtype '" + name + "': expected float32, bfloat16 or float16");
+}
+
+CpuModel::CpuModel(CpuConfig config, size_t threads) : config_(std::move(config)), pool_(std::max<size_t>(threads, 1)) {
+  const AttentionShape& a = config_.attention;
+  const DeltaNetShape& d = config_.delta_net;
+  if (a.kv_heads == 0 || a.heads % a.kv_heads) throw std::invalid_argument("num_attention_heads must be a multiple of num_key_value_heads");
+  if (d.k_heads == 0 || d.v_heads % d.k_heads) throw std::invalid_argument("linear_num_value_heads must be a multiple of linear_num_key_heads");
+  if (config_.inv_freq.size() != a.rotary_dim / 2) throw std::invalid_argument("inv_freq must hold rotary_dim / 2 values");
+  if (config_.top_k == 0 || config_.top_k > config_.num_experts) throw std::invalid_argument("num_experts_per_tok must be in [1, num_experts]");
+}
+
+CpuModel::~CpuModel() = default;
+
+size_t CpuModel::add_file(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY);
+  if (fd < 0) throw std::invalid_argument(path + ": cannot open (" + std::strerror(errno) + ")");
+  struct stat st {};
+  fstat(fd, &st);
+  auto buffer = std::make_unique<Buffer>();
+  buffer->size = size_t(st.st_size);
+  if (buffer->size) {
+    void* mapping = mmap(nullptr, buffer->size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (mapping == MAP_FAILED) {
+      close(fd);
+      throw std::invalid_argument(path + ": cannot map (" + std::strerror(errno) + ")");
+    }
+    buffer->mapping = mapping;
+    buffer->data = static_cast<const uint8_t*>(mapping);
+  }
+  close(fd);
+  buffers_.push_back(std::move(buffer));
+  return buffers_.size() - 1;
+}
+
+size_t CpuModel::add_owned(const uint8_t* data, size_t bytes) {
+  auto buffer = std::make_unique<Buffer>();
+  buffer->owned.assign(data, data + bytes);
+  buffer->data = buffer->owned.data();
+  buffer->size = bytes;
+  owned_bytes_ += bytes;
+  buffers_.push_back(std::move(buffer));
+  return buffers_.size() - 1;
+}
+
+const uint8_t* CpuModel::bytes(const std::string& name, const char* part, Span span, size_t expected) const {
+  if (span.buffer >= buffers_.size()) throw std::invalid_argument(name + ": " + part + " names no bound buffer");
+  const Buffer& b = *buffers_[span.buffer];
+  if (span.bytes != expected)
+    throw std::invalid_argument(name + ": " + part + " holds " + std::to_string(span.bytes) + " bytes; its shape needs " +
+                                std::to_string(expected));
+  if (span.offset > b.size || b.size - span.offset < span.bytes)
+    throw std::invalid_argument(name + ": " + part + " runs past the end of its file");
+  return b.data + span.offset;
+}
+
+void CpuModel::bind_matrix(const std::string& name, int bits, int group, DType dtype, size_t experts, size_t rows,
+                           size_t cols, Span data, Span scales, Span biases) {
+  Matrix m;
+  m.bits = bits;
+  m.group = group;
+  m.dtype = dtype;
+  m.experts = experts;
+  m.rows = rows;
+  m.cols = cols;
+  const size_t stack = std::max<size_t>(experts, 1);
+  if (bits) {
+    if (bits != 2 && bits != 4 && bits != 8) throw std::invalid_argument(name + ": " + std::to_string(bits) + "-bit weights are not supported (2, 4 or 8)");
+    if (group != 32 && group != 64 && group != 128) throw std::invalid_argument(name + ": group size " + std::to_string(group) + " is not supported (32, 64 or 128)");
+    if (cols % group) throw std::invalid_argument(name + ": " + std::to_string(cols) + " columns are not a multiple of the group size");
+    const size_t scale_bytes = stack * rows * (cols / group) * m.scale_bytes();
+    m.scales = bytes(name, "scales", scales, scale_bytes);
+    m.biases = bytes(name, "biases", biases, scale_bytes);
+  }
+  m.data = bytes(name, "weight", data, stack * rows * m.row_bytes());
+  matrices_[name] = m;
+}
+
+void CpuModel::bind_vector(const std::string& name, std::vector<float> values) { vectors_[name] = std::move(values); }
+
+const Matrix& CpuModel::matrix(const std::string& name, size_t rows, size_t cols, size_t experts) const {
+  auto it = matrices_.find(name);
+  if (it == matrices_.end()) throw std::invalid_argument("checkpoint has no tensor " + name);
+  const Matrix& m = it->second;
+  if (m.rows != rows || m.cols != cols || m.experts != experts)
+    throw std::invalid_argument(name + ": shape [" + (m.experts ? std::to_string(m.experts) + ", " : "") +
+                                std::to_string(m.rows) + ", " + std::to_string(m.cols) + "] where the config needs [" +
+                                (experts ? std::to_string(experts) + ", " : "") + std::to_string(rows) + ", " +
+                                std::to_string(cols) + "]");
+  return m;
+}
+
+const std::vector<float>& CpuModel::vector(const std::string& name, size_t size) const {
+  auto it = vectors_.find(name);
+  if (it == vectors_.end()) throw std::invalid_argument("checkpoint has no tensor " + name);
+  if (it->second.size() != size)
+    throw std::invalid_argument(name + ": " + std::to_string(it->second.size()) + " values where the config needs " +
+                                std::to_string(size));
+  return it->second;
+}
+
+void CpuModel::finish_loading() {
+  const CpuConfig& c = config_;
+  const AttentionShape& a = c.attention;
+  const DeltaNetShape& d = c.delta_net;
+  const size_t H = c.hidden_size;
+  embed_tokens_ = &matrix("embed_tokens.weight", c.vocab_size, H);
+  lm_head_ = &matrix("lm_head.weight", c.vocab_size, H);
+  final_norm_ = &vector("norm.weight", H);
+  layers_.clear();
+  for (size_t i = 0; i < c.attention_layers.size(); ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    Layer l;
+    l.attention = c.attention_layers[i];
+    l.input_norm = &vector(p + "input_layernorm.weight", H);
+    l.post_norm = &vector(p + "post_attention_layernorm.weight", H);
+    if (l.attention) {
+      const std::string s = p + "self_attn.";
+      l.attn = {&matrix(s + "q_proj.weight", 2 * a.heads * a.head_dim, H),
+                &matrix(s + "k_proj.weight", a.kv_heads * a.head_dim, H),
+                &matrix(s + "v_proj.weight", a.kv_heads * a.head_dim, H),
+                &matrix(s + "o_proj.weight", H, a.heads * a.head_dim),
+                &vector(s + "q_norm.weight", a.head_dim),
+                &vector(s + "k_norm.weight", a.head_dim)};
+    } else {
+      const std::string s = p + "linear_attn.";
+      l.gdn = {&matrix(s + "in_proj_qkv.weight", d.conv_dim(), H),
+               &matrix(s + "in_proj_z.weight", d.value_dim(), H),
+               &matrix(s + "in_proj_b.weight", d.v_heads, H),
+               &matrix(s + "in_proj_a.weight", d.v_heads, H),
+               &matrix(s + "out_proj.weight", H, d.value_dim()),
+               &vector(s + "conv1d.weight", d.conv_dim() * d.conv_kernel),
+               &vector(s + "dt_bias", d.v_heads),
+               &vector(s + "A_log", d.v_heads),
+               &vector(s + "norm.weight", d.v_dim)};
+    }
+    const std::string m = p + "mlp.";
+    l.moe = {&matrix(m + "gate.weight", c.num_experts, H),
+             &matrix(m + "switch_mlp.gate_proj.weight", c.expert_size, H, c.num_experts),
+             &matrix(m + "switch_mlp.up_proj.weight", c.expert_size, H, c.num_experts),
+             &matrix(m + "switch_mlp.down_proj.weight", H, c.expert_size, c.num_experts),
+             &matrix(m + "shared_expert.gate_proj.weight", c.shared_expert_size, H),
+             &matrix(m + "shared_expert.up_proj.weight", c.shared_expert_size, H),
+             &matrix(m + "shared_expert.down_proj.weight", H, c.shared_expert_size),
+             &matrix(m + "shared_expert_gate.weight", 1, H)};
+    layers_.push_back(l);
+  }
+}
+
+void CpuModel::attention_layer(const Layer& layer, const float* x, size_t tokens, size_t position,
+                               const LayerState& state, float* out) {
+  const AttentionShape& s = config_.attention;
+  const AttentionWeights& w = layer.attn;
+  const size_t d = s.head_dim, kv_row = s.kv_heads * d;
+  if (state.first_size < (position + tokens) * kv_row || state.second_size != state.first_size)
+    throw std::invalid_argument("KV cache is smaller than position + tokens rows");
+  std::vector<float> q_and_gate(tokens * 2 * s.heads * d), q(tokens * s.heads * d), gate(q.size()), att(q.size());
+  float* keys = state.first;
+  float* values = state.second;
+  linear(x, tokens, *w.q_proj, q_and_gate.data(), &pool_);
+  linear(x, tokens, *w.k_proj, keys + position * kv_row, &pool_);
+  linear(x, tokens, *w.v_proj, values + position * kv_row, &pool_);
+  attention_prep(q_and_gate.data(), keys + position * kv_row, s, tokens, w.q_norm->data(), w.k_norm->data(),
+                 config_.inv_freq.data(), position, config_.eps, q.data(), gate.data());
+  attention(q.data(), keys, values, gate.data(), s, tokens, position, att.data(), &pool_);
+  linear(att.data(), tokens, *w.o_proj, out, &pool_);
+}
+
+void CpuModel::delta_net_layer(const Layer& layer, const float* x, size_t tokens, const LayerState& state, float* out) {
+  const DeltaNetShape& s = config_.delta_net;
+  const DeltaNetWeights& w = layer.gdn;
+  const size_t channels = s.conv_dim();
+  if (state.first_size != (s.conv_kernel - 1) * channels || state.second_size != s.v_heads * s.k_dim * s.v_dim)
+    throw std::invalid_argument("DeltaNet state has the wrong size for this model");
+  std::vector<float> mixed(tokens * channels), z(tokens * s.value_dim()), b(tokens * s.v_heads), a(b.size());
+  linear(x, tokens, *w.in_proj_qkv, mixed.data(), &pool_);
+  linear(x, tokens, *w.in_proj_z, z.data(), &pool_);
+  linear(x, tokens, *w.in_proj_b, b.data(), &pool_);
+  linear(x, tokens, *w.in_proj_a, a.data(), &pool_);
+  causal_conv1d(mixed.data(), tokens, channels, s.conv_kernel, w.conv->data(), state.first);
+  const float q_scale = float(1.0 / std::sqrt(double(s.k_dim)));
+  for (size_t t = 0; t < tokens; ++t) {
+    l2_normalize(mixed.data() + t * channels, s.k_heads, s.k_dim, q_scale);
+    l2_normalize(mixed.data() + t * channels + s.key_dim(), s.k_heads, s.k_dim, 1.0f);
+  }
+  // beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias), the log-decay.
+  for (size_t t = 0; t < tokens; ++t)
+    for (size_t h = 0; h < s.v_heads; ++h) {
+      const size_t i = t * s.v_heads + h;
+      const double u = double(a[i] + (*w.dt_bias)[h]);
+      const float softplus = float(u > 0 ? u + std::log1p(std::exp(-u)) : std::log1p(std::exp(u)));
+      b[i] = sigmoid(b[i]);
+      a[i] = -std::exp((*w.a_log)[h]) * softplus;
+    }
+  std::vector<float> o(tokens * s.value_dim()), y(o.size());
+  gated_delta_rule(mixed.data(), a.data(), b.data(), s, tokens, state.second, o.data(), &pool_);
+  gated_rms_norm(o.data(), z.data(), tokens * s.v_heads, s.v_dim, w.norm->data(), config_.eps, y.data());
+  linear(y.data(), tokens, *w.out_proj, out, &pool_);
+}
+
+void CpuModel::moe_layer(const Layer& layer, const float* x, size_t tokens, float* out) {
+  const CpuConfig& c = config_;
+  const MoeWeights& w = layer.moe;
+  const size_t H = c.hidden_size, k = c.top_k, width = c.shared_expert_size;
+  std::vector<float> router(tokens * c.num_experts), routing_weights(tokens * k);
+  std::vector<int32_t> indices(tokens * k);
+  linear(x, tokens, *w.router, router.data(), &pool_);
+  moe_route(router.data(), tokens, c.num_experts, k, indices.data(), routing_weights.data());
+  swiglu_experts(x, tokens, H, *w.gate_proj, *w.up_proj, *w.down_proj, indices.data(), routing_weights.data(), k,
+                 out, &pool_);
+  std::vector<float> gate(tokens * width), up(gate.size()), shared(tokens * H), shared_gate(tokens);
+  linear(x, tokens, *w.shared_gate_proj, gate.data(), &pool_);
+  linear(x, tokens, *w.shared_up_proj, up.data(), &pool_);
+  for (size_t i = 0; i < gate.size(); ++i) gate[i] = silu(gate[i]) * up[i];
+  linear(gate.data(), tokens, *w.shared_down_proj, shared.data(), &pool_);
+  linear(x, tokens, *w.shared_expert_gate, shared_gate.data(), &pool_);
+  for (size_t t = 0; t < tokens; ++t) {
+    const float g = sigmoid(shared_gate[t]);
+    for (size_t i = 0; i < H; ++i) out[t * H + i] += g * shared[t * H + i];
+  }
+}
+
+void CpuModel::forward(const int64_t* ids, size_t tokens, size_t position, const std::vector<LayerState>& states,
+                       float* logits, bool last_only) {
+  const CpuConfig& c = config_;
+  const size_t H = c.hidden_size;
+  if (layers_.empty()) throw std::logic_error("finish_loading() was not called");
+  if (states.size() != layers_.size()) throw std::invalid_argument("state has the wrong number of layers");
+  for (size_t i = 0; i < tokens; ++i)
+    if (ids[i] < 0 || size_t(ids[i]) >= c.vocab_size) throw std::invalid_argument("token id out of range");
+  std::vector<float> h(tokens * H), normed(h.size()), mixed(h.size());
+  embed(ids, tokens, *embed_tokens_, h.data());
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& layer = layers_[l];
+    rms_norm(h.data(), tokens, H, layer.input_norm->data(), c.eps, normed.data());
+    if (layer.attention) attention_layer(layer, normed.data(), tokens, position, states[l], mixed.data());
+    else delta_net_layer(layer, normed.data(), tokens, states[l], mixed.data());
+    for (size_t i = 0; i < h.size(); ++i) h[i] += mixed[i];
+    rms_norm(h.data(), tokens, H, layer.post_norm->data(), c.eps, normed.data());
+    moe_layer(layer, normed.data(), tokens, mixed.data());
+    for (size_t i = 0; i < h.size(); ++i) h[i] += mixed[i];
+  }
+  const size_t first = last_only ? tokens - 1 : 0, rows = tokens - first;
+  rms_norm(h.data() + first * H, rows, H, final_norm_->data(), c.eps, normed.data());
+  linear(normed.data(), rows, *lm_head_, logits, &pool_);
+}
+
+}  // namespace lily::cpu

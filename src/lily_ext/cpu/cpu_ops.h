@@ -1,0 +1,113 @@
+// The CPU backend's ops (backend="cpu"): the maths of python/lily/reference.py, in C++ on the packed checkpoint
+// weights. One op family per file, named as the reference function and the Metal kernel family it mirrors:
+// qmatmul.cpp (linear, embed), rms_norm.cpp, attention.cpp, gated_delta.cpp, moe.cpp; thread_pool.cpp runs them
+// on a few threads. Portable C++17 (g++ or clang); AVX2/FMA paths are chosen at run time (see `set_isa`).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace lily::cpu {
+
+// Storage dtype of dense values, or of the scales and biases of a quantized weight.
+enum class DType { F32, BF16, F16 };
+
+float to_float(const uint8_t* values, DType dtype, size_t index);
+
+// One weight: dense [experts?, rows, cols] in `dtype`, or MLX affine quantized (bits 2/4/8, groups of `group`
+// elements along a row; codes packed little-endian into uint32 words; value = scale * q + bias).
+// Pointers reach into the memory-mapped checkpoint (or a buffer the model owns); nothing is converted at load.
+struct Matrix {
+  int bits = 0;  // 0: dense
+  int group = 0;
+  DType dtype = DType::F32;
+  size_t experts = 0;  // 0: a plain 2-D matrix
+  size_t rows = 0, cols = 0;
+  const uint8_t* data = nullptr;
+  const uint8_t* scales = nullptr;
+  const uint8_t* biases = nullptr;
+
+  size_t row_bytes() const { return bits ? cols * bits / 8 : cols * (dtype == DType::F32 ? 4 : 2); }
+  size_t scale_bytes() const { return dtype == DType::F32 ? 4 : 2; }
+  // The matrix of one expert of a stack (the matrix itself when experts == 0).
+  Matrix expert(size_t e) const;
+};
+
+// Runs [0, n) split into contiguous ranges over a small pool of threads (the caller works too).
+class ThreadPool {
+ public:
+  explicit ThreadPool(size_t threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+  size_t size() const { return workers_.size() + 1; }
+  // fn(begin, end) over `n` items; items are split in up to size() ranges, each at least `min_items` long.
+  void parallel_for(size_t n, size_t min_items, const std::function<void(size_t, size_t)>& fn);
+
+ private:
+  struct Shared;
+  Shared* shared_;
+  std::vector<std::thread> workers_;
+};
+
+// Instruction set of the hot loops: "avx2" (AVX2 + FMA, when the CPU has them) or "portable".
+// LILY_CPU_ISA=portable in the environment picks the portable loops at start.
+void set_isa(const std::string& name);
+std::string isa();
+
+// ---- qmatmul.cpp: linear (x @ W^T) and embed ----
+// out[t, n] = sum_k x[t, k] W[n, k] for t < T, n < W.rows. Serial when pool is null.
+void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPool* pool);
+// Rows `ids` of W, dequantized: out [count, cols].
+void embed(const int64_t* ids, size_t count, const Matrix& w, float* out);
+// sum_k a[k] b[k] and y += alpha x, on the chosen instruction set (fp32 accumulation).
+float dot(const float* a, const float* b, size_t n);
+void axpy(float alpha, const float* x, float* y, size_t n);
+
+// ---- rms_norm.cpp ----
+void rms_norm(const float* x, size_t rows, size_t n, const float* w, float eps, float* out);
+// RMS-normalise o, multiply by w, then by SiLU(z) (the DeltaNet output norm).
+void gated_rms_norm(const float* o, const float* z, size_t rows, size_t n, const float* w, float eps, float* out);
+void l2_normalize(float* x, size_t rows, size_t n, float scale);
+
+// ---- attention.cpp ----
+struct AttentionShape {
+  size_t heads, kv_heads, head_dim, rotary_dim;
+};
+// q_and_gate [T, Hq, 2D] -> q, gate [T, Hq, D] (q RMS-normed and roped); k [T, Hkv, D] normed and roped in place.
+void attention_prep(const float* q_and_gate, float* k, const AttentionShape& s, size_t tokens, const float* q_norm,
+                    const float* k_norm, const float* inv_freq, size_t position, float eps, float* q, float* gate);
+// Causal attention of T queries at positions offset..offset+T-1 over keys/values [S, Hkv, D] with a sigmoid gate;
+// out [T, Hq, D]. Softmax row by row (no T x S score matrix).
+void attention(const float* q, const float* keys, const float* values, const float* gate, const AttentionShape& s,
+               size_t tokens, size_t offset, float* out, ThreadPool* pool);
+
+// ---- gated_delta.cpp ----
+struct DeltaNetShape {
+  size_t k_heads, v_heads, k_dim, v_dim, conv_kernel;
+  size_t key_dim() const { return k_heads * k_dim; }
+  size_t value_dim() const { return v_heads * v_dim; }
+  size_t conv_dim() const { return 2 * key_dim() + value_dim(); }
+};
+// x [T, C] -> SiLU(causal depthwise conv) in place; conv_state [K-1, C] holds the last K-1 raw inputs.
+void causal_conv1d(float* x, size_t tokens, size_t channels, size_t taps, const float* w, float* conv_state);
+// The gated delta rule per value head over T tokens from `state` [Hv, dk, dv] (updated); o [T, Hv, dv].
+void gated_delta_rule(const float* mixed, const float* g, const float* beta, const DeltaNetShape& s, size_t tokens,
+                      float* state, float* o, ThreadPool* pool);
+
+// ---- moe.cpp ----
+// Softmax over E logits, top-k (ties to the lower id), renormalised: indices/weights [T, k].
+void moe_route(const float* logits, size_t tokens, size_t experts, size_t k, int32_t* indices, float* weights);
+// sum_r w_r * down_e(SiLU(gate_e x) * up_e x) over each token's experts, grouped by expert; out [T, H].
+void swiglu_experts(const float* x, size_t tokens, size_t hidden, const Matrix& gate_proj, const Matrix& up_proj,
+                    const Matrix& down_proj, const int32_t* indices, const float* weights, size_t k, float* out,
+                    ThreadPool* pool);
+
+float silu(float x);
+float sigmoid(float x);
+
+}  // namespace lily::cpu

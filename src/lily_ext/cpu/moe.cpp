@@ -1,0 +1,73 @@
+// moe_route and swiglu_experts (reference.py "Mixture of experts"), the CPU twin of metal/moe*.metal: the tokens
+// of each expert are gathered and run as one small GEMM per projection, experts spread over the threads.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cpu_ops.h"
+
+namespace lily::cpu {
+
+void moe_route(const float* logits, size_t tokens, size_t experts, size_t k, int32_t* indices, float* weights) {
+  std::vector<float> probs(experts);
+  std::vector<bool> taken(experts);
+  for (size_t t = 0; t < tokens; ++t) {
+    const float* l = logits + t * experts;
+    const float max_logit = *std::max_element(l, l + experts);
+    float sum = 0;
+    for (size_t e = 0; e < experts; ++e) sum += probs[e] = std::exp(l[e] - max_logit);
+    for (size_t e = 0; e < experts; ++e) probs[e] /= sum;
+    std::fill(taken.begin(), taken.end(), false);
+    float chosen_sum = 0;
+    for (size_t r = 0; r < k; ++r) {
+      size_t best = experts;
+      for (size_t e = 0; e < experts; ++e)  // strict > keeps the lower id on a tie
+        if (!taken[e] && (best == experts || probs[e] > probs[best])) best = e;
+      taken[best] = true;
+      indices[t * k + r] = int32_t(best);
+      chosen_sum += weights[t * k + r] = probs[best];
+    }
+    for (size_t r = 0; r < k; ++r) weights[t * k + r] /= chosen_sum;
+  }
+}
+
+void swiglu_experts(const float* x, size_t tokens, size_t hidden, const Matrix& gate_proj, const Matrix& up_proj,
+                    const Matrix& down_proj, const int32_t* indices, const float* weights, size_t k, float* out,
+                    ThreadPool* pool) {
+  const size_t width = gate_proj.rows;
+  // Slots (token * k + rank) grouped by expert.
+  std::vector<std::vector<size_t>> slots(gate_proj.experts);
+  for (size_t slot = 0; slot < tokens * k; ++slot) slots[size_t(indices[slot])].push_back(slot);
+  std::vector<size_t> used;
+  for (size_t e = 0; e < slots.size(); ++e)
+    if (!slots[e].empty()) used.push_back(e);
+  std::vector<float> y(tokens * k * hidden);  // each slot's expert output
+  auto run_experts = [&](size_t begin, size_t end) {
+    std::vector<float> xs, gate, up, ys;
+    for (size_t i = begin; i < end; ++i) {
+      const size_t e = used[i], n = slots[e].size();
+      xs.resize(n * hidden);
+      for (size_t j = 0; j < n; ++j)
+        std::copy_n(x + slots[e][j] / k * hidden, hidden, xs.begin() + j * hidden);
+      gate.resize(n * width);
+      up.resize(n * width);
+      ys.resize(n * hidden);
+      linear(xs.data(), n, gate_proj.expert(e), gate.data(), nullptr);
+      linear(xs.data(), n, up_proj.expert(e), up.data(), nullptr);
+      for (size_t j = 0; j < n * width; ++j) gate[j] = silu(gate[j]) * up[j];
+      linear(gate.data(), n, down_proj.expert(e), ys.data(), nullptr);
+      for (size_t j = 0; j < n; ++j) std::copy_n(ys.begin() + j * hidden, hidden, y.begin() + slots[e][j] * hidden);
+    }
+  };
+  const size_t per_expert = (tokens * k / std::max<size_t>(used.size(), 1) + 1) * 3 * width * hidden;
+  if (pool) pool->parallel_for(used.size(), std::max<size_t>(1, (size_t(1) << 15) / per_expert), run_experts);
+  else run_experts(0, used.size());
+  // Weighted sum in rank order.
+  for (size_t t = 0; t < tokens; ++t) {
+    float* o = out + t * hidden;
+    std::fill(o, o + hidden, 0.0f);
+    for (size_t r = 0; r < k; ++r) axpy(weights[t * k + r], y.data() + (t * k + r) * hidden, o, hidden);
+  }
+}
+
+}  // namespace lily::cpu

@@ -1,0 +1,435 @@
+// linear (x @ W^T) and embed on the packed weights, the CPU twin of metal/qmatmul.metal and reference.linear.
+//
+// Decode (few tokens): a GEMV straight from the packed codes, sum_g scale_g * (q . x)_g + bias_g * sum(x)_g, so a
+// weight is read once and never written out as floats. Prefill: a blocked GEMM that dequantizes 16 rows at a time
+// into a small per-thread tile (L2-sized) and multiplies every token by it. The AVX2 loops read a chunk of 8 uint32
+// words per load and shift out one code per word: lane w of shift s is element (32/bits)*w + s, so they use x in
+// that "chunk order" (permuted once per call) and the dot products are unchanged.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+#include "cpu_ops.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define LILY_CPU_X86 1
+#endif
+
+namespace lily::cpu {
+
+namespace {
+
+constexpr size_t kTileRows = 16;       // rows dequantized at once by the GEMM
+constexpr size_t kGemmMinTokens = 4;   // fewer tokens: one GEMV per token
+constexpr size_t kParallelWork = 1 << 15;  // multiply-adds below which a range is not split further
+
+bool g_avx2 = false;
+
+float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+float half_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  if (exponent == 0x1f) return bits_to_float(sign | 0x7f800000 | (mantissa << 13));
+  if (exponent == 0) return (sign ? -1.0f : 1.0f) * std::ldexp(float(mantissa), -24);  // zero or subnormal
+  return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+
+uint32_t load_word(const uint8_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
+
+// Natural-order dequantization of one row (any bits/group/dtype).
+void dequantize_row(const Matrix& w, size_t row, float* out) {
+  const uint8_t* data = w.data + row * w.row_bytes();
+  if (!w.bits) {
+    for (size_t k = 0; k < w.cols; ++k) out[k] = to_float(data, w.dtype, k);
+    return;
+  }
+  const size_t per_word = 32 / w.bits, groups = w.cols / w.group;
+  const uint32_t mask = (1u << w.bits) - 1;
+  for (size_t g = 0; g < groups; ++g) {
+    const float scale = to_float(w.scales, w.dtype, row * groups + g);
+    const float bias = to_float(w.biases, w.dtype, row * groups + g);
+    for (size_t i = 0; i < w.group / per_word; ++i) {
+      const uint32_t word = load_word(data + (g * w.group / per_word + i) * 4);
+      float* o = out + g * w.group + i * per_word;
+      for (size_t j = 0; j < per_word; ++j) o[j] = float((word >> (w.bits * j)) & mask) * scale + bias;
+    }
+  }
+}
+
+float dot_portable(const float* a, const float* b, size_t n) {
+  float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  size_t k = 0;
+  for (; k + 8 <= n; k += 8)
+    for (size_t j = 0; j < 8; ++j) partial[j] += a[k + j] * b[k + j];
+  float sum = 0;
+  for (; k < n; ++k) sum += a[k] * b[k];
+  for (float p : partial) sum += p;
+  return sum;
+}
+
+// Whether the AVX2 loops take this weight: quantized, with whole 8-word chunks inside each group.
+bool chunked(const Matrix& w) {
+  if (!g_avx2 || !w.bits) return false;
+  const size_t chunk = 8 * (32 / w.bits);
+  return w.group % chunk == 0 && w.cols % w.group == 0;
+}
+
+// x [tokens, cols] in chunk order for `bits`.
+void permute_to_chunk_order(const float* x, size_t tokens, size_t cols, int bits, float* out) {
+  const size_t per_word = 32 / bits, chunk = 8 * per_word;
+  for (size_t t = 0; t < tokens; ++t)
+    for (size_t c = 0; c < cols; c += chunk)
+      for (size_t s = 0; s < per_word; ++s)
+        for (size_t w = 0; w < 8; ++w) out[t * cols + c + s * 8 + w] = x[t * cols + c + per_word * w + s];
+}
+
+#ifdef LILY_CPU_X86
+
+__attribute__((target("avx2,fma"))) float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, size_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  size_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), acc1);
+  }
+  for (; k + 8 <= n; k += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc0);
+  float sum = hsum(_mm256_add_ps(acc0, acc1));
+  for (; k < n; ++k) sum += a[k] * b[k];
+  return sum;
+}
+
+__attribute__((target("avx2,fma"))) void axpy_avx2(float alpha, const float* x, float* y, size_t n) {
+  const __m256 a = _mm256_set1_ps(alpha);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+template <DType D>
+inline float scale_at(const uint8_t* values, size_t index) {
+  if (D == DType::F32) {
+    float f;
+    std::memcpy(&f, values + 4 * index, 4);
+    return f;
+  }
+  uint16_t v;
+  std::memcpy(&v, values + 2 * index, 2);
+  return D == DType::BF16 ? bits_to_float(uint32_t(v) << 16) : half_to_float(v);
+}
+
+// Rows [r0, r1) of a chunked weight times one token: xc in chunk order, xsum the per-group sums of x. Four rows at
+// a time, so four independent FMA chains hide the FMA latency and share each load of x.
+template <DType D>
+__attribute__((target("avx2,fma"))) void gemv_chunked_avx2(const float* xc, const float* xsum, const Matrix& w,
+                                                           size_t r0, size_t r1, float* out) {
+  constexpr size_t R = 4;
+  const size_t per_word = 32 / w.bits, chunk = 8 * per_word, groups = w.cols / w.group;
+  const size_t chunks_per_group = w.group / chunk, row_bytes = w.row_bytes();
+  const __m256i mask = _mm256_set1_epi32((1 << w.bits) - 1);
+  __m256i shifts[16];
+  for (size_t s = 0; s < per_word; ++s) shifts[s] = _mm256_set1_epi32(int(s * w.bits));
+  size_t row = r0;
+  for (; row < r1; row += R) {
+    const size_t n = std::min(R, r1 - row);  // rows past the end repeat the last row and are not stored
+    const uint8_t* data[R];
+    for (size_t r = 0; r < R; ++r) data[r] = w.data + (row + std::min(r, n - 1)) * row_bytes;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    float bias_sum[R] = {0, 0, 0, 0};
+    for (size_t g = 0; g < groups; ++g) {
+      // Written out for four rows: arrays indexed in a loop stay on the stack at -O2.
+      __m256 g0 = _mm256_setzero_ps(), g1 = g0, g2 = g0, g3 = g0;
+      for (size_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data[0] + c * 32));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data[1] + c * 32));
+        const __m256i w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data[2] + c * 32));
+        const __m256i w3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data[3] + c * 32));
+        const float* xp = xc + c * chunk;
+        for (size_t s = 0; s < per_word; ++s) {
+          const __m256 xv = _mm256_loadu_ps(xp + 8 * s);
+          const __m256i shift = shifts[s];
+          g0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w0, shift), mask)), xv, g0);
+          g1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w1, shift), mask)), xv, g1);
+          g2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w2, shift), mask)), xv, g2);
+          g3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w3, shift), mask)), xv, g3);
+        }
+      }
+      size_t index[R];
+      for (size_t r = 0; r < R; ++r) {
+        index[r] = (row + std::min(r, n - 1)) * groups + g;
+        bias_sum[r] += scale_at<D>(w.biases, index[r]) * xsum[g];
+      }
+      a0 = _mm256_fmadd_ps(_mm256_set1_ps(scale_at<D>(w.scales, index[0])), g0, a0);
+      a1 = _mm256_fmadd_ps(_mm256_set1_ps(scale_at<D>(w.scales, index[1])), g1, a1);
+      a2 = _mm256_fmadd_ps(_mm256_set1_ps(scale_at<D>(w.scales, index[2])), g2, a2);
+      a3 = _mm256_fmadd_ps(_mm256_set1_ps(scale_at<D>(w.scales, index[3])), g3, a3);
+    }
+    const __m256 acc[R] = {a0, a1, a2, a3};
+    for (size_t r = 0; r < n; ++r) out[row + r] = hsum(acc[r]) + bias_sum[r];
+  }
+}
+
+void gemv_chunked(const float* xc, const float* xsum, const Matrix& w, size_t r0, size_t r1, float* out) {
+  switch (w.dtype) {
+    case DType::F32: return gemv_chunked_avx2<DType::F32>(xc, xsum, w, r0, r1, out);
+    case DType::BF16: return gemv_chunked_avx2<DType::BF16>(xc, xsum, w, r0, r1, out);
+    case DType::F16: return gemv_chunked_avx2<DType::F16>(xc, xsum, w, r0, r1, out);
+  }
+}
+
+// One row of a chunked weight dequantized in chunk order.
+__attribute__((target("avx2,fma"))) void dequantize_row_chunked_avx2(const Matrix& w, size_t row, float* out) {
+  const size_t per_word = 32 / w.bits, chunk = 8 * per_word, groups = w.cols / w.group;
+  const size_t chunks_per_group = w.group / chunk;
+  const __m256i mask = _mm256_set1_epi32((1 << w.bits) - 1);
+  const uint8_t* data = w.data + row * w.row_bytes();
+  for (size_t g = 0; g < groups; ++g) {
+    const __m256 scale = _mm256_set1_ps(to_float(w.scales, w.dtype, row * groups + g));
+    const __m256 bias = _mm256_set1_ps(to_float(w.biases, w.dtype, row * groups + g));
+    for (size_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + c * 32));
+      for (size_t s = 0; s < per_word; ++s) {
+        const __m256i shift = _mm256_set1_epi32(int(s * w.bits));
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(words, shift), mask));
+        _mm256_storeu_ps(out + c * chunk + 8 * s, _mm256_fmadd_ps(q, scale, bias));
+      }
+    }
+  }
+}
+
+// out[t, r] for 2 tokens x 4 rows of a dense fp32 tile at a time.
+__attribute__((target("avx2,fma"))) void tile_gemm_avx2(const float* x, size_t tokens, size_t cols,
+                                                        const float* tile, size_t rows, float* out, size_t ldo) {
+  const size_t vec = cols / 8 * 8;
+  size_t t = 0;
+  for (; t + 2 <= tokens; t += 2) {
+    const float* x0 = x + t * cols;
+    const float* x1 = x0 + cols;
+    size_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      const float* w0 = tile + r * cols;
+      __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
+             a13 = a00;
+      for (size_t k = 0; k < vec; k += 8) {
+        const __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k);
+        __m256 wv = _mm256_loadu_ps(w0 + k);
+        a00 = _mm256_fmadd_ps(v0, wv, a00);
+        a10 = _mm256_fmadd_ps(v1, wv, a10);
+        wv = _mm256_loadu_ps(w0 + cols + k);
+        a01 = _mm256_fmadd_ps(v0, wv, a01);
+        a11 = _mm256_fmadd_ps(v1, wv, a11);
+        wv = _mm256_loadu_ps(w0 + 2 * cols + k);
+        a02 = _mm256_fmadd_ps(v0, wv, a02);
+        a12 = _mm256_fmadd_ps(v1, wv, a12);
+        wv = _mm256_loadu_ps(w0 + 3 * cols + k);
+        a03 = _mm256_fmadd_ps(v0, wv, a03);
+        a13 = _mm256_fmadd_ps(v1, wv, a13);
+      }
+      const __m256 acc[2][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}};
+      for (size_t i = 0; i < 2; ++i)
+        for (size_t j = 0; j < 4; ++j) {
+          float sum = hsum(acc[i][j]);
+          for (size_t k = vec; k < cols; ++k) sum += x[(t + i) * cols + k] * w0[j * cols + k];
+          out[(t + i) * ldo + r + j] = sum;
+        }
+    }
+    for (; r < rows; ++r)
+      for (size_t i = 0; i < 2; ++i) out[(t + i) * ldo + r] = dot_avx2(x + (t + i) * cols, tile + r * cols, cols);
+  }
+  for (; t < tokens; ++t)
+    for (size_t r = 0; r < rows; ++r) out[t * ldo + r] = dot_avx2(x + t * cols, tile + r * cols, cols);
+}
+
+#endif  // LILY_CPU_X86
+
+}  // namespace
+
+float dot(const float* a, const float* b, size_t n) {
+#ifdef LILY_CPU_X86
+  if (g_avx2) return dot_avx2(a, b, n);
+#endif
+  return dot_portable(a, b, n);
+}
+
+void axpy(float alpha, const float* x, float* y, size_t n) {
+#ifdef LILY_CPU_X86
+  if (g_avx2) return axpy_avx2(alpha, x, y, n);
+#endif
+  for (size_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+namespace {
+
+void tile_gemm(const float* x, size_t tokens, size_t cols, const float* tile, size_t rows, float* out, size_t ldo) {
+#ifdef LILY_CPU_X86
+  if (g_avx2) return tile_gemm_avx2(x, tokens, cols, tile, rows, out, ldo);
+#endif
+  for (size_t t = 0; t < tokens; ++t)
+    for (size_t r = 0; r < rows; ++r) out[t * ldo + r] = dot_portable(x + t * cols, tile + r * cols, cols);
+}
+
+// Rows [r0, r1) of W times one token, natural order (dense weights, the portable path, odd quantizations).
+void gemv_rows(const float* x, const Matrix& w, size_t r0, size_t r1, float* out) {
+  thread_local std::vector<float> row;
+  if (!w.bits && w.dtype == DType::F32) {
+    for (size_t r = r0; r < r1; ++r) out[r] = dot(x, reinterpret_cast<const float*>(w.data + r * w.row_bytes()), w.cols);
+    return;
+  }
+  row.resize(w.cols);
+  for (size_t r = r0; r < r1; ++r) {
+    dequantize_row(w, r, row.data());
+    out[r] = dot(x, row.data(), w.cols);
+  }
+}
+
+size_t min_rows(const Matrix& w) { return std::max<size_t>(1, kParallelWork / std::max<size_t>(w.cols, 1)); }
+
+void run(ThreadPool* pool, size_t n, size_t min_items, const std::function<void(size_t, size_t)>& fn) {
+  if (pool) pool->parallel_for(n, min_items, fn);
+  else fn(0, n);
+}
+
+}  // namespace
+
+float to_float(const uint8_t* values, DType dtype, size_t index) {
+  switch (dtype) {
+    case DType::F32: {
+      float f;
+      std::memcpy(&f, values + 4 * index, 4);
+      return f;
+    }
+    case DType::BF16: {
+      uint16_t b;
+      std::memcpy(&b, values + 2 * index, 2);
+      return bits_to_float(uint32_t(b) << 16);
+    }
+    case DType::F16: {
+      uint16_t h;
+      std::memcpy(&h, values + 2 * index, 2);
+      return half_to_float(h);
+    }
+  }
+  return 0;
+}
+
+Matrix Matrix::expert(size_t e) const {
+  if (!experts) return *this;
+  Matrix m = *this;
+  m.experts = 0;
+  m.data = data + e * rows * row_bytes();
+  if (bits) {
+    const size_t per_expert = rows * (cols / group) * scale_bytes();
+    m.scales = scales + e * per_expert;
+    m.biases = biases + e * per_expert;
+  }
+  return m;
+}
+
+void set_isa(const std::string& name) {
+  if (name == "portable") {
+    g_avx2 = false;
+    return;
+  }
+  if (name != "avx2") throw std::invalid_argument("CPU instruction set must be 'avx2' or 'portable'; got '" + name + "'");
+#ifdef LILY_CPU_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    g_avx2 = true;
+    return;
+  }
+#endif
+  throw std::invalid_argument("this CPU has no AVX2/FMA; use the 'portable' instruction set");
+}
+
+std::string isa() { return g_avx2 ? "avx2" : "portable"; }
+
+namespace {
+// The default: AVX2 where the CPU has it, unless LILY_CPU_ISA=portable.
+const bool g_isa_chosen = [] {
+  const char* env = std::getenv("LILY_CPU_ISA");
+  if (env && std::string(env) == "portable") return true;
+  try {
+    set_isa("avx2");
+  } catch (const std::invalid_argument&) {
+  }
+  return true;
+}();
+}  // namespace
+
+void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPool* pool) {
+  const size_t rows = w.rows, cols = w.cols;
+  std::vector<float> xc;
+  const bool in_chunks = chunked(w);
+  if (in_chunks) {
+    xc.resize(tokens * cols);
+    permute_to_chunk_order(x, tokens, cols, w.bits, xc.data());
+  }
+  if (tokens < kGemmMinTokens) {
+    for (size_t t = 0; t < tokens; ++t) {
+      float* o = out + t * rows;
+#ifdef LILY_CPU_X86
+      if (in_chunks) {
+        std::vector<float> xsum(cols / w.group);
+        for (size_t g = 0; g < xsum.size(); ++g) {
+          float s = 0;
+          for (size_t k = 0; k < size_t(w.group); ++k) s += x[t * cols + g * w.group + k];
+          xsum[g] = s;
+        }
+        const float* xt = xc.data() + t * cols;
+        run(pool, rows, min_rows(w), [&](size_t r0, size_t r1) { gemv_chunked(xt, xsum.data(), w, r0, r1, o); });
+        continue;
+      }
+#endif
+      run(pool, rows, min_rows(w), [&](size_t r0, size_t r1) { gemv_rows(x + t * cols, w, r0, r1, o); });
+    }
+    return;
+  }
+  const float* xs = in_chunks ? xc.data() : x;
+  const size_t blocks = (rows + kTileRows - 1) / kTileRows;
+  const size_t min_blocks = std::max<size_t>(1, kParallelWork / (kTileRows * cols * tokens) );
+  run(pool, blocks, min_blocks, [&](size_t b0, size_t b1) {
+    thread_local std::vector<float> tile;
+    tile.resize(kTileRows * cols);
+    for (size_t b = b0; b < b1; ++b) {
+      const size_t r0 = b * kTileRows, n = std::min(kTileRows, rows - r0);
+      const float* t = tile.data();
+      if (!w.bits && w.dtype == DType::F32) {
+        t = reinterpret_cast<const float*>(w.data + r0 * w.row_bytes());
+      } else {
+        for (size_t r = 0; r < n; ++r) {
+#ifdef LILY_CPU_X86
+          if (in_chunks) {
+            dequantize_row_chunked_avx2(w, r0 + r, tile.data() + r * cols);
+            continue;
+          }
+#endif
+          dequantize_row(w, r0 + r, tile.data() + r * cols);
+        }
+      }
+      tile_gemm(xs, tokens, cols, t, n, out + r0, rows);
+    }
+  });
+}
+
+void embed(const int64_t* ids, size_t count, const Matrix& w, float* out) {
+  for (size_t i = 0; i < count; ++i) dequantize_row(w, size_t(ids[i]), out + i * w.cols);
+}
+
+}  // namespace lily::cpu

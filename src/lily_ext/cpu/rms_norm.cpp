@@ -1,0 +1,47 @@
+// rms_norm, gated_rms_norm and l2_normalize (reference.py): sums in double, rounded once to float.
+#include <cmath>
+
+#include "cpu_ops.h"
+
+namespace lily::cpu {
+
+float sigmoid(float x) { return float(1.0 / (1.0 + std::exp(-double(x)))); }
+
+float silu(float x) { return float(double(x) / (1.0 + std::exp(-double(x)))); }
+
+namespace {
+double inverse_rms(const float* x, size_t n, float eps) {
+  double sum = 0;
+  for (size_t i = 0; i < n; ++i) sum += double(x[i]) * x[i];
+  return 1.0 / std::sqrt(sum / double(n) + eps);
+}
+}  // namespace
+
+void rms_norm(const float* x, size_t rows, size_t n, const float* w, float eps, float* out) {
+  for (size_t r = 0; r < rows; ++r) {
+    const double inv = inverse_rms(x + r * n, n, eps);
+    for (size_t i = 0; i < n; ++i) out[r * n + i] = float(x[r * n + i] * inv * w[i]);
+  }
+}
+
+void gated_rms_norm(const float* o, const float* z, size_t rows, size_t n, const float* w, float eps, float* out) {
+  for (size_t r = 0; r < rows; ++r) {
+    const double inv = inverse_rms(o + r * n, n, eps);
+    for (size_t i = 0; i < n; ++i) {
+      const double zi = z[r * n + i];
+      out[r * n + i] = float(o[r * n + i] * inv * w[i] * zi / (1.0 + std::exp(-zi)));
+    }
+  }
+}
+
+void l2_normalize(float* x, size_t rows, size_t n, float scale) {
+  for (size_t r = 0; r < rows; ++r) {
+    float* v = x + r * n;
+    double sum = 0;
+    for (size_t i = 0; i < n; ++i) sum += double(v[i]) * v[i];
+    const double inv = 1.0 / std::sqrt(sum + 1e-6);
+    for (size_t i = 0; i < n; ++i) v[i] = float(v[i] * inv) * scale;
+  }
+}
+
+}  // namespace lily::cpu

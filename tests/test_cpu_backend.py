@@ -1,0 +1,220 @@
+"""The ``cpu`` backend (lily.backends.cpu, lily._ext.cpu) against lily.reference on the tiny random checkpoints.
+
+float32 logits within 1e-4 relative and identical greedy tokens, in every checkpoint layout the loader reads (MLX
+4-bit with bf16 or f32 scales, MLX 8-bit, HF fp32 / bf16 dense, HF quantized on load), on both instruction sets
+(AVX2 and the portable loops), on 1 and 2 threads, in any chunking of the prompt, and through sessions (snapshot,
+restore, save, load) and the user path (`backend="auto"` picks it off a Mac).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+import lily
+from lily import _ext
+from lily.checkpoint import load_checkpoint
+from lily.backends.cpu import CpuBackend, default_threads
+from lily.reference import KV_CACHE_MIN_CAPACITY, ReferenceModel
+
+from fixtures import relative_error
+
+LOGITS_TOLERANCE = 1e-4
+GREEDY_STEPS = 12
+ISAS = ["portable"] + (["avx2"] if _ext.cpu.isa() == "avx2" else [])
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Run the test on one instruction set, then restore the default."""
+    before = _ext.cpu.isa()
+    _ext.cpu.set_isa(request.param)
+    yield request.param
+    _ext.cpu.set_isa(before)
+
+
+def reference_run(checkpoint, prompt: np.ndarray, steps: int = GREEDY_STEPS) -> tuple[np.ndarray, list, list]:
+    """Reference prompt logits, greedy tokens and the logits of each decode step."""
+    ref = ReferenceModel(checkpoint)
+    state = ref.new_state()
+    logits = ref.forward(prompt, state)
+    tokens, steps_logits = [int(np.argmax(logits[-1]))], []
+    for _ in range(steps - 1):
+        steps_logits.append(ref.forward(np.array([tokens[-1]]), state)[0])
+        tokens.append(int(np.argmax(steps_logits[-1])))
+    return logits, tokens, steps_logits
+
+
+def cpu_run(backend: CpuBackend, prompt: np.ndarray, steps: int = GREEDY_STEPS) -> tuple[np.ndarray, list, list]:
+    state = backend.new_state()
+    logits = backend.forward(prompt, state)
+    tokens, steps_logits = [int(np.argmax(logits[-1]))], []
+    for _ in range(steps - 1):
+        steps_logits.append(backend.forward(np.array([tokens[-1]]), state)[0])
+        tokens.append(int(np.argmax(steps_logits[-1])))
+    assert state.position == len(prompt) + steps - 1
+    return logits, tokens, steps_logits
+
+
+def assert_agree(got, want) -> None:
+    logits, tokens, steps = got
+    want_logits, want_tokens, want_steps = want
+    assert logits.dtype == np.float32 and logits.shape == want_logits.shape
+    assert np.isfinite(logits).all()
+    assert relative_error(logits, want_logits) < LOGITS_TOLERANCE
+    assert tokens == want_tokens
+    assert relative_error(np.stack(steps), np.stack(want_steps)) < LOGITS_TOLERANCE
+
+
+def checkpoint_of(tiny_checkpoints, layout: str, variant: str = "kv64"):
+    if layout == "mlx4":
+        return load_checkpoint(tiny_checkpoints.mlx(variant, bits=4, dtype="bfloat16"))
+    if layout == "mlx4_f32_scales":
+        return load_checkpoint(tiny_checkpoints.mlx(variant, bits=4, dtype="float32"))
+    if layout == "mlx8":
+        return load_checkpoint(tiny_checkpoints.mlx(variant, bits=8, dtype="bfloat16"))
+    if layout == "hf_f32":
+        return load_checkpoint(tiny_checkpoints.hf(variant, dtype="float32"))
+    if layout == "hf_bf16_per_expert":
+        return load_checkpoint(tiny_checkpoints.hf(variant, layout="per_expert", dtype="bfloat16"))
+    if layout == "hf_quantized_on_load":
+        return load_checkpoint(tiny_checkpoints.hf(variant, dtype="bfloat16"), quantize=4)
+    raise KeyError(layout)
+
+
+@pytest.mark.parametrize(
+    "layout", ["mlx4", "mlx4_f32_scales", "mlx8", "hf_f32", "hf_bf16_per_expert", "hf_quantized_on_load"]
+)
+def test_logits_and_greedy_tokens_match_the_reference(tiny_checkpoints, layout, isa):
+    checkpoint = checkpoint_of(tiny_checkpoints, layout)
+    prompt = np.random.default_rng(hash(layout) % 1000).integers(0, checkpoint.args.vocab_size, 11)
+    backend = CpuBackend(checkpoint)
+    assert_agree(cpu_run(backend, prompt), reference_run(checkpoint, prompt))
+    # Only weights the loader cannot hand over as file bytes are copied (HF per-expert / on-load quantization).
+    if layout.startswith("mlx"):
+        assert backend.owned_bytes == 0
+
+
+@pytest.mark.parametrize("variant", ["dk32", "gqa4"])
+def test_other_head_shapes_match_the_reference(tiny_checkpoints, variant, isa):
+    checkpoint = checkpoint_of(tiny_checkpoints, "mlx4", variant)
+    prompt = np.random.default_rng(7).integers(0, checkpoint.args.vocab_size, 9)
+    assert_agree(cpu_run(CpuBackend(checkpoint), prompt), reference_run(checkpoint, prompt))
+
+
+@pytest.fixture(scope="module")
+def mlx4(tiny_checkpoints):
+    return checkpoint_of(tiny_checkpoints, "mlx4")
+
+
+def test_chunked_prefill_equals_one_shot_across_kv_cache_growth(mlx4):
+    """A prompt longer than the KV cache's first capacity, fed in uneven chunks (1, 3 tokens: GEMV; more: GEMM),
+    gives the one-shot logits, and both match the reference."""
+    backend = CpuBackend(mlx4)
+    prompt = np.random.default_rng(3).integers(0, mlx4.args.vocab_size, KV_CACHE_MIN_CAPACITY + 49)
+    one_shot = backend.forward(prompt, backend.new_state())
+    state, parts, start = backend.new_state(), [], 0
+    for size in (1, 3, 4, 17, 200, 5, 64, 2, 9):
+        parts.append(backend.forward(prompt[start : start + size], state))
+        start += size
+    assert start == len(prompt) and state.position == len(prompt)
+    chunked = np.concatenate(parts)
+    assert relative_error(chunked, one_shot) < 1e-5
+    want = ReferenceModel(mlx4).forward(prompt, ReferenceModel(mlx4).new_state())
+    assert relative_error(one_shot, want) < LOGITS_TOLERANCE
+
+
+def test_last_only_returns_the_last_row(mlx4):
+    backend = CpuBackend(mlx4)
+    prompt = np.random.default_rng(4).integers(0, mlx4.args.vocab_size, 13)
+    full = backend.forward(prompt, backend.new_state())
+    last = backend.forward(prompt, backend.new_state(), last_only=True)
+    assert last.shape == (1, mlx4.args.vocab_size)
+    # One row runs the decode GEMV, 13 rows the GEMM: the same sums, rounded in another order.
+    assert relative_error(last[0], full[-1]) < 1e-6
+
+
+def test_one_and_two_threads_give_identical_logits(mlx4):
+    """Threads split rows, experts and heads, never a sum: the result does not depend on the thread count."""
+    prompt = np.random.default_rng(5).integers(0, mlx4.args.vocab_size, 40)
+    one, two = CpuBackend(mlx4, threads=1), CpuBackend(mlx4, threads=2)
+    assert (one.threads, two.threads) == (1, 2)
+    s1, s2 = one.new_state(), two.new_state()
+    np.testing.assert_array_equal(one.forward(prompt, s1), two.forward(prompt, s2))
+    np.testing.assert_array_equal(one.forward(prompt[:1], s1), two.forward(prompt[:1], s2))
+
+
+def test_thread_count_comes_from_the_environment():
+    assert default_threads({"LILY_NUM_THREADS": "3"}) == 3
+    assert default_threads({}) >= 1
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(ValueError, match="LILY_NUM_THREADS"):
+            default_threads({"LILY_NUM_THREADS": bad})
+
+
+def test_bad_inputs_are_refused_with_clear_errors(mlx4, tiny_checkpoints):
+    backend = CpuBackend(mlx4)
+    with pytest.raises(ValueError, match="token_ids must lie in"):
+        backend.forward(np.array([mlx4.args.vocab_size]), backend.new_state())
+    with pytest.raises(ValueError, match="non-empty"):
+        backend.forward(np.array([], dtype=np.int64), backend.new_state())
+    with pytest.raises(ValueError, match="new_state"):
+        backend.forward(np.array([1]), ReferenceModel(mlx4).new_state().layers)
+    other = CpuBackend(checkpoint_of(tiny_checkpoints, "mlx4", "gqa4"))
+    with pytest.raises(ValueError, match="new_state"):
+        backend.forward(np.array([1]), other.new_state())
+    with pytest.raises(ValueError, match="threads"):
+        CpuBackend(mlx4, threads=0)
+    with pytest.raises(ValueError, match="isa|instruction set|avx2"):
+        _ext.cpu.set_isa("neon")
+    with pytest.raises(ValueError, match="float32 only"):
+        lily.Model.load(mlx4.path, backend="cpu", precision="bfloat16")
+
+
+def test_session_snapshot_save_and_load_continue_exactly(mlx4, tmp_path):
+    model = lily.Model.load(mlx4.path, backend="cpu")
+    assert model.backend_name == "cpu"
+    prompt = np.random.default_rng(6).integers(0, mlx4.args.vocab_size, 20).tolist()
+    greedy = dict(max_tokens=8, temperature=0, stop_token_ids=[])
+    straight = model.generate(prompt, use_cache=False, **greedy).token_ids
+
+    session = model.prefill(prompt[:12], use_cache=False)
+    snapshot = session.snapshot()
+    session.save(tmp_path / "s.safetensors")
+    loaded = lily.Session.load(tmp_path / "s.safetensors", model)
+    restored = model.new_session(use_cache=False)
+    restored.restore(snapshot)
+    for s in (session, loaded, restored):
+        model.prefill(prompt[12:], session=s)
+        assert [t.id for t in s.decode(**greedy)] == straight
+
+
+def test_auto_picks_the_cpu_backend_off_a_mac():
+    if sys.platform == "darwin":
+        pytest.skip("a Mac runs the Metal engine (tests/engine)")
+    assert lily.Model.load("lily:demo").backend_name == "cpu"
+    assert lily.Model.load("lily:demo", backend="reference").backend_name == "reference"
+
+
+def test_cli_generate_and_bench_run_on_the_cpu_backend_by_default(capsys):
+    """The user path: `lily generate` and `lily bench` with no --backend go through auto -> cpu off a Mac."""
+    from test_cli import run_cli
+
+    if sys.platform == "darwin":
+        pytest.skip("a Mac runs the Metal engine (tests/engine)")
+    argv = ["generate", "ROMEO:", "--max-tokens", "8", "--temp", "0"]
+    code, default_out, _ = run_cli(argv, capsys)
+    assert code == 0 and default_out.strip()
+    code, reference_out, _ = run_cli(argv + ["--backend", "reference"], capsys)
+    assert code == 0 and default_out == reference_out
+    code, out, _ = run_cli(["bench", "-p", "8", "-n", "4", "-r", "1"], capsys)
+    assert code == 0 and "| cpu |" in out
+
+
+def test_demo_greedy_text_matches_the_reference():
+    cpu = lily.Model.load("lily:demo", backend="cpu")
+    ref = lily.Model.load("lily:demo", backend="reference")
+    opts = dict(max_tokens=24, temperature=0)
+    assert cpu.generate("ROMEO:", **opts).token_ids == ref.generate("ROMEO:", **opts).token_ids
