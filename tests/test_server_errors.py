@@ -303,10 +303,13 @@ def test_api_key(model):
         httpx.Client(base_url=secured.base_url, timeout=10) as http,
     ):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-Api-Key": "wrong"}, {"Authorization": "s3cret"}):
-            for method, path in (("POST", CHAT), ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/nowhere")):
+            for method, path in (("POST", CHAT), ("GET", "/v1/models"), ("GET", "/v1/models/x"), ("GET", "/nowhere")):
                 response = http.request(method, path, json=HELLO, headers=headers)
                 assert_error(response, 401, code="invalid_api_key")
                 assert response.json()["error"]["type"] == "authentication_error"
+            # /health stays open for load balancers, as in vLLM and llama.cpp (and "/health/" is not it).
+            assert http.get("/health", headers=headers).json() == {"status": "ok"}
+            assert_error(http.get("/health/", headers=headers), 401, code="invalid_api_key")
         assert http.post(CHAT, json=HELLO, headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert http.get("/health", headers={"X-Api-Key": "s3cret"}).status_code == 200
 
