@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import sys
 
@@ -103,9 +104,19 @@ def test_download_prints_the_local_path(monkeypatch, capsys, tmp_path):
     import lily.hub
 
     calls = []
+    shutil.copy(lily.hub.resolve("lily:demo") / "config.json", tmp_path / "config.json")
     monkeypatch.setattr(lily.hub, "resolve", lambda repo, revision=None: calls.append((repo, revision)) or tmp_path)
     code, out, _ = run_cli(["download", "org/name", "--revision", "abc"], capsys)
     assert code == 0 and out.strip() == str(tmp_path) and calls == [("org/name", "abc")]
+
+
+def test_download_refuses_a_directory_that_is_not_a_model(tmp_path, monkeypatch, capsys):
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    code, out, err = run_cli(["download", "../etc"], capsys)
+    assert code == 1 and out == ""
+    assert err.startswith("lily: error: ") and "config.json" in err and len(err.strip().splitlines()) == 1
 
     def offline(repo, revision=None):
         raise lily.hub.HubError(f"{repo} is not cached and HF_HUB_OFFLINE=1")

@@ -51,13 +51,12 @@ from .server_responses import (
     new_id,
     usage,
 )
-from .server_scheduler import Done, Job, QueueFull, Scheduler, ShuttingDown
+from .server_scheduler import DEFAULT_MAX_QUEUE, Done, Job, QueueFull, Scheduler, ShuttingDown
 
 __all__ = ["ServerConfig", "create_app", "serve", "main"]
 
 log = logging.getLogger("lily.server")
 
-DEFAULT_MAX_QUEUE = 16
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_KEEPALIVE_S = 15.0

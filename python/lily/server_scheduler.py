@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 log = logging.getLogger("lily.server")
 
+DEFAULT_MAX_QUEUE = 16
+
 
 class QueueFull(Exception):
     """Raised by `Scheduler.submit` when the waiting queue is at its limit."""
