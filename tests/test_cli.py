@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -71,10 +72,20 @@ def test_bench_json_and_markdown(chat_model_dir, capsys):
         assert row["peak_memory"] > 0 and row["model_n_params"] > 0
     code, out, _ = run_cli(base + ["-r", "1"], capsys)
     lines = out.splitlines()
-    assert lines[0].split("|")[1:-1] == [f" {c} " for c in ("model", "size", "params", "backend", "test",
-                                                              "t/s", "peak GB")]
+    assert [c.strip() for c in lines[0].split("|")[1:-1]] == ["model", "size", "params", "backend", "test",
+                                                               "t/s", "peak GB"]
     assert [line.split("|")[5].strip() for line in lines[2:6]] == ["pp6", "tg3", "pp6 @ d5", "tg3 @ d5"]
     assert all("±" in line for line in lines[2:6])
+    # llama-bench's layout: every row the same width, columns padded to at least its widths, the
+    # numbers right-aligned, a model description rather than the folder name, a build line.
+    assert len({len(line) for line in lines[:6]}) == 1 and lines[1].startswith("| " + "-" * 30 + " | ")
+    assert [len(c) for c in lines[0].split("|")[1:-1]][:6] == [32, 12, 12, 12, 17, 22]
+    cells = lines[2].split("|")[1:-1]
+    assert re.fullmatch(r"qwen3_5_moe \d+[KMB]\.A\d+[KMB] (\d-bit|BF16|F16|F32)", cells[0].strip())
+    assert cells[0].startswith(" q") and cells[1].endswith(" GiB ") and cells[1].startswith("  ")
+    assert chat_model_dir.name not in lines[2]
+    build = next(line for line in lines if line.startswith("build: "))
+    assert re.fullmatch(r"build: ([0-9a-f]{7,}|unknown) \(lily \S+\)", build)
 
 
 def test_serve_delegates_with_its_flags(monkeypatch):
