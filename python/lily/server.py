@@ -53,7 +53,7 @@ from .server_responses import (
 )
 from .server_scheduler import DEFAULT_MAX_QUEUE, Done, Job, QueueFull, Scheduler, ShuttingDown
 
-__all__ = ["ServerConfig", "create_app", "serve", "main"]
+__all__ = ["ServerConfig", "create_app", "uvicorn_config", "serve", "main"]
 
 log = logging.getLogger("lily.server")
 
@@ -625,12 +625,12 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> Starlette:
 
 def uvicorn_config(app: Starlette, config: ServerConfig, **options: Any) -> uvicorn.Config:
     """uvicorn's settings for `app`: the connection layer of `server_http` with the config's limits."""
+    options = {"timeout_graceful_shutdown": 5, **options}
     return uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
         http=make_protocol(config.header_timeout_s, config.max_connections),
-        timeout_graceful_shutdown=5,
         **options,
     )
 
@@ -726,6 +726,10 @@ def serve(
     log.info("listening on http://%s:%d (Ctrl-C to quit)", f"[{host}]" if ":" in host else host, bound)
     try:
         server.run(sockets=[listener])
+    except KeyboardInterrupt:
+        # uvicorn re-raises the Ctrl-C it handled once it has shut down: that is a clean exit.
+        if not server.should_exit:
+            raise
     finally:
         state.scheduler.stop()
         listener.close()

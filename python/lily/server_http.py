@@ -27,6 +27,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_MAX_CONNECTIONS = 128
 RETRY_AFTER_S = 1
+# After a refusal, what the client still sends is read and dropped this long before closing: closing
+# a socket with unread input sends a reset, which can destroy the answer before the client reads it.
+_LINGER_S = 1.0
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 503: b"Service Unavailable"}
 
@@ -52,6 +55,7 @@ def make_protocol(header_timeout_s: float, max_connections: int) -> type[H11Prot
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._header_timer: asyncio.TimerHandle | None = None
+            self._refused = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -61,6 +65,10 @@ def make_protocol(header_timeout_s: float, max_connections: int) -> type[H11Prot
                     kind="unavailable_error", extra_headers=((b"retry-after", b"%d" % RETRY_AFTER_S),)))
                 return
             self._arm_header_timer()
+
+        def data_received(self, data: bytes) -> None:
+            if not self._refused:
+                super().data_received(data)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_header_timer()
@@ -100,8 +108,15 @@ def make_protocol(header_timeout_s: float, max_connections: int) -> type[H11Prot
                 408, f"Request head not received within {header_timeout_s:g} s", "request_timeout"))
 
         def _refuse(self, response: bytes) -> None:
-            # Written past h11, which cannot answer a request it has not (fully) received.
+            # Written past h11, which cannot answer a request it has not (fully) received; then
+            # half-closed, and closed once the client hangs up or after _LINGER_S.
+            self._refused = True
+            self._disarm_header_timer()
             self.transport.write(response)
-            self.transport.close()
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self.loop.call_later(_LINGER_S, self.transport.close)
+            else:
+                self.transport.close()
 
     return LilyH11Protocol
