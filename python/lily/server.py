@@ -651,7 +651,7 @@ class _Server(uvicorn.Server):
 def _listen(host: str, port: int) -> socket.socket:
     """A listening socket, so a bad or busy address is one clear error before anything starts."""
     if not 0 <= port <= 65535:
-        raise ValueError(f"port must be in [0, 65535], got {port}")
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
@@ -782,8 +782,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--max-context must be at least 1, got {args.max_context}")
     if args.keepalive < 0:
         parser.error(f"--keepalive must be >= 0, got {args.keepalive}")
-    if not 0 <= args.port <= 65535:
-        parser.error(f"--port must be in [0, 65535], got {args.port}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         _check_local_model(args.model, args.max_context)
