@@ -19,7 +19,7 @@ import numpy as np
 import uvicorn
 
 from lily.model import Model
-from lily.server import ServerConfig, create_app
+from lily.server import ServerConfig, create_app, uvicorn_config
 from lily.tokenizer import Tokenizer
 
 FORCED_LOGIT = 50.0
@@ -152,7 +152,9 @@ class ServerThread:
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
+        self._server = uvicorn.Server(
+            uvicorn_config(self.app, self.config, log_level="warning", timeout_graceful_shutdown=2)
+        )
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 
     def __enter__(self) -> "ServerThread":

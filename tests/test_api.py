@@ -342,3 +342,67 @@ def test_chat_stream_carries_the_same_channels(model):
 def test_chat_without_thinking_is_all_content(model):
     result = scripted_chat(model, "Plain answer.", enable_thinking=False)
     assert result.content == "Plain answer." and result.reasoning == "" and result.finish_reason == "stop"
+
+
+# ---- argument checks and defaults ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call, error, needle", [
+    (lambda m: m.generate("abc", temp=0.5), TypeError, r"Model\.generate\(\).*'temp'.*'temperature'"),
+    (lambda m: m.generate("abc", repeat_penalty=1.1), TypeError, r"Model\.generate\(\).*'repetition_penalty'"),
+    (lambda m: m.generate("abc", temperature=-1), ValueError, r"Model\.generate\(\): temperature"),
+    (lambda m: m.generate("abc", stop=5), ValueError, r"Model\.generate\(\): stop must be a string or a list"),
+    (lambda m: m.generate("abc", logit_bias={"a": 1}), ValueError, r"logit_bias keys must be token ids.*'a'"),
+    (lambda m: m.generate("abc", max_tokens=0), ValueError, r"Model\.generate\(\): max_tokens"),
+    (lambda m: m.chat([{"role": "user", "content": "hi"}], top_k=-1), ValueError, r"Model\.chat\(\): top_k"),
+    (lambda m: m.chat([{"role": "user", "content": "hi"}], temprature=0), TypeError, r"Model\.chat\(\).*'temperature'"),
+    (lambda m: m.generate(b"ROMEO"), TypeError, r"got bytes"),
+    (lambda m: m.generate("cut \ud83d"), ValueError, r"prompt contains a lone UTF-16 surrogate"),
+])
+def test_arguments_are_checked_before_any_work(model, call, error, needle):
+    counting = CountingBackend(model.backend)
+    m = with_backend(model, counting)
+    with pytest.raises(error, match=needle):
+        call(m)
+    assert counting.calls == []  # refused before the prefill
+
+
+def test_logits_take_text_or_ids_and_respect_the_context(model):
+    ids = model.tokenizer.encode("the cat")
+    np.testing.assert_array_equal(model.logits("the cat"), model.logits(ids))
+    counting = CountingBackend(model.backend)
+    with pytest.raises(ValueError, match=r"Model\.logits\(\): .*exceed the model context"):
+        with_backend(model, counting).logits([1] * (model.config.max_position_embeddings + 1))
+    assert counting.calls == []
+
+
+def test_load_names_a_bad_argument():
+    with pytest.raises(TypeError, match=r"Model\.load\(\): path_or_repo .* got NoneType"):
+        lily.Model.load(None)
+
+
+def test_defaults_come_from_generation_config_in_every_entry_point(model, chat_model_dir, tmp_path):
+    """One set of defaults: generation_config.json's sampling values apply to generate/decode/chat
+    unless overridden, and max_tokens defaults to 256 (chat: 4096)."""
+    from lily.sampling import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS
+
+    assert (DEFAULT_MAX_TOKENS, DEFAULT_CHAT_MAX_TOKENS) == (256, 4096)
+    directory = tmp_path / "with-config"
+    shutil.copytree(chat_model_dir, directory)
+    config = {"temperature": 0.7, "top_k": 3, "top_p": 0.9, "repetition_penalty": 1.3}
+    (directory / "generation_config.json").write_text(json.dumps(config))
+    configured = lily.Model.load(directory, backend="reference")
+    assert configured.sampling_defaults == config
+    seeded = dict(seed=5, stop_token_ids=[], use_cache=False)
+    explicit = model.generate("the", max_tokens=12, **config, **seeded)
+    implicit = configured.generate("the", max_tokens=12, **seeded)
+    assert implicit.token_ids == explicit.token_ids
+    streamed = list(configured.generate("the", max_tokens=12, stream=True, **seeded))
+    assert [t.id for t in streamed] == explicit.token_ids
+    # An explicit value still wins over the checkpoint's.
+    greedy = configured.generate("the", max_tokens=12, temperature=0, **seeded)
+    assert greedy.token_ids == model.generate("the", max_tokens=12, temperature=0, top_k=3, top_p=0.9,
+                                              repetition_penalty=1.3, **seeded).token_ids
+    # max_tokens: 256 by default (not "until the context ends"), None for no limit.
+    counted = list(model.prefill("the", use_cache=False).decode(temperature=0, stop_token_ids=[]))
+    assert len(counted) == DEFAULT_MAX_TOKENS and counted[-1].finish_reason == "length"

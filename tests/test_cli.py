@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import re
+import shutil
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -70,10 +76,20 @@ def test_bench_json_and_markdown(chat_model_dir, capsys):
         assert row["peak_memory"] > 0 and row["model_n_params"] > 0
     code, out, _ = run_cli(base + ["-r", "1"], capsys)
     lines = out.splitlines()
-    assert lines[0].split("|")[1:-1] == [f" {c} " for c in ("model", "size", "params", "backend", "test",
-                                                              "t/s", "peak GB")]
+    assert [c.strip() for c in lines[0].split("|")[1:-1]] == ["model", "size", "params", "backend", "test",
+                                                               "t/s", "peak GB"]
     assert [line.split("|")[5].strip() for line in lines[2:6]] == ["pp6", "tg3", "pp6 @ d5", "tg3 @ d5"]
     assert all("±" in line for line in lines[2:6])
+    # llama-bench's layout: every row the same width, columns padded to at least its widths, the
+    # numbers right-aligned, a model description rather than the folder name, a build line.
+    assert len({len(line) for line in lines[:6]}) == 1 and lines[1].startswith("| " + "-" * 30 + " | ")
+    assert [len(c) for c in lines[0].split("|")[1:-1]][:6] == [32, 12, 12, 12, 17, 22]
+    cells = lines[2].split("|")[1:-1]
+    assert re.fullmatch(r"qwen3_5_moe \d+[KMB]\.A\d+[KMB] (\d-bit|BF16|F16|F32)", cells[0].strip())
+    assert cells[0].startswith(" q") and cells[1].endswith(" GiB ") and cells[1].startswith("  ")
+    assert chat_model_dir.name not in lines[2]
+    build = next(line for line in lines if line.startswith("build: "))
+    assert re.fullmatch(r"build: ([0-9a-f]{7,}|unknown) \(lily \S+\)", build)
 
 
 def test_serve_delegates_with_its_flags(monkeypatch):
@@ -104,9 +120,19 @@ def test_download_prints_the_local_path(monkeypatch, capsys, tmp_path):
     import lily.hub
 
     calls = []
+    shutil.copy(lily.hub.resolve("lily:demo") / "config.json", tmp_path / "config.json")
     monkeypatch.setattr(lily.hub, "resolve", lambda repo, revision=None: calls.append((repo, revision)) or tmp_path)
     code, out, _ = run_cli(["download", "org/name", "--revision", "abc"], capsys)
     assert code == 0 and out.strip() == str(tmp_path) and calls == [("org/name", "abc")]
+
+
+def test_download_refuses_a_directory_that_is_not_a_model(tmp_path, monkeypatch, capsys):
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    code, out, err = run_cli(["download", "../etc"], capsys)
+    assert code == 1 and out == ""
+    assert err.startswith("lily: error: ") and "config.json" in err and len(err.strip().splitlines()) == 1
 
     def offline(repo, revision=None):
         raise lily.hub.HubError(f"{repo} is not cached and HF_HUB_OFFLINE=1")
@@ -139,3 +165,104 @@ def test_generate_defaults_to_the_demo_model(capsys):
     defaults = {k: config[k] for k in ("top_p", "top_k", "min_p", "repetition_penalty") if k in config}
     expected = demo.generate("ROMEO:", max_tokens=6, temperature=0, **defaults)
     assert out == expected.text + "\n" and expected.text.strip()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "/nonexistent"], "/nonexistent"),
+    (["--max-context", "10000"], "--max-context"),
+    (["--port", "99999"], "--port"),
+    (["--port", "{busy}"], "cannot listen on 127.0.0.1:{busy}"),
+])
+def test_serve_startup_errors_are_one_line(argv, needle):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        argv = [a.replace("{busy}", port) for a in argv]
+        proc = subprocess.run([sys.executable, "-m", "lily.cli", "serve", "--backend", "reference", *argv],
+                              capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("lily serve: error: ") and needle.replace("{busy}", port) in lines[0]
+
+
+def test_serve_help_names_the_key_variable_and_the_queue_default(capsys):
+    for argv in (["serve", "--help"], None):
+        with pytest.raises(SystemExit):
+            if argv is None:
+                import lily.server
+
+                lily.server.main(["--help"])
+            else:
+                cli.main(argv)
+        out = " ".join(capsys.readouterr().out.split())
+        assert "LILY_API_KEY" in out and "(default 16)" in out
+
+
+def test_generate_gives_the_same_text_as_python_with_the_same_seed(capsys):
+    code, out, _ = run_cli(["generate", "ROMEO:", "--max-tokens", "12", "--seed", "3", "--backend", "reference"],
+                           capsys)
+    demo = lily.Model.load("lily:demo", backend="reference")
+    assert demo.sampling_defaults  # the demo's generation_config sets some: the test compares something
+    assert code == 0 and out == demo.generate("ROMEO:", max_tokens=12, seed=3).text + "\n"
+
+
+def test_chat_reports_an_over_context_turn_and_goes_on(model, chat_model_dir, monkeypatch, capsys):
+    too_long = "b" * (model.config.max_position_embeddings + 10)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{too_long}\n/reset\nhi\n/quit\n"))
+    code, out, err = run_cli(["chat", "--model", str(chat_model_dir), "--backend", "reference",
+                              "--max-tokens", "3", "--temp", "0"], capsys)
+    assert code == 0
+    assert "lily: error: prompt too long" in err and "the message was not added" in err
+    assert "[conversation cleared]" in err
+    # The next turn is answered as a fresh conversation would be, with a note if it was cut off.
+    expected = model.chat([{"role": "user", "content": "hi"}], max_tokens=3, temperature=0)
+    assert expected.finish_reason == "length"
+    assert ("while still thinking" in err) == (not expected.content and not expected.tool_calls)
+    assert "cut off by --max-tokens (3)" in err
+
+
+def test_chat_in_a_terminal_keeps_the_conversation_on_ctrl_c_and_has_history(chat_model_dir, tmp_path):
+    """Through a pseudo-terminal: Ctrl-C at the prompt and during a prefill keep the conversation,
+    the up arrow recalls the last message, and a 5,000-byte paste arrives whole."""
+    import pexpect  # a terminal driver; a missing one is a failure, not a skip
+    log = tmp_path / "turns.jsonl"
+    driver = Path(__file__).parent / "chat_pty_driver.py"
+    child = pexpect.spawn(sys.executable, [str(driver), str(chat_model_dir), str(log)], encoding="utf-8",
+                          timeout=60, env={**os.environ, "TERM": "xterm"}, dimensions=(40, 200))
+    try:
+        child.expect_exact(">> ")
+        child.send("hello\r")
+        child.expect_exact(">> ")
+        child.send("half typed")
+        child.sendintr()  # Ctrl-C at the prompt
+        child.expect_exact("the conversation is kept")
+        child.expect_exact(">> ")
+        child.send("slow message\r")
+        wait_for = time.monotonic() + 30
+        while not log.exists() or len(log.read_text().splitlines()) < 2:
+            assert time.monotonic() < wait_for
+            time.sleep(0.05)
+        time.sleep(0.3)
+        child.sendintr()  # Ctrl-C during the prefill
+        child.expect_exact("[interrupted before the answer")
+        child.expect_exact(">> ")
+        child.send("again\r")
+        child.expect_exact(">> ")
+        child.send("\x1b[A\r")  # up arrow: "again" once more
+        child.expect_exact(">> ")
+        paste = "bcdfgjkm" * 625  # 5,000 bytes: more than a tty's 4,095-byte line
+        child.send(paste + "\r")
+        child.expect_exact(">> ")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    turns = [json.loads(line) for line in log.read_text().splitlines()]
+    users = [[m["content"] for m in turn if m["role"] == "user"] for turn in turns]
+    assert users[0] == ["hello"] and users[1] == ["hello", "slow message"]
+    assert users[2] == ["hello", "again"]  # the interrupted message was dropped, "hello" kept
+    assert users[3] == ["hello", "again", "again"]  # recalled with the arrow key
+    assert users[4][-1] == paste
+    assert [m["role"] for m in turns[3]] == ["user", "assistant", "user", "assistant", "user"]

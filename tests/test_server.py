@@ -229,6 +229,36 @@ def test_tool_calls(client, backend):
     assert reply.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("offer", [{}, {"tools": [WEATHER_TOOL], "tool_choice": "none"}], ids=["no-tools", "choice-none"])
+def test_tool_markup_without_offered_tools_stays_content(client, backend, stream, offer):
+    set_script(backend, "Calling.\n" + WEATHER_CALL)  # the model writes a call that was not offered
+    request = dict(model="scripted", messages=[{"role": "user", "content": "Paris?"}], extra_body=NO_THINKING, **offer)
+    if stream:
+        chunks = [c for c in client.chat.completions.create(stream=True, **request) if c.choices]
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = client.chat.completions.create(**request).choices[0]
+        content, calls, finish = choice.message.content, choice.message.tool_calls or [], choice.finish_reason
+    assert content == "Calling.\n" + WEATHER_CALL and calls == [] and finish == "stop"
+
+
+def test_reasoning_tokens_count_whitespace_and_the_closing_tag(client, backend, tokenizer_dir):
+    script = "Think it over.\n \n\n</think>\n\nDone."
+    set_script(backend, script)
+    reply = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "q"}])
+    tokenizer = Tokenizer.from_dir(tokenizer_dir)
+    ids = tokenizer.encode(script)
+    # Independently: the tokens up to and including the one whose text completes "</think>".
+    through_close = next(n for n in range(1, len(ids) + 1) if "</think>" in tokenizer.decode(ids[:n]))
+    assert any(not tokenizer.decode([t]).strip() for t in ids[:through_close])  # whitespace-only tokens
+    assert reply.choices[0].message.content == "Done."
+    assert reply.usage.completion_tokens_details.reasoning_tokens == through_close
+    assert reply.usage.completion_tokens == len(ids) + 1
+
+
 def test_tool_call_after_reasoning(client, backend):
     set_script(backend, "I should look it up.\n</think>\n\n" + WEATHER_CALL)
     reply = client.chat.completions.create(
@@ -481,6 +511,7 @@ def test_queue_full_is_503(model, backend):
         with pytest.raises(openai.InternalServerError) as info:
             client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "third"}])
         assert info.value.status_code == 503 and info.value.body["code"] == "queue_full"
+        assert int(info.value.response.headers["retry-after"]) >= 1  # clients know when to come back
         gate.set()
         for thread in threads:
             thread.join(10)

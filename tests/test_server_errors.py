@@ -85,6 +85,8 @@ def test_invalid_utf8_is_400(http):
     assert_still_serving(http)
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
 CHAT_BAD_FIELDS = [
     ({"temperature": "hot"}, "temperature"),
     ({"temperature": 2.5}, "temperature"),
@@ -126,6 +128,21 @@ CHAT_BAD_FIELDS = [
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    # Forcing a call cannot be honoured without constrained decoding: refused, not treated as "auto".
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"n": True}, "n"),
+    ({"best_of": True}, "best_of"),
+    ({"reasoning_effort": "x"}, "reasoning_effort"),
+    ({"user": 5}, "user"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    # A lone surrogate (a string cut inside an emoji) in any string field names that field.
+    ({"messages": [{"role": "user", "content": "cut \ud83d"}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": "\ud800"}, {"role": "user", "content": "hi"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a\udfff"}]}]}, "messages[0].content[0].text"),
+    ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "description": "\ud800"}}]},
+     "tools[0].function.description"),
+    ({"stop": ["ok", "\udc00"]}, "stop[1]"),
     ({"model": 5}, "model"),
     ({"messages": None}, "messages"),
     ({"messages": []}, "messages"),
@@ -158,7 +175,8 @@ CHAT_BAD_FIELDS = [
 
 @pytest.mark.parametrize("fields, param", CHAT_BAD_FIELDS, ids=[p for _, p in CHAT_BAD_FIELDS])
 def test_bad_chat_parameters_are_400(http, fields, param):
-    error = assert_error(http.post(CHAT, json={**HELLO, **fields}), 400, param=param)
+    # json.dumps escapes non-ASCII (a lone surrogate becomes \\ud800, as JavaScript clients send it)
+    error = assert_error(http.post(CHAT, content=json.dumps({**HELLO, **fields})), 400, param=param)
     assert param.split("[")[0].split(".")[0] in error["message"]
 
 
@@ -176,6 +194,10 @@ COMPLETION_BAD_FIELDS = [
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
+    ({"prompt": "cut \ud83d"}, "prompt"),
+    ({"prompt": ["\ud800"]}, "prompt[0]"),
+    ({"prompt": "x", "best_of": True}, "best_of"),
+    ({"prompt": "x", "user": ["me"]}, "user"),
 ]
 
 
@@ -183,7 +205,22 @@ COMPLETION_BAD_FIELDS = [
     "fields, param", COMPLETION_BAD_FIELDS, ids=[f"{p}-{i}" for i, (_, p) in enumerate(COMPLETION_BAD_FIELDS)]
 )
 def test_bad_completion_parameters_are_400(http, fields, param):
-    assert_error(http.post(COMPLETIONS, json=fields), 400, param=param)
+    assert_error(http.post(COMPLETIONS, content=json.dumps(fields)), 400, param=param)
+
+
+def test_a_surrogate_error_names_the_field_and_is_not_500(http):
+    body = json.dumps({**HELLO, "messages": [{"role": "user", "content": "ab\ud83d"}]})
+    assert "\\ud83d" in body
+    error = assert_error(http.post(CHAT, content=body),
+                         400, param="messages[0].content", code="invalid_text")
+    assert "surrogate" in error["message"] and "messages[0].content" in error["message"]
+    assert_still_serving(http)
+
+
+def test_an_infinite_number_says_so(http):
+    body = json.dumps(HELLO)[:-1] + ', "temperature": 1e999}'
+    error = assert_error(http.post(CHAT, content=body), 400, param="temperature")
+    assert "finite" in error["message"] and "got number" not in error["message"]
 
 
 def test_unknown_fields_are_ignored(http):
@@ -303,10 +340,13 @@ def test_api_key(model):
         httpx.Client(base_url=secured.base_url, timeout=10) as http,
     ):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-Api-Key": "wrong"}, {"Authorization": "s3cret"}):
-            for method, path in (("POST", CHAT), ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/nowhere")):
+            for method, path in (("POST", CHAT), ("GET", "/v1/models"), ("GET", "/v1/models/x"), ("GET", "/nowhere")):
                 response = http.request(method, path, json=HELLO, headers=headers)
                 assert_error(response, 401, code="invalid_api_key")
                 assert response.json()["error"]["type"] == "authentication_error"
+            # /health stays open for load balancers, as in vLLM and llama.cpp (and "/health/" is not it).
+            assert http.get("/health", headers=headers).json() == {"status": "ok"}
+            assert_error(http.get("/health/", headers=headers), 401, code="invalid_api_key")
         assert http.post(CHAT, json=HELLO, headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert http.get("/health", headers={"X-Api-Key": "s3cret"}).status_code == 200
 

@@ -312,3 +312,9 @@ def test_main_reports_a_missing_checkpoint(tmp_path):
     )
     assert result.returncode == 1
     assert "model failed to load" in result.stderr and "no-such-model" in result.stderr
+
+
+def test_the_demo_has_one_name_everywhere():
+    """`lily serve lily:demo` and `lily.server.serve(Model.load("lily:demo"))` report the same id."""
+    assert load_engine("lily:demo", backend="reference").model_id == "lily:demo"
+    assert LilyEngine(Model.load("lily:demo", backend="reference")).model_id == "lily:demo"

@@ -12,6 +12,7 @@ import json
 import math
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -129,36 +130,82 @@ def run_bench(model: Model, *, prompts: Sequence[int] = (512,), gens: Sequence[i
     return rows
 
 
+def _count_label(n: float) -> str:
+    """llama.cpp's size labels: 35B, 3B, 27M, 12K."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{round(n / scale)}{unit}"
+    return str(int(n))
+
+
+_DTYPE_LABELS = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def model_description(model: Model, n_params: int) -> str:
+    """llama-bench's model column: architecture, total.Active parameter labels and quantization,
+    e.g. "qwen3_5_moe 35B.A3B 4-bit"."""
+    weights = getattr(model.backend, "weights", None)
+    names = list(weights) if hasattr(weights, "shape") else []
+    experts = sum(int(np.prod(weights.shape(n))) for n in names if ".switch_mlp." in n)
+    config = model.config
+    share = getattr(config, "num_experts_per_tok", 0) / max(getattr(config, "num_experts", 0), 1)
+    active = n_params - experts * (1 - share)
+    size = _count_label(n_params) + (f".A{_count_label(active)}" if experts else "")
+    bits = statistics.multimode(q[0] for n in names if (q := weights.quantization(n)) is not None)
+    dtypes = statistics.multimode(weights.dtype(n) for n in names) or ["unknown"]
+    kind = f"{bits[0]}-bit" if bits else _DTYPE_LABELS.get(dtypes[0], dtypes[0])
+    return f"qwen3_5_moe {size} {kind}"
+
+
 def model_info(model: Model) -> dict[str, Any]:
-    """Model name, file size and parameter count, as llama-bench's leading columns."""
+    """Model description, file size and parameter count, as llama-bench's leading columns."""
     path = Path(model.path) if model.path is not None else None
     size = sum(f.stat().st_size for f in path.glob("*.safetensors")) if path else 0
     weights = getattr(model.backend, "weights", {})
     params = sum(int(np.prod(weights.shape(name))) for name in weights) if hasattr(weights, "shape") else 0
-    return {"model_filename": str(path) if path else "", "model_type": "qwen3_5_moe",
-            "model_size": size, "model_n_params": params, "backends": model.backend_name}
+    return {"model_filename": str(path) if path else "", "model_type": model_description(model, params),
+            "model_size": size, "model_n_params": params, "backends": model.backend_name,
+            **build_info()}
+
+
+def build_info() -> dict[str, str]:
+    """The lily version and, in a git checkout, its commit (llama-bench's build_commit)."""
+    from lily import __version__
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                                capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    return {"build_commit": commit or "unknown", "lily_version": __version__}
 
 
 def system_info() -> str:
     """A one-line hardware/OS/version footer."""
-    from lily import __version__
-
     return (f"{platform.machine()} {platform.system()} {platform.release()}, Python "
-            f"{platform.python_version()}, lily {__version__}, numpy {np.__version__}")
+            f"{platform.python_version()}, numpy {np.__version__}")
+
+
+# llama-bench's minimum column widths; text columns are left-aligned, numbers right-aligned.
+_COLUMNS = (("model", 30, "<"), ("size", 10, ">"), ("params", 10, ">"), ("backend", 10, "<"),
+            ("test", 15, ">"), ("t/s", 20, ">"), ("peak GB", 7, ">"))
 
 
 def format_markdown(rows: Sequence[BenchRow], info: dict[str, Any]) -> str:
-    """The llama-bench markdown table, plus peak memory (GB) and a system footer."""
-    name = Path(info["model_filename"]).name or "model"
-    header = ["model", "size", "params", "backend", "test", "t/s", "peak GB"]
-    align = ["---", "---:", "---:", "---", "---:", "---:", "---:"]
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
-    for row in rows:
-        cells = [name, f"{info['model_size'] / 2**30:.2f} GiB", f"{info['model_n_params'] / 1e9:.3f} B",
-                 info["backends"], row.test, f"{row.avg_ts:.2f} ± {row.stddev_ts:.2f}", f"{row.peak_memory:.2f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
-    lines.append(system_info())
+    """The llama-bench markdown table (padded columns), plus peak memory (GB), then the
+    ``build:`` line and a system footer."""
+    table = [[info["model_type"], f"{info['model_size'] / 2**30:.2f} GiB", f"{info['model_n_params'] / 1e9:.2f} B",
+              info["backends"], row.test, f"{row.avg_ts:.2f} ± {row.stddev_ts:.2f}", f"{row.peak_memory:.2f}"]
+             for row in rows]
+    widths = [max([minimum, len(name)] + [len(cells[i]) for cells in table])
+              for i, (name, minimum, _) in enumerate(_COLUMNS)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(f"{c:{a}{w}}" for c, w, (_, _, a) in zip(cells, widths, _COLUMNS)) + " |"
+
+    rule = "| " + " | ".join("-" * (w - 1) + (":" if a == ">" else "-") for w, (_, _, a) in zip(widths, _COLUMNS))
+    lines = [line([name for name, _, _ in _COLUMNS]), rule + " |", *(line(cells) for cells in table)]
+    lines += ["", f"build: {info['build_commit']} (lily {info['lily_version']})", system_info()]
     return "\n".join(lines)
 
 

@@ -31,7 +31,7 @@ import json
 import math
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -294,20 +294,27 @@ def _parse_call(block: str, schemas: dict[str, dict[str, Any]] | None) -> ToolCa
 # Whole-text parsing
 
 
-def parse_assistant(text: str, *, tools: Any = None, thinking: bool = True) -> ParsedMessage:
+def _call_finder(tool_calls: bool) -> Callable[[str, int], re.Match[str] | None]:
+    """``_CALL_START.search``, or a search that never finds a call (no tools offered)."""
+    return _CALL_START.search if tool_calls else (lambda text, pos=0: None)
+
+
+def parse_assistant(text: str, *, tools: Any = None, thinking: bool = True, tool_calls: bool = True) -> ParsedMessage:
     """Split a complete assistant output into reasoning, content and tool calls.
 
     ``tools`` are the request's tool schemas (OpenAI form); with tools given, calls of other
     functions stay in the content. ``thinking`` says whether the prompt opened a think block.
+    ``tool_calls=False`` (no tools offered, or ``tool_choice: "none"``) keeps call markup in the content.
     """
     schemas = _tool_schemas(tools)
+    find_call = _call_finder(tool_calls)
     reasoning = None
     rest = text
     if thinking:
         body = text.lstrip()
         body = body[len(THINK_OPEN):] if body.startswith(THINK_OPEN) else text
         close = body.find(THINK_CLOSE)
-        call = _CALL_START.search(body)
+        call = find_call(body)
         if call is not None and (close < 0 or call.start() < close):
             reasoning, rest = body[: call.start()], body[call.start():]
         elif close >= 0:
@@ -318,7 +325,7 @@ def parse_assistant(text: str, *, tools: Any = None, thinking: bool = True) -> P
     content: list[str] = []
     calls: list[ToolCall] = []
     pos = 0
-    while (start := _CALL_START.search(rest, pos)) is not None:
+    while (start := find_call(rest, pos)) is not None:
         close = rest.find(CALL_CLOSE, start.start())
         if close < 0:
             break  # no call can complete any more: the rest is content
@@ -398,8 +405,9 @@ class StreamingParser:
 
     _START, _REASONING, _CONTENT, _CALL = range(4)
 
-    def __init__(self, *, tools: Any = None, thinking: bool = True) -> None:
+    def __init__(self, *, tools: Any = None, thinking: bool = True, tool_calls: bool = True) -> None:
         self._schemas = _tool_schemas(tools)
+        self._find_call = _call_finder(tool_calls)
         self._mode = self._START if thinking else self._CONTENT
         self._thinking = thinking
         self._buf = ""
@@ -463,7 +471,7 @@ class StreamingParser:
                 self._mode = self._REASONING
             elif self._mode == self._REASONING:
                 close = buf.find(THINK_CLOSE)
-                call = _CALL_START.search(buf)
+                call = self._find_call(buf)
                 if call is not None and (close < 0 or call.start() < close):
                     self._emit(self._reasoning, buf[: call.start()], ReasoningDelta)
                     self._buf, self._mode = buf[call.start():], self._CONTENT
@@ -476,7 +484,7 @@ class StreamingParser:
                     self._buf = buf[held:]
                     return
             elif self._mode == self._CONTENT:
-                call = _CALL_START.search(buf)
+                call = self._find_call(buf)
                 if call is not None:
                     self._emit(self._content, buf[: call.start()], ContentDelta)
                     self._buf, self._mode = buf[call.start():], self._CALL

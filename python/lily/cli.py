@@ -12,6 +12,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from lily.sampling import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS
+from lily.server.scheduler import DEFAULT_MAX_QUEUE  # lily.server loads Starlette lazily: `lily --help` stays light
+
 DEFAULT_MODEL = "lily:demo"
 
 
@@ -24,38 +27,27 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="metal backend activations (default: the backend's own, bfloat16 for metal)")
 
 
-def _add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
+def _add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens_help: str) -> None:
+    p.add_argument("--max-tokens", type=int, default=None, help=f"tokens to generate (default {max_tokens_help})")
     p.add_argument("--temperature", "--temp", type=float, default=None,
                    help="sampling temperature; 0 is greedy (default: the model's generation_config, else 1.0)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", "--repeat-penalty", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None, help="(default: generation_config, else 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help="(default: generation_config, else 0: off)")
+    p.add_argument("--min-p", type=float, default=None, help="(default: generation_config, else 0.0: off)")
+    p.add_argument("--repetition-penalty", "--repeat-penalty", type=float, default=None,
+                   help="(default: generation_config, else 1.0: off)")
     p.add_argument("--presence-penalty", type=float, default=None)
     p.add_argument("--frequency-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
-def _sampling(args: argparse.Namespace, defaults: dict[str, Any]) -> dict[str, Any]:
-    """Sampling keyword arguments: the flags given, else the checkpoint's generation defaults."""
-    out: dict[str, Any] = {"max_tokens": args.max_tokens}
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed", "stop"):
-        value = getattr(args, name)
-        if value is None:
-            value = defaults.get(name)
-        if value is not None:
-            out[name] = value
-    return out
-
-
-def _generation_defaults(model: Any) -> dict[str, Any]:
-    """Sampling defaults from the checkpoint's generation_config.json, when present."""
-    config = getattr(model, "generation_config", {}) or {}
-    return {k: config[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-            if isinstance(config.get(k), (int, float)) and not isinstance(config.get(k), bool)}
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """Sampling keyword arguments of the flags given; the model supplies the rest (its
+    generation_config.json, then Lily's defaults: see ``lily.sampling``), as it does for Python."""
+    names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed", "stop")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _load(args: argparse.Namespace) -> Any:
@@ -80,7 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt:
         raise ValueError("the prompt is empty")
     model = _load(args)
-    sampling = _sampling(args, _generation_defaults(model))
+    sampling = _sampling(args)
     last = None
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -91,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             printer.write("content", last.content)
         printer.finish()
     else:
-        for last in model.prefill(prompt).decode(**sampling):
+        for last in model.generate(prompt, stream=True, **sampling):
             sys.stdout.write(last.text)
             sys.stdout.flush()
     sys.stdout.write("\n")
@@ -132,12 +124,67 @@ class _ChatPrinter:
         self._switch("")
 
 
+def _line_editing() -> None:
+    """Arrow keys, history and long pastes at the prompt: the standard library's readline puts the
+    terminal in raw mode, so lines are not cut at the tty's 4,095-byte canonical-mode limit."""
+    try:
+        import readline  # noqa: F401 - importing it is what turns line editing on for input()
+    except ImportError:  # Python built without readline: plain input() still works
+        pass
+
+
+def _chat_turn(model: Any, messages: list[dict[str, Any]], args: argparse.Namespace,
+               sampling: dict[str, Any]) -> dict[str, Any] | None:
+    """Prefill and stream one answer; the assistant message to keep, or None when there is none
+    (Ctrl-C during the prefill, or a prompt the model cannot take)."""
+    try:
+        tokens = model.chat(messages, enable_thinking=not args.no_thinking,
+                            preserve_thinking=args.preserve_thinking, stream=True, **sampling)
+    except KeyboardInterrupt:
+        print("\n[interrupted before the answer: the message was not added; the conversation is kept]",
+              file=sys.stderr)
+        return None
+    except ValueError as exc:  # over the context, an unreadable message: report, keep the chat open
+        print(f"lily: error: {exc} (the message was not added; /reset clears the conversation)", file=sys.stderr)
+        return None
+    printer = _ChatPrinter(sys.stdout)
+    reasoning, content, calls, last = [], [], [], None
+    try:
+        for token in tokens:
+            printer.write("reasoning", token.reasoning)
+            printer.write("content", token.content)
+            reasoning.append(token.reasoning)
+            content.append(token.content)
+            calls.extend(token.tool_calls)
+            last = token
+    except KeyboardInterrupt:  # Ctrl-C ends this answer, not the chat
+        tokens.close()
+        print("\n[interrupted]", file=sys.stderr)
+    printer.finish()
+    sys.stdout.write("\n")
+    if last is not None and last.finish_reason == "length":
+        limit = sampling.get("max_tokens", "the default")
+        where = "while still thinking, before any answer" if not "".join(content) and not calls else ""
+        print(f"[cut off by --max-tokens ({limit}){' ' + where if where else ''}; raise --max-tokens for more]",
+              file=sys.stderr)
+    if last is not None and args.verbose:
+        _print_stats(last.stats, sys.stderr)
+    reply: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+    if "".join(reasoning):
+        reply["reasoning_content"] = "".join(reasoning)
+    if calls:
+        reply["tool_calls"] = [call.to_openai() for call in calls]
+    return reply
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
-    """An interactive chat; /reset clears the history, /quit or Ctrl-D leaves."""
+    """An interactive chat; /reset clears the history, /quit or Ctrl-D leaves. Ctrl-C stops the
+    current answer (or clears the line) and keeps the conversation."""
     model = _load(args)
-    sampling = _sampling(args, _generation_defaults(model))
+    sampling = _sampling(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, Any]] = []
+    _line_editing()
     print("Type a message; /reset clears the conversation, /quit (or Ctrl-D) leaves.", file=sys.stderr)
     while True:
         try:
@@ -145,39 +192,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
         except EOFError:
             print(file=sys.stderr)
             return 0
+        except KeyboardInterrupt:
+            print("\n(Ctrl-C: the conversation is kept; /quit or Ctrl-D leaves)", file=sys.stderr)
+            continue
         if line.strip() in ("/quit", "/exit"):
             return 0
         if line.strip() == "/reset":
             history.clear()
+            print("[conversation cleared]", file=sys.stderr)
             continue
         if not line.strip():
             continue
-        history.append({"role": "user", "content": line})
-        printer = _ChatPrinter(sys.stdout)
-        reasoning, content, calls, last = [], [], [], None
-        tokens = model.chat(system + history, enable_thinking=not args.no_thinking,
-                            preserve_thinking=args.preserve_thinking, stream=True, **sampling)
-        try:
-            for token in tokens:
-                printer.write("reasoning", token.reasoning)
-                printer.write("content", token.content)
-                reasoning.append(token.reasoning)
-                content.append(token.content)
-                calls.extend(token.tool_calls)
-                last = token
-        except KeyboardInterrupt:  # Ctrl-C ends this answer, not the chat
-            tokens.close()
-            print("\n[interrupted]", file=sys.stderr)
-        printer.finish()
-        sys.stdout.write("\n")
-        reply: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
-        if "".join(reasoning):
-            reply["reasoning_content"] = "".join(reasoning)
-        if calls:
-            reply["tool_calls"] = [call.to_openai() for call in calls]
-        history.append(reply)
-        if last is not None and args.verbose:
-            _print_stats(last.stats, sys.stderr)
+        message = {"role": "user", "content": line}
+        reply = _chat_turn(model, system + history + [message], args, sampling)
+        if reply is not None:
+            history += [message, reply]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -215,8 +244,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_download(args: argparse.Namespace) -> int:
     """Download a repository into the Hugging Face cache and print its local path."""
     from lily import hub
+    from lily.config import ModelArgs
 
-    print(hub.resolve(args.repo, revision=args.revision))
+    path = hub.resolve(args.repo, revision=args.revision)
+    ModelArgs.from_file(path)  # a directory that is not a model is an error, not a path to print
+    print(path)
     return 0
 
 
@@ -244,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="continue a prompt (stream text to stdout, stats to stderr)")
     p.add_argument("prompt", nargs="?", default=None, help="prompt text; '-' or omitted: read stdin")
     _add_model_flags(p)
-    _add_sampling_flags(p, max_tokens=256)
+    _add_sampling_flags(p, max_tokens_help=f"{DEFAULT_MAX_TOKENS}, {DEFAULT_CHAT_MAX_TOKENS} with --chat")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
     p.add_argument("--system", default=None, help="system prompt (with --chat)")
     p.add_argument("--no-thinking", action="store_true", help="disable thinking (with --chat)")
@@ -252,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("chat", help="interactive chat; reasoning is shown apart from the answer")
     _add_model_flags(p)
-    _add_sampling_flags(p, max_tokens=4096)
+    _add_sampling_flags(p, max_tokens_help=str(DEFAULT_CHAT_MAX_TOKENS))
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--no-thinking", action="store_true", help="disable thinking")
     p.add_argument("--preserve-thinking", action="store_true", help="keep earlier turns' reasoning in the prompt")
@@ -263,10 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    p.add_argument("--api-key", default=None, help="require this API key")
+    p.add_argument("--api-key", default=None, help="require this API key (default: $LILY_API_KEY, else none); "
+                   "/health stays open")
     p.add_argument("--cors-origin", default=None, help="allow browser requests from this origin")
     p.add_argument("--max-context", type=int, default=None, help="context limit below the model's own")
-    p.add_argument("--max-queue", type=int, default=None, help="requests allowed to wait (default: the server's)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help=f"requests allowed to wait (default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--keepalive", type=float, default=None, help="seconds between SSE keep-alive comments (0: off)")
     p.set_defaults(func=cmd_serve)
 

@@ -14,8 +14,10 @@ prefills only the rest.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
+import os
 import resource
 import sys
 import threading
@@ -28,7 +30,16 @@ from typing import Any, Union
 
 import numpy as np
 
-from lily.sampling import Sampler, SamplingParams, StopStringMatcher
+from lily.sampling import (
+    DEFAULT_CHAT_MAX_TOKENS,
+    DEFAULT_MAX_TOKENS,
+    GENERATION_CONFIG_KEYS,
+    Sampler,
+    SamplingParams,
+    StopStringMatcher,
+    generation_defaults,
+)
+from lily.tokenizer import check_text
 
 Prompt = Union[str, Sequence[int], Sequence[Mapping[str, Any]]]
 CancelCheck = Union[threading.Event, Callable[[], bool], None]
@@ -343,12 +354,12 @@ class Session:
     def decode(
         self,
         *,
-        max_tokens: int | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
+        max_tokens: int | None = DEFAULT_MAX_TOKENS,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         logit_bias: Mapping[int, float] | None = None,
@@ -362,20 +373,22 @@ class Session:
     ) -> Iterator[Token]:
         """Generate tokens that extend this session; an iterator of ``Token``.
 
-        Sampling parameters follow OpenAI names (see ``lily.sampling`` for their exact meaning and
-        order); ``temperature=0`` is greedy. ``stop_token_ids=None`` stops on the checkpoint's end
-        tokens. ``cancel`` (an Event or a callable) is checked before every token and raises
-        ``Cancelled``. Closing the iterator stops the work; the session keeps what was generated.
+        Sampling parameters follow OpenAI names (see ``lily.sampling`` for their exact meaning,
+        order and defaults); ``temperature=0`` is greedy; None (the default) for ``temperature``,
+        ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` takes the checkpoint's
+        generation_config.json, else the neutral value. ``max_tokens=None`` decodes to the end of
+        the context. ``stop_token_ids=None`` stops on the checkpoint's end tokens. ``cancel`` (an
+        Event or a callable) is checked before every token and raises ``Cancelled``. Closing the
+        iterator stops the work; the session keeps what was generated.
         """
-        params = SamplingParams(
+        params = self.model._sampling_params("Session.decode", dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
             repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            logit_bias=logit_bias, seed=seed, stop=stop or (),
+            logit_bias=logit_bias, seed=seed, stop=stop,
             stop_token_ids=self.model.eos_token_ids if stop_token_ids is None else stop_token_ids,
             logprobs=logprobs, top_logprobs=top_logprobs,
-        )
-        params.validate(self.model.config.vocab_size)
+        ))
         if len(self) == 0:
             raise ValueError("the session is empty: prefill a prompt before decoding")
         if len(self) >= self.model.config.max_position_embeddings:
@@ -558,6 +571,9 @@ class Model:
         from lily import hub
         from lily.checkpoint import load_checkpoint
 
+        if not isinstance(path_or_repo, (str, os.PathLike)):
+            raise TypeError("Model.load(): path_or_repo must be a checkpoint directory, a Hugging Face repo id "
+                            f"or 'lily:demo'; got {type(path_or_repo).__name__}")
         chosen = _choose_backend(backend)
         _check_precision(backend, chosen, precision)
         if prefill_step_size < 1:
@@ -590,6 +606,41 @@ class Model:
         model.generation_config = dict(checkpoint.generation_config or {})
         return model
 
+    # -- arguments -------------------------------------------------------------------------------
+
+    @property
+    def sampling_defaults(self) -> dict[str, float]:
+        """The sampling values the checkpoint's generation_config.json sets (see ``lily.sampling``)."""
+        return generation_defaults(self.generation_config)
+
+    def _sampling_params(self, method: str, options: Mapping[str, Any]) -> SamplingParams:
+        """Check decoding keyword arguments before any work, naming ``method`` in the error; None
+        for a generation_config key takes the checkpoint's default."""
+        unknown = sorted(set(options) - _DECODE_OPTIONS)
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], sorted(_DECODE_OPTIONS), n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"{method}() got an unexpected keyword argument {unknown[0]!r}{hint}")
+        values = dict(options)
+        for name, value in self.sampling_defaults.items():
+            if values.get(name) is None:
+                values[name] = value
+        for name in GENERATION_CONFIG_KEYS:
+            if values.get(name) is None:
+                values.pop(name, None)
+        try:
+            params = SamplingParams(**values)
+            params.validate(self.config.vocab_size)
+        except ValueError as exc:
+            raise ValueError(f"{method}(): {exc}") from None
+        return params
+
+    def _decode_options(self, method: str, options: Mapping[str, Any], **defaults: Any) -> dict[str, Any]:
+        """``options`` checked as by ``_sampling_params``, with ``defaults`` for omitted ones."""
+        options = {**defaults, **options}
+        self._sampling_params(method, options)
+        return options
+
     # -- tokens ----------------------------------------------------------------------------------
 
     def _require_tokenizer(self) -> Any:
@@ -609,7 +660,11 @@ class Model:
     def _encode(self, prompt: Prompt, tools: Any, enable_thinking: bool,
                 preserve_thinking: bool) -> tuple[list[int], list[int]]:
         """Token ids and the checkpoint positions inside them."""
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise TypeError("prompt must be text (str), token ids or chat messages; got bytes (decode them "
+                            "first, e.g. prompt.decode('utf-8'))")
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")
             ids = list(self._require_tokenizer().encode(prompt))
             checkpoints: list[int] = []
         elif isinstance(prompt, np.ndarray) or (isinstance(prompt, Sequence) and prompt
@@ -650,9 +705,14 @@ class Model:
 
     # -- running ---------------------------------------------------------------------------------
 
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Logits [T, vocab] fp32 of a fresh sequence (no cache involved)."""
-        ids = self.encode(list(token_ids))
+    def logits(self, prompt: str | Sequence[int]) -> np.ndarray:
+        """Logits [T, vocab] fp32 of a fresh sequence of token ids or text (no cache involved)."""
+        if _is_chat(prompt):
+            raise TypeError("Model.logits() takes token ids or text; got chat messages (use model.encode(messages))")
+        ids = self.encode(prompt if isinstance(prompt, (str, bytes, bytearray)) else list(prompt))
+        limit = self.config.max_position_embeddings
+        if len(ids) > limit:
+            raise ValueError(f"Model.logits(): {len(ids)} tokens exceed the model context of {limit}")
         return np.asarray(self.backend.forward(np.asarray(ids, dtype=np.int64), self.backend.new_state()),
                           dtype=np.float32)
 
@@ -697,10 +757,14 @@ class Model:
         return session
 
     def generate(self, prompt: Prompt, *, session: Session | None = None, use_cache: bool = True,
-                 cancel: CancelCheck = None, **sampling: Any) -> Result:
-        """Prefill ``prompt`` and decode; ``sampling`` takes the ``Session.decode`` parameters."""
+                 stream: bool = False, cancel: CancelCheck = None, **sampling: Any) -> Result | Iterator[Token]:
+        """Prefill ``prompt`` and decode; ``sampling`` takes the ``Session.decode`` parameters
+        (``max_tokens`` defaults to ``DEFAULT_MAX_TOKENS``). ``stream=True`` returns an iterator of
+        ``Token``; otherwise a ``Result``."""
+        options = self._decode_options("Model.generate", sampling)
         s = self.prefill(prompt, session=session, use_cache=use_cache, cancel=cancel)
-        return _collect(s.decode(cancel=cancel, **sampling), parse=None)
+        tokens = s.decode(cancel=cancel, **options)
+        return tokens if stream else _collect(tokens, parse=None)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
              enable_thinking: bool = True, preserve_thinking: bool = False, stream: bool = False,
@@ -709,14 +773,19 @@ class Model:
 
         ``stream=True`` returns an iterator of ``Token`` whose ``reasoning``/``content``/
         ``tool_calls`` hold each token's share; otherwise a ``Result``. The finish reason is
-        "tool_calls" when the answer ends in tool calls.
+        "tool_calls" when the answer ends in tool calls. ``max_tokens`` defaults to
+        ``DEFAULT_CHAT_MAX_TOKENS``; without ``tools`` tool-call markup stays in the content.
         """
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-            raise ValueError("messages must be a non-empty list of chat messages")
+            raise ValueError("Model.chat(): messages must be a non-empty list of chat messages")
+        sampling = self._decode_options("Model.chat", sampling, max_tokens=DEFAULT_CHAT_MAX_TOKENS)
         session = self.prefill(messages, tools=tools, enable_thinking=enable_thinking,
                                preserve_thinking=preserve_thinking, use_cache=use_cache, cancel=cancel)
         tokens = chat_stream(session.decode(cancel=cancel, **sampling), tools, enable_thinking)
         return tokens if stream else _collect(tokens, parse=True)
+
+
+_DECODE_OPTIONS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def _is_chat(prompt: Any) -> bool:
@@ -747,7 +816,7 @@ def chat_stream(tokens: Iterator[Token], tools: Any, thinking: bool) -> Iterator
     """
     from lily.chat import ContentDelta, ReasoningDelta, StreamingParser, ToolCallEvent
 
-    parser = StreamingParser(tools=tools, thinking=thinking)
+    parser = StreamingParser(tools=tools, thinking=thinking, tool_calls=bool(tools))  # no tools offered: no calls
     saw_tool_call = False
     try:
         for token in tokens:

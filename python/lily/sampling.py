@@ -20,6 +20,13 @@ every knob means:
    largest probability).
 6. A token is drawn from the softmax of what is left with the decode call's own
    ``numpy.random.Generator``, so the same seed gives the same tokens.
+
+Defaults, the same for every entry point (Python API, ``lily generate``/``lily chat``, the server):
+``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` come from the checkpoint's
+``generation_config.json`` when it sets them (``generation_defaults``), else from ``SamplingParams``
+(1.0, 1.0, 0, 0.0, 1.0). ``max_tokens`` is ``DEFAULT_MAX_TOKENS`` (256, as mlx_lm) for text
+continuations and ``DEFAULT_CHAT_MAX_TOKENS`` for chats, whose reasoning comes first; the server
+follows the OpenAI API instead: an omitted ``max_tokens`` means up to the end of the context.
 """
 
 from __future__ import annotations
@@ -31,7 +38,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 __all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_CHAT_MAX_TOKENS",
+    "GENERATION_CONFIG_KEYS",
     "SamplingParams",
+    "generation_defaults",
     "Sampler",
     "StopStringMatcher",
     "apply_logit_bias",
@@ -42,6 +53,28 @@ __all__ = [
     "top_p_mask",
     "min_p_mask",
 ]
+
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_CHAT_MAX_TOKENS = 4096
+#: the sampling fields a checkpoint's generation_config.json may set
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(generation_config: Mapping[str, object] | None) -> dict[str, float]:
+    """The sampling defaults a checkpoint's generation_config.json sets (values out of range are
+    ignored, as a bad file must not stop a model from loading)."""
+    defaults: dict[str, float] = {}
+    for name in GENERATION_CONFIG_KEYS:
+        value = (generation_config or {}).get(name)
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{name: value})
+        except (TypeError, ValueError):
+            continue
+        defaults[name] = value  # type: ignore[assignment]
+    return defaults
 
 
 @dataclass
@@ -72,9 +105,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
+        _check(self.stop is None or (isinstance(self.stop, Sequence) and all(isinstance(s, str) for s in self.stop)),
+               "stop", "a string or a list of strings", self.stop)
         self.stop = tuple(self.stop or ())
+        _check(self.stop_token_ids is None or (isinstance(self.stop_token_ids, Sequence)
+                                               and all(_is_int(t) for t in self.stop_token_ids)),
+               "stop_token_ids", "a list of token ids", self.stop_token_ids)
         self.stop_token_ids = tuple(int(t) for t in (self.stop_token_ids or ()))
-        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        _check(self.logit_bias is None or isinstance(self.logit_bias, Mapping), "logit_bias",
+               "a mapping of token ids to biases", self.logit_bias)
+        self.logit_bias = {_token_key(k): v for k, v in (self.logit_bias or {}).items()}
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -108,6 +148,15 @@ class SamplingParams:
         if vocab_size is not None:
             _check(self.top_logprobs <= vocab_size, "top_logprobs",
                    f"at most the vocabulary size {vocab_size}", self.top_logprobs)
+
+
+def _token_key(key: object) -> int:
+    """A logit_bias key: a token id, or its decimal string (as JSON objects send it)."""
+    if _is_int(key):
+        return int(key)  # type: ignore[arg-type]
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    raise ValueError(f"logit_bias keys must be token ids (integers); got {key!r}")
 
 
 def _is_int(x: object) -> bool:

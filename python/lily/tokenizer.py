@@ -53,6 +53,17 @@ def _byte_decoder() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
+def check_text(text: str, where: str) -> None:
+    """Refuse a string that is not encodable text: a lone UTF-16 surrogate (``"\\ud800"``, what a
+    client sends after cutting a string inside an emoji) has no UTF-8 form and no tokens."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{where} contains a lone UTF-16 surrogate ({text[exc.start]!r} at "
+                             f"character {exc.start}), which is not valid text") from None
+
+
 def _check_id(token_id: Any, vocab_size: int) -> None:
     if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < vocab_size:
         raise TokenizerError(f"token id {token_id!r} is outside the vocabulary (0..{vocab_size - 1})")
@@ -314,7 +325,9 @@ class Tokenizer:
         """Token ids of ``text``; special-token text such as ``<|im_start|>`` becomes its id. No BOS."""
         if not isinstance(text, str):
             raise TypeError(f"text: expected a string, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=False).ids
+        check_text(text, "text")
+        # encode_batch releases the GIL (encode does not): a long text does not stall other threads.
+        return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; invalid UTF-8 becomes U+FFFD. ``skip_special_tokens`` drops control
@@ -340,6 +353,12 @@ class Tokenizer:
                 except UnicodeEncodeError:
                     raise TokenizerError(f"vocabulary entry {token!r} (id {i}) is not byte-level BPE") from None
         return table
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for: a text of n bytes has at least
+        n / max_token_bytes tokens."""
+        return max(len(b) for b in self._id_bytes)
 
     def detokenizer(self, *, skip_special_tokens: bool = False) -> StreamingDetokenizer:
         """A fresh streaming detokenizer for this vocabulary."""

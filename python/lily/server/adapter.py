@@ -49,7 +49,8 @@ class Engine(Protocol):
     model_id: str
     context_length: int
     vocab_size: int
-    sampling_defaults: dict[str, float]  # used for omitted temperature / top_p / top_k
+    sampling_defaults: dict[str, float]  # generation_config.json values for omitted sampling fields
+    max_token_bytes: int  # the most bytes one token covers (a cheap lower bound on a text's tokens)
 
     def encode_chat(self, chat: ChatRequest) -> list[int]:
         """Token ids of the rendered conversation; ``ValueError`` when it cannot be rendered."""
@@ -96,20 +97,20 @@ class _LilyGeneration:
             close()
 
 
-def _sampling_defaults(generation_config: dict[str, Any]) -> dict[str, float]:
-    """The checkpoint's recommended temperature / top_p / top_k (generation_config.json), as
-    vLLM and `lily generate` use them; values out of the API's ranges are ignored."""
-    valid = {
-        "temperature": lambda v: 0 <= v <= 2,
-        "top_p": lambda v: 0 < v <= 1,
-        "top_k": lambda v: v >= 0 and float(v).is_integer(),
-    }
-    defaults = {}
-    for name, ok in valid.items():
-        value = generation_config.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and ok(value):
-            defaults[name] = value
-    return defaults
+def served_name(model: Model) -> str:
+    """The model id the server reports: ``lily:<name>`` for a bundled model (as ``lily serve
+    lily:demo`` names it), else the checkpoint's folder name."""
+    from .hub import BUNDLED_MODELS, resolve
+
+    if model.path is None:
+        return "lily"
+    for name in BUNDLED_MODELS:
+        try:
+            if Path(model.path).resolve() == resolve(f"lily:{name}").resolve():
+                return f"lily:{name}"
+        except ValueError:  # not installed
+            continue
+    return Path(model.path).name
 
 
 class LilyEngine:
@@ -119,10 +120,11 @@ class LilyEngine:
         if model.tokenizer is None:
             raise ValueError(f"the model at {model.path} has no tokenizer (tokenizer.json); the server needs one")
         self.model = model
-        self.model_id = model_id or (Path(model.path).name if model.path is not None else "lily")
+        self.model_id = model_id or served_name(model)
         self.context_length = int(model.config.max_position_embeddings)
         self.vocab_size = int(model.config.vocab_size)
-        self.sampling_defaults = _sampling_defaults(getattr(model, "generation_config", None) or {})
+        self.sampling_defaults = model.sampling_defaults
+        self.max_token_bytes = model.tokenizer.max_token_bytes
 
     def _template_kwargs(self, chat: ChatRequest) -> dict[str, Any]:
         return {
@@ -176,5 +178,5 @@ class LilyEngine:
 def load_engine(path: str, *, backend: str | None = None, precision: str | None = None) -> LilyEngine:
     """Load a checkpoint (a directory, a Hugging Face repo id or `lily:demo`) for serving."""
     model = Model.load(path, backend=backend or "auto", precision=precision)
-    name = path if path.startswith("lily:") or not Path(path).exists() else Path(path).resolve().name
+    name = path if not path.startswith("lily:") and not Path(path).exists() else None  # a repo id names itself
     return LilyEngine(model, model_id=name)

@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -32,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..sampling import SamplingParams
 from .adapter import Engine, LilyEngine, TokenEvent, load_engine
+from .http import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, RETRY_AFTER_S, make_protocol
 from .requests import (
     ApiError,
     ChatRequest,
@@ -49,13 +51,12 @@ from .responses import (
     new_id,
     usage,
 )
-from .scheduler import Done, Job, QueueFull, Scheduler
+from .scheduler import DEFAULT_MAX_QUEUE, Done, Job, QueueFull, Scheduler, ShuttingDown
 
-__all__ = ["ServerConfig", "create_app", "serve", "main"]
+__all__ = ["ServerConfig", "create_app", "uvicorn_config", "serve", "main"]
 
 log = logging.getLogger("lily.server")
 
-DEFAULT_MAX_QUEUE = 16
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_KEEPALIVE_S = 15.0
@@ -76,6 +77,8 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     keepalive_s: float = DEFAULT_KEEPALIVE_S  # SSE comment while a stream waits (long prefill); 0 = off
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # a request head must arrive within this
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # open connections beyond this get 503
 
 
 class _Started:
@@ -173,6 +176,22 @@ def _check_model(state: ServerState, requested: str | None) -> None:
         )
 
 
+def _check_text_size(state: ServerState, engine: Engine, texts: Sequence[str], param: str) -> None:
+    """Refuse, before tokenizing, a prompt whose text alone surely exceeds the context: a token
+    covers at most `engine.max_token_bytes` bytes, so the prompt has at least this many tokens."""
+    text_bytes = sum(len(text.encode("utf-8")) for text in texts)
+    at_least = -(-text_bytes // max(engine.max_token_bytes, 1))
+    if at_least >= state.context_length:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {state.context_length} tokens, but the prompt's "
+            f"{text_bytes} bytes of text make at least {at_least} tokens",
+            param=param,
+            code="context_length_exceeded",
+            extra={"n_prompt_tokens_at_least": at_least, "n_ctx": state.context_length},
+        )
+
+
 def _check_context(state: ServerState, prompt_tokens: int, param: str) -> None:
     limit = state.context_length
     if prompt_tokens == 0:
@@ -209,8 +228,17 @@ def _start_job(state: ServerState, prompt: list[int], chat: ChatRequest | None, 
     try:
         state.scheduler.submit(job)
     except QueueFull as exc:
-        raise ApiError(503, f"Server is busy: {exc}", type="unavailable_error", code="queue_full") from None
+        raise ApiError(
+            503, f"Server is busy: {exc}", type="unavailable_error", code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        ) from None
+    except ShuttingDown:
+        raise _shutting_down() from None
     return job
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "Server is shutting down", type="unavailable_error", code="server_shutting_down")
 
 
 _KEEPALIVE = ": keepalive\n\n"
@@ -229,6 +257,8 @@ async def _events(job: Job, keepalive_s: float = 0.0) -> AsyncIterator[Any]:
         else:
             item = await job.next()
         if isinstance(item, Done):
+            if isinstance(item.error, ShuttingDown):
+                raise _shutting_down()
             if item.error is not None:
                 raise ApiError(
                     500, "Generation failed; see the server log", type="server_error", code="generation_failed"
@@ -364,7 +394,8 @@ async def _parse_request(
 ) -> tuple[ServerState, Engine, _Parsed]:
     """Read and validate a generation request with `parse`, and check the model it names."""
     state = _state(request)
-    body = parse_json_body(await _read_body(request, state.config))
+    raw = await _read_body(request, state.config)
+    body = await run_in_threadpool(parse_json_body, raw)  # a 16 MB body takes a while to parse
     engine = state.ready_engine()
     parsed = parse(body, engine.vocab_size, engine.sampling_defaults)
     _check_model(state, parsed.model)
@@ -373,6 +404,7 @@ async def _parse_request(
 
 async def _chat_completions(request: Request) -> Response:
     state, engine, chat = await _parse_request(request, parse_chat_request)
+    _check_text_size(state, engine, _rendered_texts(chat), "messages")
     prompt = await run_in_threadpool(_encode_chat, engine, chat)
     _check_context(state, len(prompt), "messages")
     assembler = ChatAssembler(engine, logprobs=chat.sampling.logprobs, top_logprobs=chat.sampling.top_logprobs)
@@ -406,6 +438,11 @@ async def _chat_completions(request: Request) -> Response:
     )
 
 
+def _rendered_texts(chat: ChatRequest) -> list[str]:
+    """Texts the chat template copies into the prompt whole (earlier reasoning it may drop is left out)."""
+    return [m["content"].strip() for m in chat.messages if m["role"] in ("system", "user", "tool")]
+
+
 def _encode_chat(engine: Engine, chat: ChatRequest) -> list[int]:
     try:
         return engine.encode_chat(chat)
@@ -419,6 +456,7 @@ async def _completions(request: Request) -> Response:
     state, engine, completion = await _parse_request(request, parse_completion_request)
     prompt = completion.prompt
     if isinstance(prompt, str):
+        _check_text_size(state, engine, [prompt], "prompt")
         prompt = await run_in_threadpool(engine.encode_text, prompt)
     _check_context(state, len(prompt), "prompt")
     sampling = completion.sampling
@@ -481,15 +519,20 @@ async def _health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+# Open without a key, as in vLLM and llama.cpp, so load balancers can probe it; it tells nothing
+# but whether the model is ready.
+_OPEN_PATHS = ("/health",)
+
+
 class _ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` or `X-Api-Key: <key>` on every HTTP request."""
+    """Requires `Authorization: Bearer <key>` or `X-Api-Key: <key>` on every HTTP request but /health."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.api_key = api_key.encode("utf-8")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -580,6 +623,46 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> Starlette:
     return app
 
 
+def uvicorn_config(app: Starlette, config: ServerConfig, **options: Any) -> uvicorn.Config:
+    """uvicorn's settings for `app`: the connection layer of `server_http` with the config's limits."""
+    options = {"timeout_graceful_shutdown": 5, **options}
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        http=make_protocol(config.header_timeout_s, config.max_connections),
+        **options,
+    )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, but the first Ctrl-C / SIGTERM also ends the running generations, so
+    their streams close with an error event and `[DONE]` instead of being cut after the grace period."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.lily_state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.lily_state.scheduler.shutdown()
+        super().handle_exit(sig, frame)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket, so a bad or busy address is one clear error before anything starts."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(
     model: Any,
     host: str = "127.0.0.1",
@@ -594,10 +677,13 @@ def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     keepalive_s: float = DEFAULT_KEEPALIVE_S,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
 ) -> None:
     """Serve `model` (a `lily.Model`, an `Engine`, or a path / `lily:demo` to load) until interrupted.
 
-    A path is loaded in the background, so `/health` answers 503 until the model is ready.
+    A path is loaded in the background, so `/health` answers 503 until the model is ready. Raises
+    `RuntimeError` (one line) when the address cannot be used or the model fails to load.
     """
     config = ServerConfig(
         host=host,
@@ -609,12 +695,15 @@ def serve(
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
         keepalive_s=keepalive_s,
+        header_timeout_s=header_timeout_s,
+        max_connections=max_connections,
     )
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without an API key: anyone who can reach this address can use the model", host)
+    listener = _listen(host, port)
     app = create_app(config)
     state: ServerState = app.state.lily
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5))
+    server = _Server(uvicorn_config(app, config, log_level="info"), state)
 
     def load() -> None:
         try:
@@ -627,29 +716,59 @@ def serve(
             state.set_engine(engine)
             log.info("model %s ready (context %d tokens)", engine.model_id, state.context_length)
         except Exception as exc:  # noqa: BLE001 - reported through /health and the exit status
-            log.exception("loading the model failed")
-            state.load_error = str(exc)
+            log.debug("loading the model failed", exc_info=True)
+            state.load_error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            log.error("loading the model failed: %s", state.load_error)
             server.should_exit = True
 
     threading.Thread(target=load, name="lily-load", daemon=True).start()
+    bound = listener.getsockname()[1]
+    log.info("listening on http://%s:%d (Ctrl-C to quit)", f"[{host}]" if ":" in host else host, bound)
     try:
-        server.run()
+        server.run(sockets=[listener])
+    except KeyboardInterrupt:
+        # uvicorn re-raises the Ctrl-C it handled once it has shut down: that is a clean exit.
+        if not server.should_exit:
+            raise
     finally:
         state.scheduler.stop()
+        listener.close()
     if state.load_error is not None:
         raise RuntimeError(f"model failed to load: {state.load_error}")
 
 
+def _check_local_model(model: str, max_context: int | None) -> None:
+    """Fail fast, in one line, on a local model that cannot be served (a repo id downloads later,
+    in the background)."""
+    from . import hub
+    from .config import ModelArgs
+
+    if not (model.startswith(("lily:", "/", ".", "~")) or os.path.exists(model)):
+        return
+    args = ModelArgs.from_file(hub.resolve(model, progress=False))
+    if max_context is not None and max_context > args.max_position_embeddings:
+        raise ValueError(f"--max-context must be at most the model's context {args.max_position_embeddings}, "
+                         f"got {max_context}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point: `lily serve MODEL [--host ...]`."""
-    parser = argparse.ArgumentParser(prog="lily serve", description="Serve a model over an OpenAI-compatible HTTP API.")
+    parser = argparse.ArgumentParser(
+        prog="lily serve",
+        description="Serve a model over an OpenAI-compatible HTTP API.",
+        epilog="Environment: LILY_API_KEY is the API key when --api-key is not given. /health never needs the key.",
+    )
     parser.add_argument("model", help="checkpoint directory, Hugging Face repo id, or lily:demo")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--api-key", default=os.environ.get("LILY_API_KEY"), help="require this key (or $LILY_API_KEY)")
+    parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("LILY_API_KEY"), help="require this key (default: $LILY_API_KEY, else none)"
+    )
     parser.add_argument("--cors-origin", default=None, help="allow browser requests from this origin")
     parser.add_argument("--max-context", type=int, default=None, help="context limit below the model's own")
-    parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="requests allowed to wait")
+    parser.add_argument(
+        "--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help=f"requests allowed to wait (default {DEFAULT_MAX_QUEUE})"
+    )
     parser.add_argument("--backend", default=None, help="engine backend (default: the best available)")
     parser.add_argument("--precision", default=None, choices=("bfloat16", "float32"),
                         help="metal backend activations (default: the backend's own)")
@@ -665,6 +784,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--keepalive must be >= 0, got {args.keepalive}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        _check_local_model(args.model, args.max_context)
         serve(
             args.model,
             host=args.host,
@@ -677,8 +797,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             precision=args.precision,
             keepalive_s=args.keepalive,
         )
-    except RuntimeError as exc:
-        print(f"lily serve: {exc}", file=sys.stderr)
+    except (RuntimeError, ValueError) as exc:
+        print(f"lily serve: error: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -14,12 +14,16 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from ..sampling import SamplingParams
+from ..tokenizer import check_text
 
 # OpenAI's documented limits; stop strings are not limited to 4 here because local clients send more.
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LEGACY_LOGPROBS = 5
 SEED_RANGE = (-(2**63), 2**64)
+
+# OpenAI's values; any one but "none" turns thinking on (the model has no finer budget).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -94,6 +98,9 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise ApiError(400, "Request body is empty; expected a JSON object", code="invalid_json")
     try:
         body = json.loads(text, parse_constant=_reject_constant)
+        _reject_surrogates(body, "")
+    except ApiError:
+        raise
     except ValueError as exc:
         raise ApiError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
@@ -101,6 +108,23 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, f"Request body must be a JSON object, got {_type_name(body)}", code="invalid_json")
     return body
+
+
+def _reject_surrogates(value: Any, where: str) -> None:
+    """A lone UTF-16 surrogate is valid JSON but not text: refuse it here, naming the field,
+    instead of failing in the tokenizer."""
+    if isinstance(value, str):
+        try:
+            check_text(value, f"'{where or 'body'}'")
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=where or None, code="invalid_text") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _reject_surrogates(key, where or "body")
+            _reject_surrogates(item, f"{where}.{key}" if where else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _reject_surrogates(item, f"{where}[{i}]")
 
 
 def _reject_constant(name: str) -> float:
@@ -126,8 +150,10 @@ def _number(body: dict, name: str, default: float, low: float, high: float, *, o
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(name, f"expected a number, got {_type_name(value)}", "invalid_type")
+    if not math.isfinite(value):  # 1e999 parses as infinity
+        raise _bad(name, f"must be a finite number, got {value}")
     if value < low or value > high or (open_low and value == low):
         bracket = "(" if open_low else "["
         raise _bad(name, f"must be in {bracket}{low}, {high}], got {value}")
@@ -197,7 +223,7 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
 def _n(body: dict) -> None:
     for name in ("n", "best_of"):
         value = body.get(name)
-        if value is not None and value != 1:
+        if value is not None and (isinstance(value, bool) or value != 1):  # True == 1 in Python
             raise _bad(name, f"only {name}=1 is supported, got {value!r}", "unsupported_value")
 
 
@@ -210,6 +236,14 @@ def _stream(body: dict) -> tuple[bool, bool]:
         raise _bad("stream_options", f"expected an object, got {_type_name(options)}", "invalid_type")
     include_usage = _boolean(options, "include_usage", False, prefix="stream_options.")
     return stream, bool(include_usage) and stream
+
+
+def _client_fields(body: dict) -> None:
+    """Fields accepted without effect, checked only for their type."""
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _bad("user", f"expected a string, got {_type_name(user)}", "invalid_type")
+    _boolean(body, "parallel_tool_calls", None)
 
 
 def _model(body: dict) -> str | None:
@@ -240,8 +274,10 @@ def _sampling(body: dict, vocab_size: int, defaults: Mapping[str, float], *, leg
         temperature=_number(body, "temperature", defaults.get("temperature", 1.0), 0.0, 2.0),
         top_p=_number(body, "top_p", defaults.get("top_p", 1.0), 0.0, 1.0, open_low=True),
         top_k=max(top_k or 0, 0),  # -1 and 0 both mean "no top-k" (vLLM / llama.cpp conventions)
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, open_low=True),
+        min_p=_number(body, "min_p", defaults.get("min_p", 0.0), 0.0, 1.0),
+        repetition_penalty=_number(
+            body, "repetition_penalty", defaults.get("repetition_penalty", 1.0), 0.0, 10.0, open_low=True
+        ),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=_logit_bias(body, vocab_size),
@@ -360,17 +396,22 @@ def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, str]:
             if parameters is not None and not isinstance(parameters, dict):
                 raise _bad(f"tools[{i}].function.parameters", "expected a JSON schema object", "invalid_type")
         tools = tools or None
-    if choice is None:
+    if choice is None or choice == "auto":
         return tools, "auto"
-    if choice in ("none", "auto", "required"):
-        return (None if choice == "none" else tools), choice
-    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
-        name = choice["function"].get("name")
-        chosen = [t for t in tools or [] if t["function"]["name"] == name]
-        if not chosen:
-            raise _bad("tool_choice", f"names function {name!r}, which is not in 'tools'")
-        # Without constrained decoding, a named choice is honoured by offering only that tool.
-        return chosen, "required"
+    if choice == "none":
+        return None, "none"
+    if choice == "required" or isinstance(choice, dict):
+        # Generation is not constrained, so a call cannot be guaranteed: refuse rather than act as "auto".
+        if isinstance(choice, dict):
+            name = choice.get("function", {}).get("name") if isinstance(choice.get("function"), dict) else None
+            if not any(t["function"]["name"] == name for t in tools or []):
+                raise _bad("tool_choice", f"names function {name!r}, which is not in 'tools'")
+        raise _bad(
+            "tool_choice",
+            "forcing a tool call ('required' or a named function) is not supported: this server does not "
+            "constrain generation; use 'auto' (the default) or 'none'",
+            "unsupported_value",
+        )
     raise _bad("tool_choice", f"expected 'none', 'auto', 'required' or a function object, got {choice!r}")
 
 
@@ -387,6 +428,8 @@ def _thinking(body: dict) -> tuple[bool | None, bool | None]:
     effort = body.get("reasoning_effort")
     if effort is not None and not isinstance(effort, str):
         raise _bad("reasoning_effort", f"expected a string, got {_type_name(effort)}", "invalid_type")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise _bad("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}")
     if enable is None:
         enable = top_level
     if enable is None and effort is not None:
@@ -406,8 +449,9 @@ def _response_format(body: dict) -> None:
 def parse_chat_request(
     body: dict[str, Any], vocab_size: int, defaults: Mapping[str, float] = MappingProxyType({})
 ) -> ChatRequest:
-    """Validate a /v1/chat/completions body; `defaults` replace omitted temperature, top_p and top_k."""
+    """Validate a /v1/chat/completions body; `defaults` (generation_config.json) replace omitted sampling fields."""
     _response_format(body)
+    _client_fields(body)
     tools, tool_choice = _tools(body)
     enable_thinking, preserve_thinking = _thinking(body)
     stream, include_usage = _stream(body)
@@ -444,12 +488,13 @@ def _prompt(body: dict, vocab_size: int) -> str | list[int]:
 def parse_completion_request(
     body: dict[str, Any], vocab_size: int, defaults: Mapping[str, float] = MappingProxyType({})
 ) -> CompletionRequest:
-    """Validate a /v1/completions body; `defaults` replace omitted temperature, top_p and top_k."""
+    """Validate a /v1/completions body; `defaults` (generation_config.json) replace omitted sampling fields."""
     if body.get("echo"):
         raise _bad("echo", "echo is not supported", "unsupported_value")
     if body.get("suffix"):
         raise _bad("suffix", "suffix is not supported", "unsupported_value")
     prompt = _prompt(body, vocab_size)
+    _client_fields(body)
     stream, include_usage = _stream(body)
     return CompletionRequest(
         prompt=prompt,

@@ -7,7 +7,7 @@ import secrets
 import time
 from typing import Any
 
-from ..chat import ToolCall
+from ..chat import THINK_CLOSE, ToolCall
 from .adapter import Engine, TokenEvent
 
 
@@ -55,6 +55,9 @@ class ChatAssembler:
         self._pending_logprobs: list[dict] = []
         self.completion_tokens = 0
         self.reasoning_tokens = 0
+        self._reasoning_open = True
+        self._think_tokens = 0
+        self._text_tail = ""
         self.finish_reason: str | None = None
 
     def add(self, token: TokenEvent) -> dict | None:
@@ -64,8 +67,7 @@ class ChatAssembler:
             entry = chat_logprobs(self.engine, token, self.top_logprobs)
             self.logprob_entries.append(entry)
             self._pending_logprobs.append(entry)
-        if token.reasoning:
-            self.reasoning_tokens += 1
+        self._count_reasoning(token)
         if token.finish_reason is not None:
             self.finish_reason = token.finish_reason
         delta: dict[str, Any] = {}
@@ -80,6 +82,22 @@ class ChatAssembler:
             delta["tool_calls"] = [self._tool_call(call) for call in token.tool_calls]
             delta.setdefault("content", None)
         return delta or None
+
+    def _count_reasoning(self, token: TokenEvent) -> None:
+        """Reasoning tokens are every token up to the one that closes the think block, including
+        those whose text the parser holds back (whitespace) or drops (the closing tag)."""
+        if not self._reasoning_open:
+            return
+        if token.content or token.tool_calls:  # the answer has begun
+            self._reasoning_open = False
+            self._think_tokens += bool(token.reasoning)
+        else:
+            self._think_tokens += 1
+            window = self._text_tail + token.text
+            self._reasoning_open = THINK_CLOSE not in window
+            self._text_tail = window[-(len(THINK_CLOSE) - 1) :]
+        if self.reasoning or token.reasoning:
+            self.reasoning_tokens = self._think_tokens
 
     def final_reason(self) -> str:
         """The finish_reason of the choice: tool_calls when the answer ended in tool calls."""

@@ -15,9 +15,15 @@ from typing import Any, Callable
 
 log = logging.getLogger("lily.server")
 
+DEFAULT_MAX_QUEUE = 16
+
 
 class QueueFull(Exception):
     """Raised by `Scheduler.submit` when the waiting queue is at its limit."""
+
+
+class ShuttingDown(Exception):
+    """The server is stopping: raised by `submit`, and the error of every job it cut short."""
 
 
 class Done:
@@ -79,8 +85,10 @@ class Scheduler:
             return self._running is not None or bool(self._waiting)
 
     def submit(self, job: Job) -> None:
-        """Queue a job, or raise `QueueFull`."""
+        """Queue a job, or raise `QueueFull` (or `ShuttingDown`)."""
         with self._condition:
+            if self._stopping:
+                raise ShuttingDown()
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting (limit {self.max_queue})")
             self._waiting.append(job)
@@ -94,17 +102,22 @@ class Scheduler:
                 self._waiting.remove(job)
                 job.emit(Done())
 
-    def stop(self) -> None:
-        """Cancel everything and end the worker thread."""
+    def shutdown(self) -> None:
+        """Cancel everything without waiting: every job ends with `Done(ShuttingDown())`, and the
+        worker thread ends after the running job stops."""
         with self._condition:
             self._stopping = True
             for job in self._waiting:
                 job.cancelled.set()
-                job.emit(Done())
+                job.emit(Done(ShuttingDown()))
             self._waiting.clear()
             if self._running is not None:
                 self._running.cancelled.set()
             self._condition.notify()
+
+    def stop(self) -> None:
+        """`shutdown`, then wait for the worker thread to end."""
+        self.shutdown()
         self._thread.join(timeout=10)
 
     def _loop(self) -> None:
@@ -125,4 +138,6 @@ class Scheduler:
             finally:
                 with self._condition:
                     self._running = None
+                    if self._stopping and error is None and job.is_cancelled():
+                        error = ShuttingDown()
                 job.emit(Done(error))
