@@ -22,7 +22,7 @@ import pytest
 
 from lily.checkpoint import canonical_shapes
 from lily.config import ModelArgs
-from lily.engine import FULL_SIZE_CONFIG
+from lily.plan import FULL_SIZE_CONFIG
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmHWM from /proc (Linux only)")
 

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP server: `lily serve` / `python -m lily.server`.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
-One engine thread generates; requests wait in a bounded FIFO queue (`server_scheduler`). Request
-validation lives in `server_requests`, response shapes in `server_responses`, and the boundary to
-`lily.Model` in `server_engine`.
+One engine thread generates; requests wait in a bounded FIFO queue (`scheduler`). Request
+validation lives in `requests`, response shapes in `responses`, and the boundary to
+`lily.Model` in `adapter`.
 """
 
 from __future__ import annotations
@@ -624,7 +624,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> Starlette:
 
 
 def uvicorn_config(app: Starlette, config: ServerConfig, **options: Any) -> uvicorn.Config:
-    """uvicorn's settings for `app`: the connection layer of `server_http` with the config's limits."""
+    """uvicorn's settings for `app`: the connection layer of `http` with the config's limits."""
     options = {"timeout_graceful_shutdown": 5, **options}
     return uvicorn.Config(
         app,
