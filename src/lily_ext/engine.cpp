@@ -1,0 +1,409 @@
+// The engine: mapped checkpoint files, state buffers, and load -> prefill -> decode over the graphs (see model.h).
+#include "model.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "encoder.h"
+#include "plan.h"
+#include "tuning.h"
+
+namespace lily {
+
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace
+
+// ---- mapped files ----
+
+namespace {
+
+// Apple silicon's page size: newBufferWithBytesNoCopy wants the pointer and the length aligned to it.
+constexpr size_t kMetalPage = 16384;
+
+size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+}  // namespace
+
+MappedFile::MappedFile(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) throw mtl::Error("[engine] cannot open " + path + ": " + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || st.st_size <= 0) {
+    ::close(fd);
+    throw mtl::Error("[engine] " + path + " is empty or cannot be read");
+  }
+  file_length_ = static_cast<size_t>(st.st_size);
+  mapped_length_ = round_up(file_length_, kMetalPage);
+  // Reserve one extra page so the file can be placed at a 16 KB boundary; the reservation's zero pages pad the
+  // mapping to whole pages.
+  reservation_length_ = mapped_length_ + kMetalPage;
+  reservation_ = ::mmap(nullptr, reservation_length_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANON, -1, 0);
+  if (reservation_ == MAP_FAILED) {
+    ::close(fd);
+    reservation_ = nullptr;
+    throw mtl::Error("[engine] cannot reserve " + std::to_string(reservation_length_) + " bytes to map " + path);
+  }
+  void* aligned = reinterpret_cast<void*>(round_up(reinterpret_cast<uintptr_t>(reservation_), kMetalPage));
+  // Private and writable: nothing the engine does writes to weights, but a write (the Linux test runtime copies
+  // every bound range back after a dispatch) must land in a private copy, never in the file.
+  void* mapped = ::mmap(aligned, file_length_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd, 0);
+  ::close(fd);
+  if (mapped == MAP_FAILED) {
+    ::munmap(reservation_, reservation_length_);
+    reservation_ = nullptr;
+    throw mtl::Error("[engine] cannot map " + path + ": " + std::strerror(errno));
+  }
+  data_ = mapped;
+}
+
+MappedFile::~MappedFile() {
+  if (reservation_) ::munmap(reservation_, reservation_length_);
+}
+
+// ---- the engine ----
+
+Engine::Engine(const ModelConfig& config, Precision precision, const Switches& switches, size_t max_context,
+               const std::string& kernel_source, const std::optional<MetallibFile>& metallib)
+    : config_(config), precision_(precision), switches_(switches), max_context_(max_context) {
+  config_.validate();
+  config_.check_kernel_shapes();
+  if (max_context_ == 0) throw mtl::Error("[engine] max_context must be positive");
+  device_ = metallib ? std::make_unique<Device>(*metallib) : std::make_unique<Device>(kernel_source);
+}
+
+Engine::~Engine() = default;
+
+int Engine::add_file(const std::string& path) {
+  files_.push_back(std::make_unique<MappedFile>(path));
+  const MappedFile& file = *files_.back();
+  int id = base_.add_buffer(path, file.mapped_length(), BufferRole::Weights);
+  buffers_.push_back(device_->wrap_memory(file.data(), file.mapped_length()));
+  return id;
+}
+
+int Engine::add_owned(const void* data, size_t length) {
+  int id = base_.add_buffer("materialised weights", length, BufferRole::Weights);
+  buffers_.push_back(device_->new_buffer(base_.buffers[id].length));
+  if (length) std::memcpy(buffers_.back().contents(), data, length);
+  owned_bytes_ += length;
+  return id;
+}
+
+void Engine::bind_weight(const std::string& name, const WeightRef& ref) {
+  if (loaded_) throw mtl::Error("[engine] " + name + ": weights are bound before finish_loading");
+  for (const Span* span : {&ref.data, &ref.scales, &ref.biases}) {
+    if (span->length == 0 && span != &ref.data) continue;
+    if (span->buffer < 0 || static_cast<size_t>(span->buffer) >= buffers_.size() ||
+        span->offset + span->length > base_.buffers[span->buffer].length) {
+      throw mtl::Error("[engine] " + name + ": its byte range is not inside a loaded file or buffer");
+    }
+  }
+  if (ref.bits && ref.cols % 64) throw mtl::Error("[engine] " + name + ": input features must be a multiple of 64");
+  weights_[name] = ref;
+}
+
+void Engine::finish_loading() {
+  // Dense tensors are read by kernels templated on the activation dtype, except A_log and dt_bias (always f32).
+  const DType act = precision_ == Precision::Float32 ? DType::F32 : DType::BF16;
+  for (const auto& [name, w] : weights_) {
+    if (w.bits) continue;
+    DType wanted = ends_with(name, "A_log") || ends_with(name, "dt_bias") ? DType::F32 : act;
+    if (w.dtype != wanted) {
+      throw mtl::Error("[engine] " + name + " must be bound as " + dtype_name(wanted) + " for this precision; got " +
+                       dtype_name(w.dtype));
+    }
+  }
+  size_t first_new = base_.buffers.size();
+  decode_ = add_decode_buffers(config_, precision_, std::min(max_context_, switches_.kv_growth_block()), max_context_,
+                               base_);
+  for (size_t i = first_new; i < base_.buffers.size(); ++i) buffers_.push_back(device_->new_buffer(base_.buffers[i].length));
+  // A dry build names any missing tensor now rather than at the first token.
+  Graph probe;
+  probe.buffers = base_.buffers;
+  build_decode_step(config_, precision_, switches_, weights_, decode_, 0, 0, 1, probe);
+  // Every decode pipeline is built now: a kernel missing for this checkpoint's quantization is named at load, and
+  // the first token does not pay for compilation.
+  for (const Node& node : probe.nodes) device_->pipeline(node.kernel);
+  loaded_ = true;
+  reset();
+}
+
+void Engine::reset() {
+  for (size_t i = 0; i < base_.buffers.size(); ++i) {
+    if (base_.buffers[i].role == BufferRole::State || base_.buffers[i].role == BufferRole::Io) {
+      std::memset(buffers_[i].contents(), 0, buffers_[i].length());
+    }
+  }
+  position_ = 0;
+}
+
+void Engine::ensure_capacity(size_t keys) {
+  if (keys > max_context_) {
+    throw mtl::Error("[engine] the context limit is " + std::to_string(max_context_) + " tokens; this call needs " +
+                     std::to_string(keys));
+  }
+  const size_t old_capacity = decode_.kv_capacity;
+  if (keys <= old_capacity) return;
+  const size_t capacity = std::min(round_up(keys, switches_.kv_growth_block()), max_context_);
+  const size_t row = state_layout(config_, precision_).kv_bytes_per_row / config_.num_kv_heads;  // one head
+  for (size_t layer = 0; layer < config_.num_layers(); ++layer) {
+    for (int id : {decode_.k_cache[layer], decode_.v_cache[layer]}) {
+      if (id < 0) continue;
+      Buffer grown = device_->new_buffer(config_.num_kv_heads * capacity * row);
+      for (size_t h = 0; h < config_.num_kv_heads; ++h) {
+        std::memcpy(static_cast<char*>(grown.contents()) + h * capacity * row,
+                    static_cast<const char*>(buffers_[id].contents()) + h * old_capacity * row, position_ * row);
+      }
+      buffers_[id] = std::move(grown);
+      base_.buffers[id].length = buffers_[id].length();
+    }
+  }
+  decode_.kv_capacity = capacity;
+}
+
+std::unique_ptr<Encoder> Engine::encode_step(uint32_t token_slot, long dropped_barrier) {
+  Graph graph;
+  graph.buffers = base_.buffers;
+  build_decode_step(config_, precision_, switches_, weights_, decode_, position_, static_cast<int>(token_slot),
+                    static_cast<int>(1 - token_slot), graph);
+  return encode_graph(std::move(graph), dropped_barrier);
+}
+
+std::unique_ptr<Encoder> Engine::encode_graph(Graph graph, long dropped_barrier) {
+  std::unique_ptr<Encoder> encoder = encode_nodes(graph, stage_starts(graph), 0, graph.nodes.size(), dropped_barrier);
+  last_graph_ = std::move(graph);
+  return encoder;
+}
+
+std::unique_ptr<Encoder> Engine::encode_nodes(const Graph& graph, const std::vector<bool>& starts, size_t begin,
+                                              size_t end, long dropped_barrier) {
+  const bool manual = dropped_barrier >= 0;
+  auto encoder = std::make_unique<Encoder>(*device_, manual ? BarrierPolicy::Manual : BarrierPolicy::Automatic);
+  auto ranges = [&](const std::vector<Span>& spans) {
+    std::vector<BufferRange> out;
+    for (const Span& s : spans) out.push_back({&buffer(s.buffer), s.offset, s.length});
+    return out;
+  };
+  for (size_t i = begin; i < end; ++i) {
+    const Node& node = graph.nodes[i];
+    // Automatic: the Encoder places barriers from the ranges (serial mode adds one before every node). Manual:
+    // the same places, computed here, with one left out.
+    if (manual ? (i > begin && starts[i] && static_cast<long>(i) != dropped_barrier) : node.barrier_before) {
+      encoder->barrier();
+    }
+    std::vector<Argument> args;
+    for (const NodeArg& a : node.args) {
+      args.push_back(a.buffer >= 0 ? Argument::buffer(buffer(a.buffer), a.offset)
+                                   : Argument::bytes(a.bytes.data(), a.bytes.size()));
+    }
+    encoder->dispatch(device_->pipeline(node.kernel), args, node.groups, node.threads, ranges(node.reads),
+                      ranges(node.writes));
+  }
+  return encoder;
+}
+
+void Engine::run_graph(Graph graph, long dropped_barrier) {
+  if (graph.host_sorts.empty()) {
+    std::unique_ptr<Encoder> encoder = encode_graph(std::move(graph), dropped_barrier);
+    encoder->commit();
+    encoder->wait();
+    return;
+  }
+  const std::vector<bool> starts = stage_starts(graph);
+  size_t begin = 0;
+  for (const HostMoeSort& sort : graph.host_sorts) {
+    std::unique_ptr<Encoder> encoder = encode_nodes(graph, starts, begin, sort.before_node, dropped_barrier);
+    encoder->commit();
+    encoder->wait();
+    run_host_sort(sort);
+    begin = sort.before_node;
+  }
+  std::unique_ptr<Encoder> encoder = encode_nodes(graph, starts, begin, graph.nodes.size(), dropped_barrier);
+  encoder->commit();
+  encoder->wait();
+  last_graph_ = std::move(graph);
+}
+
+void Engine::run_host_sort(const HostMoeSort& sort) {
+  auto at = [&](const Span& span) {
+    return reinterpret_cast<uint32_t*>(static_cast<unsigned char*>(buffers_[span.buffer].contents()) + span.offset);
+  };
+  host_moe_sort(sort, at(sort.expert_ids), at(sort.expert_offsets), at(sort.tile_map), at(sort.tile_count),
+                at(sort.sorted_pairs));
+}
+
+void Engine::read_rows(int buffer_id, size_t rows, float* out) const {
+  const size_t n = rows * config_.vocab_size;
+  const Buffer& logits = buffer(buffer_id);
+  if (precision_ == Precision::Float32) {
+    std::memcpy(out, logits.contents(), n * 4);
+    return;
+  }
+  const auto* bf16 = static_cast<const uint16_t*>(logits.contents());
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t bits = static_cast<uint32_t>(bf16[i]) << 16;
+    std::memcpy(out + i, &bits, 4);
+  }
+}
+
+void Engine::ensure_prefill_rows(size_t rows) {
+  if (has_prefill_ && prefill_.max_tokens >= rows) return;
+  // The prefill scratch is the last group of buffers: a larger chunk replaces the group (same ids, new sizes).
+  if (has_prefill_) {
+    base_.buffers.erase(base_.buffers.begin() + static_cast<long>(prefill_first_buffer_), base_.buffers.end());
+    buffers_.erase(buffers_.begin() + static_cast<long>(prefill_first_buffer_), buffers_.end());
+  }
+  prefill_first_buffer_ = base_.buffers.size();
+  prefill_ = add_prefill_buffers(config_, precision_, rows, base_);
+  if (!switches_.in_gemm_dequant) prefill_.dequant = add_dequant_scratch(precision_, weights_, base_);
+  for (size_t i = prefill_first_buffer_; i < base_.buffers.size(); ++i) {
+    buffers_.push_back(device_->new_buffer(base_.buffers[i].length));
+  }
+  has_prefill_ = true;
+}
+
+void Engine::prefill_chunk(const uint32_t* tokens, size_t count, float* logits, long dropped_barrier) {
+  const size_t chunk = switches_.prefill_chunk ? switches_.prefill_chunk : tuning::kPrefillChunk;
+  ensure_prefill_rows(std::max(count, std::min(chunk, max_context_)));
+  SharedExpertRouting routing = shared_expert_routing(count, switches_.wide_tiles);
+  auto put = [&](int id, const void* data, size_t bytes) { std::memcpy(buffers_[id].contents(), data, bytes); };
+  put(prefill_.ids, tokens, count * 4);
+  put(prefill_.shared_pairs, routing.pairs.data(), routing.pairs.size() * 4);
+  put(prefill_.ones, routing.ones.data(), routing.ones.size() * 4);
+  put(prefill_.shared_tile_map, routing.tile_map.data(), routing.tile_map.size() * 4);
+  put(prefill_.shared_tile_count, &routing.tile_count, 4);
+  Graph graph;
+  graph.buffers = base_.buffers;
+  build_prefill_chunk(config_, precision_, switches_, weights_, decode_, prefill_, position_, count, graph);
+  run_graph(std::move(graph), dropped_barrier);
+  read_rows(prefill_.logits, count, logits);
+  position_ += count;
+}
+
+void Engine::forward(const std::vector<uint32_t>& tokens, float* logits, long dropped_barrier) {
+  if (!loaded_) throw mtl::Error("[engine] forward before finish_loading");
+  for (uint32_t token : tokens) {
+    if (token >= config_.vocab_size) {
+      throw mtl::Error("[engine] token id " + std::to_string(token) + " is not below vocab_size " +
+                       std::to_string(config_.vocab_size));
+    }
+  }
+  ensure_capacity(position_ + tokens.size());
+  if (switches_.batched_prefill && tokens.size() > 1) {
+    const size_t chunk = !switches_.chunked_prefill ? tokens.size()
+                         : std::min(switches_.prefill_chunk ? switches_.prefill_chunk : tuning::kPrefillChunk,
+                                    max_context_);
+    for (size_t start = 0; start < tokens.size(); start += chunk) {
+      const size_t count = std::min(chunk, tokens.size() - start);
+      prefill_chunk(tokens.data() + start, count, logits + start * config_.vocab_size, dropped_barrier);
+    }
+    return;
+  }
+  for (size_t t = 0; t < tokens.size(); ++t) {
+    static_cast<uint32_t*>(buffer(decode_.tokens).contents())[0] = tokens[t];
+    std::unique_ptr<Encoder> encoder = encode_step(0, dropped_barrier);
+    encoder->commit();
+    encoder->wait();
+    read_rows(decode_.logits, 1, logits + t * config_.vocab_size);
+    ++position_;
+  }
+}
+
+std::vector<uint32_t> Engine::generate_greedy(uint32_t first, size_t count) {
+  if (!loaded_) throw mtl::Error("[engine] generate before finish_loading");
+  if (!switches_.gpu_token) throw mtl::Error("[engine] generate_greedy needs the GPU token switch on");
+  if (first >= config_.vocab_size) throw mtl::Error("[engine] token id " + std::to_string(first) + " is out of range");
+  // Grown up front: a growth re-allocates the caches, which a command buffer in flight may be using.
+  ensure_capacity(position_ + count);
+  auto* slots = static_cast<uint32_t*>(buffer(decode_.tokens).contents());
+  slots[0] = first;
+  std::vector<uint32_t> out;
+  std::unique_ptr<Encoder> in_flight;
+  for (size_t k = 0; k < count; ++k) {
+    std::unique_ptr<Encoder> next = encode_step(static_cast<uint32_t>(k % 2), -1);
+    next->commit();
+    ++position_;
+    if (in_flight) {
+      in_flight->wait();
+      out.push_back(slots[k % 2]);  // written by step k-1; step k+1 (the next writer of this slot) is not committed
+    }
+    in_flight = std::move(next);
+  }
+  if (in_flight) {
+    in_flight->wait();
+    out.push_back(slots[count % 2]);
+  }
+  return out;
+}
+
+size_t Engine::snapshot_bytes(size_t position) const {
+  StateLayout s = state_layout(config_, precision_);
+  size_t total = 0;
+  for (bool attention : config_.attention_layers) {
+    total += attention ? 2 * position * s.kv_bytes_per_row : s.conv_bytes + s.recurrent_bytes;
+  }
+  return total;
+}
+
+std::vector<unsigned char> Engine::snapshot() const {
+  std::vector<unsigned char> out;
+  out.reserve(snapshot_bytes(position_));
+  const size_t row = state_layout(config_, precision_).kv_bytes_per_row / config_.num_kv_heads;
+  for (size_t layer = 0; layer < config_.num_layers(); ++layer) {
+    if (!config_.attention_layers[layer]) {
+      for (int id : {decode_.conv_state[layer], decode_.recurrent_state[layer]}) {
+        const auto* p = static_cast<const unsigned char*>(buffer(id).contents());
+        out.insert(out.end(), p, p + base_.buffers[id].length);
+      }
+      continue;
+    }
+    for (int id : {decode_.k_cache[layer], decode_.v_cache[layer]}) {
+      for (size_t h = 0; h < config_.num_kv_heads; ++h) {
+        const auto* p = static_cast<const unsigned char*>(buffer(id).contents()) + h * decode_.kv_capacity * row;
+        out.insert(out.end(), p, p + position_ * row);
+      }
+    }
+  }
+  return out;
+}
+
+void Engine::restore(const unsigned char* snapshot, size_t length, size_t position) {
+  if (length != snapshot_bytes(position)) {
+    throw mtl::Error("[engine] snapshot of " + std::to_string(length) + " bytes does not match " +
+                     std::to_string(position) + " tokens of this model's state");
+  }
+  position_ = 0;
+  ensure_capacity(std::max<size_t>(position, 1));
+  const size_t row = state_layout(config_, precision_).kv_bytes_per_row / config_.num_kv_heads;
+  const unsigned char* p = snapshot;
+  for (size_t layer = 0; layer < config_.num_layers(); ++layer) {
+    if (!config_.attention_layers[layer]) {
+      for (int id : {decode_.conv_state[layer], decode_.recurrent_state[layer]}) {
+        std::memcpy(buffers_[id].contents(), p, base_.buffers[id].length);
+        p += base_.buffers[id].length;
+      }
+      continue;
+    }
+    for (int id : {decode_.k_cache[layer], decode_.v_cache[layer]}) {
+      for (size_t h = 0; h < config_.num_kv_heads; ++h) {
+        std::memcpy(static_cast<unsigned char*>(buffers_[id].contents()) + h * decode_.kv_capacity * row, p,
+                    position * row);
+        p += position * row;
+      }
+    }
+  }
+  position_ = position;
+}
+
+}  // namespace lily
