@@ -312,13 +312,39 @@ NB_MODULE(_ext, m) {
       .def("snapshot_bytes", &lily::Engine::snapshot_bytes, nb::arg("position"))
       .def("forward",
            [](lily::Engine& e, const std::vector<uint32_t>& tokens,
-              nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out, long dropped_barrier) {
-             if (out.shape(0) != tokens.size() || out.shape(1) != e.config().vocab_size) {
-               throw nb::value_error("out must be float32 [len(tokens), vocab_size]");
+              nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out, long dropped_barrier,
+              bool last_only) {
+             if (out.shape(0) != (last_only ? 1 : tokens.size()) || out.shape(1) != e.config().vocab_size) {
+               throw nb::value_error(last_only ? "out must be float32 [1, vocab_size]"
+                                               : "out must be float32 [len(tokens), vocab_size]");
              }
-             e.forward(tokens, out.data(), dropped_barrier);
+             nb::gil_scoped_release released;
+             e.forward(tokens, out.data(), dropped_barrier, last_only);
            },
-           nb::arg("tokens"), nb::arg("out"), nb::arg("dropped_barrier") = -1)
+           nb::arg("tokens"), nb::arg("out"), nb::arg("dropped_barrier") = -1, nb::arg("last_only") = false)
+      .def("begin_decode",
+           [](lily::Engine& e, nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> logits,
+              float temperature, uint32_t top_k, float top_p, float min_p, uint64_t seed) {
+             if (logits.shape(0) != e.config().vocab_size) throw nb::value_error("logits must be float32 [vocab_size]");
+             e.begin_decode(logits.data(), lily::TokenChoice{temperature, top_k, top_p, min_p, seed});
+           },
+           nb::arg("logits"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
+           nb::arg("seed"))
+      .def("submit_step", &lily::Engine::submit_step)
+      .def("next_token", &lily::Engine::next_token, nb::call_guard<nb::gil_scoped_release>())
+      .def("end_decode", &lily::Engine::end_decode, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("steps_in_flight", &lily::Engine::steps_in_flight)
+      .def("read_logits",
+           [](lily::Engine& e, nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu> out) {
+             if (out.shape(0) != e.config().vocab_size) throw nb::value_error("out must be float32 [vocab_size]");
+             e.read_logits(out.data());
+           },
+           nb::arg("out"))
+      .def_prop_ro("host_read_bytes", &lily::Engine::host_read_bytes)
+      .def_prop_ro("step_host_ns", &lily::Engine::step_host_ns)
+      .def("reset_host_timing", &lily::Engine::reset_host_timing)
+      .def_prop_ro("programs_built", &lily::Engine::programs_built)
+      .def("bind_synthetic_weights", &lily::Engine::bind_synthetic_weights)
       .def("generate_greedy", &lily::Engine::generate_greedy, nb::arg("first"), nb::arg("count"))
       .def("last_step_counts", [](const lily::Engine& e) { return counts_dict(e.last_graph()); });
 #if defined(__APPLE__)

@@ -15,7 +15,8 @@ using graph::weight;
 using graph::whole;
 
 void build_decode_step(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,
-                       const DecodeBuffers& b, size_t position, int token_slot, int next_slot, Graph& g) {
+                       const DecodeBuffers& b, size_t position, int token_slot, int next_slot, Graph& g,
+                       const std::optional<TokenChoice>& choice) {
   const DType act = precision == Precision::Float32 ? DType::F32 : DType::BF16;
   const size_t a = dtype_size(act), H = c.hidden_size;
   ops::Context ctx{g, act, !sw.concurrent, sw.wide_tiles};
@@ -147,9 +148,20 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
   const WeightRef& final_norm = weight(w, "norm.weight");
   Span logits = whole(g, b.logits);
   gemv("lm_head", normalise("norm", final_norm), weight(w, "lm_head.weight"), logits, act, final_norm);
-  if (sw.gpu_token) {
-    ops::argmax(ctx, logits, c.vocab_size, whole(g, b.argmax_values), whole(g, b.argmax_ids), whole(g, b.tokens),
-                static_cast<size_t>(next_slot));
+  if (sw.gpu_token && choice) {
+    build_token_choice(c, precision, *choice, b, position, 1, next_slot, g);  // the token at position + 1
+  }
+}
+
+void build_token_choice(const ModelConfig& c, Precision precision, const TokenChoice& choice, const DecodeBuffers& b,
+                        size_t position, int position_delta, int out_slot, Graph& g) {
+  ops::Context ctx{g, precision == Precision::Float32 ? DType::F32 : DType::BF16, false};
+  const Span logits = whole(g, b.logits), tokens = whole(g, b.tokens);
+  if (choice.temperature == 0.0f) {
+    ops::argmax(ctx, logits, c.vocab_size, whole(g, b.argmax_values), whole(g, b.argmax_ids), tokens,
+                static_cast<size_t>(out_slot));
+  } else {
+    ops::sample(ctx, logits, c.vocab_size, choice, tokens, static_cast<size_t>(out_slot), position, position_delta);
   }
 }
 

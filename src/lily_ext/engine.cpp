@@ -8,7 +8,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <cmath>
 #include <cstring>
+#include <stdexcept>
 
 #include "encoder.h"
 #include "plan.h"
@@ -82,7 +85,13 @@ Engine::Engine(const ModelConfig& config, Precision precision, const Switches& s
   device_ = metallib ? std::make_unique<Device>(*metallib) : std::make_unique<Device>(kernel_source);
 }
 
-Engine::~Engine() = default;
+Engine::~Engine() {
+  // The command buffers and the buffers wrapping reserved memory go before the memory does.
+  in_flight_.clear();
+  programs_.clear();
+  buffers_.clear();
+  for (auto [address, length] : reservations_) ::munmap(address, length);
+}
 
 int Engine::add_file(const std::string& path) {
   files_.push_back(std::make_unique<MappedFile>(path));
@@ -98,6 +107,30 @@ int Engine::add_owned(const void* data, size_t length) {
   if (length) std::memcpy(buffers_.back().contents(), data, length);
   owned_bytes_ += length;
   return id;
+}
+
+int Engine::add_reserved(size_t length) {
+  // Address space only (MAP_NORESERVE, never written): a full-size model's synthetic weights cost no memory while
+  // the kernels that would read them are stubbed out.
+  const size_t mapped = round_up(std::max<size_t>(length, 1), kMetalPage);
+  void* reservation = ::mmap(nullptr, mapped + kMetalPage, PROT_READ | PROT_WRITE,
+                             MAP_PRIVATE | MAP_ANON | MAP_NORESERVE, -1, 0);
+  if (reservation == MAP_FAILED) throw mtl::Error("[engine] cannot reserve " + std::to_string(mapped) + " bytes");
+  reservations_.emplace_back(reservation, mapped + kMetalPage);
+  void* aligned = reinterpret_cast<void*>(round_up(reinterpret_cast<uintptr_t>(reservation), kMetalPage));
+  int id = base_.add_buffer("reserved weights", mapped, BufferRole::Weights);
+  buffers_.push_back(device_->wrap_memory(aligned, mapped));
+  return id;
+}
+
+void Engine::bind_synthetic_weights() {
+  Graph layout;
+  WeightTable table = synthetic_weights(config_, layout);
+  const int id = add_reserved(layout.buffers.at(0).length);
+  for (auto& [name, ref] : table) {
+    for (Span* span : {&ref.data, &ref.scales, &ref.biases}) span->buffer = id;
+    bind_weight(name, ref);
+  }
 }
 
 void Engine::bind_weight(const std::string& name, const WeightRef& ref) {
@@ -172,17 +205,91 @@ void Engine::ensure_capacity(size_t keys) {
   decode_.kv_capacity = capacity;
 }
 
-std::unique_ptr<Encoder> Engine::encode_step(uint32_t token_slot, long dropped_barrier) {
-  Graph graph;
-  graph.buffers = base_.buffers;
-  build_decode_step(config_, precision_, switches_, weights_, decode_, position_, static_cast<int>(token_slot),
-                    static_cast<int>(1 - token_slot), graph);
-  return encode_graph(std::move(graph), dropped_barrier);
+
+// ---- the decode step: built once per shape, re-encoded per token ----
+
+size_t Engine::split_blocks(size_t position) const {
+  const size_t split_min = switches_.split_kv_min_keys ? switches_.split_kv_min_keys : tuning::kAttentionSplitMinKeys;
+  const size_t keys = position + 1;
+  if (!switches_.split_kv || keys < split_min) return 0;
+  return (keys + tuning::kAttentionSplitBlock - 1) / tuning::kAttentionSplitBlock;
 }
 
-std::unique_ptr<Encoder> Engine::encode_graph(Graph graph, long dropped_barrier) {
-  std::unique_ptr<Encoder> encoder = encode_nodes(graph, stage_starts(graph), 0, graph.nodes.size(), dropped_barrier);
-  last_graph_ = std::move(graph);
+// The step for this token slot, choice and shape (KV capacity, split-KV blocks at this position): found among the
+// programs built so far, else built now. Nothing in it is looked up by name per token.
+Engine::Program& Engine::program(int token_slot, const std::optional<TokenChoice>& choice) {
+  const size_t blocks = split_blocks(position_);
+  for (Program& p : programs_) {
+    if (p.token_slot == token_slot && p.kv_capacity == decode_.kv_capacity && p.split_blocks == blocks &&
+        p.choice == choice) {
+      return p;
+    }
+  }
+  auto graph = std::make_shared<Graph>();
+  graph->buffers = base_.buffers;
+  build_decode_step(config_, precision_, switches_, weights_, decode_, position_, token_slot, 1 - token_slot, *graph,
+                    choice);
+  Program built = build_program(std::move(graph));
+  built.token_slot = token_slot;
+  built.kv_capacity = decode_.kv_capacity;
+  built.split_blocks = blocks;
+  built.choice = choice;
+  ++programs_built_;
+  // A few shapes live at once (two token slots, with and without a choice); older shapes are not coming back.
+  if (programs_.size() >= 8) programs_.erase(programs_.begin());
+  programs_.push_back(std::move(built));
+  return programs_.back();
+}
+
+Engine::Program Engine::build_program(std::shared_ptr<const Graph> graph) const {
+  const std::vector<bool> starts = stage_starts(*graph);
+  Program program;
+  program.dispatches.reserve(graph->nodes.size());
+  // What the dispatches before leave bound at each index (one compute encoder holds the whole step): a NodeArg.
+  std::vector<const NodeArg*> bound;
+  const Pipeline* previous = nullptr;
+  for (size_t i = 0; i < graph->nodes.size(); ++i) {
+    const Node& node = graph->nodes[i];
+    const Pipeline* pipeline = &device_->pipeline(node.kernel);
+    Program::Dispatch d{pipeline, {}, node.groups, node.threads, i > 0 && starts[i], node.per_position,
+                        pipeline == previous, {}};
+    previous = pipeline;
+    if (bound.size() < node.args.size()) bound.resize(node.args.size(), nullptr);
+    for (size_t k = 0; k < node.args.size(); ++k) {
+      const NodeArg& a = node.args[k];
+      d.args.push_back(a.buffer >= 0 ? Argument::buffer(buffer(a.buffer), a.offset)
+                                     : Argument::bytes(a.bytes.data(), a.bytes.size()));
+      const bool follows_position = std::any_of(node.per_position.begin(), node.per_position.end(),
+                                                [&](const PositionField& f) { return f.arg == k; });
+      const NodeArg* was = bound[k];
+      const bool same = was != nullptr && !follows_position && was->buffer == a.buffer && was->offset == a.offset &&
+                        was->bytes == a.bytes;
+      d.rebind.push_back(!same);
+      // A field that follows the position differs between tokens: nothing may count on it staying bound.
+      bound[k] = follows_position ? nullptr : &a;
+    }
+    program.dispatches.push_back(std::move(d));
+  }
+  program.serial = std::all_of(starts.begin(), starts.end(), [](bool start) { return start; });
+  program.graph = std::move(graph);
+  return program;
+}
+
+// Rewrites the fields that follow the position, then encodes with the barriers placed when the step was built.
+std::unique_ptr<Encoder> Engine::encode_program(Program& program, long dropped_barrier) {
+  // A dropped barrier (tests) needs the concurrent encoder whose barrier it drops.
+  const bool serial = program.serial && dropped_barrier < 0;
+  auto encoder = std::make_unique<Encoder>(*device_, serial ? BarrierPolicy::Serial : BarrierPolicy::Manual);
+  mtl::AutoreleasePool pool;
+  for (size_t i = 0; i < program.dispatches.size(); ++i) {
+    Program::Dispatch& d = program.dispatches[i];
+    for (const PositionField& f : d.per_position) {
+      d.args[f.arg].patch_u32(f.offset, static_cast<uint32_t>(static_cast<long>(position_) + f.delta));
+    }
+    if (!serial && d.barrier && static_cast<long>(i) != dropped_barrier) encoder->barrier();
+    encoder->dispatch_planned(*d.pipeline, d.same_pipeline, d.args, d.rebind, d.groups, d.threads);
+  }
+  last_graph_ = program.graph;
   return encoder;
 }
 
@@ -214,12 +321,6 @@ std::unique_ptr<Encoder> Engine::encode_nodes(const Graph& graph, const std::vec
 }
 
 void Engine::run_graph(Graph graph, long dropped_barrier) {
-  if (graph.host_sorts.empty()) {
-    std::unique_ptr<Encoder> encoder = encode_graph(std::move(graph), dropped_barrier);
-    encoder->commit();
-    encoder->wait();
-    return;
-  }
   const std::vector<bool> starts = stage_starts(graph);
   size_t begin = 0;
   for (const HostMoeSort& sort : graph.host_sorts) {
@@ -232,7 +333,7 @@ void Engine::run_graph(Graph graph, long dropped_barrier) {
   std::unique_ptr<Encoder> encoder = encode_nodes(graph, starts, begin, graph.nodes.size(), dropped_barrier);
   encoder->commit();
   encoder->wait();
-  last_graph_ = std::move(graph);
+  last_graph_ = std::make_shared<const Graph>(std::move(graph));
 }
 
 void Engine::run_host_sort(const HostMoeSort& sort) {
@@ -243,9 +344,10 @@ void Engine::run_host_sort(const HostMoeSort& sort) {
                 at(sort.sorted_pairs));
 }
 
-void Engine::read_rows(int buffer_id, size_t rows, float* out) const {
+void Engine::read_rows(int buffer_id, size_t rows, float* out) {
   const size_t n = rows * config_.vocab_size;
   const Buffer& logits = buffer(buffer_id);
+  host_read_bytes_ += n * (precision_ == Precision::Float32 ? 4 : 2);
   if (precision_ == Precision::Float32) {
     std::memcpy(out, logits.contents(), n * 4);
     return;
@@ -254,6 +356,23 @@ void Engine::read_rows(int buffer_id, size_t rows, float* out) const {
   for (size_t i = 0; i < n; ++i) {
     uint32_t bits = static_cast<uint32_t>(bf16[i]) << 16;
     std::memcpy(out + i, &bits, 4);
+  }
+}
+
+// The decode logits buffer from host logits (the last row of a prefill): f32, or bf16 (exact for logits that came
+// from bf16, rounded to nearest even otherwise).
+void Engine::write_logits(const float* logits) {
+  void* out = buffers_[decode_.logits].contents();
+  if (precision_ == Precision::Float32) {
+    std::memcpy(out, logits, config_.vocab_size * 4);
+    return;
+  }
+  auto* bf16 = static_cast<uint16_t*>(out);
+  for (size_t i = 0; i < config_.vocab_size; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, logits + i, 4);
+    bf16[i] = std::isnan(logits[i]) ? static_cast<uint16_t>((bits >> 16) | 0x40)
+                                    : static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
   }
 }
 
@@ -271,9 +390,11 @@ void Engine::ensure_prefill_rows(size_t rows) {
     buffers_.push_back(device_->new_buffer(base_.buffers[i].length));
   }
   has_prefill_ = true;
+  programs_.clear();  // the decode steps hold the buffer list they were built over
 }
 
-void Engine::prefill_chunk(const uint32_t* tokens, size_t count, float* logits, long dropped_barrier) {
+void Engine::prefill_chunk(const uint32_t* tokens, size_t count, float* logits, size_t logit_rows,
+                           long dropped_barrier) {
   const size_t chunk = switches_.prefill_chunk ? switches_.prefill_chunk : tuning::kPrefillChunk;
   ensure_prefill_rows(std::max(count, std::min(chunk, max_context_)));
   SharedExpertRouting routing = shared_expert_routing(count, switches_.wide_tiles);
@@ -285,14 +406,20 @@ void Engine::prefill_chunk(const uint32_t* tokens, size_t count, float* logits, 
   put(prefill_.shared_tile_count, &routing.tile_count, 4);
   Graph graph;
   graph.buffers = base_.buffers;
-  build_prefill_chunk(config_, precision_, switches_, weights_, decode_, prefill_, position_, count, graph);
+  build_prefill_chunk(config_, precision_, switches_, weights_, decode_, prefill_, position_, count, logit_rows,
+                      graph);
   run_graph(std::move(graph), dropped_barrier);
-  read_rows(prefill_.logits, count, logits);
+  if (logit_rows) read_rows(prefill_.logits, logit_rows, logits);
   position_ += count;
 }
 
-void Engine::forward(const std::vector<uint32_t>& tokens, float* logits, long dropped_barrier) {
-  if (!loaded_) throw mtl::Error("[engine] forward before finish_loading");
+void Engine::require_idle(const char* what) const {
+  if (!loaded_) throw mtl::Error(std::string("[engine] ") + what + " before finish_loading");
+  if (decoding_) throw mtl::Error(std::string("[engine] ") + what + " while a decode is running (end_decode first)");
+}
+
+void Engine::forward(const std::vector<uint32_t>& tokens, float* logits, long dropped_barrier, bool last_only) {
+  require_idle("forward");
   for (uint32_t token : tokens) {
     if (token >= config_.vocab_size) {
       throw mtl::Error("[engine] token id " + std::to_string(token) + " is not below vocab_size " +
@@ -300,50 +427,122 @@ void Engine::forward(const std::vector<uint32_t>& tokens, float* logits, long dr
     }
   }
   ensure_capacity(position_ + tokens.size());
+  const size_t V = config_.vocab_size;
   if (switches_.batched_prefill && tokens.size() > 1) {
     const size_t chunk = !switches_.chunked_prefill ? tokens.size()
                          : std::min(switches_.prefill_chunk ? switches_.prefill_chunk : tuning::kPrefillChunk,
                                     max_context_);
     for (size_t start = 0; start < tokens.size(); start += chunk) {
       const size_t count = std::min(chunk, tokens.size() - start);
-      prefill_chunk(tokens.data() + start, count, logits + start * config_.vocab_size, dropped_barrier);
+      const bool last_chunk = start + count == tokens.size();
+      prefill_chunk(tokens.data() + start, count, last_only ? logits : logits + start * V,
+                    last_only ? (last_chunk ? 1 : 0) : count, dropped_barrier);
     }
     return;
   }
+  // One decode step per token, no token choice (the caller reads logits).
   for (size_t t = 0; t < tokens.size(); ++t) {
-    static_cast<uint32_t*>(buffer(decode_.tokens).contents())[0] = tokens[t];
-    std::unique_ptr<Encoder> encoder = encode_step(0, dropped_barrier);
+    static_cast<uint32_t*>(buffers_[decode_.tokens].contents())[0] = tokens[t];
+    std::unique_ptr<Encoder> encoder = encode_program(program(0, std::nullopt), dropped_barrier);
     encoder->commit();
     encoder->wait();
-    read_rows(decode_.logits, 1, logits + t * config_.vocab_size);
     ++position_;
+    if (!last_only) {
+      read_rows(decode_.logits, 1, logits + t * V);
+    } else if (t + 1 == tokens.size()) {
+      read_rows(decode_.logits, 1, logits);
+    }
   }
 }
 
+// ---- decode on the GPU: the token chosen in the step, steps in flight ----
+
+void Engine::begin_decode(const float* last_logits, const TokenChoice& choice) {
+  require_idle("begin_decode");
+  if (!switches_.gpu_token) throw mtl::Error("[engine] decoding on the GPU needs the GPU_TOKEN switch on");
+  if (!(choice.temperature >= 0.0f) || !(choice.top_p > 0.0f && choice.top_p <= 1.0f) ||
+      !(choice.min_p >= 0.0f && choice.min_p <= 1.0f)) {
+    throw mtl::Error("[engine] token choice out of range: temperature >= 0, top_p in (0, 1], min_p in [0, 1]");
+  }
+  write_logits(last_logits);
+  choice_ = choice;
+  decoding_ = true;
+  // The first token: the choice alone, over the uploaded logits, into slot 0 (a graph of one or two nodes).
+  Graph graph;
+  graph.buffers = base_.buffers;
+  build_token_choice(config_, precision_, choice, decode_, position_, 0, 0, graph);
+  std::unique_ptr<Encoder> encoder = encode_nodes(graph, stage_starts(graph), 0, graph.nodes.size(), -1);
+  encoder->commit();
+  in_flight_.push_back({std::move(encoder), 0});
+  next_slot_ = 0;
+}
+
+void Engine::submit_step() {
+  if (!decoding_) throw mtl::Error("[engine] submit_step before begin_decode");
+  // Two slots: the step committed now overwrites the slot of the choice two back, which the host must have read.
+  if (in_flight_.size() >= 2) throw std::logic_error("[engine] submit_step with two command buffers in flight");
+  const auto start = std::chrono::steady_clock::now();
+  if (position_ + 1 > decode_.kv_capacity) {
+    wait_in_flight();  // a growth re-allocates the caches the steps in flight use
+    ensure_capacity(position_ + 1);
+  }
+  std::unique_ptr<Encoder> encoder = encode_program(program(next_slot_, choice_), -1);
+  const auto encoded = std::chrono::steady_clock::now();
+  encoder->commit();
+  in_flight_.push_back({std::move(encoder), 1 - next_slot_});
+  next_slot_ = 1 - next_slot_;
+  ++position_;
+  // The engine's own share: finding the step, patching and encoding it (commit is Metal's, and on Linux runs the
+  // fake GPU).
+  if (step_host_ns_.size() < kHostTimingSteps) {
+    step_host_ns_.push_back(static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(encoded - start).count()));
+  }
+}
+
+uint32_t Engine::next_token() {
+  if (in_flight_.empty()) throw mtl::Error("[engine] next_token with nothing in flight (submit_step first)");
+  InFlight done = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  done.encoder->wait();
+  host_read_bytes_ += 4;
+  return static_cast<const uint32_t*>(buffer(decode_.tokens).contents())[done.slot];
+}
+
+void Engine::wait_in_flight() {
+  for (InFlight& f : in_flight_) f.encoder->wait();
+}
+
+void Engine::end_decode() {
+  wait_in_flight();
+  in_flight_.clear();
+  decoding_ = false;
+}
+
+void Engine::read_logits(float* out) {
+  require_idle("read_logits");
+  read_rows(decode_.logits, 1, out);
+}
+
 std::vector<uint32_t> Engine::generate_greedy(uint32_t first, size_t count) {
-  if (!loaded_) throw mtl::Error("[engine] generate before finish_loading");
-  if (!switches_.gpu_token) throw mtl::Error("[engine] generate_greedy needs the GPU token switch on");
   if (first >= config_.vocab_size) throw mtl::Error("[engine] token id " + std::to_string(first) + " is out of range");
-  // Grown up front: a growth re-allocates the caches, which a command buffer in flight may be using.
-  ensure_capacity(position_ + count);
-  auto* slots = static_cast<uint32_t*>(buffer(decode_.tokens).contents());
-  slots[0] = first;
+  // The first token's logits: a one-hot row, so the greedy choice is `first` itself.
+  std::vector<float> one_hot(config_.vocab_size, 0.0f);
+  one_hot[first] = 1.0f;
+  begin_decode(one_hot.data(), TokenChoice{});
   std::vector<uint32_t> out;
-  std::unique_ptr<Encoder> in_flight;
-  for (size_t k = 0; k < count; ++k) {
-    std::unique_ptr<Encoder> next = encode_step(static_cast<uint32_t>(k % 2), -1);
-    next->commit();
-    ++position_;
-    if (in_flight) {
-      in_flight->wait();
-      out.push_back(slots[k % 2]);  // written by step k-1; step k+1 (the next writer of this slot) is not committed
+  try {
+    for (size_t k = 0; k < count; ++k) {
+      submit_step();
+      uint32_t token = next_token();
+      if (k > 0) out.push_back(token);
     }
-    in_flight = std::move(next);
+    if (count) out.push_back(next_token());
+  } catch (...) {
+    end_decode();
+    throw;
   }
-  if (in_flight) {
-    in_flight->wait();
-    out.push_back(slots[count % 2]);
-  }
+  end_decode();
   return out;
 }
 

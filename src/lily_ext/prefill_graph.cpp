@@ -85,7 +85,8 @@ SharedExpertRouting shared_expert_routing(size_t tokens, bool wide_tiles) {
 }
 
 void build_prefill_chunk(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,
-                         const DecodeBuffers& state, const PrefillBuffers& p, size_t position, size_t T, Graph& g) {
+                         const DecodeBuffers& state, const PrefillBuffers& p, size_t position, size_t T,
+                         size_t logit_rows, Graph& g) {
   const DType act = precision == Precision::Float32 ? DType::F32 : DType::BF16;
   const size_t a = dtype_size(act), H = c.hidden_size;
   ops::Context ctx{g, act, !sw.concurrent, sw.wide_tiles};
@@ -166,8 +167,14 @@ void build_prefill_chunk(const ModelConfig& c, Precision precision, const Switch
     bind_expert_weights(w, m, mo);
     ops::moe_prefill(ctx, c, pre + "moe", mo, T);
   }
-  ops::rms_norm(ctx, "norm", hidden, weight(w, "norm.weight"), normed, T, H, c.eps);
-  ops::qmatmul(ctx, "lm_head", normed, weight(w, "lm_head.weight"), rows(p.logits, c.vocab_size * a), T, act);
+  if (logit_rows == 0) return;
+  if (logit_rows > T) throw std::logic_error("[graph] more logit rows than the chunk has");
+  // Only the rows whose logits are asked for (normally the last) go through the final norm and lm_head.
+  const Span last_hidden = ops::sub(hidden, (T - logit_rows) * H * a, logit_rows * H * a);
+  const Span last_normed = ops::sub(normed, 0, logit_rows * H * a);
+  ops::rms_norm(ctx, "norm", last_hidden, weight(w, "norm.weight"), last_normed, logit_rows, H, c.eps);
+  ops::qmatmul(ctx, "lm_head", last_normed, weight(w, "lm_head.weight"), Span{p.logits, 0, logit_rows * c.vocab_size * a},
+               logit_rows, act);
 }
 
 void host_moe_sort(const HostMoeSort& s, const uint32_t* ids, uint32_t* expert_offsets, uint32_t* tile_map,
