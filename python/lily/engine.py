@@ -470,6 +470,11 @@ class MetalBackend:
         self._decoded = None
         return list(tokens)
 
+    def last_step_graph(self) -> dict[str, Any]:
+        """The last command buffer's graph: buffers [(name, bytes)] and nodes [{kernel, label, reads, writes,
+        barrier_before}] with ranges (buffer, offset, length), as ``plan_decode(with_graph=True)``."""
+        return self._engine.last_step_graph()
+
     def last_step_counts(self) -> dict[str, Any]:
         """Dispatches, stages, barriers, bytes and dispatches by kernel of the last command buffer's graph."""
         return self._engine.last_step_counts()

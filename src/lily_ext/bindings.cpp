@@ -88,6 +88,23 @@ nb::list spans_list(const std::vector<lily::Span>& spans) {
   return out;
 }
 
+// buffers [(name, bytes)] and nodes [{kernel, label, reads, writes, barrier_before}] of a graph, into `out`.
+void add_graph(const lily::Graph& graph, nb::dict& out) {
+  nb::list buffers, nodes;
+  for (const lily::GraphBuffer& b : graph.buffers) buffers.append(nb::make_tuple(b.name, b.length));
+  for (const lily::Node& n : graph.nodes) {
+    nb::dict node;
+    node["kernel"] = n.kernel;
+    node["label"] = n.label;
+    node["reads"] = spans_list(n.reads);
+    node["writes"] = spans_list(n.writes);
+    node["barrier_before"] = n.barrier_before;
+    nodes.append(node);
+  }
+  out["buffers"] = buffers;
+  out["nodes"] = nodes;
+}
+
 nb::dict plan_decode(const nb::dict& config, size_t context, const std::string& precision, const nb::dict& switches,
                      bool with_graph) {
   lily::DecodePlan plan =
@@ -108,21 +125,7 @@ nb::dict plan_decode(const nb::dict& config, size_t context, const std::string& 
   out["minimum_bytes"] = minimum;
   for (const auto& [kernel, n] : plan.counts.dispatches_by_kernel) by_kernel[kernel.c_str()] = n;
   out["dispatches_by_kernel"] = by_kernel;
-  if (with_graph) {
-    nb::list buffers, nodes;
-    for (const lily::GraphBuffer& b : plan.graph.buffers) buffers.append(nb::make_tuple(b.name, b.length));
-    for (const lily::Node& n : plan.graph.nodes) {
-      nb::dict node;
-      node["kernel"] = n.kernel;
-      node["label"] = n.label;
-      node["reads"] = spans_list(n.reads);
-      node["writes"] = spans_list(n.writes);
-      node["barrier_before"] = n.barrier_before;
-      nodes.append(node);
-    }
-    out["buffers"] = buffers;
-    out["nodes"] = nodes;
-  }
+  if (with_graph) add_graph(plan.graph, out);
   return out;
 }
 
@@ -346,7 +349,12 @@ NB_MODULE(_ext, m) {
       .def_prop_ro("programs_built", &lily::Engine::programs_built)
       .def("bind_synthetic_weights", &lily::Engine::bind_synthetic_weights)
       .def("generate_greedy", &lily::Engine::generate_greedy, nb::arg("first"), nb::arg("count"))
-      .def("last_step_counts", [](const lily::Engine& e) { return counts_dict(e.last_graph()); });
+      .def("last_step_counts", [](const lily::Engine& e) { return counts_dict(e.last_graph()); })
+      .def("last_step_graph", [](const lily::Engine& e) {
+        nb::dict out;
+        add_graph(e.last_graph(), out);
+        return out;
+      });
 #if defined(__APPLE__)
   m.attr("platform") = "metal";
 #else
