@@ -82,7 +82,7 @@ class ScriptedBackend:
     def new_state(self) -> ScriptState:
         return ScriptState()
 
-    def forward(self, token_ids: np.ndarray, state: ScriptState) -> np.ndarray:
+    def forward(self, token_ids: np.ndarray, state: ScriptState, *, last_only: bool = False) -> np.ndarray:
         if self.forward_delay_s:
             time.sleep(self.forward_delay_s)
         ids = [int(t) for t in token_ids]

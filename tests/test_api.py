@@ -86,9 +86,9 @@ class CountingBackend:
     def new_state(self):
         return self.inner.new_state()
 
-    def forward(self, ids, state):
+    def forward(self, ids, state, *, last_only=False):
         self.calls.append(len(ids))
-        return self.inner.forward(ids, state)
+        return self.inner.forward(ids, state, last_only=last_only)
 
 
 class ScriptedState:
@@ -112,7 +112,7 @@ class ScriptedBackend:
     def new_state(self) -> ScriptedState:
         return ScriptedState()
 
-    def forward(self, ids, state: ScriptedState) -> np.ndarray:
+    def forward(self, ids, state: ScriptedState, *, last_only: bool = False) -> np.ndarray:
         state.position += len(ids)
         logits = np.zeros((len(ids), self.vocab_size), dtype=np.float32)
         step = state.position - self.start

@@ -91,7 +91,8 @@ def _time_generate(model: Model, base: Session, n_gen: int, first: int) -> float
     start = time.perf_counter()
     for _ in tokens:
         pass
-    session._ensure_logits()  # the n-th forward pass: the first token came from existing logits
+    if session._pending:
+        session._ensure_logits()  # CPU sampling: the n-th forward pass (a GPU decode ran it before stopping)
     return time.perf_counter() - start
 
 

@@ -214,6 +214,7 @@ class Session:
         self._processed: list[int] = []
         self._pending: list[int] = []
         self._last_logits: np.ndarray | None = None
+        self._logits_on_device = False  # the backend holds the last logits (after a decode on the GPU)
         self._use_cache = use_cache
         self.stats = Stats()
 
@@ -258,9 +259,11 @@ class Session:
                 if len(self._processed) < mark < len(self._processed) + (end - start):
                     end = start + mark - len(self._processed)
                     break
-            logits = self.model.backend.forward(np.asarray(ids[start:end], dtype=np.int64), self.state)
+            logits = self.model.backend.forward(np.asarray(ids[start:end], dtype=np.int64), self.state,
+                                                last_only=True)
             self._processed.extend(ids[start:end])
             self._last_logits = np.asarray(logits[-1], dtype=np.float32)
+            self._logits_on_device = False
             start = end
             if len(self._processed) in marks:
                 self.model.prompt_cache.insert(self._snapshot_processed())
@@ -268,6 +271,9 @@ class Session:
     def _ensure_logits(self) -> np.ndarray:
         if self._pending:
             self._feed([])
+        if self._last_logits is None and self._logits_on_device:
+            self._last_logits = self.model.backend.last_logits(self.state)
+            self._logits_on_device = False
         if self._last_logits is None:
             raise ValueError("the session is empty: prefill a prompt before decoding")
         return self._last_logits
@@ -276,8 +282,7 @@ class Session:
 
     def snapshot(self) -> Snapshot:
         """A frozen copy of this session (pending tokens are run through the model first)."""
-        if self._pending:
-            self._feed([])
+        self._ensure_logits()
         return self._snapshot_processed()
 
     def restore(self, snapshot: Snapshot) -> None:
@@ -288,9 +293,12 @@ class Session:
         self._processed = list(snapshot.token_ids)
         self._pending = []
         self._last_logits = None if snapshot.last_logits is None else snapshot.last_logits.copy()
+        self._logits_on_device = False
 
     def fork(self) -> Session:
         """An independent copy: both sessions can continue differently."""
+        if self._logits_on_device:
+            self._ensure_logits()  # the copy's state is not the backend's live one
         other = Session(self.model, use_cache=self._use_cache)
         other.state = self.state.copy()
         other._processed = list(self._processed)
@@ -398,7 +406,6 @@ class Session:
 
     def _decode(self, params: SamplingParams, cancel: CancelCheck) -> Iterator[Token]:
         model = self.model
-        sampler = Sampler(params, context=self.tokens)
         detok = model._detokenizer()
         matcher = StopStringMatcher(params.stop)
         stop_ids = set(params.stop_token_ids)
@@ -406,35 +413,68 @@ class Session:
         stats = dataclasses.replace(self.stats, generation_tokens=0, generation_tps=0.0)
         start = time.perf_counter()
         count = 0
+        source = self._choose_on_gpu(params) if self._gpu_decode_possible(params) else self._choose_on_cpu(params)
+        try:
+            while True:
+                if _is_cancelled(cancel):
+                    raise Cancelled("decode cancelled")
+                token, logprob, top = next(source)
+                count += 1
+                finish = None
+                if token in stop_ids:
+                    finish = "stop"
+                    text = matcher.feed(detok.flush() if detok else "") + matcher.flush()
+                else:
+                    text = matcher.feed(detok.add(token) if detok else "")
+                    if matcher.stopped:
+                        finish = "stop"
+                    elif count == params.max_tokens or len(self) >= limit:
+                        finish = "length"
+                        text += matcher.feed(detok.flush() if detok else "") + matcher.flush()
+                elapsed = time.perf_counter() - start
+                stats = dataclasses.replace(stats, generation_tokens=count,
+                                            generation_tps=count / elapsed if elapsed > 0 else 0.0)
+                if finish is not None:
+                    source.close()  # a GPU decode waits here for the step that runs this last token
+                    stats.peak_memory = peak_memory_gb(model.backend)
+                    self.stats = stats
+                    if self._use_cache and self._processed:
+                        model.prompt_cache.insert(self._snapshot_processed())
+                yield Token(token, text, logprob, top, finish, stats)
+                if finish is not None:
+                    return
+        finally:
+            source.close()
+
+    def _gpu_decode_possible(self, params: SamplingParams) -> bool:
+        """Whether the backend chooses tokens itself for this request (see ``MetalBackend.gpu_decode_blockers``:
+        logit bias, penalties and logprobs keep a request on the CPU sampler)."""
+        backend = self.model.backend
+        return hasattr(backend, "decode_tokens") and not backend.gpu_decode_blockers(params)
+
+    def _choose_on_cpu(self, params: SamplingParams) -> Iterator[tuple[int, float | None, Any]]:
+        """The reference path: every step's logits to the host, ``lily.sampling.Sampler`` chooses; the chosen
+        token stays pending (not run) until the session is extended."""
+        sampler = Sampler(params, context=self.tokens)
         while True:
-            if _is_cancelled(cancel):
-                raise Cancelled("decode cancelled")
             logits = self._ensure_logits()  # runs the previous token through the model
             token, logprob, top = sampler.sample(logits)
             self._pending = [token]
-            count += 1
-            finish = None
-            if token in stop_ids:
-                finish = "stop"
-                text = matcher.feed(detok.flush() if detok else "") + matcher.flush()
-            else:
-                text = matcher.feed(detok.add(token) if detok else "")
-                if matcher.stopped:
-                    finish = "stop"
-                elif count == params.max_tokens or len(self) >= limit:
-                    finish = "length"
-                    text += matcher.feed(detok.flush() if detok else "") + matcher.flush()
-            elapsed = time.perf_counter() - start
-            stats = dataclasses.replace(stats, generation_tokens=count,
-                                        generation_tps=count / elapsed if elapsed > 0 else 0.0)
-            if finish is not None:
-                stats.peak_memory = peak_memory_gb(model.backend)
-                self.stats = stats
-                if self._use_cache and self._processed:
-                    model.prompt_cache.insert(self._snapshot_processed())
-            yield Token(token, text, logprob, top, finish, stats)
-            if finish is not None:
-                return
+            yield token, logprob, top
+
+    def _choose_on_gpu(self, params: SamplingParams) -> Iterator[tuple[int, float | None, Any]]:
+        """Tokens chosen by the backend with steps in flight: only token ids come back. A yielded token has been
+        submitted to run (its step is in flight), so it counts as processed; closing waits for that step, and the
+        logits after it stay in the backend until asked for."""
+        steps = self.model.backend.decode_tokens(self.state, self._ensure_logits(), params, params.max_tokens)
+        try:
+            for token in steps:
+                self._processed.append(token)
+                self._last_logits = None
+                self._logits_on_device = True
+                yield token, None, None
+        finally:
+            steps.close()
 
     def _snapshot_processed(self) -> Snapshot:
         """A snapshot of the processed tokens only (no forward pass for a pending token)."""
@@ -743,6 +783,8 @@ class Model:
         else:
             session = Session(self, use_cache=use_cache)
             hit = self.prompt_cache.longest_prefix(ids) if use_cache else None
+            if hit is not None and hit.last_logits is None and len(hit.token_ids) == len(ids):
+                hit = self.prompt_cache.longest_prefix(ids[:-1])  # the last token must run to give logits
             if hit is not None:
                 session.restore(hit)
                 cached = len(hit.token_ids)

@@ -591,11 +591,11 @@ class ReferenceModel:
                 return False
         return True
 
-    def forward(self, token_ids: Any, state: State) -> np.ndarray:
+    def forward(self, token_ids: Any, state: State, *, last_only: bool = False) -> np.ndarray:
         """Run T tokens after the ``state.position`` tokens already seen; advance the state.
 
         One-shot prefill, chunked prefill and token-by-token decode are all this call.
-        token_ids: [T] int  ->  logits [T, V] fp32
+        token_ids: [T] int  ->  logits [T, V] fp32, or the last row [1, V] with ``last_only``
         """
         ids = self._check_inputs(token_ids, state)
         args, w = self.args, self.weights
@@ -636,4 +636,6 @@ class ReferenceModel:
             h = h + moe(m, _Scope(w, prefix + "mlp."), num_experts_per_tok=args.num_experts_per_tok)
 
         state.position += ids.shape[0]
+        if last_only:
+            h = h[-1:]
         return qmatmul(rms_norm(h, w["norm.weight"], eps), w["lm_head.weight"])

@@ -86,6 +86,23 @@ nb::list spans_list(const std::vector<lily::Span>& spans) {
   return out;
 }
 
+// buffers [(name, bytes)] and nodes [{kernel, label, reads, writes, barrier_before}] of a graph, into `out`.
+void add_graph(const lily::Graph& graph, nb::dict& out) {
+  nb::list buffers, nodes;
+  for (const lily::GraphBuffer& b : graph.buffers) buffers.append(nb::make_tuple(b.name, b.length));
+  for (const lily::Node& n : graph.nodes) {
+    nb::dict node;
+    node["kernel"] = n.kernel;
+    node["label"] = n.label;
+    node["reads"] = spans_list(n.reads);
+    node["writes"] = spans_list(n.writes);
+    node["barrier_before"] = n.barrier_before;
+    nodes.append(node);
+  }
+  out["buffers"] = buffers;
+  out["nodes"] = nodes;
+}
+
 nb::dict plan_decode(const nb::dict& config, size_t context, const std::string& precision, const nb::dict& switches,
                      bool with_graph) {
   lily::DecodePlan plan =
@@ -107,21 +124,7 @@ nb::dict plan_decode(const nb::dict& config, size_t context, const std::string& 
   for (const auto& [kernel, n] : plan.counts.dispatches_by_kernel) by_kernel[kernel.c_str()] = n;
   out["dispatches_by_kernel"] = by_kernel;
   out["fast_paths_left_out"] = plan.fast_paths_left_out;
-  if (with_graph) {
-    nb::list buffers, nodes;
-    for (const lily::GraphBuffer& b : plan.graph.buffers) buffers.append(nb::make_tuple(b.name, b.length));
-    for (const lily::Node& n : plan.graph.nodes) {
-      nb::dict node;
-      node["kernel"] = n.kernel;
-      node["label"] = n.label;
-      node["reads"] = spans_list(n.reads);
-      node["writes"] = spans_list(n.writes);
-      node["barrier_before"] = n.barrier_before;
-      nodes.append(node);
-    }
-    out["buffers"] = buffers;
-    out["nodes"] = nodes;
-  }
+  if (with_graph) add_graph(plan.graph, out);
   return out;
 }
 
@@ -338,15 +341,46 @@ NB_MODULE(_ext, m) {
       .def("snapshot_bytes", &lily::Engine::snapshot_bytes, nb::arg("position"))
       .def("forward",
            [](lily::Engine& e, const std::vector<uint32_t>& tokens,
-              nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out, long dropped_barrier) {
-             if (out.shape(0) != tokens.size() || out.shape(1) != e.config().vocab_size) {
-               throw nb::value_error("out must be float32 [len(tokens), vocab_size]");
+              nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out, long dropped_barrier,
+              bool last_only) {
+             if (out.shape(0) != (last_only ? 1 : tokens.size()) || out.shape(1) != e.config().vocab_size) {
+               throw nb::value_error(last_only ? "out must be float32 [1, vocab_size]"
+                                               : "out must be float32 [len(tokens), vocab_size]");
              }
-             e.forward(tokens, out.data(), dropped_barrier);
+             nb::gil_scoped_release released;
+             e.forward(tokens, out.data(), dropped_barrier, last_only);
            },
-           nb::arg("tokens"), nb::arg("out"), nb::arg("dropped_barrier") = -1)
+           nb::arg("tokens"), nb::arg("out"), nb::arg("dropped_barrier") = -1, nb::arg("last_only") = false)
+      .def("begin_decode",
+           [](lily::Engine& e, nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> logits,
+              float temperature, uint32_t top_k, float top_p, float min_p, uint64_t seed) {
+             if (logits.shape(0) != e.config().vocab_size) throw nb::value_error("logits must be float32 [vocab_size]");
+             e.begin_decode(logits.data(), lily::TokenChoice{temperature, top_k, top_p, min_p, seed});
+           },
+           nb::arg("logits"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
+           nb::arg("seed"))
+      .def("submit_step", &lily::Engine::submit_step)
+      .def("next_token", &lily::Engine::next_token, nb::call_guard<nb::gil_scoped_release>())
+      .def("end_decode", &lily::Engine::end_decode, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("steps_in_flight", &lily::Engine::steps_in_flight)
+      .def("read_logits",
+           [](lily::Engine& e, nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu> out) {
+             if (out.shape(0) != e.config().vocab_size) throw nb::value_error("out must be float32 [vocab_size]");
+             e.read_logits(out.data());
+           },
+           nb::arg("out"))
+      .def_prop_ro("host_read_bytes", &lily::Engine::host_read_bytes)
+      .def_prop_ro("step_host_ns", &lily::Engine::step_host_ns)
+      .def("reset_host_timing", &lily::Engine::reset_host_timing)
+      .def_prop_ro("programs_built", &lily::Engine::programs_built)
+      .def("bind_synthetic_weights", &lily::Engine::bind_synthetic_weights)
       .def("generate_greedy", &lily::Engine::generate_greedy, nb::arg("first"), nb::arg("count"))
-      .def("last_step_counts", [](const lily::Engine& e) { return counts_dict(e.last_graph()); });
+      .def("last_step_counts", [](const lily::Engine& e) { return counts_dict(e.last_graph()); })
+      .def("last_step_graph", [](const lily::Engine& e) {
+        nb::dict out;
+        add_graph(e.last_graph(), out);
+        return out;
+      });
 #if defined(__APPLE__)
   m.attr("platform") = "metal";
 #elif defined(LILY_METAL_TEST_RUNTIME)

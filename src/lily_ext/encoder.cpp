@@ -1,6 +1,8 @@
 // Command encoding and barrier placement (see encoder.h).
 #include "encoder.h"
 
+#include <cstring>
+
 namespace lily {
 
 Argument Argument::buffer(const Buffer& buffer, size_t offset) {
@@ -24,6 +26,14 @@ Argument Argument::bytes(const void* data, size_t length) {
   return argument;
 }
 
+void Argument::patch_u32(size_t offset, uint32_t value) {
+  if (buffer_ != nullptr || offset + 4 > data_.size()) {
+    throw Error("[encoder] patch of bytes [" + std::to_string(offset) + ", +4) outside a bytes argument of " +
+                std::to_string(data_.size()) + " bytes");
+  }
+  std::memcpy(data_.data() + offset, &value, 4);
+}
+
 Encoder::Encoder(Device& device, BarrierPolicy policy)
     : policy_(policy), command_buffer_(mtl::new_command_buffer(device.queue())) {}
 
@@ -38,7 +48,9 @@ void Encoder::require_not_committed(const char* what) const {
 
 void* Encoder::open_encoder() {
   if (!encoder_) {
-    encoder_ = mtl::new_compute_encoder(command_buffer_.get(), mtl::DispatchType::Concurrent);
+    encoder_ = mtl::new_compute_encoder(command_buffer_.get(), policy_ == BarrierPolicy::Serial
+                                                                  ? mtl::DispatchType::Serial
+                                                                  : mtl::DispatchType::Concurrent);
     ++counters_.encoders;
     stage_has_dispatches_ = false;
     stage_reads_.clear();
@@ -146,6 +158,27 @@ void Encoder::dispatch(const Pipeline& pipeline, const std::vector<Argument>& ar
   ++counters_.dispatches;
   for (const AddressRange& r : read_addresses) counters_.bytes_read += r.end - r.begin;
   for (const AddressRange& w : write_addresses) counters_.bytes_written += w.end - w.begin;
+}
+
+void Encoder::dispatch_planned(const Pipeline& pipeline, bool same_pipeline, const std::vector<Argument>& arguments,
+                               const std::vector<bool>& rebind, mtl::Size threadgroups,
+                               mtl::Size threads_per_threadgroup) {
+  require_not_committed("dispatch");
+  void* encoder = open_encoder();
+  if (!same_pipeline) mtl::set_pipeline(encoder, pipeline.handle());
+  for (size_t index = 0; index < arguments.size(); ++index) {
+    if (!rebind[index]) continue;
+    const Argument& argument = arguments[index];
+    if (argument.buffer_ptr() != nullptr) {
+      mtl::set_buffer(encoder, argument.buffer_ptr()->handle(), argument.offset(), index);
+    } else {
+      mtl::set_bytes(encoder, argument.data().data(), argument.data().size(), index);
+    }
+  }
+  mtl::dispatch_threadgroups(encoder, threadgroups, threads_per_threadgroup);
+  if (!stage_has_dispatches_ || policy_ == BarrierPolicy::Serial) ++counters_.stages;
+  stage_has_dispatches_ = true;
+  ++counters_.dispatches;
 }
 
 void Encoder::barrier() {

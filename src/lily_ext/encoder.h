@@ -36,6 +36,8 @@ class Argument {
   const Buffer* buffer_ptr() const { return buffer_; }
   size_t offset() const { return offset_; }
   const std::vector<unsigned char>& data() const { return data_; }
+  // Rewrites a u32 field of a bytes argument (a decode step re-encoded for the next token).
+  void patch_u32(size_t offset, uint32_t value);
 
  private:
   const Buffer* buffer_ = nullptr;
@@ -46,6 +48,8 @@ class Argument {
 enum class BarrierPolicy {
   Automatic,  // barriers from declared ranges (the engine's mode)
   Manual,     // only explicit barrier() calls (tests of the hazard checks)
+  Serial,     // serial compute encoders: every dispatch after the one before, no barrier calls (a decode step whose
+              // every dispatch depends on the one before)
 };
 
 struct EncoderCounters {
@@ -71,6 +75,14 @@ class Encoder {
                 mtl::Size threadgroups, mtl::Size threads_per_threadgroup,
                 const std::vector<BufferRange>& reads, const std::vector<BufferRange>& writes,
                 const std::vector<size_t>& threadgroup_memory = {});
+  // A dispatch whose barriers the caller places (BarrierPolicy::Manual) from ranges checked when it was planned:
+  // no range bookkeeping, no validation beyond Metal's own (the engine's decode step, re-encoded per token).
+  // Bindings persist between the dispatches of a compute encoder, so only what changed is set: the pipeline unless
+  // `same_pipeline`, and arguments[i] where `rebind[i]`.
+  void dispatch_planned(const Pipeline& pipeline, bool same_pipeline, const std::vector<Argument>& arguments,
+                        const std::vector<bool>& rebind, mtl::Size threadgroups, mtl::Size threads_per_threadgroup);
+  // True until the first dispatch of a fresh compute encoder (nothing bound yet).
+  bool encoder_open() const { return static_cast<bool>(encoder_); }
   // Orders everything encoded so far before everything encoded after.
   void barrier();
   // The GPU waits here until `event` reaches `value`.

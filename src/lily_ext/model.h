@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "device.h"
+#include "encoder.h"
 #include "metal/mtl.h"
 
 namespace lily {
@@ -92,6 +94,13 @@ struct NodeArg {
   std::vector<unsigned char> bytes;
 };
 
+// A u32 field of a node's argument bytes that follows the decode position: bytes[offset..+4] of args[arg] hold
+// position + delta. A decode step built once is re-encoded per token by rewriting these fields only.
+struct PositionField {
+  uint32_t arg = 0, offset = 0;
+  int32_t delta = 0;
+};
+
 // One dispatch. `reads`/`writes` decide the barriers; `traffic_*` are the bytes it moves (equal to the declared
 // ranges except where a kernel reads a data-dependent part of a range, e.g. 8 of 256 experts).
 struct Node {
@@ -102,6 +111,7 @@ struct Node {
   std::vector<Span> reads, writes;
   uint64_t traffic_read = 0, traffic_written = 0;
   bool barrier_before = false;  // forced (serial mode)
+  std::vector<PositionField> per_position;  // decode: the fields that change from token to token
 };
 
 // A step the CPU runs inside a forward pass (the GPU_ROUTING switch off): the nodes before `before_node` are
@@ -154,11 +164,29 @@ struct DecodeBuffers {
 DecodeBuffers add_decode_buffers(const ModelConfig& config, Precision precision, size_t kv_capacity, size_t max_keys,
                                  Graph& graph);
 
+// How a decode step chooses its next token on the GPU (lily.sampling steps 4-6): temperature 0 is greedy (argmax),
+// otherwise sample_* with top-k, top-p, min-p and a Philox draw keyed by `seed`, counter = the chosen token's position.
+struct TokenChoice {
+  float temperature = 0.0f;
+  uint32_t top_k = 0;
+  float top_p = 1.0f, min_p = 0.0f;
+  uint64_t seed = 0;
+  bool operator==(const TokenChoice& o) const {
+    return temperature == o.temperature && top_k == o.top_k && top_p == o.top_p && min_p == o.min_p && seed == o.seed;
+  }
+};
+
+// The dispatches that choose a token from `logits` into tokens[out_slot]: argmax or sample (see TokenChoice); the
+// token chosen sits at `position` (the sampler's counter, a PositionField of delta `position_delta`).
+void build_token_choice(const ModelConfig& config, Precision precision, const TokenChoice& choice,
+                        const DecodeBuffers& buffers, size_t position, int position_delta, int out_slot, Graph& graph);
+
 // One decode step at `position` (tokens already in the caches): embedding of tokens[token_slot], every layer, the
-// final norm, lm_head into `logits`, and (if switches.gpu_token) argmax into tokens[next_slot].
+// final norm, lm_head into `logits`, and (switches.gpu_token and a `choice`) the token choice into tokens[next_slot].
+// Per-token argument fields are marked as PositionFields (the engine builds a step once and re-encodes it).
 void build_decode_step(const ModelConfig& config, Precision precision, const Switches& switches,
                        const WeightTable& weights, const DecodeBuffers& buffers, size_t position, int token_slot,
-                       int next_slot, Graph& graph);
+                       int next_slot, Graph& graph, const std::optional<TokenChoice>& choice = TokenChoice{});
 
 // Scratch of a prefill chunk of up to `max_tokens` rows (buffer indices). The shared-expert routing tables
 // (identity pairs, ones, tile map) are host-written: see `fill_shared_expert_routing`.
@@ -174,11 +202,12 @@ PrefillBuffers add_prefill_buffers(const ModelConfig& config, Precision precisio
 // IN_GEMM_DEQUANT off: the buffer prefill GEMMs dequantize into, sized by the largest non-expert quantized weight.
 int add_dequant_scratch(Precision precision, const WeightTable& weights, Graph& graph);
 
-// One prefill chunk: `tokens` ids from p.ids at `position`, every layer with T-row kernels, logits [T, V] into
-// p.logits. Projections run unfused (the T-row kernels read [T, n] blocks, not interleaved rows).
+// One prefill chunk: `tokens` ids from p.ids at `position`, every layer with T-row kernels, then the final norm and
+// lm_head for the last `logit_rows` rows only (0: none), logits [logit_rows, V] into p.logits. Projections run
+// unfused (the T-row kernels read [T, n] blocks, not interleaved rows).
 void build_prefill_chunk(const ModelConfig& config, Precision precision, const Switches& switches,
                          const WeightTable& weights, const DecodeBuffers& state, const PrefillBuffers& p,
-                         size_t position, size_t tokens, Graph& graph);
+                         size_t position, size_t tokens, size_t logit_rows, Graph& graph);
 
 // The shared expert's static routing for `tokens` rows: (pairs, ones, tile map, tile count) as the host writes them.
 struct SharedExpertRouting {
@@ -206,8 +235,8 @@ class MappedFile {
   size_t mapped_length_ = 0, file_length_ = 0;
 };
 
-// The Metal engine: weights bound to mapped files (or materialised once), state buffers, and the decode graph run
-// one token per command buffer. Not thread-safe.
+// The Metal engine: weights bound to mapped files (or materialised once), state buffers, the prefill chunk graph and
+// the decode step, built once per shape and re-encoded per token. Not thread-safe.
 class Engine {
  public:
   // The kernels come from `metallib` when given (an ahead-of-time build), else from `kernel_families`.
@@ -219,9 +248,14 @@ class Engine {
   // Loading. Graph-buffer ids name where a weight's bytes are: a mapped file or a materialised (owned) copy.
   int add_file(const std::string& path);
   int add_owned(const void* data, size_t length);
+  // `length` bytes of address space that are never touched (host-cost runs: synthetic weights, kernels stubbed).
+  int add_reserved(size_t length);
   // Bytes copied into engine-owned weight buffers so far (everything not bound as a range of a mapped file).
   size_t owned_bytes() const { return owned_bytes_; }
   void bind_weight(const std::string& name, const WeightRef& ref);
+  // Binds every tensor to reserved, never-touched memory laid out as `synthetic_weights` (host-cost runs only:
+  // `lily bench --full-size --host-only`, with kernel execution stubbed out).
+  void bind_synthetic_weights();
   // Checks every tensor the graph needs is bound (copying nothing), allocates the state.
   void finish_loading();
 
@@ -233,29 +267,83 @@ class Engine {
   void restore(const unsigned char* snapshot, size_t length, size_t position);
   size_t snapshot_bytes(size_t position) const;
 
-  // Runs `tokens` one decode step each; writes logits [T, V] (fp32). `dropped_barrier` >= 0 leaves out the barrier
-  // in front of that node of each step (tests: a missing barrier must break the result).
-  void forward(const std::vector<uint32_t>& tokens, float* logits, long dropped_barrier = -1);
-  // Greedy continuation on the GPU: step k+1 is committed before step k is waited on, each reading the token the
-  // previous step's argmax wrote into the other token slot. Returns `count` tokens after `first`.
+  // Runs `tokens`; writes logits [T, V] (fp32), or only the last row [1, V] with `last_only` (prefill computes
+  // lm_head for that row alone). `dropped_barrier` >= 0 leaves out the barrier in front of that node of each step
+  // (tests: a missing barrier must break the result).
+  void forward(const std::vector<uint32_t>& tokens, float* logits, long dropped_barrier = -1, bool last_only = false);
+
+  // Decoding with the token chosen on the GPU, steps in flight (docs/engine.md, "Decode on the GPU").
+  // begin_decode uploads the logits of the last position and commits the choice of the first token; each
+  // submit_step commits one decode step (the token in the slot the previous choice wrote -> the next token into the
+  // other slot) without waiting; next_token waits for the oldest choice in flight and returns its token. At most
+  // two command buffers are in flight. end_decode waits for everything in flight: the state then holds every
+  // token submitted, and the logits buffer the last step's logits (read_logits).
+  void begin_decode(const float* last_logits, const TokenChoice& choice);
+  void submit_step();
+  uint32_t next_token();
+  void end_decode();
+  size_t steps_in_flight() const { return in_flight_.size(); }
+  // The logits [1, V] of the last decode step (after end_decode).
+  void read_logits(float* out);
+  // Greedy continuation on the GPU (tests): `count` tokens after `first`, through the steps-in-flight path.
   std::vector<uint32_t> generate_greedy(uint32_t first, size_t count);
-  // The last step's graph counters.
-  const Graph& last_graph() const { return last_graph_; }
+
+  // Bytes copied from engine buffers to the host so far: logits rows and token ids.
+  uint64_t host_read_bytes() const { return host_read_bytes_; }
+  // Host time (ns) of each decode step submitted since the last reset (at most the first kHostTimingSteps): finding
+  // the built step, patching and encoding it, before commit.
+  static constexpr size_t kHostTimingSteps = 1 << 16;
+  const std::vector<uint64_t>& step_host_ns() const { return step_host_ns_; }
+  void reset_host_timing() { step_host_ns_.clear(); }
+  // Decode programs built so far (a step is built once per shape, not once per token).
+  size_t programs_built() const { return programs_built_; }
+  // The last command buffer's graph.
+  const Graph& last_graph() const { return *last_graph_; }
   const ModelConfig& config() const { return config_; }
 
  private:
+  // A decode step built once: pipelines resolved, arguments bound, barriers placed, and the argument fields that
+  // follow the position, rewritten per token. `split_blocks` (0 = no split) and the KV capacity are the shape;
+  // a step for another shape is a new program.
+  struct Program {
+    struct Dispatch {
+      const Pipeline* pipeline;
+      std::vector<Argument> args;
+      mtl::Size groups, threads;
+      bool barrier;
+      std::vector<PositionField> per_position;
+      bool same_pipeline;        // as the dispatch before (left bound)
+      std::vector<bool> rebind;  // per argument: differs from what the dispatches before left bound
+    };
+    int token_slot = 0;
+    size_t kv_capacity = 0, split_blocks = 0;
+    std::optional<TokenChoice> choice;
+    std::vector<Dispatch> dispatches;
+    bool serial = false;  // every dispatch starts a stage: a serial encoder orders them with no barrier calls
+    std::shared_ptr<const Graph> graph;
+  };
+  struct InFlight {
+    std::unique_ptr<Encoder> encoder;
+    int slot;  // the token slot its choice writes
+  };
+
   void ensure_capacity(size_t keys);
-  void prefill_chunk(const uint32_t* tokens, size_t count, float* logits, long dropped_barrier);
-  std::unique_ptr<class Encoder> encode_step(uint32_t token_slot, long dropped_barrier);
-  std::unique_ptr<class Encoder> encode_graph(Graph graph, long dropped_barrier);
+  void prefill_chunk(const uint32_t* tokens, size_t count, float* logits, size_t logit_rows, long dropped_barrier);
+  size_t split_blocks(size_t position) const;
+  Program& program(int token_slot, const std::optional<TokenChoice>& choice);
+  Program build_program(std::shared_ptr<const Graph> graph) const;
+  std::unique_ptr<Encoder> encode_program(Program& program, long dropped_barrier);
   // Nodes [begin, end) of `graph` into a new Encoder; `starts` are the graph's stage starts (manual barriers).
-  std::unique_ptr<class Encoder> encode_nodes(const Graph& graph, const std::vector<bool>& starts, size_t begin,
+  std::unique_ptr<Encoder> encode_nodes(const Graph& graph, const std::vector<bool>& starts, size_t begin,
                                               size_t end, long dropped_barrier);
   // Commits `graph` and waits, running its host steps in between (one command buffer per segment).
   void run_graph(Graph graph, long dropped_barrier);
   void run_host_sort(const HostMoeSort& sort);
   void ensure_prefill_rows(size_t rows);
-  void read_rows(int buffer_id, size_t rows, float* out) const;
+  void read_rows(int buffer_id, size_t rows, float* out);
+  void write_logits(const float* logits);
+  void wait_in_flight();
+  void require_idle(const char* what) const;
   const Buffer& buffer(int id) const { return buffers_.at(static_cast<size_t>(id)); }
 
   ModelConfig config_;
@@ -264,6 +352,7 @@ class Engine {
   size_t max_context_;
   std::unique_ptr<Device> device_;
   std::vector<std::unique_ptr<MappedFile>> files_;
+  std::vector<std::pair<void*, size_t>> reservations_;
   Graph base_;                   // buffers only
   std::vector<Buffer> buffers_;  // one per graph buffer
   WeightTable weights_;
@@ -274,7 +363,15 @@ class Engine {
   bool loaded_ = false;
   size_t position_ = 0;
   size_t owned_bytes_ = 0;
-  Graph last_graph_;
+  std::vector<Program> programs_;  // the decode steps built so far (a few shapes)
+  size_t programs_built_ = 0;
+  std::deque<InFlight> in_flight_;
+  bool decoding_ = false;
+  TokenChoice choice_{};
+  int next_slot_ = 0;  // the token slot the next decode step reads
+  uint64_t host_read_bytes_ = 0;
+  std::vector<uint64_t> step_host_ns_;
+  std::shared_ptr<const Graph> last_graph_ = std::make_shared<const Graph>();
 };
 
 }  // namespace lily

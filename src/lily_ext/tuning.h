@@ -48,6 +48,8 @@ constexpr size_t kMoeGemmThreads = LILY_MOE_GEMM_THREADS;
 constexpr size_t kMoeCombineThreads = 256;
 // Argmax: LILY_ARGMAX_BLOCK logits per partial threadgroup, 256 threads each; the final reduce runs one group.
 constexpr size_t kArgmaxThreads = 256;
+// sample_*: one threadgroup scans the whole vocabulary (metal/sampling.metal).
+constexpr size_t kSampleThreads = LILY_SAMPLE_THREADS;
 constexpr size_t kEmbeddingThreads = LILY_EMBEDDING_THREADS;
 
 // Prefill: tokens per chunk (one command buffer each). 512 keeps the chunk's temporaries (MoE gather buffers,

@@ -231,6 +231,9 @@ std::recursive_mutex gpu_mutex;
 std::condition_variable_any gpu_progress;
 fake_metal::Stats gpu_stats;
 fake_metal::StageOrder stage_order = fake_metal::StageOrder::Reverse;
+// Off: dispatches are recorded (pipeline, grid, stage) and counted, but neither their bindings are kept nor their
+// kernels run, so a host-cost run measures the engine rather than this fake's bookkeeping.
+bool execute_kernels = true;
 std::mt19937_64 stage_shuffler;
 
 struct Argument {
@@ -294,6 +297,10 @@ void fail(CommandBufferObject* command_buffer, const std::string& message) {
 }
 
 std::string run_dispatch(const Dispatch& dispatch) {
+  if (!execute_kernels) {
+    ++gpu_stats.dispatches;
+    return "";
+  }
   auto* pipeline = dispatch.pipeline.as<PipelineObject>();
   std::vector<msl_rt::Binding> bindings(dispatch.arguments.size(), msl_rt::Binding{nullptr, 0, false});
   for (size_t i = 0; i < dispatch.arguments.size(); ++i) {
@@ -521,6 +528,7 @@ void encoder_set_buffer(id self, SEL, id buffer, unsigned long offset, unsigned 
                              std::to_string(self_as<BufferObject>(buffer)->length) + " bytes");
     return;
   }
+  if (!execute_kernels) return;  // nothing will read the binding
   Argument& slot = argument_slot(encoder, index);
   slot = Argument{};
   slot.buffer = Ref::retain(buffer);
@@ -535,6 +543,7 @@ void encoder_set_bytes(id self, SEL, const void* bytes, unsigned long length, un
     fail(command_buffer, "setBytes of " + std::to_string(length) + " bytes (limit 4096)");
     return;
   }
+  if (!execute_kernels) return;  // nothing will read the bytes
   Argument& slot = argument_slot(encoder, index);
   slot = Argument{};
   size_t words = (length + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t);
@@ -572,7 +581,7 @@ void encoder_dispatch(id self, SEL, MTLSize threadgroups, MTLSize threads) {
   }
   Dispatch dispatch;
   dispatch.pipeline = encoder->pipeline;
-  dispatch.arguments = encoder->arguments;
+  if (execute_kernels) dispatch.arguments = encoder->arguments;  // stubbed: recorded without its bindings
   dispatch.threadgroup_memory_lengths = encoder->threadgroup_memory_lengths;
   const unsigned long groups[3] = {threadgroups.width, threadgroups.height, threadgroups.depth};
   const unsigned long per_group[3] = {threads.width, threads.height, threads.depth};
@@ -871,6 +880,8 @@ extern "C" id MTLCreateSystemDefaultDevice(void) {
 }
 
 namespace fake_metal {
+
+void set_kernel_execution(bool execute) { execute_kernels = execute; }
 
 void set_stage_order(StageOrder order, uint64_t seed) {
   std::lock_guard<std::recursive_mutex> lock(gpu_mutex);

@@ -10,6 +10,10 @@ namespace fake_metal {
 enum class StageOrder { Reverse, Shuffle };
 void set_stage_order(StageOrder order, uint64_t seed);
 
+// Off: command buffers run as before (order, events, handlers) but each dispatch is only counted, its kernel not
+// run, so the host's own cost per token can be measured on a full-size graph (`lily bench --host-only`).
+void set_kernel_execution(bool execute);
+
 // What the fake GPU has executed since the last reset.
 struct Stats {
   uint64_t dispatches = 0;

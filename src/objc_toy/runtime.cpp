@@ -2,6 +2,7 @@
 // management, autorelease pools and the block runtime (see objc_toy.h).
 #include "objc_toy.h"
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -36,9 +37,24 @@ std::unordered_map<std::string, std::unique_ptr<objc_class>>& class_table() {
 }
 
 void* find_imp(Class cls, SEL sel) {
+  // A per-thread direct-mapped cache of (class, selector) -> method, like the per-class cache of Apple's
+  // objc_msgSend, so host-cost runs (`lily bench --host-only`) measure Lily rather than this runtime's hash lookups.
+  // Methods are added at load (load_images), before any message is sent, so an entry never goes stale.
+  struct CacheEntry {
+    Class cls;
+    SEL sel;
+    void* imp;
+  };
+  thread_local CacheEntry cache[1024] = {};
+  const uintptr_t slot = (reinterpret_cast<uintptr_t>(cls) >> 4) ^ (reinterpret_cast<uintptr_t>(sel) >> 3);
+  CacheEntry& entry = cache[slot & 1023];
+  if (entry.cls == cls && entry.sel == sel) return entry.imp;
   for (Class c = cls; c != nullptr; c = c->superclass) {
     auto it = c->methods.find(sel);
-    if (it != c->methods.end()) return it->second;
+    if (it != c->methods.end()) {
+      entry = {cls, sel, it->second};
+      return it->second;
+    }
   }
   return nullptr;
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,6 +20,7 @@ from lily.quant import QuantizedTensor
 
 if TYPE_CHECKING:
     from lily.checkpoint import Checkpoint
+    from lily.sampling import SamplingParams
 
 PRECISIONS = ("bfloat16", "float32")
 # Engine switches (each also LILY_DISABLE_<NAME> in the environment): concurrent dispatch, fused projection GEMVs,
@@ -194,6 +195,9 @@ class MetalBackend:
         except RuntimeError as exc:
             raise ValueError(f"{checkpoint.path}: {exc}") from None
         self._live: MetalState | None = None
+        self._decoded: MetalState | None = None  # the state whose decode logits the engine's buffer holds
+        self._decoding = False  # a decode_tokens iterator is open (steps may be in flight)
+        self._gpu_token = chosen.get("gpu_token", True)
 
     # -- loading ------------------------------------------------------------------------------------
 
@@ -270,6 +274,9 @@ class MetalBackend:
         """Make ``state`` the engine's live state, saving the one it replaces."""
         if self._live is state:
             return
+        if self._decoding:
+            raise ValueError("another sequence is decoding on this backend (its steps are in flight); finish or "
+                             "close that decode first")
         snapshot = state._snapshot
         if snapshot is None:
             if state.position != 0:
@@ -290,9 +297,12 @@ class MetalBackend:
             self._engine.restore(snapshot, int(state.position))
         state._snapshot = None
         self._live = state
+        self._decoded = None
 
-    def forward(self, token_ids: Any, state: MetalState, *, dropped_barrier: int = -1) -> np.ndarray:
-        """Run T tokens after ``state.position``; advance the state; logits [T, V] fp32.
+    def forward(self, token_ids: Any, state: MetalState, *, last_only: bool = False,
+                dropped_barrier: int = -1) -> np.ndarray:
+        """Run T tokens after ``state.position``; advance the state; logits [T, V] fp32, or [1, V] (the last row,
+        the only one lm_head computes) with ``last_only``.
 
         ``dropped_barrier`` (tests only) leaves out the barrier before that node of each step.
         """
@@ -307,20 +317,95 @@ class MetalBackend:
         if not isinstance(state, MetalState) or state._backend is not self:
             raise ValueError("state was not made by this backend's new_state()")
         self._activate(state)
-        logits = np.empty((ids.size, self.args.vocab_size), dtype=np.float32)
+        logits = np.empty((1 if last_only else ids.size, self.args.vocab_size), dtype=np.float32)
         try:
-            self._engine.forward([int(i) for i in ids], logits, dropped_barrier)
+            self._engine.forward([int(i) for i in ids], logits, dropped_barrier, last_only)
         except RuntimeError as exc:
             raise ValueError(str(exc)) from None
         state.position = self._engine.position
+        self._decoded = None
         return logits
+
+    # -- decoding on the GPU (an optional capability: Session.decode looks for ``decode_tokens``) -------------
+
+    def gpu_decode_blockers(self, params: "SamplingParams") -> list[str]:
+        """The requested features that keep this request on the CPU sampler (empty: it runs on the GPU).
+
+        The GPU chooses tokens with temperature, top-k, top-p, min-p and a seed (metal/sampling.metal). Logit bias,
+        the repetition, presence and frequency penalties, and logprobs need the logits on the host: such a request
+        reads every step's logits and samples with ``lily.sampling.Sampler``, for that request only.
+        """
+        blockers = [] if self._gpu_token else ["the GPU_TOKEN switch is off"]
+        if params.logit_bias:
+            blockers.append("logit_bias")
+        if params.repetition_penalty != 1.0:
+            blockers.append("repetition_penalty")
+        if params.presence_penalty != 0.0:
+            blockers.append("presence_penalty")
+        if params.frequency_penalty != 0.0:
+            blockers.append("frequency_penalty")
+        if params.logprobs or params.top_logprobs:
+            blockers.append("logprobs")
+        return blockers
+
+    def decode_tokens(self, state: MetalState, last_logits: np.ndarray, params: "SamplingParams",
+                      max_tokens: int | None) -> Iterator[int]:
+        """Token ids chosen on the GPU, starting from ``last_logits`` (the logits of the state's last position).
+
+        The first token is chosen from ``last_logits``; each next token by a decode step that runs the one before
+        and chooses in its last dispatches, so only token ids come back. The step that runs the token just yielded
+        is committed before the host looks at that token: when the caller stops (a stop token or string, or it
+        closes the iterator), the state has run exactly the tokens yielded, and ``last_logits(state)`` reads the
+        logits after the last one. At most ``max_tokens`` tokens (None: until the caller stops or the context ends).
+        """
+        self._activate(state)
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        logits = np.ascontiguousarray(last_logits, dtype=np.float32).reshape(-1)
+        engine = self._engine
+        engine.begin_decode(logits, float(params.temperature), int(params.top_k), float(params.top_p),
+                            float(params.min_p), int(seed) & (2**64 - 1))
+        self._decoded = state
+        self._decoding = True
+        count = 0
+        try:
+            while max_tokens is None or count < max_tokens:
+                try:
+                    engine.submit_step()  # runs the token the last choice wrote, and chooses the next
+                except RuntimeError as exc:  # the context limit
+                    raise ValueError(str(exc)) from None
+                token = engine.next_token()  # the oldest choice in flight (the step just committed keeps running)
+                count += 1
+                yield token
+        finally:
+            engine.end_decode()
+            self._decoding = False
+            state.position = engine.position
+
+    def last_logits(self, state: MetalState) -> np.ndarray:
+        """Logits [V] after the last token ``decode_tokens`` ran for ``state`` (a copy to the host)."""
+        if self._decoded is not state or self._live is not state:
+            raise ValueError("the engine no longer holds this state's decode logits")
+        out = np.empty(self.args.vocab_size, dtype=np.float32)
+        self._engine.read_logits(out)
+        return out
+
+    @property
+    def host_read_bytes(self) -> int:
+        """Bytes the engine has copied to the host so far: logits rows and token ids."""
+        return int(self._engine.host_read_bytes)
 
     def generate_greedy(self, state: MetalState, first_token: int, count: int) -> list[int]:
         """``count`` greedy tokens after ``first_token``, chosen on the GPU (two command buffers in flight)."""
         self._activate(state)
         tokens = self._engine.generate_greedy(int(first_token), int(count))
         state.position = self._engine.position
+        self._decoded = None
         return list(tokens)
+
+    def last_step_graph(self) -> dict[str, Any]:
+        """The last command buffer's graph: buffers [(name, bytes)] and nodes [{kernel, label, reads, writes,
+        barrier_before}] with ranges (buffer, offset, length), as ``plan_decode(with_graph=True)``."""
+        return self._engine.last_step_graph()
 
     def last_step_counts(self) -> dict[str, Any]:
         """Dispatches, stages, barriers, bytes and dispatches by kernel of the last command buffer's graph."""

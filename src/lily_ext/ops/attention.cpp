@@ -1,5 +1,6 @@
 // attention_decode* (metal/attention.metal): one decode token, after attention_prep (attention_prep.cpp).
 #include <cmath>
+#include <cstddef>
 
 #include "../../../metal/lily.h"
 #include "../tuning.h"
@@ -70,10 +71,12 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   const size_t packs = (c.num_heads + heads_per_group - 1) / heads_per_group;
   // Coalesced KV off (the ablation, packed kernels only): the *_plain_* kernels, the uncoalesced lane mapping.
   const std::string variant = heads_per_group == 1 ? "unpacked_" : ctx.coalesced_kv ? "" : "plain_";
+  const PositionField num_keys{0, offsetof(AttentionArgs, num_keys), 1};  // keys = position + 1
   if (!split) {
     add_node(ctx, "attention_decode_" + variant + dt + suffix, label,
              {arg_value(a), arg(s.q), arg(s.gate), arg(s.k_cache), arg(s.v_cache), arg(s.out)}, {packs, 1, 1},
-             {tuning::kAttentionDecodeThreads, 1, 1}, reads, {s.out});
+             {tuning::kAttentionDecodeThreads, 1, 1}, reads, {s.out})
+        .per_position.push_back(num_keys);
     return;
   }
   a.block_size = static_cast<u32>(tuning::kAttentionSplitBlock);
@@ -83,10 +86,12 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   reads.erase(reads.begin() + 1);  // the partial pass does not read the gate
   add_node(ctx, "attention_decode_partial_" + variant + dt + suffix, label + " partial",
            {arg_value(a), arg(s.q), arg(s.k_cache), arg(s.v_cache), arg(partial_out), arg(partial_stats)},
-           {packs, a.num_blocks, 1}, {tuning::kAttentionDecodeThreads, 1, 1}, reads, {partial_out, partial_stats});
+           {packs, a.num_blocks, 1}, {tuning::kAttentionDecodeThreads, 1, 1}, reads, {partial_out, partial_stats})
+      .per_position.push_back(num_keys);
   add_node(ctx, "attention_decode_combine_" + dt + suffix, label + " combine",
            {arg_value(a), arg(s.gate), arg(partial_out), arg(partial_stats), arg(s.out)}, {c.num_heads, 1, 1},
-           {tuning::kAttentionDecodeThreads, 1, 1}, {s.gate, partial_out, partial_stats}, {s.out});
+           {tuning::kAttentionDecodeThreads, 1, 1}, {s.gate, partial_out, partial_stats}, {s.out})
+      .per_position.push_back(num_keys);
 }
 
 }  // namespace lily::ops

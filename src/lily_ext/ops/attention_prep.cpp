@@ -1,5 +1,7 @@
 // attention_prep_* (metal/attention_prep.metal): per-head q/k RMSNorm, partial RoPE, the [query | gate] split and the
 // KV-cache write of T new tokens, in front of decode (attention.cpp) and prefill (attention_prefill.cpp) attention.
+#include <cstddef>
+
 #include "../../../metal/lily.h"
 #include "../tuning.h"
 #include "ops.h"
@@ -29,11 +31,12 @@ std::vector<Span> attention_prep(Context& ctx, const ModelConfig& c, const std::
     }
   }
   const size_t rows = tokens * (c.num_heads + c.num_kv_heads), per_group = tuning::kAttentionPrepSimdgroups;
-  add_node(ctx, "attention_prep_" + dt + suffix, label + " prep",
+  Node& prep = add_node(ctx, "attention_prep_" + dt + suffix, label + " prep",
            {arg_value(p), arg(s.q_and_gate), arg(s.k), arg(s.v), arg(s.q_norm->data), arg(s.k_norm->data), arg(s.q),
             arg(s.gate), arg(s.k_cache), arg(s.v_cache)},
            {(rows + per_group - 1) / per_group, 1, 1}, {32 * per_group, 1, 1},
            {s.q_and_gate, s.k, s.v, s.q_norm->data, s.k_norm->data}, new_rows);
+  prep.per_position.push_back({0, offsetof(AttentionPrepArgs, first_position), 0});
   return prefix;
 }
 

@@ -139,8 +139,11 @@ void moe_router_logits(Context& ctx, const std::string& label, const Span& x, co
 // Rows per grouped-GEMM tile for `rows_per_expert` mean rows (16 or 32), and the tile-map bound for T*k pairs.
 size_t moe_tile_rows(double rows_per_expert, bool wide_tiles);
 size_t moe_max_tiles(size_t pairs, size_t experts, size_t tile_rows);
-// sampling.cpp: greedy token selection into tokens[out_index].
+// sampling.cpp: the token choice into tokens[out_index]: greedy (argmax) or sampled (sample: Philox counter
+// position + position_delta, marked as a PositionField).
 void argmax(Context& ctx, const Span& logits, size_t vocab, const Span& partial_values, const Span& partial_ids,
             const Span& tokens, size_t out_index);
+void sample(Context& ctx, const Span& logits, size_t vocab, const TokenChoice& choice, const Span& tokens,
+            size_t out_index, size_t position, int position_delta);
 
 }  // namespace lily::ops

@@ -1,4 +1,7 @@
-// argmax_partial_<dtype>, argmax_final_f32 (metal/sampling.metal): greedy selection written to the token buffer.
+// argmax_partial_<dtype>, argmax_final_f32, sample_<dtype> (metal/sampling.metal): the token choice, written to the
+// token buffer the next step's embedding reads.
+#include <cstddef>
+
 #include "../../../metal/lily.h"
 #include "../tuning.h"
 #include "ops.h"
@@ -18,6 +21,24 @@ void argmax(Context& ctx, const Span& logits, size_t vocab, const Span& partial_
            {logits}, {values, ids});
   add_node(ctx, "argmax_final_f32", "argmax final", {arg_value(a), arg(values), arg(ids), arg(tokens)}, {1, 1, 1},
            {tuning::kArgmaxThreads, 1, 1}, {values, ids}, {sub(tokens, out_index * 4, 4)});
+}
+
+void sample(Context& ctx, const Span& logits, size_t vocab, const TokenChoice& choice, const Span& tokens,
+            size_t out_index, size_t position, int position_delta) {
+  SampleArgs a{};
+  a.vocab_size = static_cast<u32>(vocab);
+  a.top_k = choice.top_k;
+  a.temperature = choice.temperature;
+  a.top_p = choice.top_p;
+  a.min_p = choice.min_p;
+  a.seed_lo = static_cast<u32>(choice.seed);
+  a.seed_hi = static_cast<u32>(choice.seed >> 32);
+  a.step = static_cast<u32>(position + position_delta);
+  a.out_index = static_cast<u32>(out_index);
+  Node& node = add_node(ctx, std::string("sample_") + dtype_name(ctx.act), "sample",
+                        {arg_value(a), arg(logits), arg(tokens)}, {1, 1, 1}, {tuning::kSampleThreads, 1, 1}, {logits},
+                        {sub(tokens, out_index * 4, 4)});
+  node.per_position.push_back({0, offsetof(SampleArgs, step), position_delta});
 }
 
 }  // namespace lily::ops

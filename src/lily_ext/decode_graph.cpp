@@ -1,0 +1,171 @@
+// The decode step's graph: one token through every layer, lm_head and the token choice (see model.h).
+#include "model.h"
+
+#include "../../metal/lily.h"
+#include "graph_build.h"
+#include "ops/ops.h"
+#include "tuning.h"
+
+namespace lily {
+
+using graph::bind_deltanet_weights;
+using graph::bind_expert_weights;
+using graph::layer_prefix;
+using graph::weight;
+using graph::whole;
+
+void build_decode_step(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,
+                       const DecodeBuffers& b, size_t position, int token_slot, int next_slot, Graph& g,
+                       const std::optional<TokenChoice>& choice) {
+  const DType act = precision == Precision::Float32 ? DType::F32 : DType::BF16;
+  const size_t a = dtype_size(act), H = c.hidden_size;
+  ops::Context ctx{g, act, !sw.concurrent, sw.wide_tiles};
+  ctx.gqa_packing = sw.gqa_packing;
+  ctx.coalesced_kv = sw.coalesced_kv;
+  Span hidden = whole(g, b.hidden), normed = whole(g, b.normed), mixer_out = whole(g, b.mixer_out);
+  Span proj = whole(g, b.proj);
+  const size_t split_min = sw.split_kv_min_keys ? sw.split_kv_min_keys : tuning::kAttentionSplitMinKeys;
+
+  ops::embedding(ctx, whole(g, b.tokens), static_cast<size_t>(token_slot), weight(w, "embed_tokens.weight"), hidden, 1);
+  // With fusion on, every RMSNorm of the hidden stream is folded into the GEMV(s) reading it (qmv_norm: each
+  // simdgroup recomputes the row's sum of squares), the residual adds into the out/o projection (qmv_residual), and
+  // moe_route with the post-attention norm into the experts' gate/up kernel: 6 dispatches per DeltaNet layer, 7 per
+  // attention layer (short context), each depending on the one before.
+  const bool fuse = sw.fusion;
+  // `norm` (rms_norm(x) ⊙ norm, written to `normed`) in front of the GEMVs that read it: its own dispatch, or folded.
+  auto normalise = [&](const std::string& label, const WeightRef& norm) -> Span {
+    if (fuse) return hidden;
+    ops::rms_norm(ctx, label, hidden, norm, normed, 1, H, c.eps);
+    return normed;
+  };
+  auto gemv = [&](const std::string& label, const Span& x, const WeightRef& m, const Span& out, DType dtype,
+                  const WeightRef& norm) {
+    if (fuse) {
+      ops::qmatmul_norm(ctx, label, x, norm, m, out, c.eps, dtype);
+    } else {
+      ops::qmatmul(ctx, label, x, m, out, 1, dtype);
+    }
+  };
+  // Projections sharing an input: one segmented GEMV reading each matrix's own (mapped) bytes, or one GEMV per
+  // matrix; either way each writes its slice of the same output.
+  auto projections = [&](const std::string& label, const std::vector<std::string>& parts, const Span& x,
+                         const Span& out, DType dtype, bool use_fused, const WeightRef& norm) {
+    if (use_fused) {
+      std::vector<const WeightRef*> refs;
+      size_t rows = 0;
+      for (const std::string& name : parts) {
+        refs.push_back(&weight(w, name));
+        rows += refs.back()->rows;
+      }
+      // Matrices quantized differently (a mixed-bit checkpoint) cannot share one kernel: one GEMV each, below.
+      if (ops::quantized_alike(refs)) {
+        ops::qmatmul_segments(ctx, label, x, fuse ? &norm : nullptr, refs, parts,
+                              ops::sub(out, 0, rows * dtype_size(dtype)), c.eps, dtype);
+        return;
+      }
+    }
+    size_t offset = 0;
+    for (const std::string& name : parts) {
+      const WeightRef& p = weight(w, name);
+      gemv(name, x, p, ops::sub(out, offset, p.rows * dtype_size(dtype)), dtype, norm);
+      offset += p.rows * dtype_size(dtype);
+    }
+  };
+  // The out/o projection: hidden += W · x in one GEMV, or into mixer_out (the residual add comes with the next norm).
+  auto out_projection = [&](const std::string& label, const Span& x, const WeightRef& m) {
+    if (fuse) {
+      ops::qmatmul_residual(ctx, label, x, m, hidden);
+    } else {
+      ops::qmatmul(ctx, label, x, m, mixer_out, 1, act);
+    }
+  };
+  for (size_t i = 0; i < c.num_layers(); ++i) {
+    const std::string p = layer_prefix(i);
+    const WeightRef& input_norm = weight(w, p + "input_layernorm.weight");
+    const Span mixer_in = normalise(p + "input_layernorm", input_norm);
+    if (c.attention_layers[i]) {
+      const std::string s = p + "self_attn.";
+      const size_t qg = 2 * c.num_heads * c.head_dim * a, kv = c.num_kv_heads * c.head_dim * a;
+      projections(s + "in_proj", {s + "q_proj.weight", s + "k_proj.weight", s + "v_proj.weight"},
+                  mixer_in, proj, act, sw.fused_projections, input_norm);
+      ops::AttentionSpans at;
+      at.q_and_gate = ops::sub(proj, 0, qg);
+      at.k = ops::sub(proj, qg, kv);
+      at.v = ops::sub(proj, qg + kv, kv);
+      at.q = whole(g, b.q);
+      at.gate = whole(g, b.gate);
+      at.out = whole(g, b.attn_out);
+      at.k_cache = whole(g, b.k_cache[i]);
+      at.v_cache = whole(g, b.v_cache[i]);
+      at.partial_out = whole(g, b.attn_partial_out);
+      at.partial_stats = whole(g, b.attn_partial_stats);
+      at.q_norm = &weight(w, s + "q_norm.weight");
+      at.k_norm = &weight(w, s + "k_norm.weight");
+      at.capacity = b.kv_capacity;
+      bool split = sw.split_kv && position + 1 >= split_min;
+      ops::attention_decode(ctx, c, p + "attention", at, position, split);
+      out_projection(s + "o_proj", at.out, weight(w, s + "o_proj.weight"));
+    } else {
+      const std::string s = p + "linear_attn.";
+      const size_t C = c.conv_dim() * a, vd = c.gdn_v_heads * c.gdn_v_dim * a, hv = c.gdn_v_heads * a;
+      projections(s + "in_proj",
+                  {s + "in_proj_qkv.weight", s + "in_proj_z.weight", s + "in_proj_b.weight", s + "in_proj_a.weight"},
+                  mixer_in, proj, act, sw.fused_projections, input_norm);
+      ops::GatedDeltaSpans gd;
+      gd.qkv = ops::sub(proj, 0, C);
+      gd.z = ops::sub(proj, C, vd);
+      gd.b = ops::sub(proj, C + vd, hv);
+      gd.a = ops::sub(proj, C + vd + hv, hv);
+      gd.out = whole(g, b.gdn_out);
+      gd.conv_state = whole(g, b.conv_state[i]);
+      gd.recurrent_state = whole(g, b.recurrent_state[i]);
+      bind_deltanet_weights(w, s, gd);
+      ops::gated_delta_step(ctx, c, p + "deltanet", gd);
+      out_projection(s + "out_proj", gd.out, weight(w, s + "out_proj.weight"));
+    }
+    const WeightRef& post_norm = weight(w, p + "post_attention_layernorm.weight");
+    if (!fuse) {
+      // hidden += mixer out (in place), normed = post_attention_layernorm(hidden).
+      ops::rms_norm_residual(ctx, p + "post_attention_layernorm", mixer_out, hidden, post_norm, normed, hidden, 1, H,
+                             c.eps);
+    }
+    const Span moe_in = fuse ? hidden : normed;
+    const std::string m = p + "mlp.";
+    // Router logits stay f32 (moe_route and moe_down_combine read f32).
+    projections(m + "router", {m + "gate.weight", m + "shared_expert_gate.weight"}, moe_in,
+                whole(g, b.router), DType::F32, sw.fused_projections, post_norm);
+    ops::MoeSpans mo;
+    mo.x = moe_in;
+    mo.router_logits = whole(g, b.router);
+    mo.expert_ids = whole(g, b.expert_ids);
+    mo.expert_weights = whole(g, b.expert_weights);
+    mo.hidden = whole(g, b.moe_hidden);
+    mo.residual_out = hidden;
+    bind_expert_weights(w, m, mo);
+    if (fuse) {
+      ops::moe_decode_routed(ctx, c, p + "moe", mo, post_norm, c.eps);
+    } else {
+      ops::moe_decode(ctx, c, p + "moe", mo);
+    }
+  }
+  const WeightRef& final_norm = weight(w, "norm.weight");
+  Span logits = whole(g, b.logits);
+  gemv("lm_head", normalise("norm", final_norm), weight(w, "lm_head.weight"), logits, act, final_norm);
+  if (sw.gpu_token && choice) {
+    build_token_choice(c, precision, *choice, b, position, 1, next_slot, g);  // the token at position + 1
+  }
+}
+
+void build_token_choice(const ModelConfig& c, Precision precision, const TokenChoice& choice, const DecodeBuffers& b,
+                        size_t position, int position_delta, int out_slot, Graph& g) {
+  ops::Context ctx{g, precision == Precision::Float32 ? DType::F32 : DType::BF16, false};
+  const Span logits = whole(g, b.logits), tokens = whole(g, b.tokens);
+  if (choice.temperature == 0.0f) {
+    ops::argmax(ctx, logits, c.vocab_size, whole(g, b.argmax_values), whole(g, b.argmax_ids), tokens,
+                static_cast<size_t>(out_slot));
+  } else {
+    ops::sample(ctx, logits, c.vocab_size, choice, tokens, static_cast<size_t>(out_slot), position, position_delta);
+  }
+}
+
+}  // namespace lily

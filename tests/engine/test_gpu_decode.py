@@ -1,0 +1,120 @@
+"""What users run takes the engine's fast paths (issue 12), on the demo model through the Linux test runtime.
+
+`Session.decode` on the metal backend chooses tokens on the GPU (the decode step's last dispatches) with the next
+step committed before the host reads a token; the CPU sampler (`LILY_DISABLE_GPU_TOKEN=1`, or a request with logit
+bias, penalties or logprobs) is the reference. Float32 mode: the two paths run the same kernels on the same logits,
+so greedy tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lily import Model
+from lily.sampling import SamplingParams
+
+PROMPT = "KING HENRY:\nWhat say you, my lords?"
+
+
+@pytest.fixture(scope="module")
+def gpu() -> Model:
+    return Model.load("lily:demo", backend="metal", precision="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def cpu() -> Model:
+    """The same engine with the CPU sampler: every step's logits come back and lily.sampling chooses."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LILY_DISABLE_GPU_TOKEN", "1")
+        return Model.load("lily:demo", backend="metal", precision="float32", progress=False)
+
+
+def decode_ids(model: Model, prompt, **sampling) -> tuple[list[int], str, str | None]:
+    result = model.generate(prompt, use_cache=False, **sampling)
+    return result.token_ids, result.text, result.finish_reason
+
+
+def test_the_paths_are_the_ones_asked_for(gpu, cpu):
+    params = SamplingParams(temperature=0.0)
+    assert gpu.backend.gpu_decode_blockers(params) == []
+    assert cpu.backend.gpu_decode_blockers(params) == ["the GPU_TOKEN switch is off"]
+    assert gpu.backend.gpu_decode_blockers(SamplingParams(logit_bias={3: 1.0}, repetition_penalty=1.1,
+                                                          logprobs=True)) == [
+        "logit_bias", "repetition_penalty", "logprobs"]
+
+
+def test_greedy_decode_is_identical_and_copies_only_token_ids(gpu, cpu):
+    session = gpu.prefill(PROMPT, use_cache=False)
+    before = gpu.backend.host_read_bytes
+    got = [t.id for t in session.decode(max_tokens=64, temperature=0.0, stop_token_ids=())]
+    copied = gpu.backend.host_read_bytes - before
+    assert copied == 64 * 4, f"{copied} bytes came back for 64 tokens; only their ids (4 bytes each) should"
+
+    want_session = cpu.prefill(PROMPT, use_cache=False)
+    before = cpu.backend.host_read_bytes
+    want = [t.id for t in want_session.decode(max_tokens=64, temperature=0.0, stop_token_ids=())]
+    assert cpu.backend.host_read_bytes - before >= 63 * cpu.config.vocab_size * 4  # the CPU path reads logits
+    assert got == want
+    # Both sessions hold the same sequence; the GPU one has run its last token (no pending token to feed).
+    assert session.tokens == want_session.tokens
+    assert session.state.position == len(session.tokens)
+    np.testing.assert_allclose(session.logits, want_session.logits, rtol=0, atol=2e-4)
+
+
+def test_sampled_decode_is_reproducible_per_seed(gpu):
+    options = dict(max_tokens=12, temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, stop_token_ids=())
+    first = decode_ids(gpu, PROMPT, seed=1234, **options)[0]
+    assert decode_ids(gpu, PROMPT, seed=1234, **options)[0] == first
+    others = {tuple(decode_ids(gpu, PROMPT, seed=s, **options)[0]) for s in (1, 2, 3)}
+    assert len(others | {tuple(first)}) > 1, "different seeds gave the same 12 tokens every time"
+
+
+def test_stops_match_the_cpu_path_and_a_second_turn_equals_a_fresh_session(gpu, cpu):
+    reference, text, _ = decode_ids(cpu, PROMPT, max_tokens=24, temperature=0.0, stop_token_ids=())
+    # An end token in the middle, and a stop string that ends inside a later token's text.
+    stop_id = reference[5]
+    cut = reference.index(stop_id)
+    for options in ({"stop_token_ids": [stop_id]}, {"stop": [text[len(text) // 2: len(text) // 2 + 3]],
+                                                    "stop_token_ids": ()}):
+        want = decode_ids(cpu, PROMPT, max_tokens=24, temperature=0.0, **options)
+        got = decode_ids(gpu, PROMPT, max_tokens=24, temperature=0.0, **options)
+        assert got == want and want[2] == "stop"
+    assert decode_ids(gpu, PROMPT, max_tokens=24, temperature=0.0, stop_token_ids=[stop_id])[0] == reference[:cut + 1]
+
+    # A second turn after the stop continues exactly as a fresh session over the whole sequence.
+    more = gpu.encode("\nQUEEN:\n")
+    session = gpu.prefill(PROMPT, use_cache=False)
+    list(session.decode(max_tokens=24, temperature=0.0, stop_token_ids=[stop_id]))
+    assert len(session) == len(gpu.encode(PROMPT)) + cut + 1
+    gpu.prefill(more, session=session)
+    second = [t.id for t in session.decode(max_tokens=8, temperature=0.0, stop_token_ids=())]
+    fresh = gpu.prefill(gpu.encode(PROMPT) + reference[:cut + 1] + more, use_cache=False)
+    assert [t.id for t in fresh.decode(max_tokens=8, temperature=0.0, stop_token_ids=())] == second
+
+
+def test_closing_the_iterator_leaves_the_yielded_tokens_run(gpu):
+    session = gpu.prefill(PROMPT, use_cache=False)
+    tokens = session.decode(max_tokens=50, temperature=0.0, stop_token_ids=())
+    taken = [next(tokens).id for _ in range(3)]
+    tokens.close()
+    assert session.tokens[-3:] == taken and session.state.position == len(session)
+    assert not gpu.backend._engine.steps_in_flight
+
+
+def test_a_cpu_only_feature_falls_back_for_that_request_only(gpu, cpu):
+    options = dict(max_tokens=6, temperature=0.0, stop_token_ids=(), logit_bias={11: 5.0}, logprobs=True)
+    got = gpu.generate(PROMPT, use_cache=False, **options)
+    want = cpu.generate(PROMPT, use_cache=False, **options)
+    assert got.token_ids == want.token_ids and got.logprobs == pytest.approx(want.logprobs, abs=1e-6)
+
+
+def test_prefill_copies_one_row_of_logits(gpu):
+    ids = np.random.default_rng(5).integers(0, gpu.config.vocab_size, size=512).tolist()
+    before = gpu.backend.host_read_bytes
+    session = gpu.prefill(ids, use_cache=False)
+    assert gpu.backend.host_read_bytes - before == gpu.config.vocab_size * 4
+    assert session._last_logits.shape == (gpu.config.vocab_size,)
+    # lm_head ran for one row only (the prefill graph's last GEMM is a one-row qmv).
+    lm_head = [n for n in gpu.backend.last_step_graph()["nodes"] if n["label"] == "lm_head"]
+    assert len(lm_head) == 1 and lm_head[0]["kernel"].startswith("qmv")
