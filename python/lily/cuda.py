@@ -21,7 +21,10 @@ __all__ = ["CudaError", "Runner", "ptx_dir"]
 MAX_BUFFERS = 31  # msl_cuda_detail::Params (src/msl_cpu/include/msl_cuda_launch.h)
 MAX_THREADGROUP_SLICES = 8
 _ENTRY_RE = re.compile(r"^\.(?:visible|weak)?\s*\.entry\s+(\w+)\s*\(", re.M)
+_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0
 _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_JIT_MAX_REGISTERS = 0
+_REGISTERS_FOR_1024_THREADS = 64  # 65,536 registers per multiprocessor / 1024 threads
 _DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 _DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
 
@@ -69,18 +72,50 @@ class Runner:
         for v, attr in zip(cc, (_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, _DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)):
             self._check("cuDeviceGetAttribute", self._cu.cuDeviceGetAttribute(ctypes.byref(v), attr, dev))
         self.compute_capability = (cc[0].value, cc[1].value)
-        self._functions: dict[str, ctypes.c_void_p] = {}
-        self._modules = []
-        for f in files:
-            module = ctypes.c_void_p()
-            image = f.read_bytes() + b"\0"
-            self._check(f"cuModuleLoadData({f.name})", self._cu.cuModuleLoadData(ctypes.byref(module), image))
-            self._modules.append(module)
+        self._images = {f.name: f.read_bytes() + b"\0" for f in files}
+        self._kernel_image: dict[str, str] = {}
+        for name, image in self._images.items():
             for entry in _ENTRY_RE.findall(image.decode()):
+                self._kernel_image[entry] = name
+        self._modules: dict[tuple[str, bool], ctypes.c_void_p] = {}
+        self._functions: dict[tuple[str, bool], ctypes.c_void_p] = {}
+        for name in self._images:
+            self._module(name, False)
+
+    def _module(self, image: str, capped: bool) -> ctypes.c_void_p:
+        """The loaded module of one PTX file; `capped`: JIT-compiled with at most 64 registers per thread, so every
+        kernel in it launches with up to 1024 threads per threadgroup (Metal's limit) at some cost in spills."""
+        key = (image, capped)
+        if key not in self._modules:
+            module = ctypes.c_void_p()
+            if capped:
+                options = (ctypes.c_int * 1)(_JIT_MAX_REGISTERS)
+                values = (ctypes.c_void_p * 1)(ctypes.c_void_p(_REGISTERS_FOR_1024_THREADS))
+                code = self._cu.cuModuleLoadDataEx(ctypes.byref(module), self._images[image], 1, options, values)
+            else:
+                code = self._cu.cuModuleLoadData(ctypes.byref(module), self._images[image])
+            self._check(f"cuModuleLoadData({image}{', 64 registers' if capped else ''})", code)
+            self._modules[key] = module
+        return self._modules[key]
+
+    def _function(self, kernel: str, threads: int) -> ctypes.c_void_p:
+        """`kernel` as compiled for its best speed, or register-capped where that build cannot run `threads`."""
+        image = self._kernel_image.get(kernel)
+        if image is None:
+            raise ValueError(f"cuda: no kernel named {kernel!r} in the PTX files ({', '.join(self._images)})")
+        for capped in (False, True):
+            key = (kernel, capped)
+            if key not in self._functions:
                 fn = ctypes.c_void_p()
-                self._check(f"cuModuleGetFunction({entry})",
-                            self._cu.cuModuleGetFunction(ctypes.byref(fn), module, entry.encode()))
-                self._functions[entry] = fn
+                self._check("cuModuleGetFunction", self._cu.cuModuleGetFunction(
+                    ctypes.byref(fn), self._module(image, capped), kernel.encode()), kernel)
+                self._functions[key] = fn
+            limit = ctypes.c_int()
+            self._check("cuFuncGetAttribute", self._cu.cuFuncGetAttribute(
+                ctypes.byref(limit), _FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, self._functions[key]), kernel)
+            if threads <= limit.value:
+                return self._functions[key]
+        raise ValueError(f"cuda: kernel {kernel}: {threads} threads per threadgroup exceed its limit {limit.value}")
 
     # ---- errors ----
 
@@ -153,14 +188,11 @@ class Runner:
 
     def kernel_names(self) -> list[str]:
         """Every kernel host name in the loaded PTX, sorted."""
-        return sorted(self._functions)
+        return sorted(self._kernel_image)
 
     def launch(self, kernel: str, buffers: list[int], threadgroups, threads_per_threadgroup,
                threadgroup_memory: list[int] | None = None, stream: int = 0) -> None:
         """One asynchronous launch with device pointers `buffers[i]` bound to [[buffer(i)]]."""
-        fn = self._functions.get(kernel)
-        if fn is None:
-            raise ValueError(f"cuda: no kernel named {kernel!r} in the PTX of {ptx_dir()}")
         if len(buffers) > MAX_BUFFERS:
             raise ValueError(f"cuda: kernel {kernel}: {len(buffers)} buffers; at most {MAX_BUFFERS}")
         tg = [int(n) for n in (threadgroup_memory or [])]
@@ -180,6 +212,7 @@ class Runner:
         g, t = [int(v) for v in threadgroups], [int(v) for v in threads_per_threadgroup]
         if min(g + t) < 1 or t[0] * t[1] * t[2] > 1024:
             raise ValueError(f"cuda: kernel {kernel}: bad launch shape threadgroups={g} threads={t}")
+        fn = self._function(kernel, t[0] * t[1] * t[2])
         self._check("cuLaunchKernel", self._cu.cuLaunchKernel(
             fn, g[0], g[1], g[2], t[0], t[1], t[2], offset, ctypes.c_void_p(stream), args, None), kernel)
 

@@ -940,6 +940,7 @@ def _compile_cuda() -> int:
         return 2
     spec = importlib.util.spec_from_file_location("lily_cuda_kernels", tool)
     builder = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = builder  # its dataclasses look their module up
     spec.loader.exec_module(builder)
     with tempfile.TemporaryDirectory() as out:
         try:
@@ -993,8 +994,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lily.selftest: cannot open the {args.device} device: {exc}. Nothing was tested.", file=sys.stderr)
         return 2
     if device.gpu_tested:
-        print(f"lily.selftest: running the kernels on the GPU '{device.name}' through the Metal API",
-              file=sys.stderr)
+        api = "the CUDA driver API" if device.kind == "cuda" else "the Metal API"
+        print(f"lily.selftest: running the kernels on the GPU '{device.name}' through {api}", file=sys.stderr)
     if device.missing:
         print(f"lily.selftest: not compiled for this GPU, so not run (their #if is false here): "
               f"{', '.join(device.missing)}", file=sys.stderr)
