@@ -63,7 +63,8 @@
 
 using namespace metal;
 
-#if defined(MSL_CPU) || (defined(__METAL_VERSION__) && __METAL_VERSION__ >= 400 && defined(__HAVE_TENSOR__))
+// Metal 4 tensor ops: on Apple GPUs that have them, and emulated by the CPU harness (not by its CUDA target).
+#if (defined(MSL_CPU) && !defined(MSL_CUDA)) || (defined(__METAL_VERSION__) && __METAL_VERSION__ >= 400 && defined(__HAVE_TENSOR__))
 #define LILY_QMATMUL_HAS_TENSOR_OPS 1
 #include <metal_tensor>
 #include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>

@@ -1,4 +1,4 @@
-"""``python -m lily.selftest [--json] [--device {auto,metal-api,harness}]``: run every instantiated kernel once against
+"""``python -m lily.selftest [--json] [--device {auto,metal-api,harness,cuda}] [--compile-only]``: run every instantiated kernel once against
 ``lily.reference``.
 
 Each kernel runs at one small representative shape on fresh random inputs and is compared with the numpy
@@ -8,7 +8,9 @@ case fails or if an instantiated kernel has no case.
 ``--device`` picks how the kernels run: ``metal-api`` through Lily's host Metal layer (``lily._ext.kernels.Runner``:
 the objc_msgSend binding, device, pipeline cache and encoder), which on a Mac is the real GPU and on Linux is the
 toy Objective-C runtime and fake Metal executing on the CPU harness (docs/engine.md); ``harness`` straight through
-the Linux CPU execution harness (``lily._ext.msl``, docs/harness.md; not built on macOS). ``auto`` (the default) is
+the Linux CPU execution harness (``lily._ext.msl``, docs/harness.md; not built on macOS); ``cuda`` an NVIDIA GPU through the
+CUDA driver API (``lily.cuda``, docs/cuda.md; ``--compile-only`` compiles every kernel for it and runs ptxas, with no
+GPU). ``auto`` (the default) is
 ``metal-api`` on a Mac and ``harness`` elsewhere.
 
 Cases are a registry: a kernel family adds one builder with ``@case(r"regex over host names")``; the builder gets the
@@ -154,7 +156,7 @@ def _metal_runner():
 class KernelDevice:
     """Where the cases' dispatches go: what it is, its dispatch function and the kernels it has."""
 
-    kind: str  # "metal-api" or "harness"
+    kind: str  # "metal-api", "harness" or "cuda"
     name: str  # the Metal device's name, or "CPU execution harness"
     # dispatch(kernel, args, threadgroups, threads_per_threadgroup): numpy arrays are device buffers (written back
     # in place), bytes are setBytes data.
@@ -166,16 +168,25 @@ class KernelDevice:
 
     @property
     def gpu_tested(self) -> bool:
-        """Whether the kernels run on a real GPU (the Metal API on a Mac; the fake Metal elsewhere)."""
-        return self.kind == "metal-api" and platform.system() == "Darwin"
+        """Whether the kernels run on a real GPU (the Metal API on a Mac or CUDA; the fake Metal elsewhere)."""
+        return self.kind == "cuda" or (self.kind == "metal-api" and platform.system() == "Darwin")
 
     def note(self) -> str:
         """One sentence for the summary: what ran the kernels."""
+        if self.kind == "cuda":
+            return f"Kernels ran on the NVIDIA GPU '{self.name}' through the CUDA driver API."
         if self.kind == "harness":
             return "Kernels ran on the CPU execution harness; no GPU is tested."
         if self.gpu_tested:
             return f"Kernels ran on the GPU '{self.name}' through the Metal API."
         return f"Kernels ran through the Metal API on '{self.name}'; no GPU is tested."
+
+
+def _cuda_runner():
+    """A ``lily.cuda.Runner`` over the PTX built from metal/ (raises lily.cuda.CudaError without a driver or PTX)."""
+    from lily import cuda
+
+    return cuda.Runner()
 
 
 def open_device(choice: str = "auto") -> KernelDevice:
@@ -193,7 +204,10 @@ def open_device(choice: str = "auto") -> KernelDevice:
         runner = _metal_runner()
         return KernelDevice("metal-api", runner.device_name, runner.run, list(runner.kernel_names()),
                             list(runner.missing_kernel_names()), list(runner.library_failures()))
-    raise ValueError(f"selftest: device must be 'auto', 'metal-api' or 'harness'; got {choice!r}")
+    if choice == "cuda":
+        runner = _cuda_runner()
+        return KernelDevice("cuda", runner.device_name, runner.dispatch, runner.kernel_names())
+    raise ValueError(f"selftest: device must be 'auto', 'metal-api', 'harness' or 'cuda'; got {choice!r}")
 
 
 # The device run() sends the cases' dispatches to.
@@ -915,19 +929,56 @@ def _table(results: Sequence[Result]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
+def _compile_cuda() -> int:
+    """--device cuda --compile-only: every kernel of metal/ through clang (CUDA) and ptxas, one row per kernel."""
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[2] / "tools" / "cuda_kernels.py"
+    if not tool.is_file():
+        print(f"lily.selftest: --compile-only needs Lily's source tree (tools/cuda_kernels.py not at {tool}). "
+              "Nothing was compiled.", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location("lily_cuda_kernels", tool)
+    builder = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = builder  # its dataclasses look their module up
+    spec.loader.exec_module(builder)
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            built = builder.build(Path(out))
+        except (builder.ToolchainError, RuntimeError) as exc:
+            print(f"lily.selftest: {exc}", file=sys.stderr)
+            return 1
+    archs = " ".join(builder.CHECK_ARCHS)
+    rows = [Result(k, f"{ptx} ptxas {archs}", 0.0, True) for ptx, names in sorted(built.items()) for k in names]
+    print(_table(rows))
+    print(f"\n{len(rows)} kernels compiled for CUDA ({builder.DEFAULT_ARCH} PTX) and assembled by ptxas for {archs}. "
+          "No GPU was used.")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m lily.selftest", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print a JSON list of {kernel, shape, error, passed}")
-    parser.add_argument("--device", choices=["auto", "metal-api", "harness"], default="auto",
+    parser.add_argument("--device", choices=["auto", "metal-api", "harness", "cuda"], default="auto",
                         help="metal-api: through the Metal API (the GPU on a Mac, the fake Metal on Linux); "
-                             "harness: the Linux CPU execution harness; auto (default): metal-api on a Mac, "
-                             "harness elsewhere")
+                             "harness: the Linux CPU execution harness; cuda: an NVIDIA GPU through the CUDA driver "
+                             "(docs/cuda.md); auto (default): metal-api on a Mac, harness elsewhere")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="with --device cuda: compile every kernel for the NVIDIA targets and check it with "
+                             "ptxas; no GPU needed")
     parser.add_argument("--kernels", metavar="REGEX", help="only the instantiated kernels whose name matches REGEX")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     parser.add_argument("--corrupt", metavar="KERNEL", action="append", default=[],
                         help="perturb KERNEL's expected result (checks that a failing case is reported)")
     args = parser.parse_args(argv)
+    if args.compile_only:
+        if args.device != "cuda":
+            print("lily.selftest: --compile-only needs --device cuda", file=sys.stderr)
+            return 2
+        return _compile_cuda()
 
     try:
         device = open_device(args.device)
@@ -941,12 +992,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"lily.selftest: the Metal kernel runner lily._ext.kernels is absent (import failed: {exc}; "
                   "rebuild Lily). Nothing was tested.", file=sys.stderr)
         return 2
-    except RuntimeError as exc:  # no Metal device, or the kernel source does not compile
-        print(f"lily.selftest: cannot open the Metal device: {exc}. Nothing was tested.", file=sys.stderr)
+    except RuntimeError as exc:  # no Metal/CUDA device, or the kernel source does not compile
+        print(f"lily.selftest: cannot open the {args.device} device: {exc}. Nothing was tested.", file=sys.stderr)
         return 2
     if device.gpu_tested:
-        print(f"lily.selftest: running the kernels on the GPU '{device.name}' through the Metal API",
-              file=sys.stderr)
+        api = "the CUDA driver API" if device.kind == "cuda" else "the Metal API"
+        print(f"lily.selftest: running the kernels on the GPU '{device.name}' through {api}", file=sys.stderr)
     if device.missing:
         print(f"lily.selftest: not compiled for this GPU, so not run (their #if is false here): "
               f"{', '.join(device.missing)}", file=sys.stderr)

@@ -7,10 +7,36 @@ Tests use the ``kio`` fixture (an instance of ``KernelIO``).
 
 from __future__ import annotations
 
+import os
+import sys
+import types
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
+
+
+def _use_cuda_for_dispatch() -> None:
+    """LILY_KERNEL_DEVICE=cuda: the same test cases dispatch on the NVIDIA GPU (lily.cuda) instead of the CPU harness.
+    Where the extension is not built (the GPU machine has no clang), a stand-in ``lily._ext.msl`` is installed."""
+    from lily import cuda
+
+    runner = cuda.Runner()
+    try:
+        from lily._ext import msl
+    except ImportError:
+        ext = types.ModuleType("lily._ext")
+        msl = types.ModuleType("lily._ext.msl")
+        msl.test_kernel_names = lambda: []
+        ext.msl = msl
+        sys.modules["lily._ext"], sys.modules["lily._ext.msl"] = ext, msl
+    msl.dispatch = runner.dispatch
+    msl.kernel_names = runner.kernel_names
+    msl.KernelError = cuda.CudaError
+
+
+if os.environ.get("LILY_KERNEL_DEVICE") == "cuda":
+    _use_cuda_for_dispatch()
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,10 @@
 #define MSL_CPU_METAL_VERSION 310
 #endif
 #define __METAL_VERSION__ MSL_CPU_METAL_VERSION
+// Library maths: the C library on the CPU; the CUDA target (msl_cuda.h) routes these to libdevice.
+#ifndef MSL_LIBM
+#define MSL_LIBM(f) __builtin_##f
+#endif
 
 // ---- scalar and vector types (global, as in MSL) ----
 typedef _Float16 half;
@@ -161,22 +165,22 @@ inline To as_type(From x) {
     for (int i = 0; i < vec_traits<T>::size; ++i) r[i] = name(elem_t<T>(x[i]));    \
     return r;                                                                      \
   }
-MSL_CPU_UNARY(sqrt, __builtin_sqrtf(x))
-MSL_CPU_UNARY(rsqrt, 1.0f / __builtin_sqrtf(x))
-MSL_CPU_UNARY(exp, __builtin_expf(x))
-MSL_CPU_UNARY(exp2, __builtin_exp2f(x))
-MSL_CPU_UNARY(exp10, __builtin_powf(10.0f, x))
-MSL_CPU_UNARY(log, __builtin_logf(x))
-MSL_CPU_UNARY(log2, __builtin_log2f(x))
-MSL_CPU_UNARY(log10, __builtin_log10f(x))
-MSL_CPU_UNARY(sin, __builtin_sinf(x))
-MSL_CPU_UNARY(cos, __builtin_cosf(x))
-MSL_CPU_UNARY(tan, __builtin_tanf(x))
-MSL_CPU_UNARY(tanh, __builtin_tanhf(x))
+MSL_CPU_UNARY(sqrt, MSL_LIBM(sqrtf)(x))
+MSL_CPU_UNARY(rsqrt, 1.0f / MSL_LIBM(sqrtf)(x))
+MSL_CPU_UNARY(exp, MSL_LIBM(expf)(x))
+MSL_CPU_UNARY(exp2, MSL_LIBM(exp2f)(x))
+MSL_CPU_UNARY(exp10, MSL_LIBM(powf)(10.0f, x))
+MSL_CPU_UNARY(log, MSL_LIBM(logf)(x))
+MSL_CPU_UNARY(log2, MSL_LIBM(log2f)(x))
+MSL_CPU_UNARY(log10, MSL_LIBM(log10f)(x))
+MSL_CPU_UNARY(sin, MSL_LIBM(sinf)(x))
+MSL_CPU_UNARY(cos, MSL_LIBM(cosf)(x))
+MSL_CPU_UNARY(tan, MSL_LIBM(tanf)(x))
+MSL_CPU_UNARY(tanh, MSL_LIBM(tanhf)(x))
 MSL_CPU_UNARY(fabs, __builtin_fabsf(x))
 MSL_CPU_UNARY(floor, __builtin_floorf(x))
 MSL_CPU_UNARY(ceil, __builtin_ceilf(x))
-MSL_CPU_UNARY(round, __builtin_roundf(x))
+MSL_CPU_UNARY(round, MSL_LIBM(roundf)(x))
 MSL_CPU_UNARY(rint, __builtin_rintf(x))
 MSL_CPU_UNARY(trunc, __builtin_truncf(x))
 MSL_CPU_UNARY(fract, x - __builtin_floorf(x))
@@ -196,14 +200,14 @@ MSL_CPU_UNARY(sign, x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x * 0.0f))
     for (int i = 0; i < vec_traits<T>::size; ++i) r[i] = name(elem_t<T>(x[i]), elem_t<T>(y[i])); \
     return r;                                                                      \
   }
-MSL_CPU_BINARY(pow, __builtin_powf(x, y))
-MSL_CPU_BINARY(powr, __builtin_powf(x, y))
+MSL_CPU_BINARY(pow, MSL_LIBM(powf)(x, y))
+MSL_CPU_BINARY(powr, MSL_LIBM(powf)(x, y))
 MSL_CPU_BINARY(fmin, __builtin_fminf(x, y))
 MSL_CPU_BINARY(fmax, __builtin_fmaxf(x, y))
-MSL_CPU_BINARY(fmod, __builtin_fmodf(x, y))
+MSL_CPU_BINARY(fmod, MSL_LIBM(fmodf)(x, y))
 MSL_CPU_BINARY(copysign, __builtin_copysignf(x, y))
 MSL_CPU_BINARY(divide, x / y)
-MSL_CPU_BINARY(atan2, __builtin_atan2f(x, y))
+MSL_CPU_BINARY(atan2, MSL_LIBM(atan2f)(x, y))
 #undef MSL_CPU_BINARY
 
 template <class T, enable_if_t<is_float_scalar_v<T>, int> = 0>
@@ -339,6 +343,7 @@ using namespace metal::fast;
 enum class mem_flags : uint32_t { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(uint32_t(a) | uint32_t(b)); }
 
+#if !defined(MSL_CUDA)
 // `site` ("file:line", passed by the macros at the end of this header) tells barriers and collectives apart.
 // The flags are required, as in Metal; tools/msl_rules.py rejects mem_none where threadgroup memory is used.
 inline void threadgroup_barrier_at(const char* site, mem_flags flags) {
@@ -780,12 +785,16 @@ inline void simdgroup_multiply_at(const char* site, simdgroup_matrix<TD, 8, 8>& 
   MSL_CPU_COLLECTIVE((&matrix_detail::combine_mma<TD, TA, TB, TD>), &in, &d, "simdgroup_multiply");
 }
 #undef MSL_CPU_COLLECTIVE
+#else
+#include "msl_cuda_sync.h"  // the same functions on an NVIDIA warp
+#endif  // MSL_CUDA
 
 }  // namespace metal
 
 // Types are also visible unqualified, as in MSL.
 using metal::vec;
 
+#if !defined(MSL_CUDA)
 // ---- argument binding: builds each kernel parameter from its attribute (used by the generated code) ----
 namespace msl_cpu_detail {
 template <class P>
@@ -889,8 +898,16 @@ constexpr int param_count(void (*)(P...)) {
       int(sizeof(msl_param_attrs_##fn) / sizeof(msl_param_attrs_##fn[0])), ::msl_cpu_detail::param_infos(&fn), \
       msl_variant_fcs, msl_variant_fc_count, msl_source_file);
 
+#else
+#include "msl_cuda_launch.h"  // __global__ entry points instead of registrations
+#endif  // MSL_CUDA
+
 // ---- address spaces (after every std header: `thread` would break std::thread) ----
-#ifndef MSL_CPU_NO_ADDRSPACES
+#if defined(MSL_CUDA)
+#define device __attribute__((address_space(1)))
+#define constant const  // generic: a constant T& argument points into a global buffer
+#define threadgroup __attribute__((address_space(3)))
+#elif !defined(MSL_CPU_NO_ADDRSPACES)
 #define device __attribute__((address_space(1)))
 #define constant const __attribute__((address_space(2)))
 #define threadgroup __attribute__((address_space(3)))

@@ -1,0 +1,330 @@
+// CUDA target of the MSL shim: barriers, SIMD collectives, atomics and simdgroup_matrix on an NVIDIA warp.
+// Included by msl_cpu.h inside namespace metal in place of the CPU harness's versions, with the same names and the
+// same rules where Metal defines them: a simdgroup is 32 consecutive threads of the threadgroup (a warp); collectives
+// combine the lanes active at the call; a shuffle from an inactive or out-of-range lane returns the lane's own value.
+// The `site` argument (used by the CPU harness to detect divergence) is ignored.
+
+namespace cuda_detail {
+inline uint32_t lane() { return uint32_t(__nvvm_read_ptx_sreg_laneid()); }
+inline uint32_t active() { return uint32_t(__nvvm_activemask()); }
+
+// Any trivially copyable value through 32-bit shuffles.
+template <class T>
+inline T shuffle_idx(uint32_t mask, T x, uint32_t src) {
+  constexpr int W = int((sizeof(T) + 3) / 4);
+  uint32_t w[W] = {};
+  __builtin_memcpy(w, &x, sizeof(T));
+  for (int i = 0; i < W; ++i) w[i] = uint32_t(__nvvm_shfl_sync_idx_i32(mask, int(w[i]), int(src), 31));
+  T r;
+  __builtin_memcpy(&r, w, sizeof(T));
+  return r;
+}
+template <class T>
+inline T shuffle_bfly(uint32_t mask, T x, int lane_mask) {
+  constexpr int W = int((sizeof(T) + 3) / 4);
+  uint32_t w[W] = {};
+  __builtin_memcpy(w, &x, sizeof(T));
+  for (int i = 0; i < W; ++i) w[i] = uint32_t(__nvvm_shfl_sync_bfly_i32(mask, int(w[i]), lane_mask, 31));
+  T r;
+  __builtin_memcpy(&r, w, sizeof(T));
+  return r;
+}
+// The Metal rule for a shuffle source: an inactive or out-of-range lane gives the lane's own value.
+template <class T>
+inline T shuffle_from(T x, int src) {
+  uint32_t mask = active(), me = lane();
+  bool ok = src >= 0 && src < 32 && ((mask >> src) & 1u);
+  return shuffle_idx(mask, x, ok ? uint32_t(src) : me);
+}
+// A reduction over the active lanes: butterflies for a full warp, a lane-ordered pass otherwise.
+template <class T, class Op>
+inline T reduce(T x, Op op) {
+  uint32_t mask = active();
+  if (mask == 0xFFFFFFFFu) {
+    for (int d = 16; d >= 1; d /= 2) x = op(x, shuffle_bfly(mask, x, d));
+    return x;
+  }
+  T acc = shuffle_idx(mask, x, uint32_t(__builtin_ctz(mask)));
+  for (uint32_t m = mask & (mask - 1); m; m &= m - 1) acc = op(acc, shuffle_idx(mask, x, uint32_t(__builtin_ctz(m))));
+  return acc;
+}
+// Prefix over the active lanes in lane order (as the CPU harness), inclusive or exclusive.
+template <class T, class Op>
+inline T prefix(T x, Op op, T identity, bool inclusive) {
+  uint32_t mask = active(), me = lane();
+  T acc = identity;
+  for (uint32_t m = mask; m; m &= m - 1) {
+    uint32_t l = uint32_t(__builtin_ctz(m));
+    T v = shuffle_idx(mask, x, l);
+    if (l < me || (inclusive && l == me)) acc = op(acc, v);
+  }
+  return acc;
+}
+struct Add {
+  template <class T>
+  T operator()(T a, T b) const { return a + b; }
+};
+struct Mul {
+  template <class T>
+  T operator()(T a, T b) const { return a * b; }
+};
+struct Max {
+  template <class T>
+  T operator()(T a, T b) const { return metal::max(a, b); }
+};
+struct Min {
+  template <class T>
+  T operator()(T a, T b) const { return metal::min(a, b); }
+};
+struct And {
+  template <class T>
+  T operator()(T a, T b) const { return T(a & b); }
+};
+struct Or {
+  template <class T>
+  T operator()(T a, T b) const { return T(a | b); }
+};
+struct Xor {
+  template <class T>
+  T operator()(T a, T b) const { return T(a ^ b); }
+};
+}  // namespace cuda_detail
+
+// bar.sync orders shared and global memory among the threadgroup's threads, whatever the flags.
+inline void threadgroup_barrier_at(const char*, mem_flags = mem_flags::mem_none) { __nvvm_barrier_sync(0); }
+inline void simdgroup_barrier_at(const char*, mem_flags = mem_flags::mem_none) {
+  __nvvm_bar_warp_sync(cuda_detail::active());
+}
+
+template <class T>
+T simd_sum_at(const char*, T x) { return cuda_detail::reduce(x, cuda_detail::Add{}); }
+template <class T>
+T simd_product_at(const char*, T x) { return cuda_detail::reduce(x, cuda_detail::Mul{}); }
+template <class T>
+T simd_max_at(const char*, T x) { return cuda_detail::reduce(x, cuda_detail::Max{}); }
+template <class T>
+T simd_min_at(const char*, T x) { return cuda_detail::reduce(x, cuda_detail::Min{}); }
+template <class T>
+T simd_and_at(const char*, T x) { return cuda_detail::reduce(x, cuda_detail::And{}); }
+template <class T>
+T simd_or_at(const char*, T x) { return cuda_detail::reduce(x, cuda_detail::Or{}); }
+template <class T>
+T simd_xor_at(const char*, T x) { return cuda_detail::reduce(x, cuda_detail::Xor{}); }
+template <class T>
+T simd_prefix_inclusive_sum_at(const char*, T x) { return cuda_detail::prefix(x, cuda_detail::Add{}, T(0), true); }
+template <class T>
+T simd_prefix_exclusive_sum_at(const char*, T x) { return cuda_detail::prefix(x, cuda_detail::Add{}, T(0), false); }
+template <class T>
+T simd_prefix_inclusive_product_at(const char*, T x) {
+  return cuda_detail::prefix(x, cuda_detail::Mul{}, T(1), true);
+}
+template <class T>
+T simd_prefix_exclusive_product_at(const char*, T x) {
+  return cuda_detail::prefix(x, cuda_detail::Mul{}, T(1), false);
+}
+template <class T>
+T simd_shuffle_at(const char*, T x, ushort lane) { return cuda_detail::shuffle_from(x, int(lane)); }
+template <class T>
+T simd_broadcast_at(const char*, T x, ushort lane) { return cuda_detail::shuffle_from(x, int(lane)); }
+template <class T>
+T simd_shuffle_xor_at(const char*, T x, ushort mask) {
+  return cuda_detail::shuffle_from(x, int(cuda_detail::lane() ^ mask));
+}
+template <class T>
+T simd_shuffle_down_at(const char*, T x, ushort delta) {
+  return cuda_detail::shuffle_from(x, int(cuda_detail::lane() + delta));
+}
+template <class T>
+T simd_shuffle_up_at(const char*, T x, ushort delta) {
+  return cuda_detail::shuffle_from(x, int(cuda_detail::lane()) - int(delta));
+}
+template <class T>
+T simd_broadcast_first_at(const char*, T x) {
+  uint32_t mask = cuda_detail::active();
+  return cuda_detail::shuffle_idx(mask, x, uint32_t(__builtin_ctz(mask)));
+}
+
+struct simd_vote {
+  using vote_t = uint64_t;
+  vote_t bits;
+  explicit constexpr simd_vote(vote_t v = 0) : bits(v) {}
+  explicit constexpr operator vote_t() const { return bits; }
+  bool all() const { return bits == 0xFFFFFFFFull; }
+  bool any() const { return bits != 0; }
+};
+inline simd_vote simd_ballot_at(const char*, bool pred) {
+  return simd_vote(uint32_t(__nvvm_vote_ballot_sync(cuda_detail::active(), pred)));
+}
+inline simd_vote simd_active_threads_mask_at(const char*) { return simd_vote(cuda_detail::active()); }
+inline bool simd_all_at(const char*, bool pred) { return __nvvm_vote_all_sync(cuda_detail::active(), pred); }
+inline bool simd_any_at(const char*, bool pred) { return __nvvm_vote_any_sync(cuda_detail::active(), pred); }
+inline bool simd_is_first_at(const char*) {
+  return cuda_detail::lane() == uint32_t(__builtin_ctz(cuda_detail::active()));
+}
+
+// ---- atomics: relaxed, as Metal's; add as one atom instruction, the rest by compare-exchange ----
+enum memory_order { memory_order_relaxed, memory_order_acquire, memory_order_release, memory_order_acq_rel, memory_order_seq_cst };
+template <class T>
+struct _atomic {
+  T value;
+};
+template <class T>
+using atomic = _atomic<T>;
+typedef _atomic<int> atomic_int;
+typedef _atomic<uint> atomic_uint;
+typedef _atomic<float> atomic_float;
+typedef _atomic<bool> atomic_bool;
+
+namespace atomic_detail {
+template <class T>
+inline T* generic(volatile T __attribute__((address_space(1)))* p) { return (T*)p; }
+template <class T>
+inline T* generic(volatile T __attribute__((address_space(3)))* p) { return (T*)p; }
+template <class T, class F>
+inline T rmw(T* p, F f) {
+  T old = __atomic_load_n(p, __ATOMIC_RELAXED);
+  T desired = f(old);
+  while (!__atomic_compare_exchange(p, &old, &desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) desired = f(old);
+  return old;
+}
+}  // namespace atomic_detail
+
+#define MSL_CUDA_ATOMIC_AS(AS)                                                                       \
+  template <class T>                                                                                 \
+  inline T atomic_load_explicit(volatile AS _atomic<T>* o, memory_order = memory_order_relaxed) {    \
+    return __atomic_load_n(atomic_detail::generic(&o->value), __ATOMIC_RELAXED);                     \
+  }                                                                                                  \
+  template <class T, class U>                                                                        \
+  inline void atomic_store_explicit(volatile AS _atomic<T>* o, U v, memory_order = memory_order_relaxed) { \
+    __atomic_store_n(atomic_detail::generic(&o->value), static_cast<T>(v), __ATOMIC_RELAXED);        \
+  }                                                                                                  \
+  template <class T, class U>                                                                        \
+  inline T atomic_exchange_explicit(volatile AS _atomic<T>* o, U v, memory_order = memory_order_relaxed) { \
+    return __atomic_exchange_n(atomic_detail::generic(&o->value), static_cast<T>(v), __ATOMIC_RELAXED); \
+  }                                                                                                  \
+  template <class T, class U>                                                                        \
+  inline T atomic_fetch_add_explicit(volatile AS _atomic<T>* o, U v, memory_order = memory_order_relaxed) { \
+    return __atomic_fetch_add(atomic_detail::generic(&o->value), static_cast<T>(v), __ATOMIC_RELAXED); \
+  }                                                                                                  \
+  template <class T, class U>                                                                        \
+  inline T atomic_fetch_sub_explicit(volatile AS _atomic<T>* o, U v, memory_order = memory_order_relaxed) { \
+    return __atomic_fetch_sub(atomic_detail::generic(&o->value), static_cast<T>(v), __ATOMIC_RELAXED); \
+  }                                                                                                  \
+  template <class T, class U>                                                                        \
+  inline T atomic_fetch_min_explicit(volatile AS _atomic<T>* o, U v, memory_order = memory_order_relaxed) { \
+    return atomic_detail::rmw(atomic_detail::generic(&o->value), [&](T a) { return metal::min(a, static_cast<T>(v)); }); \
+  }                                                                                                  \
+  template <class T, class U>                                                                        \
+  inline T atomic_fetch_max_explicit(volatile AS _atomic<T>* o, U v, memory_order = memory_order_relaxed) { \
+    return atomic_detail::rmw(atomic_detail::generic(&o->value), [&](T a) { return metal::max(a, static_cast<T>(v)); }); \
+  }                                                                                                  \
+  template <class T, class U>                                                                        \
+  inline T atomic_fetch_and_explicit(volatile AS _atomic<T>* o, U v, memory_order = memory_order_relaxed) { \
+    return __atomic_fetch_and(atomic_detail::generic(&o->value), static_cast<T>(v), __ATOMIC_RELAXED); \
+  }                                                                                                  \
+  template <class T, class U>                                                                        \
+  inline T atomic_fetch_or_explicit(volatile AS _atomic<T>* o, U v, memory_order = memory_order_relaxed) { \
+    return __atomic_fetch_or(atomic_detail::generic(&o->value), static_cast<T>(v), __ATOMIC_RELAXED); \
+  }                                                                                                  \
+  template <class T, class U>                                                                        \
+  inline T atomic_fetch_xor_explicit(volatile AS _atomic<T>* o, U v, memory_order = memory_order_relaxed) { \
+    return __atomic_fetch_xor(atomic_detail::generic(&o->value), static_cast<T>(v), __ATOMIC_RELAXED); \
+  }                                                                                                  \
+  template <class T, class U>                                                                        \
+  inline bool atomic_compare_exchange_weak_explicit(volatile AS _atomic<T>* o, T* expected, U desired, \
+                                                    memory_order = memory_order_relaxed,             \
+                                                    memory_order = memory_order_relaxed) {           \
+    T d = static_cast<T>(desired);                                                                   \
+    return __atomic_compare_exchange(atomic_detail::generic(&o->value), expected, &d, false,         \
+                                     __ATOMIC_RELAXED, __ATOMIC_RELAXED);                            \
+  }
+MSL_CUDA_ATOMIC_AS(__attribute__((address_space(1))))
+MSL_CUDA_ATOMIC_AS(__attribute__((address_space(3))))
+#undef MSL_CUDA_ATOMIC_AS
+
+// ---- simdgroup_matrix<T, 8, 8>: two elements per lane in the MLX lane layout, as in the CPU harness ----
+template <class T, int Rows, int Cols>
+struct simdgroup_matrix {
+  static_assert(Rows == 8 && Cols == 8, "the shim supports 8x8 simdgroup matrices only");
+  vec<T, 2> elements;
+  vec<T, 2>& thread_elements() { return elements; }
+  const vec<T, 2>& thread_elements() const { return elements; }
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+
+namespace matrix_detail {
+// Row and first column of the two elements lane `lane` holds: (row, col) and (row, col + 1).
+constexpr int lane_row(uint32_t lane) { return int(((lane / 4) & 4) + ((lane / 2) % 4)); }
+constexpr int lane_col(uint32_t lane) { return int(((lane / 4) & 2) * 2 + (lane % 2) * 2); }
+// The lane holding element (row, col).
+constexpr uint32_t lane_of(int row, int col) {
+  for (uint32_t l = 0; l < 32; ++l)
+    if (lane_row(l) == row && lane_col(l) == (col & ~1)) return l;
+  return 0;
+}
+// D = A*B (+C) in fp32, one rounding per element, k in order (as the CPU harness): 24 shuffles, no tensor cores.
+template <class TD, class TA, class TB, class TC>
+inline void mma(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
+                const simdgroup_matrix<TB, 8, 8>& b, const simdgroup_matrix<TC, 8, 8>* c) {
+  const uint32_t full = 0xFFFFFFFFu, me = __nvvm_read_ptx_sreg_laneid();
+  const int r = lane_row(me), col = lane_col(me);
+  float s0 = c ? float(c->elements[0]) : 0.0f, s1 = c ? float(c->elements[1]) : 0.0f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    float ak = cuda_detail::shuffle_idx(full, float(a.elements[k & 1]), lane_of(r, k));
+    uint32_t bl = lane_of(k, col);
+    float b0 = cuda_detail::shuffle_idx(full, float(b.elements[0]), bl);
+    float b1 = cuda_detail::shuffle_idx(full, float(b.elements[1]), bl);
+    s0 += ak * b0;
+    s1 += ak * b1;
+  }
+  d.elements = vec<TD, 2>{static_cast<TD>(s0), static_cast<TD>(s1)};
+}
+}  // namespace matrix_detail
+
+template <class T, int R, int C>
+inline simdgroup_matrix<T, R, C> make_filled_simdgroup_matrix(T value) {
+  simdgroup_matrix<T, R, C> m;
+  m.elements = vec<T, 2>{value, value};
+  return m;
+}
+
+#define MSL_CUDA_MATRIX_AS(AS)                                                                        \
+  template <class T, class S>                                                                         \
+  inline void simdgroup_load(simdgroup_matrix<T, 8, 8>& d, const AS S* src, ulong elements_per_row = 8, \
+                             ulong2 matrix_origin = ulong2{0, 0}, bool transpose = false) {           \
+    uint32_t lane = __nvvm_read_ptx_sreg_laneid();                                                    \
+    int r = matrix_detail::lane_row(lane), c = matrix_detail::lane_col(lane);                         \
+    for (int e = 0; e < 2; ++e) {                                                                     \
+      ulong row = transpose ? ulong(c + e) : ulong(r), col = transpose ? ulong(r) : ulong(c + e);     \
+      d.elements[e] = static_cast<T>(src[(matrix_origin.y + row) * elements_per_row + matrix_origin.x + col]); \
+    }                                                                                                 \
+  }                                                                                                   \
+  template <class T, class S>                                                                         \
+  inline void simdgroup_store(simdgroup_matrix<T, 8, 8> m, AS S* dst, ulong elements_per_row = 8,     \
+                              ulong2 matrix_origin = ulong2{0, 0}, bool transpose = false) {          \
+    uint32_t lane = __nvvm_read_ptx_sreg_laneid();                                                    \
+    int r = matrix_detail::lane_row(lane), c = matrix_detail::lane_col(lane);                         \
+    for (int e = 0; e < 2; ++e) {                                                                     \
+      ulong row = transpose ? ulong(c + e) : ulong(r), col = transpose ? ulong(r) : ulong(c + e);     \
+      dst[(matrix_origin.y + row) * elements_per_row + matrix_origin.x + col] = static_cast<S>(m.elements[e]); \
+    }                                                                                                 \
+  }
+MSL_CUDA_MATRIX_AS(__attribute__((address_space(1))))
+MSL_CUDA_MATRIX_AS(__attribute__((address_space(3))))
+#undef MSL_CUDA_MATRIX_AS
+
+template <class TD, class TA, class TB, class TC>
+inline void simdgroup_multiply_accumulate_at(const char*, simdgroup_matrix<TD, 8, 8>& d,
+                                             const simdgroup_matrix<TA, 8, 8>& a,
+                                             const simdgroup_matrix<TB, 8, 8>& b,
+                                             const simdgroup_matrix<TC, 8, 8>& c) {
+  matrix_detail::mma(d, a, b, &c);
+}
+template <class TD, class TA, class TB>
+inline void simdgroup_multiply_at(const char*, simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
+                                  const simdgroup_matrix<TB, 8, 8>& b) {
+  matrix_detail::mma(d, a, b, static_cast<const simdgroup_matrix<TD, 8, 8>*>(nullptr));
+}
