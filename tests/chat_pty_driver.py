@@ -27,9 +27,9 @@ class SlowBackend:
     def new_state(self):
         return self.inner.new_state()
 
-    def forward(self, ids, state):
+    def forward(self, ids, state, *, last_only=False):
         time.sleep(self.delay_s)
-        return self.inner.forward(ids, state)
+        return self.inner.forward(ids, state, last_only=last_only)
 
 
 def main() -> int:

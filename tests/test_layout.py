@@ -75,7 +75,7 @@ LAYERS = [
     ("lily.server", "lily.bench", "lily.selftest", "lily.plan", "lily"),
     ("lily.model",),
     ("lily.tokenizer", "lily.chat", "lily.sampling", "lily.hub"),
-    ("lily.backends",),
+    ("lily.backends", "lily.cuda"),
     ("lily.reference", "lily.checkpoint", "lily.quant", "lily.config"),
     ("lily._ext",),
 ]

@@ -100,7 +100,7 @@ class _LilyGeneration:
 def served_name(model: Model) -> str:
     """The model id the server reports: ``lily:<name>`` for a bundled model (as ``lily serve
     lily:demo`` names it), else the checkpoint's folder name."""
-    from .hub import BUNDLED_MODELS, resolve
+    from ..hub import BUNDLED_MODELS, resolve
 
     if model.path is None:
         return "lily"

@@ -740,8 +740,8 @@ def serve(
 def _check_local_model(model: str, max_context: int | None) -> None:
     """Fail fast, in one line, on a local model that cannot be served (a repo id downloads later,
     in the background)."""
-    from . import hub
-    from .config import ModelArgs
+    from .. import hub
+    from ..config import ModelArgs
 
     if not (model.startswith(("lily:", "/", ".", "~")) or os.path.exists(model)):
         return
