@@ -118,7 +118,8 @@ def test_packing_switch_changes_only_the_schedule(checkpoints):
     np.testing.assert_allclose(unpacked, packed, rtol=0, atol=1e-5 * np.max(np.abs(packed)))
 
 
-@pytest.mark.parametrize("field,value", [("head_dim", 32), ("head_dim", 128), ("linear_key_head_dim", 32)])
+@pytest.mark.parametrize("field,value", [("head_dim", 32), ("head_dim", 128), ("linear_key_head_dim", 32),
+                                         ("linear_conv_kernel_dim", 3)])
 def test_head_dims_without_kernels_are_refused(tmp_path, field, value):
     config = {**_KV64, field: value}
     hf = save_hf_checkpoint(build_hf_model(config, randomize=False), tmp_path / "model", dtype="bfloat16")
