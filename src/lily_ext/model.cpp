@@ -62,6 +62,12 @@ void ModelConfig::check_kernel_shapes() const {
   if (any_attention) ops::check_attention_shapes(*this);  // head dims 256 and 64
   if (any_gdn) {
     ops::check_gated_delta_shapes(*this);  // key head dims 128 and 64
+    if (gdn_v_heads / gdn_k_heads > LILY_GDN_MAX_HEADS_PER_GROUP) {
+      bad_config("linear_num_value_heads", "the DeltaNet kernels are built for at most " +
+                                               std::to_string(LILY_GDN_MAX_HEADS_PER_GROUP) +
+                                               " value heads per key head; got " + std::to_string(gdn_v_heads) + " / " +
+                                               std::to_string(gdn_k_heads));
+    }
     if ((gdn_v_heads / gdn_k_heads) * gdn_v_dim > LILY_GDN_MAX_ROWS) {
       bad_config("linear_value_head_dim", "(Hv/Hk) x dv must be at most 256; got (" + std::to_string(gdn_v_heads) + "/" +
                                               std::to_string(gdn_k_heads) + ") x " + std::to_string(gdn_v_dim));

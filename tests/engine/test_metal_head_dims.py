@@ -127,6 +127,20 @@ def test_head_dims_without_kernels_are_refused(tmp_path, field, value):
         MetalBackend(load_checkpoint(hf, quantize=4), precision="float32")
 
 
+@pytest.mark.parametrize("fields,message", [
+    ({"linear_num_key_heads": 1, "linear_num_value_heads": 16, "linear_value_head_dim": 16},
+     "linear_num_value_heads: the DeltaNet kernels are built for at most 8 value heads per key head; got 16 / 1"),
+    ({"linear_num_key_heads": 1, "linear_num_value_heads": 8, "linear_value_head_dim": 64},
+     r"linear_value_head_dim: \(Hv/Hk\) x dv must be at most 256; got \(8/1\) x 64"),
+])
+def test_deltanet_groups_without_kernels_are_refused(tmp_path, fields, message):
+    hf = save_hf_checkpoint(build_hf_model({**_KV64, **fields}, randomize=False), tmp_path / "model", dtype="bfloat16")
+    checkpoint = load_checkpoint(hf, quantize=4)
+    ReferenceModel(checkpoint).forward(PROMPT[:2], ReferenceModel(checkpoint).new_state())  # the reference runs it
+    with pytest.raises(ValueError, match=message):
+        MetalBackend(checkpoint, precision="float32")
+
+
 @pytest.mark.parametrize("name", FALLBACK)
 def test_head_ratios_the_packing_cannot_split_run_greedy_as_the_reference(checkpoints, name):
     """Greedy tokens identical to the reference's over a prompt and 6 steps (float32 mode, the general kernels)."""
