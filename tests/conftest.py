@@ -138,7 +138,7 @@ HAS_FAKE_METAL = _ext is not None and hasattr(_ext._test_engine, "set_stage_orde
 HAS_METAL = _ext is not None and _ext.platform != "none"
 HARNESS_MODULES = ("kernels/", "harness/", "test_selftest.py", "engine/test_metallib.py")
 SKIP_REASONS = {
-    "harness": "needs the MSL CPU execution harness (lily._ext.msl): Linux builds with clang on x86-64 only",
+    "harness": "needs the MSL CPU execution harness (lily._ext.msl): Linux builds with clang-19 on x86-64 only",
     "fake_metal": "needs the fake Metal's controls (stage order, statistics): the Linux Metal test runtime only",
     "metal": "needs a Metal runtime: this lily._ext was built without one (Linux without clang-19 on x86-64)",
 }

@@ -26,7 +26,7 @@ def configure(tmp_path: Path, cxx: str) -> str:
 
     env = {**os.environ, "CXX": cxx}
     proc = subprocess.run(
-        ["cmake", "-S", str(ROOT), "-B", str(tmp_path / "build"), "-G", "Ninja",
+        ["cmake", "-S", str(ROOT), "-B", str(tmp_path / "build"),
          f"-DPython_EXECUTABLE={sys.executable}", f"-Dnanobind_DIR={nanobind.cmake_dir()}"],
         env=env, capture_output=True, text=True, timeout=300,
     )

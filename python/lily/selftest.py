@@ -520,7 +520,7 @@ def attention_split_case(kernel: str) -> Result:
     return compare(kernel, shape, to_f64(out, dtype), expected, dtype)
 
 
-@case(r"attention_prefill(_mma)?_(f32|f16|bf16)_d(256|64)")
+@case(r"attention_prefill(_mma)?_(unpacked_)?(f32|f16|bf16)_d(256|64)")
 def attention_prefill_case(kernel: str) -> Result:
     dtype, kv_heads, queries, offset = dtype_of(kernel), 2, 12, 21
     d, per_group, heads = _attn_layout(kernel)

@@ -29,10 +29,16 @@ void ModelConfig::validate() const {
   positive(num_layers(), "layer_types");
   positive(num_experts, "num_experts");
   positive(top_k, "num_experts_per_tok");
-  if (hidden_size % 64) bad_config("hidden_size", "must be a multiple of 64 (quantization group)");
-  if (num_experts > LILY_MOE_MAX_EXPERTS) bad_config("num_experts", "at most " + std::to_string(LILY_MOE_MAX_EXPERTS));
+  auto got = [](size_t v) { return "; got " + std::to_string(v); };
+  if (hidden_size % 64) bad_config("hidden_size", "must be a multiple of 64 (quantization group)" + got(hidden_size));
+  if (num_experts > LILY_MOE_MAX_EXPERTS) {
+    bad_config("num_experts", "at most " + std::to_string(LILY_MOE_MAX_EXPERTS) + got(num_experts));
+  }
   if (top_k > num_experts) bad_config("num_experts_per_tok", "at most num_experts");
-  if (expert_size % 64 || shared_expert_size % 64) bad_config("moe_intermediate_size", "must be multiples of 64");
+  if (expert_size % 64) bad_config("moe_intermediate_size", "must be a multiple of 64" + got(expert_size));
+  if (shared_expert_size % 64) {
+    bad_config("shared_expert_intermediate_size", "must be a multiple of 64" + got(shared_expert_size));
+  }
   if (gdn_k_heads == 0 || gdn_v_heads % gdn_k_heads) bad_config("linear_num_value_heads", "must be a multiple of linear_num_key_heads");
   if (num_kv_heads == 0 || num_heads % num_kv_heads) bad_config("num_attention_heads", "must be a multiple of num_key_value_heads");
 }
@@ -40,11 +46,22 @@ void ModelConfig::validate() const {
 void ModelConfig::check_kernel_shapes() const {
   bool any_attention = std::find(attention_layers.begin(), attention_layers.end(), true) != attention_layers.end();
   bool any_gdn = std::find(attention_layers.begin(), attention_layers.end(), false) != attention_layers.end();
-  if (any_attention) ops::check_attention_shapes(*this);  // head dims 256 and 64, the GQA packing
+  if (any_attention) ops::check_attention_shapes(*this);  // head dims 256 and 64
   if (any_gdn) {
     ops::check_gated_delta_shapes(*this);  // key head dims 128 and 64
-    if ((gdn_v_heads / gdn_k_heads) * gdn_v_dim > LILY_GDN_MAX_ROWS) bad_config("linear_value_head_dim", "(Hv/Hk) x dv must be at most 256");
-    if (conv_kernel != LILY_GDN_CONV_KERNEL) bad_config("linear_conv_kernel_dim", "must be 4");
+    if (gdn_v_heads / gdn_k_heads > LILY_GDN_MAX_HEADS_PER_GROUP) {
+      bad_config("linear_num_value_heads", "the DeltaNet kernels are built for at most " +
+                                               std::to_string(LILY_GDN_MAX_HEADS_PER_GROUP) +
+                                               " value heads per key head; got " + std::to_string(gdn_v_heads) + " / " +
+                                               std::to_string(gdn_k_heads));
+    }
+    if ((gdn_v_heads / gdn_k_heads) * gdn_v_dim > LILY_GDN_MAX_ROWS) {
+      bad_config("linear_value_head_dim", "(Hv/Hk) x dv must be at most 256; got (" + std::to_string(gdn_v_heads) + "/" +
+                                              std::to_string(gdn_k_heads) + ") x " + std::to_string(gdn_v_dim));
+    }
+    if (conv_kernel != LILY_GDN_CONV_KERNEL) {
+      bad_config("linear_conv_kernel_dim", "the DeltaNet kernels are built for 4; got " + std::to_string(conv_kernel));
+    }
   }
 }
 

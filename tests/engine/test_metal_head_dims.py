@@ -119,12 +119,27 @@ def test_packing_switch_changes_only_the_schedule(checkpoints):
     np.testing.assert_allclose(unpacked, packed, rtol=0, atol=1e-5 * np.max(np.abs(packed)))
 
 
-@pytest.mark.parametrize("field,value", [("head_dim", 32), ("head_dim", 128), ("linear_key_head_dim", 32)])
+@pytest.mark.parametrize("field,value", [("head_dim", 32), ("head_dim", 128), ("linear_key_head_dim", 32),
+                                         ("linear_conv_kernel_dim", 3)])
 def test_head_dims_without_kernels_are_refused(tmp_path, field, value):
     config = {**_KV64, field: value}
     hf = save_hf_checkpoint(build_hf_model(config, randomize=False), tmp_path / "model", dtype="bfloat16")
     with pytest.raises(ValueError, match=f"{field}: .*built for .*got {value}"):
         MetalBackend(load_checkpoint(hf, quantize=4), precision="float32")
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"linear_num_key_heads": 1, "linear_num_value_heads": 16, "linear_value_head_dim": 16},
+     "linear_num_value_heads: the DeltaNet kernels are built for at most 8 value heads per key head; got 16 / 1"),
+    ({"linear_num_key_heads": 1, "linear_num_value_heads": 8, "linear_value_head_dim": 64},
+     r"linear_value_head_dim: \(Hv/Hk\) x dv must be at most 256; got \(8/1\) x 64"),
+])
+def test_deltanet_groups_without_kernels_are_refused(tmp_path, fields, message):
+    hf = save_hf_checkpoint(build_hf_model({**_KV64, **fields}, randomize=False), tmp_path / "model", dtype="bfloat16")
+    checkpoint = load_checkpoint(hf, quantize=4)
+    ReferenceModel(checkpoint).forward(PROMPT[:2], ReferenceModel(checkpoint).new_state())  # the reference runs it
+    with pytest.raises(ValueError, match=message):
+        MetalBackend(checkpoint, precision="float32")
 
 
 @pytest.mark.parametrize("name", FALLBACK)
