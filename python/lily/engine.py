@@ -267,6 +267,27 @@ class MetalBackend:
         self._decoding = False  # a decode_tokens iterator is open (steps may be in flight)
         self._gpu_token = chosen.get("gpu_token", True)
 
+    @classmethod
+    def synthetic(cls, args: ModelArgs, *, precision: str = "bfloat16", max_context: int = DEFAULT_MAX_CONTEXT,
+                  switches: Mapping[str, Any] | None = None) -> "MetalBackend":
+        """A backend over synthetic weights laid out as ``lily plan`` does, in reserved memory never touched: for
+        host-cost runs only, where kernel execution is stubbed out (``lily bench --full-size --host-only``)."""
+        from lily import _ext
+
+        backend = cls.__new__(cls)
+        backend.args = args
+        backend.precision = precision
+        chosen = dict(switches or {})
+        backend._engine = _ext.Engine(engine_config(args), precision, chosen, max_context)
+        backend._engine.bind_synthetic_weights()
+        backend._engine.finish_loading()
+        backend._files = {}
+        backend._live = None
+        backend._decoded = None
+        backend._decoding = False
+        backend._gpu_token = chosen.get("gpu_token", True)
+        return backend
+
     # -- loading ------------------------------------------------------------------------------------
 
     def _file(self, path: Any) -> int:
@@ -456,6 +477,18 @@ class MetalBackend:
         out = np.empty(self.args.vocab_size, dtype=np.float32)
         self._engine.read_logits(out)
         return out
+
+    def host_timing(self, on: bool) -> dict[str, list[int]]:
+        """Turn per-step host timing on or off; returns the times (ns) of the steps submitted since the last call.
+
+        ``encode``: finding the built step, patching and encoding it with its Metal calls (before commit);
+        ``cpp``: the same encode into an encoder that makes no Metal call, the engine's own C++ (while timing is
+        on, each step is encoded both ways).
+        """
+        times = {"encode": list(self._engine.step_encode_ns), "cpp": list(self._engine.step_cpp_ns)}
+        self._engine.reset_host_timing()
+        self._engine.set_host_timing(on)
+        return times
 
     @property
     def host_read_bytes(self) -> int:

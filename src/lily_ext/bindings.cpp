@@ -344,7 +344,9 @@ NB_MODULE(_ext, m) {
            },
            nb::arg("out"))
       .def_prop_ro("host_read_bytes", &lily::Engine::host_read_bytes)
-      .def_prop_ro("step_host_ns", &lily::Engine::step_host_ns)
+      .def("set_host_timing", &lily::Engine::set_host_timing, nb::arg("on"))
+      .def_prop_ro("step_encode_ns", &lily::Engine::step_encode_ns)
+      .def_prop_ro("step_cpp_ns", &lily::Engine::step_cpp_ns)
       .def("reset_host_timing", &lily::Engine::reset_host_timing)
       .def_prop_ro("programs_built", &lily::Engine::programs_built)
       .def("bind_synthetic_weights", &lily::Engine::bind_synthetic_weights)

@@ -289,11 +289,14 @@ class Engine {
 
   // Bytes copied from engine buffers to the host so far: logits rows and token ids.
   uint64_t host_read_bytes() const { return host_read_bytes_; }
-  // Host time (ns) of each decode step submitted since the last reset (at most the first kHostTimingSteps): finding
-  // the built step, patching and encoding it, before commit.
+  // Host-cost runs: each decode step submitted is also encoded once into a dry Encoder (no Metal call), timed.
+  // step_encode_ns: finding the built step, patching and encoding it with its Metal calls, before commit;
+  // step_cpp_ns: the same without the Metal calls (the engine's own C++). At most kHostTimingSteps entries each.
   static constexpr size_t kHostTimingSteps = 1 << 16;
-  const std::vector<uint64_t>& step_host_ns() const { return step_host_ns_; }
-  void reset_host_timing() { step_host_ns_.clear(); }
+  void set_host_timing(bool on) { host_timing_ = on; }
+  const std::vector<uint64_t>& step_encode_ns() const { return step_encode_ns_; }
+  const std::vector<uint64_t>& step_cpp_ns() const { return step_cpp_ns_; }
+  void reset_host_timing() { step_encode_ns_.clear(), step_cpp_ns_.clear(); }
   // Decode programs built so far (a step is built once per shape, not once per token).
   size_t programs_built() const { return programs_built_; }
   // The last command buffer's graph.
@@ -331,7 +334,7 @@ class Engine {
   size_t split_blocks(size_t position) const;
   Program& program(int token_slot, const std::optional<TokenChoice>& choice);
   Program build_program(std::shared_ptr<const Graph> graph) const;
-  std::unique_ptr<Encoder> encode_program(Program& program, long dropped_barrier);
+  std::unique_ptr<Encoder> encode_program(Program& program, long dropped_barrier, bool dry = false);
   // Nodes [begin, end) of `graph` into a new Encoder; `starts` are the graph's stage starts (manual barriers).
   std::unique_ptr<Encoder> encode_nodes(const Graph& graph, const std::vector<bool>& starts, size_t begin,
                                               size_t end, long dropped_barrier);
@@ -369,7 +372,8 @@ class Engine {
   TokenChoice choice_{};
   int next_slot_ = 0;  // the token slot the next decode step reads
   uint64_t host_read_bytes_ = 0;
-  std::vector<uint64_t> step_host_ns_;
+  bool host_timing_ = false;
+  std::vector<uint64_t> step_encode_ns_, step_cpp_ns_;
   std::shared_ptr<const Graph> last_graph_ = std::make_shared<const Graph>();
 };
 
