@@ -279,6 +279,15 @@ NB_MODULE(_ext, m) {
   m.def("plan_decode", &plan_decode, nb::arg("config"), nb::arg("context"), nb::arg("precision") = "bfloat16",
         nb::arg("switches") = nb::dict(), nb::arg("with_graph") = false,
         "Build (not run) the decode graph of a config; counts and minimum bytes per token.");
+  m.def(
+      "graph_kernels",
+      [](const nb::dict& config, const std::string& precision, const nb::dict& switches, int bits, bool f32_scales,
+         const std::vector<size_t>& prefill_rows) {
+        return lily::graph_kernels(config_from_dict(config), precision_from(precision), switches_from_dict(switches),
+                                   bits, f32_scales ? lily::DType::F32 : lily::DType::BF16, prefill_rows);
+      },
+      nb::arg("config"), nb::arg("precision"), nb::arg("switches"), nb::arg("bits"), nb::arg("f32_scales"),
+      nb::arg("prefill_rows"), "The kernels the engine's decode and prefill graphs dispatch for this configuration.");
   nb::class_<lily::Engine>(m, "Engine")
       .def("__init__",
            [](lily::Engine* e, const nb::dict& config, const std::string& precision, const nb::dict& switches,

@@ -209,6 +209,13 @@ void build_prefill_chunk(const ModelConfig& config, Precision precision, const S
                          const WeightTable& weights, const DecodeBuffers& state, const PrefillBuffers& p,
                          size_t position, size_t tokens, size_t logit_rows, Graph& graph);
 
+// The kernels the decode steps (greedy and sampled, first position and `max(prefill_rows)`) and the prefill chunks of
+// `prefill_rows` tokens dispatch for this configuration, with every quantized weight at `bits` (0: as MLX stores the
+// model, 8-bit routers and 4-bit others) and scales and biases in `scale_dtype` (graph_kernels.cpp; the registry
+// test's engine paths).
+std::vector<std::string> graph_kernels(const ModelConfig& config, Precision precision, const Switches& switches,
+                                       int bits, DType scale_dtype, const std::vector<size_t>& prefill_rows);
+
 // The shared expert's static routing for `tokens` rows: (pairs, ones, tile map, tile count) as the host writes them.
 struct SharedExpertRouting {
   std::vector<uint32_t> pairs, tile_map;
