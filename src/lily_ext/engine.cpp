@@ -126,9 +126,14 @@ int Engine::add_reserved(size_t length) {
 void Engine::bind_synthetic_weights() {
   Graph layout;
   WeightTable table = synthetic_weights(config_, layout);
-  const int id = add_reserved(layout.buffers.at(0).length);
+  // Twice the layout: float32 mode reads the bf16 tensors as f32 (twice the bytes; nothing is ever read).
+  const int id = add_reserved(2 * layout.buffers.at(0).length);
   for (auto& [name, ref] : table) {
     for (Span* span : {&ref.data, &ref.scales, &ref.biases}) span->buffer = id;
+    if (!ref.bits && ref.dtype == DType::BF16 && precision_ == Precision::Float32) {
+      ref.dtype = DType::F32;
+      ref.data.length *= 2;
+    }
     bind_weight(name, ref);
   }
 }

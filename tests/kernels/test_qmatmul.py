@@ -513,7 +513,7 @@ SEGMENT_LAYOUTS = [([1], 64), ([32], 64), ([33, 31], 64), ([31, 32, 33, 1], 64),
 @pytest.mark.parametrize("rows,k", SEGMENT_LAYOUTS, ids=[f"{'-'.join(map(str, r))}-k{k}" for r, k in SEGMENT_LAYOUTS])
 @pytest.mark.parametrize("norm", [False, True])
 def test_qmv_segments_boundaries(rows: list[int], k: int, norm: bool, kio) -> None:
-    key = (norm, 4, "bf16", "bf16", "f32")  # the router | shared-gate variant in bf16 mode
+    key = (norm, 8, "bf16", "bf16", "f32")  # the router | shared-gate variant in bf16 mode (8-bit routers)
     rng = np.random.default_rng([sum(rows), len(rows), k, norm, 67])
     check_qmv_segments(key, rows, k, 1, rng, kio)
 
