@@ -95,6 +95,8 @@ class Device {
   explicit Device(const MetallibFile& metallib);
 
   std::string name() const;
+  // Metal 4 tensor ops (the qmm_nax GEMMs): GPU family Apple10 (M5-class). Unverified: no such Mac has run it.
+  bool supports_tensor_ops() const;
   void* handle() const { return device_.get(); }
   void* queue() const { return queue_.get(); }
 

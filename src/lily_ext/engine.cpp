@@ -83,6 +83,7 @@ Engine::Engine(const ModelConfig& config, Precision precision, const Switches& s
   config_.check_kernel_shapes();
   if (max_context_ == 0) throw mtl::Error("[engine] max_context must be positive");
   device_ = metallib ? std::make_unique<Device>(*metallib) : std::make_unique<Device>(kernel_source);
+  switches_.tensor_ops = switches_.tensor_ops && device_->supports_tensor_ops();
 }
 
 Engine::~Engine() {

@@ -3,7 +3,7 @@
 Host names are read from metal/*.metal (`[[host_name("...")]]` and `LILY_INSTANTIATE_KERNEL("...", ...)`) and must
 equal `lily._ext.msl.kernel_names()`. A name has an engine path when a graph the engine builds dispatches it
 (`lily._ext.graph_kernels`: decode steps and prefill chunks over the model's shapes, both precisions, 4/8-bit
-weights, bf16/f32 scales and every switch). A name is tested when the harness ran it during the test session
+weights, bf16/f32 scales and every switch; graphs are built as on a GPU with tensor ops unless TENSOR_OPS is off). A name is tested when the harness ran it during the test session
 (`msl.executions()`); that check runs last in the session, or runs the kernel tests in a subprocess when the
 session did not collect them.
 """
@@ -27,9 +27,6 @@ from lily.engine import FULL_SIZE_CONFIG, SWITCHES, engine_config
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTANTIATION = re.compile(r'\[\[\s*host_name\s*\(\s*"([^"]+)"\s*\)\s*\]\]|LILY_INSTANTIATE_KERNEL\s*\(\s*"([^"]+)"')
-# Kernels the engine dispatches only on hardware this graph enumeration does not model: the Metal 4 tensor-op GEMMs
-# (qmm_nax, M5-class GPUs) wait for a device check and an engine path (issue 12, item 5: not done).
-NO_ENGINE_PATH_YET = {"qmm_nax_q4_g64_bf16", "qmm_nax_q8_g64_bf16"}
 # Prefill chunk sizes around the GEMV/GEMM, 16/32-row tile, matrix-unit attention and MoE tile thresholds.
 PREFILL_ROWS = [2, 8, 16, 17, 33, 64, 300]
 
@@ -87,9 +84,8 @@ def test_every_kernel_has_an_engine_path() -> None:
     dispatched = engine_kernels()
     registered = set(msl.kernel_names())
     assert dispatched <= registered, f"graphs name unregistered kernels: {sorted(dispatched - registered)}"
-    missing = registered - dispatched - NO_ENGINE_PATH_YET
+    missing = registered - dispatched
     assert not missing, f"instantiated but dispatched by no engine path (remove them or give them one): {sorted(missing)}"
-    assert NO_ENGINE_PATH_YET <= registered and not NO_ENGINE_PATH_YET & dispatched, "update NO_ENGINE_PATH_YET"
 
 
 def kernel_test_coverage() -> tuple[list[str], list[str]]:
