@@ -259,13 +259,10 @@ template <typename T, uint D>
 // Model (head dim 256, GQA group 8): 4 heads per threadgroup.
 LILY_INSTANTIATE_KERNEL("attention_decode_f32_d256", attention_decode, float, float, 256, 4, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_bf16_d256", attention_decode, bfloat, bfloat, 256, 4, true)
-LILY_INSTANTIATE_KERNEL("attention_decode_f16_d256", attention_decode, half, bfloat, 256, 4, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_f32_d256", attention_decode_partial, float, float, 256, 4, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_bf16_d256", attention_decode_partial, bfloat, bfloat, 256, 4, true)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_f16_d256", attention_decode_partial, half, bfloat, 256, 4, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_f32_d256", attention_decode_combine, float, 256)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_bf16_d256", attention_decode_combine, bfloat, 256)
-LILY_INSTANTIATE_KERNEL("attention_decode_combine_f16_d256", attention_decode_combine, half, 256)
 // Demo model and tiny fixtures (head dim 64, GQA group 2 or 4): 2 heads per threadgroup, float32 and bf16 modes.
 LILY_INSTANTIATE_KERNEL("attention_decode_f32_d64", attention_decode, float, float, 64, 2, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_bf16_d64", attention_decode, bfloat, bfloat, 64, 2, true)

@@ -265,10 +265,8 @@ template <typename T, typename C, uint D, uint G>
 // Model (head dim 256, GQA group 8): 4 heads per threadgroup.
 LILY_INSTANTIATE_KERNEL("attention_prefill_f32_d256", attention_prefill, float, float, 256, 4)
 LILY_INSTANTIATE_KERNEL("attention_prefill_bf16_d256", attention_prefill, bfloat, bfloat, 256, 4)
-LILY_INSTANTIATE_KERNEL("attention_prefill_f16_d256", attention_prefill, half, bfloat, 256, 4)
 LILY_INSTANTIATE_KERNEL("attention_prefill_mma_f32_d256", attention_prefill_mma, float, float, 256, 4)
 LILY_INSTANTIATE_KERNEL("attention_prefill_mma_bf16_d256", attention_prefill_mma, bfloat, bfloat, 256, 4)
-LILY_INSTANTIATE_KERNEL("attention_prefill_mma_f16_d256", attention_prefill_mma, half, bfloat, 256, 4)
 // Demo model and tiny fixtures (head dim 64, GQA group 2 or 4): 2 heads per threadgroup, float32 and bf16 modes.
 LILY_INSTANTIATE_KERNEL("attention_prefill_f32_d64", attention_prefill, float, float, 64, 2)
 LILY_INSTANTIATE_KERNEL("attention_prefill_bf16_d64", attention_prefill, bfloat, bfloat, 64, 2)

@@ -121,7 +121,6 @@ template <typename T, typename C, uint D>
 
 LILY_INSTANTIATE_KERNEL("attention_prep_f32_d256", attention_prep, float, float, 256)
 LILY_INSTANTIATE_KERNEL("attention_prep_bf16_d256", attention_prep, bfloat, bfloat, 256)
-LILY_INSTANTIATE_KERNEL("attention_prep_f16_d256", attention_prep, half, bfloat, 256)
 // Demo model and tiny fixtures (head dim 64): float32 and bf16 modes.
 LILY_INSTANTIATE_KERNEL("attention_prep_f32_d64", attention_prep, float, float, 64)
 LILY_INSTANTIATE_KERNEL("attention_prep_bf16_d64", attention_prep, bfloat, bfloat, 64)

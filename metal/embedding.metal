@@ -49,14 +49,10 @@ template <typename T, typename S, int Bits>
 }
 
 LILY_INSTANTIATE_KERNEL("embedding_gather_q4_g64_f32", embedding_gather, float, bfloat, 4)
-LILY_INSTANTIATE_KERNEL("embedding_gather_q4_g64_f16", embedding_gather, half, bfloat, 4)
 LILY_INSTANTIATE_KERNEL("embedding_gather_q4_g64_bf16", embedding_gather, bfloat, bfloat, 4)
 LILY_INSTANTIATE_KERNEL("embedding_gather_q4_g64_f32_sf32", embedding_gather, float, float, 4)
-LILY_INSTANTIATE_KERNEL("embedding_gather_q4_g64_f16_sf32", embedding_gather, half, float, 4)
 LILY_INSTANTIATE_KERNEL("embedding_gather_q4_g64_bf16_sf32", embedding_gather, bfloat, float, 4)
 LILY_INSTANTIATE_KERNEL("embedding_gather_q8_g64_f32", embedding_gather, float, bfloat, 8)
-LILY_INSTANTIATE_KERNEL("embedding_gather_q8_g64_f16", embedding_gather, half, bfloat, 8)
 LILY_INSTANTIATE_KERNEL("embedding_gather_q8_g64_bf16", embedding_gather, bfloat, bfloat, 8)
 LILY_INSTANTIATE_KERNEL("embedding_gather_q8_g64_f32_sf32", embedding_gather, float, float, 8)
-LILY_INSTANTIATE_KERNEL("embedding_gather_q8_g64_f16_sf32", embedding_gather, half, float, 8)
 LILY_INSTANTIATE_KERNEL("embedding_gather_q8_g64_bf16_sf32", embedding_gather, bfloat, float, 8)

@@ -118,7 +118,6 @@ template <typename T, uint Dk>
 }
 
 LILY_INSTANTIATE_KERNEL("gated_delta_step_f32_dk128", gated_delta_step, float, 128)
-LILY_INSTANTIATE_KERNEL("gated_delta_step_f16_dk128", gated_delta_step, half, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_step_bf16_dk128", gated_delta_step, bfloat, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_step_f32_dk64", gated_delta_step, float, 64)
 LILY_INSTANTIATE_KERNEL("gated_delta_step_bf16_dk64", gated_delta_step, bfloat, 64)

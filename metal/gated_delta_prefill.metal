@@ -141,10 +141,8 @@ template <typename T, uint Dk, uint Block>
 }
 
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_f32_dk128", gated_delta_conv, float, 128)
-LILY_INSTANTIATE_KERNEL("gated_delta_conv_f16_dk128", gated_delta_conv, half, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_bf16_dk128", gated_delta_conv, bfloat, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f32_dk128", gated_delta_prefill, float, 128, 0)
-LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f16_dk128", gated_delta_prefill, half, 128, 0)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_bf16_dk128", gated_delta_prefill, bfloat, 128, 0)
 // Demo model and tiny fixtures (Dk = 64: two state elements per lane), float32 and bf16 modes.
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_f32_dk64", gated_delta_conv, float, 64)

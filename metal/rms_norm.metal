@@ -86,8 +86,6 @@ template <typename T>
 }
 
 LILY_INSTANTIATE_KERNEL("rms_norm_f32", rms_norm, float)
-LILY_INSTANTIATE_KERNEL("rms_norm_f16", rms_norm, half)
 LILY_INSTANTIATE_KERNEL("rms_norm_bf16", rms_norm, bfloat)
 LILY_INSTANTIATE_KERNEL("rms_norm_residual_f32", rms_norm_residual, float)
-LILY_INSTANTIATE_KERNEL("rms_norm_residual_f16", rms_norm_residual, half)
 LILY_INSTANTIATE_KERNEL("rms_norm_residual_bf16", rms_norm_residual, bfloat)

@@ -485,9 +485,7 @@ template <typename T>
 }
 
 LILY_INSTANTIATE_KERNEL("argmax_partial_f32", argmax_partial, float)
-LILY_INSTANTIATE_KERNEL("argmax_partial_f16", argmax_partial, half)
 LILY_INSTANTIATE_KERNEL("argmax_partial_bf16", argmax_partial, bfloat)
 LILY_INSTANTIATE_KERNEL("argmax_final_f32", argmax_final, float)
 LILY_INSTANTIATE_KERNEL("sample_f32", sample, float)
-LILY_INSTANTIATE_KERNEL("sample_f16", sample, half)
 LILY_INSTANTIATE_KERNEL("sample_bf16", sample, bfloat)

@@ -71,7 +71,7 @@ def test_families_with_cases_pass() -> None:
     rows = rows_of(proc)
     assert proc.returncode == 0, [r for r in rows if not r["passed"]]
     assert {r["kernel"] for r in rows} >= {"gated_delta_step_bf16_dk128", "sample_f32", "argmax_final_f32",
-                                          "rms_norm_f16"}
+                                          "rms_norm_bf16"}
     assert all(r["passed"] and r["error"] is not None and math.isfinite(r["error"]) for r in rows)
 
 

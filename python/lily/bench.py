@@ -4,6 +4,10 @@ Tests are named ``pp<N>`` (prefill N tokens), ``tg<N>`` (generate N tokens) and,
 depth D (D tokens already in the sequence), ``pp<N> @ d<D>``. Prompts are random token ids from
 a fixed seed; end tokens do not stop generation; tokenization and detokenization are not timed.
 Each test runs ``repetitions`` times after one warm-up; rows report mean ± sample sd of t/s.
+
+``host_cost`` (``lily bench --full-size --host-only``) measures the host's own cost per decode token on the
+full-size graph with the kernels stubbed out (Linux test runtime): the Python iterator of ``Session.decode``, the
+engine's encode and the command-buffer bookkeeping, against the budget of a token at 275 tok/s.
 """
 
 from __future__ import annotations
@@ -213,3 +217,68 @@ def format_markdown(rows: Sequence[BenchRow], info: dict[str, Any]) -> str:
 def format_json(rows: Sequence[BenchRow], info: dict[str, Any]) -> str:
     """A JSON list with one object per test (llama-bench ``-o json`` keys)."""
     return json.dumps([{**info, **row.as_dict()} for row in rows], indent=2)
+
+
+# A token at the target of 275 tok/s (performance.md) has 3.6 ms in all; the host's share must stay far below.
+HOST_BUDGET_US = {"host_us_per_token": 100.0, "cpp_us_per_token": 30.0}
+
+
+def host_cost(*, tokens: int = 256, precision: str = "bfloat16", warmup: int = 16) -> dict[str, Any]:
+    """Host microseconds per decode token of the full-size model, kernels stubbed out (median over ``tokens``).
+
+    The decode runs through ``Session.decode`` (greedy, the GPU token path) on a metal backend over synthetic
+    weights, with the fake Metal recording every dispatch but running none. ``host_us_per_token``: time between
+    two tokens of the iterator, all host work included (also a second, timing-only encode of each step);
+    ``cpp_us_per_token``: the engine's own C++ (finding the built step, patching and encoding it into an encoder
+    that makes no Metal call); ``encode_us_per_token``: the same encode with its Metal calls, which here go to the
+    toy Objective-C runtime and fake Metal. Needs the Linux test runtime (on a Mac, kernels cannot be stubbed).
+    """
+    from lily import _ext
+    from lily.engine import MetalBackend, full_size_args
+
+    if tokens < 1 or warmup < 0:
+        raise ValueError(f"tokens must be >= 1 and warmup >= 0; got {tokens}, {warmup}")
+    if getattr(_ext, "platform", "") == "metal":
+        raise ValueError("--host-only needs the Linux test runtime (kernels are stubbed in its fake Metal); on a "
+                         "Mac, run lily bench on a real checkpoint")
+    args = full_size_args()
+    stubs = _ext._test_engine
+    stubs.set_kernel_execution(False)
+    try:
+        backend = MetalBackend.synthetic(args, precision=precision, max_context=warmup + tokens + 8)
+        model = Model(backend, args, None, backend_name="metal", fingerprint="synthetic")
+        session = model.prefill([0], use_cache=False)
+        stamps = []
+        backend.host_timing(True)
+        for _ in session.decode(max_tokens=warmup + tokens + 1, temperature=0.0, stop_token_ids=()):
+            stamps.append(time.perf_counter_ns())
+        steps = backend.host_timing(False)
+        dispatches = backend.last_step_counts()["dispatches"]
+    finally:
+        stubs.set_kernel_execution(True)
+    between = np.diff(np.asarray(stamps[warmup:], dtype=np.float64))
+    median_us = {key: float(np.median(np.asarray(ns[warmup + 1:], dtype=np.float64)) / 1e3)
+                 for key, ns in steps.items()}
+    return {
+        "model": "Qwen3.6-35B-A3B (synthetic weights, kernels stubbed)",
+        "precision": precision,
+        "tokens": int(between.size),
+        "dispatches_per_token": int(dispatches),
+        "host_us_per_token": float(np.median(between) / 1e3),
+        "cpp_us_per_token": median_us["cpp"],
+        "encode_us_per_token": median_us["encode"],
+        "budget_us": HOST_BUDGET_US,
+        "system": system_info(),
+    }
+
+
+def format_host_cost(result: dict[str, Any]) -> str:
+    """The host-cost figures next to their budgets, one per line."""
+    lines = [f"host cost per decode token, {result['model']}, {result['precision']}, median of "
+             f"{result['tokens']} tokens, {result['dispatches_per_token']} dispatches per token"]
+    for key, label in (("host_us_per_token", "all host work (Python iterator + engine + command buffers)"),
+                       ("cpp_us_per_token", "engine C++ (find the built step, patch, encode; no Metal calls)")):
+        lines.append(f"  {label}: {result[key]:.1f} us (budget {result['budget_us'][key]:.0f} us)")
+    lines.append(f"  encode with its Metal calls (here: the Linux test runtime's): {result['encode_us_per_token']:.1f} us")
+    lines.append(result["system"])
+    return "\n".join(lines)

@@ -7,6 +7,7 @@ line (``lily: error: ...``) and exit with status 1; Ctrl-C exits with 130.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -233,6 +234,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """llama-bench style throughput table (or JSON)."""
     from lily import bench
 
+    if args.host_only:
+        if not args.full_size:
+            raise ValueError("--host-only runs the full-size graph with synthetic weights: add --full-size")
+        result = bench.host_cost(precision=args.precision or "bfloat16")
+        print(json.dumps(result, indent=2) if args.output == "json" else bench.format_host_cost(result))
+        return 0
     model = _load(args)
     rows = bench.run_bench(model, prompts=args.p, gens=args.n, depths=args.d, repetitions=args.r,
                            progress=lambda name: print(f"running {name} ...", file=sys.stderr, flush=True))
@@ -312,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-r", "--repetitions", dest="r", type=int, default=5, help="repetitions (default 5)")
     p.add_argument("-o", "--output", choices=("md", "json"), default="md", help="output format (default md)")
     p.add_argument("--json", dest="output", action="store_const", const="json", help="same as -o json")
+    p.add_argument("--full-size", action="store_true", help="with --host-only: Qwen3.6-35B-A3B's graph, synthetic "
+                   "weights")
+    p.add_argument("--host-only", action="store_true", help="host cost per decode token with kernels stubbed out "
+                   "(Linux test runtime): host_us_per_token, cpp_us_per_token")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("download", help="download a model repository (with progress bars)")

@@ -282,7 +282,8 @@ class Session:
 
     def snapshot(self) -> Snapshot:
         """A frozen copy of this session (pending tokens are run through the model first)."""
-        self._ensure_logits()
+        if self._pending or self._logits_on_device:
+            self._ensure_logits()
         return self._snapshot_processed()
 
     def restore(self, snapshot: Snapshot) -> None:

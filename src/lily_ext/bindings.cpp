@@ -69,6 +69,7 @@ lily::Switches switches_from_dict(const nb::dict& d) {
     else if (name == "register_scan") s.register_scan = nb::cast<bool>(value);
     else if (name == "in_gemm_dequant") s.in_gemm_dequant = nb::cast<bool>(value);
     else if (name == "coalesced_kv") s.coalesced_kv = nb::cast<bool>(value);
+    else if (name == "tensor_ops") s.tensor_ops = nb::cast<bool>(value);
     else throw nb::value_error(("unknown engine switch '" + name + "'").c_str());
   }
   return s;
@@ -304,6 +305,15 @@ NB_MODULE(_ext, m) {
         "Build (not run) the decode graph of a config; counts and minimum bytes per token.");
   m.def("fast_paths_left_out", [](const nb::dict& config) { return lily::fast_paths_left_out(config_from_dict(config)); },
         nb::arg("config"), "The fast paths the config's shape does not fit, one line each (the engine runs general kernels).");
+  m.def(
+      "graph_kernels",
+      [](const nb::dict& config, const std::string& precision, const nb::dict& switches, int bits, bool f32_scales,
+         const std::vector<size_t>& prefill_rows) {
+        return lily::graph_kernels(config_from_dict(config), precision_from(precision), switches_from_dict(switches),
+                                   bits, f32_scales ? lily::DType::F32 : lily::DType::BF16, prefill_rows);
+      },
+      nb::arg("config"), nb::arg("precision"), nb::arg("switches"), nb::arg("bits"), nb::arg("f32_scales"),
+      nb::arg("prefill_rows"), "The kernels the engine's decode and prefill graphs dispatch for this configuration.");
   nb::class_<lily::Engine>(m, "Engine")
       .def("__init__",
            [](lily::Engine* e, const nb::dict& config, const std::string& precision, const nb::dict& switches,
@@ -370,7 +380,9 @@ NB_MODULE(_ext, m) {
            },
            nb::arg("out"))
       .def_prop_ro("host_read_bytes", &lily::Engine::host_read_bytes)
-      .def_prop_ro("step_host_ns", &lily::Engine::step_host_ns)
+      .def("set_host_timing", &lily::Engine::set_host_timing, nb::arg("on"))
+      .def_prop_ro("step_encode_ns", &lily::Engine::step_encode_ns)
+      .def_prop_ro("step_cpp_ns", &lily::Engine::step_cpp_ns)
       .def("reset_host_timing", &lily::Engine::reset_host_timing)
       .def_prop_ro("programs_built", &lily::Engine::programs_built)
       .def("bind_synthetic_weights", &lily::Engine::bind_synthetic_weights)

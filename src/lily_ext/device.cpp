@@ -140,6 +140,11 @@ Device::Device(const MetallibFile& metallib)
 
 std::string Device::name() const { return mtl::device_name(device_.get()); }
 
+bool Device::supports_tensor_ops() const {
+  constexpr mtl::NSUInteger kGpuFamilyApple10 = 1010;  // MTLGPUFamilyApple10
+  return mtl::supports_family(device_.get(), kGpuFamilyApple10);
+}
+
 namespace {
 
 // The bytes Metal reads for a constant of `type` (setConstantValue:type:atIndex: takes a pointer).

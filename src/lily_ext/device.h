@@ -118,6 +118,8 @@ class Device {
 
   std::string name() const;
   const std::vector<LibraryFailure>& library_failures() const { return failures_; }
+  // Metal 4 tensor ops (the qmm_nax GEMMs): GPU family Apple10 (M5-class). Unverified: no such Mac has run it.
+  bool supports_tensor_ops() const;
   void* handle() const { return device_.get(); }
   void* queue() const { return queue_.get(); }
 

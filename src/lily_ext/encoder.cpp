@@ -37,6 +37,8 @@ void Argument::patch_u32(size_t offset, uint32_t value) {
 Encoder::Encoder(Device& device, BarrierPolicy policy)
     : policy_(policy), command_buffer_(mtl::new_command_buffer(device.queue())) {}
 
+Encoder::Encoder(Device&, BarrierPolicy policy, Dry) : policy_(policy), dry_(true) {}
+
 Encoder::~Encoder() {
   // Metal asserts when an encoder is released while still encoding.
   if (encoder_) mtl::end_encoding(encoder_.get());
@@ -164,18 +166,20 @@ void Encoder::dispatch_planned(const Pipeline& pipeline, bool same_pipeline, con
                                const std::vector<bool>& rebind, mtl::Size threadgroups,
                                mtl::Size threads_per_threadgroup) {
   require_not_committed("dispatch");
-  void* encoder = open_encoder();
-  if (!same_pipeline) mtl::set_pipeline(encoder, pipeline.handle());
-  for (size_t index = 0; index < arguments.size(); ++index) {
-    if (!rebind[index]) continue;
-    const Argument& argument = arguments[index];
-    if (argument.buffer_ptr() != nullptr) {
-      mtl::set_buffer(encoder, argument.buffer_ptr()->handle(), argument.offset(), index);
-    } else {
-      mtl::set_bytes(encoder, argument.data().data(), argument.data().size(), index);
+  if (!dry_) {
+    void* encoder = open_encoder();
+    if (!same_pipeline) mtl::set_pipeline(encoder, pipeline.handle());
+    for (size_t index = 0; index < arguments.size(); ++index) {
+      if (!rebind[index]) continue;
+      const Argument& argument = arguments[index];
+      if (argument.buffer_ptr() != nullptr) {
+        mtl::set_buffer(encoder, argument.buffer_ptr()->handle(), argument.offset(), index);
+      } else {
+        mtl::set_bytes(encoder, argument.data().data(), argument.data().size(), index);
+      }
     }
+    mtl::dispatch_threadgroups(encoder, threadgroups, threads_per_threadgroup);
   }
-  mtl::dispatch_threadgroups(encoder, threadgroups, threads_per_threadgroup);
   if (!stage_has_dispatches_ || policy_ == BarrierPolicy::Serial) ++counters_.stages;
   stage_has_dispatches_ = true;
   ++counters_.dispatches;
@@ -209,6 +213,7 @@ void Encoder::add_completed_handler(std::function<void(const std::string&)> hand
 
 void Encoder::commit() {
   require_not_committed("commit");
+  if (dry_) throw Error("[encoder] a dry encoder cannot be committed");
   mtl::AutoreleasePool pool;
   close_encoder();
   committed_ = true;

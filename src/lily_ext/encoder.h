@@ -64,6 +64,10 @@ struct EncoderCounters {
 class Encoder {
  public:
   explicit Encoder(Device& device, BarrierPolicy policy = BarrierPolicy::Automatic);
+  // An encoder that makes no Metal call: dispatch_planned and barrier do only the encoder's own bookkeeping, and it
+  // cannot be committed. Host-cost runs encode a step once this way to time the engine's C++ without Metal's share.
+  struct Dry {};
+  Encoder(Device& device, BarrierPolicy policy, Dry);
   ~Encoder();
   Encoder(const Encoder&) = delete;
   Encoder& operator=(const Encoder&) = delete;
@@ -112,6 +116,7 @@ class Encoder {
   void issue_barrier();
 
   BarrierPolicy policy_;
+  bool dry_ = false;
   mtl::Object command_buffer_;
   mtl::Object encoder_;
   bool committed_ = false;

@@ -202,6 +202,8 @@ void bind_test_engine(nb::module_ m) {
     return d;
   });
   m.def("reset_fake_stats", &fake_metal::reset_stats);
+  m.def("set_tensor_ops", &fake_metal::set_tensor_ops, "supported"_a,
+        "Whether the fake device reports the Metal 4 tensor-op family (qmm_nax in prefill GEMMs).");
   m.def("set_kernel_execution", &fake_metal::set_kernel_execution, "execute"_a,
         "False: dispatches are counted, their kernels not run (host-cost measurement).");
   m.def("live_objects", &objc_toy::live_objects, "Toy Objective-C objects alive now.");

@@ -52,6 +52,7 @@ struct Switches {
   bool register_scan = true;       // REGISTER_SCAN: off = the prefill DeltaNet state round-trips memory per block
   bool in_gemm_dequant = true;     // IN_GEMM_DEQUANT: off = prefill qmm as a dequantize pass + a dense GEMM
   bool coalesced_kv = true;        // COALESCED_KV: off = decode attention reads K/V rows with the plain lane mapping
+  bool tensor_ops = true;          // TENSOR_OPS: prefill GEMMs on Metal 4 tensor ops (qmm_nax) where the GPU has them
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
   size_t kv_growth_block() const;
@@ -209,6 +210,13 @@ void build_prefill_chunk(const ModelConfig& config, Precision precision, const S
                          const WeightTable& weights, const DecodeBuffers& state, const PrefillBuffers& p,
                          size_t position, size_t tokens, size_t logit_rows, Graph& graph);
 
+// The kernels the decode steps (greedy and sampled, first position and `max(prefill_rows)`) and the prefill chunks of
+// `prefill_rows` tokens dispatch for this configuration, with every quantized weight at `bits` (0: as MLX stores the
+// model, 8-bit routers and 4-bit others) and scales and biases in `scale_dtype` (graph_kernels.cpp; the registry
+// test's engine paths).
+std::vector<std::string> graph_kernels(const ModelConfig& config, Precision precision, const Switches& switches,
+                                       int bits, DType scale_dtype, const std::vector<size_t>& prefill_rows);
+
 // The shared expert's static routing for `tokens` rows: (pairs, ones, tile map, tile count) as the host writes them.
 struct SharedExpertRouting {
   std::vector<uint32_t> pairs, tile_map;
@@ -290,11 +298,14 @@ class Engine {
 
   // Bytes copied from engine buffers to the host so far: logits rows and token ids.
   uint64_t host_read_bytes() const { return host_read_bytes_; }
-  // Host time (ns) of each decode step submitted since the last reset (at most the first kHostTimingSteps): finding
-  // the built step, patching and encoding it, before commit.
+  // Host-cost runs: each decode step submitted is also encoded once into a dry Encoder (no Metal call), timed.
+  // step_encode_ns: finding the built step, patching and encoding it with its Metal calls, before commit;
+  // step_cpp_ns: the same without the Metal calls (the engine's own C++). At most kHostTimingSteps entries each.
   static constexpr size_t kHostTimingSteps = 1 << 16;
-  const std::vector<uint64_t>& step_host_ns() const { return step_host_ns_; }
-  void reset_host_timing() { step_host_ns_.clear(); }
+  void set_host_timing(bool on) { host_timing_ = on; }
+  const std::vector<uint64_t>& step_encode_ns() const { return step_encode_ns_; }
+  const std::vector<uint64_t>& step_cpp_ns() const { return step_cpp_ns_; }
+  void reset_host_timing() { step_encode_ns_.clear(), step_cpp_ns_.clear(); }
   // Decode programs built so far (a step is built once per shape, not once per token).
   size_t programs_built() const { return programs_built_; }
   // The last command buffer's graph.
@@ -332,7 +343,7 @@ class Engine {
   size_t split_blocks(size_t position) const;
   Program& program(int token_slot, const std::optional<TokenChoice>& choice);
   Program build_program(std::shared_ptr<const Graph> graph) const;
-  std::unique_ptr<Encoder> encode_program(Program& program, long dropped_barrier);
+  std::unique_ptr<Encoder> encode_program(Program& program, long dropped_barrier, bool dry = false);
   // Nodes [begin, end) of `graph` into a new Encoder; `starts` are the graph's stage starts (manual barriers).
   std::unique_ptr<Encoder> encode_nodes(const Graph& graph, const std::vector<bool>& starts, size_t begin,
                                               size_t end, long dropped_barrier);
@@ -370,7 +381,8 @@ class Engine {
   TokenChoice choice_{};
   int next_slot_ = 0;  // the token slot the next decode step reads
   uint64_t host_read_bytes_ = 0;
-  std::vector<uint64_t> step_host_ns_;
+  bool host_timing_ = false;
+  std::vector<uint64_t> step_encode_ns_, step_cpp_ns_;
   std::shared_ptr<const Graph> last_graph_ = std::make_shared<const Graph>();
 };
 

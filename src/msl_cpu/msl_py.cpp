@@ -43,6 +43,7 @@ void bind(nb::module_& m) {
   m.doc() = "CPU execution harness for Lily's Metal kernels (tests only; see docs/harness.md).";
   nb::exception<msl_rt::KernelError>(m, "KernelError", PyExc_RuntimeError);
   m.def("kernel_names", &msl_rt::kernel_names, "Every instantiated host name of metal/*.metal, sorted.");
+  m.def("executions", &msl_rt::executions, "Runs to completion per kernel host name in this process.");
   m.def("test_kernel_names", &msl_rt::test_kernel_names,
         "Host names of the harness self-test kernels (tests/harness/*.metal), sorted.");
   m.def("dispatch", &dispatch, "name"_a, "args"_a, "threadgroups"_a, "threads_per_threadgroup"_a, nb::kw_only(),

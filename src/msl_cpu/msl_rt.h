@@ -44,6 +44,9 @@ void dispatch(const std::string& name, const std::vector<Binding>& buffers, cons
 // Every instantiated host name of the real kernels (metal/*.metal), sorted.
 std::vector<std::string> kernel_names();
 
+// How many times each kernel has run to completion in this process, by host name (failed runs not counted).
+std::map<std::string, uint64_t> executions();
+
 // Host names of the harness self-test kernels (tests/harness/*.metal), sorted; dispatch() runs them too.
 std::vector<std::string> test_kernel_names();
 

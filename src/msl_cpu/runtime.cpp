@@ -648,6 +648,23 @@ struct GuardedBuffers {
 
 }  // namespace
 
+// Kernels run to completion, by host name, since the process started (tests/kernels/test_registry.py: a kernel
+// counts as tested only when a test ran it).
+std::mutex& execution_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+std::map<std::string, uint64_t>& execution_counts() {
+  static std::map<std::string, uint64_t> counts;
+  return counts;
+}
+
+std::map<std::string, uint64_t> executions() {
+  std::lock_guard<std::mutex> lock(execution_mutex());
+  return execution_counts();
+}
+
 void dispatch(const std::string& name, const std::vector<Binding>& buffers, const uint32_t tgs[3],
               const uint32_t tpt[3], const std::map<int, int64_t>& constants, const DispatchOptions& opts) {
   if (!registration_errors().empty()) throw std::logic_error("MSL harness: " + registration_errors().front());
@@ -682,6 +699,8 @@ void dispatch(const std::string& name, const std::vector<Binding>& buffers, cons
 
   guarded.check_and_copy_back(name, d.error.empty());
   if (!d.error.empty()) throw KernelError(d.error);
+  std::lock_guard<std::mutex> lock(execution_mutex());
+  ++execution_counts()[name];
 }
 
 }  // namespace msl_rt

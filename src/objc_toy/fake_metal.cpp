@@ -611,6 +611,12 @@ void encoder_end_encoding(id self, SEL) {
 
 // Device methods
 
+bool tensor_ops = false;  // answer of supportsFamily: for the Metal 4 tensor-op family (test control)
+
+BOOL device_supports_family(id, SEL, unsigned long family) {
+  return family == fake_metal::kTensorOpsFamily ? tensor_ops : family < fake_metal::kTensorOpsFamily;
+}
+
 id device_name(id, SEL) { return objc_toy::autorelease(new_string("Lily fake Metal (CPU harness)")); }
 
 id device_new_queue(id, SEL) { return make_object<QueueObject>(class_named("FakeMTLCommandQueue")); }
@@ -830,6 +836,7 @@ void load_images() {
 
   Class device = define_class("FakeMTLDevice", root);
   method(device, "name", device_name);
+  method(device, "supportsFamily:", device_supports_family);
   method(device, "newCommandQueue", device_new_queue);
   method(device, "newBufferWithLength:options:", device_new_buffer);
   method(device, "newBufferWithBytesNoCopy:length:options:deallocator:", device_new_buffer_no_copy);
@@ -882,6 +889,8 @@ extern "C" id MTLCreateSystemDefaultDevice(void) {
 namespace fake_metal {
 
 void set_kernel_execution(bool execute) { execute_kernels = execute; }
+
+void set_tensor_ops(bool supported) { tensor_ops = supported; }
 
 void set_stage_order(StageOrder order, uint64_t seed) {
   std::lock_guard<std::recursive_mutex> lock(gpu_mutex);

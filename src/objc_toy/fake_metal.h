@@ -14,6 +14,11 @@ void set_stage_order(StageOrder order, uint64_t seed);
 // run, so the host's own cost per token can be measured on a full-size graph (`lily bench --host-only`).
 void set_kernel_execution(bool execute);
 
+// The GPU family with Metal 4 tensor ops (MTLGPUFamilyApple10, M5-class) that Device::supports_tensor_ops asks
+// for; the fake answers supportsFamily: for it as set here (default false: no tensor ops) and yes below it.
+constexpr unsigned long kTensorOpsFamily = 1010;
+void set_tensor_ops(bool supported);
+
 // What the fake GPU has executed since the last reset.
 struct Stats {
   uint64_t dispatches = 0;

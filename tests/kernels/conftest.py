@@ -129,6 +129,25 @@ def kio() -> KernelIO:
     return KernelIO()
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """The registry's execution check goes last: it counts the kernels every other test of the session ran."""
+    last = [item for item in items if item.name == "test_every_kernel_was_executed"]
+    items[:] = [item for item in items if item not in last] + last
+
+
+def pytest_sessionfinish(session) -> None:
+    """With LILY_KERNEL_EXECUTIONS set, write this session's kernel executions there (JSON: name -> runs)."""
+    import json
+    import os
+
+    from lily._ext import msl
+
+    path = os.environ.get("LILY_KERNEL_EXECUTIONS")
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(msl.executions(), f)
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """Print the kernel coverage count at the end of every run that collected the kernel tests."""
     from lily import _ext
@@ -137,5 +156,5 @@ def pytest_terminal_summary(terminalreporter) -> None:
         return
     from test_registry import kernel_test_coverage
 
-    names, tested = kernel_test_coverage()
-    terminalreporter.write_line(f"instantiated kernels: {len(names)}, tested: {len(tested)}")
+    names, executed = kernel_test_coverage()
+    terminalreporter.write_line(f"instantiated kernels: {len(names)}, executed by tests: {len(executed)}")

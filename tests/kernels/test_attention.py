@@ -26,19 +26,17 @@ from lily._ext import msl
 D = 256
 SCALE = D**-0.5
 HEADS_PER_GROUP = 4  # LILY_ATTN_HEADS_PER_GROUP
-DTYPES = ["f32", "bf16", "f16"]
+DTYPES = ["f32", "bf16"]
 # The KV cache dtype of each activation dtype: f32 in float32 mode, bf16 otherwise.
-CACHE_DTYPE = {"f32": "f32", "bf16": "bf16", "f16": "bf16"}
+CACHE_DTYPE = {"f32": "f32", "bf16": "bf16"}
 SINGLE = {"f32": "attention_decode_f32_d256", "bf16": "attention_decode_bf16_d256", "f16": "attention_decode_f16_d256"}
 PARTIAL = {
     "f32": "attention_decode_partial_f32_d256",
     "bf16": "attention_decode_partial_bf16_d256",
-    "f16": "attention_decode_partial_f16_d256",
 }
 COMBINE = {
     "f32": "attention_decode_combine_f32_d256",
     "bf16": "attention_decode_combine_bf16_d256",
-    "f16": "attention_decode_combine_f16_d256",
 }
 # Other instances: (head dim, heads per threadgroup) -> {dtype: (single-pass, partial, combine)}.
 VARIANTS = {

@@ -30,16 +30,14 @@ from lily import reference
 from lily._ext import msl
 
 HEADS_PER_GROUP = 4  # LILY_ATTN_HEADS_PER_GROUP
-DTYPES = ["f32", "bf16", "f16"]
+DTYPES = ["f32", "bf16"]
 KERNELS = {
     "f32": "attention_prefill_f32_d256",
     "bf16": "attention_prefill_bf16_d256",
-    "f16": "attention_prefill_f16_d256",
 }
 MMA = {
     "f32": "attention_prefill_mma_f32_d256",
     "bf16": "attention_prefill_mma_bf16_d256",
-    "f16": "attention_prefill_mma_f16_d256",
 }
 MMA_QUERIES = 8  # query tokens per attention_prefill_mma threadgroup (one 8-row fragment)
 # Head dim 64 (demo model, fixtures): 2 heads per threadgroup (LILY_ATTN_HEADS_PER_GROUP_D64).

@@ -28,11 +28,11 @@ from lily._ext import msl
 D = 256
 EPS = 1e-6
 THETA = 1e7
-KERNELS = {"f32": "attention_prep_f32_d256", "bf16": "attention_prep_bf16_d256", "f16": "attention_prep_f16_d256"}
+KERNELS = {"f32": "attention_prep_f32_d256", "bf16": "attention_prep_bf16_d256"}
 DTYPES = list(KERNELS)
 KERNELS_D64 = {"f32": "attention_prep_f32_d64", "bf16": "attention_prep_bf16_d64"}
 # The KV cache dtype of each activation dtype: f32 in float32 mode, bf16 otherwise.
-CACHE_DTYPE = {"f32": "f32", "bf16": "bf16", "f16": "bf16"}
+CACHE_DTYPE = {"f32": "f32", "bf16": "bf16"}
 
 
 def prep_args(tokens: int, heads: int, kv_heads: int, position: int, capacity: int, rotary_dim: int,

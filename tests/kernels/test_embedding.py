@@ -18,16 +18,12 @@ from lily.quant import QuantizedTensor, quantize
 # (bits, activation dtype, scale dtype) -> host name
 KERNELS = {
     (4, "f32", "bf16"): "embedding_gather_q4_g64_f32",
-    (4, "f16", "bf16"): "embedding_gather_q4_g64_f16",
     (4, "bf16", "bf16"): "embedding_gather_q4_g64_bf16",
     (4, "f32", "f32"): "embedding_gather_q4_g64_f32_sf32",
-    (4, "f16", "f32"): "embedding_gather_q4_g64_f16_sf32",
     (4, "bf16", "f32"): "embedding_gather_q4_g64_bf16_sf32",
     (8, "f32", "bf16"): "embedding_gather_q8_g64_f32",
-    (8, "f16", "bf16"): "embedding_gather_q8_g64_f16",
     (8, "bf16", "bf16"): "embedding_gather_q8_g64_bf16",
     (8, "f32", "f32"): "embedding_gather_q8_g64_f32_sf32",
-    (8, "f16", "f32"): "embedding_gather_q8_g64_f16_sf32",
     (8, "bf16", "f32"): "embedding_gather_q8_g64_bf16_sf32",
 }
 THREADS = 256  # LILY_EMBEDDING_THREADS

@@ -23,12 +23,11 @@ from lily._ext import msl
 DK = 128
 K = 4
 EPS = 1e-6
-DTYPES = ["f32", "f16", "bf16"]
+DTYPES = ["f32", "bf16"]
 STEP = {"f32": "gated_delta_step_f32_dk128", "f16": "gated_delta_step_f16_dk128", "bf16": "gated_delta_step_bf16_dk128"}
 CONV = {"f32": "gated_delta_conv_f32_dk128", "f16": "gated_delta_conv_f16_dk128", "bf16": "gated_delta_conv_bf16_dk128"}
 PREFILL = {
     "f32": "gated_delta_prefill_f32_dk128",
-    "f16": "gated_delta_prefill_f16_dk128",
     "bf16": "gated_delta_prefill_bf16_dk128",
 }
 STEP_DK64 = {"f32": "gated_delta_step_f32_dk64", "bf16": "gated_delta_step_bf16_dk64"}

@@ -23,22 +23,18 @@ from moe_helpers import (
     silu64,
 )
 
-DTYPES = ["f32", "f16", "bf16"]
+DTYPES = ["f32", "bf16"]
 # (activation dtype, scale/bias dtype) -> host name
 GATE_UP = {
     ("f32", "bf16"): "moe_gate_up_swiglu_f32",
-    ("f16", "bf16"): "moe_gate_up_swiglu_f16",
     ("bf16", "bf16"): "moe_gate_up_swiglu_bf16",
     ("f32", "f32"): "moe_gate_up_swiglu_f32_sf32",
-    ("f16", "f32"): "moe_gate_up_swiglu_f16_sf32",
     ("bf16", "f32"): "moe_gate_up_swiglu_bf16_sf32",
 }
 DOWN = {
     ("f32", "bf16"): "moe_down_combine_f32",
-    ("f16", "bf16"): "moe_down_combine_f16",
     ("bf16", "bf16"): "moe_down_combine_bf16",
     ("f32", "f32"): "moe_down_combine_f32_sf32",
-    ("f16", "f32"): "moe_down_combine_f16_sf32",
     ("bf16", "f32"): "moe_down_combine_bf16_sf32",
 }
 # Every kernel on the smallest shape; the other shapes with the checkpoints' bf16 scales.

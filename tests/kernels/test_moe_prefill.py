@@ -26,7 +26,7 @@ from moe_helpers import (
     silu64,
 )
 
-DTYPES = ["f32", "f16", "bf16"]
+DTYPES = ["f32", "bf16"]
 SORT_BLOCK = 256  # LILY_MOE_SORT_BLOCK
 GEMM_BN = 64  # LILY_MOE_GEMM_BN
 GEMM_THREADS = 128
@@ -36,10 +36,6 @@ GATE_UP = {
     ("f32", "bf16", 32): "moe_gemm_gate_up_f32_bm32",
     ("f32", "f32", 16): "moe_gemm_gate_up_f32_sf32_bm16",
     ("f32", "f32", 32): "moe_gemm_gate_up_f32_sf32_bm32",
-    ("f16", "bf16", 16): "moe_gemm_gate_up_f16_bm16",
-    ("f16", "bf16", 32): "moe_gemm_gate_up_f16_bm32",
-    ("f16", "f32", 16): "moe_gemm_gate_up_f16_sf32_bm16",
-    ("f16", "f32", 32): "moe_gemm_gate_up_f16_sf32_bm32",
     ("bf16", "bf16", 16): "moe_gemm_gate_up_bf16_bm16",
     ("bf16", "bf16", 32): "moe_gemm_gate_up_bf16_bm32",
     ("bf16", "f32", 16): "moe_gemm_gate_up_bf16_sf32_bm16",
@@ -50,10 +46,6 @@ DOWN = {
     ("f32", "bf16", 32): "moe_gemm_down_f32_bm32",
     ("f32", "f32", 16): "moe_gemm_down_f32_sf32_bm16",
     ("f32", "f32", 32): "moe_gemm_down_f32_sf32_bm32",
-    ("f16", "bf16", 16): "moe_gemm_down_f16_bm16",
-    ("f16", "bf16", 32): "moe_gemm_down_f16_bm32",
-    ("f16", "f32", 16): "moe_gemm_down_f16_sf32_bm16",
-    ("f16", "f32", 32): "moe_gemm_down_f16_sf32_bm32",
     ("bf16", "bf16", 16): "moe_gemm_down_bf16_bm16",
     ("bf16", "bf16", 32): "moe_gemm_down_bf16_bm32",
     ("bf16", "f32", 16): "moe_gemm_down_bf16_sf32_bm16",

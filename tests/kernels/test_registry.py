@@ -1,18 +1,34 @@
-"""Every instantiated kernel is registered in the harness and tested by some tests/kernels/test_*.py.
+"""Every instantiated kernel is registered, has an engine path, and is executed by the tests.
 
-Host names are read from metal/*.metal (`[[host_name("...")]]` and `LILY_INSTANTIATE_KERNEL("...", ...)`)
-and must equal `lily._ext.msl.kernel_names()`; a name is tested when it appears in a kernel test file.
+Host names are read from metal/*.metal (`[[host_name("...")]]` and `LILY_INSTANTIATE_KERNEL("...", ...)`) and must
+equal `lily._ext.msl.kernel_names()`. A name has an engine path when a graph the engine builds dispatches it
+(`lily._ext.graph_kernels`: decode steps and prefill chunks over the model's shapes, both precisions, 4/8-bit
+weights, bf16/f32 scales and every switch; graphs are built as on a GPU with tensor ops unless TENSOR_OPS is off). A name is tested when the harness ran it during the test session
+(`msl.executions()`); that check runs last in the session, or runs the kernel tests in a subprocess when the
+session did not collect them.
 """
 
 from __future__ import annotations
 
+import copy
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
+from lily import _ext
 from lily._ext import msl
+from lily.config import ModelArgs
+from lily.engine import FULL_SIZE_CONFIG, SWITCHES, engine_config
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTANTIATION = re.compile(r'\[\[\s*host_name\s*\(\s*"([^"]+)"\s*\)\s*\]\]|LILY_INSTANTIATE_KERNEL\s*\(\s*"([^"]+)"')
+# Prefill chunk sizes around the GEMV/GEMM, 16/32-row tile, matrix-unit attention and MoE tile thresholds.
+PREFILL_ROWS = [2, 8, 16, 17, 33, 64, 300]
 
 
 def source_host_names() -> list[str]:
@@ -35,16 +51,80 @@ def test_sources_and_registry_agree() -> None:
     assert not set(registered) & set(msl.test_kernel_names()), "harness self-test kernels leaked into the registry"
 
 
+def engine_configs() -> list[dict]:
+    """The model's shapes (head dim 256, DeltaNet dk 128) and the demo model's (64, 64), at a small width."""
+    small = copy.deepcopy(FULL_SIZE_CONFIG)
+    small.update(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], head_dim=64,
+                 linear_key_head_dim=64, linear_value_head_dim=64, vocab_size=1024, hidden_size=256, num_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                 num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4)
+    return [engine_config(ModelArgs.from_dict(FULL_SIZE_CONFIG, source="full size")),
+            engine_config(ModelArgs.from_dict(small, source="demo shapes"))]
+
+
+def engine_kernels() -> set[str]:
+    """Every kernel some graph of the engine dispatches (configurations the engine refuses are no paths)."""
+    switch_sets = [{}] + [{name: False} for name in SWITCHES]
+    switch_sets += [{"split_kv_min_keys": 1, **extra} for extra in ({}, {"gqa_packing": False}, {"coalesced_kv": False})]
+    found: set[str] = set()
+    for config in engine_configs():
+        for precision in ("float32", "bfloat16"):
+            for bits in (0, 4, 8):
+                for f32_scales in (False, True):
+                    for switches in switch_sets:
+                        try:
+                            found |= set(_ext.graph_kernels(config, precision, switches, bits, f32_scales,
+                                                            PREFILL_ROWS))
+                        except RuntimeError as exc:
+                            assert "needs 8-bit router weights" in str(exc), exc  # the one refusal expected
+    return found
+
+
+def test_every_kernel_has_an_engine_path() -> None:
+    dispatched = engine_kernels()
+    registered = set(msl.kernel_names())
+    assert dispatched <= registered, f"graphs name unregistered kernels: {sorted(dispatched - registered)}"
+    missing = registered - dispatched
+    assert not missing, f"instantiated but dispatched by no engine path (remove them or give them one): {sorted(missing)}"
+
+
 def kernel_test_coverage() -> tuple[list[str], list[str]]:
-    """(every registered kernel name, the names some kernel test file mentions)."""
-    test_text = "\n".join(
-        p.read_text() for p in sorted((ROOT / "tests" / "kernels").glob("test_*.py")) if p.name != Path(__file__).name
-    )
+    """(every registered kernel name, the names the harness has run in this process)."""
     names = msl.kernel_names()
-    return names, [n for n in names if re.search(rf'["\']{re.escape(n)}["\']', test_text)]
+    runs = msl.executions()
+    return names, [n for n in names if runs.get(n, 0) > 0]
 
 
-def test_every_kernel_is_tested() -> None:
-    names, tested = kernel_test_coverage()
+def kernel_test_modules() -> set[str]:
+    return {p.name for p in (ROOT / "tests" / "kernels").glob("test_*.py") if p.name != Path(__file__).name}
+
+
+def test_every_kernel_was_executed(request, tmp_path) -> None:
+    collected = {Path(str(item.fspath)).name for item in request.session.items}
+    if kernel_test_modules() <= collected:
+        names, executed = kernel_test_coverage()  # this test runs last (tests/kernels/conftest.py)
+    else:
+        record = tmp_path / "executions.json"
+        me = f"{Path(__file__).relative_to(ROOT)}::test_every_kernel_was_executed"
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels",
+                               "--deselect", me], cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "LILY_KERNEL_EXECUTIONS": str(record)})
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        runs = json.loads(record.read_text())
+        names = msl.kernel_names()
+        executed = [n for n in names if runs.get(n, 0) > 0]
     assert names, "no kernels registered"
-    assert tested == names, f"untested kernels: {sorted(set(names) - set(tested))}"
+    assert executed == names, f"kernels no test executed: {sorted(set(names) - set(executed))}"
+
+
+def test_a_kernel_nothing_runs_or_dispatches_fails_both_checks(monkeypatch) -> None:
+    """The checks can fail: a registered name no graph dispatches and no test runs is reported by both."""
+    fake = "qmv_q4_g64_f64"
+    monkeypatch.setattr(msl, "kernel_names", lambda: sorted([*_REAL_NAMES, fake]))
+    with pytest.raises(AssertionError, match=fake):
+        test_every_kernel_has_an_engine_path()
+    names, executed = kernel_test_coverage()
+    assert fake in names and fake not in executed
+
+
+_REAL_NAMES = msl.kernel_names()

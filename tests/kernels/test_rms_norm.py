@@ -16,15 +16,13 @@ from lily._ext import msl
 EPS = 1e-6
 KERNELS = {
     ("plain", "f32"): "rms_norm_f32",
-    ("plain", "f16"): "rms_norm_f16",
     ("plain", "bf16"): "rms_norm_bf16",
     ("residual", "f32"): "rms_norm_residual_f32",
-    ("residual", "f16"): "rms_norm_residual_f16",
     ("residual", "bf16"): "rms_norm_residual_bf16",
 }
 # (row_length, threads per threadgroup): one thread per element up to 64, then more elements than threads.
 SHAPES = [(31, 31), (32, 32), (33, 33), (64, 64), (1025, 1024), (2048, 256)]
-DTYPES = ["f32", "f16", "bf16"]
+DTYPES = ["f32", "bf16"]
 
 
 def rms_norm_args(row_length: int, eps: float = EPS) -> bytes:
@@ -92,18 +90,6 @@ def test_rms_norm_residual_in_place(dtype: str, kio) -> None:
     assert np.array_equal(kio.to_f64(residual, dtype), h)
     expected = kio.round(reference(h, kio.to_f64(weight, dtype), EPS), dtype)
     kio.assert_close(kio.to_f64(out, dtype), expected, dtype, "in-place residual")
-
-
-def test_rms_norm_f16_accumulates_in_f32(kio) -> None:
-    """Squares of f16 values near 1000 overflow f16 (max 65504): the sum must be held in fp32."""
-    rng = np.random.default_rng(11)
-    n = 64
-    x = kio.to_device(rng.uniform(500.0, 1500.0, (1, n)) * rng.choice([-1.0, 1.0], (1, n)), "f16")
-    weight = kio.to_device(np.ones(n), "f16")
-    out = kio.poisoned((1, n), "f16")
-    msl.dispatch("rms_norm_f16", [rms_norm_args(n), x, weight, out], (1, 1, 1), (32, 1, 1))
-    expected = kio.round(reference(kio.to_f64(x, "f16"), 1.0, EPS), "f16")
-    kio.assert_close(kio.to_f64(out, "f16"), expected, "f16", "large f16 inputs")
 
 
 def test_rms_norm_zero_row_and_eps(kio) -> None:

@@ -16,9 +16,9 @@ import pytest
 from lily._ext import msl
 from lily.sampling import log_softmax, min_p_mask, top_k_mask, top_p_mask
 
-DTYPES = ["f32", "f16", "bf16"]
-PARTIAL = {"f32": "argmax_partial_f32", "f16": "argmax_partial_f16", "bf16": "argmax_partial_bf16"}
-SAMPLE = {"f32": "sample_f32", "f16": "sample_f16", "bf16": "sample_bf16"}
+DTYPES = ["f32", "bf16"]
+PARTIAL = {"f32": "argmax_partial_f32", "bf16": "argmax_partial_bf16"}
+SAMPLE = {"f32": "sample_f32", "bf16": "sample_bf16"}
 MASK32 = 0xFFFFFFFF
 
 

@@ -32,9 +32,10 @@ PRECISIONS = ("bfloat16", "float32")
 # Decode attention lanes reading consecutive chunks of a K/V row (coalesced_kv off: the plain lane mapping).
 # Prefill GEMMs dequantizing weight tiles inside the GEMM (in_gemm_dequant off: a dequantize pass, then a dense GEMM).
 # The prefill DeltaNet scan keeping its state in registers (register_scan off: a memory round trip per 16 tokens).
+# Prefill GEMMs on Metal 4 tensor ops where the GPU has them (tensor_ops off: the simdgroup-matrix qmm everywhere).
 SWITCHES = ("concurrent", "fused_projections", "fusion", "split_kv", "gpu_token", "batched_prefill", "wide_tiles",
             "gpu_routing", "chunked_prefill", "gqa_packing", "coalesced_kv", "in_gemm_dequant",
-            "register_scan")
+            "register_scan", "tensor_ops")
 # Sizes tests lower to reach rare paths quickly: the split-KV threshold (keys), the KV cache growth step (rows) and
 # the prefill chunk (rows).
 TEST_OPTIONS = ("split_kv_min_keys", "kv_block", "prefill_chunk")
@@ -198,6 +199,27 @@ class MetalBackend:
         self._decoded: MetalState | None = None  # the state whose decode logits the engine's buffer holds
         self._decoding = False  # a decode_tokens iterator is open (steps may be in flight)
         self._gpu_token = chosen.get("gpu_token", True)
+
+    @classmethod
+    def synthetic(cls, args: ModelArgs, *, precision: str = "bfloat16", max_context: int = DEFAULT_MAX_CONTEXT,
+                  switches: Mapping[str, Any] | None = None) -> "MetalBackend":
+        """A backend over synthetic weights laid out as ``lily plan`` does, in reserved memory never touched: for
+        host-cost runs only, where kernel execution is stubbed out (``lily bench --full-size --host-only``)."""
+        from lily import _ext
+
+        backend = cls.__new__(cls)
+        backend.args = args
+        backend.precision = precision
+        chosen = dict(switches or {})
+        backend._engine = _ext.Engine(engine_config(args), precision, chosen, max_context)
+        backend._engine.bind_synthetic_weights()
+        backend._engine.finish_loading()
+        backend._files = {}
+        backend._live = None
+        backend._decoded = None
+        backend._decoding = False
+        backend._gpu_token = chosen.get("gpu_token", True)
+        return backend
 
     # -- loading ------------------------------------------------------------------------------------
 
@@ -388,6 +410,18 @@ class MetalBackend:
         out = np.empty(self.args.vocab_size, dtype=np.float32)
         self._engine.read_logits(out)
         return out
+
+    def host_timing(self, on: bool) -> dict[str, list[int]]:
+        """Turn per-step host timing on or off; returns the times (ns) of the steps submitted since the last call.
+
+        ``encode``: finding the built step, patching and encoding it with its Metal calls (before commit);
+        ``cpp``: the same encode into an encoder that makes no Metal call, the engine's own C++ (while timing is
+        on, each step is encoded both ways).
+        """
+        times = {"encode": list(self._engine.step_encode_ns), "cpp": list(self._engine.step_cpp_ns)}
+        self._engine.reset_host_timing()
+        self._engine.set_host_timing(on)
+        return times
 
     @property
     def host_read_bytes(self) -> int:

@@ -23,6 +23,15 @@ void qmatmul(Context& ctx, const std::string& label, const Span& x, const Weight
   if (f32_out) name += "_of32";
   mtl::Size groups{(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup, rows, 1};
   mtl::Size threads{tuning::kQmvThreads, 1, 1};
+  if (rows > tuning::kQmvMaxRows && ctx.tensor_ops && ctx.in_gemm_dequant && dtype == DType::BF16 &&
+      ctx.act == DType::BF16 && w.scale_dtype == DType::BF16) {
+    // Metal 4 tensor ops (M5-class GPUs): a 32 x 64 tile per threadgroup of 4 simdgroups.
+    add_node(ctx, "qmm_nax_q" + std::to_string(w.bits) + "_g64_bf16", label,
+             {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(y)},
+             {(w.rows + LILY_QMM_NAX_BN - 1) / LILY_QMM_NAX_BN, (rows + LILY_QMM_NAX_BM - 1) / LILY_QMM_NAX_BM, 1},
+             {128, 1, 1}, {x, w.data, w.scales, w.biases}, {y});
+    return;
+  }
   if (rows > tuning::kQmvMaxRows) {
     size_t bm = rows <= tuning::kQmmBm16MaxRows || !ctx.wide_tiles ? 16 : 32;
     name += bm == 16 ? "_bm16" : "_bm32";
