@@ -145,6 +145,15 @@ def test_the_cheap_bound_never_refuses_a_prompt_that_fits(model, tokenizer_dir):
                 assert (response.status_code == 200) == fits, (len(text), response.text)
                 if not fits:
                     assert response.json()["error"]["code"] == "context_length_exceeded"
+            # Chats: an earlier turn's reasoning, which the template drops, must not count.
+            for reasoning, answer in ((500, 3), (3, 30), (3, 300), (2000, 10)):
+                messages = [{"role": "user", "content": "q"},
+                            {"role": "assistant", "content": f"<think>\n{'r' * reasoning}\n</think>\n\n{'a' * answer}"},
+                            {"role": "user", "content": "next"}]
+                response = http.post(CHAT, json={"messages": messages, "max_tokens": 1, **NO_THINKING})
+                rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False)
+                fits = len(tokenizer.encode(rendered)) < limit
+                assert (response.status_code == 200) == fits, (reasoning, answer, response.text)
 
 
 SERVE_SCRIPT = """

@@ -91,7 +91,8 @@ def _time_generate(model: Model, base: Session, n_gen: int, first: int) -> float
         model.prefill([first], session=session, use_cache=False)
     else:
         session._ensure_logits()
-    tokens = session.decode(max_tokens=n_gen, temperature=0.0, stop_token_ids=())
+    # Plain greedy, as llama-bench: no generation_config penalty (decode applies it unless told otherwise).
+    tokens = session.decode(max_tokens=n_gen, temperature=0.0, repetition_penalty=1.0, stop_token_ids=())
     start = time.perf_counter()
     for _ in tokens:
         pass

@@ -1,7 +1,8 @@
 """The ``lily`` command: generate, chat, serve, bench, download, plan.
 
 Without ``--model`` every command uses the embedded demo model ``lily:demo``. Errors print one
-line (``lily: error: ...``) and exit with status 1; Ctrl-C exits with 130.
+line (``lily: error: ...``) and exit with status 1; Ctrl-C exits with 130, except in ``lily chat``,
+where it stops the answer (or clears the line) and keeps the conversation.
 """
 
 from __future__ import annotations

@@ -140,10 +140,7 @@ Device::Device(const MetallibFile& metallib)
 
 std::string Device::name() const { return mtl::device_name(device_.get()); }
 
-bool Device::supports_tensor_ops() const {
-  constexpr mtl::NSUInteger kGpuFamilyApple10 = 1010;  // MTLGPUFamilyApple10
-  return mtl::supports_family(device_.get(), kGpuFamilyApple10);
-}
+bool Device::supports_tensor_ops() const { return mtl::supports_tensor_ops(device_.get()); }
 
 namespace {
 

@@ -613,8 +613,10 @@ void encoder_end_encoding(id self, SEL) {
 
 bool tensor_ops = false;  // answer of supportsFamily: for the Metal 4 tensor-op family (test control)
 
+// An Apple9-class GPU by default; set_tensor_ops(true) makes it M5-class (Apple10 and Metal4, the tensor-op families).
 BOOL device_supports_family(id, SEL, unsigned long family) {
-  return family == fake_metal::kTensorOpsFamily ? tensor_ops : family < fake_metal::kTensorOpsFamily;
+  if (family == fake_metal::kTensorOpsFamily || family == fake_metal::kMetal4Family) return tensor_ops;
+  return family < fake_metal::kTensorOpsFamily;
 }
 
 id device_name(id, SEL) { return objc_toy::autorelease(new_string("Lily fake Metal (CPU harness)")); }
@@ -649,9 +651,6 @@ id device_new_buffer_no_copy(id, SEL, void* pointer, unsigned long length, unsig
   buffer->length = length;
   return buffer;
 }
-
-// The CPU harness runs every kernel the emulation has, Metal 4 tensor ops included: an M5-class GPU.
-BOOL device_supports_family(id, SEL, long) { return true; }
 
 // The CPU harness cannot compile MSL, so an #error outside every #if block stands for a compile
 // error: "FILE:LINE: error: MESSAGE" (FILE from the last #line, else program_source), or "" when there is none.
@@ -841,7 +840,6 @@ void load_images() {
   method(device, "newBufferWithLength:options:", device_new_buffer);
   method(device, "newBufferWithBytesNoCopy:length:options:deallocator:", device_new_buffer_no_copy);
   method(device, "newLibraryWithSource:options:error:", device_new_library);
-  method(device, "supportsFamily:", device_supports_family);
   method(device, "newLibraryWithURL:error:", device_new_library_with_url);
   method(device, "newComputePipelineStateWithFunction:error:", device_new_pipeline);
   method(device, "newSharedEvent", device_new_event);

@@ -17,6 +17,7 @@ void set_kernel_execution(bool execute);
 // The GPU family with Metal 4 tensor ops (MTLGPUFamilyApple10, M5-class) that Device::supports_tensor_ops asks
 // for; the fake answers supportsFamily: for it as set here (default false: no tensor ops) and yes below it.
 constexpr unsigned long kTensorOpsFamily = 1010;
+constexpr unsigned long kMetal4Family = 5002;  // MTLGPUFamilyMetal4, also required for tensor ops
 void set_tensor_ops(bool supported);
 
 // What the fake GPU has executed since the last reset.

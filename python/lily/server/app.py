@@ -439,8 +439,9 @@ async def _chat_completions(request: Request) -> Response:
 
 
 def _rendered_texts(chat: ChatRequest) -> list[str]:
-    """Texts the chat template copies into the prompt whole (earlier reasoning it may drop is left out)."""
-    return [m["content"].strip() for m in chat.messages if m["role"] in ("system", "user", "tool")]
+    """Texts the chat template copies into the prompt whole: every content, but of an assistant's
+    only what follows its reasoning (the template drops earlier turns' reasoning)."""
+    return [m["content"].split("</think>")[-1].strip() for m in chat.messages]
 
 
 def _encode_chat(engine: Engine, chat: ChatRequest) -> list[int]:

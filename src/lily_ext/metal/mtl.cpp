@@ -32,7 +32,6 @@ const SEL string_with_utf8 = sel_registerName("stringWithUTF8String:");
 const SEL utf8_string = sel_registerName("UTF8String");
 const SEL localized_description = sel_registerName("localizedDescription");
 const SEL name = sel_registerName("name");
-const SEL supports_family = sel_registerName("supportsFamily:");
 const SEL new_command_queue = sel_registerName("newCommandQueue");
 const SEL new_buffer = sel_registerName("newBufferWithLength:options:");
 const SEL new_buffer_no_copy = sel_registerName("newBufferWithBytesNoCopy:length:options:deallocator:");
@@ -192,10 +191,6 @@ Object system_default_device() {
 std::string device_name(void* device) {
   AutoreleasePool pool;
   return to_std_string(send<void*>(device, sel::name));
-}
-
-bool supports_family(void* device, NSUInteger family) {
-  return send<BOOL>(device, sel::supports_family, family);
 }
 
 Object new_command_queue(void* device) {

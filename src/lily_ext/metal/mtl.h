@@ -89,8 +89,6 @@ class AutoreleasePool {
 // Device and queue.
 Object system_default_device();
 std::string device_name(void* device);
-// -[MTLDevice supportsFamily:] (an MTLGPUFamily value).
-bool supports_family(void* device, NSUInteger family);
 Object new_command_queue(void* device);
 
 // Buffers in shared storage (unified memory: `contents` is what the GPU reads).
