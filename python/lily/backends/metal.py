@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lily.config import ModelArgs
-from lily.quant import QuantizedTensor
+from lily.quant import QuantizedTensor, float32_to_bfloat16_bits
+from lily.reference import check_token_ids
 
 if TYPE_CHECKING:
     from lily.checkpoint import Checkpoint
@@ -76,15 +77,8 @@ _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "
 DEFAULT_MAX_CONTEXT = 32768
 
 
-def _bf16_bits(values: np.ndarray) -> np.ndarray:
-    """float32 values -> bfloat16 bit patterns (round to nearest even; exact for values that are bf16 already)."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return rounded.astype(np.uint16)
-
-
 def _as_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
-    return _bf16_bits(values) if dtype == "bfloat16" else np.ascontiguousarray(values, dtype=np.float32)
+    return float32_to_bfloat16_bits(values) if dtype == "bfloat16" else np.ascontiguousarray(values, dtype=np.float32)
 
 
 class MetalState:
@@ -276,14 +270,7 @@ class MetalBackend:
 
         ``dropped_barrier`` (tests only) leaves out the barrier before that node of each step.
         """
-        ids = np.asarray(token_ids)
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(
-                f"token_ids must be a non-empty 1-D sequence of integers; got shape {ids.shape}, dtype {ids.dtype}"
-            )
-        bad = (ids < 0) | (ids >= self.args.vocab_size)
-        if bad.any():
-            raise ValueError(f"token_ids must lie in [0, {self.args.vocab_size}); got {ids[bad][0]}")
+        ids = check_token_ids(token_ids, self.args.vocab_size)
         if not isinstance(state, MetalState) or state._backend is not self:
             raise ValueError("state was not made by this backend's new_state()")
         self._activate(state)
