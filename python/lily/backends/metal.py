@@ -22,15 +22,9 @@ if TYPE_CHECKING:
     from lily.checkpoint import Checkpoint
 
 PRECISIONS = ("bfloat16", "float32")
-# Engine switches (each also LILY_DISABLE_<NAME> in the environment): concurrent dispatch, fused projection GEMVs,
-# decode kernel fusion (RMSNorm into the next GEMV, residual add into the out/o projection, routing into the experts),
-# the long-context split-KV attention path, the GPU writing the next token, prompts in T-row chunks (off: one decode
-# step per token), 32-row GEMM tiles (off: 16-row tiles only), the prefill MoE sort on the GPU (off: a CPU round trip
-# per layer), prompts in chunks of the prefill chunk size (off: one chunk for the whole prompt), decode attention
-# packing the query heads of one KV head per threadgroup (off: one head per threadgroup, each re-reading the cache).
-# Decode attention lanes reading consecutive chunks of a K/V row (coalesced_kv off: the plain lane mapping).
-# Prefill GEMMs dequantizing weight tiles inside the GEMM (in_gemm_dequant off: a dequantize pass, then a dense GEMM).
-# The prefill DeltaNet scan keeping its state in registers (register_scan off: a memory round trip per 16 tokens).
+# Engine switches, each also LILY_DISABLE_<NAME> in the environment: the one list. What each turns off is the table in
+# docs/engine.md ("Switches"); src/lily_ext/model.h (struct Switches) and bindings.cpp name the same ones, which
+# tests/test_layout.py checks.
 SWITCHES = ("concurrent", "fused_projections", "fusion", "split_kv", "gpu_token", "batched_prefill", "wide_tiles",
             "gpu_routing", "chunked_prefill", "gqa_packing", "coalesced_kv", "in_gemm_dequant",
             "register_scan")
@@ -108,7 +102,7 @@ class MetalState:
 def kernel_metallib() -> str | None:
     """The path of ``lily.metallib`` when this build compiled the kernels ahead of time, else None.
 
-    The build has one kernel-library mode (conventions.md §2 item 17): by default the kernel source embedded in
+    The build has one kernel-library mode: by default the kernel source embedded in
     ``_ext`` is compiled at first use; with ``-DLILY_AOT_METALLIB=ON`` the library is installed next to ``_ext`` and
     found only there. Raises FileNotFoundError naming the path when an AOT build's library is missing.
     """
