@@ -465,18 +465,6 @@ def _unflatten_state(template: Any, node: Any, tensors: Mapping[str, np.ndarray]
     return template
 
 
-def _choose_backend(name: str) -> str:
-    if name == "auto":
-        try:
-            from lily import _ext
-        except ImportError:
-            return "reference"
-        return "metal" if getattr(_ext, "platform", "") == "metal" and hasattr(_ext, "Engine") else "reference"
-    if name not in ("reference", "metal"):
-        raise ValueError(f"backend must be 'auto', 'reference' or 'metal'; got {name!r}")
-    return name
-
-
 def _check_precision(requested: str, backend: str, precision: str | None) -> None:
     from lily.backends.metal import PRECISIONS
 
@@ -548,24 +536,16 @@ class Model:
         ``prompt_cache_entries`` snapshots and ``prompt_cache_bytes`` bytes. ``progress`` shows
         download progress bars (on stderr).
         """
-        from lily import hub
+        from lily import backends, hub
         from lily.checkpoint import load_checkpoint
 
-        chosen = _choose_backend(backend)
+        chosen = backends.choose(backend)
         _check_precision(backend, chosen, precision)
         if prefill_step_size < 1:
             raise ValueError(f"prefill_step_size must be >= 1; got {prefill_step_size}")
         directory = Path(hub.resolve(path_or_repo, revision=revision, progress=progress))
         checkpoint = load_checkpoint(directory, quantize=quantize)
-        engine: Any
-        if chosen == "metal":
-            from lily.backends.metal import MetalBackend
-
-            engine = MetalBackend(checkpoint, **({} if precision is None else {"precision": precision}))
-        else:
-            from lily.reference import ReferenceModel
-
-            engine = ReferenceModel(checkpoint)
+        engine = backends.create(chosen, checkpoint, precision)
         tokenizer = None
         tokenizer_dir = Path(checkpoint.tokenizer_dir or directory)
         if (tokenizer_dir / "tokenizer.json").is_file():
