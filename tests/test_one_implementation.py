@@ -55,15 +55,18 @@ BF16_CONVERTERS = {
 
 @pytest.mark.parametrize("where", list(BF16_CONVERTERS))
 def test_every_bf16_conversion_rounds_to_nearest_even_and_keeps_nan(where: str) -> None:
-    values = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -2.5, np.inf, -np.inf, np.nan,
-                       np.float32(3.4e38), 2**-130], dtype=np.float32)
-    bits = np.asarray(BF16_CONVERTERS[where](values)).view(np.uint16)
-    widened = quant.bfloat16_bits_to_float32(bits)
+    # NaNs whose mantissa would carry into the exponent when rounded: the all-ones payload and a signalling NaN.
+    nans = np.array([0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001], dtype=np.uint32).view(np.float32)
+    numbers = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -2.5, np.inf, -np.inf, 3.4e38, 2**-130],
+                       dtype=np.float32)
     # Ties to even: 1 + 2^-8 -> 1, 1 + 3·2^-8 -> 1 + 2^-6; above the tie rounds up; 3.4e38 overflows to inf.
-    expected = np.array([1.0, 1.0, 1 + 2**-6, 1 + 2**-7, -2.5, np.inf, -np.inf, np.nan, np.inf, 2**-130],
-                        dtype=np.float32)
-    np.testing.assert_array_equal(widened[~np.isnan(expected)], expected[~np.isnan(expected)])
-    assert np.isnan(widened[7]), f"{where}: NaN became {widened[7]}"
+    expected = np.array([1.0, 1.0, 1 + 2**-6, 1 + 2**-7, -2.5, np.inf, -np.inf, np.inf, 2**-130], dtype=np.float32)
+    convert = BF16_CONVERTERS[where]
+    widened = quant.bfloat16_bits_to_float32(np.asarray(convert(numbers)).view(np.uint16))
+    np.testing.assert_array_equal(widened, expected)
+    with np.errstate(invalid="ignore"):  # widening a signalling NaN to float64 raises the invalid flag
+        widened_nans = quant.bfloat16_bits_to_float32(np.asarray(convert(nans)).view(np.uint16))
+    assert np.isnan(widened_nans).all(), f"{where}: NaNs became {widened_nans}"
 
 
 def test_token_id_check_is_written_once() -> None:
