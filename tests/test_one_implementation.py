@@ -73,3 +73,24 @@ def test_token_id_check_is_written_once() -> None:
     """Backends validate token ids with lily.reference.check_token_ids; no other copy of its message exists."""
     assert files_matching(r"token_ids must (lie|be a non-empty)", "python/") == ["python/lily/reference.py"]
     assert "check_token_ids(" in Path(metal.__file__).read_text()
+
+
+def test_tool_call_arguments_are_normalised_by_lily_chat() -> None:
+    """The chat template's message normalisation decodes tool-call arguments with lily.chat.tool_call_arguments."""
+    from lily.chat import tool_call_arguments
+    from lily.tokenizer import normalize_messages
+
+    def history(arguments) -> list[dict]:
+        call = {"type": "function", "function": {"name": "f", "arguments": arguments}}
+        return [{"role": "assistant", "content": "", "tool_calls": [call]}]
+
+    for raw in ('{"a": [1, 2]}', {"a": [1, 2]}, "", None):
+        (message,) = normalize_messages(history(raw))
+        assert message["tool_calls"][0]["function"]["arguments"] == tool_call_arguments(raw)
+    assert tool_call_arguments('{"a": [1, 2]}') == {"a": [1, 2]} and tool_call_arguments(None) == {}
+    for bad, why in (("[1]", "expected a JSON object, got list"), ("{", "not valid JSON")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            tool_call_arguments(bad)
+        with pytest.raises(ValueError, match=re.escape(f"messages[0].tool_calls[0].function.arguments: {why}")):
+            normalize_messages(history(bad))
+    assert "json.loads(arguments" not in (ROOT / "python" / "lily" / "tokenizer.py").read_text()
