@@ -1,4 +1,5 @@
-"""`lily plan`: the decode graph built without running it, its counts, and its bytes against the minimum a token must move."""
+"""`lily plan`: the decode graph built without running it, its counts, and its bytes against the minimum a token
+must move."""
 
 from __future__ import annotations
 
