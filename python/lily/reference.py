@@ -165,7 +165,10 @@ def rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, theta: float) ->
     """
     x = _f32(x)
     half = rotary_dim // 2
-    inv_freq = np.float32(1.0) / np.float32(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim)
+    # theta ** e as a correctly rounded fp32 power (via fp64), as torch's and the kernels' powf: numpy's own fp32
+    # power can be one ulp off, which far positions turn into visibly different angles.
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
+    inv_freq = np.float32(1.0) / (np.float64(np.float32(theta)) ** exponents.astype(np.float64)).astype(np.float32)
     angles = np.asarray(positions, dtype=np.float32)[:, None] * inv_freq[None, :]  # [T, half] fp32
     cos = np.cos(angles.astype(np.float64))[:, None, :]
     sin = np.sin(angles.astype(np.float64))[:, None, :]
