@@ -1,4 +1,4 @@
-// Gated GQA attention for decode (model.md §2.4): one query token over the KV cache, out = softmax(q k^T * scale) v
+// Gated GQA attention for decode: one query token over the KV cache, out = softmax(q k^T * scale) v
 // ⊙ sigmoid(gate), per query head h with KV head h / (Hq / Hkv).
 //   attention_decode_<dtype>_d<D>          single pass: one threadgroup per G query heads of one KV head (G = 4 at
 //                                          D = 256, LILY_ATTN_HEADS_PER_GROUP; 2 at D = 64, ..._D64), over all keys,
@@ -24,7 +24,7 @@
 // and test fixtures; f32, bf16).
 // Dispatch: 32*n threads (n <= 32 simdgroups; the engine picks n); grid (Hq/G) single pass, (Hq/G, num_blocks) partial,
 // (Hq) combine with any thread count. Hq/Hkv must be a multiple of G.
-// Design (performance.md §5.5, §6): simdgroup s takes keys s, s+n, ...; each K and V row is read once per
+// Design: simdgroup s takes keys s, s+n, ...; each K and V row is read once per
 // threadgroup and serves G query heads (GQA packing: 4x less cache traffic than one head per threadgroup at G = 4;
 // the model's 8 heads of a KV head are 2 threadgroups). A lane holds 8 of the 256 elements as two chunks of 4 at chunk
 // indices lane and lane + 32, so each simdgroup load reads 32 consecutive chunks (coalesced); at D = 64 a row is 16

@@ -1,4 +1,4 @@
-// Gated causal GQA attention for prefill (model.md §2.4): T query tokens of a chunk over the KV cache, which already
+// Gated causal GQA attention for prefill: T query tokens of a chunk over the KV cache, which already
 // holds the keys of earlier chunks (rows 0 .. num_keys - T - 1) and of this chunk (written by attention_prep).
 // out = softmax(q k^T * scale + causal mask) v ⊙ sigmoid(gate), fp32 online softmax, the gate fused.
 //   attention_prefill_mma_<dtype>_d<D> matrix units: one threadgroup of G simdgroups per (8 query tokens, G query
@@ -25,7 +25,7 @@
 // or n queries x G heads (vector); tiles past the causal limit of the threadgroup's last query are never loaded. Loads
 // are coalesced (consecutive threads read consecutive 4-element chunks of a row).
 // Verified here: the maths, causality, KV offsets, boundaries and races (CPU harness, which emulates
-// simdgroup_matrix with MLX's lane layout, metal-on-linux.md §4). Mac only: compiler acceptance, the lane layout
+// simdgroup_matrix with MLX's lane layout). Mac only: compiler acceptance, the lane layout
 // the mma kernel's softmax relies on, register pressure (128 fp32 fragment elements per lane), speed; the key tile
 // (8) is small because the fp32 tiles must fit 32 KiB, and bf16 tiles with bf16 fragments are the obvious next step.
 #include <metal_stdlib>
@@ -137,7 +137,7 @@ template <typename T, typename C, uint D, uint G>
 }
 
 // Row and first column of the two elements a lane holds in an 8x8 simdgroup matrix: (row, col) and (row, col + 1).
-// Apple leaves this mapping implementation-defined; it is the one MLX's steel kernels rely on (metal-on-linux.md §4).
+// Apple leaves this mapping implementation-defined; it is the one MLX's steel kernels rely on.
 inline uint attn_mma_row(uint lane) {
   return ((lane / 4) & 4) + ((lane / 2) % 4);
 }

@@ -1,4 +1,4 @@
-// Attention preparation (model.md §2.4, §3.1): everything between the q/k/v projections and the attention core.
+// Attention preparation: everything between the q/k/v projections and the attention core.
 //   attention_prep_<dtype>_d<D>   for each token t and head: split q_proj's per-head [query | gate] row, RMS-norm the
 //                                 query (q_norm) and the key (k_norm) over all head_dim dims with the multiplier
 //                                 (canonical 1+w), apply partial rotary embedding to the first rotary_dim dims

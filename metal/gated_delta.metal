@@ -1,4 +1,4 @@
-// Gated DeltaNet token mixer core (model.md §2.5, §3.2): causal conv + SiLU over the q|k|v channels, q/k L2 norms,
+// Gated DeltaNet token mixer core: causal conv + SiLU over the q|k|v channels, q/k L2 norms,
 // beta = sigmoid(b), g = -exp(A_log)·softplus(a + dt_bias), the gated delta rule on an fp32 state, and the
 // SiLU(z)-gated RMSNorm. The projections around it (in_proj_*, out_proj) are qmatmul kernels.
 //   gated_delta_step_<dtype>_dk128     decode, one token, everything fused (conv state and recurrent state updated

@@ -196,10 +196,10 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 #define LILY_FC_BASE_MOE 50
 
 // ---- tuning constants ----
-// Threads per row for rms_norm: a full Apple-GPU threadgroup. Untuned: no Mac benchmark yet (issue 5).
+// Threads per row for rms_norm: a full Apple-GPU threadgroup. Untuned: no Mac benchmark yet.
 #define LILY_RMS_NORM_MAX_THREADS 1024
 
-// Gated DeltaNet (metal/gated_delta.metal). Untuned: no Mac benchmark yet (issue 5).
+// Gated DeltaNet (metal/gated_delta.metal). Untuned: no Mac benchmark yet.
 // gated_delta_prefill: state rows of [Dk] fp32 one simdgroup keeps in registers for a whole chunk (Dk/32 per lane):
 // 8 rows x 4 = 32 floats per lane, so 16 simdgroups (512 threads) hold a dv = 128 value head. (gated_delta_step takes
 // any threadgroup size; ceil(rows / 8) simdgroups, 1024 threads for the model, gives each simdgroup 8 rows.)
@@ -214,13 +214,13 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // 16 as in the blockwise scans that preceded register residency; not a tuning point (the ablation's baseline).
 #define LILY_GDN_SCAN_BLOCK 16
 
-// Sampling (metal/sampling.metal). Untuned: no Mac benchmark yet (issue 5).
+// Sampling (metal/sampling.metal). Untuned: no Mac benchmark yet.
 // argmax_partial: logits per threadgroup; 248320 / 4096 = 61 threadgroups, few enough for one argmax_final group.
 #define LILY_ARGMAX_BLOCK 4096
 // sample_*: one threadgroup of this many threads scans the whole vocabulary several times (radix select passes).
 #define LILY_SAMPLE_THREADS 1024
 
-// Quantized matmul (metal/qmatmul.metal) and embedding (metal/embedding.metal). Untuned: no Mac benchmark yet (issue 5).
+// Quantized matmul (metal/qmatmul.metal) and embedding (metal/embedding.metal). Untuned: no Mac benchmark yet.
 // qmv: each simdgroup computes LILY_QMV_ROWS_PER_SIMDGROUP output rows; LILY_QMV_SIMDGROUPS simdgroups per threadgroup
 // (64 threads, 8 rows); each lane folds LILY_QMV_VALUES_PER_LANE consecutive codes of a row per step (8 bytes at 4 bits),
 // so a simdgroup step covers 512 K-elements and four lanes share one scale/bias group.
@@ -246,18 +246,18 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // embedding_gather: threads per token row (each folds 8 codes per step).
 #define LILY_EMBEDDING_THREADS 256
 
-// MoE (metal/moe.metal, metal/moe_prefill.metal). Untuned: no Mac benchmark yet (issue 5).
+// MoE (metal/moe.metal, metal/moe_prefill.metal). Untuned: no Mac benchmark yet.
 // Router limits: moe_route keeps one row's E probabilities in registers of one simdgroup (E/32 per lane).
 #define LILY_MOE_MAX_EXPERTS 256
 // Decode GEMVs: 2 simdgroups x 4 output rows = 8 rows per threadgroup, lanes over K (one uint32 = 8 codes per step),
-// the qmv_fast shape of performance.md §5.4.
+// MLX's qmv_fast shape.
 #define LILY_MOE_GEMV_ROWS_PER_SIMDGROUP 4
 #define LILY_MOE_GEMV_SIMDGROUPS 2
 // Prefill sort: (token, slot) assignments per threadgroup of moe_sort_count / moe_sort_scatter (one per thread).
 #define LILY_MOE_SORT_BLOCK 256
 // Grouped GEMM: 4 simdgroups; tile = bm rows (16 or 32) x 64 output columns, 32-deep K steps dequantized into
 // threadgroup memory. The host picks bm = 32 when the chunk's mean rows per expert T*k/E is at least this threshold,
-// else bm = 16 (fewer padded rows for sparse experts). 16 matches MLX's non-NAX gather_qmm_rhs bm (performance.md §5.3).
+// else bm = 16 (fewer padded rows for sparse experts). 16 matches MLX's non-NAX gather_qmm_rhs bm.
 #define LILY_MOE_GEMM_BN 64
 #define LILY_MOE_GEMM_BK 32
 #define LILY_MOE_GEMM_THREADS 128
@@ -266,7 +266,7 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 #define LILY_MOE_GEMM_PAD 4
 #define LILY_MOE_BM32_MIN_ROWS_PER_EXPERT 24
 
-// Attention (metal/attention.metal, metal/attention_prefill.metal). Untuned: no Mac benchmark yet (issue 5).
+// Attention (metal/attention.metal, metal/attention_prefill.metal). Untuned: no Mac benchmark yet.
 // Query heads per threadgroup sharing one KV head (GQA packing): each K/V row read serves this many heads.
 #define LILY_ATTN_HEADS_PER_GROUP 4
 // The same for the head-dim-64 instances (demo model, test fixtures): their GQA group is 2 (demo) or 4, so 2.
@@ -288,7 +288,7 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 
 #if defined(LILY_KERNEL_SIDE)
 // Attention-family helpers: four consecutive elements as one float4 load, and stored back rounded element-wise (a
-// vector-to-vector constructor is a bit-cast in the CPU harness, metal-on-linux.md §3.5).
+// vector-to-vector constructor is a bit-cast in the CPU harness).
 template <typename T>
 inline float4 attn_load4(device const T* p) {
   return float4(*((device const metal::vec<T, 4>*)p));

@@ -1,4 +1,4 @@
-// Sparse MoE block, batch-1 decode (model.md §2.6): router softmax + top-k, then the selected experts and the shared
+// Sparse MoE block, batch-1 decode: router softmax + top-k, then the selected experts and the shared
 // expert as fused 4-bit GEMVs. The router logits come from the 8-bit router GEMV (qmatmul family); the shared expert
 // gate's logit sigmoid(shared_expert_gate·x) is read from a buffer written by that same earlier dispatch.
 //   moe_route_f32
@@ -21,7 +21,7 @@
 // Weights: MLX affine 4-bit, group 64 along the input axis: codes packed 8 per uint32 (element 0 in the low bits),
 // bf16 scales and biases (f32 with the _sf32 suffix: checkpoints converted from fp32 weights), w = scale·q + bias;
 // routed experts stacked [E, out, in]. <dtype> is the activation type (f32: float32 mode, bf16: default, f16).
-// GEMV shape (qmv_fast-like, performance.md §5.4): 2 simdgroups × 4 output rows per threadgroup; lanes stride over K
+// GEMV shape (qmv_fast-like): 2 simdgroups × 4 output rows per threadgroup; lanes stride over K
 // one uint32 (8 codes) at a time, so consecutive lanes read consecutive words of a row (coalesced), each x value is
 // loaded once per lane and reused for 4 rows (×2 matrices in gate/up), and the affine dequantisation folds into
 // scale·Σq·x + bias·Σx per group. fp32 accumulation; one simd_sum per output row at the end.

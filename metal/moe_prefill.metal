@@ -1,4 +1,4 @@
-// Sparse MoE block over a prefill chunk of T rows (model.md §2.6), GPU-resident from the router logits to the layer
+// Sparse MoE block over a prefill chunk of T rows, GPU-resident from the router logits to the layer
 // output (no CPU round trip). Order of dispatches:
 //   moe_route_f32 (metal/moe.metal, grid T)   ids [T, k] uint32, weights [T, k] f32; pair p = row·k + slot.
 //   moe_sort_count_u32    per block of LILY_MOE_SORT_BLOCK pairs: histogram of expert ids (threadgroup atomics)
@@ -24,7 +24,7 @@
 // bm = 32 (2 × 2 simdgroups of 16 × 32) when the chunk's mean rows per expert T·k/E is at least
 // LILY_MOE_BM32_MIN_ROWS_PER_EXPERT, else bm = 16 (1 × 4 simdgroups of 16 × 16), so sparse experts pad fewer rows.
 // Each weight byte is read once per tile of its expert: with 64 rows per expert (2048-token chunk) that is 2 (bm 32)
-// or 4 (bm 16) reads, i.e. 114 or 57 FLOP per weight byte (performance.md §3.3). Outputs are rounded once to the
+// or 4 (bm 16) reads, i.e. 114 or 57 FLOP per weight byte. Outputs are rounded once to the
 // activation dtype (f32, f16, bf16); scales and biases are bf16, or f32 with the _sf32 suffix.
 // Verified on Linux (CPU harness): results, the block map and the sorted order exactly. Mac-only: speed, the
 // staging layout's bank conflicts, whether bf16 threadgroup staging (half the threadgroup traffic) pays off.

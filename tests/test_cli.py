@@ -156,15 +156,19 @@ def test_chat_shows_thinking_apart_from_the_answer(model, monkeypatch, capsys):
 
 
 def test_generate_defaults_to_the_demo_model(capsys):
-    code, out, err = run_cli(["generate", "ROMEO:", "--max-tokens", "6", "--temp", "0", "--backend", "reference"],
+    """No --model: lily:demo; no sampling flags: its generation_config.json (temperature, top-k/p, penalty)."""
+    code, out, err = run_cli(["generate", "ROMEO:", "--max-tokens", "12", "--seed", "1", "--backend", "reference"],
                              capsys)
     assert code == 0 and "Loading lily:demo" in err
     demo = lily.Model.load("lily:demo", backend="reference")
-    # unset flags fall back to the checkpoint's generation_config.json
     config = json.loads((demo.path / "generation_config.json").read_text())
-    defaults = {k: config[k] for k in ("top_p", "top_k", "min_p", "repetition_penalty") if k in config}
-    expected = demo.generate("ROMEO:", max_tokens=6, temperature=0, **defaults)
-    assert out == expected.text + "\n" and expected.text.strip()
+    defaults = {k: config[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in config}
+    assert defaults.get("temperature", 1.0) not in (0.0, 1.0), "the demo's defaults must change the draw"
+    expected = demo.generate("ROMEO:", max_tokens=12, seed=1, **defaults)
+    plain = demo.generate("ROMEO:", max_tokens=12, seed=1, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                          repetition_penalty=1.0)
+    assert expected.text.strip() and expected.text != plain.text
+    assert out == expected.text + "\n"
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -24,7 +24,7 @@ def _wrapped(text: dict) -> dict:
 
 
 def _real_35b_text_config() -> dict:
-    """The published Qwen3.6-35B-A3B text_config values (model.md §1.1)."""
+    """The published Qwen3.6-35B-A3B text_config values."""
     return {
         "model_type": "qwen3_5_moe_text",
         "vocab_size": 248320,

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "python" / "lily" / "demo"
 HELDOUT = REPO / "scripts" / "demo"
 
-# model.md section 5, written out here independently of scripts/train_demo.py.
+# The Qwen3.5 tokenizer rules, written out here independently of scripts/train_demo.py.
 QWEN35_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"

@@ -146,3 +146,17 @@ def test_server_and_backends_are_packages() -> None:
     for package in ("server", "backends"):
         assert (PACKAGE / package / "__init__.py").is_file()
     assert not re.search(r"^server_\w+\.py$", "\n".join(p.name for p in PACKAGE.glob("*.py")), re.M)
+
+
+def test_switch_lists_name_the_same_switches() -> None:
+    """lily.backends.metal.SWITCHES is the list; docs/engine.md's table, model.h's Switches and bindings.cpp follow."""
+    from lily.backends.metal import SWITCHES
+
+    table = (ROOT / "docs" / "engine.md").read_text().split("| switch | off means |", 1)[1].split("\n\n", 1)[0]
+    documented = re.findall(r"^\| `([A-Z_]+)` \|", table, re.M)
+    model_h = (ROOT / "src" / "lily_ext" / "model.h").read_text()
+    members = re.findall(r"^\s*bool (\w+) = true;\s*// ([A-Z_]+):", model_h.split("struct Switches", 1)[1], re.M)
+    parsed = re.findall(r'name == "(\w+)"\) s\.\1 = nb::cast<bool>', (ROOT / "src/lily_ext/bindings.cpp").read_text())
+    assert sorted(name.upper() for name in SWITCHES) == sorted(documented)
+    assert sorted(SWITCHES) == sorted(m for m, _ in members) and all(m.upper() == c for m, c in members)
+    assert sorted(SWITCHES) == sorted(parsed)

@@ -1,4 +1,4 @@
-"""The numpy reference against HF transformers (fp32), the independent oracle of model.md §7.1.
+"""The numpy reference against HF transformers (fp32), the independent oracle.
 
 Whole model: the reference, loaded from a tiny random checkpoint through ``load_checkpoint``,
 against the ``Qwen3_5MoeForCausalLM`` that wrote it, for every tiny variant and both expert
@@ -21,7 +21,7 @@ from lily import reference
 from lily.checkpoint import load_checkpoint
 from lily.reference import ReferenceModel
 
-LOGITS_TOLERANCE = 1e-4  # fp32 model vs fp32 model (model.md §7.7)
+LOGITS_TOLERANCE = 1e-4  # fp32 model vs fp32 model
 OP_TOLERANCE = 2e-6  # one fp32 op vs the same op in torch
 PROMPT_LENGTH = 64
 GREEDY_PROMPT_LENGTH = 16

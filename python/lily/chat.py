@@ -114,6 +114,21 @@ class _Unconvertible(Exception):
     """A parameter value does not fit its declared type."""
 
 
+def tool_call_arguments(arguments: Any) -> dict[str, Any]:
+    """The ``arguments`` of a tool call in a conversation as a dict: a JSON object given as a string (the OpenAI
+    wire form) or as a mapping; None and "" mean no arguments. ``ValueError`` saying what is wrong otherwise."""
+    if arguments is None or arguments == "":
+        return {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON ({exc.msg} at {exc.pos})") from None
+    if not isinstance(arguments, Mapping):
+        raise ValueError(f"expected a JSON object, got {type(arguments).__name__}")
+    return dict(arguments)
+
+
 def tool_functions(tools: Any) -> list[Mapping[str, Any]] | None:
     """The function schema of each tool (OpenAI ``{"type": "function", "function": {...}}`` or a
     bare function); None when no tools were given. Raises ``ValueError`` naming the bad entry."""

@@ -519,24 +519,6 @@ def _unflatten_state(template: Any, node: Any, tensors: Mapping[str, np.ndarray]
     return template
 
 
-def _choose_backend(name: str) -> str:
-    if name == "auto":
-        try:
-            from lily import _ext
-        except ImportError:
-            return "reference"
-        if getattr(_ext, "platform", "") == "metal" and hasattr(_ext, "Engine"):
-            return "metal"
-        return "cpu" if hasattr(_ext, "cpu") else "reference"
-    if name not in ("reference", "metal", "cpu"):
-        raise ValueError(f"backend must be 'auto', 'reference', 'metal' or 'cpu'; got {name!r}")
-    if name == "metal":
-        from lily.backends.metal import require_metal_runtime
-
-        require_metal_runtime()
-    return name
-
-
 def _check_precision(requested: str, backend: str, precision: str | None) -> None:
     from lily.backends.metal import PRECISIONS
 
@@ -609,31 +591,19 @@ class Model:
         ``prompt_cache_entries`` snapshots and ``prompt_cache_bytes`` bytes. ``progress`` shows
         download progress bars (on stderr).
         """
-        from lily import hub
+        from lily import backends, hub
         from lily.checkpoint import load_checkpoint
 
         if not isinstance(path_or_repo, (str, os.PathLike)):
             raise TypeError("Model.load(): path_or_repo must be a checkpoint directory, a Hugging Face repo id "
                             f"or 'lily:demo'; got {type(path_or_repo).__name__}")
-        chosen = _choose_backend(backend)
+        chosen = backends.choose(backend)
         _check_precision(backend, chosen, precision)
         if prefill_step_size < 1:
             raise ValueError(f"prefill_step_size must be >= 1; got {prefill_step_size}")
         directory = Path(hub.resolve(path_or_repo, revision=revision, progress=progress))
         checkpoint = load_checkpoint(directory, quantize=quantize)
-        engine: Any
-        if chosen == "metal":
-            from lily.backends.metal import MetalBackend
-
-            engine = MetalBackend(checkpoint, **({} if precision is None else {"precision": precision}))
-        elif chosen == "cpu":
-            from lily.backends.cpu import CpuBackend
-
-            engine = CpuBackend(checkpoint)
-        else:
-            from lily.reference import ReferenceModel
-
-            engine = ReferenceModel(checkpoint)
+        engine = backends.create(chosen, checkpoint, precision)
         tokenizer = None
         tokenizer_dir = Path(checkpoint.tokenizer_dir or directory)
         if (tokenizer_dir / "tokenizer.json").is_file():

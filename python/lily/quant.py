@@ -1,6 +1,6 @@
 """MLX affine quantization (mode "affine"): quantize, dequantize, packing, bf16 rounding.
 
-Layout (model.md §4.2): groups of ``group_size`` consecutive elements along the last (input)
+Layout: groups of ``group_size`` consecutive elements along the last (input)
 axis share a ``scale`` and a ``bias``; a value is ``scale * q + bias`` with ``q`` unsigned in
 ``[0, 2**bits - 1]``. Codes are packed little-endian into uint32 words, element 0 of a word in
 its least significant bits. Scales and biases have the dtype of the source weight.

@@ -85,7 +85,8 @@ def dequantize(weight: Tensor) -> np.ndarray:
 
 
 def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``x @ w^T`` for a dense fp32 ``w``, accumulated in fp64 and rounded once to fp32 (``qmatmul`` on ``dequantize(W)``).
+    """``x @ w^T`` for a dense fp32 ``w``, accumulated in fp64 and rounded once to fp32: ``qmatmul`` on
+    ``dequantize(W)``.
 
     x: [..., in]; w: [out, in]  ->  [..., out]
     """

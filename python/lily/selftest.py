@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from lily import reference
+from lily.quant import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 from lily.sampling import log_softmax, top_k_mask, top_p_mask
 
 __all__ = ["Result", "case", "run", "main"]
@@ -89,15 +90,14 @@ def to_device(values: np.ndarray, dtype: str) -> np.ndarray:
     """`values` rounded to the kernel storage dtype (round to nearest even for bf16), C-contiguous."""
     values = np.ascontiguousarray(values, dtype=np.float32)
     if dtype == "bf16":
-        bits = values.view(np.uint32).astype(np.uint64)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return float32_to_bfloat16_bits(values)
     return values.astype(_STORAGE[dtype])
 
 
 def to_f64(buffer: np.ndarray, dtype: str) -> np.ndarray:
     """The values a device buffer holds, widened exactly."""
     if dtype == "bf16":
-        return (np.asarray(buffer, np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return bfloat16_bits_to_float32(buffer).astype(np.float64)
     return np.asarray(buffer, np.float64)
 
 

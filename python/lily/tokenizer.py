@@ -25,7 +25,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders
 
-from lily.chat import tool_functions
+from lily.chat import tool_call_arguments, tool_functions
 from lily.config import read_json_object
 
 PACKAGED_TEMPLATE = Path(__file__).parent / "templates" / "qwen3_6.jinja"
@@ -164,19 +164,13 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
     name = function.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{fwhere}.name: expected a non-empty string")
-    arguments = function.get("arguments", {})
-    if arguments is None or arguments == "":
-        arguments = {}
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{fwhere}.arguments: not valid JSON ({exc.msg} at {exc.pos})") from None
-    if not isinstance(arguments, Mapping):
-        raise ValueError(f"{fwhere}.arguments: expected a JSON object, got {type(arguments).__name__}")
+    try:
+        arguments = tool_call_arguments(function.get("arguments", {}))
+    except ValueError as exc:
+        raise ValueError(f"{fwhere}.arguments: {exc}") from None
     normalized = {k: v for k, v in call.items() if k != "function"} if "function" in call else {}
     normalized["type"] = call.get("type", "function")
-    normalized["function"] = {"name": name, "arguments": dict(arguments)}
+    normalized["function"] = {"name": name, "arguments": arguments}
     return normalized
 
 

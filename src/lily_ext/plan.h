@@ -22,7 +22,7 @@ GraphCounts count_graph(const Graph& graph);
 // Per node: whether it opens a new stage (a barrier in front of it, except the first).
 std::vector<bool> stage_starts(const Graph& graph);
 
-// The minimum bytes one decode token must move (performance.md section 2.2): active weights, DeltaNet recurrent state
+// The minimum bytes one decode token must move: active weights, DeltaNet recurrent state
 // read and written, conv state read and written, and the KV cache of `context` tokens.
 struct MinimumBytes {
   uint64_t weights = 0, recurrent_state = 0, conv_state = 0, kv_cache = 0;

@@ -1,6 +1,6 @@
 // Kernel choice by workload shape, in one table. Every value says why it is what it is. Where a kernel
 // family keeps its own threshold in metal/lily.h, this file refers to it rather than copying it.
-// None of these is tuned on a Mac yet (issue 5): they are derived from performance.md and the kernels' designs.
+// None of these is tuned on a Mac yet: they are derived from the kernels' designs and MLX's choices.
 #pragma once
 
 #include <cstddef>
@@ -54,7 +54,7 @@ constexpr size_t kEmbeddingThreads = LILY_EMBEDDING_THREADS;
 
 // Prefill: tokens per chunk (one command buffer each). 512 keeps the chunk's temporaries (MoE gather buffers,
 // [T, 8192] projections, [T, V] logits) near 100 MB at full size and lets cancellation act between chunks, while
-// 512*8/256 = 16 rows per expert still fill 16-row GEMM tiles (performance.md section 3.3).
+// 512*8/256 = 16 rows per expert still fill 16-row GEMM tiles.
 constexpr size_t kPrefillChunk = 512;
 
 // KV cache growth: rows added per KV head at a time (bounded re-allocation count: 128 growths to 256K context).

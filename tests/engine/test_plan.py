@@ -1,4 +1,5 @@
-"""`lily plan`: the decode graph built without running it, its counts, and its bytes against performance.md §2."""
+"""`lily plan`: the decode graph built without running it, its counts, and its bytes against the minimum a token
+must move."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def expected_dispatches(args: ModelArgs, *, fused: bool, split: bool = False, fu
 
 
 def performance_minimum(context: int) -> dict[str, float]:
-    """performance.md §2.4's script for the full-size model, in bytes."""
+    """The minimum bytes of one decode token of the full-size model: every active weight once, the states, the cache."""
     H, L, NGDN, NATT, V, nq, nkv, hd = 2048, 40, 30, 10, 248320, 16, 2, 256
     lk, lv, dk, dv, conv_k, E, topk, Fi = 16, 32, 128, 128, 4, 256, 8, 512
     b4, b8 = 0.5625, 1.0625

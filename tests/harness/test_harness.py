@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from lily._ext import msl
+from lily.quant import round_to_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = range(8)
@@ -25,13 +26,6 @@ SEEDS = range(8)
 def where(kernel: str) -> str:
     """The start of every fault message: kernel, threadgroup and thread."""
     return rf"kernel '{kernel}' threadgroup \(0,0,0\) thread \(\d+,0,0\)"
-
-
-def round_bf16(x: np.ndarray) -> np.ndarray:
-    """float64 values (exact in float32) rounded to bf16, nearest-even, returned as float64."""
-    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint32) << 16
-    return rounded.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
 # ---- (a) a missing threadgroup_barrier ----
@@ -186,12 +180,15 @@ def test_half_rounds_after_every_operation() -> None:
 
 
 def test_bfloat_rounds_after_every_operation() -> None:
-    a, b, c = (round_bf16(v) for v in mul_add_inputs(np.random.default_rng(2), 2.0**-7))
+    def bf16(x: np.ndarray) -> np.ndarray:
+        return round_to_dtype(x, "bfloat16").astype(np.float64)
+
+    a, b, c = (bf16(v) for v in mul_add_inputs(np.random.default_rng(2), 2.0**-7))
     bits = [np.ascontiguousarray((v.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)) for v in (a, b, c)]
     out = np.full(64, 0x7FC0, np.uint16)
     msl.dispatch("harness_mul_add_bf16", [*bits, out], (1, 1, 1), (64, 1, 1))
     got = (out.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    expected = round_bf16(round_bf16(a * b) + c)
+    expected = bf16(bf16(a * b) + c)
     np.testing.assert_array_equal(got, expected)
     assert got[0] == 6 * 2.0**-7, "a*b+c was not rounded after the multiply"
 

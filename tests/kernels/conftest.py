@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from lily.quant import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+
 
 def _use_cuda_for_dispatch() -> None:
     """LILY_KERNEL_DEVICE=cuda: the same test cases dispatch on the NVIDIA GPU (lily.cuda) instead of the CPU harness.
@@ -58,18 +60,6 @@ TOLERANCES: dict[str, Tolerance] = {
 STORAGE = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
 
-def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round float32 values to bf16 (nearest, ties to even) and return the raw uint16 bits."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
-
-
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    """Widen raw bf16 bits (uint16) to float32 exactly."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
 class KernelIO:
     """Converts between float64/float32 test values and a kernel's storage dtype."""
 
@@ -79,13 +69,13 @@ class KernelIO:
         """A C-contiguous buffer of `values` rounded to `dtype` ("f32", "f16" or "bf16")."""
         values = np.asarray(values, dtype=np.float64)
         if dtype == "bf16":
-            return np.ascontiguousarray(f32_to_bf16_bits(values.astype(np.float32)))
+            return np.ascontiguousarray(float32_to_bfloat16_bits(values.astype(np.float32)))
         return np.ascontiguousarray(values.astype(STORAGE[dtype]))
 
     def to_f64(self, buffer: np.ndarray, dtype: str) -> np.ndarray:
         """The values held by a device buffer, widened exactly."""
         if dtype == "bf16":
-            return bf16_bits_to_f32(buffer).astype(np.float64)
+            return bfloat16_bits_to_float32(buffer).astype(np.float64)
         return np.asarray(buffer).astype(np.float64)
 
     def round(self, values: np.ndarray, dtype: str) -> np.ndarray:

@@ -1,12 +1,11 @@
-"""metal/gated_delta.metal (the decode step) through the CPU harness, against lily.reference's Gated DeltaNet pieces;
-the shared fixtures of the op family (the prefill kernels are tested in test_gated_delta_prefill.py).
+"""metal/gated_delta.metal (the decode step) through the CPU harness, against lily.reference.gated_delta; also the
+shared fixtures of the op family (the prefill kernels are tested in test_gated_delta_prefill.py).
 
-The reference chain is ``causal_conv1d`` -> split q|k|v -> ``l2_normalize`` (q also times dk^-0.5) ->
-``gated_delta_rule`` -> ``gated_rms_norm``, as in ``lily.reference.gated_delta``. Shapes keep Dk = 128 (the kernel's
-template parameter) and the model's head grouping (Hv/Hk = 2), with smaller dv and head counts; they also cover Hv/Hk
-= 1 and 4, rows that do not divide evenly over the simdgroups and the full 256-row key head, from random conv and
-recurrent states. The Dk = 64 instances (demo model and fixtures: Hk 2, Hv 4 or 6, dv 64) run decode steps. Outputs
-start NaN-poisoned.
+The reference (conv + SiLU, q/k L2 norms with q times dk^-0.5, gates, the delta rule, the gated RMSNorm) runs on the
+kernel's exact inputs. Shapes keep Dk = 128 (the kernel's template parameter) and the model's head grouping (Hv/Hk =
+2), with smaller dv and head counts; they also cover Hv/Hk = 1 and 4, rows that do not divide evenly over the
+simdgroups and the full 256-row key head, from random conv and recurrent states. The Dk = 64 instances (demo model
+and fixtures: Hk 2, Hv 4 or 6, dv 64) run decode steps. Outputs start NaN-poisoned.
 """
 
 from __future__ import annotations
@@ -109,20 +108,15 @@ def make_tokens(rng: np.random.Generator, layer: Layer, num_tokens: int, kio) ->
 
 
 def reference_chain(layer: Layer, tokens: dict[str, np.ndarray], kio):
-    """lily.reference over the widened kernel inputs: out [T, Hv*dv], conv state [K-1, C], state [Hv, dv, Dk]."""
-    d, hk, hv, dv, dk = layer.dtype, layer.hk, layer.hv, layer.dv, layer.dk
-    qkv = kio.to_f64(tokens["qkv"], d)
-    t = qkv.shape[0]
-    mixed, conv_state = reference.causal_conv1d(qkv, kio.to_f64(layer.conv_weight, d), kio.to_f64(layer.conv_state, d))
-    q = reference.l2_normalize(mixed[:, : hk * dk].reshape(t, hk, dk)) * np.float32(dk**-0.5)
-    k = reference.l2_normalize(mixed[:, hk * dk : 2 * hk * dk].reshape(t, hk, dk))
-    v = mixed[:, 2 * hk * dk :].reshape(t, hv, dv)
-    b, a = kio.to_f64(tokens["b"], d), kio.to_f64(tokens["a"], d)
-    beta = 1.0 / (1.0 + np.exp(-b))
-    g = -np.exp(layer.a_log.astype(np.float64)) * np.logaddexp(0.0, a + layer.dt_bias)
-    o, state = reference.gated_delta_rule(q, k, v, g, beta, layer.state.transpose(0, 2, 1))
-    z = kio.to_f64(tokens["z"], d).reshape(t, hv, dv)
-    y = reference.gated_rms_norm(o, z, kio.to_f64(layer.norm_weight, d), EPS).reshape(t, hv * dv)
+    """lily.reference.gated_delta over the widened kernel inputs: out [T, Hv*dv], conv state [K-1, C], state
+    [Hv, dv, Dk] (the kernel's layout, the transpose of the reference's)."""
+    d = layer.dtype
+    weights = {"conv1d.weight": kio.to_f64(layer.conv_weight, d), "A_log": layer.a_log, "dt_bias": layer.dt_bias,
+               "norm.weight": kio.to_f64(layer.norm_weight, d)}
+    y, conv_state, state = reference.gated_delta(
+        *(kio.to_f64(tokens[name], d) for name in ("qkv", "z", "b", "a")), weights, kio.to_f64(layer.conv_state, d),
+        layer.state.transpose(0, 2, 1), num_k_heads=layer.hk, num_v_heads=layer.hv, head_k_dim=layer.dk,
+        head_v_dim=layer.dv, eps=EPS)
     return y, conv_state, state.transpose(0, 2, 1)
 
 

@@ -349,7 +349,8 @@ def test_moe_gate_up_swiglu_routed(key, shape_index: int, kio) -> None:
     normed = reference.rms_norm(kio.to_f64(x, dtype), kio.to_f64(norm_weight, dtype), NORM_EPS)
     expected = []
     for e in expected_ids[0]:
-        expected.append(silu64(reference.qmatmul(normed, layer.gate.dense[e])) * reference.qmatmul(normed, layer.up.dense[e]))
+        expected.append(silu64(reference.qmatmul(normed, layer.gate.dense[e]))
+                        * reference.qmatmul(normed, layer.up.dense[e]))
     expected.append(silu64(reference.qmatmul(normed, layer.shared_gate.dense)) *
                     reference.qmatmul(normed, layer.shared_up.dense))
     assert_close_dot(kio, out, np.concatenate(expected), "f32", f"{ROUTED[key]} {ROUTED_SHAPES[shape_index]}")

@@ -16,23 +16,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lily.config import ModelArgs
-from lily.quant import QuantizedTensor
+from lily.quant import QuantizedTensor, float32_to_bfloat16_bits
+from lily.reference import check_token_ids
 
 if TYPE_CHECKING:
     from lily.checkpoint import Checkpoint
     from lily.sampling import SamplingParams
 
 PRECISIONS = ("bfloat16", "float32")
-# Engine switches (each also LILY_DISABLE_<NAME> in the environment): concurrent dispatch, fused projection GEMVs,
-# decode kernel fusion (RMSNorm into the next GEMV, residual add into the out/o projection, routing into the experts),
-# the long-context split-KV attention path, the GPU writing the next token, prompts in T-row chunks (off: one decode
-# step per token), 32-row GEMM tiles (off: 16-row tiles only), the prefill MoE sort on the GPU (off: a CPU round trip
-# per layer), prompts in chunks of the prefill chunk size (off: one chunk for the whole prompt), decode attention
-# packing the query heads of one KV head per threadgroup (off: one head per threadgroup, each re-reading the cache).
-# Decode attention lanes reading consecutive chunks of a K/V row (coalesced_kv off: the plain lane mapping).
-# Prefill GEMMs dequantizing weight tiles inside the GEMM (in_gemm_dequant off: a dequantize pass, then a dense GEMM).
-# The prefill DeltaNet scan keeping its state in registers (register_scan off: a memory round trip per 16 tokens).
-# Prefill GEMMs on Metal 4 tensor ops where the GPU has them (tensor_ops off: the simdgroup-matrix qmm everywhere).
+# Engine switches, each also LILY_DISABLE_<NAME> in the environment: the one list. What each turns off is the table in
+# docs/engine.md ("Switches"); src/lily_ext/model.h (struct Switches) and bindings.cpp name the same ones, which
+# tests/test_layout.py checks.
 SWITCHES = ("concurrent", "fused_projections", "fusion", "split_kv", "gpu_token", "batched_prefill", "wide_tiles",
             "gpu_routing", "chunked_prefill", "gqa_packing", "coalesced_kv", "in_gemm_dequant",
             "register_scan", "tensor_ops")
@@ -95,15 +89,8 @@ _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "
 DEFAULT_MAX_CONTEXT = 32768
 
 
-def _bf16_bits(values: np.ndarray) -> np.ndarray:
-    """float32 values -> bfloat16 bit patterns (round to nearest even; exact for values that are bf16 already)."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return rounded.astype(np.uint16)
-
-
 def _as_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
-    return _bf16_bits(values) if dtype == "bfloat16" else np.ascontiguousarray(values, dtype=np.float32)
+    return float32_to_bfloat16_bits(values) if dtype == "bfloat16" else np.ascontiguousarray(values, dtype=np.float32)
 
 
 class MetalState:
@@ -133,7 +120,7 @@ class MetalState:
 def kernel_metallib() -> str | None:
     """The path of ``lily.metallib`` when this build compiled the kernels ahead of time, else None.
 
-    The build has one kernel-library mode (conventions.md §2 item 17): by default the kernel source embedded in
+    The build has one kernel-library mode: by default the kernel source embedded in
     ``_ext`` is compiled at first use; with ``-DLILY_AOT_METALLIB=ON`` the library is installed next to ``_ext`` and
     found only there. Raises FileNotFoundError naming the path when an AOT build's library is missing.
     """
@@ -328,14 +315,7 @@ class MetalBackend:
 
         ``dropped_barrier`` (tests only) leaves out the barrier before that node of each step.
         """
-        ids = np.asarray(token_ids)
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(
-                f"token_ids must be a non-empty 1-D sequence of integers; got shape {ids.shape}, dtype {ids.dtype}"
-            )
-        bad = (ids < 0) | (ids >= self.args.vocab_size)
-        if bad.any():
-            raise ValueError(f"token_ids must lie in [0, {self.args.vocab_size}); got {ids[bad][0]}")
+        ids = check_token_ids(token_ids, self.args.vocab_size)
         if not isinstance(state, MetalState) or state._backend is not self:
             raise ValueError("state was not made by this backend's new_state()")
         self._activate(state)

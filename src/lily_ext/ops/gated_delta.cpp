@@ -19,7 +19,7 @@ void gated_delta_step(Context& ctx, const ModelConfig& c, const std::string& lab
   a.num_k_heads = static_cast<u32>(c.gdn_k_heads);
   a.num_v_heads = static_cast<u32>(c.gdn_v_heads);
   a.head_v_dim = static_cast<u32>(c.gdn_v_dim);
-  a.l2_eps = 1e-6f;  // model.md: the L2 norm's eps is fixed, not rms_norm_eps
+  a.l2_eps = 1e-6f;  // the model's L2 norm uses a fixed eps, not rms_norm_eps
   a.norm_eps = c.eps;
   // One threadgroup per key head; enough simdgroups that each holds LILY_GDN_ROWS_PER_SIMDGROUP state rows.
   size_t rows = (c.gdn_v_heads / c.gdn_k_heads) * c.gdn_v_dim;

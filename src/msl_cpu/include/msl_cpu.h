@@ -674,7 +674,7 @@ MSL_CPU_ATOMIC_AS(__attribute__((address_space(1))))
 MSL_CPU_ATOMIC_AS(__attribute__((address_space(3))))
 #undef MSL_CPU_ATOMIC_AS
 
-// ---- simdgroup_matrix<T, 8, 8>: two elements per lane, MLX lane layout (metal-on-linux.md §4) ----
+// ---- simdgroup_matrix<T, 8, 8>: two elements per lane, MLX lane layout ----
 template <class T, int Rows, int Cols>
 struct simdgroup_matrix {
   static_assert(Rows == 8 && Cols == 8, "the CPU harness supports 8x8 simdgroup matrices only");

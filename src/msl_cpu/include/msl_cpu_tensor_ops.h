@@ -5,7 +5,7 @@
 // Emulated: 2-D `tensor<E, dextents<I, 2>, kind>` views (x = column, contiguous; y = row) with `slice(x, y)`;
 // `matmul2d<descriptor, execution_simdgroup>` with `get_destination_cooperative_tensor` and `run(left, right, dest)`;
 // `cooperative_tensor` with get_capacity / is_valid_element / operator[] / load / store. The destination fragment
-// layout is the one MLX relies on (metal-on-linux.md §5): a 16x16 fragment gives each lane 8 elements at row
+// layout is the one MLX relies on: a 16x16 fragment gives each lane 8 elements at row
 // fm + (i / 4) * 8, column fn + i % 4 with qid = lane / 4, fm = (qid & 4) | ((lane / 2) & 3),
 // fn = ((qid & 2) | (lane & 1)) * 4; wider destinations are fragments side by side (element 8 f + i).
 // run() is a SIMD collective (all 32 lanes, same operands), accumulating in fp32 with one rounding per element;

@@ -1,0 +1,96 @@
+"""Rules with one implementation: a second copy, or a caller that stops using the one, fails here.
+
+bf16 rounding lives in ``lily.quant`` (round to nearest even, NaN kept NaN); the token-id check of a backend's
+``forward`` in ``lily.reference.check_token_ids``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lily import quant, selftest
+from lily.backends import metal
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kernel_io():
+    """tests/kernels/conftest.py's KernelIO (tests/kernels is not a package, and its conftest is not importable)."""
+    spec = importlib.util.spec_from_file_location("kernel_tests_conftest", ROOT / "tests" / "kernels" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.KernelIO()
+
+
+def python_sources() -> list[Path]:
+    return sorted([*(ROOT / "python").rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "scripts").glob("*.py")])
+
+
+def files_matching(pattern: str, under: str = "") -> list[str]:
+    this = Path(__file__).resolve()
+    return [str(p.relative_to(ROOT)) for p in python_sources()
+            if p != this and str(p.relative_to(ROOT)).startswith(under) and re.search(pattern, p.read_text())]
+
+
+def test_bf16_rounding_is_written_once() -> None:
+    """The round-to-nearest-even bias 0x7FFF appears only in lily/quant.py."""
+    assert files_matching(r"(?i)0x7fff\b") == ["python/lily/quant.py"]
+
+
+# Every way Python code turns float32 into bf16 bits for a kernel or the engine.
+BF16_CONVERTERS = {
+    "lily.quant": quant.float32_to_bfloat16_bits,
+    "metal backend weights": lambda x: metal._as_dtype(x, "bfloat16"),
+    "selftest buffers": lambda x: selftest.to_device(x, "bf16"),
+    "kernel test buffers": lambda x: kernel_io().to_device(x, "bf16"),
+}
+
+
+@pytest.mark.parametrize("where", list(BF16_CONVERTERS))
+def test_every_bf16_conversion_rounds_to_nearest_even_and_keeps_nan(where: str) -> None:
+    # NaNs whose mantissa would carry into the exponent when rounded: the all-ones payload and a signalling NaN.
+    nans = np.array([0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001], dtype=np.uint32).view(np.float32)
+    numbers = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -2.5, np.inf, -np.inf, 3.4e38, 2**-130],
+                       dtype=np.float32)
+    # Ties to even: 1 + 2^-8 -> 1, 1 + 3·2^-8 -> 1 + 2^-6; above the tie rounds up; 3.4e38 overflows to inf.
+    expected = np.array([1.0, 1.0, 1 + 2**-6, 1 + 2**-7, -2.5, np.inf, -np.inf, np.inf, 2**-130], dtype=np.float32)
+    convert = BF16_CONVERTERS[where]
+    widened = quant.bfloat16_bits_to_float32(np.asarray(convert(numbers)).view(np.uint16))
+    np.testing.assert_array_equal(widened, expected)
+    with np.errstate(invalid="ignore"):  # widening a signalling NaN to float64 raises the invalid flag
+        widened_nans = quant.bfloat16_bits_to_float32(np.asarray(convert(nans)).view(np.uint16))
+    assert np.isnan(widened_nans).all(), f"{where}: NaNs became {widened_nans}"
+
+
+def test_token_id_check_is_written_once() -> None:
+    """Backends validate token ids with lily.reference.check_token_ids; no other copy of its message exists."""
+    assert files_matching(r"token_ids must (lie|be a non-empty)", "python/") == ["python/lily/reference.py"]
+    assert "check_token_ids(" in Path(metal.__file__).read_text()
+
+
+def test_tool_call_arguments_are_normalised_by_lily_chat() -> None:
+    """The chat template's message normalisation decodes tool-call arguments with lily.chat.tool_call_arguments."""
+    from lily.chat import tool_call_arguments
+    from lily.tokenizer import normalize_messages
+
+    def history(arguments) -> list[dict]:
+        call = {"type": "function", "function": {"name": "f", "arguments": arguments}}
+        return [{"role": "assistant", "content": "", "tool_calls": [call]}]
+
+    for raw in ('{"a": [1, 2]}', {"a": [1, 2]}, "", None):
+        (message,) = normalize_messages(history(raw))
+        assert message["tool_calls"][0]["function"]["arguments"] == tool_call_arguments(raw)
+    assert tool_call_arguments('{"a": [1, 2]}') == {"a": [1, 2]} and tool_call_arguments(None) == {}
+    for bad, why in (("[1]", "expected a JSON object, got list"), ("{", "not valid JSON")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            tool_call_arguments(bad)
+        with pytest.raises(ValueError, match=re.escape(f"messages[0].tool_calls[0].function.arguments: {why}")):
+            normalize_messages(history(bad))
+    assert "json.loads(arguments" not in (ROOT / "python" / "lily" / "tokenizer.py").read_text()
