@@ -93,4 +93,5 @@ def test_tool_call_arguments_are_normalised_by_lily_chat() -> None:
             tool_call_arguments(bad)
         with pytest.raises(ValueError, match=re.escape(f"messages[0].tool_calls[0].function.arguments: {why}")):
             normalize_messages(history(bad))
-    assert "json.loads(arguments" not in (ROOT / "python" / "lily" / "tokenizer.py").read_text()
+    for user in ("tokenizer.py", "server/requests.py"):  # both call lily.chat.tool_call_arguments
+        assert "json.loads(arguments" not in (ROOT / "python" / "lily" / user).read_text()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from ..chat import tool_call_arguments
 from ..sampling import SamplingParams
 from ..tokenizer import check_text
 
@@ -327,16 +328,10 @@ def _tool_call_history(calls: Any, where: str) -> list[dict[str, Any]]:
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise _bad(f"{here}.function.name", "expected a non-empty string", "invalid_type")
-        arguments = function.get("arguments", {})
-        if arguments is None or arguments == "":
-            arguments = {}
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                raise _bad(f"{here}.function.arguments", "is not valid JSON") from None
-        if not isinstance(arguments, dict):
-            raise _bad(f"{here}.function.arguments", "must be a JSON object", "invalid_type")
+        try:
+            arguments = tool_call_arguments(function.get("arguments"))
+        except ValueError as exc:
+            raise _bad(f"{here}.function.arguments", str(exc)) from None
         entry = {"type": "function", "function": {"name": name, "arguments": arguments}}
         if isinstance(call.get("id"), str):
             entry["id"] = call["id"]
