@@ -235,7 +235,8 @@ def host_cost(*, tokens: int = 256, precision: str = "bfloat16", warmup: int = 1
     toy Objective-C runtime and fake Metal. Needs the Linux test runtime (on a Mac, kernels cannot be stubbed).
     """
     from lily import _ext
-    from lily.engine import MetalBackend, full_size_args
+    from lily.backends.metal import MetalBackend
+    from lily.plan import full_size_args
 
     if tokens < 1 or warmup < 0:
         raise ValueError(f"tokens must be >= 1 and warmup >= 0; got {tokens}, {warmup}")

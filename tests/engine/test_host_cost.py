@@ -8,7 +8,7 @@ import json
 import numpy as np
 from lily import Model, bench, cli
 from lily._ext import _test_engine as te
-from lily.engine import full_size_args, plan_decode
+from lily.plan import full_size_args, plan_decode
 
 
 class RecordingEngine:

@@ -23,7 +23,8 @@ import pytest
 from lily import _ext
 from lily._ext import msl
 from lily.config import ModelArgs
-from lily.engine import FULL_SIZE_CONFIG, SWITCHES, engine_config
+from lily.backends.metal import SWITCHES, engine_config
+from lily.plan import FULL_SIZE_CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTANTIATION = re.compile(r'\[\[\s*host_name\s*\(\s*"([^"]+)"\s*\)\s*\]\]|LILY_INSTANTIATE_KERNEL\s*\(\s*"([^"]+)"')
