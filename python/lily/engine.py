@@ -58,9 +58,11 @@ PRECISIONS = ("bfloat16", "float32")
 # Decode attention lanes reading consecutive chunks of a K/V row (coalesced_kv off: the plain lane mapping).
 # Prefill GEMMs dequantizing weight tiles inside the GEMM (in_gemm_dequant off: a dequantize pass, then a dense GEMM).
 # The prefill DeltaNet scan keeping its state in registers (register_scan off: a memory round trip per 16 tokens).
+# Prefill attention on simdgroup matrices for chunks of 8+ tokens (mma_attention off: the vector kernel; also off when
+# the device's simdgroup_matrix lane layout differs from the one the kernel assumes).
 SWITCHES = ("concurrent", "fused_projections", "fusion", "split_kv", "gpu_token", "batched_prefill", "wide_tiles",
             "gpu_routing", "chunked_prefill", "gqa_packing", "coalesced_kv", "in_gemm_dequant",
-            "register_scan")
+            "register_scan", "mma_attention")
 # Sizes tests lower to reach rare paths quickly: the split-KV threshold (keys), the KV cache growth step (rows) and
 # the prefill chunk (rows).
 TEST_OPTIONS = ("split_kv_min_keys", "kv_block", "prefill_chunk")

@@ -8,11 +8,13 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
 #include "../../metal/lily.h"
 #include "encoder.h"
+#include "layout_probe.h"
 #include "ops/ops.h"
 #include "plan.h"
 #include "tuning.h"
@@ -462,6 +464,7 @@ void build_prefill_chunk(const ModelConfig& c, Precision precision, const Switch
   ctx.in_gemm_dequant = sw.in_gemm_dequant;
   if (p.dequant >= 0) ctx.dequant_scratch = whole(g, p.dequant);
   ctx.register_scan = sw.register_scan;
+  ctx.mma_attention = sw.mma_attention;
   auto rows = [&](int buffer, size_t row_bytes) { return Span{buffer, 0, T * row_bytes}; };
   Span hidden = rows(p.hidden, H * a), normed = rows(p.normed, H * a), mixer_out = rows(p.mixer_out, H * a);
   ops::embedding(ctx, rows(p.ids, 4), 0, weight(w, "embed_tokens.weight"), hidden, T);
@@ -625,6 +628,11 @@ Engine::Engine(const ModelConfig& config, Precision precision, const Switches& s
   config_.check_kernel_shapes();
   if (max_context_ == 0) throw mtl::Error("[engine] max_context must be positive");
   device_ = metallib ? std::make_unique<Device>(*metallib) : std::make_unique<Device>(kernel_families);
+  if (switches_.mma_attention && !simdgroup_layout_matches(*device_)) {
+    std::fprintf(stderr, "lily: this GPU's simdgroup_matrix lane layout differs from the one attention_prefill_mma "
+                         "assumes; prefill attention uses the vector kernel\n");
+    switches_.mma_attention = false;
+  }
 }
 
 Engine::~Engine() = default;

@@ -25,6 +25,7 @@ struct Context {
   bool in_gemm_dequant = true;  // prefill GEMMs dequantize W tiles inside the GEMM (IN_GEMM_DEQUANT)
   Span dequant_scratch{};   // IN_GEMM_DEQUANT off: prefill GEMMs dequantize W here, then run mm_* (else unused)
   bool coalesced_kv = true;  // decode attention lanes read consecutive chunks of a K/V row (COALESCED_KV)
+  bool mma_attention = true;  // prefill attention on simdgroup matrices for 8+ tokens (MMA_ATTENTION, layout probe)
 };
 
 // Appends a node; traffic defaults to the declared ranges.
