@@ -195,10 +195,11 @@ class _Checker:
             where = {"namespace": "at program scope", "type": "in a struct"}.get(scope, "in a helper function")
             self.fail(at, "threadgroup-scope", f"threadgroup variable {where}")
             return
-        if scope in ("function", "block"):
+        if scope in ("function", "block", "type"):
             m = POINTER_DECL_RE.match(text)
             if m and not (set(m.group(1).split()) & (ADDRESS_SPACES | {"auto", "return", "else", "case"})):
                 self.fail(at, "unqualified-pointer", f"'{' '.join(text.split('=')[0].split())}'")
+        if scope in ("function", "block"):
             if text.startswith("static ") and "constant" not in words:
                 self.fail(at, "program-scope-constant", "static local variable without `constant`")
             return
@@ -224,7 +225,7 @@ class _Checker:
         at = offset + open_
         widths = {}
         for param in _split_params(head[open_ + 1 : close]):
-            ptype = ATTR_RE.sub("", param).strip()
+            ptype = ATTR_RE.sub("", param).split("=")[0].strip()  # not a default argument's product
             if "*" in ptype and not set(re.findall(r"\w+", ptype.split("*")[0])) & ADDRESS_SPACES:
                 self.fail(at, "unqualified-pointer", f"parameter '{' '.join(ptype.split())}'")
             for attr in ATTR_RE.findall(param):
