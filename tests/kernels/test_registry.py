@@ -1,6 +1,7 @@
 """Every instantiated kernel is registered in the harness and tested by some tests/kernels/test_*.py.
 
-Host names are read from metal/*.metal (`[[host_name("...")]]` and `LILY_INSTANTIATE_KERNEL("...", ...)`)
+Host names are read from metal/*.metal (`[[host_name("...")]]`, `LILY_INSTANTIATE_KERNEL("...", ...)` and plain
+`[[kernel]]` functions that are not templates)
 and must equal `lily._ext.msl.kernel_names()`; a name is tested when it appears in a kernel test file.
 """
 
@@ -13,6 +14,8 @@ from lily._ext import msl
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTANTIATION = re.compile(r'\[\[\s*host_name\s*\(\s*"([^"]+)"\s*\)\s*\]\]|LILY_INSTANTIATE_KERNEL\s*\(\s*"([^"]+)"')
+# A kernel that is not a template is its own host name.
+KERNEL = re.compile(r"\[\[\s*kernel\s*\]\]\s*void\s+(\w+)\s*\(")
 
 
 def source_host_names() -> list[str]:
@@ -20,6 +23,7 @@ def source_host_names() -> list[str]:
     for path in sorted((ROOT / "metal").glob("*.metal")):
         text = re.sub(r"//[^\n]*|/\*.*?\*/", "", path.read_text(), flags=re.S)
         names += [a or b for a, b in INSTANTIATION.findall(text)]
+        names += [m.group(1) for m in KERNEL.finditer(text) if not text[: m.start()].rstrip().endswith(">")]
     return names
 
 
