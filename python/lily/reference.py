@@ -147,7 +147,11 @@ def rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, theta: float) ->
     """
     x = _f32(x)
     half = rotary_dim // 2
-    inv_freq = np.float32(1.0) / np.float32(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim)
+    # theta^(2i/R) in float64, rounded once to fp32 (a correctly rounded powf, as glibc's and torch's give here):
+    # numpy's SIMD float32 power is an ulp off on AVX-512 CPUs, which moves an angle at position 250000 by 1e-2 rad.
+    exponent = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
+    power = (np.float64(np.float32(theta)) ** exponent.astype(np.float64)).astype(np.float32)
+    inv_freq = np.float32(1.0) / power
     angles = np.asarray(positions, dtype=np.float32)[:, None] * inv_freq[None, :]  # [T, half] fp32
     cos = np.cos(angles.astype(np.float64))[:, None, :]
     sin = np.sin(angles.astype(np.float64))[:, None, :]
