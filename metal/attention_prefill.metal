@@ -34,6 +34,19 @@
 
 using namespace metal;
 
+// The lane layout of simdgroup_float8x8::thread_elements(), which attention_prefill_mma relies on and Apple leaves
+// unspecified: lane l writes its two elements of M[r][c] = 8r + c. The engine runs it once per device
+// (src/lily_ext/layout_probe.cpp) and uses the vector kernel when the layout differs; lily.selftest has its row.
+[[kernel]] void simdgroup_layout_probe(device float2* out [[buffer(0)]], uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float matrix[64];
+  matrix[lane] = float(lane);
+  matrix[lane + 32] = float(lane + 32);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  simdgroup_float8x8 m;
+  simdgroup_load(m, matrix, 8);
+  out[lane] = m.thread_elements();
+}
+
 template <typename T, typename C, uint D, uint G>
 [[kernel]] void attention_prefill(constant lily::AttentionArgs& args [[buffer(0)]],
                                   device const T* q [[buffer(1)]],

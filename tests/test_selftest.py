@@ -166,6 +166,14 @@ def runner() -> kernels.Runner:
     return kernels.Runner()
 
 
+@pytest.fixture(scope="module")
+def test_kernels_runner() -> kernels.Runner:
+    """A Runner over the harness's and the engine tests' own kernels, compiled as one library: Lily's embedded
+    families hold only the kernels of metal/."""
+    sources = sorted((ROOT / "tests" / "harness").glob("*.metal")) + sorted((ROOT / "tests" / "engine").glob("*.metal"))
+    return kernels.Runner("\n".join(p.read_text() for p in sources))
+
+
 def test_runner_lists_the_kernels_the_source_instantiates(runner: kernels.Runner) -> None:
     assert runner.device_name == FAKE_DEVICE
     assert runner.kernel_names() == msl.kernel_names() and runner.missing_kernel_names() == []
@@ -185,25 +193,26 @@ def test_runner_lists_the_kernels_the_source_instantiates(runner: kernels.Runner
 
 @pytest.mark.parametrize("count,threads", [(1, 32), (70, 32), (64, 64), (257, 128)])
 @pytest.mark.parametrize("add_one", [None, True, False])
-def test_runner_runs_a_kernel_with_function_constants(runner: kernels.Runner, count: int, threads: int,
-                                                      add_one: bool | None) -> None:
+def test_runner_runs_a_kernel_with_function_constants(test_kernels_runner: kernels.Runner, count: int,
+                                                      threads: int, add_one: bool | None) -> None:
     rng = np.random.default_rng(count * 7 + threads)
     x = rng.standard_normal(count + 5).astype(np.float32)
     y = np.full(count + 5, np.nan, np.float32)
     scale = np.float32(rng.uniform(0.5, 3.0))
-    runner.run("engine_scale", [x, y, struct.pack("<f", scale), struct.pack("<I", count)],
-               (-(-count // threads), 1, 1), (threads, 1, 1), constants=None if add_one is None else {0: add_one})
+    test_kernels_runner.run("engine_scale", [x, y, struct.pack("<f", scale), struct.pack("<I", count)],
+                            (-(-count // threads), 1, 1), (threads, 1, 1),
+                            constants=None if add_one is None else {0: add_one})
     expected = scale * x[:count] + np.float32(1.0 if add_one else 0.0)
     np.testing.assert_array_equal(y[:count], expected)
     assert np.isnan(y[count:]).all()  # past n: untouched, and copied back untouched
 
 
-def test_runner_errors_name_the_kernel_and_the_argument(runner: kernels.Runner) -> None:
+def test_runner_errors_name_the_kernel_and_the_argument(test_kernels_runner: kernels.Runner) -> None:
     x, y = np.zeros(64, np.float32), np.zeros(64, np.float32)
     n = struct.pack("<I", 64)
 
     def run(args, threads=32, constants=None):
-        runner.run("engine_scale", args, (2, 1, 1), (threads, 1, 1), constants=constants)
+        test_kernels_runner.run("engine_scale", args, (2, 1, 1), (threads, 1, 1), constants=constants)
 
     with pytest.raises(ValueError, match=r"kernel 'engine_scale' args\[1\]: .*not C-contiguous"):
         run([x, np.zeros(128, np.float32)[::2], struct.pack("<f", 1.0), n])
@@ -220,16 +229,16 @@ def test_runner_errors_name_the_kernel_and_the_argument(runner: kernels.Runner) 
     with pytest.raises(TypeError, match=r"constants\[0\] must be a bool or a 64-bit int; got float"):
         run([x, y, struct.pack("<f", 1.0), n], constants={0: 0.5})
     with pytest.raises(RuntimeError, match=r"kernel 'no_such_kernel': .*was not found in the library"):
-        runner.run("no_such_kernel", [x], (1, 1, 1), (1, 1, 1))
+        test_kernels_runner.run("no_such_kernel", [x], (1, 1, 1), (1, 1, 1))
     with pytest.raises(RuntimeError, match=r"cannot compile the kernel library: program_source:2: error: bad"):
         kernels.Runner("// fine\n#error bad\n")
 
 
-def test_a_failing_command_buffer_names_the_kernel_and_leaves_the_arrays(runner: kernels.Runner) -> None:
+def test_a_failing_command_buffer_names_the_kernel_and_leaves_the_arrays(test_kernels_runner: kernels.Runner) -> None:
     x, out = np.arange(64, dtype=np.float32), np.full(64, np.nan, np.float32)
     with pytest.raises(RuntimeError, match=r"kernel 'broken_barrier_early_return': .*command buffer failed: .*"
                                            r"barrier divergence"):
-        runner.run("broken_barrier_early_return", [x, out, struct.pack("<I", 40)], (1, 1, 1), (64, 1, 1))
+        test_kernels_runner.run("broken_barrier_early_return", [x, out, struct.pack("<I", 40)], (1, 1, 1), (64, 1, 1))
     assert np.isnan(out).all()
-    runner.run("broken_barrier_early_return", [x, out, struct.pack("<I", 64)], (1, 1, 1), (64, 1, 1))
+    test_kernels_runner.run("broken_barrier_early_return", [x, out, struct.pack("<I", 64)], (1, 1, 1), (64, 1, 1))
     np.testing.assert_array_equal(out, x[::-1])

@@ -18,7 +18,8 @@ TENSOR_OPS_METAL_VERSION = 400
 
 RULES = {
     "program-scope-constant": "program-scope and static variables (static data members included) must be declared "
-                              "in the `constant` address space (MSL §4.2), e.g. `static constant constexpr int N = 4;`",
+                              "in the `constant` address space (MSL §4.2), e.g. "
+                              "`static constant constexpr int N = 4;`",
     "position-attribute-width": "the thread/threadgroup position and size attributes of one kernel must all be "
                                 "scalars or all vectors of one width (MSL §5.2.3)",
     "barrier-mem-flags": "threadgroup_barrier needs mem_flags, and mem_flags::mem_none does not make threadgroup "
@@ -53,8 +54,10 @@ ATTR_RE = re.compile(r"\[\[\s*(\w+)\s*(?:\([^)]*\))?\s*\]\]")
 MACRO_CALL_RE = re.compile(r"^[ \t]*[A-Z][A-Z0-9_]+\s*\(", re.M)
 DIRECTIVE_RE = re.compile(r"[ \t]*#")
 LOCAL_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
-THREADGROUP_DECL_RE = re.compile(r"^\s*(?:static\s+)?threadgroup\s+[\w:<>, ]+?\s+\w+\s*(?:\[[^\]]*\]\s*)*(?:=.*)?$", re.S)
-POINTER_DECL_RE = re.compile(r"^\s*((?:const\s+|volatile\s+)*[A-Za-z_][\w:]*(?:\s*<[^;{}()]*>)?)\s*\*+\s*(?:const\s+)?\w+\s*(?:=|$)")
+THREADGROUP_DECL_RE = re.compile(
+    r"^\s*(?:static\s+)?threadgroup\s+[\w:<>, ]+?\s+\w+\s*(?:\[[^\]]*\]\s*)*(?:=.*)?$", re.S)
+POINTER_DECL_RE = re.compile(  # `[const] Type[<...>] *name [= ...]`: the type is group 1
+    r"^\s*((?:const\s+|volatile\s+)*[A-Za-z_][\w:]*(?:\s*<[^;{}()]*>)?)\s*\*+\s*(?:const\s+)?\w+\s*(?:=|$)")
 SCALAR_WIDTH = {"uint": 1, "ushort": 1, "int": 1, "short": 1}
 
 
@@ -195,10 +198,11 @@ class _Checker:
             where = {"namespace": "at program scope", "type": "in a struct"}.get(scope, "in a helper function")
             self.fail(at, "threadgroup-scope", f"threadgroup variable {where}")
             return
-        if scope in ("function", "block"):
+        if scope in ("function", "block", "type"):
             m = POINTER_DECL_RE.match(text)
             if m and not (set(m.group(1).split()) & (ADDRESS_SPACES | {"auto", "return", "else", "case"})):
                 self.fail(at, "unqualified-pointer", f"'{' '.join(text.split('=')[0].split())}'")
+        if scope in ("function", "block"):
             if text.startswith("static ") and "constant" not in words:
                 self.fail(at, "program-scope-constant", "static local variable without `constant`")
             return
@@ -224,7 +228,7 @@ class _Checker:
         at = offset + open_
         widths = {}
         for param in _split_params(head[open_ + 1 : close]):
-            ptype = ATTR_RE.sub("", param).strip()
+            ptype = ATTR_RE.sub("", param).split("=")[0].strip()  # not a default argument's product
             if "*" in ptype and not set(re.findall(r"\w+", ptype.split("*")[0])) & ADDRESS_SPACES:
                 self.fail(at, "unqualified-pointer", f"parameter '{' '.join(ptype.split())}'")
             for attr in ATTR_RE.findall(param):

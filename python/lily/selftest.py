@@ -520,6 +520,25 @@ def attention_split_case(kernel: str) -> Result:
     return compare(kernel, shape, to_f64(out, dtype), expected, dtype)
 
 
+def assumed_simdgroup_layout() -> np.ndarray:
+    """[32, 2]: the element index 8 * row + col of an 8x8 simdgroup matrix that each lane's thread_elements() holds,
+    in the layout attention_prefill_mma assumes (MLX's; src/lily_ext/layout_probe.cpp has the same mapping)."""
+    lanes = np.arange(32)
+    quad = lanes // 4
+    first = 8 * ((quad & 4) + (lanes // 2) % 4) + (quad & 2) * 2 + (lanes % 2) * 2
+    return np.stack([first, first + 1], axis=1)
+
+
+@case(r"simdgroup_layout_probe")
+def simdgroup_layout_case(kernel: str) -> Result:
+    """Apple does not specify the lane layout of thread_elements(); where it differs, the engine runs prefill
+    attention on the vector kernel, and this row fails to say so."""
+    out = np.full((32, 2), np.nan, np.float32)
+    _dispatch(kernel, [out], (1, 1, 1), (32, 1, 1))
+    got = np.where(np.isfinite(out), out, -1).astype(np.int64).ravel()
+    return compare_ids(kernel, "32 lanes x 2 elements", got, [{int(e)} for e in assumed_simdgroup_layout().ravel()])
+
+
 @case(r"attention_prefill(_mma)?_(unpacked_)?(f32|f16|bf16)_d(256|64)")
 def attention_prefill_case(kernel: str) -> Result:
     dtype, kv_heads, queries, offset = dtype_of(kernel), 2, 12, 21

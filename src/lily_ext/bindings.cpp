@@ -70,6 +70,7 @@ lily::Switches switches_from_dict(const nb::dict& d) {
     else if (name == "in_gemm_dequant") s.in_gemm_dequant = nb::cast<bool>(value);
     else if (name == "coalesced_kv") s.coalesced_kv = nb::cast<bool>(value);
     else if (name == "tensor_ops") s.tensor_ops = nb::cast<bool>(value);
+    else if (name == "mma_attention") s.mma_attention = nb::cast<bool>(value);
     else throw nb::value_error(("unknown engine switch '" + name + "'").c_str());
   }
   return s;

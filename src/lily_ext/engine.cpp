@@ -10,10 +10,12 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
 #include "encoder.h"
+#include "layout_probe.h"
 #include "plan.h"
 #include "tuning.h"
 
@@ -84,6 +86,11 @@ Engine::Engine(const ModelConfig& config, Precision precision, const Switches& s
   if (max_context_ == 0) throw mtl::Error("[engine] max_context must be positive");
   device_ = metallib ? std::make_unique<Device>(*metallib) : std::make_unique<Device>(kernel_families);
   switches_.tensor_ops = switches_.tensor_ops && device_->supports_tensor_ops();
+  if (switches_.mma_attention && !simdgroup_layout_matches(*device_)) {
+    std::fprintf(stderr, "lily: this GPU's simdgroup_matrix lane layout differs from the one attention_prefill_mma "
+                         "assumes; prefill attention uses the vector kernel\n");
+    switches_.mma_attention = false;
+  }
 }
 
 Engine::~Engine() {

@@ -53,6 +53,8 @@ struct Switches {
   bool in_gemm_dequant = true;     // IN_GEMM_DEQUANT: off = prefill qmm as a dequantize pass + a dense GEMM
   bool coalesced_kv = true;        // COALESCED_KV: off = decode attention reads K/V rows with the plain lane mapping
   bool tensor_ops = true;          // TENSOR_OPS: prefill GEMMs on Metal 4 tensor ops (qmm_nax) where the GPU has them
+  bool mma_attention = true;       // MMA_ATTENTION: off = prefill attention on vector ALUs only (also forced off when
+                                   // the simdgroup_matrix lane-layout probe disagrees on this GPU)
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
   size_t kv_growth_block() const;

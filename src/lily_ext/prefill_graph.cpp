@@ -95,6 +95,7 @@ void build_prefill_chunk(const ModelConfig& c, Precision precision, const Switch
   if (p.dequant >= 0) ctx.dequant_scratch = whole(g, p.dequant);
   ctx.register_scan = sw.register_scan;
   ctx.tensor_ops = sw.tensor_ops;
+  ctx.mma_attention = sw.mma_attention;
   auto rows = [&](int buffer, size_t row_bytes) { return Span{buffer, 0, T * row_bytes}; };
   Span hidden = rows(p.hidden, H * a), normed = rows(p.normed, H * a), mixer_out = rows(p.mixer_out, H * a);
   ops::embedding(ctx, rows(p.ids, 4), 0, weight(w, "embed_tokens.weight"), hidden, T);

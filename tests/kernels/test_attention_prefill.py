@@ -270,3 +270,15 @@ def test_prep_prefill_decode_chain(dtype: str, head_dim: int, kio) -> None:
         msl.dispatch(decode, [args, q_out[0], gate_out[0], k_cache, v_cache, out], (heads // per_group, 1, 1),
                      (128, 1, 1))
         assert_close(kio, kio.to_f64(out, dtype), expected[0], dtype, f"prep + decode {dtype}", widen=3.0)
+
+
+def test_simdgroup_layout_probe_reports_the_layout_the_mma_kernel_assumes() -> None:
+    """The engine trusts attention_prefill_mma only where this probe matches (src/lily_ext/layout_probe.cpp); here
+    the harness emulates MLX's layout, so it must match exactly, and every lane must write both elements."""
+    from lily.selftest import assumed_simdgroup_layout
+
+    out = np.full((32, 2), np.nan, np.float32)
+    msl.dispatch("simdgroup_layout_probe", [out], (1, 1, 1), (32, 1, 1))
+    np.testing.assert_array_equal(out, assumed_simdgroup_layout().astype(np.float32))
+    assert sorted(out.ravel().astype(int)) == list(range(64)), "each element of the 8x8 matrix held by one lane"
+

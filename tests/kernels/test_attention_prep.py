@@ -9,10 +9,10 @@ across lanes) and 256 (the whole head), 1 and 3 simdgroups per threadgroup (a pa
 heads, rotary 16), rotary 64 (the whole head) and 32, decode and prefill. Outputs and the written cache rows start
 NaN-poisoned; the other cache rows hold random values that must survive.
 
-The expected angles follow the kernel's fp32 steps with each step computed in float64 and rounded once to fp32
-(`inv_freq_f32`), not numpy's float32 power, whose last bit depends on the CPU (with AVX-512 it differs from a
-correctly rounded powf by 1 ulp at some exponents, which at position 30001 moves an angle by 1e-3 rad). So the f32
-tolerance stays tight enough to catch an off-by-one rotary dimension on every machine.
+The reference forms theta^(2i/R) in float64 and rounds once to fp32 (a correctly rounded powf), not with numpy's
+float32 power, whose last bit depends on the CPU's SIMD (an ulp off on AVX-512 machines, which at position 30001 moves
+an angle by 1e-3 rad). So the tight f32 tolerance, which is what catches an off-by-one rotary dimension, holds on every
+machine (checked with and without AVX-512: NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL").
 """
 
 from __future__ import annotations
@@ -79,54 +79,13 @@ def run_prep(kio, dtype: str, rng: np.random.Generator, tokens: int, heads: int,
     return inputs, outputs
 
 
-def inv_freq_f32(rotary_dim: int, theta: float) -> np.ndarray:
-    """theta^(-2i/R) as the kernel forms it in fp32 (exponent, power, reciprocal): each step in float64, rounded once."""
-    exponent = (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim).astype(np.float32)
-    power = (np.float64(np.float32(theta)) ** exponent.astype(np.float64)).astype(np.float32)
-    return (1.0 / power.astype(np.float64)).astype(np.float32)
-
-
-def rope_f64(x: np.ndarray, positions: np.ndarray, rotary_dim: int, theta: float) -> np.ndarray:
-    """reference.rope with the angles of inv_freq_f32 (fp32 angles, position * inv_freq rounded once)."""
-    half = rotary_dim // 2
-    angles = (positions.astype(np.float64)[:, None] * inv_freq_f32(rotary_dim, theta)[None, :]).astype(np.float32)
-    cos, sin = np.cos(angles.astype(np.float64))[:, None, :], np.sin(angles.astype(np.float64))[:, None, :]
-    x = x.astype(np.float32).astype(np.float64)  # as reference.rope: fp32 inputs
-    first, second = x[..., :half], x[..., half:rotary_dim]
-    out = x.copy()
-    out[..., :half] = first * cos - second * sin
-    out[..., half:rotary_dim] = second * cos + first * sin
-    return out
-
-
-def expected_prep(inputs, positions: np.ndarray, rotary_dim: int, theta: float, eps: float):
-    """reference.attention_prep (split, RMS-norm over the head, then RoPE) with the CPU-independent angles."""
-    head_dim = inputs["k"].shape[-1]
-    q, gate = inputs["q_and_gate"][..., :head_dim], inputs["q_and_gate"][..., head_dim:]
-    q = rope_f64(reference.rms_norm(q, inputs["q_norm"], eps), positions, rotary_dim, theta)
-    k = rope_f64(reference.rms_norm(inputs["k"], inputs["k_norm"], eps), positions, rotary_dim, theta)
-    return q, gate, k
-
-
-def test_reference_angles_differ_from_lily_reference_only_by_the_last_bit_of_inv_freq() -> None:
-    """rope_f64 is reference.rope up to the rounding of theta^x: equal at position 0 (identity), and inv_freq within
-    2 ulps of the float32 power reference.rope uses."""
-    rng = np.random.default_rng(7)
-    x = rng.standard_normal((3, 2, 64))
-    positions = np.array([0, 1, 30001])
-    ours, theirs = rope_f64(x, positions, 64, THETA), reference.rope(x, positions, 64, THETA)
-    np.testing.assert_array_equal(ours[0], theirs[0])
-    np.testing.assert_allclose(ours, theirs, atol=1e-2)
-    numpy_f32 = np.float32(1.0) / np.float32(THETA) ** (np.arange(0, 64, 2, dtype=np.float32) / 64)
-    ulps = np.abs(inv_freq_f32(64, THETA).view(np.int32) - numpy_f32.view(np.int32))
-    assert ulps.max() <= 2  # numpy's AVX-512 float32 power is up to 1 ulp off, the reciprocal adds 1
-
-
 def check_against_reference(kio, dtype: str, inputs, outputs, position: int, rotary_dim: int, theta: float = THETA,
                             eps: float = EPS):
     tokens = inputs["k"].shape[0]
     positions = np.arange(position, position + tokens)
-    q, gate, k = expected_prep(inputs, positions, rotary_dim, theta, eps)
+    q, gate, k = reference.attention_prep(
+        inputs["q_and_gate"], inputs["k"], inputs["q_norm"], inputs["k_norm"], positions, rotary_dim, theta, eps
+    )
     what = f"{dtype} T={tokens} pos={position} R={rotary_dim}"
     kio.assert_close(outputs["q"], kio.round(q, dtype), dtype, f"q {what}")
     assert np.array_equal(outputs["gate"], gate.astype(np.float64)), f"gate must be copied exactly ({what})"
@@ -135,6 +94,23 @@ def check_against_reference(kio, dtype: str, inputs, outputs, position: int, rot
                      f"k cache {what}")
     v_stored = kio.round(inputs["v"], cache_dtype).transpose(1, 0, 2)  # one rounding to the cache dtype
     assert np.array_equal(outputs["v_cache"][:, window], v_stored), f"v cache row ({what})"
+
+
+def test_reference_inv_freq_is_a_correctly_rounded_power() -> None:
+    """reference.rope's theta^(-2i/R) equals the float64 value rounded once per fp32 step, for every exponent the
+    kernels see, whatever SIMD numpy dispatches to (glibc's powf gives the same here)."""
+    for theta in (THETA, 1e6):
+        for rotary_dim in (16, 32, 64, 256):
+            positions = np.array([30001])  # far out: an ulp of inv_freq moves the angle by up to 1e-3 rad
+            x = np.zeros((1, 1, rotary_dim), np.float32)
+            x[..., : rotary_dim // 2] = 1.0  # first half 1, second half 0: out = (cos a, sin a) per pair
+            out = reference.rope(x, positions, rotary_dim, theta)
+            exponent = (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim).astype(np.float32)
+            power = (float(np.float32(theta)) ** exponent.astype(np.float64)).astype(np.float32)
+            inv_freq = (1.0 / power.astype(np.float64)).astype(np.float32)
+            angles = (np.float64(positions[0]) * inv_freq.astype(np.float64)).astype(np.float32)  # fp32 product
+            expected = np.cos(angles.astype(np.float64)).astype(np.float32)
+            np.testing.assert_array_equal(out[0, 0, : rotary_dim // 2], expected)
 
 
 CASES = [

@@ -1,4 +1,6 @@
 // attention_prefill[_mma]_* (metal/attention_prefill.metal): T tokens (after attention_prep, attention_prep.cpp).
+#include <algorithm>
+
 #include "../../../metal/lily.h"
 #include "../tuning.h"
 #include "ops.h"
@@ -17,14 +19,15 @@ void attention_prefill(Context& ctx, const ModelConfig& c, const std::string& la
   const std::string variant = heads_per_group == 1 ? "unpacked_" : "";
   const std::vector<NodeArg> args = {arg_value(a), arg(s.q), arg(s.gate), arg(s.k_cache), arg(s.v_cache),
                                      arg(s.out)};
-  if (tokens >= tuning::kAttentionMmaMinQueries) {
+  if (tokens >= tuning::kAttentionMmaMinQueries && ctx.mma_attention) {
     // Matrix units: 8 queries x G heads per threadgroup, one simdgroup per head.
     add_node(ctx, "attention_prefill_mma_" + variant + dt + suffix, label, args, {(tokens + 7) / 8, packs, 1},
              {32 * heads_per_group, 1, 1}, prefix, {s.out});
   } else {
-    // Few queries: one simdgroup per query.
-    add_node(ctx, "attention_prefill_" + variant + dt + suffix, label, args, {1, packs, 1}, {32 * tokens, 1, 1}, prefix,
-             {s.out});
+    // Few queries (or MMA_ATTENTION off): one simdgroup per query, up to 8 queries per threadgroup.
+    const size_t queries = std::min(tokens, tuning::kAttentionMmaMinQueries);
+    add_node(ctx, "attention_prefill_" + variant + dt + suffix, label, args, {(tokens + queries - 1) / queries, packs, 1},
+             {32 * queries, 1, 1}, prefix, {s.out});
   }
 }
 

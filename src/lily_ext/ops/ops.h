@@ -26,6 +26,7 @@ struct Context {
   Span dequant_scratch{};   // IN_GEMM_DEQUANT off: prefill GEMMs dequantize W here, then run mm_* (else unused)
   bool coalesced_kv = true;  // decode attention lanes read consecutive chunks of a K/V row (COALESCED_KV)
   bool tensor_ops = false;   // bf16 prefill GEMMs with bf16 scales run qmm_nax (TENSOR_OPS, on M5-class GPUs)
+  bool mma_attention = true;  // prefill attention on simdgroup matrices for 8+ tokens (MMA_ATTENTION, layout probe)
 };
 
 // Appends a node; traffic defaults to the declared ranges.
