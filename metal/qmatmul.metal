@@ -153,53 +153,79 @@ inline void store_y_tile(threadgroup const float* tile, uint ld, uint rows, uint
 
 namespace lily_qmatmul {
 
-// One simdgroup's part of a decode GEMV: acc[r] = sum_k x'_k w[first_row + r, k] (this lane's share; the caller does
-// the simd_sum), with x' = x ⊙ norm_weight when Norm (returns this lane's share of sum_k x_k^2 for the RMS; the scalar
-// 1/rms is applied by the caller after the sum, so x is read once and no normalised copy is rounded or stored).
-template <bool Norm, int Bits, typename T, typename S>
-inline float qmv_accumulate(thread float* acc, device const T* x_row, device const T* norm_weight,
-                            device const uint* weight, device const S* scales, device const S* biases, uint K, uint N,
-                            uint first_row, uint lane) {
+// One simdgroup's part of a decode GEMV for up to B input rows at once, so each weight byte is read once for all of
+// them: acc[b][r] = sum_k x'_{b,k} w[first_row + r, k] (this lane's share; the caller does the simd_sum), with
+// x' = x ⊙ norm_weight when Norm (then sum_sq[b] is this lane's share of sum_k x_{b,k}^2; 1/rms is applied by the
+// caller after the sum). Lanes take interleaved words: word w0 + 32 j of each row for j < LILY_QMV_WORDS_PER_LANE, so
+// every weight load instruction reads 128 contiguous bytes of a row (fully coalesced, needing only the 4-byte
+// alignment of a packed word), all rows' words of a step are in flight before the arithmetic, and the x values of a
+// word are consecutive (vector loads). Rows past N read row N - 1 (in bounds; the caller never writes them).
+template <bool Norm, int Bits, uint B, typename T, typename S>
+inline void qmv_accumulate(thread float (&acc)[B][LILY_QMV_ROWS_PER_SIMDGROUP], thread float (&sum_sq)[B],
+                           device const T* x, uint batch, device const T* norm_weight, device const uint* weight,
+                           device const S* scales, device const S* biases, uint K, uint N, uint first_row,
+                           uint lane) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
-  constexpr uint kValues = LILY_QMV_VALUES_PER_LANE;  // codes per lane, row and step; divides the group size
+  constexpr uint kWords = LILY_QMV_WORDS_PER_LANE;  // per row and step
   constexpr uint kPerWord = 32 / Bits;
-  constexpr uint kWords = kValues / kPerWord;
+  constexpr uint kWordsPerGroup = kGroupSize / kPerWord;
   constexpr uint kMask = (1u << Bits) - 1u;
   const uint words_per_row = K / kPerWord;
   const uint groups_per_row = K / kGroupSize;
-  float sum_sq = 0.0f;
-  for (uint r = 0; r < kRows; ++r) {
-    acc[r] = 0.0f;
-  }
-  for (uint k0 = lane * kValues; k0 < K; k0 += 32 * kValues) {
-    float xs[kValues];
-    float x_sum = 0.0f;
-    for (uint i = 0; i < kValues; ++i) {
-      xs[i] = float(x_row[k0 + i]);
-      if (Norm) {
-        sum_sq += xs[i] * xs[i];
-        xs[i] *= float(norm_weight[k0 + i]);
-      }
-      x_sum += xs[i];
-    }
+  for (uint b = 0; b < B; ++b) {
+    sum_sq[b] = 0.0f;
     for (uint r = 0; r < kRows; ++r) {
-      const uint n = first_row + r;
-      if (n < N) {
-        device const uint* w = weight + size_t(n) * words_per_row + k0 / kPerWord;
-        float dot = 0.0f;
-        for (uint j = 0; j < kWords; ++j) {
-          const uint word = w[j];
-          for (uint e = 0; e < kPerWord; ++e) {
-            dot += xs[j * kPerWord + e] * float((word >> (e * Bits)) & kMask);
-          }
+      acc[b][r] = 0.0f;
+    }
+  }
+  for (uint w0 = lane; w0 < words_per_row; w0 += 32 * kWords) {
+    uint words[kRows][kWords];
+    float scale[kRows][kWords], bias[kRows][kWords];
+    for (uint r = 0; r < kRows; ++r) {
+      const uint n = min(first_row + r, N - 1);
+      for (uint j = 0; j < kWords; ++j) {
+        const uint w = w0 + 32 * j;
+        const bool in_row = w < words_per_row;
+        const size_t g = size_t(n) * groups_per_row + (in_row ? w : 0) / kWordsPerGroup;
+        words[r][j] = in_row ? weight[size_t(n) * words_per_row + w] : 0u;
+        scale[r][j] = in_row ? float(scales[g]) : 0.0f;
+        bias[r][j] = in_row ? float(biases[g]) : 0.0f;
+      }
+    }
+    for (uint b = 0; b < B; ++b) {
+      if (b >= batch) {
+        break;
+      }
+      for (uint j = 0; j < kWords; ++j) {
+        const uint w = w0 + 32 * j;
+        if (w >= words_per_row) {
+          break;
         }
-        const size_t g = size_t(n) * groups_per_row + k0 / kGroupSize;
-        // sum_i x_i (s q_i + b) = s * sum_i x_i q_i + b * sum_i x_i: one fold per group chunk.
-        acc[r] += float(scales[g]) * dot + float(biases[g]) * x_sum;
+        float xs[kPerWord];
+        float x_sum = 0.0f;
+        for (uint i = 0; i < kPerWord; i += 4) {
+          float4 v = lily::attn_load4(x + size_t(b) * K + w * kPerWord + i);
+          if (Norm) {
+            sum_sq[b] += dot(v, v);
+            v *= lily::attn_load4(norm_weight + w * kPerWord + i);
+          }
+          xs[i] = v.x;
+          xs[i + 1] = v.y;
+          xs[i + 2] = v.z;
+          xs[i + 3] = v.w;
+          x_sum += (v.x + v.y) + (v.z + v.w);
+        }
+        for (uint r = 0; r < kRows; ++r) {
+          float d = 0.0f;
+          for (uint e = 0; e < kPerWord; ++e) {
+            d += xs[e] * float((words[r][j] >> (e * Bits)) & kMask);
+          }
+          // sum_i x_i (s q_i + b) = s * sum_i x_i q_i + b * sum_i x_i: one fold per word.
+          acc[b][r] += scale[r][j] * d + bias[r][j] * x_sum;
+        }
       }
     }
   }
-  return sum_sq;
 }
 
 }  // namespace lily_qmatmul
@@ -216,19 +242,24 @@ template <typename T, typename S, int Bits, typename O>
                     uint lane [[thread_index_in_simdgroup]],
                     uint simd_group [[simdgroup_index_in_threadgroup]]) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  constexpr uint kBatch = LILY_QMV_MAX_ROWS;
   const uint K = args.in_features;
   const uint N = args.out_features;
   const uint first_row = (tg.x * LILY_QMV_SIMDGROUPS + simd_group) * kRows;
-  if (first_row >= N) {
+  const uint m0 = tg.y * kBatch;
+  if (first_row >= N || m0 >= args.num_rows) {
     return;  // the whole simdgroup leaves: the simd_sum below stays convergent
   }
-  float acc[kRows];
-  lily_qmatmul::qmv_accumulate<false, Bits>(acc, x + size_t(tg.y) * K, x, weight, scales, biases, K, N, first_row,
-                                            lane);
-  for (uint r = 0; r < kRows; ++r) {
-    const float total = simd_sum(acc[r]);
-    if (lane == 0 && first_row + r < N) {
-      y[size_t(tg.y) * N + first_row + r] = O(total);
+  const uint batch = min(kBatch, args.num_rows - m0);
+  float acc[kBatch][kRows], sum_sq[kBatch];
+  lily_qmatmul::qmv_accumulate<false, Bits, kBatch>(acc, sum_sq, x + size_t(m0) * K, batch, x, weight, scales, biases,
+                                                    K, N, first_row, lane);
+  for (uint b = 0; b < batch; ++b) {
+    for (uint r = 0; r < kRows; ++r) {
+      const float total = simd_sum(acc[b][r]);
+      if (lane == 0 && first_row + r < N) {
+        y[size_t(m0 + b) * N + first_row + r] = O(total);
+      }
     }
   }
 }
@@ -247,20 +278,25 @@ template <typename T, typename S, int Bits, typename O>
                          uint lane [[thread_index_in_simdgroup]],
                          uint simd_group [[simdgroup_index_in_threadgroup]]) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  constexpr uint kBatch = LILY_QMV_MAX_ROWS;
   const uint K = args.in_features;
   const uint N = args.out_features;
   const uint first_row = (tg.x * LILY_QMV_SIMDGROUPS + simd_group) * kRows;
-  if (first_row >= N) {
+  const uint m0 = tg.y * kBatch;
+  if (first_row >= N || m0 >= args.num_rows) {
     return;  // the whole simdgroup leaves: the simd_sums below stay convergent
   }
-  float acc[kRows];
-  const float sum_sq = lily_qmatmul::qmv_accumulate<true, Bits>(acc, x + size_t(tg.y) * K, norm_weight, weight,
-                                                                scales, biases, K, N, first_row, lane);
-  const float inv_rms = precise::rsqrt(simd_sum(sum_sq) / float(K) + args.eps);
-  for (uint r = 0; r < kRows; ++r) {
-    const float total = simd_sum(acc[r]);
-    if (lane == 0 && first_row + r < N) {
-      y[size_t(tg.y) * N + first_row + r] = O(total * inv_rms);
+  const uint batch = min(kBatch, args.num_rows - m0);
+  float acc[kBatch][kRows], sum_sq[kBatch];
+  lily_qmatmul::qmv_accumulate<true, Bits, kBatch>(acc, sum_sq, x + size_t(m0) * K, batch, norm_weight, weight,
+                                                   scales, biases, K, N, first_row, lane);
+  for (uint b = 0; b < batch; ++b) {
+    const float inv_rms = precise::rsqrt(simd_sum(sum_sq[b]) / float(K) + args.eps);
+    for (uint r = 0; r < kRows; ++r) {
+      const float total = simd_sum(acc[b][r]);
+      if (lane == 0 && first_row + r < N) {
+        y[size_t(m0 + b) * N + first_row + r] = O(total * inv_rms);
+      }
     }
   }
 }
@@ -279,20 +315,25 @@ template <typename T, typename S, int Bits>
                              uint lane [[thread_index_in_simdgroup]],
                              uint simd_group [[simdgroup_index_in_threadgroup]]) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  constexpr uint kBatch = LILY_QMV_MAX_ROWS;
   const uint K = args.in_features;
   const uint N = args.out_features;
   const uint first_row = (tg.x * LILY_QMV_SIMDGROUPS + simd_group) * kRows;
-  if (first_row >= N) {
+  const uint m0 = tg.y * kBatch;
+  if (first_row >= N || m0 >= args.num_rows) {
     return;  // the whole simdgroup leaves: the simd_sum below stays convergent
   }
-  float acc[kRows];
-  lily_qmatmul::qmv_accumulate<false, Bits>(acc, x + size_t(tg.y) * K, x, weight, scales, biases, K, N, first_row,
-                                            lane);
-  for (uint r = 0; r < kRows; ++r) {
-    const float total = simd_sum(acc[r]);
-    if (lane == 0 && first_row + r < N) {
-      const size_t i = size_t(tg.y) * N + first_row + r;
-      out[i] = T(float(residual[i]) + total);
+  const uint batch = min(kBatch, args.num_rows - m0);
+  float acc[kBatch][kRows], sum_sq[kBatch];
+  lily_qmatmul::qmv_accumulate<false, Bits, kBatch>(acc, sum_sq, x + size_t(m0) * K, batch, x, weight, scales, biases,
+                                                    K, N, first_row, lane);
+  for (uint b = 0; b < batch; ++b) {
+    for (uint r = 0; r < kRows; ++r) {
+      const float total = simd_sum(acc[b][r]);
+      if (lane == 0 && first_row + r < N) {
+        const size_t i = size_t(m0 + b) * N + first_row + r;
+        out[i] = T(float(residual[i]) + total);
+      }
     }
   }
 }
@@ -337,12 +378,12 @@ template <bool Norm, typename T, typename S, int Bits, typename O>
   device const uint* weight = segment == 0 ? weight0 : segment == 1 ? weight1 : segment == 2 ? weight2 : weight3;
   device const S* scales = segment == 0 ? scales0 : segment == 1 ? scales1 : segment == 2 ? scales2 : scales3;
   device const S* biases = segment == 0 ? biases0 : segment == 1 ? biases1 : segment == 2 ? biases2 : biases3;
-  float acc[kRows];
-  const float sum_sq = lily_qmatmul::qmv_accumulate<Norm, Bits>(acc, x + size_t(tg.y) * K, norm_weight, weight,
-                                                                scales, biases, K, N, first_row, lane);
-  const float scale = Norm ? precise::rsqrt(simd_sum(sum_sq) / float(K) + args.eps) : 1.0f;
+  float acc[1][kRows], sum_sq[1];
+  lily_qmatmul::qmv_accumulate<Norm, Bits, 1>(acc, sum_sq, x + size_t(tg.y) * K, 1, norm_weight, weight, scales,
+                                              biases, K, N, first_row, lane);
+  const float scale = Norm ? precise::rsqrt(simd_sum(sum_sq[0]) / float(K) + args.eps) : 1.0f;
   for (uint r = 0; r < kRows; ++r) {
-    const float total = simd_sum(acc[r]);
+    const float total = simd_sum(acc[0][r]);
     if (lane == 0 && first_row + r < N) {
       y[size_t(tg.y) * args.out_features + row_offset + first_row + r] = O(total * scale);
     }
