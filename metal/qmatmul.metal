@@ -153,7 +153,7 @@ inline void store_y_tile(threadgroup const float* tile, uint ld, uint rows, uint
 
 namespace lily_qmatmul {
 
-// One simdgroup's part of a decode GEMV for up to B input rows at once, so each weight byte is read once for all of
+// One simdgroup's part of a decode GEMV for B input rows at once, so each weight byte is read once for all of
 // them: acc[b][r] = sum_k x'_{b,k} w[first_row + r, k] (this lane's share; the caller does the simd_sum), with
 // x' = x ⊙ norm_weight when Norm (then sum_sq[b] is this lane's share of sum_k x_{b,k}^2; 1/rms is applied by the
 // caller after the sum). Lanes take interleaved words: word w0 + 32 j of each row for j < LILY_QMV_WORDS_PER_LANE, so
@@ -162,12 +162,13 @@ namespace lily_qmatmul {
 // word are consecutive (vector loads). Rows past N read row N - 1 (in bounds; the caller never writes them).
 template <bool Norm, int Bits, uint B, typename T, typename S>
 inline void qmv_accumulate(thread float (&acc)[B][LILY_QMV_ROWS_PER_SIMDGROUP], thread float (&sum_sq)[B],
-                           device const T* x, uint batch, device const T* norm_weight, device const uint* weight,
+                           device const T* x, device const T* norm_weight, device const uint* weight,
                            device const S* scales, device const S* biases, uint K, uint N, uint first_row,
                            uint lane) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
   constexpr uint kWords = LILY_QMV_WORDS_PER_LANE;  // per row and step
   constexpr uint kPerWord = 32 / Bits;
+  constexpr uint kPerHalf = 16 / Bits;  // codes per 16-bit half of a word
   constexpr uint kWordsPerGroup = kGroupSize / kPerWord;
   constexpr uint kMask = (1u << Bits) - 1u;
   const uint words_per_row = K / kPerWord;
@@ -192,39 +193,90 @@ inline void qmv_accumulate(thread float (&acc)[B][LILY_QMV_ROWS_PER_SIMDGROUP], 
         bias[r][j] = in_row ? float(biases[g]) : 0.0f;
       }
     }
-    for (uint b = 0; b < B; ++b) {
-      if (b >= batch) {
+    for (uint j = 0; j < kWords; ++j) {
+      const uint w = w0 + 32 * j;
+      if (w >= words_per_row) {
         break;
       }
-      for (uint j = 0; j < kWords; ++j) {
-        const uint w = w0 + 32 * j;
-        if (w >= words_per_row) {
-          break;
-        }
-        float xs[kPerWord];
-        float x_sum = 0.0f;
+      // The x values of this word for every input row, each pre-scaled by 2^-offset of its code in the masked
+      // half-word (exact: a power of two), then each weight word unpacked once for all of them.
+      float xs[B][kPerWord], x_sum[B];
+      for (uint b = 0; b < B; ++b) {
+        x_sum[b] = 0.0f;
         for (uint i = 0; i < kPerWord; i += 4) {
           float4 v = lily::attn_load4(x + size_t(b) * K + w * kPerWord + i);
           if (Norm) {
             sum_sq[b] += dot(v, v);
             v *= lily::attn_load4(norm_weight + w * kPerWord + i);
           }
-          xs[i] = v.x;
-          xs[i + 1] = v.y;
-          xs[i + 2] = v.z;
-          xs[i + 3] = v.w;
-          x_sum += (v.x + v.y) + (v.z + v.w);
-        }
-        for (uint r = 0; r < kRows; ++r) {
-          float d = 0.0f;
-          for (uint e = 0; e < kPerWord; ++e) {
-            d += xs[e] * float((words[r][j] >> (e * Bits)) & kMask);
+          x_sum[b] += (v.x + v.y) + (v.z + v.w);
+          for (uint c = 0; c < 4; ++c) {
+            xs[b][i + c] = v[c] * (1.0f / float(1u << (((i + c) % kPerHalf) * Bits)));
           }
-          // sum_i x_i (s q_i + b) = s * sum_i x_i q_i + b * sum_i x_i: one fold per word.
-          acc[b][r] += scale[r][j] * d + bias[r][j] * x_sum;
+        }
+      }
+      for (uint r = 0; r < kRows; ++r) {
+        const uint halves[2] = {words[r][j], words[r][j] >> 16};
+        float d[B];
+        for (uint b = 0; b < B; ++b) {
+          d[b] = 0.0f;
+        }
+        for (uint e = 0; e < kPerWord; ++e) {
+          // q * 2^offset as a float without a shift or an int-to-float conversion (the ALU-bound part): the code
+          // masked in place into the low mantissa bits of 2^23, minus 2^23. Exact while offset + Bits <= 16.
+          const uint offset = (e % kPerHalf) * Bits;
+          const float q = as_type<float>((halves[e / kPerHalf] & (kMask << offset)) | 0x4B000000u) - 8388608.0f;
+          for (uint b = 0; b < B; ++b) {
+            d[b] = fma(xs[b][e], q, d[b]);
+          }
+        }
+        // sum_i x_i (s q_i + b) = s * sum_i x_i q_i + b * sum_i x_i: one fold per word.
+        for (uint b = 0; b < B; ++b) {
+          acc[b][r] = fma(scale[r][j], d[b], fma(bias[r][j], x_sum[b], acc[b][r]));
         }
       }
     }
+  }
+}
+
+// One simdgroup's output rows for B input rows from m0: y[m0 + b, row] = total * 1/rms (Norm), residual + total
+// (Residual; y may alias residual: each element is read and written by the same lane) or total.
+template <bool Norm, bool Residual, uint B, int Bits, typename T, typename S, typename O>
+inline void qmv_rows(device const T* x, device const T* norm_weight, device const uint* weight, device const S* scales,
+                     device const S* biases, device const T* residual, device O* y, uint K, uint N, float eps, uint m0,
+                     uint first_row, uint lane) {
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  float acc[B][kRows], sum_sq[B];
+  qmv_accumulate<Norm, Bits, B>(acc, sum_sq, x + size_t(m0) * K, norm_weight, weight, scales, biases, K, N, first_row,
+                                lane);
+  for (uint b = 0; b < B; ++b) {
+    const float inv_rms = Norm ? precise::rsqrt(simd_sum(sum_sq[b]) / float(K) + eps) : 1.0f;
+    for (uint r = 0; r < kRows; ++r) {
+      const float total = simd_sum(acc[b][r]);
+      if (lane == 0 && first_row + r < N) {
+        const size_t i = size_t(m0 + b) * N + first_row + r;
+        y[i] = Residual ? O(float(residual[i]) + total) : O(total * inv_rms);
+      }
+    }
+  }
+}
+
+// The input rows of threadgroup row tg_y: up to LILY_QMV_MAX_ROWS from m0 = tg_y * LILY_QMV_MAX_ROWS, each count
+// compiled as its own loop (a decode step is one row: no work for absent rows).
+template <bool Norm, bool Residual, int Bits, typename T, typename S, typename O>
+inline void qmv_batch(device const T* x, device const T* norm_weight, device const uint* weight,
+                      device const S* scales, device const S* biases, device const T* residual, device O* y, uint K,
+                      uint N, uint M, float eps, uint m0, uint first_row, uint lane) {
+  static_assert(LILY_QMV_MAX_ROWS == 4, "qmv_batch dispatches 1..4 input rows");
+  const uint rows = min(uint(LILY_QMV_MAX_ROWS), M - m0);
+  if (rows == 1) {
+    qmv_rows<Norm, Residual, 1, Bits>(x, norm_weight, weight, scales, biases, residual, y, K, N, eps, m0, first_row, lane);
+  } else if (rows == 2) {
+    qmv_rows<Norm, Residual, 2, Bits>(x, norm_weight, weight, scales, biases, residual, y, K, N, eps, m0, first_row, lane);
+  } else if (rows == 3) {
+    qmv_rows<Norm, Residual, 3, Bits>(x, norm_weight, weight, scales, biases, residual, y, K, N, eps, m0, first_row, lane);
+  } else {
+    qmv_rows<Norm, Residual, 4, Bits>(x, norm_weight, weight, scales, biases, residual, y, K, N, eps, m0, first_row, lane);
   }
 }
 
@@ -250,18 +302,8 @@ template <typename T, typename S, int Bits, typename O>
   if (first_row >= N || m0 >= args.num_rows) {
     return;  // the whole simdgroup leaves: the simd_sum below stays convergent
   }
-  const uint batch = min(kBatch, args.num_rows - m0);
-  float acc[kBatch][kRows], sum_sq[kBatch];
-  lily_qmatmul::qmv_accumulate<false, Bits, kBatch>(acc, sum_sq, x + size_t(m0) * K, batch, x, weight, scales, biases,
-                                                    K, N, first_row, lane);
-  for (uint b = 0; b < batch; ++b) {
-    for (uint r = 0; r < kRows; ++r) {
-      const float total = simd_sum(acc[b][r]);
-      if (lane == 0 && first_row + r < N) {
-        y[size_t(m0 + b) * N + first_row + r] = O(total);
-      }
-    }
-  }
+  lily_qmatmul::qmv_batch<false, false, Bits>(x, x, weight, scales, biases, x, y, K, N, args.num_rows, 0.0f, m0,
+                                              first_row, lane);
 }
 
 // y = W · (rms_norm(x) ⊙ norm_weight): the RMSNorm in front of a projection folded into its GEMV. Every simdgroup
@@ -286,19 +328,8 @@ template <typename T, typename S, int Bits, typename O>
   if (first_row >= N || m0 >= args.num_rows) {
     return;  // the whole simdgroup leaves: the simd_sums below stay convergent
   }
-  const uint batch = min(kBatch, args.num_rows - m0);
-  float acc[kBatch][kRows], sum_sq[kBatch];
-  lily_qmatmul::qmv_accumulate<true, Bits, kBatch>(acc, sum_sq, x + size_t(m0) * K, batch, norm_weight, weight,
-                                                   scales, biases, K, N, first_row, lane);
-  for (uint b = 0; b < batch; ++b) {
-    const float inv_rms = precise::rsqrt(simd_sum(sum_sq[b]) / float(K) + args.eps);
-    for (uint r = 0; r < kRows; ++r) {
-      const float total = simd_sum(acc[b][r]);
-      if (lane == 0 && first_row + r < N) {
-        y[size_t(m0 + b) * N + first_row + r] = O(total * inv_rms);
-      }
-    }
-  }
+  lily_qmatmul::qmv_batch<true, false, Bits>(x, norm_weight, weight, scales, biases, x, y, K, N, args.num_rows,
+                                             args.eps, m0, first_row, lane);
 }
 
 // out = residual + W · x, written once: the residual add after the out/o projection folded into its GEMV. out may
@@ -323,19 +354,8 @@ template <typename T, typename S, int Bits>
   if (first_row >= N || m0 >= args.num_rows) {
     return;  // the whole simdgroup leaves: the simd_sum below stays convergent
   }
-  const uint batch = min(kBatch, args.num_rows - m0);
-  float acc[kBatch][kRows], sum_sq[kBatch];
-  lily_qmatmul::qmv_accumulate<false, Bits, kBatch>(acc, sum_sq, x + size_t(m0) * K, batch, x, weight, scales, biases,
-                                                    K, N, first_row, lane);
-  for (uint b = 0; b < batch; ++b) {
-    for (uint r = 0; r < kRows; ++r) {
-      const float total = simd_sum(acc[b][r]);
-      if (lane == 0 && first_row + r < N) {
-        const size_t i = size_t(m0 + b) * N + first_row + r;
-        out[i] = T(float(residual[i]) + total);
-      }
-    }
-  }
+  lily_qmatmul::qmv_batch<false, true, Bits>(x, x, weight, scales, biases, residual, out, K, N, args.num_rows, 0.0f,
+                                             m0, first_row, lane);
 }
 
 // The segmented decode GEMV: y = W_s · x' for the segment s a threadgroup falls in, x' = rms_norm(x) ⊙ norm_weight
@@ -379,8 +399,8 @@ template <bool Norm, typename T, typename S, int Bits, typename O>
   device const S* scales = segment == 0 ? scales0 : segment == 1 ? scales1 : segment == 2 ? scales2 : scales3;
   device const S* biases = segment == 0 ? biases0 : segment == 1 ? biases1 : segment == 2 ? biases2 : biases3;
   float acc[1][kRows], sum_sq[1];
-  lily_qmatmul::qmv_accumulate<Norm, Bits, 1>(acc, sum_sq, x + size_t(tg.y) * K, 1, norm_weight, weight, scales,
-                                              biases, K, N, first_row, lane);
+  lily_qmatmul::qmv_accumulate<Norm, Bits, 1>(acc, sum_sq, x + size_t(tg.y) * K, norm_weight, weight, scales, biases,
+                                              K, N, first_row, lane);
   const float scale = Norm ? precise::rsqrt(simd_sum(sum_sq[0]) / float(K) + args.eps) : 1.0f;
   for (uint r = 0; r < kRows; ++r) {
     const float total = simd_sum(acc[0][r]);

@@ -49,8 +49,24 @@ def qmv_case(label: str, n: int, k: int, m: int = 1, kernel: str = "qmv_q4_g64_b
                 w + 2 * s + m * k * 2 + m * n * 2)
 
 
+def rms_norm_case() -> Case:
+    """The decode RMSNorm: one row of H (latency-bound: a few KB)."""
+    return Case("rms_norm 1x2048", "rms_norm_bf16", [struct.pack("<IfII", HIDDEN, 1e-6, 0, 0), HIDDEN * 2, HIDDEN * 2,
+                                                     HIDDEN * 2], (1, 1, 1), (256, 1, 1), 3 * HIDDEN * 2)
+
+
+def embedding_case() -> Case:
+    """One token's embedding row (id 12345) from the 4-bit table: latency-bound (a few KB)."""
+    w, s = VOCAB * HIDDEN // 2, VOCAB * (HIDDEN // 64) * 2
+    return Case("embedding 1 token", "embedding_gather_q4_g64_bf16",
+                [struct.pack("<IIII", HIDDEN, VOCAB, 0, 0), struct.pack("<I", 12345), w, s, s, HIDDEN * 2], (1, 1, 1), (256, 1, 1),
+                HIDDEN // 2 + 2 * (HIDDEN // 64) * 2 + HIDDEN * 2)
+
+
 def cases() -> list[Case]:
     return [
+        rms_norm_case(),
+        embedding_case(),
         qmv_case("qmv lm_head 1x248320x2048", VOCAB, HIDDEN),
         qmv_case("qmv lm_head M=4", VOCAB, HIDDEN, 4),
         qmv_case("qmv 1x2048x2048", 2048, HIDDEN),

@@ -15,7 +15,8 @@ void moe_router_logits(Context& ctx, const std::string& label, const Span& x, co
     return;
   }
   // bf16 in, f32 out: only the qmv "_of32" variants exist (no qmm writes f32 from bf16). qmv takes any number of
-  // rows (grid y); it re-reads the router per row, from cache: it is E x H at 8 bits (0.5 MB at full size).
+  // rows (grid y, up to LILY_QMV_MAX_ROWS per threadgroup); it re-reads the router per 4 rows, from cache: it is
+  // E x H at 8 bits (0.5 MB at full size).
   if (w.bits != 8) throw mtl::Error("[engine] " + label + ": bfloat16 mode needs 8-bit router weights (as MLX stores them)");
   QMatmulArgs a{};
   a.in_features = static_cast<u32>(w.cols);
@@ -24,7 +25,8 @@ void moe_router_logits(Context& ctx, const std::string& label, const Span& x, co
   std::string name = std::string("qmv_q8_g64_") + dtype_name(ctx.act) + (w.scale_dtype == DType::F32 ? "_sf32" : "") +
                      "_of32";
   add_node(ctx, name, label, {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(y)},
-           {(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup, rows, 1},
+           {(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup,
+            (rows + tuning::kQmvMaxRows - 1) / tuning::kQmvMaxRows, 1},
            {tuning::kQmvThreads, 1, 1}, {x, w.data, w.scales, w.biases}, {y});
 }
 
