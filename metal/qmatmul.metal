@@ -4,12 +4,13 @@
 // row-major in the activation dtype; fp32 accumulation everywhere; one rounding per output element.
 //
 //   qmv_q<b>_g64_<dtype>[_sf32]            decode GEMV, M <= LILY_QMV_MAX_ROWS (attention/GDN projections, router and
-//                                          shared-expert gate at 8 bits, lm_head). Grid (ceil(N / 8), M, 1) x 64.
-//                                          Each simdgroup owns 4 output rows; each lane folds 16 consecutive codes of
-//                                          each row per step: one scale/bias FMA per group chunk, scale*sum(x*q) +
-//                                          bias*sum(x), then one simd_sum per row. Reads every weight byte once per
-//                                          input row (8-byte runs per lane, 256 contiguous bytes per simdgroup and row
-//                                          at 4 bits), x once per simdgroup (from cache). Writes N values per row.
+//                                          shared-expert gate at 8 bits, lm_head). Grid (ceil(N / 8), ceil(M / 4), 1)
+//                                          x 64 (a grid y of M is also correct: the extra threadgroups exit). Each
+//                                          simdgroup owns 4 output rows; per step each lane folds 2 packed words of
+//                                          each row, 32 words apart (every load instruction reads 128 contiguous
+//                                          bytes), one scale/bias FMA per word, then one simd_sum per row. Reads every
+//                                          weight byte once for up to 4 input rows, x once per simdgroup (from
+//                                          cache). Writes N values per row.
 //   qmv_q<b>_g64_bf16[_sf32]_of32          the same GEMV with bf16 input and f32 output: the router and shared-expert
 //                                          gate logits in bf16 mode (moe_route / moe_down_combine read f32 logits).
 //   qmv_norm_q<b>_g64_<dtype>[_sf32][_of32] decode GEMV with the RMSNorm in front of it folded in (fusion):
