@@ -83,6 +83,7 @@ template <typename T, typename C, uint D>
   const uint rotary_dim = args.rotary_dim;
   float4 rotated[CPL];
   for (uint c = 0; c < CPL && lane_active; ++c) {
+    float4 r;  // built whole, then stored: clang 19's NVPTX back end miscompiled rotated[c][j] = ... (docs/cuda.md)
     for (uint j = 0; j < 4; ++j) {
       const uint e = 4 * (simd_lane + 32 * c) + j;
       const float y = values[c][j] * inv_rms * float(weight[e]);
@@ -91,11 +92,12 @@ template <typename T, typename C, uint D>
         // rotary_dim elements) rather than shuffle, which keeps this independent of head_dim and rotary_dim.
         const uint partner = e < rotary_dim / 2 ? e + rotary_dim / 2 : e - rotary_dim / 2;
         const float y_partner = float(x[partner]) * inv_rms * float(weight[partner]);
-        rotated[c][j] = rope_rotate_element(y, y_partner, e, rotary_dim, pos, args.rope_theta);
+        r[j] = rope_rotate_element(y, y_partner, e, rotary_dim, pos, args.rope_theta);
       } else {
-        rotated[c][j] = y;
+        r[j] = y;
       }
     }
+    rotated[c] = r;
   }
 
   if (!lane_active) {

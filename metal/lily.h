@@ -222,12 +222,15 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 
 // Quantized matmul (metal/qmatmul.metal) and embedding (metal/embedding.metal). Untuned: no Mac benchmark yet.
 // qmv: each simdgroup computes LILY_QMV_ROWS_PER_SIMDGROUP output rows; LILY_QMV_SIMDGROUPS simdgroups per threadgroup
-// (64 threads, 8 rows); each lane folds LILY_QMV_VALUES_PER_LANE consecutive codes of a row per step (8 bytes at 4 bits),
-// so a simdgroup step covers 512 K-elements and four lanes share one scale/bias group.
+// (64 threads, 8 rows); per step each lane folds LILY_QMV_WORDS_PER_LANE packed words of each row, 32 words apart, so
+// every load instruction of a simdgroup reads 128 contiguous bytes of a row and a step covers 64 words (512 codes at
+// 4 bits); all rows' words of a step are loaded before the arithmetic. The shape was chosen by measurement on the H200
+// (docs/performance.md, "Decode kernels on the H200"); not yet measured on a Mac. Each threadgroup also takes up to LILY_QMV_MAX_ROWS input rows (grid y = ceil(M / that)), so
+// the weights are read once for all of them.
 #define LILY_QMV_ROWS_PER_SIMDGROUP 4
 #define LILY_QMV_SIMDGROUPS 2
-#define LILY_QMV_VALUES_PER_LANE 16
-// Host rule: M <= LILY_QMV_MAX_ROWS runs qmv (one grid row per input row; the weights are re-read from cache per row),
+#define LILY_QMV_WORDS_PER_LANE 2
+// Host rule: M <= LILY_QMV_MAX_ROWS runs qmv (one threadgroup row for all M input rows: the weights are read once),
 // M <= LILY_QMM_BM16_MAX_ROWS runs qmm_*_bm16 (16-row tiles, 2 simdgroups), larger M runs qmm_*_bm32 (32-row tiles,
 // 4 simdgroups: twice the reuse of each dequantized weight tile).
 #define LILY_QMV_MAX_ROWS 4

@@ -4,12 +4,13 @@
 // row-major in the activation dtype; fp32 accumulation everywhere; one rounding per output element.
 //
 //   qmv_q<b>_g64_<dtype>[_sf32]            decode GEMV, M <= LILY_QMV_MAX_ROWS (attention/GDN projections, router and
-//                                          shared-expert gate at 8 bits, lm_head). Grid (ceil(N / 8), M, 1) x 64.
-//                                          Each simdgroup owns 4 output rows; each lane folds 16 consecutive codes of
-//                                          each row per step: one scale/bias FMA per group chunk, scale*sum(x*q) +
-//                                          bias*sum(x), then one simd_sum per row. Reads every weight byte once per
-//                                          input row (8-byte runs per lane, 256 contiguous bytes per simdgroup and row
-//                                          at 4 bits), x once per simdgroup (from cache). Writes N values per row.
+//                                          shared-expert gate at 8 bits, lm_head). Grid (ceil(N / 8), ceil(M / 4), 1)
+//                                          x 64 (a grid y of M is also correct: the extra threadgroups exit). Each
+//                                          simdgroup owns 4 output rows; per step each lane folds 2 packed words of
+//                                          each row, 32 words apart (every load instruction reads 128 contiguous
+//                                          bytes), one scale/bias FMA per word, then one simd_sum per row. Reads every
+//                                          weight byte once for up to 4 input rows, x once per simdgroup (from
+//                                          cache). Writes N values per row.
 //   qmv_q<b>_g64_bf16[_sf32]_of32          the same GEMV with bf16 input and f32 output: the router and shared-expert
 //                                          gate logits in bf16 mode (moe_route / moe_down_combine read f32 logits).
 //   qmv_norm_q<b>_g64_<dtype>[_sf32][_of32] decode GEMV with the RMSNorm in front of it folded in (fusion):
@@ -125,53 +126,131 @@ struct QuantizedWTile {
 
 namespace lily_qmatmul {
 
-// One simdgroup's part of a decode GEMV: acc[r] = sum_k x'_k w[first_row + r, k] (this lane's share; the caller does
-// the simd_sum), with x' = x ⊙ norm_weight when Norm (returns this lane's share of sum_k x_k^2 for the RMS; the scalar
-// 1/rms is applied by the caller after the sum, so x is read once and no normalised copy is rounded or stored).
-template <bool Norm, int Bits, typename T, typename S>
-inline float qmv_accumulate(thread float* acc, device const T* x_row, device const T* norm_weight,
-                            device const uint* weight, device const S* scales, device const S* biases, uint K, uint N,
-                            uint first_row, uint lane) {
+// One simdgroup's part of a decode GEMV for B input rows at once, so each weight byte is read once for all of
+// them: acc[b][r] = sum_k x'_{b,k} w[first_row + r, k] (this lane's share; the caller does the simd_sum), with
+// x' = x ⊙ norm_weight when Norm (then sum_sq[b] is this lane's share of sum_k x_{b,k}^2; 1/rms is applied by the
+// caller after the sum). Lanes take interleaved words: word w0 + 32 j of each row for j < LILY_QMV_WORDS_PER_LANE, so
+// every weight load instruction reads 128 contiguous bytes of a row (fully coalesced, needing only the 4-byte
+// alignment of a packed word), all rows' words of a step are in flight before the arithmetic, and the x values of a
+// word are consecutive (vector loads). Rows past N read row N - 1 (in bounds; the caller never writes them).
+template <bool Norm, int Bits, uint B, typename T, typename S>
+inline void qmv_accumulate(thread float (&acc)[B][LILY_QMV_ROWS_PER_SIMDGROUP], thread float (&sum_sq)[B],
+                           device const T* x, device const T* norm_weight, device const uint* weight,
+                           device const S* scales, device const S* biases, uint K, uint N, uint first_row,
+                           uint lane) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
-  constexpr uint kValues = LILY_QMV_VALUES_PER_LANE;  // codes per lane, row and step; divides the group size
+  constexpr uint kWords = LILY_QMV_WORDS_PER_LANE;  // per row and step
   constexpr uint kPerWord = 32 / Bits;
-  constexpr uint kWords = kValues / kPerWord;
+  constexpr uint kPerHalf = 16 / Bits;  // codes per 16-bit half of a word
+  constexpr uint kWordsPerGroup = kGroupSize / kPerWord;
   constexpr uint kMask = (1u << Bits) - 1u;
   const uint words_per_row = K / kPerWord;
   const uint groups_per_row = K / kGroupSize;
-  float sum_sq = 0.0f;
-  for (uint r = 0; r < kRows; ++r) {
-    acc[r] = 0.0f;
-  }
-  for (uint k0 = lane * kValues; k0 < K; k0 += 32 * kValues) {
-    float xs[kValues];
-    float x_sum = 0.0f;
-    for (uint i = 0; i < kValues; ++i) {
-      xs[i] = float(x_row[k0 + i]);
-      if (Norm) {
-        sum_sq += xs[i] * xs[i];
-        xs[i] *= float(norm_weight[k0 + i]);
-      }
-      x_sum += xs[i];
-    }
+  for (uint b = 0; b < B; ++b) {
+    sum_sq[b] = 0.0f;
     for (uint r = 0; r < kRows; ++r) {
-      const uint n = first_row + r;
-      if (n < N) {
-        device const uint* w = weight + size_t(n) * words_per_row + k0 / kPerWord;
-        float dot = 0.0f;
-        for (uint j = 0; j < kWords; ++j) {
-          const uint word = w[j];
-          for (uint e = 0; e < kPerWord; ++e) {
-            dot += xs[j * kPerWord + e] * float((word >> (e * Bits)) & kMask);
+      acc[b][r] = 0.0f;
+    }
+  }
+  for (uint w0 = lane; w0 < words_per_row; w0 += 32 * kWords) {
+    uint words[kRows][kWords];
+    float scale[kRows][kWords], bias[kRows][kWords];
+    for (uint r = 0; r < kRows; ++r) {
+      const uint n = min(first_row + r, N - 1);
+      for (uint j = 0; j < kWords; ++j) {
+        const uint w = w0 + 32 * j;
+        const bool in_row = w < words_per_row;
+        const size_t g = size_t(n) * groups_per_row + (in_row ? w : 0) / kWordsPerGroup;
+        words[r][j] = in_row ? weight[size_t(n) * words_per_row + w] : 0u;
+        scale[r][j] = in_row ? float(scales[g]) : 0.0f;
+        bias[r][j] = in_row ? float(biases[g]) : 0.0f;
+      }
+    }
+    for (uint j = 0; j < kWords; ++j) {
+      const uint w = w0 + 32 * j;
+      if (w >= words_per_row) {
+        break;
+      }
+      // The x values of this word for every input row, each pre-scaled by 2^-offset of its code in the masked
+      // half-word (exact: a power of two), then each weight word unpacked once for all of them.
+      float xs[B][kPerWord], x_sum[B];
+      for (uint b = 0; b < B; ++b) {
+        x_sum[b] = 0.0f;
+        for (uint i = 0; i < kPerWord; i += 4) {
+          float4 v = lily::attn_load4(x + size_t(b) * K + w * kPerWord + i);
+          if (Norm) {
+            sum_sq[b] += dot(v, v);
+            v *= lily::attn_load4(norm_weight + w * kPerWord + i);
+          }
+          x_sum[b] += (v.x + v.y) + (v.z + v.w);
+          for (uint c = 0; c < 4; ++c) {
+            xs[b][i + c] = v[c] * (1.0f / float(1u << (((i + c) % kPerHalf) * Bits)));
           }
         }
-        const size_t g = size_t(n) * groups_per_row + k0 / kGroupSize;
-        // sum_i x_i (s q_i + b) = s * sum_i x_i q_i + b * sum_i x_i: one fold per group chunk.
-        acc[r] += float(scales[g]) * dot + float(biases[g]) * x_sum;
+      }
+      for (uint r = 0; r < kRows; ++r) {
+        const uint halves[2] = {words[r][j], words[r][j] >> 16};
+        float d[B];
+        for (uint b = 0; b < B; ++b) {
+          d[b] = 0.0f;
+        }
+        for (uint e = 0; e < kPerWord; ++e) {
+          // q * 2^offset as a float without a shift or an int-to-float conversion (the ALU-bound part): the code
+          // masked in place into the low mantissa bits of 2^23, minus 2^23. Exact while offset + Bits <= 16.
+          const uint offset = (e % kPerHalf) * Bits;
+          const float q = as_type<float>((halves[e / kPerHalf] & (kMask << offset)) | 0x4B000000u) - 8388608.0f;
+          for (uint b = 0; b < B; ++b) {
+            d[b] = fma(xs[b][e], q, d[b]);
+          }
+        }
+        // sum_i x_i (s q_i + b) = s * sum_i x_i q_i + b * sum_i x_i: one fold per word.
+        for (uint b = 0; b < B; ++b) {
+          acc[b][r] = fma(scale[r][j], d[b], fma(bias[r][j], x_sum[b], acc[b][r]));
+        }
       }
     }
   }
-  return sum_sq;
+}
+
+// One simdgroup's output rows for B input rows from m0: y[m0 + b, row] = total * 1/rms (Norm), residual + total
+// (Residual; y may alias residual: each element is read and written by the same lane) or total.
+template <bool Norm, bool Residual, uint B, int Bits, typename T, typename S, typename O>
+inline void qmv_rows(device const T* x, device const T* norm_weight, device const uint* weight, device const S* scales,
+                     device const S* biases, device const T* residual, device O* y, uint K, uint N, float eps, uint m0,
+                     uint first_row, uint lane) {
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  float acc[B][kRows], sum_sq[B];
+  qmv_accumulate<Norm, Bits, B>(acc, sum_sq, x + size_t(m0) * K, norm_weight, weight, scales, biases, K, N, first_row,
+                                lane);
+  for (uint b = 0; b < B; ++b) {
+    const float inv_rms = Norm ? precise::rsqrt(simd_sum(sum_sq[b]) / float(K) + eps) : 1.0f;
+    for (uint r = 0; r < kRows; ++r) {
+      const float total = simd_sum(acc[b][r]);
+      if (lane == 0 && first_row + r < N) {
+        const size_t i = size_t(m0 + b) * N + first_row + r;
+        y[i] = Residual ? O(float(residual[i]) + total) : O(total * inv_rms);
+      }
+    }
+  }
+}
+
+// The input rows of threadgroup row tg_y: up to LILY_QMV_MAX_ROWS from m0 = tg_y * LILY_QMV_MAX_ROWS, each count
+// compiled as its own loop (a decode step is one row: no work for absent rows).
+template <bool Norm, bool Residual, int Bits, typename T, typename S, typename O>
+inline void qmv_batch(device const T* x, device const T* norm_weight, device const uint* weight,
+                      device const S* scales, device const S* biases, device const T* residual, device O* y, uint K,
+                      uint N, uint M, float eps, uint m0, uint first_row, uint lane) {
+  static_assert(LILY_QMV_MAX_ROWS == 4, "qmv_batch dispatches 1..4 input rows");
+  const uint rows = min(uint(LILY_QMV_MAX_ROWS), M - m0);
+  if (rows == 1) {
+    qmv_rows<Norm, Residual, 1, Bits>(x, norm_weight, weight, scales, biases, residual, y, K, N, eps, m0, first_row, lane);
+  } else if (rows == 2) {
+    qmv_rows<Norm, Residual, 2, Bits>(x, norm_weight, weight, scales, biases, residual, y, K, N, eps, m0, first_row, lane);
+  } else if (rows == 3) {
+    qmv_rows<Norm, Residual, 3, Bits>(x, norm_weight, weight, scales, biases, residual, y, K, N, eps, m0, first_row, lane);
+  } else {
+    qmv_rows<Norm, Residual, 4, Bits>(x, norm_weight, weight, scales, biases, residual, y, K, N, eps, m0, first_row, lane);
+  }
 }
 
 }  // namespace lily_qmatmul
@@ -188,21 +267,16 @@ template <typename T, typename S, int Bits, typename O>
                     uint lane [[thread_index_in_simdgroup]],
                     uint simd_group [[simdgroup_index_in_threadgroup]]) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  constexpr uint kBatch = LILY_QMV_MAX_ROWS;
   const uint K = args.in_features;
   const uint N = args.out_features;
   const uint first_row = (tg.x * LILY_QMV_SIMDGROUPS + simd_group) * kRows;
-  if (first_row >= N) {
+  const uint m0 = tg.y * kBatch;
+  if (first_row >= N || m0 >= args.num_rows) {
     return;  // the whole simdgroup leaves: the simd_sum below stays convergent
   }
-  float acc[kRows];
-  lily_qmatmul::qmv_accumulate<false, Bits>(acc, x + size_t(tg.y) * K, x, weight, scales, biases, K, N, first_row,
-                                            lane);
-  for (uint r = 0; r < kRows; ++r) {
-    const float total = simd_sum(acc[r]);
-    if (lane == 0 && first_row + r < N) {
-      y[size_t(tg.y) * N + first_row + r] = O(total);
-    }
-  }
+  lily_qmatmul::qmv_batch<false, false, Bits>(x, x, weight, scales, biases, x, y, K, N, args.num_rows, 0.0f, m0,
+                                              first_row, lane);
 }
 
 // y = W · (rms_norm(x) ⊙ norm_weight): the RMSNorm in front of a projection folded into its GEMV. Every simdgroup
@@ -219,22 +293,16 @@ template <typename T, typename S, int Bits, typename O>
                          uint lane [[thread_index_in_simdgroup]],
                          uint simd_group [[simdgroup_index_in_threadgroup]]) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  constexpr uint kBatch = LILY_QMV_MAX_ROWS;
   const uint K = args.in_features;
   const uint N = args.out_features;
   const uint first_row = (tg.x * LILY_QMV_SIMDGROUPS + simd_group) * kRows;
-  if (first_row >= N) {
+  const uint m0 = tg.y * kBatch;
+  if (first_row >= N || m0 >= args.num_rows) {
     return;  // the whole simdgroup leaves: the simd_sums below stay convergent
   }
-  float acc[kRows];
-  const float sum_sq = lily_qmatmul::qmv_accumulate<true, Bits>(acc, x + size_t(tg.y) * K, norm_weight, weight,
-                                                                scales, biases, K, N, first_row, lane);
-  const float inv_rms = precise::rsqrt(simd_sum(sum_sq) / float(K) + args.eps);
-  for (uint r = 0; r < kRows; ++r) {
-    const float total = simd_sum(acc[r]);
-    if (lane == 0 && first_row + r < N) {
-      y[size_t(tg.y) * N + first_row + r] = O(total * inv_rms);
-    }
-  }
+  lily_qmatmul::qmv_batch<true, false, Bits>(x, norm_weight, weight, scales, biases, x, y, K, N, args.num_rows,
+                                             args.eps, m0, first_row, lane);
 }
 
 // out = residual + W · x, written once: the residual add after the out/o projection folded into its GEMV. out may
@@ -251,22 +319,16 @@ template <typename T, typename S, int Bits>
                              uint lane [[thread_index_in_simdgroup]],
                              uint simd_group [[simdgroup_index_in_threadgroup]]) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  constexpr uint kBatch = LILY_QMV_MAX_ROWS;
   const uint K = args.in_features;
   const uint N = args.out_features;
   const uint first_row = (tg.x * LILY_QMV_SIMDGROUPS + simd_group) * kRows;
-  if (first_row >= N) {
+  const uint m0 = tg.y * kBatch;
+  if (first_row >= N || m0 >= args.num_rows) {
     return;  // the whole simdgroup leaves: the simd_sum below stays convergent
   }
-  float acc[kRows];
-  lily_qmatmul::qmv_accumulate<false, Bits>(acc, x + size_t(tg.y) * K, x, weight, scales, biases, K, N, first_row,
-                                            lane);
-  for (uint r = 0; r < kRows; ++r) {
-    const float total = simd_sum(acc[r]);
-    if (lane == 0 && first_row + r < N) {
-      const size_t i = size_t(tg.y) * N + first_row + r;
-      out[i] = T(float(residual[i]) + total);
-    }
-  }
+  lily_qmatmul::qmv_batch<false, true, Bits>(x, x, weight, scales, biases, residual, out, K, N, args.num_rows, 0.0f,
+                                             m0, first_row, lane);
 }
 
 // The segmented decode GEMV: y = W_s · x' for the segment s a threadgroup falls in, x' = rms_norm(x) ⊙ norm_weight
@@ -309,12 +371,12 @@ template <bool Norm, typename T, typename S, int Bits, typename O>
   device const uint* weight = segment == 0 ? weight0 : segment == 1 ? weight1 : segment == 2 ? weight2 : weight3;
   device const S* scales = segment == 0 ? scales0 : segment == 1 ? scales1 : segment == 2 ? scales2 : scales3;
   device const S* biases = segment == 0 ? biases0 : segment == 1 ? biases1 : segment == 2 ? biases2 : biases3;
-  float acc[kRows];
-  const float sum_sq = lily_qmatmul::qmv_accumulate<Norm, Bits>(acc, x + size_t(tg.y) * K, norm_weight, weight,
-                                                                scales, biases, K, N, first_row, lane);
-  const float scale = Norm ? precise::rsqrt(simd_sum(sum_sq) / float(K) + args.eps) : 1.0f;
+  float acc[1][kRows], sum_sq[1];
+  lily_qmatmul::qmv_accumulate<Norm, Bits, 1>(acc, sum_sq, x + size_t(tg.y) * K, norm_weight, weight, scales, biases,
+                                              K, N, first_row, lane);
+  const float scale = Norm ? precise::rsqrt(simd_sum(sum_sq[0]) / float(K) + args.eps) : 1.0f;
   for (uint r = 0; r < kRows; ++r) {
-    const float total = simd_sum(acc[r]);
+    const float total = simd_sum(acc[0][r]);
     if (lane == 0 && first_row + r < N) {
       y[size_t(tg.y) * args.out_features + row_offset + first_row + r] = O(total * scale);
     }
@@ -412,6 +474,9 @@ LILY_INSTANTIATE_KERNEL("qmv_q8_g64_bf16_sf32", qmv, bfloat, float, 8, bfloat)
 
 LILY_INSTANTIATE_KERNEL("qmv_q8_g64_bf16_of32", qmv, bfloat, bfloat, 8, float)
 LILY_INSTANTIATE_KERNEL("qmv_q8_g64_bf16_sf32_of32", qmv, bfloat, float, 8, float)
+// 4-bit routers and shared-expert gates (a mixed-bit checkpoint) in bf16 mode.
+LILY_INSTANTIATE_KERNEL("qmv_q4_g64_bf16_of32", qmv, bfloat, bfloat, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_q4_g64_bf16_sf32_of32", qmv, bfloat, float, 4, float)
 
 LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_f32", qmv_norm, float, bfloat, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_f32_sf32", qmv_norm, float, float, 4, float)
@@ -423,6 +488,9 @@ LILY_INSTANTIATE_KERNEL("qmv_norm_q8_g64_bf16", qmv_norm, bfloat, bfloat, 8, bfl
 LILY_INSTANTIATE_KERNEL("qmv_norm_q8_g64_bf16_sf32", qmv_norm, bfloat, float, 8, bfloat)
 LILY_INSTANTIATE_KERNEL("qmv_norm_q8_g64_bf16_of32", qmv_norm, bfloat, bfloat, 8, float)
 LILY_INSTANTIATE_KERNEL("qmv_norm_q8_g64_bf16_sf32_of32", qmv_norm, bfloat, float, 8, float)
+// 4-bit routers and shared-expert gates (a mixed-bit checkpoint) in bf16 mode.
+LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16_of32", qmv_norm, bfloat, bfloat, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16_sf32_of32", qmv_norm, bfloat, float, 4, float)
 
 LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_f32", qmv_segments, false, float, bfloat, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_f32_sf32", qmv_segments, false, float, float, 4, float)
@@ -434,6 +502,9 @@ LILY_INSTANTIATE_KERNEL("qmv_seg_q8_g64_bf16", qmv_segments, false, bfloat, bflo
 LILY_INSTANTIATE_KERNEL("qmv_seg_q8_g64_bf16_of32", qmv_segments, false, bfloat, bfloat, 8, float)
 LILY_INSTANTIATE_KERNEL("qmv_seg_q8_g64_bf16_sf32", qmv_segments, false, bfloat, float, 8, bfloat)
 LILY_INSTANTIATE_KERNEL("qmv_seg_q8_g64_bf16_sf32_of32", qmv_segments, false, bfloat, float, 8, float)
+// 4-bit routers and shared-expert gates (a mixed-bit checkpoint) in bf16 mode.
+LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_bf16_of32", qmv_segments, false, bfloat, bfloat, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_bf16_sf32_of32", qmv_segments, false, bfloat, float, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q4_g64_f32", qmv_segments, true, float, bfloat, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q4_g64_f32_sf32", qmv_segments, true, float, float, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q4_g64_bf16", qmv_segments, true, bfloat, bfloat, 4, bfloat)
@@ -444,6 +515,9 @@ LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q8_g64_bf16", qmv_segments, true, bfloat, 
 LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q8_g64_bf16_of32", qmv_segments, true, bfloat, bfloat, 8, float)
 LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q8_g64_bf16_sf32", qmv_segments, true, bfloat, float, 8, bfloat)
 LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q8_g64_bf16_sf32_of32", qmv_segments, true, bfloat, float, 8, float)
+// 4-bit routers and shared-expert gates (a mixed-bit checkpoint) in bf16 mode.
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q4_g64_bf16_of32", qmv_segments, true, bfloat, bfloat, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_q4_g64_bf16_sf32_of32", qmv_segments, true, bfloat, float, 4, float)
 
 LILY_INSTANTIATE_KERNEL("qmv_residual_q4_g64_f32", qmv_residual, float, bfloat, 4)
 LILY_INSTANTIATE_KERNEL("qmv_residual_q4_g64_f32_sf32", qmv_residual, float, float, 4)

@@ -36,15 +36,37 @@ class Case:
     bytes_moved: int  # bytes the kernel must read and write at least
 
 
+# The qmv threadgroup shape (metal/lily.h): LILY_QMV_ROWS_PER_SIMDGROUP, LILY_QMV_SIMDGROUPS, LILY_QMV_MAX_ROWS;
+# --qmv-shape overrides them to time PTX built with other values.
+QMV_SHAPE = {"rows_per_simdgroup": 4, "simdgroups": 2, "batch": 4}
+
+
 def qmv_case(label: str, n: int, k: int, m: int = 1, kernel: str = "qmv_q4_g64_bf16") -> Case:
-    rows_per_tg = 8  # LILY_QMV_ROWS_PER_SIMDGROUP x LILY_QMV_SIMDGROUPS
+    rows_per_tg = QMV_SHAPE["rows_per_simdgroup"] * QMV_SHAPE["simdgroups"]
     w, s = n * k // 2, n * (k // 64) * 2
     return Case(label, kernel, [struct.pack("<IIII", k, n, m, 0), m * k * 2, w, s, s, m * n * 2],
-                (-(-n // rows_per_tg), m, 1), (64, 1, 1), w + 2 * s + m * k * 2 + m * n * 2)
+                (-(-n // rows_per_tg), -(-m // QMV_SHAPE["batch"]), 1), (32 * QMV_SHAPE["simdgroups"], 1, 1),
+                w + 2 * s + m * k * 2 + m * n * 2)
+
+
+def rms_norm_case() -> Case:
+    """The decode RMSNorm: one row of H (latency-bound: a few KB)."""
+    return Case("rms_norm 1x2048", "rms_norm_bf16", [struct.pack("<IfII", HIDDEN, 1e-6, 0, 0), HIDDEN * 2, HIDDEN * 2,
+                                                     HIDDEN * 2], (1, 1, 1), (256, 1, 1), 3 * HIDDEN * 2)
+
+
+def embedding_case() -> Case:
+    """One token's embedding row (id 12345) from the 4-bit table: latency-bound (a few KB)."""
+    w, s = VOCAB * HIDDEN // 2, VOCAB * (HIDDEN // 64) * 2
+    return Case("embedding 1 token", "embedding_gather_q4_g64_bf16",
+                [struct.pack("<IIII", HIDDEN, VOCAB, 0, 0), struct.pack("<I", 12345), w, s, s, HIDDEN * 2], (1, 1, 1), (256, 1, 1),
+                HIDDEN // 2 + 2 * (HIDDEN // 64) * 2 + HIDDEN * 2)
 
 
 def cases() -> list[Case]:
     return [
+        rms_norm_case(),
+        embedding_case(),
         qmv_case("qmv lm_head 1x248320x2048", VOCAB, HIDDEN),
         qmv_case("qmv lm_head M=4", VOCAB, HIDDEN, 4),
         qmv_case("qmv 1x2048x2048", 2048, HIDDEN),
@@ -60,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--kernels", help="only cases whose label matches REGEX")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--qmv-shape", nargs=3, type=int, metavar=("ROWS", "SIMDGROUPS", "BATCH"),
+                        help="the LILY_QMV_* values the PTX was built with (default 4 2 4)")
     args = parser.parse_args(argv)
+    if args.qmv_shape:
+        QMV_SHAPE.update(zip(("rows_per_simdgroup", "simdgroups", "batch"), args.qmv_shape))
     gpu = cuda.Runner()
     rng = np.random.default_rng(0)
     flush_bytes = 512 << 20  # several times the H200's 60 MB L2

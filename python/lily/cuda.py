@@ -77,6 +77,7 @@ class Runner:
         for name, image in self._images.items():
             for entry in _ENTRY_RE.findall(image.decode()):
                 self._kernel_image[entry] = name
+        self._params: dict[str, list[tuple[int, int, int, int]]] = {}
         self._modules: dict[tuple[str, bool], ctypes.c_void_p] = {}
         self._functions: dict[tuple[str, bool], ctypes.c_void_p] = {}
         for name in self._images:
@@ -216,12 +217,45 @@ class Runner:
         self._check("cuLaunchKernel", self._cu.cuLaunchKernel(
             fn, g[0], g[1], g[2], t[0], t[1], t[2], offset, ctypes.c_void_p(stream), args, None), kernel)
 
+    def parameters(self, kernel: str) -> list[tuple[int, int, int, int]]:
+        """Each kernel parameter as (attribute, index, binding, size): attribute 0 is [[buffer(index)]] and 1
+        [[threadgroup(index)]] (msl_rt::Attr); binding 0 pointer, 1 reference, 2 value; size of what it points to.
+        Read from the ``<kernel>_msl_params`` table the CUDA target exports beside each entry point."""
+        if kernel not in self._params:
+            self._function(kernel, 1)
+            module = self._module(self._kernel_image[kernel], False)
+            ptr, size = ctypes.c_uint64(), ctypes.c_size_t()
+            self._check("cuModuleGetGlobal", self._cu.cuModuleGetGlobal_v2(
+                ctypes.byref(ptr), ctypes.byref(size), module, f"{kernel}_msl_params".encode()), kernel)
+            table = np.zeros(size.value // 4, np.uint32)
+            self.download(ptr.value, table)
+            self._params[kernel] = [tuple(int(v) for v in table[1 + 4 * i: 5 + 4 * i]) for i in range(table[0])]
+        return self._params[kernel]
+
+    def check_arguments(self, kernel: str, args: list, threadgroup_memory: list[int] | None) -> None:
+        """The CPU harness's argument rules, before any GPU work: every [[buffer(i)]] bound, setBytes data for a
+        struct exactly the struct, a buffer bound to one at least as long, threadgroup lengths given."""
+        for p, (attr, index, binding, size) in enumerate(self.parameters(kernel)):
+            if attr == 0:
+                slot = f"{kernel} parameter {p} [[buffer({index})]]"
+                if index >= len(args):
+                    raise ValueError(f"{slot} is not bound: only {len(args)} args were given")
+                a = args[index]
+                got = len(a) if isinstance(a, (bytes, bytearray, memoryview)) else getattr(a, "nbytes", 0)
+                exact = isinstance(a, (bytes, bytearray, memoryview))
+                if binding == 1 and (got != size if exact else got < size):
+                    raise ValueError(f"{slot} expects {size} bytes (one struct from metal/lily.h); got {got}")
+            elif attr == 1 and (threadgroup_memory is None or index >= len(threadgroup_memory)
+                                or not threadgroup_memory[index]):
+                raise ValueError(f"{kernel} parameter {p} [[threadgroup({index})]] needs a threadgroup memory length")
+
     def dispatch(self, kernel: str, args: list, threadgroups, threads_per_threadgroup, *,
                  threadgroup_memory: list[int] | None = None, constants: dict | None = None, **_harness_only) -> None:
         """Run `kernel` once and wait: numpy arrays in `args` are copied to the GPU and back (in place), bytes are
         setBytes data. Harness-only options (random_schedule, seed, guard, ...) are accepted and have no effect."""
         if constants:
             raise ValueError(f"cuda: kernel {kernel}: function constants are not supported by the CUDA target")
+        self.check_arguments(kernel, args, threadgroup_memory)
         pointers, arrays, owned = [], {}, []
         try:
             for i, a in enumerate(args):

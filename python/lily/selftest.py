@@ -1012,7 +1012,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "rebuild Lily). Nothing was tested.", file=sys.stderr)
         return 2
     except RuntimeError as exc:  # no Metal/CUDA device, or the kernel source does not compile
-        print(f"lily.selftest: cannot open the {args.device} device: {exc}. Nothing was tested.", file=sys.stderr)
+        what = "CUDA" if args.device == "cuda" else "Metal"
+        print(f"lily.selftest: cannot open the {what} device: {exc}. Nothing was tested.", file=sys.stderr)
         return 2
     if device.gpu_tested:
         api = "the CUDA driver API" if device.kind == "cuda" else "the Metal API"

@@ -9,8 +9,8 @@
 
 namespace lily::tuning {
 
-// GEMV vs GEMM by rows: at most this many rows run qmv (weights re-read from cache per row); more rows run
-// qmm. The qmatmul kernels define the crossover with their tile shapes.
+// GEMV vs GEMM by rows: at most this many rows run qmv (one threadgroup row reads the weights once for all of
+// them); more rows run qmm. The qmatmul kernels define the crossover with their tile shapes.
 constexpr size_t kQmvMaxRows = LILY_QMV_MAX_ROWS;
 // 16-row vs 32-row qmm tiles: up to this many rows the 16-row tile wastes fewer padded rows.
 constexpr size_t kQmmBm16MaxRows = LILY_QMM_BM16_MAX_ROWS;

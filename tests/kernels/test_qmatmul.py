@@ -293,6 +293,8 @@ def test_qmm_nax(key, m: int, n: int, k: int, kio) -> None:
 
 # (bits, activation dtype, scale dtype) -> host name; output in the activation dtype unless the name ends in _of32.
 QMV_OF32 = {
+    (4, "bf16", "bf16"): "qmv_q4_g64_bf16_of32",
+    (4, "bf16", "f32"): "qmv_q4_g64_bf16_sf32_of32",
     (8, "bf16", "bf16"): "qmv_q8_g64_bf16_of32",
     (8, "bf16", "f32"): "qmv_q8_g64_bf16_sf32_of32",
 }
@@ -307,6 +309,8 @@ QMV_NORM = {
     (8, "bf16", "f32"): "qmv_norm_q8_g64_bf16_sf32",
 }
 QMV_NORM_OF32 = {
+    (4, "bf16", "bf16"): "qmv_norm_q4_g64_bf16_of32",
+    (4, "bf16", "f32"): "qmv_norm_q4_g64_bf16_sf32_of32",
     (8, "bf16", "bf16"): "qmv_norm_q8_g64_bf16_of32",
     (8, "bf16", "f32"): "qmv_norm_q8_g64_bf16_sf32_of32",
 }
@@ -442,6 +446,8 @@ QMV_SEG = {
     (False, 4, "f32", "f32", "f32"): "qmv_seg_q4_g64_f32_sf32",
     (False, 4, "bf16", "bf16", "bf16"): "qmv_seg_q4_g64_bf16",
     (False, 4, "bf16", "f32", "bf16"): "qmv_seg_q4_g64_bf16_sf32",
+    (False, 4, "bf16", "bf16", "f32"): "qmv_seg_q4_g64_bf16_of32",
+    (False, 4, "bf16", "f32", "f32"): "qmv_seg_q4_g64_bf16_sf32_of32",
     (False, 8, "f32", "bf16", "f32"): "qmv_seg_q8_g64_f32",
     (False, 8, "f32", "f32", "f32"): "qmv_seg_q8_g64_f32_sf32",
     (False, 8, "bf16", "bf16", "bf16"): "qmv_seg_q8_g64_bf16",
@@ -452,6 +458,8 @@ QMV_SEG = {
     (True, 4, "f32", "f32", "f32"): "qmv_norm_seg_q4_g64_f32_sf32",
     (True, 4, "bf16", "bf16", "bf16"): "qmv_norm_seg_q4_g64_bf16",
     (True, 4, "bf16", "f32", "bf16"): "qmv_norm_seg_q4_g64_bf16_sf32",
+    (True, 4, "bf16", "bf16", "f32"): "qmv_norm_seg_q4_g64_bf16_of32",
+    (True, 4, "bf16", "f32", "f32"): "qmv_norm_seg_q4_g64_bf16_sf32_of32",
     (True, 8, "f32", "bf16", "f32"): "qmv_norm_seg_q8_g64_f32",
     (True, 8, "f32", "f32", "f32"): "qmv_norm_seg_q8_g64_f32_sf32",
     (True, 8, "bf16", "bf16", "bf16"): "qmv_norm_seg_q8_g64_bf16",

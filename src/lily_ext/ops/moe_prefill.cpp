@@ -15,8 +15,8 @@ void moe_router_logits(Context& ctx, const std::string& label, const Span& x, co
     return;
   }
   // bf16 in, f32 out: only the qmv "_of32" variants exist (no qmm writes f32 from bf16), for 8-bit routers (as MLX
-  // stores them) and 4-bit ones. qmv takes any number of rows (grid y); it re-reads the router per row, from cache:
-  // it is E x H at 8 bits (0.5 MB at full size).
+  // stores them) and 4-bit ones. qmv takes any number of rows (grid y, up to LILY_QMV_MAX_ROWS per threadgroup); it
+  // re-reads the router per 4 rows, from cache: it is E x H at 8 bits (0.5 MB at full size).
   QMatmulArgs a{};
   a.in_features = static_cast<u32>(w.cols);
   a.out_features = static_cast<u32>(w.rows);
@@ -24,7 +24,8 @@ void moe_router_logits(Context& ctx, const std::string& label, const Span& x, co
   std::string name = "qmv_q" + std::to_string(w.bits) + "_g64_" + dtype_name(ctx.act) +
                      (w.scale_dtype == DType::F32 ? "_sf32" : "") + "_of32";
   add_node(ctx, name, label, {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(y)},
-           {(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup, rows, 1},
+           {(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup,
+            (rows + tuning::kQmvMaxRows - 1) / tuning::kQmvMaxRows, 1},
            {tuning::kQmvThreads, 1, 1}, {x, w.data, w.scales, w.biases}, {y});
 }
 

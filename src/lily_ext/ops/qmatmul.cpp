@@ -21,7 +21,8 @@ void qmatmul(Context& ctx, const std::string& label, const Span& x, const Weight
   name += "_q" + std::to_string(w.bits) + "_g64_" + dtype_name(f32_out ? ctx.act : dtype);
   if (w.scale_dtype == DType::F32) name += "_sf32";
   if (f32_out) name += "_of32";
-  mtl::Size groups{(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup, rows, 1};
+  mtl::Size groups{(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup,
+                   (rows + tuning::kQmvMaxRows - 1) / tuning::kQmvMaxRows, 1};  // each takes up to 4 input rows
   mtl::Size threads{tuning::kQmvThreads, 1, 1};
   if (rows > tuning::kQmvMaxRows && ctx.tensor_ops && ctx.in_gemm_dequant && dtype == DType::BF16 &&
       ctx.act == DType::BF16 && w.scale_dtype == DType::BF16) {

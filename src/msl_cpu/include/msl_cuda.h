@@ -27,6 +27,8 @@ __device__ float __nv_atan2f(float, float);
 __device__ float __nv_roundf(float);
 }
 #define MSL_LIBM(f) __nv_##f
+// `device` becomes an MSL address-space macro below: later device variables are spelled __attribute__((__device__)).
+#undef __device__
 
 // Host headers stay host code (their constexpr functions are usable on the device); every MSL function after them
 // is device code without an annotation, as in Metal.

@@ -80,6 +80,46 @@ template <class... P>
 constexpr int param_count(void (*)(P...)) {
   return int(sizeof...(P));
 }
+
+// Each parameter's binding, exported beside the entry point as `<host name>_msl_params` so the host checks its
+// arguments before a launch (as the CPU harness does): {attribute, index, how it binds, sizeof what it points to}.
+enum ParamBinding : uint32_t { kPointer = 0, kReference = 1, kValue = 2 };
+constexpr int kMaxParams = 32;
+struct ParamTable {
+  uint32_t count;
+  uint32_t params[kMaxParams][4];
+};
+template <class P>
+constexpr uint32_t binding_of() {
+  return std::is_pointer_v<P> ? kPointer : std::is_reference_v<P> ? kReference : kValue;
+}
+template <class P>
+constexpr uint32_t pointee_size() {
+  if constexpr (std::is_pointer_v<P>) {
+    using E = std::remove_cv_t<std::remove_pointer_t<P>>;
+    if constexpr (std::is_void_v<E>) return 1;
+    else return uint32_t(sizeof(E));
+  } else if constexpr (std::is_reference_v<P>) {
+    return uint32_t(sizeof(std::remove_reference_t<P>));
+  } else {
+    return uint32_t(sizeof(P));
+  }
+}
+template <const ::msl_rt::ParamAttr* A, class... P>
+constexpr ParamTable param_table(void (*)(P...)) {
+  static_assert(sizeof...(P) <= kMaxParams, "too many kernel parameters for the CUDA parameter table");
+  ParamTable t{};
+  t.count = uint32_t(sizeof...(P));
+  const uint32_t bindings[] = {binding_of<P>()..., 0u};
+  const uint32_t sizes[] = {pointee_size<P>()..., 0u};
+  for (uint32_t i = 0; i < t.count; ++i) {
+    t.params[i][0] = uint32_t(A[i].kind);
+    t.params[i][1] = uint32_t(A[i].index);
+    t.params[i][2] = bindings[i];
+    t.params[i][3] = sizes[i];
+  }
+  return t;
+}
 // The MSL body must be inlined into its entry point: as a real call, a large unrolled body spills.
 template <auto F, const ::msl_rt::ParamAttr* A>
 [[clang::always_inline]] inline void launch(const Params& p) {
@@ -88,8 +128,11 @@ template <auto F, const ::msl_rt::ParamAttr* A>
 }  // namespace msl_cuda_detail
 
 // The entry point is outside the implicit host-device region (a __global__ function cannot be __host__ __device__).
-#define MSL_CUDA_ENTRY(host_name, call)                                                                  \
+#define MSL_CUDA_ENTRY(host_name, call, fn_ptr, attrs)                                                   \
   _Pragma("clang force_cuda_host_device end")                                                           \
+  extern __attribute__((__device__)) const ::msl_cuda_detail::ParamTable MSL_CPU_CAT(msl_params_, __LINE__)  \
+      __asm__(host_name "_msl_params") =                                                                 \
+      ::msl_cuda_detail::param_table<attrs>(fn_ptr);                                                    \
   extern "C" __global__ void MSL_CPU_CAT(msl_entry_, __LINE__)(::msl_cuda_detail::Params) __asm__(host_name); \
   extern "C" __global__ void MSL_CPU_CAT(msl_entry_, __LINE__)(::msl_cuda_detail::Params p) { call; }   \
   _Pragma("clang force_cuda_host_device begin")
@@ -100,6 +143,7 @@ template <auto F, const ::msl_rt::ParamAttr* A>
   static_assert(::msl_cuda_detail::param_count(&fn<__VA_ARGS__>) ==                                     \
                     int(sizeof(msl_param_attrs_##fn) / sizeof(msl_param_attrs_##fn[0])),                \
                 "kernel parameter count and attribute table disagree");                                 \
-  MSL_CUDA_ENTRY(host_name, (::msl_cuda_detail::launch<&fn<__VA_ARGS__>, msl_param_attrs_##fn>(p)))
+  MSL_CUDA_ENTRY(host_name, (::msl_cuda_detail::launch<&fn<__VA_ARGS__>, msl_param_attrs_##fn>(p)), (&fn<__VA_ARGS__>), \
+                 msl_param_attrs_##fn)
 #define MSL_CPU_INSTANTIATE_PLAIN(host_name, fn)                                                         \
-  MSL_CUDA_ENTRY(host_name, (::msl_cuda_detail::launch<&fn, msl_param_attrs_##fn>(p)))
+  MSL_CUDA_ENTRY(host_name, (::msl_cuda_detail::launch<&fn, msl_param_attrs_##fn>(p)), &fn, msl_param_attrs_##fn)

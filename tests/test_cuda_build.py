@@ -1,0 +1,89 @@
+"""The CUDA target (docs/cuda.md) without a GPU: every kernel instantiation of metal/*.metal compiles to PTX for the
+NVIDIA targets and ptxas accepts it (a kernel edit that breaks the NVIDIA build fails here), the compiled source is
+the file in metal/, and a missing driver is a clear error. The kernels run on the GPU in tests/kernels with
+LILY_KERNEL_DEVICE=cuda (docs/verification.md)."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import cuda_kernels  # noqa: E402
+import msl2cpu  # noqa: E402
+
+from lily import cuda, selftest  # noqa: E402
+
+INSTANTIATION = re.compile(r'LILY_INSTANTIATE_KERNEL\s*\(\s*"([^"]+)"')
+# The Metal 4 tensor-op kernels are emulated by the CPU harness only (their #if is false for CUDA).
+NOT_BUILT_FOR_CUDA = re.compile(r"qmm_nax_.*")
+
+
+def source_names() -> set[str]:
+    names = set()
+    for path in cuda_kernels.metal_sources():
+        text = re.sub(r"//[^\n]*|/\*.*?\*/", "", path.read_text(), flags=re.S)
+        names |= set(INSTANTIATION.findall(text))
+    return names
+
+
+def test_selftest_compile_only_builds_every_kernel_for_cuda(capsys) -> None:
+    """`python -m lily.selftest --device cuda --compile-only`: clang + libdevice to PTX, then ptxas for sm_80 and
+    sm_90; one row per kernel."""
+    assert selftest.main(["--device", "cuda", "--compile-only"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0] for line in out.splitlines()[1:] if line.strip() and line.split()[-1] == "yes"}
+    expected = {n for n in source_names() if not NOT_BUILT_FOR_CUDA.fullmatch(n)}
+    assert len(expected) > 200
+    assert rows == expected, f"missing: {sorted(expected - rows)[:5]}; unexpected: {sorted(rows - expected)[:5]}"
+    assert "assembled by ptxas for sm_80 sm_90" in out
+
+
+def test_cuda_source_is_the_metal_file(tmp_path) -> None:
+    """The generated .cu points its #line at metal/<file> and holds the file's lines, except the constructs the
+    rewriter replaces in place (includes, threadgroup arrays, the kernel keyword, half literals; a comment line just
+    above a threadgroup array is blanked with it)."""
+    rewritten = re.compile(r'#\s*include|^\s*threadgroup\s|\bkernel\b|\[\[\s*threadgroup\s*\(|\d\.?\d*h\b|^\s*//')
+    for source in cuda_kernels.metal_sources():
+        cu = msl2cpu.generate_cuda(source, tmp_path).read_text()
+        marker = f'#line 1 "{source.resolve()}"\n'
+        assert marker in cu, source.name
+        body = cu.split(marker, 1)[1].splitlines()
+        original = source.read_text().splitlines()
+        assert len(body) >= len(original), source.name
+        changed = [i for i, line in enumerate(original) if body[i] != line]
+        unexpected = [i + 1 for i in changed if not rewritten.search(original[i])]
+        assert not unexpected, f"{source.name}: lines changed beyond the rewriter's constructs: {unexpected[:5]}"
+
+
+def test_local_address_check_catches_the_clang19_miscompile(tmp_path) -> None:
+    """A generic store through a local-window address (what clang 19 emitted for attention_prep) fails the build."""
+    ptx = tmp_path / "bad.ptx"
+    ptx.write_text(".version 8.5\n.visible .entry k(\n)\n{\n\tmov.u64 \t%SPL, __local_depot0;\n\tadd.u64 \t%rd4, %SPL, 64;\n"
+                   "\tadd.s64 \t%rd9, %rd4, %rd8;\n\tst.f32 \t[%rd9], %f1;\n}\n")
+    with pytest.raises(RuntimeError, match="generic access through a local address"):
+        cuda_kernels.check_local_addresses(ptx)
+    ptx.write_text(ptx.read_text().replace("st.f32", "st.local.f32"))
+    cuda_kernels.check_local_addresses(ptx)
+
+
+def test_no_driver_is_a_clear_error(monkeypatch) -> None:
+    def no_driver(name, *args, **kwargs):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    with pytest.raises(cuda.CudaError, match=r"no NVIDIA driver: libcuda\.so\.1"):
+        cuda.Runner()
+    assert selftest.main(["--device", "cuda"]) == 2
+
+
+def test_missing_ptx_is_a_clear_error(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: object())
+    monkeypatch.setenv("LILY_CUDA_PTX_DIR", str(tmp_path))
+    with pytest.raises(cuda.CudaError, match="no .ptx files in"):
+        cuda.Runner()
