@@ -58,6 +58,7 @@ class ThreadPool {
 // LILY_CPU_ISA=portable in the environment picks the portable loops at start.
 void set_isa(const std::string& name);
 std::string isa();
+bool avx2_enabled();
 
 // ---- qmatmul.cpp: linear (x @ W^T) and embed ----
 // out[t, n] = sum_k x[t, k] W[n, k] for t < T, n < W.rows. Serial when pool is null.

@@ -360,6 +360,8 @@ void set_isa(const std::string& name) {
 
 std::string isa() { return g_avx2 ? "avx2" : "portable"; }
 
+bool avx2_enabled() { return g_avx2; }
+
 namespace {
 // The default: AVX2 where the CPU has it, unless LILY_CPU_ISA=portable.
 const bool g_isa_chosen = [] {
