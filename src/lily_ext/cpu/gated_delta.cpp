@@ -21,9 +21,9 @@ void causal_conv1d(float* x, size_t tokens, size_t channels, size_t taps, const 
   std::memcpy(history.data() + history_rows * channels, x, tokens * channels * sizeof(float));
   for (size_t t = 0; t < tokens; ++t)
     for (size_t c = 0; c < channels; ++c) {
-      double sum = 0;
-      for (size_t j = 0; j < taps; ++j) sum += double(w[c * taps + j]) * history[(t + j) * channels + c];
-      x[t * channels + c] = float(sum / (1.0 + std::exp(-sum)));
+      float sum = 0;
+      for (size_t j = 0; j < taps; ++j) sum += w[c * taps + j] * history[(t + j) * channels + c];
+      x[t * channels + c] = silu(sum);
     }
   std::memcpy(conv_state, history.data() + tokens * channels, history_rows * channels * sizeof(float));
 }

@@ -451,9 +451,10 @@ void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPo
       if (g_avx2) {
         static_assert(kTileRows == 16, "the transposed kernel holds 16 rows");
         thread_local std::vector<float> tile_t;
-        tile_t.assign(cols * kTileRows, 0.0f);
-        for (size_t r = 0; r < n; ++r)
-          for (size_t k = 0; k < cols; ++k) tile_t[k * kTileRows + r] = t[r * cols + k];
+        tile_t.resize(cols * kTileRows);
+        if (n < kTileRows) std::fill(tile_t.begin(), tile_t.end(), 0.0f);  // rows past n stay zero
+        for (size_t k = 0; k < cols; ++k)
+          for (size_t r = 0; r < n; ++r) tile_t[k * kTileRows + r] = t[r * cols + k];
         tile_gemm_transposed_avx2(xs, tokens, cols, tile_t.data(), n, out + r0, rows);
         continue;
       }
