@@ -13,18 +13,23 @@
 
 namespace lily::cpu {
 
-void causal_conv1d(float* x, size_t tokens, size_t channels, size_t taps, const float* w, float* conv_state) {
+void causal_conv1d(float* x, size_t tokens, size_t channels, size_t taps, const float* w, float* conv_state,
+                   ThreadPool* pool) {
   const size_t history_rows = taps - 1;
   // history = [conv_state; x]: row r < K-1 is state row r, row K-1+t is input t.
   std::vector<float> history((history_rows + tokens) * channels);
   std::memcpy(history.data(), conv_state, history_rows * channels * sizeof(float));
   std::memcpy(history.data() + history_rows * channels, x, tokens * channels * sizeof(float));
-  for (size_t t = 0; t < tokens; ++t)
-    for (size_t c = 0; c < channels; ++c) {
-      float sum = 0;
-      for (size_t j = 0; j < taps; ++j) sum += w[c * taps + j] * history[(t + j) * channels + c];
-      x[t * channels + c] = silu(sum);
-    }
+  auto rows = [&](size_t begin, size_t end) {
+    for (size_t t = begin; t < end; ++t)
+      for (size_t c = 0; c < channels; ++c) {
+        float sum = 0;
+        for (size_t j = 0; j < taps; ++j) sum += w[c * taps + j] * history[(t + j) * channels + c];
+        x[t * channels + c] = silu(sum);
+      }
+  };
+  if (pool) pool->for_items(tokens, channels * (taps + 8), rows);
+  else rows(0, tokens);
   std::memcpy(conv_state, history.data() + tokens * channels, history_rows * channels * sizeof(float));
 }
 

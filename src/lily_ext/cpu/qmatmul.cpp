@@ -403,7 +403,9 @@ void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPo
   const bool in_chunks = chunked(w);
   if (in_chunks) {
     xc.resize(tokens * cols);
-    permute_to_chunk_order(x, tokens, cols, w.bits, xc.data());
+    run(pool, tokens, std::max<size_t>(1, kParallelWork / cols), [&](size_t t0, size_t t1) {
+      permute_to_chunk_order(x + t0 * cols, t1 - t0, cols, w.bits, xc.data() + t0 * cols);
+    });
   }
   if (tokens < kGemmMinTokens) {
     for (size_t t = 0; t < tokens; ++t) {
