@@ -57,10 +57,14 @@ DType dtype_from_name(const std::string& name) {
 CpuModel::CpuModel(CpuConfig config, size_t threads) : config_(std::move(config)), pool_(std::max<size_t>(threads, 1)) {
   const AttentionShape& a = config_.attention;
   const DeltaNetShape& d = config_.delta_net;
-  if (a.kv_heads == 0 || a.heads % a.kv_heads) throw std::invalid_argument("num_attention_heads must be a multiple of num_key_value_heads");
-  if (d.k_heads == 0 || d.v_heads % d.k_heads) throw std::invalid_argument("linear_num_value_heads must be a multiple of linear_num_key_heads");
-  if (config_.inv_freq.size() != a.rotary_dim / 2) throw std::invalid_argument("inv_freq must hold rotary_dim / 2 values");
-  if (config_.top_k == 0 || config_.top_k > config_.num_experts) throw std::invalid_argument("num_experts_per_tok must be in [1, num_experts]");
+  if (a.kv_heads == 0 || a.heads % a.kv_heads)
+    throw std::invalid_argument("num_attention_heads must be a multiple of num_key_value_heads");
+  if (d.k_heads == 0 || d.v_heads % d.k_heads)
+    throw std::invalid_argument("linear_num_value_heads must be a multiple of linear_num_key_heads");
+  if (config_.inv_freq.size() != a.rotary_dim / 2)
+    throw std::invalid_argument("inv_freq must hold rotary_dim / 2 values");
+  if (config_.top_k == 0 || config_.top_k > config_.num_experts)
+    throw std::invalid_argument("num_experts_per_tok must be in [1, num_experts]");
 }
 
 CpuModel::~CpuModel() = default;
@@ -100,8 +104,8 @@ const uint8_t* CpuModel::bytes(const std::string& name, const char* part, Span s
   if (span.buffer >= buffers_.size()) throw std::invalid_argument(name + ": " + part + " names no bound buffer");
   const Buffer& b = *buffers_[span.buffer];
   if (span.bytes != expected)
-    throw std::invalid_argument(name + ": " + part + " holds " + std::to_string(span.bytes) + " bytes; its shape needs " +
-                                std::to_string(expected));
+    throw std::invalid_argument(name + ": " + part + " holds " + std::to_string(span.bytes) +
+                                " bytes; its shape needs " + std::to_string(expected));
   if (span.offset > b.size || b.size - span.offset < span.bytes)
     throw std::invalid_argument(name + ": " + part + " runs past the end of its file");
   return b.data + span.offset;
@@ -118,9 +122,13 @@ void CpuModel::bind_matrix(const std::string& name, int bits, int group, DType d
   m.cols = cols;
   const size_t stack = std::max<size_t>(experts, 1);
   if (bits) {
-    if (bits != 2 && bits != 4 && bits != 8) throw std::invalid_argument(name + ": " + std::to_string(bits) + "-bit weights are not supported (2, 4 or 8)");
-    if (group != 32 && group != 64 && group != 128) throw std::invalid_argument(name + ": group size " + std::to_string(group) + " is not supported (32, 64 or 128)");
-    if (cols % group) throw std::invalid_argument(name + ": " + std::to_string(cols) + " columns are not a multiple of the group size");
+    if (bits != 2 && bits != 4 && bits != 8)
+      throw std::invalid_argument(name + ": " + std::to_string(bits) + "-bit weights are not supported (2, 4 or 8)");
+    if (group != 32 && group != 64 && group != 128)
+      throw std::invalid_argument(name + ": group size " + std::to_string(group) +
+                                  " is not supported (32, 64 or 128)");
+    if (cols % group)
+      throw std::invalid_argument(name + ": " + std::to_string(cols) + " columns are not a multiple of the group size");
     const size_t scale_bytes = stack * rows * (cols / group) * m.scale_bytes();
     m.scales = bytes(name, "scales", scales, scale_bytes);
     m.biases = bytes(name, "biases", biases, scale_bytes);

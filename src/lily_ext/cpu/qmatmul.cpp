@@ -148,7 +148,8 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
 __attribute__((target("avx2,fma"))) void axpy_avx2(float alpha, const float* x, float* y, size_t n) {
   const __m256 a = _mm256_set1_ps(alpha);
   size_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
@@ -338,7 +339,8 @@ void tile_gemm_portable(const float* x, size_t tokens, size_t cols, const float*
 void gemv_rows(const float* x, const Matrix& w, size_t r0, size_t r1, float* out) {
   thread_local std::vector<float> row;
   if (!w.bits && w.dtype == DType::F32) {
-    for (size_t r = r0; r < r1; ++r) out[r] = dot(x, reinterpret_cast<const float*>(w.data + r * w.row_bytes()), w.cols);
+    for (size_t r = r0; r < r1; ++r)
+      out[r] = dot(x, reinterpret_cast<const float*>(w.data + r * w.row_bytes()), w.cols);
     return;
   }
   row.resize(w.cols);
@@ -396,7 +398,8 @@ void set_isa(const std::string& name) {
     g_avx2 = false;
     return;
   }
-  if (name != "avx2") throw std::invalid_argument("CPU instruction set must be 'avx2' or 'portable'; got '" + name + "'");
+  if (name != "avx2")
+    throw std::invalid_argument("CPU instruction set must be 'avx2' or 'portable'; got '" + name + "'");
 #ifdef LILY_CPU_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
