@@ -45,12 +45,12 @@ def hf_state_dict(checkpoint) -> dict:
             value = value - np.float32(1.0)  # canonical norms are 1 + w; transformers adds the 1 itself
         if name.endswith("conv1d.weight"):
             value = value[:, None, :]  # [C, K] -> [C, 1, K]
-        out[name if name == "lm_head.weight" else "model." + name] = torch.from_numpy(np.ascontiguousarray(value))
+        out[name if name == "lm_head.weight" else "model." + name] = torch.from_numpy(np.array(value, np.float32))
     for layer in range(args.num_hidden_layers):
         prefix = f"layers.{layer}.mlp."
         gate, up, down = (dense(prefix + f"switch_mlp.{p}_proj.weight") for p in ("gate", "up", "down"))
         out[f"model.{prefix}experts.gate_up_proj"] = torch.from_numpy(np.concatenate([gate, up], axis=1))
-        out[f"model.{prefix}experts.down_proj"] = torch.from_numpy(np.ascontiguousarray(down))
+        out[f"model.{prefix}experts.down_proj"] = torch.from_numpy(np.array(down, np.float32))
     return out
 
 

@@ -77,6 +77,8 @@ def checkpoint_of(tiny_checkpoints, layout: str, variant: str = "kv64"):
         return load_checkpoint(tiny_checkpoints.mlx(variant, bits=8, dtype="bfloat16"))
     if layout == "hf_f32":
         return load_checkpoint(tiny_checkpoints.hf(variant, dtype="float32"))
+    if layout == "hf_f16":
+        return load_checkpoint(tiny_checkpoints.hf(variant, dtype="float16"))
     if layout == "hf_bf16_per_expert":
         return load_checkpoint(tiny_checkpoints.hf(variant, layout="per_expert", dtype="bfloat16"))
     if layout == "hf_quantized_on_load":
@@ -85,7 +87,7 @@ def checkpoint_of(tiny_checkpoints, layout: str, variant: str = "kv64"):
 
 
 @pytest.mark.parametrize(
-    "layout", ["mlx4", "mlx4_f32_scales", "mlx8", "hf_f32", "hf_bf16_per_expert", "hf_quantized_on_load"]
+    "layout", ["mlx4", "mlx4_f32_scales", "mlx8", "hf_f32", "hf_f16", "hf_bf16_per_expert", "hf_quantized_on_load"]
 )
 def test_logits_and_greedy_tokens_match_the_reference(tiny_checkpoints, layout, isa):
     checkpoint = checkpoint_of(tiny_checkpoints, layout)

@@ -39,7 +39,8 @@ def full_shape_text_config() -> dict:
 
 def _stored(name: str, shape: tuple[int, ...]) -> list[tuple[str, str, tuple[int, ...]]]:
     """(file name, dtype, shape) of the stored tensors of one canonical tensor, as mlx_lm.convert writes them."""
-    file_name = "language_model.lm_head" if name == "lm_head.weight" else "language_model.model." + name[: -len(".weight")]
+    stem = name[: -len(".weight")]
+    file_name = "language_model.lm_head" if name == "lm_head.weight" else "language_model.model." + stem
     if name.endswith("conv1d.weight"):
         return [(file_name + ".weight", "BF16", shape + (1,))]
     if len(shape) >= 2:

@@ -156,6 +156,14 @@ def l2_normalize(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 
+def rope_inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
+    """inv_freq[i] = 1 / theta^(2i / rotary_dim), fp32 [rotary_dim / 2]: exponent, power and reciprocal each the IEEE
+    fp32 result, rounded once from fp64 (numpy's own float32 ``power`` differs by an ulp between SIMD paths)."""
+    exponent = (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim).astype(np.float32)
+    power = (np.float64(np.float32(theta)) ** exponent.astype(np.float64)).astype(np.float32)
+    return (1.0 / power.astype(np.float64)).astype(np.float32)
+
+
 def rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, theta: float) -> np.ndarray:
     """Partial rotary embedding, rotate-half (NeoX) pairing, on the first ``rotary_dim`` dims.
 
@@ -168,9 +176,7 @@ def rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, theta: float) ->
     """
     x = _f32(x)
     half = rotary_dim // 2
-    exponent = (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim).astype(np.float32)
-    power = (np.float64(np.float32(theta)) ** exponent.astype(np.float64)).astype(np.float32)
-    inv_freq = (1.0 / power.astype(np.float64)).astype(np.float32)
+    inv_freq = rope_inv_freq(rotary_dim, theta)
     positions32 = np.asarray(positions, dtype=np.float32).astype(np.float64)
     angles = (positions32[:, None] * inv_freq.astype(np.float64)[None, :]).astype(np.float32)  # [T, half]
     cos = np.cos(angles.astype(np.float64))[:, None, :]

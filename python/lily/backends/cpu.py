@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lily.config import FULL_ATTENTION, ModelArgs
-from lily.reference import KV_CACHE_MIN_CAPACITY, DeltaNetState, KVCache, State, check_token_ids
+from lily.reference import KV_CACHE_MIN_CAPACITY, DeltaNetState, KVCache, State, check_token_ids, rope_inv_freq
 
 if TYPE_CHECKING:
     from lily.checkpoint import Checkpoint
@@ -47,7 +47,7 @@ def default_threads(environ: Any = os.environ) -> int:
 def cpu_config(args: ModelArgs) -> dict[str, Any]:
     """The fields of ``args`` the CPU engine reads, with the RoPE frequencies formed as the reference forms them."""
     rotary = args.rotary_dim
-    inv_freq = np.float32(1.0) / np.float32(args.rope_theta) ** (np.arange(0, rotary, 2, dtype=np.float32) / rotary)
+    inv_freq = rope_inv_freq(rotary, args.rope_theta)
     return {
         "vocab_size": args.vocab_size,
         "hidden_size": args.hidden_size,

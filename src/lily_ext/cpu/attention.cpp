@@ -57,7 +57,7 @@ void attention(const float* q, const float* keys, const float* values, const flo
       }
       double sum = 0;
       for (size_t j = 0; j < keys_seen; ++j) {
-        scores[j] = float(std::exp(double(scores[j]) - max_score));
+        scores[j] = std::exp(scores[j] - max_score);
         sum += scores[j];
       }
       float* o = out + item * d;

@@ -24,7 +24,8 @@ CpuConfig config_from_dict(const nb::dict& d) {
   CpuConfig c;
   c.vocab_size = field<size_t>(d, "vocab_size");
   c.hidden_size = field<size_t>(d, "hidden_size");
-  for (nb::handle kind : nb::iter(d["layer_types"])) c.attention_layers.push_back(nb::cast<std::string>(kind) == "full_attention");
+  for (nb::handle kind : nb::iter(d["layer_types"]))
+    c.attention_layers.push_back(nb::cast<std::string>(kind) == "full_attention");
   c.attention = {field<size_t>(d, "num_attention_heads"), field<size_t>(d, "num_key_value_heads"),
                  field<size_t>(d, "head_dim"), field<size_t>(d, "rotary_dim")};
   c.delta_net = {field<size_t>(d, "linear_num_key_heads"), field<size_t>(d, "linear_num_value_heads"),
@@ -70,7 +71,8 @@ void bind(nb::module_& m) {
            nb::arg("name"), nb::arg("bits"), nb::arg("group"), nb::arg("dtype"), nb::arg("experts"), nb::arg("rows"),
            nb::arg("cols"), nb::arg("data"), nb::arg("scales"), nb::arg("biases"))
       .def("bind_vector",
-           [](CpuModel& model, const std::string& name, nb::ndarray<const float, nb::c_contig, nb::device::cpu> values) {
+           [](CpuModel& model, const std::string& name,
+              nb::ndarray<const float, nb::c_contig, nb::device::cpu> values) {
              model.bind_vector(name, std::vector<float>(values.data(), values.data() + values.size()));
            }, nb::arg("name"), nb::arg("values"))
       .def("finish_loading", &CpuModel::finish_loading)

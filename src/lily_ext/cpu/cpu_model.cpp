@@ -57,10 +57,14 @@ DType dtype_from_name(const std::string& name) {
 CpuModel::CpuModel(CpuConfig config, size_t threads) : config_(std::move(config)), pool_(std::max<size_t>(threads, 1)) {
   const AttentionShape& a = config_.attention;
   const DeltaNetShape& d = config_.delta_net;
-  if (a.kv_heads == 0 || a.heads % a.kv_heads) throw std::invalid_argument("num_attention_heads must be a multiple of num_key_value_heads");
-  if (d.k_heads == 0 || d.v_heads % d.k_heads) throw std::invalid_argument("linear_num_value_heads must be a multiple of linear_num_key_heads");
-  if (config_.inv_freq.size() != a.rotary_dim / 2) throw std::invalid_argument("inv_freq must hold rotary_dim / 2 values");
-  if (config_.top_k == 0 || config_.top_k > config_.num_experts) throw std::invalid_argument("num_experts_per_tok must be in [1, num_experts]");
+  if (a.kv_heads == 0 || a.heads % a.kv_heads)
+    throw std::invalid_argument("num_attention_heads must be a multiple of num_key_value_heads");
+  if (d.k_heads == 0 || d.v_heads % d.k_heads)
+    throw std::invalid_argument("linear_num_value_heads must be a multiple of linear_num_key_heads");
+  if (config_.inv_freq.size() != a.rotary_dim / 2)
+    throw std::invalid_argument("inv_freq must hold rotary_dim / 2 values");
+  if (config_.top_k == 0 || config_.top_k > config_.num_experts)
+    throw std::invalid_argument("num_experts_per_tok must be in [1, num_experts]");
 }
 
 CpuModel::~CpuModel() = default;
@@ -100,8 +104,8 @@ const uint8_t* CpuModel::bytes(const std::string& name, const char* part, Span s
   if (span.buffer >= buffers_.size()) throw std::invalid_argument(name + ": " + part + " names no bound buffer");
   const Buffer& b = *buffers_[span.buffer];
   if (span.bytes != expected)
-    throw std::invalid_argument(name + ": " + part + " holds " + std::to_string(span.bytes) + " bytes; its shape needs " +
-                                std::to_string(expected));
+    throw std::invalid_argument(name + ": " + part + " holds " + std::to_string(span.bytes) +
+                                " bytes; its shape needs " + std::to_string(expected));
   if (span.offset > b.size || b.size - span.offset < span.bytes)
     throw std::invalid_argument(name + ": " + part + " runs past the end of its file");
   return b.data + span.offset;
@@ -118,9 +122,13 @@ void CpuModel::bind_matrix(const std::string& name, int bits, int group, DType d
   m.cols = cols;
   const size_t stack = std::max<size_t>(experts, 1);
   if (bits) {
-    if (bits != 2 && bits != 4 && bits != 8) throw std::invalid_argument(name + ": " + std::to_string(bits) + "-bit weights are not supported (2, 4 or 8)");
-    if (group != 32 && group != 64 && group != 128) throw std::invalid_argument(name + ": group size " + std::to_string(group) + " is not supported (32, 64 or 128)");
-    if (cols % group) throw std::invalid_argument(name + ": " + std::to_string(cols) + " columns are not a multiple of the group size");
+    if (bits != 2 && bits != 4 && bits != 8)
+      throw std::invalid_argument(name + ": " + std::to_string(bits) + "-bit weights are not supported (2, 4 or 8)");
+    if (group != 32 && group != 64 && group != 128)
+      throw std::invalid_argument(name + ": group size " + std::to_string(group) +
+                                  " is not supported (32, 64 or 128)");
+    if (cols % group)
+      throw std::invalid_argument(name + ": " + std::to_string(cols) + " columns are not a multiple of the group size");
     const size_t scale_bytes = stack * rows * (cols / group) * m.scale_bytes();
     m.scales = bytes(name, "scales", scales, scale_bytes);
     m.biases = bytes(name, "biases", biases, scale_bytes);
@@ -213,8 +221,12 @@ void CpuModel::attention_layer(const Layer& layer, const float* x, size_t tokens
   linear(x, tokens, *w.q_proj, q_and_gate.data(), &pool_);
   linear(x, tokens, *w.k_proj, keys + position * kv_row, &pool_);
   linear(x, tokens, *w.v_proj, values + position * kv_row, &pool_);
-  attention_prep(q_and_gate.data(), keys + position * kv_row, s, tokens, w.q_norm->data(), w.k_norm->data(),
-                 config_.inv_freq.data(), position, config_.eps, q.data(), gate.data());
+  pool_.for_items(tokens, (2 * s.heads + s.kv_heads) * d * 4, [&](size_t t0, size_t t1) {
+    const size_t q_row = s.heads * d;
+    attention_prep(q_and_gate.data() + t0 * 2 * q_row, keys + (position + t0) * kv_row, s, t1 - t0,
+                   w.q_norm->data(), w.k_norm->data(), config_.inv_freq.data(), position + t0, config_.eps,
+                   q.data() + t0 * q_row, gate.data() + t0 * q_row);
+  });
   attention(q.data(), keys, values, gate.data(), s, tokens, position, att.data(), &pool_);
   linear(att.data(), tokens, *w.o_proj, out, &pool_);
 }
@@ -230,12 +242,14 @@ void CpuModel::delta_net_layer(const Layer& layer, const float* x, size_t tokens
   linear(x, tokens, *w.in_proj_z, z.data(), &pool_);
   linear(x, tokens, *w.in_proj_b, b.data(), &pool_);
   linear(x, tokens, *w.in_proj_a, a.data(), &pool_);
-  causal_conv1d(mixed.data(), tokens, channels, s.conv_kernel, w.conv->data(), state.first);
+  causal_conv1d(mixed.data(), tokens, channels, s.conv_kernel, w.conv->data(), state.first, &pool_);
   const float q_scale = float(1.0 / std::sqrt(double(s.k_dim)));
-  for (size_t t = 0; t < tokens; ++t) {
-    l2_normalize(mixed.data() + t * channels, s.k_heads, s.k_dim, q_scale);
-    l2_normalize(mixed.data() + t * channels + s.key_dim(), s.k_heads, s.k_dim, 1.0f);
-  }
+  pool_.for_items(tokens, 4 * s.key_dim(), [&](size_t t0, size_t t1) {
+    for (size_t t = t0; t < t1; ++t) {
+      l2_normalize(mixed.data() + t * channels, s.k_heads, s.k_dim, q_scale);
+      l2_normalize(mixed.data() + t * channels + s.key_dim(), s.k_heads, s.k_dim, 1.0f);
+    }
+  });
   // beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias), the log-decay.
   for (size_t t = 0; t < tokens; ++t)
     for (size_t h = 0; h < s.v_heads; ++h) {
@@ -247,7 +261,10 @@ void CpuModel::delta_net_layer(const Layer& layer, const float* x, size_t tokens
     }
   std::vector<float> o(tokens * s.value_dim()), y(o.size());
   gated_delta_rule(mixed.data(), a.data(), b.data(), s, tokens, state.second, o.data(), &pool_);
-  gated_rms_norm(o.data(), z.data(), tokens * s.v_heads, s.v_dim, w.norm->data(), config_.eps, y.data());
+  pool_.for_items(tokens * s.v_heads, s.v_dim * 8, [&](size_t r0, size_t r1) {
+    gated_rms_norm(o.data() + r0 * s.v_dim, z.data() + r0 * s.v_dim, r1 - r0, s.v_dim, w.norm->data(), config_.eps,
+                   y.data() + r0 * s.v_dim);
+  });
   linear(y.data(), tokens, *w.out_proj, out, &pool_);
 }
 
@@ -264,13 +281,22 @@ void CpuModel::moe_layer(const Layer& layer, const float* x, size_t tokens, floa
   std::vector<float> gate(tokens * width), up(gate.size()), shared(tokens * H), shared_gate(tokens);
   linear(x, tokens, *w.shared_gate_proj, gate.data(), &pool_);
   linear(x, tokens, *w.shared_up_proj, up.data(), &pool_);
-  for (size_t i = 0; i < gate.size(); ++i) gate[i] = silu(gate[i]) * up[i];
+  pool_.for_items(gate.size(), 8, [&](size_t i0, size_t i1) {
+    for (size_t i = i0; i < i1; ++i) gate[i] = silu(gate[i]) * up[i];
+  });
   linear(gate.data(), tokens, *w.shared_down_proj, shared.data(), &pool_);
   linear(x, tokens, *w.shared_expert_gate, shared_gate.data(), &pool_);
   for (size_t t = 0; t < tokens; ++t) {
     const float g = sigmoid(shared_gate[t]);
     for (size_t i = 0; i < H; ++i) out[t * H + i] += g * shared[t * H + i];
   }
+}
+
+void CpuModel::norm_rows(const float* x, size_t rows, const std::vector<float>& w, float* out) {
+  const size_t n = w.size();
+  pool_.for_items(rows, 4 * n, [&](size_t r0, size_t r1) {
+    rms_norm(x + r0 * n, r1 - r0, n, w.data(), config_.eps, out + r0 * n);
+  });
 }
 
 void CpuModel::forward(const int64_t* ids, size_t tokens, size_t position, const std::vector<LayerState>& states,
@@ -285,16 +311,16 @@ void CpuModel::forward(const int64_t* ids, size_t tokens, size_t position, const
   embed(ids, tokens, *embed_tokens_, h.data());
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
-    rms_norm(h.data(), tokens, H, layer.input_norm->data(), c.eps, normed.data());
+    norm_rows(h.data(), tokens, *layer.input_norm, normed.data());
     if (layer.attention) attention_layer(layer, normed.data(), tokens, position, states[l], mixed.data());
     else delta_net_layer(layer, normed.data(), tokens, states[l], mixed.data());
     for (size_t i = 0; i < h.size(); ++i) h[i] += mixed[i];
-    rms_norm(h.data(), tokens, H, layer.post_norm->data(), c.eps, normed.data());
+    norm_rows(h.data(), tokens, *layer.post_norm, normed.data());
     moe_layer(layer, normed.data(), tokens, mixed.data());
     for (size_t i = 0; i < h.size(); ++i) h[i] += mixed[i];
   }
   const size_t first = last_only ? tokens - 1 : 0, rows = tokens - first;
-  rms_norm(h.data() + first * H, rows, H, final_norm_->data(), c.eps, normed.data());
+  norm_rows(h.data() + first * H, rows, *final_norm_, normed.data());
   linear(normed.data(), rows, *lm_head_, logits, &pool_);
 }
 

@@ -78,6 +78,8 @@ class CpuModel {
                        float* out);
   void delta_net_layer(const Layer& layer, const float* x, size_t tokens, const LayerState& state, float* out);
   void moe_layer(const Layer& layer, const float* x, size_t tokens, float* out);
+  // RMSNorm of `rows` rows of w.size() values, rows spread over the threads.
+  void norm_rows(const float* x, size_t rows, const std::vector<float>& w, float* out);
 
   CpuConfig config_;
   ThreadPool pool_;

@@ -4,6 +4,8 @@
 // on a few threads. Portable C++17 (g++ or clang); AVX2/FMA paths are chosen at run time (see `set_isa`).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -47,6 +49,10 @@ class ThreadPool {
   size_t size() const { return workers_.size() + 1; }
   // fn(begin, end) over `n` items; items are split in up to size() ranges, each at least `min_items` long.
   void parallel_for(size_t n, size_t min_items, const std::function<void(size_t, size_t)>& fn);
+  // parallel_for with ranges of at least about 2^15 operations, given the operations per item.
+  void for_items(size_t n, size_t work_per_item, const std::function<void(size_t, size_t)>& fn) {
+    parallel_for(n, std::max<size_t>(1, (size_t(1) << 15) / std::max<size_t>(work_per_item, 1)), fn);
+  }
 
  private:
   struct Shared;
@@ -58,6 +64,7 @@ class ThreadPool {
 // LILY_CPU_ISA=portable in the environment picks the portable loops at start.
 void set_isa(const std::string& name);
 std::string isa();
+bool avx2_enabled();
 
 // ---- qmatmul.cpp: linear (x @ W^T) and embed ----
 // out[t, n] = sum_k x[t, k] W[n, k] for t < T, n < W.rows. Serial when pool is null.
@@ -94,7 +101,8 @@ struct DeltaNetShape {
   size_t conv_dim() const { return 2 * key_dim() + value_dim(); }
 };
 // x [T, C] -> SiLU(causal depthwise conv) in place; conv_state [K-1, C] holds the last K-1 raw inputs.
-void causal_conv1d(float* x, size_t tokens, size_t channels, size_t taps, const float* w, float* conv_state);
+void causal_conv1d(float* x, size_t tokens, size_t channels, size_t taps, const float* w, float* conv_state,
+                   ThreadPool* pool);
 // The gated delta rule per value head over T tokens from `state` [Hv, dk, dv] (updated); o [T, Hv, dv].
 void gated_delta_rule(const float* mixed, const float* g, const float* beta, const DeltaNetShape& s, size_t tokens,
                       float* state, float* o, ThreadPool* pool);
@@ -107,7 +115,8 @@ void swiglu_experts(const float* x, size_t tokens, size_t hidden, const Matrix& 
                     const Matrix& down_proj, const int32_t* indices, const float* weights, size_t k, float* out,
                     ThreadPool* pool);
 
-float silu(float x);
-float sigmoid(float x);
+// float exp: within 2 ulp of the reference's double evaluation, and several times faster.
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 }  // namespace lily::cpu

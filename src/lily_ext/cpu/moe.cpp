@@ -63,11 +63,15 @@ void swiglu_experts(const float* x, size_t tokens, size_t hidden, const Matrix& 
   if (pool) pool->parallel_for(used.size(), std::max<size_t>(1, (size_t(1) << 15) / per_expert), run_experts);
   else run_experts(0, used.size());
   // Weighted sum in rank order.
-  for (size_t t = 0; t < tokens; ++t) {
-    float* o = out + t * hidden;
-    std::fill(o, o + hidden, 0.0f);
-    for (size_t r = 0; r < k; ++r) axpy(weights[t * k + r], y.data() + (t * k + r) * hidden, o, hidden);
-  }
+  auto combine = [&](size_t begin, size_t end) {
+    for (size_t t = begin; t < end; ++t) {
+      float* o = out + t * hidden;
+      std::fill(o, o + hidden, 0.0f);
+      for (size_t r = 0; r < k; ++r) axpy(weights[t * k + r], y.data() + (t * k + r) * hidden, o, hidden);
+    }
+  };
+  if (pool) pool->for_items(tokens, k * hidden, combine);
+  else combine(0, tokens);
 }
 
 }  // namespace lily::cpu

@@ -2,7 +2,8 @@
 //
 // Decode (few tokens): a GEMV straight from the packed codes, sum_g scale_g * (q . x)_g + bias_g * sum(x)_g, so a
 // weight is read once and never written out as floats. Prefill: a blocked GEMM that dequantizes 16 rows at a time
-// into a small per-thread tile (L2-sized) and multiplies every token by it. The AVX2 loops read a chunk of 8 uint32
+// into a small per-thread tile (L2-sized), transposed so that the AVX2 kernel needs no horizontal sums, and
+// multiplies every token by it. The AVX2 loops read a chunk of 8 uint32
 // words per load and shift out one code per word: lane w of shift s is element (32/bits)*w + s, so they use x in
 // that "chunk order" (permuted once per call) and the dot products are unchanged.
 #include <algorithm>
@@ -24,9 +25,10 @@ namespace {
 
 constexpr size_t kTileRows = 16;       // rows dequantized at once by the GEMM
 constexpr size_t kGemmMinTokens = 4;   // fewer tokens: one GEMV per token
-constexpr size_t kParallelWork = 1 << 15;  // multiply-adds below which a range is not split further
+constexpr size_t kParallelWork = 1 << 17;  // multiply-adds below which a range is not split (a wake-up costs ~10 us)
 
 bool g_avx2 = false;
+
 
 float bits_to_float(uint32_t u) {
   float f;
@@ -85,8 +87,35 @@ bool chunked(const Matrix& w) {
   return w.group % chunk == 0 && w.cols % w.group == 0;
 }
 
+#ifdef LILY_CPU_X86
+// At 4 bits a chunk is an 8 x 8 transpose: out[s * 8 + w] = x[8 * w + s].
+__attribute__((target("avx2,fma"))) void transpose_chunks_4bit(const float* x, size_t count, float* out) {
+  for (size_t c = 0; c < count; c += 64) {
+    __m256 r[8], t[8];
+    for (size_t i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(x + c + 8 * i);
+    for (size_t i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (size_t i = 0; i < 8; i += 4) {
+      r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+      r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+      r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+      r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (size_t i = 0; i < 4; ++i) {
+      _mm256_storeu_ps(out + c + 8 * i, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+      _mm256_storeu_ps(out + c + 8 * (i + 4), _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+  }
+}
+#endif
+
 // x [tokens, cols] in chunk order for `bits`.
 void permute_to_chunk_order(const float* x, size_t tokens, size_t cols, int bits, float* out) {
+#ifdef LILY_CPU_X86
+  if (bits == 4 && cols % 64 == 0) return transpose_chunks_4bit(x, tokens * cols, out);
+#endif
   const size_t per_word = 32 / bits, chunk = 8 * per_word;
   for (size_t t = 0; t < tokens; ++t)
     for (size_t c = 0; c < cols; c += chunk)
@@ -119,7 +148,8 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
 __attribute__((target("avx2,fma"))) void axpy_avx2(float alpha, const float* x, float* y, size_t n) {
   const __m256 a = _mm256_set1_ps(alpha);
   size_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
@@ -214,47 +244,68 @@ __attribute__((target("avx2,fma"))) void dequantize_row_chunked_avx2(const Matri
   }
 }
 
-// out[t, r] for 2 tokens x 4 rows of a dense fp32 tile at a time.
-__attribute__((target("avx2,fma"))) void tile_gemm_avx2(const float* x, size_t tokens, size_t cols,
-                                                        const float* tile, size_t rows, float* out, size_t ldo) {
-  const size_t vec = cols / 8 * 8;
-  size_t t = 0;
-  for (; t + 2 <= tokens; t += 2) {
-    const float* x0 = x + t * cols;
-    const float* x1 = x0 + cols;
-    size_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
-      const float* w0 = tile + r * cols;
-      __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
-             a13 = a00;
-      for (size_t k = 0; k < vec; k += 8) {
-        const __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k);
-        __m256 wv = _mm256_loadu_ps(w0 + k);
-        a00 = _mm256_fmadd_ps(v0, wv, a00);
-        a10 = _mm256_fmadd_ps(v1, wv, a10);
-        wv = _mm256_loadu_ps(w0 + cols + k);
-        a01 = _mm256_fmadd_ps(v0, wv, a01);
-        a11 = _mm256_fmadd_ps(v1, wv, a11);
-        wv = _mm256_loadu_ps(w0 + 2 * cols + k);
-        a02 = _mm256_fmadd_ps(v0, wv, a02);
-        a12 = _mm256_fmadd_ps(v1, wv, a12);
-        wv = _mm256_loadu_ps(w0 + 3 * cols + k);
-        a03 = _mm256_fmadd_ps(v0, wv, a03);
-        a13 = _mm256_fmadd_ps(v1, wv, a13);
-      }
-      const __m256 acc[2][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}};
-      for (size_t i = 0; i < 2; ++i)
-        for (size_t j = 0; j < 4; ++j) {
-          float sum = hsum(acc[i][j]);
-          for (size_t k = vec; k < cols; ++k) sum += x[(t + i) * cols + k] * w0[j * cols + k];
-          out[(t + i) * ldo + r + j] = sum;
-        }
-    }
-    for (; r < rows; ++r)
-      for (size_t i = 0; i < 2; ++i) out[(t + i) * ldo + r] = dot_avx2(x + (t + i) * cols, tile + r * cols, cols);
+// Stores the first n of 16 row results.
+__attribute__((target("avx2,fma"))) inline void store_rows(float* out, size_t n, __m256 lo, __m256 hi) {
+  if (n == 16) {
+    _mm256_storeu_ps(out, lo);
+    _mm256_storeu_ps(out + 8, hi);
+    return;
   }
-  for (; t < tokens; ++t)
-    for (size_t r = 0; r < rows; ++r) out[t * ldo + r] = dot_avx2(x + t * cols, tile + r * cols, cols);
+  float rows[16];
+  _mm256_storeu_ps(rows, lo);
+  _mm256_storeu_ps(rows + 8, hi);
+  std::memcpy(out, rows, n * sizeof(float));
+}
+
+// out[t, 0..n) = x[t] . tile rows, from the tile transposed to [cols, 16] (column k holds row r's value at k * 16
+// + r): 6 tokens x 16 rows of accumulators, each k adds one broadcast x times two 8-row vectors, and no horizontal
+// sums are needed (they dominated at the experts' 64-wide rows).
+__attribute__((target("avx2,fma"))) void tile_gemm_transposed_avx2(const float* x, size_t tokens, size_t cols,
+                                                                   const float* tile_t, size_t n, float* out,
+                                                                   size_t ldo) {
+  size_t t = 0;
+  for (; t + 6 <= tokens; t += 6) {
+    const float* x0 = x + t * cols;
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0, b4 = a0,
+           a5 = a0, b5 = a0;
+    for (size_t k = 0; k < cols; ++k) {
+      const __m256 lo = _mm256_loadu_ps(tile_t + k * 16), hi = _mm256_loadu_ps(tile_t + k * 16 + 8);
+      __m256 v = _mm256_broadcast_ss(x0 + k);
+      a0 = _mm256_fmadd_ps(v, lo, a0);
+      b0 = _mm256_fmadd_ps(v, hi, b0);
+      v = _mm256_broadcast_ss(x0 + cols + k);
+      a1 = _mm256_fmadd_ps(v, lo, a1);
+      b1 = _mm256_fmadd_ps(v, hi, b1);
+      v = _mm256_broadcast_ss(x0 + 2 * cols + k);
+      a2 = _mm256_fmadd_ps(v, lo, a2);
+      b2 = _mm256_fmadd_ps(v, hi, b2);
+      v = _mm256_broadcast_ss(x0 + 3 * cols + k);
+      a3 = _mm256_fmadd_ps(v, lo, a3);
+      b3 = _mm256_fmadd_ps(v, hi, b3);
+      v = _mm256_broadcast_ss(x0 + 4 * cols + k);
+      a4 = _mm256_fmadd_ps(v, lo, a4);
+      b4 = _mm256_fmadd_ps(v, hi, b4);
+      v = _mm256_broadcast_ss(x0 + 5 * cols + k);
+      a5 = _mm256_fmadd_ps(v, lo, a5);
+      b5 = _mm256_fmadd_ps(v, hi, b5);
+    }
+    store_rows(out + t * ldo, n, a0, b0);
+    store_rows(out + (t + 1) * ldo, n, a1, b1);
+    store_rows(out + (t + 2) * ldo, n, a2, b2);
+    store_rows(out + (t + 3) * ldo, n, a3, b3);
+    store_rows(out + (t + 4) * ldo, n, a4, b4);
+    store_rows(out + (t + 5) * ldo, n, a5, b5);
+  }
+  for (; t < tokens; ++t) {
+    const float* xt = x + t * cols;
+    __m256 lo_acc = _mm256_setzero_ps(), hi_acc = lo_acc;
+    for (size_t k = 0; k < cols; ++k) {
+      const __m256 v = _mm256_broadcast_ss(xt + k);
+      lo_acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(tile_t + k * 16), lo_acc);
+      hi_acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(tile_t + k * 16 + 8), hi_acc);
+    }
+    store_rows(out + t * ldo, n, lo_acc, hi_acc);
+  }
 }
 
 #endif  // LILY_CPU_X86
@@ -277,10 +328,9 @@ void axpy(float alpha, const float* x, float* y, size_t n) {
 
 namespace {
 
-void tile_gemm(const float* x, size_t tokens, size_t cols, const float* tile, size_t rows, float* out, size_t ldo) {
-#ifdef LILY_CPU_X86
-  if (g_avx2) return tile_gemm_avx2(x, tokens, cols, tile, rows, out, ldo);
-#endif
+// The portable GEMM of a tile: out[t, r] = x[t] . tile[r].
+void tile_gemm_portable(const float* x, size_t tokens, size_t cols, const float* tile, size_t rows, float* out,
+                        size_t ldo) {
   for (size_t t = 0; t < tokens; ++t)
     for (size_t r = 0; r < rows; ++r) out[t * ldo + r] = dot_portable(x + t * cols, tile + r * cols, cols);
 }
@@ -289,7 +339,8 @@ void tile_gemm(const float* x, size_t tokens, size_t cols, const float* tile, si
 void gemv_rows(const float* x, const Matrix& w, size_t r0, size_t r1, float* out) {
   thread_local std::vector<float> row;
   if (!w.bits && w.dtype == DType::F32) {
-    for (size_t r = r0; r < r1; ++r) out[r] = dot(x, reinterpret_cast<const float*>(w.data + r * w.row_bytes()), w.cols);
+    for (size_t r = r0; r < r1; ++r)
+      out[r] = dot(x, reinterpret_cast<const float*>(w.data + r * w.row_bytes()), w.cols);
     return;
   }
   row.resize(w.cols);
@@ -347,7 +398,8 @@ void set_isa(const std::string& name) {
     g_avx2 = false;
     return;
   }
-  if (name != "avx2") throw std::invalid_argument("CPU instruction set must be 'avx2' or 'portable'; got '" + name + "'");
+  if (name != "avx2")
+    throw std::invalid_argument("CPU instruction set must be 'avx2' or 'portable'; got '" + name + "'");
 #ifdef LILY_CPU_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
@@ -359,6 +411,8 @@ void set_isa(const std::string& name) {
 }
 
 std::string isa() { return g_avx2 ? "avx2" : "portable"; }
+
+bool avx2_enabled() { return g_avx2; }
 
 namespace {
 // The default: AVX2 where the CPU has it, unless LILY_CPU_ISA=portable.
@@ -379,7 +433,9 @@ void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPo
   const bool in_chunks = chunked(w);
   if (in_chunks) {
     xc.resize(tokens * cols);
-    permute_to_chunk_order(x, tokens, cols, w.bits, xc.data());
+    run(pool, tokens, std::max<size_t>(1, kParallelWork / cols), [&](size_t t0, size_t t1) {
+      permute_to_chunk_order(x + t0 * cols, t1 - t0, cols, w.bits, xc.data() + t0 * cols);
+    });
   }
   if (tokens < kGemmMinTokens) {
     for (size_t t = 0; t < tokens; ++t) {
@@ -423,7 +479,19 @@ void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPo
           dequantize_row(w, r0 + r, tile.data() + r * cols);
         }
       }
-      tile_gemm(xs, tokens, cols, t, n, out + r0, rows);
+#ifdef LILY_CPU_X86
+      if (g_avx2) {
+        static_assert(kTileRows == 16, "the transposed kernel holds 16 rows");
+        thread_local std::vector<float> tile_t;
+        tile_t.resize(cols * kTileRows);
+        if (n < kTileRows) std::fill(tile_t.begin(), tile_t.end(), 0.0f);  // rows past n stay zero
+        for (size_t k = 0; k < cols; ++k)
+          for (size_t r = 0; r < n; ++r) tile_t[k * kTileRows + r] = t[r * cols + k];
+        tile_gemm_transposed_avx2(xs, tokens, cols, tile_t.data(), n, out + r0, rows);
+        continue;
+      }
+#endif
+      tile_gemm_portable(xs, tokens, cols, t, n, out + r0, rows);
     }
   });
 }

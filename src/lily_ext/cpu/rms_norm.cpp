@@ -5,10 +5,6 @@
 
 namespace lily::cpu {
 
-float sigmoid(float x) { return float(1.0 / (1.0 + std::exp(-double(x)))); }
-
-float silu(float x) { return float(double(x) / (1.0 + std::exp(-double(x)))); }
-
 namespace {
 double inverse_rms(const float* x, size_t n, float eps) {
   double sum = 0;

@@ -1,6 +1,7 @@
-// A small fixed pool: parallel_for hands out contiguous ranges; the calling thread takes one range itself.
+// A small fixed pool: parallel_for hands out contiguous ranges; the calling thread takes ranges itself. Ranges are
+// taken and counted under the lock, each tagged with its job's generation, so a worker that wakes late can never run
+// or count a range of another job.
 #include <algorithm>
-#include <atomic>
 #include <condition_variable>
 #include <mutex>
 
@@ -12,17 +13,27 @@ struct ThreadPool::Shared {
   std::mutex mutex;
   std::condition_variable wake, done;
   const std::function<void(size_t, size_t)>* fn = nullptr;
-  size_t n = 0, ranges = 0;
-  std::atomic<size_t> next{0};
-  size_t finished = 0;
+  size_t n = 0, ranges = 0, next = 0, finished = 0;
   uint64_t generation = 0;
   bool stopping = false;
 
-  // Run ranges until none is left; returns how many this thread ran.
-  size_t run_ranges() {
-    size_t ran = 0;
-    for (size_t r; (r = next.fetch_add(1)) < ranges; ++ran) (*fn)(n * r / ranges, n * (r + 1) / ranges);
-    return ran;
+  // Run ranges of job `job` until none is left (or another job started).
+  void run_ranges(uint64_t job) {
+    for (;;) {
+      size_t r, count, total;
+      const std::function<void(size_t, size_t)>* f;
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (generation != job || next >= ranges) return;
+        r = next++;
+        count = n;
+        total = ranges;
+        f = fn;
+      }
+      (*f)(count * r / total, count * (r + 1) / total);
+      std::lock_guard<std::mutex> lock(mutex);
+      if (++finished == ranges) done.notify_all();
+    }
   }
 };
 
@@ -37,10 +48,7 @@ ThreadPool::ThreadPool(size_t threads) : shared_(new Shared) {
           if (s->stopping) return;
           seen = s->generation;
         }
-        size_t ran = s->run_ranges();
-        std::lock_guard<std::mutex> lock(s->mutex);
-        s->finished += ran;
-        if (s->finished == s->ranges) s->done.notify_all();
+        s->run_ranges(seen);
       }
     });
   }
@@ -66,6 +74,7 @@ void ThreadPool::parallel_for(size_t n, size_t min_items, const std::function<vo
     return;
   }
   Shared& s = *shared_;
+  uint64_t job;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     s.fn = &fn;
@@ -73,12 +82,11 @@ void ThreadPool::parallel_for(size_t n, size_t min_items, const std::function<vo
     s.ranges = ranges;
     s.next = 0;
     s.finished = 0;
-    ++s.generation;
+    job = ++s.generation;
   }
   s.wake.notify_all();
-  size_t ran = s.run_ranges();
+  s.run_ranges(job);
   std::unique_lock<std::mutex> lock(s.mutex);
-  s.finished += ran;
   s.done.wait(lock, [&] { return s.finished == s.ranges; });
 }
 
