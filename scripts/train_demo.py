@@ -473,7 +473,7 @@ def generation_config(tokenizer) -> dict:
     im_end = tokenizer.token_to_id("<|im_end|>")
     eot = tokenizer.token_to_id("<|endoftext|>")
     return {"bos_token_id": eot, "eos_token_id": [im_end, eot], "pad_token_id": eot, "do_sample": True,
-            "temperature": 0.8, "top_k": 40, "top_p": 0.95, "repetition_penalty": 1.05}
+            "temperature": 0.8, "top_k": 40, "top_p": 0.95}
 
 
 def export(args: argparse.Namespace) -> None:

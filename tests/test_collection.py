@@ -26,7 +26,8 @@ def pytest_as_a_mac(*args: str) -> subprocess.CompletedProcess[str]:
 def test_collects_as_a_mac_and_harness_modules_say_why_they_are_skipped():
     proc = pytest_as_a_mac("--collect-only", "-q", "-rs", "tests")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "error" not in proc.stdout.lower().split("short test summary info")[-1], proc.stdout[-3000:]
+    # No collection error (test names may contain "error": look for pytest's own ERROR lines and error counts).
+    assert not re.search(r"^ERROR |\b\d+ errors?\b", proc.stdout, re.M), proc.stdout[-3000:]
     skipped = set(re.findall(r"SKIPPED \[1\] \S+: (tests/\S+\.py) needs the MSL CPU execution harness", proc.stdout))
     assert skipped == set(HARNESS_MODULES), sorted(skipped ^ set(HARNESS_MODULES))
     # Everything else is collected: the reference, API, server and metal-backend tests.

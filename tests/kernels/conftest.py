@@ -139,10 +139,10 @@ def pytest_sessionfinish(session) -> None:
     import json
     import os
 
-    from lily._ext import msl
-
     path = os.environ.get("LILY_KERNEL_EXECUTIONS")
     if path:
+        from lily._ext import msl
+
         with open(path, "w", encoding="utf-8") as f:
             json.dump(msl.executions(), f)
 
