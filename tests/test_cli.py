@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -226,6 +227,14 @@ def test_chat_reports_an_over_context_turn_and_goes_on(model, chat_model_dir, mo
     assert "cut off by --max-tokens (3)" in err
 
 
+def _default_signals() -> None:
+    """In the terminal's child before exec: Ctrl-C and job-control signals as in a fresh shell, none blocked, so the
+    test does not depend on what the test process's other threads and tests did to its own signal state."""
+    for number in (signal.SIGINT, signal.SIGTTIN, signal.SIGTTOU, signal.SIGTSTP):
+        signal.signal(number, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 def test_chat_in_a_terminal_keeps_the_conversation_on_ctrl_c_and_has_history(chat_model_dir, tmp_path):
     """Through a pseudo-terminal: Ctrl-C at the prompt and during a prefill keep the conversation,
     the up arrow recalls the last message, and a 5,000-byte paste arrives whole."""
@@ -233,11 +242,13 @@ def test_chat_in_a_terminal_keeps_the_conversation_on_ctrl_c_and_has_history(cha
     log = tmp_path / "turns.jsonl"
     driver = Path(__file__).parent / "chat_pty_driver.py"
     child = pexpect.spawn(sys.executable, [str(driver), str(chat_model_dir), str(log)], encoding="utf-8",
-                          timeout=60, env={**os.environ, "TERM": "xterm"}, dimensions=(40, 200))
+                          timeout=60, env={**os.environ, "TERM": "xterm"}, dimensions=(40, 200),
+                          preexec_fn=_default_signals)
     try:
         child.expect_exact(">> ")
         child.send("hello\r")
         child.expect_exact(">> ")
+        time.sleep(0.5)  # readline has the terminal: keys typed now are read by it, as a person's would be
         child.send("half typed")
         child.sendintr()  # Ctrl-C at the prompt
         child.expect_exact("the conversation is kept")
