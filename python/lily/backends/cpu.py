@@ -45,29 +45,12 @@ def default_threads(environ: Any = os.environ) -> int:
 
 
 def cpu_config(args: ModelArgs) -> dict[str, Any]:
-    """The fields of ``args`` the CPU engine reads, with the RoPE frequencies formed as the reference forms them."""
-    rotary = args.rotary_dim
-    inv_freq = rope_inv_freq(rotary, args.rope_theta)
-    return {
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.hidden_size,
-        "layer_types": list(args.layer_types),
-        "num_attention_heads": args.num_attention_heads,
-        "num_key_value_heads": args.num_key_value_heads,
-        "head_dim": args.head_dim,
-        "rotary_dim": rotary,
-        "linear_num_key_heads": args.linear_num_key_heads,
-        "linear_num_value_heads": args.linear_num_value_heads,
-        "linear_key_head_dim": args.linear_key_head_dim,
-        "linear_value_head_dim": args.linear_value_head_dim,
-        "linear_conv_kernel_dim": args.linear_conv_kernel_dim,
-        "num_experts": args.num_experts,
-        "num_experts_per_tok": args.num_experts_per_tok,
-        "moe_intermediate_size": args.moe_intermediate_size,
-        "shared_expert_intermediate_size": args.shared_expert_intermediate_size,
-        "rms_norm_eps": args.rms_norm_eps,
-        "inv_freq": [float(f) for f in inv_freq.astype(np.float32)],
-    }
+    """The fields of ``args`` the CPU engine reads (the Metal engine's), with the RoPE frequencies formed as the
+    reference forms them."""
+    from lily.backends.metal import engine_config
+
+    inv_freq = rope_inv_freq(args.rotary_dim, args.rope_theta)
+    return {**engine_config(args), "inv_freq": [float(f) for f in inv_freq]}
 
 
 class CpuBackend:
