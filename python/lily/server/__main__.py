@@ -1,5 +1,5 @@
 import sys
 
-from lily.server.app import main
+from lily.server.command import main
 
 sys.exit(main())
