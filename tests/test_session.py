@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import lily
-from lily.model import PromptCache, Snapshot
+from lily.snapshot import PromptCache, Snapshot
 from test_api import (  # noqa: F401 (chat_model_dir and model are fixtures)
     CountingBackend,
     chat_model_dir,

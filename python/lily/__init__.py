@@ -7,7 +7,8 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from lily.model import Cancelled, Model, Result, Session, Snapshot, Stats, Token
+from lily.model import Cancelled, Model, Result, Session, Stats, Token
+from lily.snapshot import Snapshot
 
 try:
     __version__ = version("lily")
