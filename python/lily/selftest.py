@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import struct
@@ -954,10 +955,17 @@ def _compile_cuda() -> int:
     import tempfile
     from pathlib import Path
 
-    tool = Path(__file__).resolve().parents[2] / "tools" / "cuda_kernels.py"
-    if not tool.is_file():
-        print(f"lily.selftest: --compile-only needs Lily's source tree (tools/cuda_kernels.py not at {tool}). "
-              "Nothing was compiled.", file=sys.stderr)
+    # The kernel sources and the build tool live in Lily's source tree: an editable install's, $LILY_SOURCE_DIR, or
+    # the current directory (a checkout where `pip install .` was run).
+    roots = [Path(__file__).resolve().parents[2], Path.cwd()]
+    if os.environ.get("LILY_SOURCE_DIR"):
+        roots.insert(0, Path(os.environ["LILY_SOURCE_DIR"]))
+    tools = [root / "tools" / "cuda_kernels.py" for root in roots]
+    tool = next((t for t in tools if t.is_file()), None)
+    if tool is None:
+        print("lily.selftest: --compile-only needs Lily's source tree (tools/cuda_kernels.py is not at "
+              f"{', '.join(map(str, tools))}); run it in a checkout or set LILY_SOURCE_DIR. Nothing was compiled.",
+              file=sys.stderr)
         return 2
     spec = importlib.util.spec_from_file_location("lily_cuda_kernels", tool)
     builder = importlib.util.module_from_spec(spec)
