@@ -137,6 +137,8 @@ HAS_HARNESS = _ext is not None and getattr(_ext, "msl", None) is not None
 HAS_FAKE_METAL = _ext is not None and hasattr(_ext._test_engine, "set_stage_order")
 HAS_METAL = _ext is not None and _ext.platform != "none"
 HARNESS_MODULES = ("kernels/", "harness/", "test_selftest.py", "engine/test_metallib.py")
+# LILY_KERNEL_DEVICE=cuda: the kernel tests dispatch on the NVIDIA GPU (tests/kernels/conftest.py), no harness needed.
+KERNELS_ON_CUDA = os.environ.get("LILY_KERNEL_DEVICE") == "cuda"
 SKIP_REASONS = {
     "harness": "needs the MSL CPU execution harness (lily._ext.msl): Linux builds with clang-19 on x86-64 only",
     "fake_metal": "needs the fake Metal's controls (stage order, statistics): the Linux Metal test runtime only",
@@ -154,7 +156,8 @@ class _HarnessAbsent(pytest.Module):
 @pytest.hookimpl(tryfirst=True)
 def pytest_pycollect_makemodule(module_path: Path, parent):
     relative = module_path.relative_to(Path(__file__).parent).as_posix()
-    if not HAS_HARNESS and relative.startswith(HARNESS_MODULES):
+    needs_harness = relative.startswith(HARNESS_MODULES) and not (KERNELS_ON_CUDA and relative.startswith("kernels/"))
+    if not HAS_HARNESS and needs_harness:
         return _HarnessAbsent.from_parent(parent, path=module_path)
     return None
 
