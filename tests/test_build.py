@@ -77,7 +77,10 @@ def test_a_machine_without_clang_builds_installs_and_generates(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
     wheel = next((tmp_path / "wheel").glob("lily-*.whl"))
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
+    # --ignore-installed: CI has already installed this same version into the interpreter the venv inherits, and pip
+    # would otherwise call the wheel satisfied and install nothing (no venv/bin/lily).
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed",
+                    str(wheel)],
                    env=env, check=True, timeout=600)
     run_env = {**env, "HF_HUB_OFFLINE": "1"}
     generate = subprocess.run([str(venv / "bin" / "lily"), "generate", "ROMEO:", "--max-tokens", "12"],
