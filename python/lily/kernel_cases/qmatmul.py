@@ -1,0 +1,221 @@
+"""Cases of metal/qmatmul.metal against ``lily.reference.qmatmul`` on the dequantized weights.
+
+Weights are quantized with lily.quant.quantize (MLX affine, group 64; bf16 or f32 scales). Shapes cross every
+boundary of the kernels: output rows around the 4-row simdgroup and 8-row threadgroup of qmv (N = 1 is the
+shared-expert gate), K below, at and above the 512-element qmv step, M and N around the 16/32-row and 32/64-column
+tiles of qmm and qmm_nax, the model's own K and N; the decode fusions (f32 output, RMSNorm folded in, residual added
+in place, up to 4 segments from separate buffers). The tolerance is the output dtype's plus the error of an fp32
+sum of K terms.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from functools import partial
+
+import numpy as np
+
+from lily import reference
+from lily.kernel_cases.common import (Case, Run, dtype_of, poisoned, quantized_weight, round_to, scale_dtype_of,
+                                      to_device, to_f64, weight_buffers)
+from lily.quant import QuantizedTensor, pack, round_to_dtype
+
+PATTERN = re.compile(r"qmv(_norm|_residual)?(_seg)?_q(4|8)_g64_(f32|f16|bf16)(_sf32)?(_of32)?"
+                     r"|qmm_q(4|8)_g64_(f32|f16|bf16)(_sf32)?_bm(16|32)|qmm_nax_q(4|8)_g64_(f16|bf16)")
+QMV_ROWS_PER_THREADGROUP = 8  # LILY_QMV_SIMDGROUPS * LILY_QMV_ROWS_PER_SIMDGROUP
+QMM_BN = 32  # LILY_QMM_BN
+NAX_BM, NAX_BN = 32, 64  # LILY_QMM_NAX_BM, LILY_QMM_NAX_BN
+MAX_SEGMENTS = 4  # LILY_QMV_MAX_SEGMENTS
+NORM_EPS = 1e-6
+# Allowance for fp32 accumulation, in units of sqrt(K) * 2^-24 * sum|x w| (see _check_matmul).
+ACCUMULATION_ULPS = 1.0
+
+# (M, N, K) per kernel kind; the first is the self-test's case.
+QMV_SHAPES = [(2, 40, 512), (1, 1, 64), (1, 5, 512), (3, 9, 576), (2, 33, 128)]
+# One row with N = 1 (the shared-expert gate), partial threadgroups, K below/at/above the 512 step.
+FUSED_SHAPES = [(1, 40, 512), (1, 1, 64), (1, 9, 576), (2, 33, 128), (1, 12, 1024)]
+QMM_SHAPES = [(1, 33, 64), (16, 32, 128), (33, 40, 64), (17, 1, 192)]
+NAX_SHAPES = [(1, 1, 64), (32, 64, 64), (33, 65, 128), (70, 130, 64)]
+# Extra shapes of particular kernels: rows around the qmv simdgroup/threadgroup, the shared-expert gate, qmm row
+# tiles, and the model's own K and N (o_proj/out_proj K = 4096, the 8-bit router, down projections K = 512).
+EXTRA_SHAPES = {
+    "qmv_q4_g64_f32": [(1, n, 192) for n in (1, 3, 4, 7, 8, 12, 17)],
+    "qmv_q8_g64_bf16": [(1, 1, k) for k in (64, 448, 512, 1088, 2048)] + [(1, 256, 2048)],
+    "qmv_q4_g64_bf16": [(1, 40, 4096), (2, 600, 512)],
+    "qmm_q4_g64_bf16_bm16": [(m, 33, 256) for m in (15, 16, 31, 32, 65)],
+    "qmm_q4_g64_bf16_bm32": [(m, 33, 256) for m in (15, 16, 31, 32, 65)] + [(64, 96, 2048)],
+    "qmm_q8_g64_f32_bm16": [(9, 70, 2048)],
+    "qmm_nax_q4_g64_bf16": [(64, 128, 512)],
+}
+# Segment row counts and K of the segmented GEMVs: the DeltaNet-like 4 segments, one row, 31/32/33 rows (around the
+# 8-row threadgroup and 4-row simdgroup), 1 to 4 segments, K across the 512-element step.
+SEGMENTS = [([33, 9, 1, 1], 512, 1), ([9, 17, 1, 1], 128, 1)]
+SEGMENT_BOUNDARIES = [([1], 64, 1), ([32], 64, 1), ([33, 31], 64, 1), ([31, 32, 33, 1], 64, 1), ([5, 3], 576, 1),
+                      ([1, 1, 1], 1024, 1)]
+EXTRA_SEGMENTS = {
+    "qmv_seg_q8_g64_bf16_of32": SEGMENT_BOUNDARIES,  # the router | shared-gate variant in bf16 mode
+    "qmv_norm_seg_q8_g64_bf16_of32": SEGMENT_BOUNDARIES,
+    "qmv_norm_seg_q4_g64_f32": [([3, 9], 64, 2)],  # one grid row per input row
+}
+
+
+def qmatmul_args(k: int, n: int, m: int) -> bytes:
+    """lily::QMatmulArgs (metal/lily.h): u32 in_features, out_features, num_rows, one u32 of padding."""
+    return struct.pack("<IIII", k, n, m, 0)
+
+
+def out_dtype_of(kernel: str) -> str:
+    return "f32" if kernel.endswith("_of32") else dtype_of(kernel)
+
+
+def accumulation_magnitude(x: np.ndarray, weight) -> np.ndarray:
+    """sum_k |x_k| (|scale * q_k| + |bias|) per output: what the fp32 partial sums (and the bias fold) are made of."""
+    x_abs = np.abs(np.asarray(x, np.float64))
+    if isinstance(weight, QuantizedTensor):
+        groups = weight.codes().astype(np.float64).reshape(weight.shape[0], -1, weight.group_size)
+        w_abs = np.abs(groups * weight.scales[..., None]) + np.abs(weight.biases[..., None])
+        return x_abs @ w_abs.reshape(weight.shape).T
+    return x_abs @ np.abs(np.asarray(weight, np.float64)).T
+
+
+def check_matmul(run: Run, y: np.ndarray, out_dtype: str, x: np.ndarray, weight, *, add: np.ndarray | None = None,
+                 relative_ulps: float = 0.0) -> None:
+    """y (+ `add`) against reference.qmatmul(x, weight) rounded once to `out_dtype`: the dtype's tolerance widened by
+    the error of a K-term fp32 sum, about sqrt(K)·2^-24·sum|x w| (with cancellation this exceeds one rounding), plus
+    `relative_ulps`·sqrt(K)·2^-24·|expected| (a scalar from a K-term fp32 sum, such as 1/rms, scales the output)."""
+    x32 = np.asarray(x, np.float64).astype(np.float32)
+    exact = reference.qmatmul(x32, weight).astype(np.float64) + (0.0 if add is None else add)
+    expected = round_to(exact, out_dtype)
+    unit = np.sqrt(x.shape[-1]) * 2.0**-24
+    allowance = ACCUMULATION_ULPS * unit * accumulation_magnitude(x32, weight) + relative_ulps * unit * np.abs(expected)
+    run.compare("y", to_f64(y, out_dtype), expected, out_dtype, allowance)
+
+
+def _qmv(run: Run, kernel: str, m: int, n: int, k: int, weight: QuantizedTensor | None = None) -> None:
+    dtype, out_dtype = dtype_of(kernel), out_dtype_of(kernel)
+    if weight is None:
+        weight, buffers = quantized_weight(kernel, (n, k), run.rng)
+    else:
+        buffers = weight_buffers(weight, scale_dtype_of(kernel))
+    x = to_device(run.rng.standard_normal((m, k)), dtype)
+    y = poisoned((m, n), out_dtype)
+    run.dispatch(kernel, [qmatmul_args(k, n, m), x, *buffers, y], (-(-n // QMV_ROWS_PER_THREADGROUP), m, 1), 64)
+    check_matmul(run, y, out_dtype, to_f64(x, dtype), weight)
+
+
+def _qmv_extreme_codes(run: Run, kernel: str) -> None:
+    """All-0 and all-max codes, and a group with zero scale (bias only): the fold scale*sum(xq) + bias*sum(x)."""
+    n, k = 4, 128
+    codes = run.rng.integers(0, 16, (n, k)).astype(np.uint8)
+    codes[0], codes[1] = 0, 15
+    scales = np.float32(0.01) * (1 + run.rng.integers(0, 8, (n, k // 64))).astype(np.float32)
+    scales[2, 1] = 0.0
+    biases = round_to_dtype(run.rng.standard_normal((n, k // 64)).astype(np.float32), "bfloat16")
+    weight = QuantizedTensor(pack(codes, 4), round_to_dtype(scales, "bfloat16"), biases, 4, 64, "bfloat16")
+    _qmv(run, kernel, 1, n, k, weight)
+
+
+def _qmm(run: Run, kernel: str, m: int, n: int, k: int) -> None:
+    """qmm_nax's tensor-op tiles hold the dequantized weights in the activation dtype: the reference rounds them too."""
+    dtype = dtype_of(kernel)
+    if "_nax_" in kernel:
+        bm, bn, threads = NAX_BM, NAX_BN, 128
+    else:
+        bm, bn = int(kernel[-2:]), QMM_BN
+        threads = bm // 16 * 64
+    weight, buffers = quantized_weight(kernel, (n, k), run.rng)
+    x = to_device(run.rng.standard_normal((m, k)), dtype)
+    y = poisoned((m, n), dtype)
+    run.dispatch(kernel, [qmatmul_args(k, n, m), x, *buffers, y], (-(-n // bn), -(-m // bm), 1), threads)
+    if "_nax_" in kernel:
+        weight = round_to(weight.dequantize(), dtype).astype(np.float32)
+    check_matmul(run, y, dtype, to_f64(x, dtype), weight)
+
+
+def _qmv_norm(run: Run, kernel: str, m: int, n: int, k: int, x_scale: float = 1.0) -> None:
+    """The normalised row is never rounded to the activation dtype (it only lives in registers): the reference keeps
+    it in fp32 too."""
+    dtype, out_dtype = dtype_of(kernel), out_dtype_of(kernel)
+    weight, buffers = quantized_weight(kernel, (n, k), run.rng)
+    x = to_device(x_scale * run.rng.standard_normal((m, k)), dtype)
+    norm_weight = to_device(1.0 + 0.3 * run.rng.standard_normal(k), dtype)
+    y = poisoned((m, n), out_dtype)
+    run.dispatch(kernel, [struct.pack("<IIIf", k, n, m, NORM_EPS), x, norm_weight, *buffers, y],
+                 (-(-n // QMV_ROWS_PER_THREADGROUP), m, 1), 64)  # lily::QMatmulNormArgs
+    normed = reference.rms_norm(to_f64(x, dtype), to_f64(norm_weight, dtype), NORM_EPS)
+    check_matmul(run, y, out_dtype, normed, weight, relative_ulps=1.0)
+
+
+def _qmv_residual(run: Run, kernel: str, m: int, n: int, k: int) -> None:
+    """out = residual + W·x rounded once; written to a separate buffer and in place over the residual (the engine's
+    use), with the same bits."""
+    dtype = dtype_of(kernel)
+    weight, buffers = quantized_weight(kernel, (n, k), run.rng)
+    x = to_device(run.rng.standard_normal((m, k)), dtype)
+    residual = to_device(2.0 * run.rng.standard_normal((m, n)), dtype)
+    grid = (-(-n // QMV_ROWS_PER_THREADGROUP), m, 1)
+    separate = poisoned((m, n), dtype)
+    run.dispatch(kernel, [qmatmul_args(k, n, m), x, *buffers, residual, separate], grid, 64)
+    check_matmul(run, separate, dtype, to_f64(x, dtype), weight, add=to_f64(residual, dtype))
+    in_place = residual.copy()
+    run.dispatch(kernel, [qmatmul_args(k, n, m), x, *buffers, in_place, in_place], grid, 64)
+    run.compare_exact("in place == separate (bits)", in_place.view(np.uint8), separate.view(np.uint8))
+
+
+def _concatenated(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """The matrices stacked along output rows: what the segmented GEMV must compute, as one reference weight."""
+    return QuantizedTensor(np.concatenate([p.weight for p in parts]), np.concatenate([p.scales for p in parts]),
+                           np.concatenate([p.biases for p in parts]), parts[0].bits, parts[0].group_size,
+                           dtype=parts[0].dtype)
+
+
+def _qmv_segments(run: Run, kernel: str, rows: list[int], k: int, m: int) -> None:
+    """Up to 4 matrices sharing x, each in its own buffers, against one GEMV over their concatenation."""
+    dtype, out_dtype = dtype_of(kernel), out_dtype_of(kernel)
+    parts = [quantized_weight(kernel, (n, k), run.rng) for n in rows]
+    x = to_device(run.rng.standard_normal((m, k)), dtype)
+    norm_weight = to_device(1.0 + 0.3 * run.rng.standard_normal(k), dtype)
+    # Unused segments bind the first matrix again, as the host does; the kernel must not read them.
+    bindings = [b for s in range(MAX_SEGMENTS) for b in parts[s if s < len(parts) else 0][1]]
+    y = poisoned((m, sum(rows)), out_dtype)
+    padded = list(rows) + [0] * (MAX_SEGMENTS - len(rows))
+    args = struct.pack("<IIIf4I", k, sum(rows), len(rows), NORM_EPS, *padded)  # lily::QMatmulSegmentsArgs
+    grid = (sum(-(-n // QMV_ROWS_PER_THREADGROUP) for n in rows), m, 1)
+    run.dispatch(kernel, [args, x, norm_weight, *bindings, y], grid, 64)
+    x_in = to_f64(x, dtype)
+    norm = kernel.startswith("qmv_norm")
+    if norm:
+        x_in = reference.rms_norm(x_in, to_f64(norm_weight, dtype), NORM_EPS).astype(np.float64)
+    check_matmul(run, y, out_dtype, x_in, _concatenated([qt for qt, _ in parts]), relative_ulps=1.0 if norm else 0.0)
+
+
+def _shape_cases(kernel: str, body, shapes) -> list[Case]:
+    return [Case(kernel, f"M={m} N={n} K={k}", partial(body, kernel=kernel, m=m, n=n, k=k), quick=i == 0)
+            for i, (m, n, k) in enumerate(shapes)]
+
+
+def cases(kernel: str) -> list[Case]:
+    """Every case of one qmatmul kernel; the first is the self-test's."""
+    extra = EXTRA_SHAPES.get(kernel, [])
+    if "_seg_" in kernel:
+        layouts = SEGMENTS + EXTRA_SEGMENTS.get(kernel, [])
+        return [Case(kernel, f"rows={'/'.join(map(str, rows))} K={k} M={m}",
+                     partial(_qmv_segments, kernel=kernel, rows=rows, k=k, m=m), quick=i == 0)
+                for i, (rows, k, m) in enumerate(layouts)]
+    if kernel.startswith("qmv_norm"):
+        found = _shape_cases(kernel, _qmv_norm, FUSED_SHAPES)
+        if kernel == "qmv_norm_q4_g64_f32":  # tiny rows (eps matters) and large ones (the norm undoes the scale)
+            found += [Case(kernel, f"M=1 N=20 K=2048 x_scale={s:g}",
+                           partial(_qmv_norm, kernel=kernel, m=1, n=20, k=2048, x_scale=s)) for s in (1e-4, 30.0)]
+        return found
+    if kernel.startswith("qmv_residual"):
+        return _shape_cases(kernel, _qmv_residual, FUSED_SHAPES)
+    if kernel.startswith("qmv"):
+        found = _shape_cases(kernel, _qmv, (FUSED_SHAPES if kernel.endswith("_of32") else QMV_SHAPES) + extra)
+        if kernel == "qmv_q4_g64_f32":
+            found.append(Case(kernel, "M=1 N=4 K=128 extreme-codes", partial(_qmv_extreme_codes, kernel=kernel)))
+        return found
+    bm, bn = (NAX_BM, NAX_BN) if "_nax_" in kernel else (int(kernel[-2:]), QMM_BN)
+    quick = [(bm + 3, bn + 5, 256)]  # partial tiles in M and N
+    return _shape_cases(kernel, _qmm, quick + (NAX_SHAPES if "_nax_" in kernel else QMM_SHAPES) + extra)
