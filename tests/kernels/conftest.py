@@ -1,52 +1,65 @@
-"""Shared helpers for kernel tests: dtype conversion, NaN-poisoned outputs, the per-dtype tolerance table.
+"""Shared helpers for kernel tests: the device the cases run on, dtype conversion, NaN-poisoned outputs, the per-dtype
+tolerance table.
 
-Kernels run through the CPU execution harness (``lily._ext.msl.dispatch``, docs/harness.md). Device
-buffers are numpy arrays in the kernel's storage type: float32, float16, or bf16 held as uint16 bits.
-Tests use the ``kio`` fixture (an instance of ``KernelIO``).
+The cases of each op are defined once in ``lily.kernel_cases.<op>`` (``tests/kernels/cases.py`` parametrizes over
+them); the tests here that are not cases (dispatch and host logic, schedule independence, chains of kernels) call
+``msl.dispatch`` directly. Kernels run on the device ``LILY_KERNEL_DEVICE`` names (``lily.selftest.device``): the
+CPU execution harness by default (``lily._ext.msl``, docs/harness.md), ``cuda`` (an NVIDIA GPU, docs/cuda.md) or
+``metal-api`` (the Metal API: a Mac's GPU, the fake Metal on Linux); off the harness, ``msl.dispatch`` goes to that
+device too. Device buffers are numpy arrays in the kernel's storage type: float32, float16, or bf16 held as uint16
+bits. Tests use the ``kio`` fixture (an instance of ``KernelIO``) and ``kernel_device``.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import sys
 import types
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from lily.quant import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from lily.kernel_cases import common
+from lily.kernel_cases.common import TOLERANCES
+from lily.selftest.device import KernelDevice, open_device
+
+KERNEL_DEVICE = os.environ.get("LILY_KERNEL_DEVICE", "harness")
+_opened: list[KernelDevice] = []
 
 
-def _use_cuda_for_dispatch() -> None:
-    """LILY_KERNEL_DEVICE=cuda: the same test cases dispatch on the NVIDIA GPU (lily.cuda) instead of the CPU harness.
-    Where the extension is not built (the GPU machine has no clang), a stand-in ``lily._ext.msl`` is installed."""
-    from lily import cuda
+def kernel_device_in_use() -> KernelDevice:
+    """The device of this session (opened once)."""
+    if not _opened:
+        _opened.append(open_device(KERNEL_DEVICE))
+    return _opened[0]
 
-    runner = cuda.Runner()
+
+def _dispatch_on_the_device() -> None:
+    """Off the harness, the tests' ``msl.dispatch`` runs on the chosen device, which counts the executions for the
+    registry's coverage line. Where the extension (or its harness) is absent, as on the GPU machine without clang or
+    on a Mac, a stand-in ``lily._ext.msl`` is installed."""
+    device = kernel_device_in_use()
     try:
         from lily._ext import msl
     except ImportError:
-        ext = types.ModuleType("lily._ext")
         msl = types.ModuleType("lily._ext.msl")
         msl.test_kernel_names = lambda: []
+        ext = sys.modules.get("lily._ext") or types.ModuleType("lily._ext")
         ext.msl = msl
         sys.modules["lily._ext"], sys.modules["lily._ext.msl"] = ext, msl
-    runs: collections.Counter[str] = collections.Counter()
+    msl.dispatch = device.dispatch
+    msl.executions = lambda: dict(device.runs)
+    msl.kernel_names = lambda: sorted(device.kernels)
+    if device.kind == "cuda":
+        from lily import cuda
 
-    def dispatch(kernel: str, *args, **options):
-        runs[kernel] += 1  # the harness counts its runs; the GPU's are counted here, for the registry's coverage line
-        return runner.dispatch(kernel, *args, **options)
-
-    msl.dispatch = dispatch
-    msl.executions = lambda: dict(runs)
-    msl.kernel_names = runner.kernel_names
-    msl.KernelError = cuda.CudaError
+        msl.KernelError = cuda.CudaError
+    else:
+        msl.KernelError = RuntimeError
 
 
-if os.environ.get("LILY_KERNEL_DEVICE") == "cuda":
-    _use_cuda_for_dispatch()
+if KERNEL_DEVICE != "harness":
+    _dispatch_on_the_device()
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -54,88 +67,50 @@ def pytest_collection_modifyitems(items) -> None:
     the Metal 4 tensor-op kernels (qmm_nax) are not built (their #if is false there): their cases skip."""
     last = [item for item in items if item.name == "test_every_kernel_was_executed"]
     items[:] = [item for item in items if item not in last] + last
-    if os.environ.get("LILY_KERNEL_DEVICE") == "cuda":
+    if KERNEL_DEVICE == "cuda":
         for item in items:
             if "qmm_nax" in item.name:
                 item.add_marker(pytest.mark.skip(reason="qmm_nax (Metal 4 tensor ops) has no CUDA build"))
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    """Element-wise |actual - expected| <= atol + rtol * |expected|, plus a bound on the relative RMS error."""
-
-    rtol: float
-    atol: float
-    rel_rms: float
-
-
-# One rounding of a result to the dtype is 0.5 ulp; allow 1 ulp (2^-23, 2^-10, 2^-7) for fp32-vs-fp64 sums.
-TOLERANCES: dict[str, Tolerance] = {
-    "f32": Tolerance(rtol=2e-6, atol=1e-6, rel_rms=1e-6),
-    "f16": Tolerance(rtol=1e-3, atol=1e-5, rel_rms=5e-4),
-    "bf16": Tolerance(rtol=8e-3, atol=1e-4, rel_rms=4e-3),
-}
-
-STORAGE = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
-
-
 class KernelIO:
-    """Converts between float64/float32 test values and a kernel's storage dtype."""
+    """Converts between float64/float32 test values and a kernel's storage dtype (``lily.kernel_cases.common``)."""
 
     tolerances = TOLERANCES
 
     def to_device(self, values: np.ndarray, dtype: str) -> np.ndarray:
         """A C-contiguous buffer of `values` rounded to `dtype` ("f32", "f16" or "bf16")."""
-        values = np.asarray(values, dtype=np.float64)
-        if dtype == "bf16":
-            return np.ascontiguousarray(float32_to_bfloat16_bits(values.astype(np.float32)))
-        return np.ascontiguousarray(values.astype(STORAGE[dtype]))
+        return common.to_device(values, dtype)
 
     def to_f64(self, buffer: np.ndarray, dtype: str) -> np.ndarray:
         """The values held by a device buffer, widened exactly."""
-        if dtype == "bf16":
-            return bfloat16_bits_to_float32(buffer).astype(np.float64)
-        return np.asarray(buffer).astype(np.float64)
+        return common.to_f64(buffer, dtype)
 
     def round(self, values: np.ndarray, dtype: str) -> np.ndarray:
         """`values` rounded once to `dtype`, as float64."""
-        return self.to_f64(self.to_device(values, dtype), dtype)
+        return common.round_to(values, dtype)
 
     def poisoned(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         """An output buffer filled with NaN, so elements the kernel does not write are caught."""
-        if dtype == "bf16":
-            return np.full(shape, 0x7FC0, dtype=np.uint16)
-        return np.full(shape, np.nan, dtype=STORAGE[dtype])
+        return common.poisoned(shape, dtype)
 
     def assert_close(self, actual: np.ndarray, expected: np.ndarray, dtype: str, what: str) -> None:
-        """NaN/Inf positions first, then the relative RMS error, then element-wise tolerance."""
-        tol = TOLERANCES[dtype]
-        actual = np.asarray(actual, dtype=np.float64)
-        expected = np.asarray(expected, dtype=np.float64)
-        assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-        bad_nan = np.isnan(actual) != np.isnan(expected)
-        assert not bad_nan.any(), f"{what}: NaN mismatch at {np.argwhere(bad_nan)[:5].tolist()}"
-        inf = np.isinf(expected) | np.isinf(actual)
-        assert np.array_equal(actual[inf], expected[inf]), f"{what}: Inf mismatch"
-        finite = np.isfinite(expected)
-        a, e = actual[finite], expected[finite]
-        if e.size == 0:
-            return
-        scale = np.sqrt(np.mean(e * e))
-        rel_rms = np.sqrt(np.mean((a - e) ** 2)) / scale if scale > 0 else np.sqrt(np.mean(a * a))
-        assert rel_rms <= tol.rel_rms, f"{what}: relative RMS error {rel_rms:.3g} > {tol.rel_rms:g} ({dtype})"
-        err = np.abs(a - e)
-        limit = tol.atol + tol.rtol * np.abs(e)
-        worst = int(np.argmax(err - limit))
-        assert (err <= limit).all(), (
-            f"{what}: max abs error {err.max():.3g}; element {worst}: got {a[worst]!r}, expected {e[worst]!r} ({dtype})"
-        )
+        """NaN/Inf positions first, then the relative RMS error, then element-wise tolerance (the cases' rule)."""
+        result = common.compare_values(what, actual, expected, TOLERANCES[dtype])
+        assert result.passed, f"{what}: max error {result.max_error:.3g}, relative RMS error {result.error:.3g}, " \
+                              f"tolerance {result.tolerance} ({dtype}); {result.detail}"
 
 
 @pytest.fixture(scope="session")
 def kio() -> KernelIO:
     """Conversion and comparison helpers for kernel tests."""
     return KernelIO()
+
+
+@pytest.fixture(scope="session")
+def kernel_device() -> KernelDevice:
+    """The device the kernel cases run on (LILY_KERNEL_DEVICE, default the CPU harness)."""
+    return kernel_device_in_use()
 
 
 

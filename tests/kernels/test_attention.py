@@ -19,6 +19,7 @@ import struct
 
 import numpy as np
 import pytest
+from cases import check, op_cases
 
 from lily import reference
 from lily._ext import msl
@@ -393,3 +394,9 @@ def test_attention_decode_plain_matches_coalesced(kio) -> None:
     assert_close(kio, plain_parts.astype(np.float64), coalesced_parts.astype(np.float64), "f32", "plain partials")
     assert_close(kio, plain_stats.astype(np.float64), coalesced_stats.astype(np.float64), "f32", "plain stats")
     assert_close(kio, plain_split, inputs.expected(), "f32", "plain split vs reference")
+
+
+@pytest.mark.parametrize("case", op_cases("attention"))
+def test_attention_cases(case, kernel_device) -> None:
+    """Every case of lily.kernel_cases.attention: the self-test's, on this session's device."""
+    check(case, kernel_device)

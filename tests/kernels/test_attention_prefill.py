@@ -19,6 +19,7 @@ import struct
 
 import numpy as np
 import pytest
+from cases import check, op_cases
 from test_attention import CACHE_DTYPE, D, assert_close, attention_args
 from test_attention import SINGLE as DECODE
 from test_attention import VARIANTS as DECODE_VARIANTS
@@ -275,10 +276,15 @@ def test_prep_prefill_decode_chain(dtype: str, head_dim: int, kio) -> None:
 def test_simdgroup_layout_probe_reports_the_layout_the_mma_kernel_assumes() -> None:
     """The engine trusts attention_prefill_mma only where this probe matches (src/lily_ext/layout_probe.cpp); here
     the harness emulates MLX's layout, so it must match exactly, and every lane must write both elements."""
-    from lily.selftest import assumed_simdgroup_layout
+    from lily.kernel_cases.attention_prefill import assumed_simdgroup_layout
 
     out = np.full((32, 2), np.nan, np.float32)
     msl.dispatch("simdgroup_layout_probe", [out], (1, 1, 1), (32, 1, 1))
     np.testing.assert_array_equal(out, assumed_simdgroup_layout().astype(np.float32))
     assert sorted(out.ravel().astype(int)) == list(range(64)), "each element of the 8x8 matrix held by one lane"
 
+
+@pytest.mark.parametrize("case", op_cases("attention_prefill"))
+def test_attention_prefill_cases(case, kernel_device) -> None:
+    """Every case of lily.kernel_cases.attention_prefill: the self-test's, on this session's device."""
+    check(case, kernel_device)

@@ -21,6 +21,7 @@ import struct
 
 import numpy as np
 import pytest
+from cases import check, op_cases
 
 from lily import reference
 from lily._ext import msl
@@ -176,3 +177,9 @@ def test_attention_prep_d64(dtype: str, tokens: int, heads: int, kv_heads: int, 
     inputs, outputs = run_prep(kio, dtype, rng, tokens, heads, kv_heads, position, rotary_dim, simdgroups,
                                head_dim=64)
     check_against_reference(kio, dtype, inputs, outputs, position, rotary_dim)
+
+
+@pytest.mark.parametrize("case", op_cases("attention_prep"))
+def test_attention_prep_cases(case, kernel_device) -> None:
+    """Every case of lily.kernel_cases.attention_prep: the self-test's, on this session's device."""
+    check(case, kernel_device)

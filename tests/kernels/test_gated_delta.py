@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from cases import check, op_cases
 
 from lily import reference
 from lily._ext import msl
@@ -259,3 +260,9 @@ def test_gated_delta_step_dk64(dtype: str, hk: int, hv: int, dv: int, threads: i
     tokens = make_tokens(rng, layer, 2, kio)
     outs = [run_step(layer, {n: x[t : t + 1] for n, x in tokens.items()}, threads, kio, seed=t) for t in range(2)]
     check_against_reference(layer, start, tokens, np.concatenate(outs), kio, f"{STEP_DK64[dtype]} {hk}/{hv}/{dv}")
+
+
+@pytest.mark.parametrize("case", op_cases("gated_delta"))
+def test_gated_delta_cases(case, kernel_device) -> None:
+    """Every case of lily.kernel_cases.gated_delta: the self-test's, on this session's device."""
+    check(case, kernel_device)

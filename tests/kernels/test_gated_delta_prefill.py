@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cases import check, op_cases
 from test_gated_delta import (
     CONV,
     DTYPES,
@@ -159,3 +160,9 @@ def test_gated_delta_prefill_blockwise_in_chunks_equals_steps(dtype: str, kio) -
     assert np.array_equal(outs, np.concatenate([first, second]))
     assert np.array_equal(stepped.conv_state, chunked.conv_state)
     assert np.array_equal(stepped.state, chunked.state)
+
+
+@pytest.mark.parametrize("case", op_cases("gated_delta_prefill"))
+def test_gated_delta_prefill_cases(case, kernel_device) -> None:
+    """Every case of lily.kernel_cases.gated_delta_prefill: the self-test's, on this session's device."""
+    check(case, kernel_device)

@@ -11,6 +11,7 @@ import struct
 
 import numpy as np
 import pytest
+from cases import check, op_cases
 
 from lily import reference
 from lily._ext import msl
@@ -411,3 +412,9 @@ def test_moe_gate_up_swiglu_routed_ties_go_to_lower_expert(kio) -> None:
     e = int(expected_ids[0][k - 1])  # the last slot: its simdgroups picked it after k - 1 tie-breaks of their own
     last = silu64(reference.qmatmul(normed, layer.gate.dense[e])) * reference.qmatmul(normed, layer.up.dense[e])
     assert_close_dot(kio, out[(k - 1) * expert : k * expert], last, "f32", "tied routing, last slot")
+
+
+@pytest.mark.parametrize("case", op_cases("moe"))
+def test_moe_cases(case, kernel_device) -> None:
+    """Every case of lily.kernel_cases.moe: the self-test's, on this session's device."""
+    check(case, kernel_device)

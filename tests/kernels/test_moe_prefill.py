@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cases import check, op_cases
 
 from lily import reference
 from lily._ext import msl
@@ -347,3 +348,9 @@ def test_moe_prefill_independent_of_schedule(kio) -> None:
     for run in runs[1:]:
         for got, first in zip(run, runs[0]):
             assert np.array_equal(got, first, equal_nan=got.dtype.kind == "f")
+
+
+@pytest.mark.parametrize("case", op_cases("moe_prefill"))
+def test_moe_prefill_cases(case, kernel_device) -> None:
+    """Every case of lily.kernel_cases.moe_prefill: the self-test's, on this session's device."""
+    check(case, kernel_device)

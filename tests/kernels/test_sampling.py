@@ -12,6 +12,7 @@ import struct
 
 import numpy as np
 import pytest
+from cases import check, op_cases
 
 from lily._ext import msl
 from lily.sampling import log_softmax, min_p_mask, top_k_mask, top_p_mask
@@ -221,3 +222,9 @@ def test_sample_independent_of_schedule() -> None:
                          (256, 1, 1), random_schedule=random_schedule, seed=schedule_seed)
             picks.add(int(tokens[0]))
         assert len(picks) == 1, f"step {step}: tokens {picks} depend on the schedule"
+
+
+@pytest.mark.parametrize("case", op_cases("sampling"))
+def test_sampling_cases(case, kernel_device) -> None:
+    """Every case of lily.kernel_cases.sampling: the self-test's, on this session's device."""
+    check(case, kernel_device)

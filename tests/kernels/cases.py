@@ -1,0 +1,22 @@
+"""The bridge from ``lily.kernel_cases`` to pytest: every case of an op as a parameter with an explicit id, and the
+check that fails with the case's message (kernel, shape, max error, tolerance)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lily import kernel_cases
+from lily._ext import msl
+
+
+def op_cases(op: str) -> list:
+    """Every case of `op` over the kernels the session's device has, as pytest params named by the case's id."""
+    found = kernel_cases.cases(msl.kernel_names(), op=op)
+    assert found, f"no cases for op {op!r}"
+    return [pytest.param(case, id=case.id) for case in found]
+
+
+def check(case: kernel_cases.Case, device) -> None:
+    """Run `case` on `device`; fail with its message unless every output is within tolerance."""
+    outcome = case.run(device)
+    assert outcome.passed, outcome.message()
