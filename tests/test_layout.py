@@ -1,8 +1,9 @@
 """The repository's layout rules, checked on the files themselves.
 
 One name per op: every ``metal/<op>.metal`` has its dispatch ``src/lily_ext/ops/<op>.cpp`` (opening with a comment that
-names the kernel file), its test ``tests/kernels/test_<op>.py`` and a row of the index table in docs/kernels.md whose
-reference resolves to a function named as the op (a prefill op shares its decode op's). Imports in ``python/lily``
+names the kernel file), its cases ``python/lily/kernel_cases/<op>.py`` (listed in ``lily.kernel_cases.OPS``), its test
+``tests/kernels/test_<op>.py`` and a row of the index table in docs/kernels.md whose reference resolves to a function
+named as the op (a prefill op shares its decode op's). Imports in ``python/lily``
 run only downward: cli -> server (and the other tools) -> model -> its helpers -> backends -> reference, checkpoint,
 quant, config.
 """
@@ -17,10 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from lily import kernel_cases
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "python" / "lily"
 DISPATCH_HELPERS = {"common"}  # src/lily_ext/ops/common.cpp: shared by every op file, dispatches nothing itself
 NON_OP_KERNEL_TESTS = {"registry"}  # tests/kernels/test_registry.py: checks every kernel, belongs to no op
+CASE_HELPERS = {"__init__", "common"}  # python/lily/kernel_cases: the registry and what every op's cases share
 
 
 def ops_with(folder: Path, pattern: str, prefix: str = "") -> set[str]:
@@ -28,13 +32,14 @@ def ops_with(folder: Path, pattern: str, prefix: str = "") -> set[str]:
 
 
 def kernels_md_index() -> dict[str, list[str]]:
-    """op -> [kernels, dispatch, reference, test] from the index table of docs/kernels.md (backquotes removed)."""
+    """op -> [kernels, dispatch, reference, cases, test] from the index table of docs/kernels.md (backquotes
+    removed)."""
     text = (ROOT / "docs" / "kernels.md").read_text()
     section = text.split("## Index", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
-        if line.startswith("|") and len(cells) == 5 and cells[0] not in ("op", "---"):
+        if line.startswith("|") and len(cells) == 6 and cells[0] not in ("op", "---"):
             rows[cells[0]] = cells[1:]
     return rows
 
@@ -43,22 +48,26 @@ def test_every_kernel_file_has_a_dispatch_a_test_and_an_index_row() -> None:
     ops = ops_with(ROOT / "metal", "*.metal")
     dispatch = ops_with(ROOT / "src" / "lily_ext" / "ops", "*.cpp") - DISPATCH_HELPERS
     tests = ops_with(ROOT / "tests" / "kernels", "test_*.py", "test_") - NON_OP_KERNEL_TESTS
+    cases = ops_with(PACKAGE / "kernel_cases", "*.py") - CASE_HELPERS
     index = kernels_md_index()
     assert ops, "no kernel files found"
     assert dispatch == ops, f"dispatch files without a kernel file: {sorted(dispatch - ops)}; " \
                             f"kernel files without src/lily_ext/ops/<op>.cpp: {sorted(ops - dispatch)}"
     assert tests == ops, f"kernel tests without a kernel file: {sorted(tests - ops)}; " \
                          f"kernel files without tests/kernels/test_<op>.py: {sorted(ops - tests)}"
+    assert cases == ops == set(kernel_cases.OPS), \
+        f"case modules without a kernel file: {sorted(cases - ops)}; kernel files without " \
+        f"python/lily/kernel_cases/<op>.py: {sorted(ops - cases)}; lily.kernel_cases.OPS: {kernel_cases.OPS}"
     assert set(index) == ops, f"docs/kernels.md index rows without a kernel file: {sorted(set(index) - ops)}; " \
                               f"kernel files without an index row: {sorted(ops - set(index))}"
 
 
 @pytest.mark.parametrize("op", sorted(kernels_md_index()))
 def test_index_row_names_the_ops_files_and_reference(op: str) -> None:
-    kernels, dispatch, reference, test = kernels_md_index()[op]
-    assert [kernels, dispatch, test] == [f"metal/{op}.metal", f"src/lily_ext/ops/{op}.cpp",
-                                         f"tests/kernels/test_{op}.py"]
-    for path in (kernels, dispatch, test):
+    kernels, dispatch, reference, cases, test = kernels_md_index()[op]
+    assert [kernels, dispatch, cases, test] == [f"metal/{op}.metal", f"src/lily_ext/ops/{op}.cpp",
+                                                f"python/lily/kernel_cases/{op}.py", f"tests/kernels/test_{op}.py"]
+    for path in (kernels, dispatch, cases, test):
         assert (ROOT / path).is_file(), f"docs/kernels.md names {path}, which does not exist"
     first_line = (ROOT / dispatch).read_text().splitlines()[0]
     assert first_line.startswith("//") and kernels in first_line, \
@@ -75,7 +84,7 @@ LAYERS = [
     ("lily.server", "lily.bench", "lily.selftest", "lily.plan", "lily"),
     ("lily.model",),
     ("lily.tokenizer", "lily.chat", "lily.hub", "lily.snapshot"),
-    ("lily.backends", "lily.cuda"),
+    ("lily.backends", "lily.cuda", "lily.kernel_cases"),
     # lily.sampling: the CPU sampler, which the metal backend keeps for requests the GPU cannot sample
     ("lily.reference", "lily.checkpoint", "lily.quant", "lily.config", "lily.sampling"),
     ("lily._ext",),

@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lily import quant, selftest
+from lily import quant
 from lily.backends import metal
+from lily.kernel_cases import common as kernel_case_io
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +49,7 @@ def test_bf16_rounding_is_written_once() -> None:
 BF16_CONVERTERS = {
     "lily.quant": quant.float32_to_bfloat16_bits,
     "metal backend weights": lambda x: metal._as_dtype(x, "bfloat16"),
-    "selftest buffers": lambda x: selftest.to_device(x, "bf16"),
+    "kernel case buffers": lambda x: kernel_case_io.to_device(x, "bf16"),
     "kernel test buffers": lambda x: kernel_io().to_device(x, "bf16"),
 }
 

@@ -1,5 +1,6 @@
-"""`python -m lily.selftest`: the JSON rows, the exit codes, that a wrong case fails, the two devices (the CPU harness
-and the Metal API, which on Linux is the fake Metal) agreeing, and the kernel runner behind ``--device metal-api``."""
+"""`python -m lily.selftest`: the JSON rows, the exit codes, that a wrong case or a broken kernel fails (the
+self-test, its tests and the kernel tests), the two devices (the CPU harness and the Metal API, which on Linux is the
+fake Metal) agreeing, and the kernel runner behind ``--device metal-api``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lily import selftest
+from lily import kernel_cases, selftest
 from lily._ext import kernels, msl
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -34,7 +35,7 @@ def rows_of(proc: subprocess.CompletedProcess[str]) -> list[dict]:
     rows = json.loads(proc.stdout)
     assert isinstance(rows, list) and rows
     for row in rows:
-        assert set(row) == {"kernel", "shape", "error", "passed"}, row
+        assert set(row) == {"kernel", "shape", "error", "tolerance", "passed"}, row
         assert isinstance(row["kernel"], str) and isinstance(row["shape"], str) and isinstance(row["passed"], bool)
         assert row["error"] is None or isinstance(row["error"], (int, float))
     return rows
@@ -110,6 +111,72 @@ def test_a_kernel_without_a_case_fails() -> None:
     assert result.passed
 
 
+def test_all_runs_every_case_of_every_kernel() -> None:
+    """--all: the kernel tests' whole case set, one row per case, every kernel listed."""
+    proc = run_selftest("--json", "--all")
+    rows = rows_of(proc)
+    names = msl.kernel_names()
+    assert proc.returncode == 0 and all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
+    assert sorted({r["kernel"] for r in rows}) == names
+    assert len(rows) == len(kernel_cases.cases(names)) > 2 * len(names)
+
+
+# ---- a broken kernel fails the self-test, the self-test's tests and the kernel tests ----
+
+# A kernel that writes one element of its output 64 float32 ulps off (a relative error of about 8e-6).
+BREAK_RMS_NORM_F32 = """
+import numpy as np
+from lily._ext import msl
+
+_dispatch = msl.dispatch
+
+
+def broken(kernel, args, *rest, **options):
+    _dispatch(kernel, args, *rest, **options)
+    if kernel == "rms_norm_f32":
+        args[-1].view(np.uint32).flat[7] += 64
+
+
+msl.dispatch = broken
+"""
+
+
+def broken_device() -> selftest.KernelDevice:
+    device = selftest.open_device("harness")
+    namespace: dict = {}
+    exec(BREAK_RMS_NORM_F32.replace("msl.dispatch = broken", ""), namespace)
+    device.run = namespace["broken"]
+    return device
+
+
+def test_a_broken_kernel_fails_its_row(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    rows = selftest.run(["rms_norm_f32", "rms_norm_bf16"], device=broken_device(), all_cases=True)
+    failed = {r.shape for r in rows if not r.passed}
+    assert failed and all(r.kernel == "rms_norm_f32" for r in rows if not r.passed)
+    assert all(r.passed for r in rows if r.kernel == "rms_norm_bf16")
+    monkeypatch.setattr(selftest.device, "open_device", lambda kind: broken_device())
+    assert selftest.main(["--kernels", "^rms_norm_(f32|bf16)$"]) == 1
+    out = capsys.readouterr().out
+    assert "1/2 kernels passed" in out and "failed: rms_norm_f32" in out
+
+
+def test_the_tests_fail_when_a_kernel_is_broken(tmp_path: Path) -> None:
+    """The same break, made in every Python process of a pytest run (sitecustomize): this file's row check and the
+    kernel test of the case fail, naming the kernel, the shape, the error and the tolerance."""
+    (tmp_path / "sitecustomize.py").write_text(BREAK_RMS_NORM_F32)
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    case = "test_rms_norm[rms_norm_f32-rows=2-n=1000-threads=256]"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/test_selftest.py::test_every_kernel_has_a_passing_row",
+                           f"tests/kernels/test_rms_norm.py::{case}"],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "2 failed" in proc.stdout, proc.stdout[-3000:]
+    assert "'kernel': 'rms_norm_f32'" in proc.stdout
+    assert "rms_norm_f32 [rows=2 n=1000 threads=256] out: max error" in proc.stdout
+    assert "NOT within tolerance (|err| <= 1e-06 + 2e-06|e|, rel RMS <= 1e-06)" in proc.stdout
+
+
 # ---- on a Mac (platform.system() patched; the Metal API is the fake Metal here) ----
 
 
@@ -129,7 +196,7 @@ def test_on_a_mac_the_harness_is_absent_and_nothing_is_tested(monkeypatch: pytes
     def missing_harness():
         raise ImportError("No module named 'lily._ext.msl'")
 
-    monkeypatch.setattr(selftest, "_msl", missing_harness)
+    monkeypatch.setattr(selftest.device, "_msl", missing_harness)
     monkeypatch.setattr(platform, "system", lambda: "Darwin")
     assert selftest.main(["--json", "--device", "harness"]) == 2
     err = capsys.readouterr().err
@@ -137,7 +204,8 @@ def test_on_a_mac_the_harness_is_absent_and_nothing_is_tested(monkeypatch: pytes
 
 
 def test_a_metal_device_that_cannot_open_is_reported(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    monkeypatch.setattr(selftest, "_metal_runner", lambda: kernels.Runner("#error this GPU's compiler says no\n"))
+    monkeypatch.setattr(selftest.device, "_metal_runner",
+                        lambda: kernels.Runner("#error this GPU's compiler says no\n"))
     assert selftest.main(["--device", "metal-api"]) == 2
     err = capsys.readouterr().err
     assert "cannot open the Metal device" in err and "this GPU's compiler says no" in err
@@ -149,7 +217,7 @@ def test_kernels_the_gpu_did_not_compile_are_named_and_not_run(monkeypatch: pyte
     source = (ROOT / "metal" / "lily.h").read_text() + (ROOT / "metal" / "rms_norm.metal").read_text() + (
         "#if defined(__HAVE_A_FUTURE_GPU__)\nLILY_INSTANTIATE_KERNEL(\"rms_norm_future_f32\", rms_norm, float)\n"
         "#endif\n")
-    monkeypatch.setattr(selftest, "_metal_runner", lambda: kernels.Runner(source))
+    monkeypatch.setattr(selftest.device, "_metal_runner", lambda: kernels.Runner(source))
     assert selftest.main(["--json", "--device", "metal-api"]) == 0
     out, err = capsys.readouterr()
     rows = json.loads(out)

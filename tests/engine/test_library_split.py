@@ -53,7 +53,7 @@ def test_a_broken_family_is_reported_and_the_other_families_still_run(monkeypatc
         runner.run("rms_norm_f32", [b"\0" * 16], (1, 1, 1), (32, 1, 1))
 
     # The self-test lists the family; its kernels fail, other families' kernels pass against the reference.
-    monkeypatch.setattr(selftest, "_metal_runner", lambda: runner)
+    monkeypatch.setattr(selftest.device, "_metal_runner", lambda: runner)
     pattern = r"^(rms_norm_f32|rms_norm_residual_bf16|embedding_|dequantize_|attention_prep_f32_d64|argmax)"
     assert selftest.main(["--json", "--device", "metal-api", "--kernels", pattern]) == 1
     out, err = capfd.readouterr()

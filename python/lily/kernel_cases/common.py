@@ -165,8 +165,9 @@ class Outcome:
                 f"{verdict} tolerance ({c.tolerance}){'; ' + c.detail if c.detail else ''}")
 
 
-def _compare_float(what: str, actual: np.ndarray, expected: np.ndarray, tol: Tolerance,
-                   allowance: np.ndarray | None) -> Comparison:
+def compare_values(what: str, actual: np.ndarray, expected: np.ndarray, tol: Tolerance,
+                   allowance: np.ndarray | None = None) -> Comparison:
+    """Float `actual` against `expected`: NaN/Inf positions, relative RMS, then element-wise bounds."""
     actual = np.asarray(actual, dtype=np.float64)
     expected = np.asarray(expected, dtype=np.float64)
     if actual.shape != expected.shape:
@@ -228,7 +229,7 @@ class Run:
         tol = TOLERANCES[tolerance] if isinstance(tolerance, str) else tolerance
         if self.corrupt:
             expected = np.asarray(expected, np.float64) * 1.01 + 0.01
-        self.comparisons.append(_compare_float(what, actual, expected, tol, allowance))
+        self.comparisons.append(compare_values(what, actual, expected, tol, allowance))
 
     def compare_exact(self, what: str, actual: np.ndarray, expected: np.ndarray) -> None:
         """Integer (or bit-exact) output: the error is the number of elements that differ."""
