@@ -23,12 +23,13 @@ from cases import check, op_cases
 from test_attention import CACHE_DTYPE, D, assert_close, attention_args
 from test_attention import SINGLE as DECODE
 from test_attention import VARIANTS as DECODE_VARIANTS
-from test_attention_prep import KERNELS as PREP
-from test_attention_prep import KERNELS_D64 as PREP_D64
-from test_attention_prep import prep_args
 
 from lily import reference
 from lily._ext import msl
+from lily.kernel_cases.attention_prep import attention_prep_args as prep_args
+
+PREP = {"f32": "attention_prep_f32_d256", "bf16": "attention_prep_bf16_d256"}
+PREP_D64 = {"f32": "attention_prep_f32_d64", "bf16": "attention_prep_bf16_d64"}
 
 HEADS_PER_GROUP = 4  # LILY_ATTN_HEADS_PER_GROUP
 DTYPES = ["f32", "bf16"]

@@ -196,7 +196,19 @@ def compare_values(what: str, actual: np.ndarray, expected: np.ndarray, tol: Tol
     return Comparison(what, rel_rms, float(err.max()), described, passed, detail)
 
 
-def _compare_exact(what: str, actual: np.ndarray, allowed: Sequence[set[int]]) -> Comparison:
+def _compare_exact(what: str, actual, expected) -> Comparison:
+    actual, expected = np.asarray(actual).ravel(), np.asarray(expected).ravel()
+    if actual.size != expected.size:
+        return Comparison(what, math.nan, math.nan, "exact", False, f"{actual.size} values, {expected.size} expected")
+    wrong = np.flatnonzero(actual != expected)
+    distance = float(np.abs(actual[wrong].astype(np.float64) - expected[wrong].astype(np.float64)).max()) \
+        if wrong.size else 0.0
+    detail = f"first wrong element {wrong[0]}: got {actual[wrong[0]]}, expected {expected[wrong[0]]}" \
+        if wrong.size else ""
+    return Comparison(what, float(wrong.size), distance, "exact", not wrong.size, detail)
+
+
+def _compare_allowed(what: str, actual, allowed: Sequence[set[int]]) -> Comparison:
     actual = [int(v) for v in np.asarray(actual).ravel()]
     if len(actual) != len(allowed):
         return Comparison(what, math.nan, math.nan, "exact", False, f"{len(actual)} values, {len(allowed)} expected")
@@ -233,13 +245,15 @@ class Run:
 
     def compare_exact(self, what: str, actual: np.ndarray, expected: np.ndarray) -> None:
         """Integer (or bit-exact) output: the error is the number of elements that differ."""
-        self.compare_allowed(what, actual, [{int(v)} for v in np.asarray(expected).ravel()])
+        if self.corrupt:
+            expected = np.asarray(expected) + 1
+        self.comparisons.append(_compare_exact(what, actual, expected))
 
     def compare_allowed(self, what: str, actual, allowed: Sequence[set[int]]) -> None:
         """Token ids with more than one right answer: each element must be in its allowed set."""
         if self.corrupt:
             allowed = [{-1} for _ in allowed]
-        self.comparisons.append(_compare_exact(what, actual, allowed))
+        self.comparisons.append(_compare_allowed(what, actual, allowed))
 
 
 @dataclass(frozen=True)
