@@ -1,20 +1,28 @@
-"""Cases of metal/attention.metal (decode: single pass, split-KV partials and combine, the GQA-packing and
-coalesced-KV ablations) against ``lily.reference.attention``, and the helpers the attention ops' cases share.
+"""Cases of metal/attention.metal (decode attention) against ``lily.reference.attention``, and the helpers the
+attention ops' cases share.
 
-The KV cache holds NaN after the context, so a read past it shows; the split-KV partials are checked against a
-numpy per-block softmax.
+One query token over a KV cache [Hkv, capacity, D]. The single-pass kernel runs at contexts 1, 31, 32, 33, 45, 100
+and 300 with 1, 3, 4, 8 and 32 simdgroups (simdgroups that see no key), GQA groups of 4 and 8 (the model's: two
+threadgroups per KV head), and scores in the hundreds. The split-KV pair (attention_decode_partial +
+attention_decode_combine) runs with small blocks at contexts around block boundaries and with the model's block of
+1024 at 1025 keys; its partials are checked against a numpy per-block softmax. The head-dim-64 instances (2 heads
+per threadgroup), the unpacked instances of the GQA-packing ablation (1 head per threadgroup; GQA groups of 2 and 1)
+and the plain-mapping instances of the coalesced-KV ablation run their own single-pass and split-KV cases. Outputs
+and partials start NaN-poisoned; the cache has spare rows past the context holding NaN, so reading a key past the
+context is caught.
 """
 
 from __future__ import annotations
 
 import re
 import struct
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 
 from lily import reference
-from lily.kernel_cases.common import REL_RMS, Case, Run, dtype_of, poisoned, to_device, to_f64
+from lily.kernel_cases.common import TOLERANCES, Case, Run, Tolerance, dtype_of, poisoned, round_to, to_device, to_f64
 
 PATTERN = re.compile(r"attention_decode_(unpacked_|plain_|partial_|partial_unpacked_|partial_plain_|combine_)?"
                      r"(f32|f16|bf16)_d(256|64)")
@@ -24,20 +32,55 @@ PATTERN = re.compile(r"attention_decode_(unpacked_|plain_|partial_|partial_unpac
 HEADS_PER_GROUP = {256: 4, 64: 2}
 # The KV cache is bf16 except in float32 mode.
 CACHE_DTYPE = {"f32": "f32", "f16": "bf16", "bf16": "bf16"}
+# fp32 outputs: the kernel's fp32 dot products, exps and sums over up to 1025 keys against an fp64 reference.
+F32_SUMS = Tolerance(rtol=2e-5, atol=2e-6, rel_rms=5e-6)
+COMBINE_THREADS = 64
+
+# Single-pass shapes (heads, kv_heads, keys, simdgroups) by kernel family; the first is the self-test's.
+SINGLE_SHAPES = {
+    ("packed", 256): [(16, 2, 45, 4), (8, 2, 1, 4), (8, 2, 31, 4), (8, 2, 32, 4), (8, 2, 33, 4),
+                      (16, 2, 33, 3),  # GQA 8: two threadgroups per KV head; keys not a multiple of the simdgroups
+                      (4, 1, 100, 1),  # one simdgroup walks every key
+                      (8, 1, 33, 32),  # a full 1024-thread threadgroup: 31 simdgroups see one key, one sees two
+                      (16, 2, 300, 8)],  # the model's heads at the engine's 256 threads
+    ("packed", 64): [(4, 2, 45, 4), (4, 2, 1, 8), (4, 2, 33, 3), (8, 2, 32, 4), (2, 1, 100, 1)],
+    ("unpacked", 256): [(16, 2, 45, 4), (4, 2, 31, 4), (16, 2, 33, 8)],
+    ("unpacked", 64): [(4, 2, 45, 4), (4, 2, 33, 2), (3, 3, 5, 8)],  # 3 heads of 3 KV heads: no group needed
+    ("plain", 256): [(16, 2, 45, 4), (8, 2, 1, 4), (16, 2, 33, 3), (8, 1, 32, 8)],
+    ("plain", 64): [(4, 2, 45, 4), (4, 2, 33, 3), (8, 2, 31, 4)],
+}
+# Split-KV shapes (heads, kv_heads, keys, block, simdgroups): one partial block, one full, a second block of one key,
+# the last block one short, the model's heads and block size (LILY_ATTN_SPLIT_BLOCK).
+SPLIT_SHAPES = {
+    ("packed", 256): [(16, 2, 45, 16, 2), (8, 2, 15, 16, 2), (8, 2, 16, 16, 2), (8, 2, 17, 16, 2),
+                      (8, 2, 33, 16, 3), (16, 2, 47, 16, 2), (8, 2, 64, 32, 4), (16, 2, 1025, 1024, 8)],
+    ("packed", 64): [(4, 2, 45, 16, 2), (4, 2, 17, 16, 2), (8, 2, 33, 16, 3)],
+    ("unpacked", 256): [(16, 2, 45, 16, 2), (4, 2, 47, 16, 2), (16, 2, 1025, 1024, 8)],
+    ("unpacked", 64): [(4, 2, 45, 16, 2), (4, 2, 32, 16, 4)],
+    ("plain", 256): [(16, 2, 45, 16, 2), (16, 2, 47, 16, 2), (8, 2, 17, 16, 3)],
+    ("plain", 64): [(4, 2, 45, 16, 2), (4, 2, 33, 16, 2)],
+}
+
+
+def attention_args(queries: int, heads: int, kv_heads: int, keys: int, capacity: int, block_size: int = 0,
+                   num_blocks: int = 0, scale: float = 256**-0.5) -> bytes:
+    """lily::AttentionArgs (metal/lily.h)."""
+    return struct.pack("<IIIIIIIf", queries, heads, kv_heads, keys, capacity, block_size, num_blocks, scale)
 
 
 def attention_layout(kernel: str) -> tuple[int, int, int]:
-    """(head dim, query heads per threadgroup, query heads of the case) of an attention kernel's host name: the model's
-    16 heads at head dim 256, the demo model's 4 at head dim 64, always 2 KV heads."""
+    """(head dim, query heads per threadgroup, query heads of the self-test's case) of an attention kernel's host name:
+    the model's 16 heads at head dim 256, the demo model's 4 at head dim 64, always 2 KV heads."""
     head_dim = int(re.search(r"_d(\d+)$", kernel).group(1))
     per_group = 1 if "_unpacked_" in kernel else HEADS_PER_GROUP[head_dim]
     return head_dim, per_group, 16 if head_dim == 256 else 4
 
 
-def attention_args(queries: int, heads: int, kv_heads: int, keys: int, capacity: int, head_dim: int,
-                   block_size: int = 0, num_blocks: int = 0) -> bytes:
-    return struct.pack("<IIIIIIIf", queries, heads, kv_heads, keys, capacity, block_size, num_blocks,
-                       head_dim**-0.5)  # lily::AttentionArgs
+def tolerance(dtype: str, widen: float = 1.0) -> Tolerance:
+    """The dtype's tolerance; for f32 the bound of sums over many keys, widened by `widen`."""
+    if dtype != "f32":
+        return TOLERANCES[dtype]
+    return Tolerance(widen * F32_SUMS.rtol, widen * F32_SUMS.atol, widen * F32_SUMS.rel_rms)
 
 
 def kv_cache(rng: np.random.Generator, cache_dtype: str, kv_heads: int, keys: int, capacity: int,
@@ -53,70 +96,136 @@ def cache_rows(cache: np.ndarray, cache_dtype: str, keys: int) -> np.ndarray:
     return to_f64(cache, cache_dtype)[:, :keys].transpose(1, 0, 2)
 
 
-def _decode_inputs(run: Run, dtype: str, heads: int, kv_heads: int, keys: int, head_dim: int):
-    cache_dtype = CACHE_DTYPE[dtype]
-    capacity = keys + 3
-    q = to_device(2.0 * run.rng.standard_normal((heads, head_dim)), dtype)
-    gate = to_device(2.0 * run.rng.standard_normal((heads, head_dim)), dtype)
-    k_cache = kv_cache(run.rng, cache_dtype, kv_heads, keys, capacity, head_dim)
-    v_cache = kv_cache(run.rng, cache_dtype, kv_heads, keys, capacity, head_dim)
-    k, v = cache_rows(k_cache, cache_dtype, keys), cache_rows(v_cache, cache_dtype, keys)
-    expected = reference.attention(to_f64(q, dtype)[None], k, v, to_f64(gate, dtype)[None], offset=keys - 1)[0]
-    return capacity, q, gate, k_cache, v_cache, expected
+@dataclass
+class DecodeInputs:
+    """Random q, gate and KV cache for one decode step; the cache's spare rows hold NaN."""
+
+    dtype: str
+    heads: int
+    kv_heads: int
+    keys: int
+    head_dim: int
+    q: np.ndarray
+    gate: np.ndarray
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+
+    @classmethod
+    def random(cls, rng: np.random.Generator, dtype: str, heads: int, kv_heads: int, keys: int, head_dim: int,
+               query_scale: float = 2.0) -> DecodeInputs:
+        cache_dtype = CACHE_DTYPE[dtype]
+        q = to_device(rng.standard_normal((heads, head_dim)) * query_scale, dtype)
+        gate = to_device(rng.standard_normal((heads, head_dim)) * 2.0, dtype)
+        k_cache = kv_cache(rng, cache_dtype, kv_heads, keys, keys + 3, head_dim)
+        v_cache = kv_cache(rng, cache_dtype, kv_heads, keys, keys + 3, head_dim)
+        return cls(dtype, heads, kv_heads, keys, head_dim, q, gate, k_cache, v_cache)
+
+    @property
+    def capacity(self) -> int:
+        return self.k_cache.shape[1]
+
+    def args(self, block_size: int = 0, num_blocks: int = 0) -> bytes:
+        return attention_args(1, self.heads, self.kv_heads, self.keys, self.capacity, block_size, num_blocks,
+                              self.head_dim**-0.5)
+
+    def keys_values(self) -> tuple[np.ndarray, np.ndarray]:
+        cache_dtype = CACHE_DTYPE[self.dtype]
+        return cache_rows(self.k_cache, cache_dtype, self.keys), cache_rows(self.v_cache, cache_dtype, self.keys)
+
+    def expected(self) -> np.ndarray:
+        """reference.attention on the stored (rounded) values, rounded once to the dtype: [Hq, D]."""
+        k, v = self.keys_values()
+        out = reference.attention(to_f64(self.q, self.dtype)[None], k, v, to_f64(self.gate, self.dtype)[None],
+                                  offset=self.keys - 1)
+        return round_to(out[0], self.dtype)
+
+    def block_partials(self, block_size: int):
+        """Per block of keys: the softmax-normalised output [Hq, blocks, D] and (max score, sum of exp)
+        [Hq, blocks, 2], in fp64."""
+        k, v = self.keys_values()
+        q, kv = to_f64(self.q, self.dtype), np.arange(self.heads) // (self.heads // self.kv_heads)
+        outs, stats = [], []
+        for begin in range(0, self.keys, block_size):
+            kb, vb = k[begin : begin + block_size][:, kv], v[begin : begin + block_size][:, kv]  # [n, Hq, D]
+            scores = np.einsum("hd,nhd->hn", q, kb) * self.head_dim**-0.5
+            top = scores.max(axis=1, keepdims=True)
+            weights = np.exp(scores - top)
+            outs.append(np.einsum("hn,nhd->hd", weights / weights.sum(axis=1, keepdims=True), vb))
+            stats.append(np.stack([top[:, 0], weights.sum(axis=1)], axis=-1))
+        return np.stack(outs, axis=1), np.stack(stats, axis=1)
 
 
-def _decode(run: Run, kernel: str, kv_heads: int, keys: int) -> None:
-    dtype = dtype_of(kernel)
-    d, per_group, heads = attention_layout(kernel)
-    capacity, q, gate, k_cache, v_cache, expected = _decode_inputs(run, dtype, heads, kv_heads, keys, d)
-    out = poisoned((heads, d), dtype)
-    run.dispatch(kernel, [attention_args(1, heads, kv_heads, keys, capacity, d), q, gate, k_cache, v_cache, out],
-                 heads // per_group, 128)
-    run.compare("out", to_f64(out, dtype), expected, REL_RMS[dtype])
+def run_single(run: Run, kernel: str, inputs: DecodeInputs, simdgroups: int, **options) -> np.ndarray:
+    """The single-pass `kernel`, one threadgroup per packed group of heads: the output as float64."""
+    out = poisoned((inputs.heads, inputs.head_dim), inputs.dtype)
+    run.dispatch(kernel, [inputs.args(), inputs.q, inputs.gate, inputs.k_cache, inputs.v_cache, out],
+                 inputs.heads // attention_layout(kernel)[1], 32 * simdgroups, **options)
+    return to_f64(out, inputs.dtype)
 
 
-def block_partials(q: np.ndarray, k: np.ndarray, v: np.ndarray, group: int, block: int):
-    """Per block of keys: the softmax-normalised output [Hq, blocks, D] and (max score, sum of exp) [Hq, blocks, 2]."""
-    heads = q.shape[0]
-    kv = np.arange(heads) // group
-    outs, stats = [], []
-    for begin in range(0, k.shape[0], block):
-        kb, vb = k[begin : begin + block][:, kv], v[begin : begin + block][:, kv]  # [n, Hq, D]
-        scores = np.einsum("hd,nhd->hn", q, kb) * q.shape[1] ** -0.5
-        top = scores.max(axis=1, keepdims=True)
-        weights = np.exp(scores - top)
-        outs.append(np.einsum("hn,nhd->hd", weights / weights.sum(axis=1, keepdims=True), vb))
-        stats.append(np.stack([top[:, 0], weights.sum(axis=1)], axis=-1))
-    return np.stack(outs, axis=1), np.stack(stats, axis=1)
+def run_split(run: Run, partial_kernel: str, inputs: DecodeInputs, block_size: int, simdgroups: int):
+    """The split-KV pair: the partial kernel, then its head dim's combine kernel. (partials, stats, output)."""
+    num_blocks = -(-inputs.keys // block_size)
+    args = inputs.args(block_size, num_blocks)
+    partial_out = np.full((inputs.heads, num_blocks, inputs.head_dim), np.nan, np.float32)
+    partial_stats = np.full((inputs.heads, num_blocks, 2), np.nan, np.float32)
+    run.dispatch(partial_kernel, [args, inputs.q, inputs.k_cache, inputs.v_cache, partial_out, partial_stats],
+                 (inputs.heads // attention_layout(partial_kernel)[1], num_blocks, 1), 32 * simdgroups)
+    out = poisoned((inputs.heads, inputs.head_dim), inputs.dtype)
+    run.dispatch(f"attention_decode_combine_{inputs.dtype}_d{inputs.head_dim}",
+                 [args, inputs.gate, partial_out, partial_stats, out], inputs.heads, COMBINE_THREADS)
+    return partial_out.astype(np.float64), partial_stats.astype(np.float64), to_f64(out, inputs.dtype)
 
 
-def _split(run: Run, kernel: str, kv_heads: int, keys: int, block: int) -> None:
-    """Split-KV decode: the partials of each block of keys (fp32), or the combine of exact partials."""
-    dtype = dtype_of(kernel)
-    d, per_group, heads = attention_layout(kernel)
-    capacity, q, gate, k_cache, v_cache, expected = _decode_inputs(run, dtype, heads, kv_heads, keys, d)
-    blocks = -(-keys // block)
-    args = attention_args(1, heads, kv_heads, keys, capacity, d, block, blocks)
-    cache_dtype = CACHE_DTYPE[dtype]
-    k, v = cache_rows(k_cache, cache_dtype, keys), cache_rows(v_cache, cache_dtype, keys)
-    part_out, part_stats = block_partials(to_f64(q, dtype), k, v, heads // kv_heads, block)
-    if "_partial" in kernel:
-        out = np.full((heads, blocks, d), np.nan, np.float32)
-        stats = np.full((heads, blocks, 2), np.nan, np.float32)
-        run.dispatch(kernel, [args, q, k_cache, v_cache, out, stats], (heads // per_group, blocks, 1), 64)
-        run.compare("partial out", out, part_out, REL_RMS["f32"])
-        run.compare("partial (max, sum)", stats, part_stats, REL_RMS["f32"])
-        return
-    out = poisoned((heads, d), dtype)
-    run.dispatch(kernel, [args, gate, part_out.astype(np.float32), part_stats.astype(np.float32), out], heads, 64)
-    run.compare("out", to_f64(out, dtype), expected, REL_RMS[dtype])
+def _single(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, simdgroups: int,
+            query_scale: float = 2.0, widen: float = 1.0) -> None:
+    dtype, head_dim = dtype_of(kernel), attention_layout(kernel)[0]
+    inputs = DecodeInputs.random(run.rng, dtype, heads, kv_heads, keys, head_dim, query_scale)
+    run.compare("out", run_single(run, kernel, inputs, simdgroups), inputs.expected(), tolerance(dtype, widen))
+
+
+def _split(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, block: int, simdgroups: int) -> None:
+    """The partial kernel's outputs and (max, sum) against numpy per block; the combined output against the
+    reference."""
+    dtype, head_dim = dtype_of(kernel), attention_layout(kernel)[0]
+    inputs = DecodeInputs.random(run.rng, dtype, heads, kv_heads, keys, head_dim)
+    partial_out, partial_stats, out = run_split(run, kernel, inputs, block, simdgroups)
+    expected_out, expected_stats = inputs.block_partials(block)
+    run.compare("partial outputs", partial_out, expected_out, tolerance("f32"))
+    run.compare("partial (max, sum)", partial_stats, expected_stats, tolerance("f32"))
+    run.compare("combined out", out, inputs.expected(), tolerance(dtype))
+
+
+def _combine(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, block: int) -> None:
+    """The combine kernel alone, on exact (fp64, rounded to fp32) partials."""
+    dtype, head_dim = dtype_of(kernel), attention_layout(kernel)[0]
+    inputs = DecodeInputs.random(run.rng, dtype, heads, kv_heads, keys, head_dim)
+    part_out, part_stats = inputs.block_partials(block)
+    out = poisoned((heads, head_dim), dtype)
+    run.dispatch(kernel, [inputs.args(block, part_out.shape[1]), inputs.gate, part_out.astype(np.float32),
+                          part_stats.astype(np.float32), out], heads, COMBINE_THREADS)
+    run.compare("out", to_f64(out, dtype), inputs.expected(), tolerance(dtype))
 
 
 def cases(kernel: str) -> list[Case]:
     """Every case of one decode attention kernel; the first is the self-test's."""
-    d, _, heads = attention_layout(kernel)
-    if "_partial" in kernel or "_combine_" in kernel:
-        return [Case(kernel, f"Hq={heads} Hkv=2 S=45 block=16 D={d}",
-                     partial(_split, kernel=kernel, kv_heads=2, keys=45, block=16), quick=True)]
-    return [Case(kernel, f"Hq={heads} Hkv=2 S=45 D={d}", partial(_decode, kernel=kernel, kv_heads=2, keys=45),
-                 quick=True)]
+    head_dim, _, heads = attention_layout(kernel)
+    if "_combine_" in kernel:
+        return [Case(kernel, f"Hq={heads} Hkv=2 S=45 block=16 D={head_dim}",
+                     partial(_combine, kernel=kernel, heads=heads, kv_heads=2, keys=45, block=16), quick=True)]
+    family = ("unpacked" if "_unpacked_" in kernel else "plain" if "_plain_" in kernel else "packed", head_dim)
+    if "_partial" in kernel:
+        return [Case(kernel, f"Hq={h} Hkv={kv} S={s} block={b} simdgroups={sg} D={head_dim}",
+                     partial(_split, kernel=kernel, heads=h, kv_heads=kv, keys=s, block=b, simdgroups=sg),
+                     quick=i == 0) for i, (h, kv, s, b, sg) in enumerate(SPLIT_SHAPES[family])]
+    found = [Case(kernel, f"Hq={h} Hkv={kv} S={s} simdgroups={sg} D={head_dim}",
+                  partial(_single, kernel=kernel, heads=h, kv_heads=kv, keys=s, simdgroups=sg), quick=i == 0)
+             for i, (h, kv, s, sg) in enumerate(SINGLE_SHAPES[family])]
+    if family == ("packed", 256):
+        # Scores in the hundreds: the online softmax must rescale rather than overflow exp. A score s carries an fp32
+        # error of about |s| * 2^-24 * sqrt(D), which exp turns into a relative error of the weights: with scores
+        # near 200 that is ~10x the bound for unit-sized scores.
+        found.append(Case(kernel, "Hq=8 Hkv=2 S=40 simdgroups=4 D=256 large-scores",
+                          partial(_single, kernel=kernel, heads=8, kv_heads=2, keys=40, simdgroups=4,
+                                  query_scale=60.0, widen=10.0)))
+    return found

@@ -49,7 +49,8 @@ def _prefill(run: Run, kernel: str, kv_heads: int, queries: int, offset: int) ->
     k_cache = kv_cache(run.rng, cache_dtype, kv_heads, keys, capacity, d)
     v_cache = kv_cache(run.rng, cache_dtype, kv_heads, keys, capacity, d)
     out = poisoned((queries, heads, d), dtype)
-    run.dispatch(kernel, [attention_args(queries, heads, kv_heads, keys, capacity, d), q, gate, k_cache, v_cache, out],
+    run.dispatch(kernel, [attention_args(queries, heads, kv_heads, keys, capacity, scale=d**-0.5), q, gate, k_cache,
+                          v_cache, out],
                  (-(-queries // queries_per_group), heads // per_group, 1), 32 * simdgroups)
     expected = reference.attention(to_f64(q, dtype), cache_rows(k_cache, cache_dtype, keys),
                                    cache_rows(v_cache, cache_dtype, keys), to_f64(gate, dtype), offset=offset)
