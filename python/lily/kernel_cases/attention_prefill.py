@@ -1,5 +1,15 @@
-"""Cases of metal/attention_prefill.metal against ``lily.reference.attention`` (causal, over a KV cache with an
-offset), and of ``simdgroup_layout_probe``, the lane layout of ``thread_elements()`` the mma kernel assumes."""
+"""Cases of metal/attention_prefill.metal against ``lily.reference.attention``, and of ``simdgroup_layout_probe``, the
+lane layout of ``thread_elements()`` the mma kernel assumes.
+
+A chunk of T queries over a KV cache [Hkv, capacity, D] that holds `offset` keys of earlier chunks and the chunk's own
+T keys; query t sits at position offset + t (causal). attention_prefill (vector ALUs): first chunks of 31/32/33
+queries (query tiles with a partial last one), chunks continuing a cache (offsets 17 and 40: partial key tiles, tiles
+only some queries see), the model's GQA 8, 1, 3, 4 and 8 simdgroups per threadgroup. attention_prefill_mma (8x8
+simdgroup matrices): chunks of 3 to 33 queries (partial 8-query tiles), offsets 0, 5, 21 and 40 (partial 8-key
+tiles). The head-dim-64 instances run the demo model's 4/2 heads and the gqa4 fixture's 8/2; the *_unpacked_*
+instances (one head per threadgroup, the engine's fallback) run head ratios 3 and 1. Outputs start NaN-poisoned and
+the cache's spare rows hold NaN, so a key read past the causal limit is caught.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +19,28 @@ from functools import partial
 import numpy as np
 
 from lily import reference
-from lily.kernel_cases.attention import CACHE_DTYPE, attention_args, attention_layout, cache_rows, kv_cache
-from lily.kernel_cases.common import REL_RMS, Case, Run, dtype_of, poisoned, to_device, to_f64
+from lily.kernel_cases.attention import CACHE_DTYPE, attention_args, attention_layout, cache_rows, kv_cache, tolerance
+from lily.kernel_cases.common import Case, Run, dtype_of, poisoned, round_to, to_device, to_f64
 
 PATTERN = re.compile(r"attention_prefill(_mma)?_(unpacked_)?(f32|f16|bf16)_d(256|64)|simdgroup_layout_probe")
+MMA_QUERIES = 8  # query tokens per attention_prefill_mma threadgroup (one 8-row fragment)
+# (heads, kv_heads, queries, offset, simdgroups) by (mma, packed, head dim); the first is the self-test's. The mma
+# kernels take one simdgroup per packed head: their simdgroup count is not a parameter.
+SHAPES = {
+    (False, True, 256): [(16, 2, 12, 21, 4), (8, 2, 31, 0, 8), (8, 2, 32, 0, 8), (8, 2, 33, 0, 8),
+                         (8, 2, 5, 17, 3),  # a short chunk after an earlier one; key tiles end mid-chunk
+                         (16, 2, 12, 40, 8),  # the model's GQA 8; offset 40 is not a multiple of either tile size
+                         (4, 1, 3, 0, 1),  # one simdgroup per threadgroup
+                         (8, 2, 1, 9, 8)],  # a one-token chunk: seven spare simdgroups only load and meet barriers
+    (True, True, 256): [(16, 2, 12, 21, 0), (8, 2, 7, 0, 0), (8, 2, 8, 0, 0), (8, 2, 9, 0, 0), (8, 2, 33, 0, 0),
+                        (4, 1, 16, 40, 0), (8, 2, 3, 5, 0)],  # a chunk shorter than the fragment continuing a cache
+    (False, True, 64): [(4, 2, 12, 21, 4), (4, 2, 33, 0, 8),
+                        (4, 2, 5, 40, 3),  # continuing a cache: the f32 key tile ends before the chunk
+                        (8, 2, 7, 17, 8), (2, 1, 2, 0, 1)],
+    (True, True, 64): [(4, 2, 12, 21, 0), (4, 2, 7, 0, 0), (4, 2, 9, 21, 0), (8, 2, 16, 5, 0), (2, 1, 33, 0, 0)],
+}
+# Head ratios 3 and 1, which no packed group of 2 or 4 splits, for every unpacked instance.
+UNPACKED_SHAPES = [(6, 2, 9, 0, 4), (6, 2, 5, 17, 3), (3, 3, 12, 5, 8), (2, 2, 2, 0, 1)]
 
 
 def assumed_simdgroup_layout() -> np.ndarray:
@@ -33,28 +61,24 @@ def _layout_probe(run: Run, kernel: str) -> None:
                       assumed_simdgroup_layout())
 
 
-def _prefill(run: Run, kernel: str, kv_heads: int, queries: int, offset: int) -> None:
+def _prefill(run: Run, kernel: str, heads: int, kv_heads: int, queries: int, offset: int, simdgroups: int) -> None:
     dtype = dtype_of(kernel)
-    d, per_group, heads = attention_layout(kernel)
-    # The mma variant takes one simdgroup per packed head and 8 queries (one 8-row fragment) per threadgroup; the
-    # other one query per simdgroup (4 simdgroups here).
+    d, per_group, _ = attention_layout(kernel)
     mma = "_mma_" in kernel
-    simdgroups = per_group if mma else 4
-    queries_per_group = 8 if mma else simdgroups
-    cache_dtype = CACHE_DTYPE[dtype]
-    keys = offset + queries
+    cache_dtype, keys = CACHE_DTYPE[dtype], offset + queries
     capacity = keys + 4
     q = to_device(2.0 * run.rng.standard_normal((queries, heads, d)), dtype)
     gate = to_device(2.0 * run.rng.standard_normal((queries, heads, d)), dtype)
     k_cache = kv_cache(run.rng, cache_dtype, kv_heads, keys, capacity, d)
     v_cache = kv_cache(run.rng, cache_dtype, kv_heads, keys, capacity, d)
     out = poisoned((queries, heads, d), dtype)
+    queries_per_group = MMA_QUERIES if mma else simdgroups
     run.dispatch(kernel, [attention_args(queries, heads, kv_heads, keys, capacity, scale=d**-0.5), q, gate, k_cache,
                           v_cache, out],
-                 (-(-queries // queries_per_group), heads // per_group, 1), 32 * simdgroups)
+                 (-(-queries // queries_per_group), heads // per_group, 1), 32 * (per_group if mma else simdgroups))
     expected = reference.attention(to_f64(q, dtype), cache_rows(k_cache, cache_dtype, keys),
                                    cache_rows(v_cache, cache_dtype, keys), to_f64(gate, dtype), offset=offset)
-    run.compare("out", to_f64(out, dtype), expected, REL_RMS[dtype])
+    run.compare("out", to_f64(out, dtype), round_to(expected, dtype), tolerance(dtype))
 
 
 def cases(kernel: str) -> list[Case]:
@@ -62,5 +86,8 @@ def cases(kernel: str) -> list[Case]:
     if kernel == "simdgroup_layout_probe":
         return [Case(kernel, "32 lanes x 2 elements", partial(_layout_probe, kernel=kernel), quick=True)]
     d, _, heads = attention_layout(kernel)
-    return [Case(kernel, f"T=12 offset=21 Hq={heads} Hkv=2 D={d}",
-                 partial(_prefill, kernel=kernel, kv_heads=2, queries=12, offset=21), quick=True)]
+    mma, packed = "_mma_" in kernel, "_unpacked_" not in kernel
+    shapes = SHAPES[(mma, True, d)] if packed else [(heads, 2, 12, 21, 4)] + UNPACKED_SHAPES
+    return [Case(kernel, f"Hq={h} Hkv={kv} T={t} offset={o}" + ("" if mma else f" simdgroups={sg}") + f" D={d}",
+                 partial(_prefill, kernel=kernel, heads=h, kv_heads=kv, queries=t, offset=o, simdgroups=sg),
+                 quick=i == 0) for i, (h, kv, t, o, sg) in enumerate(shapes)]
