@@ -1,78 +1,188 @@
-"""Cases of metal/gated_delta.metal (the fused decode step: conv, L2 norms, gated delta rule, gated RMSNorm) against
-``lily.reference``'s DeltaNet pieces (``causal_conv1d``, ``l2_normalize``, ``gated_delta_rule``,
-``gated_rms_norm``), and the inputs and reference the prefill op's cases share."""
+"""Cases of metal/gated_delta.metal (the decode step) against ``lily.reference.gated_delta``, and the layer fixtures,
+dispatch helpers and checks the prefill op's cases share.
+
+The reference (conv + SiLU, q/k L2 norms with q times dk^-0.5, gates, the delta rule, the gated RMSNorm) runs on the
+kernel's exact inputs. Shapes keep Dk = 128 (the kernel's template parameter) and the model's head grouping (Hv/Hk =
+2), with smaller dv and head counts; they also cover Hv/Hk = 1 and 4, rows that do not divide evenly over the
+simdgroups and the full 256-row key head, from random conv and recurrent states, and extreme gates (softplus
+thresholds, decay and beta 0 or 1, a zero key). The Dk = 64 instances (demo model and fixtures: Hk 2, Hv 4 or 6,
+dv 64) run decode steps. Outputs start NaN-poisoned; the conv state must match exactly, the fp32 state within a few
+ulp of its scale.
+"""
 
 from __future__ import annotations
 
+import math
 import re
 import struct
+from dataclasses import dataclass, replace
 from functools import partial
 
 import numpy as np
 
 from lily import reference
-from lily.kernel_cases.common import REL_RMS, Case, Run, dtype_of, poisoned, to_device, to_f64
+from lily.kernel_cases.common import TOLERANCES, Case, Run, Tolerance, dtype_of, poisoned, round_to, to_device, to_f64
 
 PATTERN = re.compile(r"gated_delta_step_(f32|f16|bf16)_dk(128|64)")
-TAPS = 4  # the causal conv's kernel size
+K = 4  # the causal conv's kernel size
 EPS = 1e-6
+# The kernels compute in fp32 from rounded inputs and round once: bf16/f16 outputs are within 1 ulp of the rounded
+# reference. fp32 outputs go through ~10 dependent fp32 operations per token, so they get a few ulp, not one.
+F32_CHAIN = Tolerance(rtol=3e-5, atol=3e-6, rel_rms=5e-6)
+# (Hk, Hv, dv, step threads) at Dk = 128; the first is the self-test's: one full 256-row key head at 1024 threads;
+# the model's grouping with small dv; Hv/Hk 1 and 4; one simdgroup for all rows; 33 rows per head over 3 simdgroups.
+STEP_SHAPES_DK128 = [(1, 2, 128, 1024), (1, 2, 32, 64), (2, 4, 33, 96), (1, 1, 64, 32), (1, 4, 32, 256)]
+# At Dk = 64: the demo model (2/4/64) at the engine's 8 rows per simdgroup, the gqa4 fixture (Hv/Hk = 3), one
+# simdgroup for all 128 rows of a key head.
+STEP_SHAPES_DK64 = [(2, 4, 64, 512), (2, 6, 64, 768), (1, 2, 64, 32)]
 
 
-def gated_delta_args(tokens: int, hk: int, hv: int, dv: int) -> bytes:
-    return struct.pack("<IIIIffII", tokens, hk, hv, dv, EPS, EPS, 0, 0)  # lily::GatedDeltaArgs
+def gated_delta_args(num_tokens: int, hk: int, hv: int, dv: int, l2_eps: float = EPS, norm_eps: float = EPS) -> bytes:
+    """lily::GatedDeltaArgs (metal/lily.h): T, Hk, Hv, dv, l2_eps, norm_eps, two u32 of padding."""
+    return struct.pack("<IIIIffII", num_tokens, hk, hv, dv, l2_eps, norm_eps, 0, 0)
 
 
-def gated_delta_inputs(rng: np.random.Generator, dtype: str, hk: int, hv: int, dk: int, dv: int,
-                       tokens: int) -> dict[str, np.ndarray]:
-    """Device buffers of one DeltaNet layer's inputs; the recurrent state [Hv, dv, Dk] is fp32."""
+@dataclass
+class Layer:
+    """One layer's device buffers (kernel storage dtype) and its state."""
+
+    hk: int
+    hv: int
+    dv: int
+    dtype: str
+    conv_weight: np.ndarray  # [C, K]
+    a_log: np.ndarray  # [Hv] f32
+    dt_bias: np.ndarray  # [Hv] f32
+    norm_weight: np.ndarray  # [dv]
+    conv_state: np.ndarray  # [K-1, C]
+    state: np.ndarray  # [Hv, dv, Dk] f32 (kernel layout)
+    dk: int = 128  # the kernel instance's key head dim
+
+    @property
+    def channels(self) -> int:
+        return 2 * self.hk * self.dk + self.hv * self.dv
+
+    def kernel(self, family: str) -> str:
+        """The instance of `family` ("step", "conv", "prefill" or "prefill_blockwise") for this layer."""
+        return f"gated_delta_{family}_{self.dtype}_dk{self.dk}"
+
+    def copy(self) -> Layer:
+        return replace(self, **{k: v.copy() for k, v in self.__dict__.items() if isinstance(v, np.ndarray)})
+
+
+def make_layer(rng: np.random.Generator, hk: int, hv: int, dv: int, dtype: str, fresh: bool = False,
+               dk: int = 128) -> Layer:
+    """Random weights and (unless `fresh`) random conv and recurrent states."""
     c = 2 * hk * dk + hv * dv
-    return {
-        "qkv": to_device(rng.standard_normal((tokens, c)), dtype),
-        "z": to_device(rng.standard_normal((tokens, hv * dv)), dtype),
-        "b": to_device(rng.standard_normal((tokens, hv)), dtype),
-        "a": to_device(4.0 * rng.standard_normal((tokens, hv)), dtype),
-        "conv_weight": to_device(0.5 * rng.standard_normal((c, TAPS)), dtype),
-        "a_log": np.log(rng.uniform(1.0, 16.0, hv)).astype(np.float32),
-        "dt_bias": rng.standard_normal(hv).astype(np.float32),
-        "norm_weight": to_device(1.0 + 0.2 * rng.standard_normal(dv), dtype),
-        "conv_state": to_device(rng.standard_normal((TAPS - 1, c)), dtype),
-        "state": np.ascontiguousarray(0.3 * rng.standard_normal((hv, dv, dk)), np.float32),
-    }
+    conv_state = np.zeros((K - 1, c)) if fresh else rng.standard_normal((K - 1, c))
+    state = np.zeros((hv, dv, dk)) if fresh else 0.3 * rng.standard_normal((hv, dv, dk))
+    return Layer(hk, hv, dv, dtype, conv_weight=to_device(0.5 * rng.standard_normal((c, K)), dtype),
+                 a_log=np.log(rng.uniform(1.0, 16.0, hv)).astype(np.float32),
+                 dt_bias=rng.standard_normal(hv).astype(np.float32),
+                 norm_weight=to_device(1.0 + 0.2 * rng.standard_normal(dv), dtype),
+                 conv_state=to_device(conv_state, dtype), state=np.ascontiguousarray(state, dtype=np.float32), dk=dk)
 
 
-def gated_delta_expected(inp: dict[str, np.ndarray], dtype: str, hk: int, hv: int, dk: int, dv: int):
-    """lily.reference's DeltaNet pieces: outputs [T, Hv*dv], conv output [T, C], state [Hv, dv, Dk]."""
-    qkv = to_f64(inp["qkv"], dtype)
-    t = qkv.shape[0]
-    mixed, _ = reference.causal_conv1d(qkv, to_f64(inp["conv_weight"], dtype), to_f64(inp["conv_state"], dtype))
-    key_dim = hk * dk
-    q = reference.l2_normalize(mixed[:, :key_dim].reshape(t, hk, dk)) * np.float32(dk**-0.5)
-    k = reference.l2_normalize(mixed[:, key_dim : 2 * key_dim].reshape(t, hk, dk))
-    v = mixed[:, 2 * key_dim :].reshape(t, hv, dv)
-    beta = 1.0 / (1.0 + np.exp(-to_f64(inp["b"], dtype)))
-    g = -np.exp(inp["a_log"].astype(np.float64)) * np.logaddexp(0.0, to_f64(inp["a"], dtype) + inp["dt_bias"])
-    o, state = reference.gated_delta_rule(q, k, v, g, beta, inp["state"].transpose(0, 2, 1))
-    z = to_f64(inp["z"], dtype).reshape(t, hv, dv)
-    y = reference.gated_rms_norm(o, z, to_f64(inp["norm_weight"], dtype), EPS).reshape(t, hv * dv)
-    return y, mixed, state.transpose(0, 2, 1)
+def make_tokens(rng: np.random.Generator, layer: Layer, num_tokens: int) -> dict[str, np.ndarray]:
+    """Projection outputs of `num_tokens` tokens: raw qkv, z, b, a (a spread to reach both softplus branches)."""
+    t, d = num_tokens, layer.dtype
+    return {"qkv": to_device(rng.standard_normal((t, layer.channels)), d),
+            "z": to_device(2.0 * rng.standard_normal((t, layer.hv * layer.dv)), d),
+            "b": to_device(2.0 * rng.standard_normal((t, layer.hv)), d),
+            "a": to_device(8.0 * rng.standard_normal((t, layer.hv)), d)}
 
 
-def _step(run: Run, kernel: str, hk: int, hv: int, dk: int, dv: int) -> None:
-    """One token, one threadgroup per key head."""
-    dtype = dtype_of(kernel)
-    inp = gated_delta_inputs(run.rng, dtype, hk, hv, dk, dv, 1)
-    y, _, state = gated_delta_expected(inp, dtype, hk, hv, dk, dv)
-    out = poisoned((1, hv * dv), dtype)
-    run.dispatch(kernel, [gated_delta_args(1, hk, hv, dv), inp["qkv"], inp["z"], inp["b"], inp["a"],
-                          inp["conv_weight"], inp["a_log"], inp["dt_bias"], inp["norm_weight"], inp["conv_state"],
-                          inp["state"], out], hk, 1024)
-    run.compare("out", to_f64(out, dtype), y, REL_RMS[dtype])
-    run.compare("state", inp["state"], state, REL_RMS["f32"])
+def token_range(tokens: dict[str, np.ndarray], begin: int, end: int) -> dict[str, np.ndarray]:
+    return {name: np.ascontiguousarray(x[begin:end]) for name, x in tokens.items()}
+
+
+def reference_chain(layer: Layer, tokens: dict[str, np.ndarray]):
+    """lily.reference.gated_delta over the widened kernel inputs: out [T, Hv*dv], conv state [K-1, C], state
+    [Hv, dv, Dk] (the kernel's layout, the transpose of the reference's)."""
+    d = layer.dtype
+    weights = {"conv1d.weight": to_f64(layer.conv_weight, d), "A_log": layer.a_log, "dt_bias": layer.dt_bias,
+               "norm.weight": to_f64(layer.norm_weight, d)}
+    y, conv_state, state = reference.gated_delta(
+        *(to_f64(tokens[name], d) for name in ("qkv", "z", "b", "a")), weights, to_f64(layer.conv_state, d),
+        layer.state.transpose(0, 2, 1), num_k_heads=layer.hk, num_v_heads=layer.hv, head_k_dim=layer.dk,
+        head_v_dim=layer.dv, eps=EPS)
+    return y, conv_state, state.transpose(0, 2, 1)
+
+
+def prefill_threads(layer: Layer, extra_simdgroups: int = 0) -> int:
+    """gated_delta_prefill keeps at most 8 rows per simdgroup: dv <= 8 * simdgroups."""
+    return 32 * (-(-layer.dv // 8) + extra_simdgroups)
+
+
+def run_step(run: Run, layer: Layer, token: dict[str, np.ndarray], threads: int, **options) -> np.ndarray:
+    """One gated_delta_step dispatch (token arrays are [1, ...]); updates layer.conv_state/state in place."""
+    out = poisoned((1, layer.hv * layer.dv), layer.dtype)
+    run.dispatch(layer.kernel("step"),
+                 [gated_delta_args(1, layer.hk, layer.hv, layer.dv), token["qkv"], token["z"], token["b"], token["a"],
+                  layer.conv_weight, layer.a_log, layer.dt_bias, layer.norm_weight, layer.conv_state, layer.state, out],
+                 layer.hk, threads, **options)
+    return out
+
+
+def run_steps(run: Run, layer: Layer, tokens: dict[str, np.ndarray], threads: int) -> np.ndarray:
+    """One step per token (each with its own fiber-schedule seed on the harness)."""
+    count = tokens["qkv"].shape[0]
+    return np.concatenate([run_step(run, layer, token_range(tokens, t, t + 1), threads, seed=t) for t in range(count)])
+
+
+def run_prefill(run: Run, layer: Layer, tokens: dict[str, np.ndarray], threads: int, scan: str = "prefill",
+                **options) -> np.ndarray:
+    """gated_delta_conv then the `scan` kernel ("prefill" or "prefill_blockwise") over one chunk; updates the layer's
+    states in place."""
+    t = tokens["qkv"].shape[0]
+    conv_out = np.full((t, layer.channels), np.nan, np.float32)
+    args = gated_delta_args(t, layer.hk, layer.hv, layer.dv)
+    run.dispatch(layer.kernel("conv"), [args, tokens["qkv"], layer.conv_weight, layer.conv_state, conv_out],
+                 -(-layer.channels // 64), 64, **options)
+    out = poisoned((t, layer.hv * layer.dv), layer.dtype)
+    run.dispatch(layer.kernel(scan), [args, conv_out, tokens["z"], tokens["b"], tokens["a"], layer.a_log,
+                                      layer.dt_bias, layer.norm_weight, layer.state, out], layer.hv, threads, **options)
+    return out
+
+
+def check_layer(run: Run, layer: Layer, start: Layer, tokens, outputs: np.ndarray) -> None:
+    """The outputs, conv state (exact) and recurrent state of `layer` after `tokens`, from `start`, against the
+    reference."""
+    y, conv_state, state = reference_chain(start, tokens)
+    tol = F32_CHAIN if layer.dtype == "f32" else TOLERANCES[layer.dtype]
+    run.compare("out", to_f64(outputs, layer.dtype), round_to(y, layer.dtype), tol)
+    run.compare_exact("conv state", to_f64(layer.conv_state, layer.dtype), conv_state)
+    # fp32 state against an fp32 reference with fp64 sums: a few ulp of the state's scale, over up to 0.5 M elements.
+    scale = float(np.sqrt(np.mean(state.astype(np.float64) ** 2)))
+    run.compare("state", layer.state, state, Tolerance(rtol=4e-6, atol=2e-5 * scale, rel_rms=math.inf))
+
+
+def _steps(run: Run, kernel: str, hk: int, hv: int, dv: int, threads: int, num_tokens: int = 2) -> None:
+    """Decode steps from random states against the reference over the same tokens."""
+    layer = make_layer(run.rng, hk, hv, dv, dtype_of(kernel), dk=int(kernel.rsplit("_dk", 1)[1]))
+    start = layer.copy()
+    tokens = make_tokens(run.rng, layer, num_tokens)
+    check_layer(run, layer, start, tokens, run_steps(run, layer, tokens, threads))
+
+
+def _extreme_gates(run: Run, kernel: str) -> None:
+    """Large |a| and |b| (softplus threshold, decay 0 or 1, beta 0 or 1) and a zero key stay finite and right."""
+    layer = make_layer(run.rng, 1, 2, 32, dtype_of(kernel))
+    tokens = make_tokens(run.rng, layer, 1)
+    tokens["a"][:] = to_device(np.array([[40.0, -40.0]]), layer.dtype)
+    tokens["b"][:] = to_device(np.array([[30.0, -30.0]]), layer.dtype)
+    tokens["qkv"][0, layer.dk : 2 * layer.dk] = 0  # all-zero key channels: the L2 eps keeps k finite (zero write)
+    layer.conv_state[:, layer.dk : 2 * layer.dk] = 0
+    start = layer.copy()
+    check_layer(run, layer, start, tokens, run_step(run, layer, tokens, 64))
 
 
 def cases(kernel: str) -> list[Case]:
-    """Every case of one DeltaNet step kernel: one key head with 2 value heads, the model's (dk = dv = 128, 256 state
-    rows) or the demo model's (dk = dv = 64)."""
-    dk = int(re.search(r"_dk(\d+)$", kernel).group(1))
-    return [Case(kernel, f"T=1 Hk=1 Hv=2 dk={dk} dv={dk}", partial(_step, kernel=kernel, hk=1, hv=2, dk=dk, dv=dk),
-                 quick=True)]
+    """Every case of one DeltaNet step kernel; the first is the self-test's."""
+    shapes = STEP_SHAPES_DK128 if kernel.endswith("_dk128") else STEP_SHAPES_DK64
+    found = [Case(kernel, f"T=2 Hk={hk} Hv={hv} dv={dv} threads={t}",
+                  partial(_steps, kernel=kernel, hk=hk, hv=hv, dv=dv, threads=t), quick=i == 0)
+             for i, (hk, hv, dv, t) in enumerate(shapes)]
+    if kernel == "gated_delta_step_f32_dk128":
+        found.append(Case(kernel, "T=1 Hk=1 Hv=2 dv=32 extreme-gates", partial(_extreme_gates, kernel=kernel)))
+    return found

@@ -1,5 +1,12 @@
 """Cases of metal/gated_delta_prefill.metal (the chunk's causal conv, the register-resident scan and its blockwise
-ablation) against ``lily.reference``'s DeltaNet pieces."""
+ablation) against ``lily.reference.gated_delta`` and ``causal_conv1d``.
+
+Chunks of 1, 2, 3, 4, 17 tokens continue from random conv and recurrent states, or start empty in chunks of 2 + 3;
+dv 33 leaves the last simdgroup's row slots partly empty; the Dk = 64 instances run the demo model's layout. The
+blockwise instances (the REGISTER_SCAN ablation: the state round-trips through memory every 16 tokens) run chunks
+shorter than, equal to and across the block, against the reference and bit for bit against the register-resident
+scan. Outputs start NaN-poisoned.
+"""
 
 from __future__ import annotations
 
@@ -8,36 +15,75 @@ from functools import partial
 
 import numpy as np
 
-from lily.kernel_cases.common import REL_RMS, Case, Run, dtype_of, poisoned, to_f64
-from lily.kernel_cases.gated_delta import gated_delta_args, gated_delta_expected, gated_delta_inputs
+from lily import reference
+from lily.kernel_cases.common import Case, Run, dtype_of, to_f64
+from lily.kernel_cases.gated_delta import (check_layer, gated_delta_args, make_layer, make_tokens, prefill_threads,
+                                           run_prefill, token_range)
 
 PATTERN = re.compile(r"gated_delta_(conv|prefill|prefill_blockwise)_(f32|f16|bf16)_dk(128|64)")
+# (Hk, Hv, dv, tokens, extra simdgroups) of the register scan by Dk; the first is the self-test's.
+PREFILL_SHAPES = {128: [(1, 2, 128, 4, 0), (2, 4, 32, 1, 0), (2, 4, 33, 3, 1), (2, 4, 32, 17, 0), (2, 4, 128, 2, 0)],
+                  64: [(1, 2, 64, 4, 0), (2, 4, 64, 1, 0), (2, 4, 64, 5, 1), (2, 6, 64, 17, 0)]}
+# (Hk, Hv, dv, tokens, extra simdgroups) of the blockwise scan: one token; a chunk shorter than the 16-token block;
+# exactly one block; one token past it; two blocks and a partial third; dv 33 rows over uneven simdgroups.
+BLOCKWISE_SHAPES = {128: [(1, 2, 128, 19, 0), (2, 4, 32, 1, 0), (2, 2, 33, 15, 1), (2, 4, 32, 16, 0),
+                          (2, 2, 32, 17, 0), (2, 2, 32, 33, 1)],
+                    64: [(1, 2, 64, 19, 0), (2, 4, 64, 17, 0), (2, 6, 33, 32, 0)]}
 
 
-def _chunk(run: Run, kernel: str, tokens: int, hk: int, hv: int, dk: int, dv: int) -> None:
-    dtype = dtype_of(kernel)
-    inp = gated_delta_inputs(run.rng, dtype, hk, hv, dk, dv, tokens)
-    y, mixed, state = gated_delta_expected(inp, dtype, hk, hv, dk, dv)
-    args = gated_delta_args(tokens, hk, hv, dv)
-    if "_conv_" in kernel:  # one thread per channel, fp32 [T, C] scratch
-        conv_out = np.full(mixed.shape, np.nan, np.float32)
-        run.dispatch(kernel, [args, inp["qkv"], inp["conv_weight"], inp["conv_state"], conv_out],
-                     -(-mixed.shape[1] // 256), 256)
-        run.compare("conv out", conv_out, mixed, REL_RMS["f32"])
-        return
-    out = poisoned((tokens, hv * dv), dtype)
-    conv_out = np.ascontiguousarray(mixed, np.float32)
-    run.dispatch(kernel, [args, conv_out, inp["z"], inp["b"], inp["a"], inp["a_log"], inp["dt_bias"],
-                          inp["norm_weight"], inp["state"], out],
-                 hv, 32 * dv // 8)  # one threadgroup per value head, 8 state rows per simdgroup
-    run.compare("out", to_f64(out, dtype), y, REL_RMS[dtype])
-    run.compare("state", inp["state"], state, REL_RMS["f32"])
+def _chunk(run: Run, kernel: str, hk: int, hv: int, dv: int, num_tokens: int, extra: int) -> None:
+    """conv + the scan over a chunk from random states; the blockwise scan also gives the register scan's bits."""
+    dk = int(kernel.rsplit("_dk", 1)[1])
+    layer = make_layer(run.rng, hk, hv, dv, dtype_of(kernel), dk=dk)
+    start, registers = layer.copy(), layer.copy()
+    tokens = make_tokens(run.rng, layer, num_tokens)
+    blockwise = "_blockwise_" in kernel
+    out = run_prefill(run, layer, tokens, prefill_threads(layer, extra), "prefill_blockwise" if blockwise else "prefill",
+                      seed=3)
+    check_layer(run, layer, start, tokens, out)
+    if blockwise:  # same arithmetic; the state only passes through memory between blocks, exact in fp32
+        register_out = run_prefill(run, registers, tokens, prefill_threads(registers), seed=5)
+        run.compare_exact("out == register scan (bits)", out, register_out)
+        run.compare_exact("state == register scan (bits)", layer.state.view(np.uint32), registers.state.view(np.uint32))
+
+
+def _chunks_from_empty(run: Run, kernel: str) -> None:
+    """Sequence start (zero states), then a second chunk: chunks of 2 + 3 equal the reference over 5 tokens."""
+    layer = make_layer(run.rng, 1, 2, 64, dtype_of(kernel), fresh=True)
+    start = layer.copy()
+    tokens = make_tokens(run.rng, layer, 5)
+    outs = [run_prefill(run, layer, token_range(tokens, a, b), prefill_threads(layer)) for a, b in ((0, 2), (2, 5))]
+    check_layer(run, layer, start, tokens, np.concatenate(outs))
+
+
+def _conv(run: Run, kernel: str, hk: int, hv: int, dv: int, num_tokens: int, threads: int) -> None:
+    """The conv kernel alone: its fp32 output and new conv state against reference.causal_conv1d."""
+    dtype, dk = dtype_of(kernel), int(kernel.rsplit("_dk", 1)[1])
+    layer = make_layer(run.rng, hk, hv, dv, dtype, dk=dk)
+    tokens = make_tokens(run.rng, layer, num_tokens)
+    expected, new_state = reference.causal_conv1d(to_f64(tokens["qkv"], dtype), to_f64(layer.conv_weight, dtype),
+                                                  to_f64(layer.conv_state, dtype))
+    conv_out = np.full((num_tokens, layer.channels), np.nan, np.float32)
+    run.dispatch(kernel, [gated_delta_args(num_tokens, hk, hv, dv), tokens["qkv"], layer.conv_weight,
+                          layer.conv_state, conv_out], -(-layer.channels // threads), threads)
+    run.compare("conv + SiLU", conv_out, expected, "f32")
+    run.compare_exact("conv state", to_f64(layer.conv_state, dtype), new_state)
 
 
 def cases(kernel: str) -> list[Case]:
-    """Every case of one DeltaNet prefill kernel: one key head with 2 value heads at dk = dv; the blockwise scan gets
-    more tokens than its 16-token block, so its state makes a round trip through memory."""
-    dk = int(re.search(r"_dk(\d+)$", kernel).group(1))
-    tokens = 19 if "_blockwise_" in kernel else 4
-    return [Case(kernel, f"T={tokens} Hk=1 Hv=2 dk={dk} dv={dk}",
-                 partial(_chunk, kernel=kernel, tokens=tokens, hk=1, hv=2, dk=dk, dv=dk), quick=True)]
+    """Every case of one DeltaNet prefill kernel; the first is the self-test's."""
+    dk = int(kernel.rsplit("_dk", 1)[1])
+    if "_conv_" in kernel:
+        found = [Case(kernel, f"T=4 Hk=1 Hv=2 dv={dk} threads=256",
+                      partial(_conv, kernel=kernel, hk=1, hv=2, dv=dk, num_tokens=4, threads=256), quick=True)]
+        if dk == 128:  # a partial last threadgroup
+            found.append(Case(kernel, "T=6 Hk=1 Hv=2 dv=33 threads=96",
+                              partial(_conv, kernel=kernel, hk=1, hv=2, dv=33, num_tokens=6, threads=96)))
+        return found
+    shapes = (BLOCKWISE_SHAPES if "_blockwise_" in kernel else PREFILL_SHAPES)[dk]
+    found = [Case(kernel, f"T={t} Hk={hk} Hv={hv} dv={dv} extra-simdgroups={x}",
+                  partial(_chunk, kernel=kernel, hk=hk, hv=hv, dv=dv, num_tokens=t, extra=x), quick=i == 0)
+             for i, (hk, hv, dv, t, x) in enumerate(shapes)]
+    if "_blockwise_" not in kernel and dk == 128:
+        found.append(Case(kernel, "T=2+3 Hk=1 Hv=2 dv=64 from-empty", partial(_chunks_from_empty, kernel=kernel)))
+    return found
