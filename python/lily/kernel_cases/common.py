@@ -166,7 +166,7 @@ class Outcome:
 
 
 def compare_values(what: str, actual: np.ndarray, expected: np.ndarray, tol: Tolerance,
-                   allowance: np.ndarray | None = None) -> Comparison:
+                   allowance: np.ndarray | None = None, allowance_in_rms: bool = True) -> Comparison:
     """Float `actual` against `expected`: NaN/Inf positions, relative RMS, then element-wise bounds."""
     actual = np.asarray(actual, dtype=np.float64)
     expected = np.asarray(expected, dtype=np.float64)
@@ -186,7 +186,7 @@ def compare_values(what: str, actual: np.ndarray, expected: np.ndarray, tol: Tol
     extra = np.zeros_like(e) if allowance is None else np.broadcast_to(allowance, expected.shape)[finite]
     scale = np.sqrt(np.mean(e * e))
     rel_rms = float(np.sqrt(np.mean((a - e) ** 2)) / scale if scale > 0 else np.sqrt(np.mean(a * a)))
-    rel_limit = tol.rel_rms + (float(np.sqrt(np.mean(extra**2)) / scale) if scale > 0 else 0.0)
+    rel_limit = tol.rel_rms + (float(np.sqrt(np.mean(extra**2)) / scale) if scale > 0 and allowance_in_rms else 0.0)
     err = np.abs(a - e)
     excess = err - (tol.atol + tol.rtol * np.abs(e) + extra)
     worst = int(np.argmax(excess))
@@ -234,14 +234,14 @@ class Run:
         self.device.dispatch(kernel, args, as3(threadgroups), as3(threads_per_threadgroup), **options)
 
     def compare(self, what: str, actual: np.ndarray, expected: np.ndarray, tolerance: Tolerance | str,
-                allowance: np.ndarray | None = None) -> None:
+                allowance: np.ndarray | float | None = None, allowance_in_rms: bool = True) -> None:
         """Float output against its float64 reference: NaN/Inf positions, relative RMS, then element-wise bounds.
-        `tolerance` is a Tolerance or a dtype name (its TOLERANCES row); `allowance` widens each element's bound (and
-        the relative RMS bound by its RMS), e.g. for the rounding of a long fp32 sum."""
+        `tolerance` is a Tolerance or a dtype name (its TOLERANCES row); `allowance` widens each element's bound (and,
+        with `allowance_in_rms`, the relative RMS bound by its RMS), e.g. for the rounding of a long fp32 sum."""
         tol = TOLERANCES[tolerance] if isinstance(tolerance, str) else tolerance
         if self.corrupt:
             expected = np.asarray(expected, np.float64) * 1.01 + 0.01
-        self.comparisons.append(compare_values(what, actual, expected, tol, allowance))
+        self.comparisons.append(compare_values(what, actual, expected, tol, allowance, allowance_in_rms))
 
     def compare_exact(self, what: str, actual: np.ndarray, expected: np.ndarray) -> None:
         """Integer (or bit-exact) output: the error is the number of elements that differ."""
