@@ -1,11 +1,8 @@
-"""metal/moe_prefill.metal (prefill MoE) through the CPU harness.
-
-The GPU routing pipeline (moe_route_f32 -> moe_sort_count -> moe_sort_scan -> moe_sort_scatter) is checked exactly
-against a numpy construction of the expert offsets, the sorted (token, slot) order and the block map. Router logits
-are built to force rows per expert 0, 1, 15, 16, 17, 31, 32, 33 (both tile sizes' boundaries), and a random routing
-at the model's E/k ratio spans two sort blocks. The grouped GEMMs are compared with lily.reference.qmatmul on the
-dequantized expert weights (each stage on the previous stage's kernel output, rounded as stored), and the whole
-chain with residual + lily.reference.moe. Outputs start NaN-poisoned.
+"""metal/moe_prefill.metal (prefill MoE): every case of lily.kernel_cases.moe_prefill (each sort kernel exactly on
+boundary, random and degenerate routings; the grouped GEMMs at both tile sizes, every dtype and scale type; the
+combine, also in place), then what the cases do not cover: the GPU routing pipeline (moe_route_f32 ->
+moe_sort_count -> moe_sort_scan -> moe_sort_scatter) end to end against numpy, the whole f32 chain against
+residual + lily.reference.moe, and every buffer of the chain independent of the fiber schedule.
 """
 
 from __future__ import annotations
@@ -16,16 +13,10 @@ from cases import check, op_cases
 
 from lily import reference
 from lily._ext import msl
-
-from moe_helpers import (
-    assert_close_dot,
-    logits_for_routing,
-    moe_args,
-    quantized_weight,
-    routing_for_counts,
-    sigmoid64,
-    silu64,
-)
+from lily.kernel_cases.moe import compare_dot, moe_args, quantized_weight
+from lily.kernel_cases.moe_prefill import (BOUNDARY_COUNTS, boundary_counts, logits_for_routing, routing_for_counts,
+                                           sort_products)
+from lily.kernel_cases.common import Run
 
 DTYPES = ["f32", "bf16"]
 SORT_BLOCK = 256  # LILY_MOE_SORT_BLOCK
@@ -53,37 +44,6 @@ DOWN = {
     ("bf16", "f32", 32): "moe_gemm_down_bf16_sf32_bm32",
 }
 COMBINE = {"f32": "moe_combine_f32", "f16": "moe_combine_f16", "bf16": "moe_combine_bf16"}
-# Rows per expert at every tile boundary; the remaining experts share what is left of T·k.
-BOUNDARY_COUNTS = [0, 1, 15, 16, 17, 31, 32, 33]
-
-
-def boundary_counts(num_experts: int, num_rows: int, top_k: int) -> list[int]:
-    rest = num_rows * top_k - sum(BOUNDARY_COUNTS)
-    others = num_experts - len(BOUNDARY_COUNTS)
-    fill = [rest // others + (1 if i < rest % others else 0) for i in range(others)]
-    counts = BOUNDARY_COUNTS + fill
-    order = np.random.default_rng(num_experts).permutation(num_experts)  # boundary experts at scattered ids
-    return [counts[i] for i in np.argsort(order)]
-
-
-def max_tiles(num_pairs: int, num_experts: int, tile_rows: int) -> int:
-    """The grid bound of the grouped GEMM: sum_e ceil(count_e / bm) <= ceil(T·k / bm) + min(E, T·k)."""
-    return -(-num_pairs // tile_rows) + min(num_experts, num_pairs)
-
-
-def numpy_block_map(ids: np.ndarray, num_experts: int, tile_rows: int):
-    """Expected (expert_offsets [E+1], sorted_pairs [T·k], tile_map [tiles, 4]) built directly in numpy."""
-    flat = ids.reshape(-1)
-    counts = np.bincount(flat, minlength=num_experts)
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
-    sorted_pairs = np.argsort(flat, kind="stable").astype(np.uint32)
-    tiles = []
-    for e in range(num_experts):
-        for first in range(0, counts[e], tile_rows):
-            tiles.append((e, offsets[e] + first, min(tile_rows, counts[e] - first), 0))
-    return offsets, sorted_pairs, np.array(tiles, np.uint32).reshape(-1, 4)
-
-
 class Routing:
     """The GPU routing pipeline's buffers for one chunk."""
 
@@ -91,7 +51,7 @@ class Routing:
         num_rows, num_experts = logits.shape
         self.num_rows, self.num_experts, self.top_k, self.tile_rows = num_rows, num_experts, top_k, tile_rows
         pairs = num_rows * top_k
-        self.max_tiles = max_tiles(pairs, num_experts, tile_rows)
+        self.max_tiles = -(-pairs // tile_rows) + min(num_experts, pairs)  # the grouped GEMM's grid bound
         blocks = -(-pairs // SORT_BLOCK)
         self.args = moe_args(num_rows, num_experts, top_k, 0, 0, 0, tile_rows, self.max_tiles)
         self.ids = np.full((num_rows, top_k), 0xFFFFFFFF, np.uint32)
@@ -123,17 +83,23 @@ class Routing:
         )
 
     def check_exact(self) -> None:
-        offsets, sorted_pairs, tiles = numpy_block_map(self.ids.astype(np.int64), self.num_experts, self.tile_rows)
-        assert np.array_equal(self.expert_offsets, offsets), "expert offsets"
-        assert np.array_equal(self.sorted_pairs, sorted_pairs), "sorted (token, slot) order"
-        assert int(self.tile_count[0]) == len(tiles) <= self.max_tiles, f"tile count {self.tile_count[0]}"
-        assert np.array_equal(self.tile_map[: len(tiles)], tiles), "block map"
+        expected = sort_products(self.ids.astype(np.int64), self.num_experts, self.tile_rows)
+        tiles = int(expected["tile_count"][0])
+        assert np.array_equal(self.expert_offsets, expected["offsets"]), "expert offsets"
+        assert np.array_equal(self.sorted_pairs, expected["sorted_pairs"]), "sorted (token, slot) order"
+        assert int(self.tile_count[0]) == tiles <= self.max_tiles, f"tile count {self.tile_count[0]}"
+        assert np.array_equal(self.tile_map[:tiles], expected["tile_map"][:tiles]), "block map"
 
 
 def forced_chunk(num_experts: int, num_rows: int, top_k: int, seed: int):
     rng = np.random.default_rng(seed)
     ids = routing_for_counts(rng, boundary_counts(num_experts, num_rows, top_k), num_rows, top_k)
     return ids, logits_for_routing(rng, ids, num_experts)
+
+
+@pytest.mark.parametrize("case", op_cases("moe_prefill"))
+def test_moe_prefill(case, kernel_device) -> None:
+    check(case, kernel_device)
 
 
 @pytest.mark.parametrize("tile_rows", [16, 32])
@@ -179,9 +145,9 @@ class PrefillLayer:
     def __init__(self, rng: np.random.Generator, num_experts: int, hidden: int, expert: int, kio,
                  scales: str = "bf16"):
         self.hidden, self.expert, self.scales = hidden, expert, scales
-        self.gate = quantized_weight(rng, (num_experts, expert, hidden), kio, scales)
-        self.up = quantized_weight(rng, (num_experts, expert, hidden), kio, scales)
-        self.down = quantized_weight(rng, (num_experts, hidden, expert), kio, scales)
+        self.gate = quantized_weight(rng, (num_experts, expert, hidden), scales)
+        self.up = quantized_weight(rng, (num_experts, expert, hidden), scales)
+        self.down = quantized_weight(rng, (num_experts, hidden, expert), scales)
 
     def gemm_args(self, routing: Routing) -> bytes:
         """The grouped-GEMM kernels' arguments for this layer's shapes under `routing` (no shared expert)."""
@@ -232,60 +198,6 @@ def run_combine(routing: Routing, y, shared_out, gate_logits, residual, out, hid
     )
 
 
-@pytest.mark.parametrize("tile_rows", [16, 32])
-@pytest.mark.parametrize("scales", ["bf16", "f32"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_grouped_gemm_forced_counts(dtype: str, scales: str, tile_rows: int, kio) -> None:
-    """gate/up and down on a chunk with 0/1/15/16/17/31/32/33 rows per expert (E=16, k=4, H=128, I=64)."""
-    num_experts, num_rows, top_k, hidden, expert = 16, 48, 4, 128, 64
-    _, logits = forced_chunk(num_experts, num_rows, top_k, seed=5)
-    routing = Routing(logits, top_k, tile_rows)
-    rng = np.random.default_rng(50 + tile_rows + DTYPES.index(dtype) + 10 * (scales == "f32"))
-    layer = PrefillLayer(rng, num_experts, hidden, expert, kio, scales)
-    x = kio.to_device(rng.standard_normal((num_rows, hidden)), dtype)
-    h = run_gate_up(layer, routing, x, dtype, kio)
-
-    xs = kio.to_f64(x, dtype).astype(np.float32)
-    flat_ids = routing.ids.reshape(-1).astype(np.int64)
-    pairs = routing.sorted_pairs.astype(np.int64)
-    expected_h = np.empty((len(pairs), expert))
-    for pos, pair in enumerate(pairs):
-        e, row = flat_ids[pair], pair // top_k
-        g = reference.qmatmul(xs[row], layer.gate.dense[e]).astype(np.float64)
-        u = reference.qmatmul(xs[row], layer.up.dense[e]).astype(np.float64)
-        expected_h[pos] = silu64(g) * u
-    assert_close_dot(kio, kio.to_f64(h, dtype), kio.round(expected_h, dtype), dtype, f"gate/up {dtype} scales {scales} bm{tile_rows}")
-
-    y = run_down(layer, routing, h, dtype, kio)
-    hs = kio.to_f64(h, dtype).astype(np.float32)
-    expected_y = np.empty((len(pairs), hidden))
-    for pos, pair in enumerate(pairs):
-        down = reference.qmatmul(hs[pos], layer.down.dense[flat_ids[pair]]).astype(np.float64)
-        expected_y[pair] = float(routing.weights.reshape(-1)[pair]) * down
-    assert_close_dot(kio, kio.to_f64(y, dtype), kio.round(expected_y, dtype), dtype, f"down {dtype} scales {scales} bm{tile_rows}")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_moe_combine(dtype: str, kio) -> None:
-    """Slots summed in slot order, plus the gated shared expert and the residual; out may alias residual."""
-    rng = np.random.default_rng(60 + DTYPES.index(dtype))
-    num_rows, top_k, hidden = 5, 8, 200
-    logits = rng.standard_normal((num_rows, 32)).astype(np.float32)
-    routing = Routing(logits, top_k, 16)
-    y = kio.to_device(rng.standard_normal((num_rows * top_k, hidden)) * 0.3, dtype)
-    shared_out = kio.to_device(rng.standard_normal((num_rows, hidden)), dtype)
-    gate_logits = (rng.standard_normal(num_rows) * 3.0).astype(np.float32)
-    residual = kio.to_device(rng.standard_normal((num_rows, hidden)) * 2.0, dtype)
-    out = kio.poisoned((num_rows, hidden), dtype)
-    run_combine(routing, y, shared_out, gate_logits, residual, out, hidden, dtype)
-    ys = kio.to_f64(y, dtype).reshape(num_rows, top_k, hidden)
-    expected = (kio.to_f64(residual, dtype) + ys.sum(axis=1)
-                + sigmoid64(gate_logits)[:, None] * kio.to_f64(shared_out, dtype))
-    kio.assert_close(kio.to_f64(out, dtype), kio.round(expected, dtype), dtype, f"combine {dtype}")
-    run_combine(routing, y, shared_out, gate_logits, residual, residual, hidden, dtype)
-    assert np.array_equal(residual, out), "in-place combine must give the same bits"
-
-
 E2E_SHAPES = [(16, 192, 128), (32, 128, 64), (32, 256, 128)]  # (bm, H, I): 1-4 column blocks, 4-8 K steps
 
 
@@ -300,7 +212,7 @@ def test_moe_prefill_matches_reference_moe(tile_rows: int, hidden: int, expert: 
     layer = PrefillLayer(rng, num_experts, hidden, expert, kio)
     router = (rng.standard_normal((num_experts, hidden)) / np.sqrt(hidden)).astype(np.float32)
     shared_gate_w = (rng.standard_normal((1, hidden)) / np.sqrt(hidden)).astype(np.float32)
-    shared_weights = [quantized_weight(rng, shape, kio).tensor
+    shared_weights = [quantized_weight(rng, shape).tensor
                       for shape in ((shared, hidden), (shared, hidden), (hidden, shared))]
     x = rng.standard_normal((num_rows, hidden)).astype(np.float32)
     residual = rng.standard_normal((num_rows, hidden)).astype(np.float32)
@@ -325,7 +237,9 @@ def test_moe_prefill_matches_reference_moe(tile_rows: int, hidden: int, expert: 
         "shared_expert_gate.weight": shared_gate_w,
     }
     expected = residual.astype(np.float64) + reference.moe(x, weights_by_name, num_experts_per_tok=top_k)
-    assert_close_dot(kio, out, expected, "f32", f"prefill MoE bm{tile_rows}")
+    run = Run(None, rng)
+    compare_dot(run, f"prefill MoE bm{tile_rows}", out, expected, "f32")
+    assert run.comparisons[-1].passed, run.comparisons[-1]
 
 
 def test_moe_prefill_independent_of_schedule(kio) -> None:
@@ -348,9 +262,3 @@ def test_moe_prefill_independent_of_schedule(kio) -> None:
     for run in runs[1:]:
         for got, first in zip(run, runs[0]):
             assert np.array_equal(got, first, equal_nan=got.dtype.kind == "f")
-
-
-@pytest.mark.parametrize("case", op_cases("moe_prefill"))
-def test_moe_prefill_cases(case, kernel_device) -> None:
-    """Every case of lily.kernel_cases.moe_prefill: the self-test's, on this session's device."""
-    check(case, kernel_device)
