@@ -249,6 +249,12 @@ class Run:
             expected = np.asarray(expected) + 1
         self.comparisons.append(_compare_exact(what, actual, expected))
 
+    def require(self, what: str, condition: bool, detail: str = "") -> None:
+        """A property of the outputs the reference does not give element by element (counts, slots left alone)."""
+        passed = bool(condition) and not self.corrupt
+        self.comparisons.append(Comparison(what, 0.0 if passed else 1.0, 0.0 if passed else 1.0, "holds", passed,
+                                           "" if passed else detail))
+
     def compare_allowed(self, what: str, actual, allowed: Sequence[set[int]]) -> None:
         """Token ids with more than one right answer: each element must be in its allowed set."""
         if self.corrupt:

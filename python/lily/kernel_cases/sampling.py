@@ -1,6 +1,14 @@
 """Cases of metal/sampling.metal against ``lily.sampling`` (the CPU sampler is the specification of token
-selection): greedy argmax exactly (ties to the lowest id), and seeded sampling draw by draw, fed with the kernel's
-Philox4x32-10 number u."""
+selection).
+
+Greedy argmax (argmax_partial + argmax_final) exactly: one entry, a partial simdgroup, block boundaries 31/32/33 and
+64/65, many partials, the chosen id written to its slot only, ties across blocks and -inf entries (the lowest id
+wins), NaN beating every number. Sampling draw by draw against lily.sampling's filters (top_k_mask, top_p_mask,
+min_p_mask) and draw rule (the first id whose cumulative kept probability exceeds u * total) in float64, fed with the
+kernel's Philox4x32-10 number u. The kernel works in fp32, so a draw must match exactly unless nudging top_p or min_p
+by 1e-5 (relative) or u by 2e-6 changes the float64 answer; such near-boundary draws must be rare (at most 1 in 12)
+and must match one of the nudged answers. Ties at the top-p and top-k cuts, banned (-inf) tokens.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +19,19 @@ from functools import partial
 import numpy as np
 
 from lily.kernel_cases.common import Case, Run, dtype_of, to_device, to_f64
-from lily.sampling import log_softmax, top_k_mask, top_p_mask
+from lily.sampling import log_softmax, min_p_mask, top_k_mask, top_p_mask
 
 PATTERN = re.compile(r"argmax_partial_(f32|f16|bf16)|argmax_final_f32|sample_(f32|f16|bf16)")
 MASK32 = 0xFFFFFFFF
+# (vocab, block, threads) of argmax; the first is the self-test's.
+ARGMAX_SHAPES = [(5000, 1024, 256), (1, 64, 32), (31, 32, 32), (33, 32, 32), (64, 64, 64), (65, 64, 64),
+                 (1000, 96, 64), (5000, 256, 128)]
+# (temperature, top_k, top_p, min_p): Qwen's recommended settings (the self-test's); plain; top-p + min-p; top-k only;
+# a narrow nucleus; top_k >= vocab (off).
+SAMPLE_PARAMS = [(0.7, 20, 0.95, 0.0), (1.0, 0, 1.0, 0.0), (1.0, 0, 0.9, 0.05), (1.5, 5, 1.0, 0.0),
+                 (0.8, 0, 0.5, 0.0), (1.0, 100000, 0.8, 0.1)]
+SAMPLE_SIZES = [(2000, 256), (37, 32), (300, 64)]  # (vocab, threads)
+STEPS = 12
 
 
 def argmax_args(vocab: int, block: int, num_partials: int, out_index: int) -> bytes:
@@ -45,15 +62,73 @@ def philox_uniform(seed: int, step: int) -> float:
     return (philox4x32_10((step, 0, 0, 0), (seed & MASK32, seed >> 32))[0] >> 8) * 2.0**-24
 
 
-def _argmax_partial(run: Run, kernel: str, vocab: int, block: int) -> None:
+def expected_token(x32: np.ndarray, top_k: int, top_p: float, min_p: float, u: float) -> int:
+    """lily.sampling.Sampler.choose steps 5-6 on temperature-scaled logits, with the random number u given."""
+    x = x32.astype(np.float64)
+    keep = top_k_mask(x, top_k)
+    probs = np.exp(log_softmax(np.where(keep, x, -np.inf)))
+    keep &= top_p_mask(probs, top_p)
+    if min_p > 0.0:
+        keep &= min_p_mask(probs, min_p)
+    cdf = np.cumsum(np.where(keep, probs, 0.0))
+    token = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return token if token < x.size and keep[token] else int(np.flatnonzero(keep)[-1])
+
+
+def acceptable_tokens(x32: np.ndarray, top_k: int, top_p: float, min_p: float, u: float) -> set[int]:
+    """The float64 answer, and the answers with top_p / min_p nudged by 1e-5 and u by 2e-6 (fp32 sums' slack)."""
+    top = 1 - 2.0**-24
+    nudges = [(top_p, min_p, u)]
+    nudges += [(min(1.0, top_p * (1 + s)), min_p * (1 + s), u) for s in (-1e-5, 1e-5)]
+    nudges += [(top_p, min_p, min(max(u + s, 0.0), top)) for s in (-2e-6, 2e-6)]
+    return {expected_token(x32, top_k, p, m, v) for p, m, v in nudges}
+
+
+def run_argmax(run: Run, kernel: str, logits: np.ndarray, block: int, threads: int, out_index: int = 0) -> int:
+    """argmax_partial (`kernel`) then argmax_final_f32; the slot after out_index must stay untouched."""
+    vocab = logits.shape[0]
+    num_partials = -(-vocab // block)
+    values, ids = np.full(num_partials, np.nan, np.float32), np.full(num_partials, MASK32, np.uint32)
+    tokens = np.full(out_index + 2, MASK32, np.uint32)
+    args = argmax_args(vocab, block, num_partials, out_index)
+    run.dispatch(kernel, [args, logits, values, ids], num_partials, threads)
+    run.dispatch("argmax_final_f32", [args, values, ids, tokens], 1, 32 * min(32, -(-num_partials // 32) + 1))
+    run.require("slots other than out_index untouched", tokens[out_index + 1] == MASK32, f"tokens {tokens.tolist()}")
+    return int(tokens[out_index])
+
+
+def run_sample(run: Run, kernel: str, logits: np.ndarray, threads: int, temperature: float, top_k: int, top_p: float,
+               min_p: float, seed: int, step: int, out_index: int = 1) -> int:
+    """One draw into tokens[out_index]; the slots around it must stay untouched."""
+    tokens = np.full(out_index + 2, MASK32, np.uint32)
+    run.dispatch(kernel, [sample_args(logits.shape[0], temperature, top_k, top_p, min_p, seed, step, out_index), logits,
+                          tokens], 1, threads, seed=step)
+    run.require("slots other than out_index untouched", tokens[out_index + 1] == MASK32 == tokens[out_index - 1],
+                f"tokens {tokens.tolist()}")
+    return int(tokens[out_index])
+
+
+def _argmax(run: Run, kernel: str, vocab: int, block: int, threads: int) -> None:
+    """Random logits, then (vocab > 2) a tie for the maximum in two blocks among -inf entries."""
     dtype = dtype_of(kernel)
     logits = to_device(4.0 * run.rng.standard_normal(vocab), dtype)
-    partials = -(-vocab // block)
-    values, ids = np.full(partials, np.nan, np.float32), np.full(partials, MASK32, np.uint32)
-    run.dispatch(kernel, [argmax_args(vocab, block, partials, 0), logits, values, ids], partials, 256)
     widened = to_f64(logits, dtype)
-    run.compare_exact("block argmax ids", ids, [int(np.argmax(widened[s : s + block])) + s
-                                                for s in range(0, vocab, block)])
+    run.compare_exact("argmax", [run_argmax(run, kernel, logits, block, threads, out_index=3)], [np.argmax(widened)])
+    if vocab > 2:
+        tied = widened.copy()
+        lo, hi = sorted(run.rng.choice(vocab, 2, replace=False))
+        tied[run.rng.choice(vocab, vocab // 3)] = -np.inf
+        tied[[lo, hi]] = widened.max() + 1.0
+        run.compare_exact("tied argmax (lowest id)", [run_argmax(run, kernel, to_device(tied, dtype), block, threads)],
+                          [lo])
+
+
+def _argmax_nan_and_negative_infinity(run: Run, kernel: str) -> None:
+    logits = np.full(200, -np.inf, np.float32)
+    run.compare_exact("all -inf", [run_argmax(run, kernel, logits, 64, 32)], [0])
+    logits[[150, 70]] = np.nan
+    logits[10] = 5.0
+    run.compare_exact("NaN beats every number", [run_argmax(run, kernel, logits, 64, 32)], [70])
 
 
 def _argmax_final(run: Run, kernel: str, partials: int) -> None:
@@ -64,38 +139,55 @@ def _argmax_final(run: Run, kernel: str, partials: int) -> None:
     run.compare_exact("token at out_index", tokens[1:], [int(ids[values == values.max()].min())])
 
 
-def _expected_sample(x: np.ndarray, top_k: int, top_p: float, u: float) -> int:
-    keep = top_k_mask(x, top_k)
-    probs = np.exp(log_softmax(np.where(keep, x, -np.inf)))
-    keep &= top_p_mask(probs, top_p)
-    cdf = np.cumsum(np.where(keep, probs, 0.0))
-    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), np.flatnonzero(keep)[-1]))
-
-
-def _sample(run: Run, kernel: str, vocab: int, temperature: float, top_k: int, top_p: float, steps: int) -> None:
-    dtype, seed = dtype_of(kernel), 2026
+def _sample(run: Run, kernel: str, vocab: int, threads: int, params: tuple) -> None:
+    temperature, top_k, top_p, min_p = params
+    dtype = dtype_of(kernel)
     logits = to_device(3.0 * run.rng.standard_normal(vocab), dtype)
-    x = (to_f64(logits, dtype).astype(np.float32) / np.float32(temperature)).astype(np.float64)
+    x32 = (to_f64(logits, dtype).astype(np.float32) / np.float32(temperature)).astype(np.float32)
+    seed = int(run.rng.integers(0, 2**64, dtype=np.uint64))
     got, allowed = [], []
-    for step in range(steps):
-        tokens = np.full(1, MASK32, np.uint32)
-        run.dispatch(kernel, [sample_args(vocab, temperature, top_k, top_p, 0.0, seed, step, 0), logits, tokens], 1,
-                     256)
-        got.append(int(tokens[0]))
-        u = philox_uniform(seed, step)
-        # fp32 sums in the kernel: accept the answers of u and top_p nudged by a few fp32 ulps of the total mass.
-        allowed.append({_expected_sample(x, top_k, p, v) for p in (top_p, top_p * (1 + 1e-5), top_p * (1 - 1e-5))
-                        for v in (u, max(u - 2e-6, 0.0), min(u + 2e-6, 1 - 2.0**-24))})
+    for step in range(STEPS):
+        got.append(run_sample(run, kernel, logits, threads, temperature, top_k, top_p, min_p, seed, step))
+        allowed.append(acceptable_tokens(x32, top_k, top_p, min_p, philox_uniform(seed, step)))
     run.compare_allowed("drawn tokens", got, allowed)
+    near = sum(len(a) > 1 for a in allowed)
+    run.require("near-boundary draws are rare", near <= 1, f"{near} of {STEPS} draws near a boundary")
+
+
+def _sample_top_p_ties(run: Run, kernel: str, top_p: float) -> None:
+    """Logits taking 4 values: the nucleus boundary falls inside a run of tied tokens (kept by lowest id)."""
+    logits = run.rng.choice([0.0, 0.5, 1.0, 1.5], 257).astype(np.float32)
+    got = [run_sample(run, kernel, logits, 64, 1.0, 0, top_p, 0.0, 12345, step) for step in range(10)]
+    run.compare_allowed("drawn tokens", got, [acceptable_tokens(logits, 0, top_p, 0.0, philox_uniform(12345, step))
+                                              for step in range(10)])
+
+
+def _sample_top_k_ties_and_banned(run: Run, kernel: str) -> None:
+    """Top-k keeps every token tied with the k-th value; -inf tokens are never drawn."""
+    logits = np.full(100, -np.inf, np.float32)
+    logits[[3, 40, 41, 77, 90]] = [2.0, 1.0, 1.0, 1.0, 0.5]
+    seen = {run_sample(run, kernel, logits, 32, 1.0, 2, 1.0, 0.0, 9, step) for step in range(60)}
+    run.compare_exact("tokens drawn in 60 steps", sorted(seen), [3, 40, 41, 77])
 
 
 def cases(kernel: str) -> list[Case]:
     """Every case of one token-selection kernel; the first is the self-test's."""
     if kernel.startswith("argmax_partial"):
-        return [Case(kernel, "vocab=5000 block=1024", partial(_argmax_partial, kernel=kernel, vocab=5000, block=1024),
-                     quick=True)]
+        found = [Case(kernel, f"vocab={v} block={b} threads={t}",
+                      partial(_argmax, kernel=kernel, vocab=v, block=b, threads=t), quick=i == 0)
+                 for i, (v, b, t) in enumerate(ARGMAX_SHAPES)]
+        if kernel == "argmax_partial_f32":
+            found.append(Case(kernel, "vocab=200 NaN and -inf", partial(_argmax_nan_and_negative_infinity,
+                                                                         kernel=kernel)))
+        return found
     if kernel == "argmax_final_f32":  # the model's vocabulary in blocks of LILY_ARGMAX_BLOCK
         return [Case(kernel, "partials=61", partial(_argmax_final, kernel=kernel, partials=61), quick=True)]
-    return [Case(kernel, "vocab=2000 T=0.7 top_k=20 top_p=0.95 steps=4",
-                 partial(_sample, kernel=kernel, vocab=2000, temperature=0.7, top_k=20, top_p=0.95, steps=4),
-                 quick=True)]
+    found = [Case(kernel, f"vocab={v} threads={t} T={p[0]} top_k={p[1]} top_p={p[2]} min_p={p[3]}",
+                  partial(_sample, kernel=kernel, vocab=v, threads=t, params=p), quick=i == 0 and j == 0)
+             for i, (v, t) in enumerate(SAMPLE_SIZES) for j, p in enumerate(SAMPLE_PARAMS)]
+    if kernel == "sample_f32":
+        found += [Case(kernel, f"vocab=257 top_p={p} ties", partial(_sample_top_p_ties, kernel=kernel, top_p=p))
+                  for p in (0.3, 0.6, 0.95)]
+        found.append(Case(kernel, "vocab=100 top_k=2 ties banned", partial(_sample_top_k_ties_and_banned,
+                                                                           kernel=kernel)))
+    return found
