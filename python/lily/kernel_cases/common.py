@@ -63,7 +63,7 @@ _SCALE_DTYPE_NAMES = {"bf16": "bfloat16", "f32": "float32"}
 
 
 def to_device(values, dtype: str) -> np.ndarray:
-    """A C-contiguous buffer of `values` rounded once to `dtype` ("f32", "f16" or "bf16"; bf16 round to nearest even)."""
+    """A C-contiguous buffer of `values` rounded once to `dtype` ("f32", "f16" or "bf16": round to nearest even)."""
     values = np.asarray(values, dtype=np.float64)
     if dtype == "bf16":
         return np.ascontiguousarray(float32_to_bfloat16_bits(values.astype(np.float32)))
@@ -214,8 +214,8 @@ def _compare_allowed(what: str, actual, allowed: Sequence[set[int]]) -> Comparis
         return Comparison(what, math.nan, math.nan, "exact", False, f"{len(actual)} values, {len(allowed)} expected")
     wrong = [i for i, (a, ok) in enumerate(zip(actual, allowed)) if a not in ok]
     distance = max((min(abs(actual[i] - v) for v in allowed[i]) for i in wrong), default=0)
-    detail = f"first wrong element {wrong[0]}: got {actual[wrong[0]]}, expected one of {sorted(allowed[wrong[0]])[:4]}" \
-        if wrong else ""
+    detail = f"first wrong element {wrong[0]}: got {actual[wrong[0]]}, expected one of " \
+        f"{sorted(allowed[wrong[0]])[:4]}" if wrong else ""
     return Comparison(what, float(len(wrong)), float(distance), "exact", not wrong, detail)
 
 
@@ -281,7 +281,7 @@ class Case:
         return f"{self.kernel}-{self.shape.replace(' ', '-')}"
 
     def run(self, device: Device, seed: int = 0, corrupt: bool = False) -> Outcome:
-        """Run the case on `device` with inputs from `seed` (mixed with the case's id, so each case has its own stream)."""
+        """Run the case on `device`, inputs from `seed` mixed with the case's id (each case has its own stream)."""
         run = Run(device, np.random.default_rng([seed, zlib.crc32(self.id.encode())]), corrupt)
         self.body(run)
         comparisons = run.comparisons

@@ -38,8 +38,8 @@ def _chunk(run: Run, kernel: str, hk: int, hv: int, dv: int, num_tokens: int, ex
     start, registers = layer.copy(), layer.copy()
     tokens = make_tokens(run.rng, layer, num_tokens)
     blockwise = "_blockwise_" in kernel
-    out = run_prefill(run, layer, tokens, prefill_threads(layer, extra), "prefill_blockwise" if blockwise else "prefill",
-                      seed=3)
+    scan = "prefill_blockwise" if blockwise else "prefill"
+    out = run_prefill(run, layer, tokens, prefill_threads(layer, extra), scan, seed=3)
     check_layer(run, layer, start, tokens, out)
     if blockwise:  # same arithmetic; the state only passes through memory between blocks, exact in fp32
         register_out = run_prefill(run, registers, tokens, prefill_threads(registers), seed=5)
