@@ -137,8 +137,9 @@ HAS_HARNESS = _ext is not None and getattr(_ext, "msl", None) is not None
 HAS_FAKE_METAL = _ext is not None and hasattr(_ext._test_engine, "set_stage_order")
 HAS_METAL = _ext is not None and _ext.platform != "none"
 HARNESS_MODULES = ("kernels/", "harness/", "test_selftest.py", "engine/test_metallib.py")
-# LILY_KERNEL_DEVICE=cuda: the kernel tests dispatch on the NVIDIA GPU (tests/kernels/conftest.py), no harness needed.
-KERNELS_ON_CUDA = os.environ.get("LILY_KERNEL_DEVICE") == "cuda"
+# LILY_KERNEL_DEVICE=cuda or metal-api: the kernel tests dispatch on that device (tests/kernels/conftest.py), no
+# harness needed.
+KERNELS_OFF_HARNESS = os.environ.get("LILY_KERNEL_DEVICE", "harness") != "harness"
 SKIP_REASONS = {
     "harness": "needs the MSL CPU execution harness (lily._ext.msl): Linux builds with clang-19 on x86-64 only",
     "fake_metal": "needs the fake Metal's controls (stage order, statistics): the Linux Metal test runtime only",
@@ -156,7 +157,8 @@ class _HarnessAbsent(pytest.Module):
 @pytest.hookimpl(tryfirst=True)
 def pytest_pycollect_makemodule(module_path: Path, parent):
     relative = module_path.relative_to(Path(__file__).parent).as_posix()
-    needs_harness = relative.startswith(HARNESS_MODULES) and not (KERNELS_ON_CUDA and relative.startswith("kernels/"))
+    off_harness = KERNELS_OFF_HARNESS and relative.startswith("kernels/")
+    needs_harness = relative.startswith(HARNESS_MODULES) and not off_harness
     if not HAS_HARNESS and needs_harness:
         return _HarnessAbsent.from_parent(parent, path=module_path)
     return None

@@ -3,10 +3,17 @@ check that fails with the case's message (kernel, shape, max error, tolerance)."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from lily import kernel_cases
 from lily._ext import msl
+
+# The harness and the CUDA runner refuse a wrong argument struct before running (ValueError); the Metal API does not
+# check setBytes sizes at all (the fake Metal reports the harness's check as a failed command buffer).
+checks_arguments = pytest.mark.skipif(os.environ.get("LILY_KERNEL_DEVICE") == "metal-api",
+                                      reason="the Metal API does not check argument struct sizes")
 
 
 def op_cases(op: str) -> list:

@@ -7,7 +7,7 @@ import struct
 
 import numpy as np
 import pytest
-from cases import check, op_cases
+from cases import check, checks_arguments, op_cases
 
 from lily._ext import msl
 
@@ -17,6 +17,7 @@ def test_embedding(case, kernel_device) -> None:
     check(case, kernel_device)
 
 
+@checks_arguments
 def test_embedding_wrong_argument_struct() -> None:
     ids = np.zeros(1, np.uint32)
     w = np.zeros((1, 8), np.uint32)

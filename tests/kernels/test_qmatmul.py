@@ -8,7 +8,7 @@ import struct
 
 import numpy as np
 import pytest
-from cases import check, op_cases
+from cases import check, checks_arguments, op_cases
 
 from lily._ext import msl
 from lily.kernel_cases.common import Run, random_weight, weight_buffers
@@ -20,6 +20,7 @@ def test_qmatmul(case, kernel_device) -> None:
     check(case, kernel_device)
 
 
+@checks_arguments
 def test_qmv_wrong_argument_struct() -> None:
     x = np.ones((1, 64), np.float32)
     w = np.zeros((8, 8), np.uint32)

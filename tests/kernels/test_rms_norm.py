@@ -8,7 +8,7 @@ import struct
 
 import numpy as np
 import pytest
-from cases import check, op_cases
+from cases import check, checks_arguments, op_cases
 
 from lily import reference
 from lily._ext import msl
@@ -37,6 +37,7 @@ def test_rms_norm_independent_of_schedule(seed: int, kio) -> None:
     kio.assert_close(results[1], reference.rms_norm(x, weight, EPS), "f32", "random schedule")
 
 
+@checks_arguments
 def test_rms_norm_rejects_wrong_argument_struct() -> None:
     x = np.ones((1, 32), np.float32)
     with pytest.raises(ValueError, match=r"rms_norm_f32.*buffer\(0\).*16 bytes.*got 8"):
