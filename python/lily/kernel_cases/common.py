@@ -286,7 +286,8 @@ class Case:
         self.body(run)
         comparisons = run.comparisons
         failed = [c for c in comparisons if not c.passed]
-        worst = failed[0] if failed else max(comparisons, key=lambda c: c.error, default=None)
+        # The row shows the first failure, else the largest error (a compared output before a property check).
+        worst = failed[0] if failed else max(comparisons, key=lambda c: (c.error, c.tolerance != "holds"), default=None)
         if worst is None:
             return Outcome(self.kernel, self.shape, math.nan, math.nan, "", False, comparisons)
         return Outcome(self.kernel, self.shape, worst.error, worst.max_error, worst.tolerance, not failed, comparisons)
