@@ -529,3 +529,30 @@ def test_qmv_segments_boundaries(rows: list[int], k: int, norm: bool, kio) -> No
 def test_qmv_segments_several_input_rows(kio) -> None:
     """One grid row per input row, each writing its own output row of sum(rows) values."""
     check_qmv_segments((True, 4, "f32", "bf16", "f32"), [3, 9], 64, 2, np.random.default_rng(71), kio)
+
+
+# ---- qmv lane packs and steps (metal/lily.h LILY_QMV_PACK_WORDS, LILY_QMV_PACKS_PER_LANE) ----
+# A lane reads packs of 4 words (32 codes at 4 bits, 16 at 8), 2 per row and step: a simdgroup step is 2,048 codes
+# at 4 bits and 1,024 at 8. K one group below, at and above one and two steps, and a K whose last step leaves most
+# lanes without a pack (their packs re-read the row's last pack with weight 0: x^2 must not be counted twice).
+QMV_STEP_KS = {4: [1984, 2048, 2112, 4032, 4160], 8: [960, 1024, 1088, 2112]}
+QMV_STEP_CASES = [(bits, k, m) for bits, ks in QMV_STEP_KS.items() for k in ks for m in (1, 4)]
+
+
+@pytest.mark.parametrize("bits,k,m", QMV_STEP_CASES, ids=[f"q{b}-k{k}-m{m}" for b, k, m in QMV_STEP_CASES])
+def test_qmv_steps_and_partial_steps(bits: int, k: int, m: int, kio) -> None:
+    """Plain qmv in fp32 (the exact path) against reference.qmatmul at K around the step, 1 and 4 input rows."""
+    name = QMV[(bits, "f32", "bf16")]
+    rng = np.random.default_rng([bits, k, m, 83])
+    qt = random_weight(rng, 13, k, bits, "bf16")
+    x = random_x(rng, m, k, "f32", kio)
+    y = run_qmv(name, x, qt, "bf16", "f32", kio)
+    assert_matmul_close(y, x, qt, "f32", kio, f"{name} M={m} K={k}")
+
+
+@pytest.mark.parametrize("bits,k", [(4, 2112), (4, 4160), (8, 1088)], ids=["q4-k2112", "q4-k4160", "q8-k1088"])
+def test_qmv_norm_partial_steps(bits: int, k: int, kio) -> None:
+    """qmv_norm and qmv_norm_seg where the last step is partial: 1/rms sums x^2 over K exactly once."""
+    rng = np.random.default_rng([bits, k, 89])
+    check_qmv_norm(QMV_NORM[(bits, "f32", "bf16")], bits, "f32", "bf16", "f32", 2, 11, k, rng, kio)
+    check_qmv_segments((True, bits, "f32", "bf16", "f32"), [9, 3], k, 1, rng, kio)
