@@ -6,9 +6,9 @@
 //   qmv_q<b>_g64_<dtype>[_sf32]            decode GEMV, M <= LILY_QMV_MAX_ROWS (attention/GDN projections, router and
 //                                          shared-expert gate at 8 bits, lm_head). Grid (ceil(N / 8), ceil(M / 4), 1)
 //                                          x 64 (a grid y of M is also correct: the extra threadgroups exit). Each
-//                                          simdgroup owns 4 output rows; per step each lane folds 2 packed words of
-//                                          each row, 32 words apart (every load instruction reads 128 contiguous
-//                                          bytes), one scale/bias FMA per word, then one simd_sum per row. Reads every
+//                                          simdgroup owns 4 output rows; a lane reads packs of 4 consecutive words
+//                                          (one scale and bias each), 2 per row and step, 32 packs apart, folds each
+//                                          pack with one scale/bias FMA pair, then one simd_sum per row. Reads every
 //                                          weight byte once for up to 4 input rows, x once per simdgroup (from
 //                                          cache). Writes N values per row.
 //   qmv_q<b>_g64_bf16[_sf32]_of32          the same GEMV with bf16 input and f32 output: the router and shared-expert
