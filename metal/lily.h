@@ -292,8 +292,9 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 #define LILY_ATTN_MMA_MIN_QUERIES 8
 
 #if defined(LILY_KERNEL_SIDE)
-// LILY_UNROLL fully unrolls the loop that follows (constant trip count), so the small arrays it indexes stay in registers: MSL
-// and the CPU harness's clang take the same pragma; clang's CUDA back end otherwise keeps them in local memory.
+// LILY_UNROLL fully unrolls the loop that follows (constant trip count), so the small arrays it indexes stay in
+// registers: MSL and the CPU harness's clang take the same pragma; clang's CUDA back end otherwise keeps them in local
+// memory.
 #define LILY_UNROLL _Pragma("clang loop unroll(full)")
 // A helper inlined into its kernel whatever its size (MSL and clang alike): as a real call on CUDA, its arrays
 // passed by reference live in local memory.

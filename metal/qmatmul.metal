@@ -155,9 +155,9 @@ LILY_INLINE float qmv_code(uint word, uint word_high, uint e, thread const uint*
 // past N read row N - 1 (in bounds; the caller never writes them).
 template <bool Norm, int Bits, uint B, typename T, typename S>
 LILY_INLINE void qmv_accumulate(thread float (&acc)[B][LILY_QMV_ROWS_PER_SIMDGROUP], thread float (&sum_sq)[B],
-                           device const T* x, device const T* norm_weight, device const uint* weight,
-                           device const S* scales, device const S* biases, uint K, uint N, uint first_row,
-                           uint lane) {
+                                device const T* x, device const T* norm_weight, device const uint* weight,
+                                device const S* scales, device const S* biases, uint K, uint N, uint first_row,
+                                uint lane) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
   constexpr uint kPackWords = LILY_QMV_PACK_WORDS;
   constexpr uint kPacks = LILY_QMV_PACKS_PER_LANE;  // per row and step
@@ -276,9 +276,9 @@ LILY_INLINE void qmv_accumulate(thread float (&acc)[B][LILY_QMV_ROWS_PER_SIMDGRO
 // One simdgroup's output rows for B input rows from m0: y[m0 + b, row] = total * 1/rms (Norm), residual + total
 // (Residual; y may alias residual: each element is read and written by the same lane) or total.
 template <bool Norm, bool Residual, uint B, int Bits, typename T, typename S, typename O>
-LILY_INLINE void qmv_rows(device const T* x, device const T* norm_weight, device const uint* weight, device const S* scales,
-                     device const S* biases, device const T* residual, device O* y, uint K, uint N, float eps, uint m0,
-                     uint first_row, uint lane) {
+LILY_INLINE void qmv_rows(device const T* x, device const T* norm_weight, device const uint* weight,
+                          device const S* scales, device const S* biases, device const T* residual, device O* y, uint K,
+                          uint N, float eps, uint m0, uint first_row, uint lane) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
   float acc[B][kRows], sum_sq[B];
   qmv_accumulate<Norm, Bits, B>(acc, sum_sq, x + size_t(m0) * K, norm_weight, weight, scales, biases, K, N, first_row,
@@ -301,8 +301,8 @@ LILY_INLINE void qmv_rows(device const T* x, device const T* norm_weight, device
 // compiled as its own loop (a decode step is one row: no work for absent rows).
 template <bool Norm, bool Residual, int Bits, typename T, typename S, typename O>
 LILY_INLINE void qmv_batch(device const T* x, device const T* norm_weight, device const uint* weight,
-                      device const S* scales, device const S* biases, device const T* residual, device O* y, uint K,
-                      uint N, uint M, float eps, uint m0, uint first_row, uint lane) {
+                           device const S* scales, device const S* biases, device const T* residual, device O* y,
+                           uint K, uint N, uint M, float eps, uint m0, uint first_row, uint lane) {
   static_assert(LILY_QMV_MAX_ROWS == 4, "qmv_batch dispatches 1..4 input rows");
   const uint rows = min(uint(LILY_QMV_MAX_ROWS), M - m0);
   if (rows == 1) {
