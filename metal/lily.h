@@ -222,14 +222,16 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 
 // Quantized matmul (metal/qmatmul.metal) and embedding (metal/embedding.metal). Untuned: no Mac benchmark yet.
 // qmv: each simdgroup computes LILY_QMV_ROWS_PER_SIMDGROUP output rows; LILY_QMV_SIMDGROUPS simdgroups per threadgroup
-// (64 threads, 8 rows); per step each lane folds LILY_QMV_WORDS_PER_LANE packed words of each row, 32 words apart, so
-// every load instruction of a simdgroup reads 128 contiguous bytes of a row and a step covers 64 words (512 codes at
-// 4 bits); all rows' words of a step are loaded before the arithmetic. The shape was chosen by measurement on the H200
-// (docs/performance.md, "Decode kernels on the H200"); not yet measured on a Mac. Each threadgroup also takes up to LILY_QMV_MAX_ROWS input rows (grid y = ceil(M / that)), so
-// the weights are read once for all of them.
+// (64 threads, 8 rows). A lane reads a row in packs of LILY_QMV_PACK_WORDS consecutive words (32 codes at 4 bits:
+// one scale and bias per pack), LILY_QMV_PACKS_PER_LANE packs per row and step, 32 packs apart, so a step of a
+// simdgroup covers 256 words (2,048 codes at 4 bits: the model's K = 2048 rows in one step, every load in flight at
+// once). Rows and simdgroups: the shape measured on the H200 (docs/performance.md, "Decode kernels on the H200");
+// not yet measured on a Mac. Each threadgroup also takes up to LILY_QMV_MAX_ROWS input rows (grid y = ceil(M / that)),
+// so the weights are read once for all of them.
 #define LILY_QMV_ROWS_PER_SIMDGROUP 4
 #define LILY_QMV_SIMDGROUPS 2
-#define LILY_QMV_WORDS_PER_LANE 2
+#define LILY_QMV_PACK_WORDS 4
+#define LILY_QMV_PACKS_PER_LANE 2
 // Host rule: M <= LILY_QMV_MAX_ROWS runs qmv (one threadgroup row for all M input rows: the weights are read once),
 // M <= LILY_QMM_BM16_MAX_ROWS runs qmm_*_bm16 (16-row tiles, 2 simdgroups), larger M runs qmm_*_bm32 (32-row tiles,
 // 4 simdgroups: twice the reuse of each dequantized weight tile).
@@ -288,6 +290,16 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // of the 8 query rows of a fragment would be padding).
 #define LILY_ATTN_MMA_TILE_KEYS 8
 #define LILY_ATTN_MMA_MIN_QUERIES 8
+
+#if defined(LILY_KERNEL_SIDE)
+// LILY_UNROLL fully unrolls the loop that follows (constant trip count), so the small arrays it indexes stay in
+// registers: MSL and the CPU harness's clang take the same pragma; clang's CUDA back end otherwise keeps them in local
+// memory.
+#define LILY_UNROLL _Pragma("clang loop unroll(full)")
+// A helper inlined into its kernel whatever its size (MSL and clang alike): as a real call on CUDA, its arrays
+// passed by reference live in local memory.
+#define LILY_INLINE inline __attribute__((always_inline))
+#endif
 
 #if defined(LILY_KERNEL_SIDE)
 // Attention-family helpers: four consecutive elements as one float4 load, and stored back rounded element-wise (a

@@ -6,9 +6,9 @@
 //   qmv_q<b>_g64_<dtype>[_sf32]            decode GEMV, M <= LILY_QMV_MAX_ROWS (attention/GDN projections, router and
 //                                          shared-expert gate at 8 bits, lm_head). Grid (ceil(N / 8), ceil(M / 4), 1)
 //                                          x 64 (a grid y of M is also correct: the extra threadgroups exit). Each
-//                                          simdgroup owns 4 output rows; per step each lane folds 2 packed words of
-//                                          each row, 32 words apart (every load instruction reads 128 contiguous
-//                                          bytes), one scale/bias FMA per word, then one simd_sum per row. Reads every
+//                                          simdgroup owns 4 output rows; a lane reads packs of 4 consecutive words
+//                                          (one scale and bias each), 2 per row and step, 32 packs apart, folds each
+//                                          pack with one scale/bias FMA pair, then one simd_sum per row. Reads every
 //                                          weight byte once for up to 4 input rows, x once per simdgroup (from
 //                                          cache). Writes N values per row.
 //   qmv_q<b>_g64_bf16[_sf32]_of32          the same GEMV with bf16 input and f32 output: the router and shared-expert
@@ -126,87 +126,148 @@ struct QuantizedWTile {
 
 namespace lily_qmatmul {
 
+// Code e of a packed word as a float, with neither a shift per code nor an int-to-float conversion (decode is
+// issue-bound on the unpacking). The code sits at bit offset o of `word` while it ends below the float's exponent
+// (bit 23), else of word >> 16; it is masked in place into the mantissa of 2^(23 - o) (`magic[o / Bits]`, its bits),
+// whose mantissa unit is then exactly 1: the float is 2^(23 - o) + q, and subtracting 2^(23 - o) leaves q exactly.
+// Two operations per code (on NVIDIA GPUs one three-input logic op and an add), one shift per word, and x needs no
+// pre-scaling.
+template <int Bits>
+constexpr uint qmv_code_offset(uint e) {
+  return e * Bits + Bits <= 23 ? e * Bits : e * Bits - 16;
+}
+template <int Bits>
+LILY_INLINE float qmv_code(uint word, uint word_high, uint e, thread const uint* magic) {
+  constexpr uint kMask = (1u << Bits) - 1u;
+  const uint o = qmv_code_offset<Bits>(e);
+  const uint m = magic[o / Bits];
+  return as_type<float>(((e * Bits + Bits <= 23 ? word : word_high) & (kMask << o)) | m) - as_type<float>(m);
+}
+
 // One simdgroup's part of a decode GEMV for B input rows at once, so each weight byte is read once for all of
 // them: acc[b][r] = sum_k x'_{b,k} w[first_row + r, k] (this lane's share; the caller does the simd_sum), with
 // x' = x ⊙ norm_weight when Norm (then sum_sq[b] is this lane's share of sum_k x_{b,k}^2; 1/rms is applied by the
-// caller after the sum). Lanes take interleaved words: word w0 + 32 j of each row for j < LILY_QMV_WORDS_PER_LANE, so
-// every weight load instruction reads 128 contiguous bytes of a row (fully coalesced, needing only the 4-byte
-// alignment of a packed word), all rows' words of a step are in flight before the arithmetic, and the x values of a
-// word are consecutive (vector loads). Rows past N read row N - 1 (in bounds; the caller never writes them).
+// caller after the sum). A row is read in packs of LILY_QMV_PACK_WORDS consecutive words (32 codes at 4 bits), all
+// inside one quantization group; lanes take interleaved packs (pack lane + 32 i), LILY_QMV_PACKS_PER_LANE of them per
+// row and step, every load of a step issued before its arithmetic. Per pack and row: one scale and one bias, 2
+// operations per code plus one FMA per code and input row, the scale and bias folded once (sum_i x_i (s q_i + b)
+// = s * sum_i x_i q_i + b * sum_i x_i). Loads are 4-byte words, the alignment a mapped checkpoint guarantees. Rows
+// past N read row N - 1 (in bounds; the caller never writes them).
 template <bool Norm, int Bits, uint B, typename T, typename S>
-inline void qmv_accumulate(thread float (&acc)[B][LILY_QMV_ROWS_PER_SIMDGROUP], thread float (&sum_sq)[B],
-                           device const T* x, device const T* norm_weight, device const uint* weight,
-                           device const S* scales, device const S* biases, uint K, uint N, uint first_row,
-                           uint lane) {
+LILY_INLINE void qmv_accumulate(thread float (&acc)[B][LILY_QMV_ROWS_PER_SIMDGROUP], thread float (&sum_sq)[B],
+                                device const T* x, device const T* norm_weight, device const uint* weight,
+                                device const S* scales, device const S* biases, uint K, uint N, uint first_row,
+                                uint lane) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
-  constexpr uint kWords = LILY_QMV_WORDS_PER_LANE;  // per row and step
+  constexpr uint kPackWords = LILY_QMV_PACK_WORDS;
+  constexpr uint kPacks = LILY_QMV_PACKS_PER_LANE;  // per row and step
   constexpr uint kPerWord = 32 / Bits;
-  constexpr uint kPerHalf = 16 / Bits;  // codes per 16-bit half of a word
   constexpr uint kWordsPerGroup = kGroupSize / kPerWord;
-  constexpr uint kMask = (1u << Bits) - 1u;
+  static_assert(kWordsPerGroup % kPackWords == 0, "a pack must stay inside one quantization group");
   const uint words_per_row = K / kPerWord;
+  const uint packs_per_row = words_per_row / kPackWords;
   const uint groups_per_row = K / kGroupSize;
+  device const uint* w_row[kRows];
+  device const S* s_row[kRows];
+  device const S* b_row[kRows];
+  LILY_UNROLL
+  for (uint r = 0; r < kRows; ++r) {
+    const uint n = min(first_row + r, N - 1);
+    w_row[r] = weight + size_t(n) * words_per_row;
+    s_row[r] = scales + size_t(n) * groups_per_row;
+    b_row[r] = biases + size_t(n) * groups_per_row;
+  }
+  LILY_UNROLL
   for (uint b = 0; b < B; ++b) {
     sum_sq[b] = 0.0f;
+    LILY_UNROLL
     for (uint r = 0; r < kRows; ++r) {
       acc[b][r] = 0.0f;
     }
   }
-  for (uint w0 = lane; w0 < words_per_row; w0 += 32 * kWords) {
-    uint words[kRows][kWords];
-    float scale[kRows][kWords], bias[kRows][kWords];
-    for (uint r = 0; r < kRows; ++r) {
-      const uint n = min(first_row + r, N - 1);
-      for (uint j = 0; j < kWords; ++j) {
-        const uint w = w0 + 32 * j;
-        const bool in_row = w < words_per_row;
-        const size_t g = size_t(n) * groups_per_row + (in_row ? w : 0) / kWordsPerGroup;
-        words[r][j] = in_row ? weight[size_t(n) * words_per_row + w] : 0u;
-        scale[r][j] = in_row ? float(scales[g]) : 0.0f;
-        bias[r][j] = in_row ? float(biases[g]) : 0.0f;
+  // The bits of 2^(23 - o) for each code offset o (a multiple of Bits up to 16), as register values (a broadcast the
+  // compiler cannot fold): with a constant in a register, a code's mask and or are one three-input logic op on
+  // NVIDIA GPUs, not two.
+  uint magic[16 / Bits + 1];
+  LILY_UNROLL
+  for (uint i = 0; i <= 16 / Bits; ++i) {
+    magic[i] = simd_broadcast_first((150u - i * Bits) << 23);
+  }
+  for (uint p0 = lane; p0 < packs_per_row; p0 += 32 * kPacks) {
+    uint words[kPacks][kRows][kPackWords];
+    float scale[kPacks][kRows], bias[kPacks][kRows];
+    LILY_UNROLL
+    for (uint i = 0; i < kPacks; ++i) {
+      // A pack past the row (K not a multiple of a step) reads the row's last pack, weighted 0: no load is
+      // conditional.
+      const uint p = min(p0 + 32 * i, packs_per_row - 1);
+      const bool in_row = p0 + 32 * i < packs_per_row;
+      const uint g = p * kPackWords / kWordsPerGroup;
+      LILY_UNROLL
+      for (uint r = 0; r < kRows; ++r) {
+        LILY_UNROLL
+        for (uint j = 0; j < kPackWords; ++j) {
+          words[i][r][j] = w_row[r][p * kPackWords + j];
+        }
+        scale[i][r] = in_row ? float(s_row[r][g]) : 0.0f;
+        bias[i][r] = in_row ? float(b_row[r][g]) : 0.0f;
       }
     }
-    for (uint j = 0; j < kWords; ++j) {
-      const uint w = w0 + 32 * j;
-      if (w >= words_per_row) {
-        break;
-      }
-      // The x values of this word for every input row, each pre-scaled by 2^-offset of its code in the masked
-      // half-word (exact: a power of two), then each weight word unpacked once for all of them.
-      float xs[B][kPerWord], x_sum[B];
+    LILY_UNROLL
+    for (uint i = 0; i < kPacks; ++i) {
+      const uint p = min(p0 + 32 * i, packs_per_row - 1);
+      const bool in_row = p0 + 32 * i < packs_per_row;
+      float d[B][kRows], x_sum[B], x_sq[B];
+      LILY_UNROLL
       for (uint b = 0; b < B; ++b) {
         x_sum[b] = 0.0f;
-        for (uint i = 0; i < kPerWord; i += 4) {
-          float4 v = lily::attn_load4(x + size_t(b) * K + w * kPerWord + i);
-          if (Norm) {
-            sum_sq[b] += dot(v, v);
-            v *= lily::attn_load4(norm_weight + w * kPerWord + i);
+        x_sq[b] = 0.0f;
+        LILY_UNROLL
+        for (uint r = 0; r < kRows; ++r) {
+          d[b][r] = 0.0f;
+        }
+      }
+      LILY_UNROLL
+      for (uint j = 0; j < kPackWords; ++j) {
+        // The x values of this word for every input row, then each weight word unpacked once for all of them.
+        const uint k0 = (p * kPackWords + j) * kPerWord;
+        float xs[B][kPerWord];
+        LILY_UNROLL
+        for (uint b = 0; b < B; ++b) {
+          LILY_UNROLL
+          for (uint c = 0; c < kPerWord; c += 4) {
+            float4 v = lily::attn_load4(x + size_t(b) * K + k0 + c);
+            if (Norm) {
+              x_sq[b] += dot(v, v);
+              v *= lily::attn_load4(norm_weight + k0 + c);
+            }
+            x_sum[b] += (v.x + v.y) + (v.z + v.w);
+            LILY_UNROLL
+            for (uint e = 0; e < 4; ++e) {
+              xs[b][c + e] = v[e];
+            }
           }
-          x_sum[b] += (v.x + v.y) + (v.z + v.w);
-          for (uint c = 0; c < 4; ++c) {
-            xs[b][i + c] = v[c] * (1.0f / float(1u << (((i + c) % kPerHalf) * Bits)));
+        }
+        LILY_UNROLL
+        for (uint r = 0; r < kRows; ++r) {
+          const uint word_high = words[i][r][j] >> 16;
+          LILY_UNROLL
+          for (uint e = 0; e < kPerWord; ++e) {
+            const float q = qmv_code<Bits>(words[i][r][j], word_high, e, magic);
+            LILY_UNROLL
+            for (uint b = 0; b < B; ++b) {
+              d[b][r] = fma(xs[b][e], q, d[b][r]);
+            }
           }
         }
       }
-      for (uint r = 0; r < kRows; ++r) {
-        const uint halves[2] = {words[r][j], words[r][j] >> 16};
-        float d[B];
-        for (uint b = 0; b < B; ++b) {
-          d[b] = 0.0f;
+      LILY_UNROLL
+      for (uint b = 0; b < B; ++b) {
+        LILY_UNROLL
+        for (uint r = 0; r < kRows; ++r) {
+          acc[b][r] = fma(scale[i][r], d[b][r], fma(bias[i][r], x_sum[b], acc[b][r]));
         }
-        for (uint e = 0; e < kPerWord; ++e) {
-          // q * 2^offset as a float without a shift or an int-to-float conversion (the ALU-bound part): the code
-          // masked in place into the low mantissa bits of 2^23, minus 2^23. Exact while offset + Bits <= 16.
-          const uint offset = (e % kPerHalf) * Bits;
-          const float q = as_type<float>((halves[e / kPerHalf] & (kMask << offset)) | 0x4B000000u) - 8388608.0f;
-          for (uint b = 0; b < B; ++b) {
-            d[b] = fma(xs[b][e], q, d[b]);
-          }
-        }
-        // sum_i x_i (s q_i + b) = s * sum_i x_i q_i + b * sum_i x_i: one fold per word.
-        for (uint b = 0; b < B; ++b) {
-          acc[b][r] = fma(scale[r][j], d[b], fma(bias[r][j], x_sum[b], acc[b][r]));
-        }
+        sum_sq[b] += in_row ? x_sq[b] : 0.0f;
       }
     }
   }
@@ -215,15 +276,17 @@ inline void qmv_accumulate(thread float (&acc)[B][LILY_QMV_ROWS_PER_SIMDGROUP], 
 // One simdgroup's output rows for B input rows from m0: y[m0 + b, row] = total * 1/rms (Norm), residual + total
 // (Residual; y may alias residual: each element is read and written by the same lane) or total.
 template <bool Norm, bool Residual, uint B, int Bits, typename T, typename S, typename O>
-inline void qmv_rows(device const T* x, device const T* norm_weight, device const uint* weight, device const S* scales,
-                     device const S* biases, device const T* residual, device O* y, uint K, uint N, float eps, uint m0,
-                     uint first_row, uint lane) {
+LILY_INLINE void qmv_rows(device const T* x, device const T* norm_weight, device const uint* weight,
+                          device const S* scales, device const S* biases, device const T* residual, device O* y, uint K,
+                          uint N, float eps, uint m0, uint first_row, uint lane) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
   float acc[B][kRows], sum_sq[B];
   qmv_accumulate<Norm, Bits, B>(acc, sum_sq, x + size_t(m0) * K, norm_weight, weight, scales, biases, K, N, first_row,
                                 lane);
+  LILY_UNROLL
   for (uint b = 0; b < B; ++b) {
     const float inv_rms = Norm ? precise::rsqrt(simd_sum(sum_sq[b]) / float(K) + eps) : 1.0f;
+    LILY_UNROLL
     for (uint r = 0; r < kRows; ++r) {
       const float total = simd_sum(acc[b][r]);
       if (lane == 0 && first_row + r < N) {
@@ -237,9 +300,9 @@ inline void qmv_rows(device const T* x, device const T* norm_weight, device cons
 // The input rows of threadgroup row tg_y: up to LILY_QMV_MAX_ROWS from m0 = tg_y * LILY_QMV_MAX_ROWS, each count
 // compiled as its own loop (a decode step is one row: no work for absent rows).
 template <bool Norm, bool Residual, int Bits, typename T, typename S, typename O>
-inline void qmv_batch(device const T* x, device const T* norm_weight, device const uint* weight,
-                      device const S* scales, device const S* biases, device const T* residual, device O* y, uint K,
-                      uint N, uint M, float eps, uint m0, uint first_row, uint lane) {
+LILY_INLINE void qmv_batch(device const T* x, device const T* norm_weight, device const uint* weight,
+                           device const S* scales, device const S* biases, device const T* residual, device O* y,
+                           uint K, uint N, uint M, float eps, uint m0, uint first_row, uint lane) {
   static_assert(LILY_QMV_MAX_ROWS == 4, "qmv_batch dispatches 1..4 input rows");
   const uint rows = min(uint(LILY_QMV_MAX_ROWS), M - m0);
   if (rows == 1) {
@@ -375,6 +438,7 @@ template <bool Norm, typename T, typename S, int Bits, typename O>
   lily_qmatmul::qmv_accumulate<Norm, Bits, 1>(acc, sum_sq, x + size_t(tg.y) * K, norm_weight, weight, scales, biases,
                                               K, N, first_row, lane);
   const float scale = Norm ? precise::rsqrt(simd_sum(sum_sq[0]) / float(K) + args.eps) : 1.0f;
+  LILY_UNROLL
   for (uint r = 0; r < kRows; ++r) {
     const float total = simd_sum(acc[0][r]);
     if (lane == 0 && first_row + r < N) {

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Decode-kernel bandwidth on an NVIDIA GPU (docs/performance.md, "Decode kernels on the H200"): each kernel at the
-model's shapes, timed as the median of repeated CUDA-event timings with the L2 cache flushed before each run, its
-bytes moved per second against a device-to-device copy measured in the same run. A benchmark, not a test.
+"""Decode-kernel bandwidth on an NVIDIA GPU (docs/performance.md, "Decode kernels on the H200"): every kernel of the
+decode step at the full-size model's shapes, timed as the median of repeated CUDA-event timings with the L2 cache
+flushed before each run, its bytes moved per second against a device-to-device copy measured in the same run. A
+benchmark, not a test: it exits non-zero when a kernel fails to launch or run.
 
-    LILY_CUDA_PTX_DIR=build/ptx python scripts/bench_kernels.py [--repeats 50] [--kernels REGEX] [--json OUT]
+    LILY_CUDA_PTX_DIR=build/ptx python scripts/bench_kernels.py [--repeats 20] [--kernels REGEX] [--json OUT]
+    python scripts/bench_kernels.py --dry-run      # the case list (and, with PTX, every case's arguments checked)
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import re
 import statistics
 import struct
 import sys
-from dataclasses import dataclass
+import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,110 +26,434 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from lily import cuda  # noqa: E402
 
-# Qwen3.5/3.6-35B-A3B shapes (hidden 2048, vocab 248,320).
+# Qwen3.5/3.6-35B-A3B shapes (python/lily/plan.py, full_size_args).
 HIDDEN, VOCAB = 2048, 248320
+GDN_K_HEADS, GDN_V_HEADS, GDN_K_DIM, GDN_V_DIM, CONV_K = 16, 32, 128, 128, 4
+GDN_CONV_CHANNELS = 2 * GDN_K_HEADS * GDN_K_DIM + GDN_V_HEADS * GDN_V_DIM  # 8192: in_proj_qkv rows
+ATTN_HEADS, ATTN_KV_HEADS, HEAD_DIM = 16, 2, 256
+EXPERTS, TOP_K, EXPERT_SIZE, SHARED_SIZE = 256, 8, 512, 512
+EPS = 1e-6
+
+# Kernel shapes the host uses (metal/lily.h, src/lily_ext/tuning.h); --qmv-shape overrides the qmv ones to time PTX
+# built with other LILY_QMV_* values.
+QMV_SHAPE = {"rows_per_simdgroup": 4, "simdgroups": 2, "batch": 4}
+QMM_BN, QMM_BM16 = 32, 16
+MOE_GEMV_ROWS, MOE_GEMV_THREADS = 8, 64
+ATTN_HEADS_PER_GROUP, ATTN_THREADS, ATTN_SPLIT_BLOCK = 4, 256, 1024
+GDN_ROWS_PER_SIMDGROUP = 8
+ARGMAX_BLOCK, ARGMAX_THREADS, SAMPLE_THREADS = 4096, 256, 1024
+EMBEDDING_THREADS, RMS_NORM_THREADS = 256, 256
+
+
+@dataclass(frozen=True)
+class Same:
+    """A binding of the same device buffer as an earlier argument (aliasing, or an unused segment's slot)."""
+    index: int
 
 
 @dataclass
 class Case:
     label: str
     kernel: str
-    buffers: list  # bytes (setBytes data) or int (a buffer of that many bytes, random contents)
+    # bytes: setBytes data (also small exact contents: ids); int: a device buffer of that many bytes with finite
+    # random bf16-range contents; Same(i): argument i's buffer again.
+    buffers: list
     grid: tuple[int, int, int]
     threads: tuple[int, int, int]
     bytes_moved: int  # bytes the kernel must read and write at least
+    note: str = field(default="")
 
 
-# The qmv threadgroup shape (metal/lily.h): LILY_QMV_ROWS_PER_SIMDGROUP, LILY_QMV_SIMDGROUPS, LILY_QMV_MAX_ROWS;
-# --qmv-shape overrides them to time PTX built with other values.
-QMV_SHAPE = {"rows_per_simdgroup": 4, "simdgroups": 2, "batch": 4}
+def bf16(n: int) -> int:
+    return 2 * n
 
 
-def qmv_case(label: str, n: int, k: int, m: int = 1, kernel: str = "qmv_q4_g64_bf16") -> Case:
+def f32(n: int) -> int:
+    return 4 * n
+
+
+def quantized(rows: int, cols: int, bits: int = 4) -> tuple[int, int]:
+    """(code bytes, scale bytes = bias bytes) of an MLX affine weight, group 64, bf16 scales."""
+    return rows * cols * bits // 8, rows * (cols // 64) * 2
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---- qmv / qmm ----
+
+def _qmv_grid(n: int, m: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     rows_per_tg = QMV_SHAPE["rows_per_simdgroup"] * QMV_SHAPE["simdgroups"]
-    w, s = n * k // 2, n * (k // 64) * 2
-    return Case(label, kernel, [struct.pack("<IIII", k, n, m, 0), m * k * 2, w, s, s, m * n * 2],
-                (-(-n // rows_per_tg), -(-m // QMV_SHAPE["batch"]), 1), (32 * QMV_SHAPE["simdgroups"], 1, 1),
-                w + 2 * s + m * k * 2 + m * n * 2)
+    return (ceil_div(n, rows_per_tg), ceil_div(m, QMV_SHAPE["batch"]), 1), (32 * QMV_SHAPE["simdgroups"], 1, 1)
 
+
+def qmv_case(label: str, n: int, k: int, m: int = 1, bits: int = 4) -> Case:
+    w, s = quantized(n, k, bits)
+    grid, threads = _qmv_grid(n, m)
+    return Case(label, f"qmv_q{bits}_g64_bf16", [struct.pack("<IIII", k, n, m, 0), bf16(m * k), w, s, s, bf16(m * n)],
+                grid, threads, w + 2 * s + bf16(m * k) + bf16(m * n))
+
+
+def qmm_case(label: str, n: int, k: int, m: int) -> Case:
+    """What the host runs for LILY_QMV_MAX_ROWS < M <= 16: the 16-row GEMM tile."""
+    w, s = quantized(n, k)
+    return Case(label, "qmm_q4_g64_bf16_bm16", [struct.pack("<IIII", k, n, m, 0), bf16(m * k), w, s, s, bf16(m * n)],
+                (ceil_div(n, QMM_BN), ceil_div(m, QMM_BM16), 1), (64, 1, 1), w + 2 * s + bf16(m * k) + bf16(m * n))
+
+
+def qmv_norm_case(label: str, n: int, k: int) -> Case:
+    """lm_head after the final RMSNorm (fusion on)."""
+    w, s = quantized(n, k)
+    grid, threads = _qmv_grid(n, 1)
+    return Case(label, "qmv_norm_q4_g64_bf16",
+                [struct.pack("<IIIf", k, n, 1, EPS), bf16(k), bf16(k), w, s, s, bf16(n)], grid, threads,
+                w + 2 * s + 2 * bf16(k) + bf16(n))
+
+
+def qmv_residual_case(label: str, n: int, k: int) -> Case:
+    """DeltaNet out_proj / attention o_proj: out = residual + W x, in place on the hidden stream."""
+    w, s = quantized(n, k)
+    grid, threads = _qmv_grid(n, 1)
+    return Case(label, "qmv_residual_q4_g64_bf16",
+                [struct.pack("<IIII", k, n, 1, 0), bf16(k), w, s, s, bf16(n), Same(5)], grid, threads,
+                w + 2 * s + bf16(k) + 2 * bf16(n))
+
+
+def qmv_norm_seg_case(label: str, rows: list[int], k: int, bits: int = 4, f32_out: bool = False) -> Case:
+    """The fused projections of one input (FUSED_PROJECTIONS and FUSION on): up to 4 matrices, each its own buffers."""
+    buffers: list = [struct.pack("<IIIf4I", k, sum(rows), len(rows), EPS, *(rows + [0] * (4 - len(rows)))),
+                     bf16(k), bf16(k)]
+    moved, groups = 2 * bf16(k), 0
+    rows_per_tg = QMV_SHAPE["rows_per_simdgroup"] * QMV_SHAPE["simdgroups"]
+    for i in range(4):
+        if i < len(rows):
+            w, s = quantized(rows[i], k, bits)
+            buffers += [w, s, s]
+            moved += w + 2 * s
+            groups += ceil_div(rows[i], rows_per_tg)
+        else:
+            buffers += [Same(3), Same(4), Same(5)]
+    out = f32(sum(rows)) if f32_out else bf16(sum(rows))
+    buffers.append(out)
+    suffix = "_of32" if f32_out else ""
+    return Case(label, f"qmv_norm_seg_q{bits}_g64_bf16{suffix}", buffers, (groups, 1, 1),
+                (32 * QMV_SHAPE["simdgroups"], 1, 1), moved + out)
+
+
+# ---- the other decode kernels ----
 
 def rms_norm_case() -> Case:
-    """The decode RMSNorm: one row of H (latency-bound: a few KB)."""
-    return Case("rms_norm 1x2048", "rms_norm_bf16", [struct.pack("<IfII", HIDDEN, 1e-6, 0, 0), HIDDEN * 2, HIDDEN * 2,
-                                                     HIDDEN * 2], (1, 1, 1), (256, 1, 1), 3 * HIDDEN * 2)
+    """A decode RMSNorm of the hidden stream (FUSION off; latency-bound: a few KB)."""
+    return Case("rms_norm 1x2048", "rms_norm_bf16", [struct.pack("<IfII", HIDDEN, EPS, 0, 0), bf16(HIDDEN),
+                                                     bf16(HIDDEN), bf16(HIDDEN)],
+                (1, 1, 1), (RMS_NORM_THREADS, 1, 1), 3 * bf16(HIDDEN))
 
 
 def embedding_case() -> Case:
     """One token's embedding row (id 12345) from the 4-bit table: latency-bound (a few KB)."""
-    w, s = VOCAB * HIDDEN // 2, VOCAB * (HIDDEN // 64) * 2
+    w, s = quantized(VOCAB, HIDDEN)
     return Case("embedding 1 token", "embedding_gather_q4_g64_bf16",
-                [struct.pack("<IIII", HIDDEN, VOCAB, 0, 0), struct.pack("<I", 12345), w, s, s, HIDDEN * 2], (1, 1, 1), (256, 1, 1),
-                HIDDEN // 2 + 2 * (HIDDEN // 64) * 2 + HIDDEN * 2)
+                [struct.pack("<IIII", HIDDEN, VOCAB, 0, 0), struct.pack("<I", 12345), w, s, s, bf16(HIDDEN)],
+                (1, 1, 1), (EMBEDDING_THREADS, 1, 1), HIDDEN // 2 + 2 * (HIDDEN // 64) * 2 + bf16(HIDDEN))
 
 
-def cases() -> list[Case]:
+def _moe_args() -> bytes:
+    return struct.pack("<8I", 1, EXPERTS, TOP_K, HIDDEN, EXPERT_SIZE, SHARED_SIZE, 0, 0)
+
+
+def _expert_ids() -> bytes:
+    """8 distinct experts spread over the stack (the kernels read only these)."""
+    return struct.pack(f"<{TOP_K}I", *(int(e) for e in np.linspace(3, EXPERTS - 5, TOP_K)))
+
+
+def _gate_up_weights() -> tuple[list, int]:
+    """gate, up (stacked experts), shared gate, shared up: codes, scales, biases each; bytes of k experts read."""
+    ew, es = quantized(EXPERTS * EXPERT_SIZE, HIDDEN)
+    sw, ss = quantized(SHARED_SIZE, HIDDEN)
+    one_w, one_s = quantized(EXPERT_SIZE, HIDDEN)
+    return [ew, es, es, ew, es, es, sw, ss, ss, sw, ss, ss], 2 * TOP_K * (one_w + 2 * one_s) + 2 * (sw + 2 * ss)
+
+
+def moe_cases() -> list[Case]:
+    hidden = f32(TOP_K * EXPERT_SIZE + SHARED_SIZE)
+    gate_up_grid = (ceil_div(max(EXPERT_SIZE, SHARED_SIZE), MOE_GEMV_ROWS), TOP_K + 1, 1)
+    weights, weight_bytes = _gate_up_weights()
+    dw, ds = quantized(EXPERTS * HIDDEN, EXPERT_SIZE)
+    sdw, sds = quantized(HIDDEN, SHARED_SIZE)
+    one_w, one_s = quantized(HIDDEN, EXPERT_SIZE)
+    routed_args = _moe_args() + struct.pack("<fIII", EPS, 0, 0, 0)
     return [
-        rms_norm_case(),
-        embedding_case(),
-        qmv_case("qmv lm_head 1x248320x2048", VOCAB, HIDDEN),
-        qmv_case("qmv lm_head M=4", VOCAB, HIDDEN, 4),
-        qmv_case("qmv 1x2048x2048", 2048, HIDDEN),
-        qmv_case("qmv 2048x2048 M=4", 2048, HIDDEN, 4),
-        qmv_case("qmv q_proj 1x8192x2048", 8192, HIDDEN),
-        qmv_case("qmv o_proj 1x2048x4096", HIDDEN, 4096),
-        qmv_case("qmv 1x65536x4096", 65536, 4096),
+        Case("moe_route top-8 of 256", "moe_route_f32",
+             [_moe_args(), f32(EXPERTS), f32(TOP_K), f32(TOP_K)], (1, 1, 1), (32, 1, 1),
+             f32(EXPERTS) + 2 * f32(TOP_K), "FUSION off"),
+        Case("moe gate/up+SwiGLU, 8 experts + shared", "moe_gate_up_swiglu_bf16",
+             [_moe_args(), bf16(HIDDEN), _expert_ids(), *weights, hidden], gate_up_grid, (MOE_GEMV_THREADS, 1, 1),
+             bf16(HIDDEN) + f32(TOP_K) + weight_bytes + hidden, "FUSION off"),
+        Case("moe route+norm+gate/up+SwiGLU (fused)", "moe_gate_up_swiglu_routed_bf16",
+             [routed_args, bf16(HIDDEN), bf16(HIDDEN), f32(EXPERTS), f32(TOP_K), f32(TOP_K), *weights, hidden],
+             gate_up_grid, (MOE_GEMV_THREADS, 1, 1),
+             2 * bf16(HIDDEN) + f32(EXPERTS) + 2 * f32(TOP_K) + weight_bytes + hidden),
+        Case("moe down+combine+residual, 8 experts + shared", "moe_down_combine_bf16",
+             [_moe_args(), hidden, _expert_ids(), f32(TOP_K), dw, ds, ds, sdw, sds, sds, f32(1), bf16(HIDDEN),
+              Same(11)], (ceil_div(HIDDEN, MOE_GEMV_ROWS), 1, 1), (MOE_GEMV_THREADS, 1, 1),
+             hidden + 2 * f32(TOP_K) + TOP_K * (one_w + 2 * one_s) + sdw + 2 * sds + f32(1) + 2 * bf16(HIDDEN)),
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--kernels", help="only cases whose label matches REGEX")
-    parser.add_argument("--json", type=Path, help="write the rows as JSON here")
-    parser.add_argument("--qmv-shape", nargs=3, type=int, metavar=("ROWS", "SIMDGROUPS", "BATCH"),
-                        help="the LILY_QMV_* values the PTX was built with (default 4 2 4)")
-    args = parser.parse_args(argv)
-    if args.qmv_shape:
-        QMV_SHAPE.update(zip(("rows_per_simdgroup", "simdgroups", "batch"), args.qmv_shape))
-    gpu = cuda.Runner()
-    rng = np.random.default_rng(0)
+def attention_cases() -> list[Case]:
+    """Decode attention over a bf16 KV cache: single pass at 4K keys, split-KV (partials + combine) at 32K."""
+    q = bf16(ATTN_HEADS * HEAD_DIM)
+    packs = ceil_div(ATTN_HEADS, ATTN_HEADS_PER_GROUP)
+    cases = []
+    keys = 4096
+    cache = bf16(ATTN_KV_HEADS * keys * HEAD_DIM)
+    cases.append(Case("attention decode 4K keys", "attention_decode_bf16_d256",
+                      [struct.pack("<7If", 1, ATTN_HEADS, ATTN_KV_HEADS, keys, keys, 0, 0, HEAD_DIM ** -0.5),
+                       q, q, cache, cache, q], (packs, 1, 1), (ATTN_THREADS, 1, 1), 2 * cache + 3 * q))
+    keys = 32768
+    cache = bf16(ATTN_KV_HEADS * keys * HEAD_DIM)
+    blocks = ceil_div(keys, ATTN_SPLIT_BLOCK)
+    args = struct.pack("<7If", 1, ATTN_HEADS, ATTN_KV_HEADS, keys, keys, ATTN_SPLIT_BLOCK, blocks, HEAD_DIM ** -0.5)
+    partial_out, partial_stats = f32(ATTN_HEADS * blocks * HEAD_DIM), f32(ATTN_HEADS * blocks * 2)
+    cases.append(Case("attention decode 32K keys: partials", "attention_decode_partial_bf16_d256",
+                      [args, q, cache, cache, partial_out, partial_stats], (packs, blocks, 1), (ATTN_THREADS, 1, 1),
+                      2 * cache + q + partial_out + partial_stats))
+    cases.append(Case("attention decode 32K keys: combine", "attention_decode_combine_bf16_d256",
+                      [args, q, partial_out, partial_stats, q], (ATTN_HEADS, 1, 1), (ATTN_THREADS, 1, 1),
+                      partial_out + partial_stats + 2 * q))
+    return cases
+
+
+def gated_delta_case() -> Case:
+    """One DeltaNet layer's decode step (conv, L2 norms, gates, delta rule, gated RMSNorm): the fp32 state is read
+    and written once."""
+    c, v = GDN_CONV_CHANNELS, GDN_V_HEADS * GDN_V_DIM
+    state = f32(GDN_V_HEADS * GDN_V_DIM * GDN_K_DIM)
+    rows = (GDN_V_HEADS // GDN_K_HEADS) * GDN_V_DIM
+    buffers = [struct.pack("<IIIIffII", 1, GDN_K_HEADS, GDN_V_HEADS, GDN_V_DIM, EPS, EPS, 0, 0),
+               bf16(c), bf16(v), bf16(GDN_V_HEADS), bf16(GDN_V_HEADS), bf16(c * CONV_K), f32(GDN_V_HEADS),
+               f32(GDN_V_HEADS), bf16(GDN_V_DIM), bf16((CONV_K - 1) * c), state, bf16(v)]
+    moved = (bf16(c) + 2 * bf16(v) + 2 * bf16(GDN_V_HEADS) + bf16(c * CONV_K) + 2 * f32(GDN_V_HEADS) +
+             bf16(GDN_V_DIM) + 2 * bf16((CONV_K - 1) * c) + 2 * state)
+    return Case("gated_delta_step (one DeltaNet layer)", "gated_delta_step_bf16_dk128", buffers, (GDN_K_HEADS, 1, 1),
+                (32 * ceil_div(rows, GDN_ROWS_PER_SIMDGROUP), 1, 1), moved)
+
+
+def sampling_cases() -> list[Case]:
+    partials = ceil_div(VOCAB, ARGMAX_BLOCK)
+    args = struct.pack("<IIII", VOCAB, ARGMAX_BLOCK, partials, 0)
+    return [
+        Case("argmax over 248,320 logits: partials", "argmax_partial_bf16",
+             [args, bf16(VOCAB), f32(partials), f32(partials)], (partials, 1, 1), (ARGMAX_THREADS, 1, 1),
+             bf16(VOCAB) + 2 * f32(partials)),
+        Case("argmax over 248,320 logits: final", "argmax_final_f32",
+             [args, f32(partials), f32(partials), f32(4)], (1, 1, 1), (ARGMAX_THREADS, 1, 1), 2 * f32(partials) + 4),
+        Case("sample over 248,320 logits (T 0.7, top-k 50, top-p 0.9)", "sample_bf16",
+             [struct.pack("<IIfffIIIIIII", VOCAB, 50, 0.7, 0.9, 0.0, 1234, 0, 0, 0, 0, 0, 0), bf16(VOCAB), f32(4)],
+             (1, 1, 1), (SAMPLE_THREADS, 1, 1), bf16(VOCAB) + 4),
+    ]
+
+
+def qmv_cases() -> list[Case]:
+    """qmv at every decode projection shape and lm_head (plain qmv at M = 1, 2, 4, 8: the 8-row case runs as two
+    4-row threadgroup rows, and as the 16-row qmm tile the host picks for M > 4), then the fused variants the decode
+    step dispatches."""
+    shapes = [("lm_head", VOCAB, HIDDEN), ("square", 2048, HIDDEN),
+              ("DeltaNet in_proj_qkv / attention q_proj", 8192, HIDDEN), ("DeltaNet in_proj_z", 4096, HIDDEN),
+              ("DeltaNet out_proj / attention o_proj", HIDDEN, 4096), ("attention k_proj / v_proj", 512, HIDDEN)]
+    cases = []
+    for name, n, k in shapes:
+        for m in (1, 2, 4, 8):
+            cases.append(qmv_case(f"qmv {name} {n}x{k}, M={m}", n, k, m))
+    cases.append(qmv_case(f"qmv router 256x{HIDDEN} 8-bit, M=1", EXPERTS, HIDDEN, 1, bits=8))
+    cases.append(qmm_case(f"qmm bm16 lm_head {VOCAB}x{HIDDEN}, M=8", VOCAB, HIDDEN, 8))
+    cases.append(qmm_case(f"qmm bm16 2048x{HIDDEN}, M=8", 2048, HIDDEN, 8))
+    cases.append(qmv_norm_case(f"qmv_norm lm_head {VOCAB}x{HIDDEN} (final norm folded in)", VOCAB, HIDDEN))
+    cases.append(qmv_norm_seg_case("qmv_norm_seg DeltaNet in_proj qkv|z|b|a",
+                                   [GDN_CONV_CHANNELS, GDN_V_HEADS * GDN_V_DIM, GDN_V_HEADS, GDN_V_HEADS], HIDDEN))
+    cases.append(qmv_norm_seg_case("qmv_norm_seg attention q|k|v",
+                                   [2 * ATTN_HEADS * HEAD_DIM, ATTN_KV_HEADS * HEAD_DIM, ATTN_KV_HEADS * HEAD_DIM],
+                                   HIDDEN))
+    cases.append(qmv_norm_seg_case("qmv_norm_seg router|shared gate 8-bit, f32 out", [EXPERTS, 1], HIDDEN, bits=8,
+                                   f32_out=True))
+    cases.append(qmv_residual_case("qmv_residual out_proj / o_proj 2048x4096", HIDDEN, 4096))
+    return cases
+
+
+def cases() -> list[Case]:
+    return [rms_norm_case(), embedding_case(), *qmv_cases(), *moe_cases(), *attention_cases(), gated_delta_case(),
+            *sampling_cases()]
+
+
+# ---- argument checks without a GPU: the <kernel>_msl_params tables of the PTX files ----
+
+_PARAMS_RE = re.compile(r"\.b8 (\w+)_msl_params\[(\d+)\] = \{([\d,\s]+)\}")
+
+
+def ptx_parameter_tables(ptx: Path) -> dict[str, list[tuple[int, int, int, int]]]:
+    """{kernel: [(attribute, index, binding, size)]} read from the PTX text (the table lily.cuda reads on the GPU)."""
+    tables = {}
+    for f in sorted(ptx.glob("*.ptx")):
+        for name, size, data in _PARAMS_RE.findall(f.read_text()):
+            raw = bytes(int(b) for b in data.split(","))  # PTX leaves out the trailing zero bytes
+            words = np.frombuffer(raw + bytes(int(size) - len(raw)), np.uint32)
+            tables[name] = [tuple(int(v) for v in words[1 + 4 * i: 5 + 4 * i]) for i in range(words[0])]
+    return tables
+
+
+def check_case(c: Case, table: list[tuple[int, int, int, int]] | None) -> None:
+    """The launch rules lily.cuda applies, before any GPU work: every [[buffer(i)]] bound, setBytes data exactly its
+    struct, a buffer at least its element."""
+    if table is None:
+        raise ValueError(f"{c.label}: no kernel {c.kernel} in the PTX files")
+    if c.threads[0] * c.threads[1] * c.threads[2] > 1024 or min(c.grid + c.threads) < 1:
+        raise ValueError(f"{c.label}: bad launch shape {c.grid} x {c.threads}")
+    for attr, index, binding, size in table:
+        if attr != 0:
+            continue
+        if index >= len(c.buffers):
+            raise ValueError(f"{c.label}: {c.kernel} [[buffer({index})]] is not bound ({len(c.buffers)} buffers)")
+        b = c.buffers[index]
+        b = c.buffers[b.index] if isinstance(b, Same) else b
+        got = len(b) if isinstance(b, bytes) else b
+        if binding == 1 and (got != size if isinstance(b, bytes) else got < size):
+            raise ValueError(f"{c.label}: {c.kernel} [[buffer({index})]] expects {size} bytes; got {got}")
+
+
+# ---- timing ----
+
+class Filler:
+    """Fills device buffers with finite bf16-range values in [2^-7, 1) (as f32 too: each pair of halves is a float in
+    that range) by device-to-device copies of one random block: no per-buffer host work."""
+
+    def __init__(self, gpu: cuda.Runner, block: int = 64 << 20) -> None:
+        self.gpu, self.block = gpu, block
+        data = np.random.default_rng(0).integers(0x3C00, 0x3F80, size=block // 2, dtype=np.uint16)
+        self.source = gpu.alloc(block)
+        gpu.upload(self.source, data.tobytes())
+
+    def fill(self, ptr: int, nbytes: int) -> None:
+        for offset in range(0, nbytes, self.block):
+            self.gpu.copy(ptr + offset, self.source, min(self.block, nbytes - offset))
+
+
+_ENTRY_RE = re.compile(r"^\.(?:visible|weak)?\s*\.entry\s+(\w+)\s*\(", re.M)
+
+
+def needed_ptx(selected: list[Case], tmp: Path) -> Path:
+    """A folder of links to only the PTX files that hold the selected kernels: the driver JIT-compiles every module
+    the Runner loads, and the prefill modules (GEMMs) would cost load time the benchmark does not use."""
+    kernels = {c.kernel for c in selected}
+    for f in sorted(cuda.ptx_dir().glob("*.ptx")):
+        if kernels & set(_ENTRY_RE.findall(f.read_text())):
+            (tmp / f.name).symlink_to(f.resolve())
+    return tmp
+
+
+def run(args: argparse.Namespace, selected: list[Case]) -> list[dict]:
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = needed_ptx(selected, Path(tmp))
+        files = sorted(f.name for f in folder.iterdir())
+        gpu = cuda.Runner(folder)  # reads the files now
+    print(f"loaded {', '.join(files)} in {time.perf_counter() - started:.1f} s", flush=True)
     flush_bytes = 512 << 20  # several times the H200's 60 MB L2
     flush = gpu.alloc(flush_bytes)
-
     copy_bytes = 1 << 30
     src, dst = gpu.alloc(copy_bytes), gpu.alloc(copy_bytes)
     copy_ms = statistics.median(gpu.time_ms(lambda: gpu.copy(dst, src, copy_bytes), args.repeats, flush, flush_bytes))
     copy_gbs = 2 * copy_bytes / copy_ms / 1e6  # read + write
     gpu.free(src)
     gpu.free(dst)
+    filler = Filler(gpu)
     rows = [{"case": "device-to-device copy 1 GiB", "kernel": "cuMemcpyDtoD", "us": copy_ms * 1e3,
-             "gbs": copy_gbs, "fraction": 1.0}]
-    selected = [c for c in cases() if not args.kernels or re.search(args.kernels, c.label)]
+             "gbs": copy_gbs, "fraction": 1.0, "bytes": 2 * copy_bytes}]
+    print(f"GPU: {gpu.device_name} (sm_{gpu.compute_capability[0]}{gpu.compute_capability[1]}); copy "
+          f"{copy_gbs:,.0f} GB/s", flush=True)
+    failures = []
     for c in selected:
-        pointers = []
-        for b in c.buffers:
-            if isinstance(b, bytes):
-                p = gpu.alloc(len(b))
-                gpu.upload(p, b)
-            else:  # small random bf16-range values: finite, so timings do not depend on NaN paths
-                p = gpu.alloc(b)
-                gpu.upload(p, (rng.integers(0x3C00, 0x3F80, size=-(-b // 2), dtype=np.uint16)).tobytes()[:b])
-            pointers.append(p)
-        warm_ms = statistics.median(gpu.time_ms(lambda: gpu.launch(c.kernel, pointers, c.grid, c.threads), args.repeats))
-        ms = statistics.median(gpu.time_ms(lambda: gpu.launch(c.kernel, pointers, c.grid, c.threads), args.repeats,
-                                           flush, flush_bytes))
+        pointers, owned = [], []
+        try:
+            for b in c.buffers:
+                if isinstance(b, Same):
+                    pointers.append(pointers[b.index])
+                    continue
+                p = gpu.alloc(len(b) if isinstance(b, bytes) else b)
+                owned.append(p)
+                if isinstance(b, bytes):
+                    gpu.upload(p, b)
+                else:
+                    filler.fill(p, b)
+                pointers.append(p)
+            launch = lambda: gpu.launch(c.kernel, pointers, c.grid, c.threads)  # noqa: E731
+            gpu.synchronize(c.kernel)
+            warm_ms = statistics.median(gpu.time_ms(launch, args.repeats))
+            ms = statistics.median(gpu.time_ms(launch, args.repeats, flush, flush_bytes))
+            gpu.synchronize(c.kernel)
+        except (cuda.CudaError, ValueError) as exc:
+            failures.append(f"{c.label}: {exc}")
+            print(f"FAILED {c.label}: {exc}", file=sys.stderr, flush=True)
+            if isinstance(exc, cuda.CudaError):
+                break  # the context may be unusable after a kernel fault
+            continue
+        finally:
+            for p in owned:
+                try:
+                    gpu.free(p)
+                except cuda.CudaError:
+                    pass
         gbs = c.bytes_moved / ms / 1e6
         rows.append({"case": c.label, "kernel": c.kernel, "us": ms * 1e3, "warm_us": warm_ms * 1e3, "gbs": gbs,
-                     "fraction": gbs / copy_gbs, "bytes": c.bytes_moved})
-        for p in pointers:
-            gpu.free(p)
-    print(f"GPU: {gpu.device_name} (sm_{gpu.compute_capability[0]}{gpu.compute_capability[1]}); median of "
-          f"{args.repeats} CUDA-event timings, L2 flushed ({flush_bytes >> 20} MiB written) before each")
-    print(f"| case | kernel | µs (cold L2) | µs (warm) | GB/s | fraction of copy |")
-    print("| --- | --- | --- | --- | --- | --- |")
+                     "fraction": gbs / copy_gbs, "bytes": c.bytes_moved, "note": c.note})
+    print(f"median of {args.repeats} CUDA-event timings, L2 flushed ({flush_bytes >> 20} MiB written) before each")
+    print("| case | kernel | µs (cold L2) | µs (warm) | bytes | GB/s | fraction of copy |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         warm = f"{r['warm_us']:.1f}" if "warm_us" in r else ""
-        print(f"| {r['case']} | `{r['kernel']}` | {r['us']:.1f} | {warm} | {r['gbs']:,.0f} | {r['fraction']:.2f} |")
+        print(f"| {r['case']} | `{r['kernel']}` | {r['us']:.1f} | {warm} | {r['bytes']:,} | {r['gbs']:,.0f} | "
+              f"{r['fraction']:.2f} |")
+    by_case = {r["case"]: r["us"] for r in rows}
+    for name in (f"lm_head {VOCAB}x{HIDDEN}", f"square 2048x{HIDDEN}"):
+        one, four = by_case.get(f"qmv {name}, M=1"), by_case.get(f"qmv {name}, M=4")
+        if one and four:
+            print(f"qmv {name}: M=4 costs {four / one:.2f}x M=1")
+    if failures:
+        print(f"bench_kernels: {len(failures)} case(s) failed:\n" + "\n".join(failures), file=sys.stderr)
+        raise SystemExit(1)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20, help="timings per case and L2 state (default 20)")
+    parser.add_argument("--kernels", help="only cases whose label or kernel matches REGEX")
+    parser.add_argument("--json", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the cases; with PTX files (LILY_CUDA_PTX_DIR), check every case's arguments "
+                             "against its kernel's parameter table; no GPU needed")
+    parser.add_argument("--qmv-shape", nargs=3, type=int, metavar=("ROWS", "SIMDGROUPS", "BATCH"),
+                        help="the LILY_QMV_* values the PTX was built with (default 4 2 4)")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if args.qmv_shape:
+        QMV_SHAPE.update(zip(("rows_per_simdgroup", "simdgroups", "batch"), args.qmv_shape))
+    selected = [c for c in cases() if not args.kernels or re.search(args.kernels, c.label)
+                or re.search(args.kernels, c.kernel)]
+    if not selected:
+        parser.error(f"no case matches {args.kernels!r}")
+    if args.dry_run:
+        ptx = cuda.ptx_dir()
+        tables = ptx_parameter_tables(ptx) if ptx.is_dir() else {}
+        for c in selected:
+            if tables:
+                check_case(c, tables.get(c.kernel))
+            print(f"{c.label}: {c.kernel} grid {c.grid} x {c.threads}, {c.bytes_moved:,} bytes")
+        print(f"{len(selected)} cases; arguments " +
+              (f"checked against {ptx}" if tables else f"not checked (no PTX in {ptx})"))
+        return 0
+    rows = run(args, selected)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

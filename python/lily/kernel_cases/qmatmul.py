@@ -2,7 +2,8 @@
 
 Weights are quantized with lily.quant.quantize (MLX affine, group 64; bf16 or f32 scales). Shapes cross every
 boundary of the kernels: output rows around the 4-row simdgroup and 8-row threadgroup of qmv (N = 1 is the
-shared-expert gate), K below, at and above the 512-element qmv step, M and N around the 16/32-row and 32/64-column
+shared-expert gate), K below, at and above the qmv step (a lane reads packs of 4 words, 2 per row and step: 2,048
+codes at 4 bits, 1,024 at 8) and last steps that leave most lanes without a pack, M and N around the 16/32-row and 32/64-column
 tiles of qmm and qmm_nax, the model's own K and N; the decode fusions (f32 output, RMSNorm folded in, residual added
 in place, up to 4 segments from separate buffers). The tolerance is the output dtype's plus the error of an fp32
 sum of K terms.
@@ -40,7 +41,12 @@ NAX_SHAPES = [(1, 1, 64), (32, 64, 64), (33, 65, 128), (70, 130, 64)]
 # Extra shapes of particular kernels: rows around the qmv simdgroup/threadgroup, the shared-expert gate, qmm row
 # tiles, and the model's own K and N (o_proj/out_proj K = 4096, the 8-bit router, down projections K = 512).
 EXTRA_SHAPES = {
-    "qmv_q4_g64_f32": [(1, n, 192) for n in (1, 3, 4, 7, 8, 12, 17)],
+    "qmv_q4_g64_f32": [(1, n, 192) for n in (1, 3, 4, 7, 8, 12, 17)]
+    + [(m, 13, k) for k in (1984, 2048, 2112, 4032, 4160) for m in (1, 4)],
+    "qmv_q8_g64_f32": [(m, 13, k) for k in (960, 1024, 1088, 2112) for m in (1, 4)],
+    # Partial last steps of the fused norm: 1/rms sums x^2 over K exactly once.
+    "qmv_norm_q4_g64_f32": [(2, 11, 2112), (2, 11, 4160)],
+    "qmv_norm_q8_g64_f32": [(2, 11, 1088)],
     "qmv_q8_g64_bf16": [(1, 1, k) for k in (64, 448, 512, 1088, 2048)] + [(1, 256, 2048)],
     "qmv_q4_g64_bf16": [(1, 40, 4096), (2, 600, 512)],
     "qmm_q4_g64_bf16_bm16": [(m, 33, 256) for m in (15, 16, 31, 32, 65)],
@@ -56,7 +62,8 @@ SEGMENT_BOUNDARIES = [([1], 64, 1), ([32], 64, 1), ([33, 31], 64, 1), ([31, 32, 
 EXTRA_SEGMENTS = {
     "qmv_seg_q8_g64_bf16_of32": SEGMENT_BOUNDARIES,  # the router | shared-gate variant in bf16 mode
     "qmv_norm_seg_q8_g64_bf16_of32": SEGMENT_BOUNDARIES,
-    "qmv_norm_seg_q4_g64_f32": [([3, 9], 64, 2)],  # one grid row per input row
+    "qmv_norm_seg_q4_g64_f32": [([3, 9], 64, 2), ([9, 3], 2112, 1), ([9, 3], 4160, 1)],  # one grid row per input row
+    "qmv_norm_seg_q8_g64_f32": [([9, 3], 1088, 1)],
 }
 
 
@@ -204,7 +211,7 @@ def cases(kernel: str) -> list[Case]:
                      partial(_qmv_segments, kernel=kernel, rows=rows, k=k, m=m), quick=i == 0)
                 for i, (rows, k, m) in enumerate(layouts)]
     if kernel.startswith("qmv_norm"):
-        found = _shape_cases(kernel, _qmv_norm, FUSED_SHAPES)
+        found = _shape_cases(kernel, _qmv_norm, FUSED_SHAPES + extra)
         if kernel == "qmv_norm_q4_g64_f32":  # tiny rows (eps matters) and large ones (the norm undoes the scale)
             found += [Case(kernel, f"M=1 N=20 K=2048 x_scale={s:g}",
                            partial(_qmv_norm, kernel=kernel, m=1, n=20, k=2048, x_scale=s)) for s in (1e-4, 30.0)]
