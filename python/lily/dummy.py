@@ -168,11 +168,13 @@ def _random_words(count: int, seed: int, key: int) -> np.ndarray:
 
 
 def _exact_scales(values: np.ndarray, bits: int) -> np.ndarray:
-    """``values`` rounded to ``max(1, 8 - bits)`` significant bits, so that ``scale * (2^bits - 1) / 2`` has at most
-    8 and is exact in bf16 (and the zero-mean bias stays exact)."""
-    significant = max(1, 8 - bits)
-    mantissa, exponent = np.frexp(values)
-    return np.ldexp(np.round(mantissa * 2.0**significant) / 2.0**significant, exponent).astype(np.float32)
+    """Positive float32 ``values`` rounded in place to ``max(1, 8 - bits)`` significant bits (half up, on the bit
+    pattern), so that ``scale * (2^bits - 1) / 2`` has at most 8 and is exact in bf16: the zero-mean bias stays exact."""
+    dropped = 24 - max(1, 8 - bits)  # of float32's 24 significant bits
+    raw = values.view(np.uint32)
+    raw += np.uint32(1 << (dropped - 1))
+    raw &= np.uint32((0xFFFFFFFF << dropped) & 0xFFFFFFFF)
+    return values
 
 
 @dataclass(frozen=True)
@@ -192,8 +194,10 @@ class _RandomQuantized:
         words = _random_words(math.prod(lead) * inputs * self.bits // 32, self.seed, self.key)
         levels = (1 << self.bits) - 1
         code_std = math.sqrt(((levels + 1) ** 2 - 1) / 12)  # of a code uniform in [0, levels]
-        spread = _generator(self.seed, self.key, 1).uniform(0.75, 1.25, size=(*lead, inputs // self.group_size))
-        scales = _exact_scales(spread * (self.std / code_std), self.bits)
+        scales = _generator(self.seed, self.key, 1).random((*lead, inputs // self.group_size), np.float32)
+        scales *= np.float32(0.5 * self.std / code_std)
+        scales += np.float32(0.75 * self.std / code_std)  # uniform in [0.75, 1.25] x the mean scale
+        _exact_scales(scales, self.bits)
         biases = scales * np.float32(-levels / 2)  # exact: the group's values are symmetric about zero
         return QuantizedTensor(words.reshape(*lead, inputs * self.bits // 32), scales, biases, self.bits,
                                self.group_size, self.dtype)
