@@ -227,6 +227,8 @@ def test_bench_cli_with_dummy_weights(capsys, tmp_path):
     load = rows[0]["expert_load"]
     assert rows[0]["load_format"] == "dummy" and load["tokens"] == 32 and load["experts"] == 8
     assert rows[0]["model_size"] == bench.stored_bytes(dummy.dummy_checkpoint(tiny_config()).weights)
+    assert main(base + ["-o", "json", "--no-expert-load"]) == 0
+    assert "expert_load" not in json.loads(capsys.readouterr().out)[0]
     assert main(["bench", "--full-size", "--backend", "cpu"]) == 1
     assert "--full-size needs --dummy-weights" in capsys.readouterr().err
     assert main(["bench", "--dummy-weights", "--model", str(tmp_path / "nope"), "--backend", "cpu"]) == 1

@@ -256,7 +256,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                            progress=lambda name: print(f"running {name} ...", file=sys.stderr, flush=True))
     info = bench.model_info(model)
     load = None
-    if args.dummy_weights and any(args.p):
+    if args.dummy_weights and any(args.p) and not args.no_expert_load:
         print("counting the expert load ...", file=sys.stderr, flush=True)
         load = bench.expert_load(model, next(p for p in args.p if p))
         info["expert_load"] = load.summary() if load is not None else None
@@ -339,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="output", action="store_const", const="json", help="same as -o json")
     p.add_argument("--dummy-weights", action="store_true", help="random 4-bit weights of the model's shapes, no "
                    "weight file read (load_format='dummy'); prints the expert load over the first prefill size")
+    p.add_argument("--no-expert-load", action="store_true", help="with --dummy-weights: skip the expert-load count "
+                   "(a cpu backend over the same weights: about 21 GB of host memory at full size)")
     p.add_argument("--full-size", action="store_true", help="Qwen3.6-35B-A3B's shapes instead of --model's: with "
                    "--dummy-weights, or with --host-only (synthetic weights)")
     p.add_argument("--host-only", action="store_true", help="host cost per decode token with kernels stubbed out "

@@ -63,8 +63,9 @@ EOF
       "$LLAMA/build/bin/llama-bench" -m "$MODEL" -p "$PROMPTS" -n "$GENS" -d "$DEPTHS" -ngl 99 -fa 1 -r "$REPS" \
         -o json >"$OUT/llama-bench.json" 2>"$OUT/llama-bench.log" ;;
     lily)
+      # EXPERT_LOAD=0 skips the expert-load count (a cpu backend over the same weights, host time only)
       lily bench --dummy-weights --full-size --backend cuda -p "$PROMPTS" -n "$GENS" -d "$DEPTHS" -r "$REPS" \
-        -o json >"$OUT/lily-bench.json" 2>"$OUT/lily-bench.log" ;;
+        $([ "${EXPERT_LOAD:-1}" = 0 ] && echo --no-expert-load) -o json >"$OUT/lily-bench.json" 2>"$OUT/lily-bench.log" ;;
     table)
       python3 "$HERE/table.py" "$OUT" | tee "$OUT/table.md" ;;
     *)
