@@ -25,8 +25,8 @@ def tiny_config(**changes) -> dict:
 
 def deep_config(layers: int = 40) -> dict:
     """kv64's widths at the full-size depth and layer pattern (attention every 4th layer), 32 experts top-4."""
-    return tiny_config(num_hidden_layers=layers, num_experts=32, num_experts_per_tok=4,
-                       layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)])
+    kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    return tiny_config(num_hidden_layers=layers, num_experts=32, num_experts_per_tok=4, layer_types=kinds)
 
 
 def test_the_form_of_a_4bit_mlx_checkpoint_with_zero_mean_groups():

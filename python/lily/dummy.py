@@ -121,7 +121,8 @@ def _dummy_args(source: Source) -> tuple[ModelArgs, Path | None]:
     if path.is_file():
         return ModelArgs.from_file(path), path.parent
     raise CheckpointError(f"{text}: not found; load_format='dummy' takes a checkpoint directory, a config.json path, "
-                          f"a config dict or '{FULL_SIZE}' (Hugging Face repo ids are not downloaded for dummy weights)")
+                          f"a config dict or '{FULL_SIZE}' (a Hugging Face repo id is not downloaded for dummy "
+                          "weights)")
 
 
 # --- what each tensor holds --------------------------------------------------------------------------------------
@@ -169,7 +170,8 @@ def _random_words(count: int, seed: int, key: int) -> np.ndarray:
 
 def _exact_scales(values: np.ndarray, bits: int) -> np.ndarray:
     """Positive float32 ``values`` rounded in place to ``max(1, 8 - bits)`` significant bits (half up, on the bit
-    pattern), so that ``scale * (2^bits - 1) / 2`` has at most 8 and is exact in bf16: the zero-mean bias stays exact."""
+    pattern), so that ``scale * (2^bits - 1) / 2`` has at most 8 and is exact in bf16: the zero-mean bias stays
+    exact."""
     dropped = 24 - max(1, 8 - bits)  # of float32's 24 significant bits
     raw = values.view(np.uint32)
     raw += np.uint32(1 << (dropped - 1))

@@ -435,7 +435,7 @@ def moe(x: np.ndarray, weights: Mapping[str, Tensor], *, num_experts_per_tok: in
 
     weights: the layer's ``mlp.*`` tensors by their names below that prefix (``gate.weight``,
     ``switch_mlp.gate_proj.weight`` ..., ``shared_expert.*``, ``shared_expert_gate.weight``).
-    ``on_route`` (if given) is called with the chosen experts [T, k] (how ``lily bench`` counts the expert load).
+    ``on_route`` (if given) is called with the chosen experts [T, k] (tests/test_dummy.py counts routing with it).
     x: [T, H]  ->  [T, H]
     """
     indices, routing_weights = moe_route(qmatmul(x, weights["gate.weight"]), num_experts_per_tok)

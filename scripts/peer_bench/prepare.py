@@ -27,7 +27,8 @@ SDIST = ("llama-cpp-python", "0.3.36", "0c1e57098")  # package, version, the lla
 KEEP_TOP = ("CMakeLists.txt", "CMakePresets.json", "LICENSE", "cmake", "common", "ggml", "gguf-py", "include",
             "licenses", "src", "tools", "vendor")
 KEEP_GGML_SRC_DIRS = ("ggml-cpu", "ggml-cuda")  # every other ggml/src/ggml-* directory is a backend not built here
-TOOLS_CMAKE = "# pruned for the peer benchmark (scripts/peer_bench/prepare.py): llama-bench only\nadd_subdirectory(llama-bench)\n"
+TOOLS_CMAKE = ("# pruned for the peer benchmark (scripts/peer_bench/prepare.py): llama-bench only\n"
+               "add_subdirectory(llama-bench)\n")
 
 
 def fetch_sdist(work: Path) -> Path:

@@ -56,7 +56,8 @@ EOF
 import json, sys
 from lily.plan import full_size_args, plan_decode
 depths = [int(d) for d in sys.argv[2].split(",")]
-json.dump({d: plan_decode(full_size_args(), context=d)["minimum_bytes"]["total"] for d in depths}, open(sys.argv[1], "w"))
+plan = {d: plan_decode(full_size_args(), context=d)["minimum_bytes"]["total"] for d in depths}
+json.dump(plan, open(sys.argv[1], "w"))
 EOF
       cat "$OUT/plan.json"; echo ;;
     llama)
@@ -65,7 +66,8 @@ EOF
     lily)
       # EXPERT_LOAD=0 skips the expert-load count (a cpu backend over the same weights, host time only)
       lily bench --dummy-weights --full-size --backend cuda -p "$PROMPTS" -n "$GENS" -d "$DEPTHS" -r "$REPS" \
-        $([ "${EXPERT_LOAD:-1}" = 0 ] && echo --no-expert-load) -o json >"$OUT/lily-bench.json" 2>"$OUT/lily-bench.log" ;;
+        $([ "${EXPERT_LOAD:-1}" = 0 ] && echo --no-expert-load) -o json \
+        >"$OUT/lily-bench.json" 2>"$OUT/lily-bench.log" ;;
     table)
       python3 "$HERE/table.py" "$OUT" | tee "$OUT/table.md" ;;
     *)

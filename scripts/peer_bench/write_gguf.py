@@ -50,8 +50,10 @@ def tensor_plan(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
     dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
     conv_dim, value_dim = 2 * hk * dk + hv * dv, hv * dv
-    experts, inter, shared = config["num_experts"], config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
-    plan = [("token_embd.weight", (v, h), "Q4_0"), ("output_norm.weight", (h,), "F32"), ("output.weight", (v, h), "Q4_0")]
+    experts, inter = config["num_experts"], config["moe_intermediate_size"]
+    shared = config["shared_expert_intermediate_size"]
+    plan = [("token_embd.weight", (v, h), "Q4_0"), ("output_norm.weight", (h,), "F32"),
+            ("output.weight", (v, h), "Q4_0")]
     for i, kind in enumerate(config["layer_types"]):
         p = f"blk.{i}."
         plan += [(p + "attn_norm.weight", (h,), "F32"), (p + "post_attention_norm.weight", (h,), "F32")]
@@ -144,7 +146,8 @@ def write(path: Path, config: dict, gguf: object, *, seed: int = 0) -> int:
         if kind == "Q4_0":
             nbytes = math.prod(shape) // Q4_0_BLOCK * _BLOCK.itemsize
             byte_shape = (*shape[:-1], shape[-1] // Q4_0_BLOCK * _BLOCK.itemsize)
-            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes,
+                                   raw_dtype=gguf.GGMLQuantizationType.Q4_0)
         else:
             writer.add_tensor_info(name, shape, np.dtype(np.float32), math.prod(shape) * 4)
     writer.write_header_to_file(path)
