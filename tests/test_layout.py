@@ -83,7 +83,7 @@ LAYERS = [
     ("lily.cli",),
     ("lily.server", "lily.bench", "lily.selftest", "lily.plan", "lily"),
     ("lily.model",),
-    ("lily.tokenizer", "lily.chat", "lily.hub", "lily.snapshot"),
+    ("lily.tokenizer", "lily.chat", "lily.hub", "lily.snapshot", "lily.dummy"),
     ("lily.backends", "lily.cuda", "lily.kernel_cases"),
     # lily.sampling: the CPU sampler, which the metal backend keeps for requests the GPU cannot sample
     ("lily.reference", "lily.checkpoint", "lily.quant", "lily.config", "lily.sampling"),

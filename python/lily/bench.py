@@ -136,6 +136,57 @@ def run_bench(model: Model, *, prompts: Sequence[int] = (512,), gens: Sequence[i
     return rows
 
 
+@dataclass
+class ExpertLoad:
+    """Routed (token, slot) pairs per layer and expert over one prefill of ``tokens`` tokens, counted by ``backend``."""
+
+    tokens: int
+    top_k: int
+    backend: str
+    counts: np.ndarray  # [layers, experts]
+
+    def summary(self) -> dict[str, Any]:
+        """Experts used (fewest in any layer), the busiest expert's tokens (most in any layer, and where) and the
+        mean tokens per expert (tokens x top-k / experts)."""
+        layers, experts = self.counts.shape
+        busiest_layer = int(self.counts.max(axis=1).argmax())
+        return {"tokens": self.tokens, "backend": self.backend, "experts": experts,
+                "min_experts_used": int((self.counts > 0).sum(axis=1).min()),
+                "max_expert_tokens": int(self.counts.max()), "busiest_layer": busiest_layer,
+                "mean_expert_tokens": self.tokens * self.top_k / experts}
+
+
+def expert_load(model: Model, tokens: int, *, seed: int = 0) -> ExpertLoad | None:
+    """The expert load of one ``tokens``-token prefill of random ids, counted by a backend that counts routing (the
+    cpu backend): the model's own, else, for dummy weights, a cpu backend over the same weights, built for this and
+    dropped after. None where neither exists (no counting backend, or real weights on another backend)."""
+    from lily import _ext
+    from lily.backends.cpu import CpuBackend
+    from lily.dummy import dummy_checkpoint
+
+    backend = model.backend
+    if not hasattr(backend, "expert_tokens"):
+        if model.load_format != "dummy" or not hasattr(_ext, "cpu"):
+            return None
+        backend = CpuBackend(dummy_checkpoint(model.config))  # same config and seed: the same weights
+    ids = np.asarray(_random_ids(model, tokens, np.random.default_rng(seed)), dtype=np.int64)
+    backend.expert_tokens(reset=True)
+    state = backend.new_state()
+    step = model.prefill_step_size
+    for start in range(0, tokens, step):
+        backend.forward(ids[start:start + step], state, last_only=True)
+    return ExpertLoad(tokens, model.config.num_experts_per_tok, "cpu", backend.expert_tokens(reset=True))
+
+
+def format_expert_load(load: ExpertLoad) -> str:
+    """One line: experts used and the busiest expert against the mean."""
+    s = load.summary()
+    return (f"expert load over a {s['tokens']}-token prefill ({s['backend']} backend, same weights): at least "
+            f"{s['min_experts_used']}/{s['experts']} experts used in every layer; busiest expert "
+            f"{s['max_expert_tokens']} tokens (layer {s['busiest_layer']}) vs a mean of {s['mean_expert_tokens']:.1f} "
+            f"({s['max_expert_tokens'] / s['mean_expert_tokens']:.1f}x)")
+
+
 def _count_label(n: float) -> str:
     """llama.cpp's size labels: 35B, 3B, 27M, 12K."""
     for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
@@ -147,10 +198,11 @@ def _count_label(n: float) -> str:
 _DTYPE_LABELS = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
-def model_description(model: Model, n_params: int) -> str:
+def model_description(model: Model, n_params: int, weights: Any = None) -> str:
     """llama-bench's model column: architecture, total.Active parameter labels and quantization,
-    e.g. "qwen3_5_moe 35B.A3B 4-bit"."""
-    weights = getattr(model.backend, "weights", None)
+    e.g. "qwen3_5_moe 35B.A3B 4-bit" ("... 4-bit dummy" for dummy weights). ``weights``: the model's (default: its
+    backend's)."""
+    weights = weights if weights is not None else getattr(model.backend, "weights", None)
     names = list(weights) if hasattr(weights, "shape") else []
     experts = sum(int(np.prod(weights.shape(n))) for n in names if ".switch_mlp." in n)
     config = model.config
@@ -160,18 +212,44 @@ def model_description(model: Model, n_params: int) -> str:
     bits = statistics.multimode(q[0] for n in names if (q := weights.quantization(n)) is not None)
     dtypes = statistics.multimode(weights.dtype(n) for n in names) or ["unknown"]
     kind = f"{bits[0]}-bit" if bits else _DTYPE_LABELS.get(dtypes[0], dtypes[0])
-    return f"qwen3_5_moe {size} {kind}"
+    return f"qwen3_5_moe {size} {kind}" + (" dummy" if model.load_format == "dummy" else "")
 
 
 def model_info(model: Model) -> dict[str, Any]:
-    """Model description, file size and parameter count, as llama-bench's leading columns."""
+    """Model description, file size and parameter count, as llama-bench's leading columns; for dummy weights the
+    size is what a checkpoint of them would hold (no file exists)."""
     path = Path(model.path) if model.path is not None else None
-    size = sum(f.stat().st_size for f in path.glob("*.safetensors")) if path else 0
     weights = getattr(model.backend, "weights", {})
+    if model.load_format == "dummy":
+        from lily.dummy import dummy_checkpoint
+
+        weights = dummy_checkpoint(model.config).weights  # names, shapes and dtypes only: nothing is generated
+        size = stored_bytes(weights)
+    else:
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors")) if path else 0
     params = sum(int(np.prod(weights.shape(name))) for name in weights) if hasattr(weights, "shape") else 0
-    return {"model_filename": str(path) if path else "", "model_type": model_description(model, params),
+    return {"model_filename": str(path) if path else "", "model_type": model_description(model, params, weights),
             "model_size": size, "model_n_params": params, "backends": model.backend_name,
-            **build_info()}
+            "load_format": model.load_format, **build_info()}
+
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def stored_bytes(weights: Any) -> int:
+    """Bytes of ``weights`` as a checkpoint stores them: packed codes plus a scale and a bias per group in the
+    tensor's dtype, dense tensors in theirs."""
+    total = 0
+    for name in weights:
+        count = int(np.prod(weights.shape(name)))
+        item = _DTYPE_BYTES[weights.dtype(name)]
+        quantization = weights.quantization(name)
+        if quantization is None:
+            total += count * item
+        else:
+            bits, group = quantization
+            total += count * bits // 8 + 2 * (count // group) * item
+    return total
 
 
 def build_info() -> dict[str, str]:

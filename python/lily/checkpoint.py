@@ -318,13 +318,14 @@ class Weights(Mapping[str, Tensor]):
         return self._sources[name].dtype
 
     def is_quantized(self, name: str) -> bool:
-        """Whether the tensor is a ``QuantizedTensor`` (stored quantized, or quantized on load)."""
-        return isinstance(self._sources[name], (_Quantized, _QuantizeOnLoad))
+        """Whether the tensor is a ``QuantizedTensor`` (stored quantized, quantized on load, or dummy quantized)."""
+        return self.quantization(name) is not None
 
     def quantization(self, name: str) -> tuple[int, int] | None:
-        """``(bits, group_size)`` of a quantized tensor, else None."""
+        """``(bits, group_size)`` of a quantized tensor, else None (a source is quantized when it has ``bits``)."""
         source = self._sources[name]
-        return (source.bits, source.group_size) if isinstance(source, (_Quantized, _QuantizeOnLoad)) else None
+        bits = getattr(source, "bits", None)
+        return None if bits is None else (bits, source.group_size)
 
     def locations(self, name: str) -> dict[str, TensorLocation] | None:
         """The on-disk bytes of a tensor: ``{"weight": ...}`` (plus ``"scales"``/``"biases"`` if

@@ -241,11 +241,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench.host_cost(precision=args.precision or "bfloat16")
         print(json.dumps(result, indent=2) if args.output == "json" else bench.format_host_cost(result))
         return 0
-    model = _load(args)
+    if args.dummy_weights:
+        from lily import Model
+        from lily.dummy import FULL_SIZE
+
+        source = FULL_SIZE if args.full_size else args.model
+        print(f"Loading {source} with dummy weights ...", file=sys.stderr, flush=True)
+        model = Model.load(source, backend=args.backend, precision=args.precision, load_format="dummy")
+    elif args.full_size:
+        raise ValueError("--full-size needs --dummy-weights (random weights of the full-size shapes) or --host-only")
+    else:
+        model = _load(args)
     rows = bench.run_bench(model, prompts=args.p, gens=args.n, depths=args.d, repetitions=args.r,
                            progress=lambda name: print(f"running {name} ...", file=sys.stderr, flush=True))
     info = bench.model_info(model)
+    load = None
+    if args.dummy_weights and any(args.p) and not args.no_expert_load:
+        print("counting the expert load ...", file=sys.stderr, flush=True)
+        load = bench.expert_load(model, next(p for p in args.p if p))
+        info["expert_load"] = load.summary() if load is not None else None
     print(bench.format_json(rows, info) if args.output == "json" else bench.format_markdown(rows, info))
+    if load is not None and args.output != "json":
+        print(bench.format_expert_load(load))
     return 0
 
 
@@ -320,8 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-r", "--repetitions", dest="r", type=int, default=5, help="repetitions (default 5)")
     p.add_argument("-o", "--output", choices=("md", "json"), default="md", help="output format (default md)")
     p.add_argument("--json", dest="output", action="store_const", const="json", help="same as -o json")
-    p.add_argument("--full-size", action="store_true", help="with --host-only: Qwen3.6-35B-A3B's graph, synthetic "
-                   "weights")
+    p.add_argument("--dummy-weights", action="store_true", help="random 4-bit weights of the model's shapes, no "
+                   "weight file read (load_format='dummy'); prints the expert load over the first prefill size")
+    p.add_argument("--no-expert-load", action="store_true", help="with --dummy-weights: skip the expert-load count "
+                   "(a cpu backend over the same weights: about 21 GB of host memory at full size)")
+    p.add_argument("--full-size", action="store_true", help="Qwen3.6-35B-A3B's shapes instead of --model's: with "
+                   "--dummy-weights, or with --host-only (synthetic weights)")
     p.add_argument("--host-only", action="store_true", help="host cost per decode token with kernels stubbed out "
                    "(Linux test runtime): host_us_per_token, cpp_us_per_token")
     p.set_defaults(func=cmd_bench)

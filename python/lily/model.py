@@ -449,6 +449,8 @@ class Model:
         self.prefill_step_size = prefill_step_size
         #: the checkpoint's generation_config.json (sampling defaults), if any
         self.generation_config: dict[str, Any] = {}
+        #: "auto" (weights read from the checkpoint) or "dummy" (random weights, ``lily.dummy``)
+        self.load_format = "auto"
         eos = list(getattr(config, "eos_token_ids", ()) or ())
         if tokenizer is not None:
             eos += [t for t in getattr(tokenizer, "eos_token_ids", ()) if t not in eos]
@@ -458,10 +460,10 @@ class Model:
         return f"Model({str(self.path)!r}, backend={self.backend_name!r})"
 
     @classmethod
-    def load(cls, path_or_repo: str | Path, *, backend: str = "auto", precision: str | None = None,
+    def load(cls, path_or_repo: str | Path | Mapping[str, Any], *, backend: str = "auto", precision: str | None = None,
              revision: str | None = None, quantize: int | None = None, prompt_cache_entries: int = 16,
              prompt_cache_bytes: int = 4 << 30, prefill_step_size: int = 512,
-             progress: bool = True) -> Model:
+             progress: bool = True, load_format: str = "auto") -> Model:
         """Load a checkpoint from a directory, a Hugging Face repo id or ``"lily:demo"``.
 
         ``backend``: "reference" (numpy, the specification), "metal" (the compiled engine), "cpu"
@@ -473,19 +475,34 @@ class Model:
         quantizes an HF bf16/fp32 checkpoint on load. The prompt cache keeps at most
         ``prompt_cache_entries`` snapshots and ``prompt_cache_bytes`` bytes. ``progress`` shows
         download progress bars (on stderr).
+        ``load_format="dummy"`` reads no weights: random 4-bit weights of the configuration's shapes, for
+        benchmarks (``lily.dummy``); ``path_or_repo`` is then a checkpoint directory, a config.json path, a config
+        dict or ``"full-size"`` (Qwen3.6-35B-A3B).
         """
         from lily import backends, hub
         from lily.checkpoint import load_checkpoint
+        from lily.dummy import LOAD_FORMATS, dummy_checkpoint
 
-        if not isinstance(path_or_repo, (str, os.PathLike)):
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"Model.load(): load_format must be one of {LOAD_FORMATS}; got {load_format!r}")
+        dummy = load_format == "dummy"
+        if not isinstance(path_or_repo, (str, os.PathLike)) and not (dummy and isinstance(path_or_repo, Mapping)):
             raise TypeError("Model.load(): path_or_repo must be a checkpoint directory, a Hugging Face repo id "
-                            f"or 'lily:demo'; got {type(path_or_repo).__name__}")
+                            f"or 'lily:demo' (or, with load_format='dummy', a config dict); "
+                            f"got {type(path_or_repo).__name__}")
+        if dummy and (quantize is not None or revision is not None):
+            raise ValueError("Model.load(): quantize= and revision= do not apply to load_format='dummy' (its random "
+                             "weights are 4-bit already, and nothing is downloaded)")
         chosen = backends.choose(backend)
         _check_precision(backend, chosen, precision)
         if prefill_step_size < 1:
             raise ValueError(f"prefill_step_size must be >= 1; got {prefill_step_size}")
-        directory = Path(hub.resolve(path_or_repo, revision=revision, progress=progress))
-        checkpoint = load_checkpoint(directory, quantize=quantize)
+        if dummy:
+            checkpoint = dummy_checkpoint(path_or_repo)
+            directory = checkpoint.path
+        else:
+            directory = Path(hub.resolve(path_or_repo, revision=revision, progress=progress))
+            checkpoint = load_checkpoint(directory, quantize=quantize)
         engine = backends.create(chosen, checkpoint, precision)
         tokenizer = None
         tokenizer_dir = Path(checkpoint.tokenizer_dir or directory)
@@ -498,6 +515,7 @@ class Model:
                     prompt_cache=PromptCache(prompt_cache_entries, prompt_cache_bytes),
                     prefill_step_size=prefill_step_size)
         model.generation_config = dict(checkpoint.generation_config or {})
+        model.load_format = load_format
         return model
 
     # -- arguments -------------------------------------------------------------------------------

@@ -9,37 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lily.backends.metal import PRECISIONS, SWITCHES, TEST_OPTIONS, engine_config
-from lily.config import ModelArgs
-
-# The text configuration of Qwen3.6-35B-A3B (its config.json on the Hugging Face Hub), for plans without a checkpoint.
-FULL_SIZE_CONFIG: dict[str, Any] = {
-    "model_type": "qwen3_5_moe_text",
-    "vocab_size": 248320,
-    "hidden_size": 2048,
-    "num_hidden_layers": 40,
-    "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)],
-    "num_attention_heads": 16,
-    "num_key_value_heads": 2,
-    "head_dim": 256,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4,
-    "num_experts": 256,
-    "num_experts_per_tok": 8,
-    "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512,
-    "max_position_embeddings": 262144,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
-}
-
-
-def full_size_args() -> ModelArgs:
-    """ModelArgs of the full-size Qwen3.6-35B-A3B (no checkpoint needed)."""
-    return ModelArgs.from_dict(FULL_SIZE_CONFIG, source="Qwen3.6-35B-A3B (built in)")
+from lily.config import FULL_SIZE_CONFIG, ModelArgs, full_size_args  # noqa: F401 (lily.plan's names)
 
 
 def plan_decode(

@@ -20,7 +20,8 @@ call that uses them, a block or an expert at a time, so no full-model fp32 copy 
 from __future__ import annotations
 
 import copy as _copy
-from collections.abc import Iterator, Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -428,14 +429,18 @@ def swiglu(x: np.ndarray, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor)
     return qmatmul(_silu(qmatmul(x, gate_proj)) * qmatmul(x, up_proj), down_proj)
 
 
-def moe(x: np.ndarray, weights: Mapping[str, Tensor], *, num_experts_per_tok: int) -> np.ndarray:
+def moe(x: np.ndarray, weights: Mapping[str, Tensor], *, num_experts_per_tok: int,
+        on_route: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
     """The sparse MoE block: routed experts plus the sigmoid-gated, always-on shared expert.
 
     weights: the layer's ``mlp.*`` tensors by their names below that prefix (``gate.weight``,
     ``switch_mlp.gate_proj.weight`` ..., ``shared_expert.*``, ``shared_expert_gate.weight``).
+    ``on_route`` (if given) is called with the chosen experts [T, k] (tests/test_dummy.py counts routing with it).
     x: [T, H]  ->  [T, H]
     """
     indices, routing_weights = moe_route(qmatmul(x, weights["gate.weight"]), num_experts_per_tok)
+    if on_route is not None:
+        on_route(indices)
     routed = swiglu_experts(
         x,
         weights["switch_mlp.gate_proj.weight"],
@@ -549,6 +554,8 @@ class ReferenceModel:
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.args: ModelArgs = checkpoint.args
         self.weights: Mapping[str, Tensor] = checkpoint.weights
+        #: called as ``on_route(layer, experts [T, k])`` by every MoE block of ``forward`` (None: not called)
+        self.on_route: Callable[[int, np.ndarray], None] | None = None
 
     def _delta_net_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """Shapes of one DeltaNet layer's conv state [K-1, C] and recurrent state [Hv, dk, dv]."""
@@ -640,7 +647,8 @@ class ReferenceModel:
                 )
                 h = h + out
             m = rms_norm(h, w[prefix + "post_attention_layernorm.weight"], eps)
-            h = h + moe(m, _Scope(w, prefix + "mlp."), num_experts_per_tok=args.num_experts_per_tok)
+            on_route = None if self.on_route is None else functools.partial(self.on_route, layer)
+            h = h + moe(m, _Scope(w, prefix + "mlp."), num_experts_per_tok=args.num_experts_per_tok, on_route=on_route)
 
         state.position += ids.shape[0]
         if last_only:

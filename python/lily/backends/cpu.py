@@ -87,6 +87,15 @@ class CpuBackend:
         """Bytes of weights copied at load (those not one byte range of a file in a dtype the engine reads)."""
         return int(self._model.owned_bytes)
 
+    def expert_tokens(self, *, reset: bool = False) -> np.ndarray:
+        """Routed (token, slot) pairs per layer and expert, uint64 [layers, experts], counted over every ``forward``
+        since loading or the last call with ``reset=True`` (which zeroes them after reading): ``lily bench``'s
+        expert load."""
+        counts = np.array(self._model.expert_tokens())
+        if reset:
+            self._model.reset_expert_tokens()
+        return counts
+
     # -- loading ------------------------------------------------------------------------------------
 
     def _file(self, path: Any) -> int:

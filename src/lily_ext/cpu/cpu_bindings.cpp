@@ -76,6 +76,15 @@ void bind(nb::module_& m) {
              model.bind_vector(name, std::vector<float>(values.data(), values.data() + values.size()));
            }, nb::arg("name"), nb::arg("values"))
       .def("finish_loading", &CpuModel::finish_loading)
+      .def("expert_tokens",
+           [](const CpuModel& model) {
+             const size_t experts = model.config().num_experts, layers = model.expert_tokens().size() / experts;
+             auto* counts = new std::vector<uint64_t>(model.expert_tokens());
+             nb::capsule owner(counts, [](void* p) noexcept { delete static_cast<std::vector<uint64_t>*>(p); });
+             return nb::ndarray<nb::numpy, uint64_t, nb::ndim<2>>(counts->data(), {layers, experts}, owner);
+           },
+           "Routed (token, slot) pairs per layer and expert since loading or the last reset, uint64 [layers, experts].")
+      .def("reset_expert_tokens", &CpuModel::reset_expert_tokens)
       .def("forward",
            [](CpuModel& model, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> ids,
               size_t position, const std::vector<std::tuple<Floats, Floats>>& states,

@@ -206,6 +206,7 @@ void CpuModel::finish_loading() {
              &matrix(m + "shared_expert_gate.weight", 1, H)};
     layers_.push_back(l);
   }
+  expert_tokens_.assign(layers_.size() * c.num_experts, 0);
 }
 
 void CpuModel::attention_layer(const Layer& layer, const float* x, size_t tokens, size_t position,
@@ -276,6 +277,8 @@ void CpuModel::moe_layer(const Layer& layer, const float* x, size_t tokens, floa
   std::vector<int32_t> indices(tokens * k);
   linear(x, tokens, *w.router, router.data(), &pool_);
   moe_route(router.data(), tokens, c.num_experts, k, indices.data(), routing_weights.data());
+  uint64_t* load = expert_tokens_.data() + size_t(&layer - layers_.data()) * c.num_experts;
+  for (const int32_t expert : indices) ++load[expert];
   swiglu_experts(x, tokens, H, *w.gate_proj, *w.up_proj, *w.down_proj, indices.data(), routing_weights.data(), k,
                  out, &pool_);
   std::vector<float> gate(tokens * width), up(gate.size()), shared(tokens * H), shared_gate(tokens);

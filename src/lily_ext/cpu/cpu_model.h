@@ -2,6 +2,7 @@
 // an explicit state (reference.forward, op by op, on the ops of cpu_ops.h).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -62,6 +63,10 @@ class CpuModel {
 
   size_t threads() const { return pool_.size(); }
   const CpuConfig& config() const { return config_; }
+  // Routed (token, slot) pairs per [layer * num_experts + expert] since finish_loading() or the last reset: the
+  // expert load `lily bench` reports for dummy weights.
+  const std::vector<uint64_t>& expert_tokens() const { return expert_tokens_; }
+  void reset_expert_tokens() { std::fill(expert_tokens_.begin(), expert_tokens_.end(), 0); }
 
  private:
   struct Buffer;
@@ -88,6 +93,7 @@ class CpuModel {
   std::map<std::string, Matrix> matrices_;
   std::map<std::string, std::vector<float>> vectors_;
   std::vector<Layer> layers_;
+  std::vector<uint64_t> expert_tokens_;
   const Matrix* embed_tokens_ = nullptr;
   const Matrix* lm_head_ = nullptr;
   const std::vector<float>* final_norm_ = nullptr;

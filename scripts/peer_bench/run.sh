@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The peer benchmark on the GPU machine: Lily (backend cuda, dummy weights) and llama.cpp's llama-bench (CUDA, Q4_0,
+# flash attention on) on the same full-size Qwen3.6-35B-A3B shapes, in one run, then one table (table.py).
+#
+#   scripts/peer_bench/run.sh [STAGE ...]      stages: build gguf bandwidth plan llama lily table (default: all)
+#
+# Needs .dev/peer/llama.cpp.tar.gz (scripts/peer_bench/prepare.py, run where there is network; carried to the GPU
+# machine: it is git-ignored), gcc, nvcc, cmake, ninja, python3 with numpy and torch, and Lily installed with its
+# CUDA backend (`lily bench --backend cuda`, issue 11). Each stage skips work already done (the build, the GGUF), so
+# a run can be split over several calls on a machine kept warm. Results go to $OUT (default $WORK/out).
+set -euo pipefail
+REPO="$(cd "$(dirname "$0")/../.." && pwd)"
+HERE="$REPO/scripts/peer_bench"
+WORK="${PEER_WORK:-/tmp/lily-peer}"
+OUT="${OUT:-$WORK/out}"
+JOBS="${JOBS:-$(nproc)}"
+PROMPTS="512,4096"; GENS="128"; DEPTHS="0,4096,32768"; REPS=5
+LLAMA="$WORK/llama.cpp"
+MODEL="$WORK/qwen35moe-q4_0.gguf"
+mkdir -p "$WORK" "$OUT"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(build gguf bandwidth plan llama lily table)
+log() { echo "[$(date -u +%H:%M:%S)] $*" >&2; }
+
+for stage in "${stages[@]}"; do
+  log "stage $stage"
+  case "$stage" in
+    build)
+      if [ ! -x "$LLAMA/build/bin/llama-bench" ]; then
+        rm -rf "$LLAMA" && tar xzf "$REPO/.dev/peer/llama.cpp.tar.gz" -C "$WORK"
+        cmake -S "$LLAMA" -B "$LLAMA/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+          -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+          -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DGGML_CUDA_NCCL=OFF >"$OUT/cmake.log"
+        ninja -C "$LLAMA/build" -j "$JOBS" llama-bench >"$OUT/ninja.log"
+      fi
+      cp "$REPO/.dev/peer/llama.cpp.commit" "$OUT/" ;;
+    gguf)
+      [ -s "$MODEL" ] || python3 "$HERE/write_gguf.py" "$MODEL" --gguf-py "$LLAMA/gguf-py" | tee "$OUT/gguf.log" ;;
+    bandwidth)
+      python3 - "$OUT/bandwidth.json" <<'EOF'
+import json, statistics, sys, torch
+n = 1 << 30  # a 1 GiB device-to-device copy, as docs/performance.md's kernel table
+a = torch.empty(n, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
+for _ in range(3): b.copy_(a)
+times = []
+for _ in range(20):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(); b.copy_(a); end.record(); end.synchronize()
+    times.append(start.elapsed_time(end) / 1e3)
+json.dump({"bytes_per_second": 2 * n / statistics.median(times), "device": torch.cuda.get_device_name(),
+           "how": "torch copy_ of 1 GiB, median of 20 after 3 warm-ups"}, open(sys.argv[1], "w"))
+EOF
+      cat "$OUT/bandwidth.json"; echo ;;
+    plan)
+      python3 - "$OUT/plan.json" "$DEPTHS" <<'EOF'
+import json, sys
+from lily.plan import full_size_args, plan_decode
+depths = [int(d) for d in sys.argv[2].split(",")]
+plan = {d: plan_decode(full_size_args(), context=d)["minimum_bytes"]["total"] for d in depths}
+json.dump(plan, open(sys.argv[1], "w"))
+EOF
+      cat "$OUT/plan.json"; echo ;;
+    llama)
+      "$LLAMA/build/bin/llama-bench" -m "$MODEL" -p "$PROMPTS" -n "$GENS" -d "$DEPTHS" -ngl 99 -fa 1 -r "$REPS" \
+        -o json >"$OUT/llama-bench.json" 2>"$OUT/llama-bench.log" ;;
+    lily)
+      # EXPERT_LOAD=0 skips the expert-load count (a cpu backend over the same weights, host time only)
+      lily bench --dummy-weights --full-size --backend cuda -p "$PROMPTS" -n "$GENS" -d "$DEPTHS" -r "$REPS" \
+        $([ "${EXPERT_LOAD:-1}" = 0 ] && echo --no-expert-load) -o json \
+        >"$OUT/lily-bench.json" 2>"$OUT/lily-bench.log" ;;
+    table)
+      python3 "$HERE/table.py" "$OUT" | tee "$OUT/table.md" ;;
+    *)
+      echo "unknown stage $stage (stages: build gguf bandwidth plan llama lily table)" >&2; exit 2 ;;
+  esac
+done

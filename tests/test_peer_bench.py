@@ -1,0 +1,149 @@
+"""scripts/peer_bench: the GGUF writer on a tiny shape read back by gguf-py (names, types and shapes as llama.cpp's
+qwen35moe loader creates them, zero-mean Q4_0 blocks, metadata), the table on canned llama-bench and lily bench
+JSON, and the pruning of a llama.cpp tree."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import gguf  # llama.cpp's gguf-py, in the test extras (pyproject.toml)
+import numpy as np
+import pytest
+
+from fixtures import text_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(f"peer_{name}", ROOT / "scripts" / "peer_bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def expected_tensors(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (GGUF dims, innermost first, as llama.cpp's create_tensor lists them; type), from
+    src/models/qwen35moe.cpp's load_arch_tensors at the bundled commit."""
+    h, v, e = c["hidden_size"], c["vocab_size"], c["num_experts"]
+    q4, f32 = "Q4_0", "F32"
+    head, heads, kv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    key_dim = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    value_dim = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    hv, ff, shared = c["linear_num_value_heads"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+    out = {"token_embd.weight": ((h, v), q4), "output_norm.weight": ((h,), f32), "output.weight": ((h, v), q4)}
+    for i, kind in enumerate(c["layer_types"]):
+        p = f"blk.{i}."
+        out |= {p + "attn_norm.weight": ((h,), f32), p + "post_attention_norm.weight": ((h,), f32)}
+        if kind == "full_attention":
+            out |= {p + "attn_q.weight": ((h, head * heads * 2), q4), p + "attn_k.weight": ((h, kv * head), q4),
+                    p + "attn_v.weight": ((h, kv * head), q4), p + "attn_output.weight": ((head * heads, h), q4),
+                    p + "attn_q_norm.weight": ((head,), f32), p + "attn_k_norm.weight": ((head,), f32)}
+        else:
+            out |= {p + "attn_qkv.weight": ((h, key_dim * 2 + value_dim), q4),
+                    p + "attn_gate.weight": ((h, value_dim), q4),
+                    p + "ssm_conv1d.weight": ((c["linear_conv_kernel_dim"], key_dim * 2 + value_dim), f32),
+                    p + "ssm_dt.bias": ((hv,), f32), p + "ssm_a": ((hv,), f32),
+                    p + "ssm_beta.weight": ((h, hv), q4), p + "ssm_alpha.weight": ((h, hv), q4),
+                    p + "ssm_norm.weight": ((c["linear_value_head_dim"],), f32),
+                    p + "ssm_out.weight": ((value_dim, h), q4)}
+        out |= {p + "ffn_gate_inp.weight": ((h, e), f32), p + "ffn_down_exps.weight": ((ff, h, e), q4),
+                p + "ffn_gate_exps.weight": ((h, ff, e), q4), p + "ffn_up_exps.weight": ((h, ff, e), q4),
+                p + "ffn_gate_inp_shexp.weight": ((h,), f32), p + "ffn_gate_shexp.weight": ((h, shared), q4),
+                p + "ffn_up_shexp.weight": ((h, shared), q4), p + "ffn_down_shexp.weight": ((shared, h), q4)}
+    return out
+
+
+def test_gguf_writer_on_a_tiny_shape(tmp_path):
+    writer = script("write_gguf")
+    config = {"model_type": "qwen3_5_moe_text", **text_config("gqa4")}  # attention every 3rd layer, 16 experts
+    path = tmp_path / "tiny.gguf"
+    writer.write(path, config, gguf, seed=3)
+    reader = gguf.GGUFReader(str(path))
+    fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    a = "qwen35moe."
+    assert fields["general.architecture"] == "qwen35moe" and fields["tokenizer.ggml.model"] == "no_vocab"
+    assert {k: fields[a + k] for k in ("vocab_size", "embedding_length", "block_count", "attention.head_count",
+                                       "attention.head_count_kv", "attention.key_length", "expert_count",
+                                       "expert_used_count", "expert_feed_forward_length",
+                                       "expert_shared_feed_forward_length", "ssm.conv_kernel", "ssm.inner_size",
+                                       "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
+                                       "full_attention_interval", "rope.dimension_count")} == {
+        "vocab_size": 1152, "embedding_length": 192, "block_count": 6, "attention.head_count": 8,
+        "attention.head_count_kv": 2, "attention.key_length": 64, "expert_count": 16, "expert_used_count": 4,
+        "expert_feed_forward_length": 64, "expert_shared_feed_forward_length": 64, "ssm.conv_kernel": 4,
+        "ssm.inner_size": 6 * 64, "ssm.state_size": 64, "ssm.time_step_rank": 6, "ssm.group_count": 2,
+        "full_attention_interval": 3, "rope.dimension_count": 32}
+    assert fields[a + "rope.dimension_sections"] == [6, 6, 4, 0]
+
+    expected = expected_tensors(config)
+    got = {t.name: (tuple(int(d) for d in t.shape), t.tensor_type.name) for t in reader.tensors}
+    assert got == expected
+    arch_names = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.QWEN35MOE]}
+    for name in got:  # every tensor is one gguf-py knows for this architecture
+        base = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
+        assert base.replace(f"blk.{base.split('.')[1]}.", "blk.{bid}.") in arch_names if name.startswith("blk.") \
+            else base in arch_names, name
+
+    tensors = {t.name: t for t in reader.tensors}
+    experts = tensors["blk.0.ffn_gate_exps.weight"]
+    blocks = np.frombuffer(experts.data.tobytes(), writer._BLOCK)
+    nibbles = np.concatenate([blocks["qs"] & 15, blocks["qs"] >> 4]).reshape(-1)
+    assert nibbles.min() >= 1 and nibbles.max() <= 15  # q - 8 in -7..7: symmetric
+    assert 0.4 < (blocks["d"] > 0).mean() < 0.6  # signed scales
+    values = gguf.dequantize(experts.data, experts.tensor_type)
+    assert abs(values.mean()) < 0.02 * values.std()
+    assert values.std() == pytest.approx(1 / math.sqrt(192), rel=0.1)  # keeps its input's RMS
+    ssm_a = gguf.dequantize(tensors["blk.0.ssm_a"].data, tensors["blk.0.ssm_a"].tensor_type)
+    assert (ssm_a <= -1).all() and (ssm_a >= -16).all()  # -exp(A_log), A in [1, 16]
+    assert (np.asarray(tensors["output_norm.weight"].data) == 1).all()
+
+
+def canned(rows: list[tuple[int, int, int, list[float]]]) -> list[dict]:
+    return [{"n_prompt": p, "n_gen": n, "n_depth": d, "samples_ts": s, "avg_ts": sum(s) / len(s)}
+            for p, n, d, s in rows]
+
+
+def test_table_on_canned_runs(tmp_path, capsys):
+    table = script("table")
+    peer = canned([(512, 0, 0, [5000, 5100, 4900, 5050, 4950]), (0, 128, 0, [240, 250, 245, 260, 230]),
+                   (0, 128, 4096, [231, 250, 240, 235, 245])])
+    lily = canned([(512, 0, 0, [10000, 10200, 9800, 10100, 9900]), (0, 128, 4096, [500, 480, 520, 510, 490])])
+    (tmp_path / "llama-bench.json").write_text(json.dumps(peer))
+    (tmp_path / "lily-bench.json").write_text(json.dumps(lily))
+    (tmp_path / "plan.json").write_text(json.dumps({"0": 1.80e9, "4096": 1.88e9}))
+    (tmp_path / "bandwidth.json").write_text(json.dumps({"bytes_per_second": 4.2e12, "how": "canned"}))
+    assert table.main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines[2:5]}
+    assert rows["pp512"] == ["5,000.0", "", "", "10,000.0", "", "", "2.00x"]  # medians; no bandwidth for prefill
+    assert rows["tg128"] == ["245.0", f"{245 * 1.80:.0f}", f"{245 * 1.80e9 / 4.2e12:.1%}", "-", "-", "-", "-"]
+    # decode at depth 4096: 240 and 500 tok/s at 1.88 GB per token, 4.2 TB/s
+    assert rows["tg128 @ d4096"] == ["240.0", "451", "10.7%", "500.0", "940", "22.4%", "2.08x"]
+    assert "4.20 TB/s" in lines[-1] and "d4096 1.880 GB" in lines[-1]
+    (tmp_path / "bandwidth.json").unlink()
+    assert table.main([str(tmp_path)]) == 1
+
+
+def test_prune_keeps_what_a_cuda_llama_bench_build_needs(tmp_path):
+    prepare = script("prepare")
+    source, dest = tmp_path / "src", tmp_path / "dest"
+    for path in ("CMakeLists.txt", "ggml/src/ggml.c", "ggml/src/ggml-cuda/mmq.cu", "ggml/src/ggml-cpu/ops.cpp",
+                 "ggml/src/ggml-metal/ggml-metal.metal", "ggml/src/ggml-vulkan/x.cpp", "tools/CMakeLists.txt",
+                 "tools/llama-bench/llama-bench.cpp", "tools/server/public/index.html", "src/llama-arch.cpp",
+                 "gguf-py/gguf/gguf_writer.py", "gguf-py/tests/t.py", "models/ggml-vocab-qwen35.gguf",
+                 "docs/build.md", "vendor/stb/stb_image.h", "common/common.cpp"):
+        (source / path).parent.mkdir(parents=True, exist_ok=True)
+        (source / path).write_text("x")
+    dest.mkdir()
+    prepare.prune(source, dest)
+    kept = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert kept == ["CMakeLists.txt", "common/common.cpp", "ggml/src/ggml-cpu/ops.cpp", "ggml/src/ggml-cuda/mmq.cu",
+                    "ggml/src/ggml.c", "gguf-py/gguf/gguf_writer.py", "src/llama-arch.cpp", "tools/CMakeLists.txt",
+                    "tools/llama-bench/llama-bench.cpp", "vendor/stb/stb_image.h"]
+    assert (dest / "tools" / "CMakeLists.txt").read_text().strip().endswith("add_subdirectory(llama-bench)")
