@@ -159,6 +159,7 @@ CUresult fake_GetErrorString(CUresult error, const char** text) {
   if (fake_GetErrorName(error, &name) != CUDA_SUCCESS) return CUDA_ERROR_INVALID_VALUE;
   error_string = std::string("fake libcuda (CPU harness)");
   if (error == last_detail_code && !last_detail.empty()) error_string += ": " + last_detail;
+  last_detail.clear();  // said once: a later error with the same code has its own story
   *text = error_string.c_str();
   return CUDA_SUCCESS;
 }
