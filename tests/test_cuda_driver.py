@@ -1,8 +1,9 @@
-"""The CUDA path without a GPU: lily.cuda -> the extension's driver layer (src/lily_ext/cuda/driver.cpp) -> the fake
-libcuda (src/cuda_fake/, loaded through $LILY_LIBCUDA), which runs the PTX's kernels on the CPU harness and runs
-graph nodes in a seeded random order that respects only the declared edges (docs/cuda.md).
-
-The PTX is the session's one CUDA build (the ``cuda_compile_only`` fixture, tests/conftest.py)."""
+"""The CUDA driver layer (src/lily_ext/cuda/driver.cpp) under lily.cuda. In CI, without a GPU, it runs on the fake
+libcuda (src/cuda_fake/, loaded through $LILY_LIBCUDA), which runs the PTX's kernels on the CPU harness and runs graph
+nodes in a seeded random order that respects only the declared edges (docs/cuda.md); the PTX is the session's one
+CUDA build (the ``cuda_compile_only`` fixture, tests/conftest.py). With LILY_CUDA_TESTS=gpu the same tests, except
+the fake's own, run on the real driver and GPU 0 with the packaged PTX or $LILY_CUDA_PTX_DIR (docs/verification.md).
+"""
 
 from __future__ import annotations
 
@@ -19,30 +20,40 @@ import pytest
 from lily import _ext, cuda
 
 ROOT = Path(__file__).resolve().parents[1]
+ON_GPU = os.environ.get("LILY_CUDA_TESTS") == "gpu"
 FAKE_LIBCUDA = Path(_ext.__file__).resolve().parent / "liblily_fake_cuda.so"
 FAKE_DEVICE = "Lily fake CUDA device (CPU harness)"
+HAS_HARNESS = getattr(_ext, "msl", None) is not None
 # A representative subset of the kernel tests (norms, quantized matmuls, MoE, attention, sampling); the Metal 4
 # tensor-op kernels have no CUDA build, and the sampling distribution test is the slow one (10 s on the harness).
 KERNEL_TESTS = ["test_rms_norm.py", "test_qmatmul.py", "test_moe.py", "test_attention.py", "test_sampling.py"]
 KERNEL_TEST_FILTER = "not qmm_nax and not test_sample_distribution"
 EPS = 1e-6
 
+fake_only = pytest.mark.skipif(ON_GPU, reason="runs on the fake libcuda; on a GPU the kernel tests run themselves")
+
 
 @pytest.fixture(scope="module")
-def ptx(cuda_compile_only) -> Path:
-    code, _, folder = cuda_compile_only
+def ptx(request) -> Path:
+    if ON_GPU:
+        return cuda.ptx_dir()
+    if not HAS_HARNESS:
+        pytest.skip("the fake libcuda is built with the CPU harness only (clang-19 on x86-64)")
+    code, _, folder = request.getfixturevalue("cuda_compile_only")
     assert code == 0, "the CUDA build of the kernels failed (see test_cuda_build.py)"
     return folder
 
 
 @pytest.fixture(scope="module")
 def runner(ptx: Path) -> cuda.Runner:
-    """A Runner on the fake libcuda. The driver is opened once per process: this module sets $LILY_LIBCUDA first."""
+    """A Runner on the fake libcuda, or on GPU 0 with LILY_CUDA_TESTS=gpu. The driver is opened once per process:
+    this module sets $LILY_LIBCUDA before anything else in CI opens one."""
+    if ON_GPU:
+        return cuda.Runner(ptx)
     assert FAKE_LIBCUDA.is_file(), f"{FAKE_LIBCUDA} is not built (CMakeLists.txt builds it with the harness)"
     os.environ["LILY_LIBCUDA"] = str(FAKE_LIBCUDA)
     r = cuda.Runner(ptx)
-    if r.device_name != FAKE_DEVICE:  # only where an earlier test of this process opened a real GPU's driver
-        pytest.skip(f"this process already uses the CUDA driver of '{r.device_name}'")
+    assert r.device_name == FAKE_DEVICE, f"this process already uses the CUDA driver of '{r.device_name}'"
     return r
 
 
@@ -51,6 +62,7 @@ def _fake_env(ptx: Path) -> dict[str, str]:
             "LILY_KERNEL_DEVICE": "cuda"}
 
 
+@fake_only
 def test_kernel_tests_pass_through_the_driver_layer_on_the_fake(ptx: Path) -> None:
     """LILY_KERNEL_DEVICE=cuda kernel tests: every dispatch goes lily.cuda -> driver.cpp -> the fake -> the harness,
     with the arguments packed into the Params block a GPU gets, and matches the float64 references."""
@@ -64,6 +76,7 @@ def test_kernel_tests_pass_through_the_driver_layer_on_the_fake(ptx: Path) -> No
     assert not re.search(r"failed|skipped|error", summary), summary
 
 
+@fake_only
 def test_selftest_runs_on_the_fake(ptx: Path) -> None:
     code = "from lily import selftest\nraise SystemExit(selftest.main(['--device', 'cuda', '--kernels', '^rms_norm']))"
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_fake_env(ptx), capture_output=True, text=True,
@@ -85,7 +98,8 @@ def test_bad_arguments_are_refused_before_launch(runner: cuda.Runner) -> None:
         runner.launch("rms_norm_f32", [], (1, 1, 1), (2048, 1, 1))
 
 
-def test_a_kernel_fault_names_the_kernel_and_the_harness_finding(runner: cuda.Runner) -> None:
+@fake_only
+def test_a_kernel_fault_names_the_kernel_and_the_fakes_finding(runner: cuda.Runner) -> None:
     """A launch whose [[buffer(i)]] is not device memory fails in the driver call, naming the kernel and the slot."""
     out = runner.alloc(256)
     with pytest.raises(cuda.CudaError, match=r"kernel rms_norm_f32: cuLaunchKernel failed: CUDA_ERROR_ILLEGAL_ADDRESS"
@@ -156,6 +170,7 @@ def test_graph_with_its_dependency_edges_is_right_in_every_order(runner: cuda.Ru
     chain.free()
 
 
+@fake_only
 def test_graph_missing_a_dependency_edge_gives_a_wrong_answer(runner: cuda.Runner) -> None:
     """Without the edge the second kernel may run before the first and read the poisoned y: the fake's random
     order finds it within 8 launches (and also runs it in the lucky order, so the failure is the order's)."""
@@ -175,3 +190,12 @@ def test_graph_kernel_node_can_be_repointed(runner: cuda.Runner) -> None:
     chain.expected = _rms_norm(chain.x.astype(np.float64), chain.w2.astype(np.float64))
     assert chain.launch_is_right()
     chain.free()
+
+
+def test_event_timing(runner: cuda.Runner) -> None:
+    """CUDA events around enqueued work: one positive time per repeat (time_ms, which bench_kernels.py uses)."""
+    src, dst = runner.alloc(1 << 20), runner.alloc(1 << 20)
+    times = runner.time_ms(lambda: runner.copy(dst, src, 1 << 20), repeats=3, flush=src, flush_bytes=1 << 20)
+    assert len(times) == 3 and all(t > 0 for t in times), times
+    runner.free(src)
+    runner.free(dst)
