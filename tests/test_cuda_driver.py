@@ -108,6 +108,15 @@ def test_a_kernel_fault_names_the_kernel_and_the_fakes_finding(runner: cuda.Runn
     runner.free(out)
 
 
+def test_packaged_ptx_is_beside_the_extension(monkeypatch) -> None:
+    """Where the build installs the PTX (lily/cuda_kernels/, CMakeLists.txt), unless $LILY_CUDA_PTX_DIR says."""
+    monkeypatch.delenv("LILY_CUDA_PTX_DIR", raising=False)
+    assert Path(_ext.cuda.default_ptx_dir()).resolve() == Path(_ext.__file__).resolve().parent / "cuda_kernels"
+    assert cuda.ptx_dir() == Path(_ext.cuda.default_ptx_dir())
+    monkeypatch.setenv("LILY_CUDA_PTX_DIR", "/somewhere/ptx")
+    assert _ext.cuda.default_ptx_dir() == "/somewhere/ptx" and cuda.ptx_dir() == Path("/somewhere/ptx")
+
+
 def test_missing_ptx_is_a_clear_error(runner: cuda.Runner, tmp_path: Path) -> None:
     with pytest.raises(cuda.CudaError, match="no .ptx files in"):
         cuda.Runner(tmp_path)
