@@ -488,6 +488,8 @@ GraphNode Graph::add_copy(CUdeviceptr dst, CUdeviceptr src, size_t bytes, const 
   copy.srcDevice = src;
   copy.dstMemoryType = CU_MEMORYTYPE_DEVICE;
   copy.dstDevice = dst;
+  copy.srcPitch = copy.dstPitch = bytes;  // one row: the pitch is the row, as cudaGraphAddMemcpyNode1D sets it
+  copy.srcHeight = copy.dstHeight = 1;
   copy.WidthInBytes = bytes;
   copy.Height = 1;
   copy.Depth = 1;
