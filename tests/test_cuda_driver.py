@@ -122,7 +122,7 @@ def test_missing_ptx_is_a_clear_error(runner: cuda.Runner, tmp_path: Path) -> No
         cuda.Runner(tmp_path)
 
 
-# ---- Explicit graphs: y = rms_norm(x, w1); z = rms_norm(y, w2), with y poisoned (NaN) first ----
+# ---- Explicit graphs: y = rms_norm(x, w1); z = rms_norm(y, w2), with y poisoned (NaN) first; z copied out ----
 
 
 def _args(n: int) -> bytes:
@@ -135,7 +135,7 @@ def _rms_norm(h: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 class _Chain:
-    """Two dependent kernels and a fill in one graph; `edge`: whether the second kernel declares the first."""
+    """A fill, two dependent kernels and a copy in one graph; `edge`: whether the second kernel declares the first."""
 
     rows, n = 3, 256
 
@@ -148,7 +148,7 @@ class _Chain:
         self.runner = runner
         self.buffers = {}
         for name, data in (("args", np.frombuffer(_args(self.n), np.uint8)), ("x", self.x), ("w1", self.w1),
-                           ("w2", self.w2), ("y", self.x), ("z", self.x)):
+                           ("w2", self.w2), ("y", self.x), ("z", self.x), ("out", self.x)):
             self.buffers[name] = runner.alloc(data.nbytes)
             runner.upload(self.buffers[name], data)
         b = self.buffers
@@ -156,15 +156,16 @@ class _Chain:
         poison = graph.add_fill(b["y"], 0xFF, self.x.nbytes)
         first = graph.add_kernel("rms_norm_f32", [b["args"], b["x"], b["w1"], b["y"]], (self.rows, 1, 1),
                                  (256, 1, 1), dependencies=[poison])
-        graph.add_kernel("rms_norm_f32", [b["args"], b["y"], b["w2"], b["z"]], (self.rows, 1, 1), (256, 1, 1),
-                         dependencies=[first] if edge else [poison])
+        second = graph.add_kernel("rms_norm_f32", [b["args"], b["y"], b["w2"], b["z"]], (self.rows, 1, 1),
+                                  (256, 1, 1), dependencies=[first] if edge else [poison])
+        graph.add_copy(b["out"], b["z"], self.x.nbytes, dependencies=[second])
         self.graph, self.exec = graph, graph.instantiate()
 
     def launch_is_right(self) -> bool:
         self.exec.launch()
         self.runner.synchronize()
         z = np.empty_like(self.x)
-        self.runner.download(self.buffers["z"], z)
+        self.runner.download(self.buffers["out"], z)
         return bool(np.all(np.abs(z - self.expected) <= 1e-5 * (1 + np.abs(self.expected))))
 
     def free(self) -> None:
@@ -174,7 +175,7 @@ class _Chain:
 
 def test_graph_with_its_dependency_edges_is_right_in_every_order(runner: cuda.Runner) -> None:
     chain = _Chain(runner, edge=True)
-    assert chain.graph.node_count == 3
+    assert chain.graph.node_count == 4
     assert all(chain.launch_is_right() for _ in range(8))
     chain.free()
 
