@@ -51,8 +51,15 @@ def runner(ptx: Path) -> cuda.Runner:
     if ON_GPU:
         return cuda.Runner(ptx)
     assert FAKE_LIBCUDA.is_file(), f"{FAKE_LIBCUDA} is not built (CMakeLists.txt builds it with the harness)"
+    before = os.environ.get("LILY_LIBCUDA")
     os.environ["LILY_LIBCUDA"] = str(FAKE_LIBCUDA)
-    r = cuda.Runner(ptx)
+    try:
+        r = cuda.Runner(ptx)
+    finally:  # read once, when the driver is opened: later tests' subprocesses get the environment they had
+        if before is None:
+            del os.environ["LILY_LIBCUDA"]
+        else:
+            os.environ["LILY_LIBCUDA"] = before
     assert r.device_name == FAKE_DEVICE, f"this process already uses the CUDA driver of '{r.device_name}'"
     return r
 
