@@ -107,6 +107,23 @@ def tiny_mlx4_f32_dir(tiny_checkpoints: TinyCheckpoints) -> Path:
     return tiny_checkpoints.mlx("kv64", bits=4, dtype="float32")
 
 
+@pytest.fixture(scope="session")
+def cuda_compile_only(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path]:
+    """`python -m lily.selftest --device cuda --compile-only --ptx-out DIR`, once per session: every kernel compiled
+    to PTX and checked by ptxas (test_cuda_build.py reads the table, test_cuda_driver.py runs the PTX on the fake
+    libcuda), so CI compiles the kernels for CUDA once. Returns (exit code, stdout, the PTX folder)."""
+    import contextlib
+    import io
+
+    from lily import selftest
+
+    out = tmp_path_factory.mktemp("cuda_ptx")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = selftest.main(["--device", "cuda", "--compile-only", "--ptx-out", str(out)])
+    return code, printed.getvalue(), out
+
+
 @pytest.fixture(scope="session", params=sorted(fixtures.TINY_CONFIGS))
 def variant(request: pytest.FixtureRequest) -> str:
     return request.param

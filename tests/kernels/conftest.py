@@ -44,9 +44,12 @@ def _dispatch_on_the_device() -> None:
     except ImportError:
         msl = types.ModuleType("lily._ext.msl")
         msl.test_kernel_names = lambda: []
-        ext = sys.modules.get("lily._ext") or types.ModuleType("lily._ext")
-        ext.msl = msl
-        sys.modules["lily._ext"], sys.modules["lily._ext.msl"] = ext, msl
+        try:
+            from lily import _ext
+        except ImportError:  # no extension at all: the package itself stands in
+            _ext = sys.modules["lily._ext"] = types.ModuleType("lily._ext")
+        _ext.msl = msl
+        sys.modules["lily._ext.msl"] = msl
     msl.dispatch = device.dispatch
     msl.executions = lambda: dict(device.runs)
     msl.kernel_names = lambda: sorted(device.kernels)

@@ -27,8 +27,9 @@ def _cuda_kernels_tool() -> Path | None:
     return tool
 
 
-def compile_cuda() -> int:
-    """Compile every kernel for CUDA and check it with ptxas; print the table; return the exit code."""
+def compile_cuda(ptx_out: str | None = None) -> int:
+    """Compile every kernel for CUDA and check it with ptxas; print the table; return the exit code. The PTX is kept
+    in ``ptx_out`` when given (a folder for LILY_CUDA_PTX_DIR)."""
     tool = _cuda_kernels_tool()
     if tool is None:
         return 2
@@ -36,9 +37,9 @@ def compile_cuda() -> int:
     builder = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = builder  # its dataclasses look their module up
     spec.loader.exec_module(builder)
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as scratch:
         try:
-            built = builder.build(Path(out))
+            built = builder.build(Path(ptx_out or scratch))
         except (builder.ToolchainError, RuntimeError) as exc:
             print(f"lily.selftest: {exc}", file=sys.stderr)
             return 1

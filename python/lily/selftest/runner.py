@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile-only", action="store_true",
                         help="with --device cuda: compile every kernel for the NVIDIA targets and check it with "
                              "ptxas; no GPU needed")
+    parser.add_argument("--ptx-out", metavar="DIR", help="with --compile-only: keep the PTX files in DIR")
     parser.add_argument("--kernels", metavar="REGEX", help="only the instantiated kernels whose name matches REGEX")
     parser.add_argument("--all", action="store_true",
                         help="every case of each kernel (the kernel tests' set), not one representative case")
@@ -141,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         from lily.selftest.compile_cuda import compile_cuda
 
-        return compile_cuda()
+        return compile_cuda(args.ptx_out)
     device = _open(args.device)
     if device is None:
         return 2
