@@ -36,13 +36,6 @@ inline void store_y_tile(threadgroup const float* tile, uint ld, uint rows, uint
   }
 }
 
-template <uint Frags>
-inline void zero_fragments(thread simdgroup_float8x8* acc) {
-  for (uint f = 0; f < Frags; ++f) {
-    acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-  }
-}
-
 // acc[fm · FragsN + fn] += a_tile(rows row0 + 8·fm ..) · bt_tile(columns col0 + 8·fn ..) over `depth` k: the A tile is
 // [rows][lda], the B tile k-major [depth][ldb] (W^T, as simdgroup_load wants it).
 template <uint FragsM, uint FragsN>
@@ -78,17 +71,18 @@ inline void store_fragments(threadgroup float* out_tile, uint ldo, thread const 
 }
 
 // The tile loop of every tiled GEMM (qmm, mm, the grouped MoE GEMM): NumB products A · B_i^T sharing one A, of which
-// this simdgroup owns FragsM x FragsN fragments at (row0, col0). Per K step of BK, every thread helps `a` stage the A
-// tile [rows][lda] and `b` the NumB k-major B tiles [BK][ldb] (tile i at b_tiles + i·BK·ldb), then every simdgroup
-// runs its MMAs. After the loop product i is stored, in fp32, at out_tiles + i·BK·ldb (row stride ldb; out_tiles may
-// be b_tiles when BK covers the tile's rows) and is visible to the whole threadgroup. The loaders are structs with
-// `void load(threadgroup float* tile, uint ld, uint k0) const`: the kernels differ only in where tiles come from.
+// this simdgroup owns FragsM x FragsN fragments at (row0, col0). Per K step of BK, the threads stage the A tile
+// [rows][lda] through `a` and the NumB k-major B tiles [BK][ldb] (tile i at b_tiles + i·BK·ldb) through `b` (structs
+// with `void load(threadgroup float* tile, uint ld, uint k0) const`), then each simdgroup runs its MMAs. Product i
+// ends in fp32 in B tile i (BK covers the tile's rows), visible to the whole threadgroup.
 template <uint FragsM, uint FragsN, uint BK, uint NumB, typename ATile, typename BTiles>
 inline void gemm_tile_loop(thread const ATile& a, thread const BTiles& b, uint K, threadgroup float* a_tile, uint lda,
-                           threadgroup float* b_tiles, uint ldb, threadgroup float* out_tiles, uint row0, uint col0) {
+                           threadgroup float* b_tiles, uint ldb, uint row0, uint col0) {
   constexpr uint kFrags = FragsM * FragsN;
   simdgroup_float8x8 acc[NumB * kFrags];
-  zero_fragments<NumB * kFrags>(acc);
+  for (uint f = 0; f < NumB * kFrags; ++f) {
+    acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
   for (uint k0 = 0; k0 < K; k0 += BK) {
     threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done reading the previous step's tiles
     a.load(a_tile, lda, k0);
@@ -98,9 +92,9 @@ inline void gemm_tile_loop(thread const ATile& a, thread const BTiles& b, uint K
       mma_step<FragsM, FragsN>(acc + i * kFrags, a_tile, lda, b_tiles + i * BK * ldb, ldb, BK, row0, col0);
     }
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // the output tiles may be the B tiles of the last step
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done reading the last step's B tiles
   for (uint i = 0; i < NumB; ++i) {
-    store_fragments<FragsM, FragsN>(out_tiles + i * BK * ldb, ldb, acc + i * kFrags, row0, col0);
+    store_fragments<FragsM, FragsN>(b_tiles + i * BK * ldb, ldb, acc + i * kFrags, row0, col0);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
@@ -120,7 +114,7 @@ struct RowsTile {
 // (bound to W rows tg.x · BN ..) fills the BK x BN k-major W^T tile, dequantized or copied, rows past N zero. The store
 // goes through threadgroup memory, so partial tiles are clipped and rounded per element, independent of the
 // simdgroup_matrix lane layout. The caller declares the threadgroup tiles: x_tile [BM][BK + PAD], wt_tile
-// [BK][BN + PAD] (BM <= BK: it holds the output tile after the loop).
+// [BK][BN + PAD] (which holds the output tile after the loop).
 template <int BM, typename T, typename WTile>
 inline void gemm_tiles(device const T* x, thread const WTile& w_tile, device T* y, threadgroup float* x_tile,
                        threadgroup float* wt_tile, uint M, uint N, uint K, uint3 tg, uint tid, uint n_threads,
@@ -133,8 +127,8 @@ inline void gemm_tiles(device const T* x, thread const WTile& w_tile, device T* 
   const uint row0 = tg.y * BM;
   const uint n0 = tg.x * BN;
   const RowsTile<T> x_rows{x, BM, row0, M, K, tid, n_threads};
-  gemm_tile_loop<2, 2, LILY_QMM_BK, 1>(x_rows, w_tile, K, x_tile, kLdX, wt_tile, kLdW, wt_tile,
-                                       (simd_group / 2) * 16, (simd_group % 2) * 16);
+  gemm_tile_loop<2, 2, LILY_QMM_BK, 1>(x_rows, w_tile, K, x_tile, kLdX, wt_tile, kLdW, (simd_group / 2) * 16,
+                                       (simd_group % 2) * 16);
   store_y_tile(wt_tile, kLdW, BM, BN, y, row0, n0, M, N, tid, n_threads);
 }
 

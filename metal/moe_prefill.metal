@@ -202,47 +202,37 @@ struct MoeRowsTile {
   }
 };
 
-// b_tile [BK][B_STRIDE] fp32, column n = weight row n0 + n over k0 .. k0+BK, dequantised (scale·q + bias): this
-// thread's share, words [first_word, first_word + num_words) of the row's BK/8 words. Stored k-major so the MMA loads
-// B fragments without a transposed load; the 32 lanes of a simdgroup own 32 consecutive columns, so each of their
-// threadgroup writes is one conflict-free row segment. The BK-wide step lies inside one group of 64: one scale and
-// bias per row.
-template <typename S>
-struct MoeWeights {
-  device const uint* weight;
-  device const S* scales;
-  device const S* biases;
+// The expert's NumB weight tiles for lily::gemm_tile_loop, consecutive b_tile [BK][B_STRIDE] fp32: column n = weight
+// row n0 + n over k0 .. k0+BK, dequantised (scale·q + bias). Gate then up (NumB 2: simdgroups 0-1 dequantise the gate
+// rows, 2-3 the up rows, one row per thread) or down (NumB 1: two threads per row, half of its BK/8 words each).
+// Stored k-major so the MMA loads B fragments without a transposed load; the 32 lanes of a simdgroup own 32
+// consecutive columns, so each of their threadgroup writes is one conflict-free row segment. The BK-wide step lies
+// inside one group of 64: one scale and bias per row.
+template <typename S, uint NumB>
+struct MoeWeightTiles {
+  device const uint* weight[NumB];
+  device const S* scales[NumB];
+  device const S* biases[NumB];
+  uint in_size, n0, tid;
 
-  void load_row(threadgroup float* b_tile, uint in_size, uint n0, uint n, uint k0, uint first_word,
-                uint num_words) const {
+  void load(threadgroup float* b_tiles, uint, uint k0) const {
+    constexpr uint kThreadsPerRow = GEMM_THREADS / (NumB * GEMM_BN);
+    constexpr uint kWords = GEMM_BK / 8 / kThreadsPerRow;  // this thread's share of the row's BK/8 words
+    const uint b = tid / (GEMM_BN * kThreadsPerRow);        // the matrix: uniform per simdgroup
+    const uint n = tid % GEMM_BN;
+    const uint first_word = (tid / GEMM_BN) % kThreadsPerRow * kWords;
     const size_t row = n0 + n;
-    const float scale = float(scales[row * (in_size / 64) + k0 / 64]);
-    const float bias = float(biases[row * (in_size / 64) + k0 / 64]);
-    device const uint* words = weight + row * (in_size / 8) + k0 / 8;
-    for (uint w = first_word; w < first_word + num_words; ++w) {
+    const size_t group = row * (in_size / 64) + k0 / 64;
+    const float scale = float((b == 0 ? scales[0] : scales[NumB - 1])[group]);
+    const float bias = float((b == 0 ? biases[0] : biases[NumB - 1])[group]);
+    device const uint* words = (b == 0 ? weight[0] : weight[NumB - 1]) + row * (in_size / 8) + k0 / 8;
+    threadgroup float* b_tile = b_tiles + b * GEMM_BK * B_STRIDE;
+    for (uint w = first_word; w < first_word + kWords; ++w) {
       const uint word = words[w];
       for (uint j = 0; j < 8; ++j) {
         b_tile[(w * 8 + j) * B_STRIDE + n] = lily::dequantize_code<4>(word, j, scale, bias);
       }
     }
-  }
-};
-
-// The expert's NumB weight tiles for lily::gemm_tile_loop, consecutive [BK][B_STRIDE] tiles: gate then up (NumB 2:
-// simdgroups 0-1 dequantise the gate rows, 2-3 the up rows, uniform per simdgroup, one row per thread) or down (NumB
-// 1: two threads per row, half of its BK/8 words each). The 32 lanes of a simdgroup take 32 consecutive rows.
-template <typename S, uint NumB>
-struct MoeWeightTiles {
-  MoeWeights<S> w[NumB];
-  uint in_size, n0, tid;
-
-  void load(threadgroup float* b_tiles, uint, uint k0) const {
-    constexpr uint kThreadsPerRow = GEMM_THREADS / (NumB * GEMM_BN);
-    constexpr uint kWords = GEMM_BK / 8 / kThreadsPerRow;
-    const uint b = tid / (GEMM_BN * kThreadsPerRow);
-    const MoeWeights<S> matrix = b == 0 ? w[0] : w[NumB - 1];
-    matrix.load_row(b_tiles + b * GEMM_BK * B_STRIDE, in_size, n0, tid % GEMM_BN, k0,
-                    (tid / GEMM_BN) % kThreadsPerRow * kWords, kWords);
   }
 };
 
@@ -252,10 +242,9 @@ template <int BM, uint NumB, typename ATile, typename BTiles>
 inline void moe_tile_products(thread const ATile& a, thread const BTiles& b, uint K, threadgroup float* a_tile,
                               threadgroup float* b_tiles, uint simd_group) {
   static_assert(BM <= int(GEMM_BK), "the output tiles reuse the weight tiles");
-  const uint row0 = (simd_group / MoeTile<BM>::SIMD_COLS) * 16;
-  const uint col0 = (simd_group % MoeTile<BM>::SIMD_COLS) * MoeTile<BM>::COLS;
-  lily::gemm_tile_loop<2, uint(MoeTile<BM>::FRAGS_N), GEMM_BK, NumB>(a, b, K, a_tile, A_STRIDE, b_tiles, B_STRIDE,
-                                                                      b_tiles, row0, col0);
+  lily::gemm_tile_loop<2, uint(MoeTile<BM>::FRAGS_N), GEMM_BK, NumB>(
+      a, b, K, a_tile, A_STRIDE, b_tiles, B_STRIDE, (simd_group / MoeTile<BM>::SIMD_COLS) * 16,
+      (simd_group % MoeTile<BM>::SIMD_COLS) * MoeTile<BM>::COLS);
 }
 
 // Grid: (I / 64, max_tiles) threadgroups of 128 threads.
@@ -297,9 +286,9 @@ template <typename T, typename S, int BM>
   const size_t w_offset = size_t(expert) * expert_size * (hidden_size / 8);
   const size_t s_offset = size_t(expert) * expert_size * (hidden_size / 64);
   const MoeRowsTile<T, BM> x_rows{x, row_src, hidden_size, tid};
-  const MoeWeightTiles<S, 2> weights{{{gate_weight + w_offset, gate_scales + s_offset, gate_biases + s_offset},
-                                      {up_weight + w_offset, up_scales + s_offset, up_biases + s_offset}},
-                                     hidden_size, n0, tid};
+  const MoeWeightTiles<S, 2> weights{{gate_weight + w_offset, up_weight + w_offset},
+                                     {gate_scales + s_offset, up_scales + s_offset},
+                                     {gate_biases + s_offset, up_biases + s_offset}, hidden_size, n0, tid};
   moe_tile_products<BM, 2>(x_rows, weights, hidden_size, a_tile, gate_up_tiles, simd_group);
   threadgroup const float* gate_tile = gate_up_tiles;
   threadgroup const float* up_tile = gate_up_tiles + GEMM_BK * B_STRIDE;
@@ -349,7 +338,7 @@ template <typename T, typename S, int BM>
   const size_t w_offset = size_t(expert) * hidden_size * (expert_size / 8);
   const size_t s_offset = size_t(expert) * hidden_size * (expert_size / 64);
   const MoeRowsTile<T, BM> h_rows{hidden, row_src, expert_size, tid};
-  const MoeWeightTiles<S, 1> weights{{{down_weight + w_offset, down_scales + s_offset, down_biases + s_offset}},
+  const MoeWeightTiles<S, 1> weights{{down_weight + w_offset}, {down_scales + s_offset}, {down_biases + s_offset},
                                      expert_size, n0, tid};
   moe_tile_products<BM, 1>(h_rows, weights, expert_size, a_tile, b_tile, simd_group);
   for (uint i = tid; i < rows * GEMM_BN; i += GEMM_THREADS) {
