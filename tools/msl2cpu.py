@@ -29,13 +29,8 @@ from pathlib import Path
 import msl_rules
 from msl_text import INSTANTIATION_RE, KERNEL_RE, blank_comments, host_names, is_template_kernel, split_top_level
 
-POSITION_ATTRS = {
-    "thread_position_in_grid",
-    "thread_position_in_threadgroup",
-    "threadgroup_position_in_grid",
-    "threads_per_threadgroup",
-    "threadgroups_per_grid",
-    "threads_per_grid",
+# The position attributes the harness binds: Metal's (msl_rules.py), less dispatch_threads_per_threadgroup.
+POSITION_ATTRS = msl_rules.VECTOR_POSITION_ATTRS - {"dispatch_threads_per_threadgroup"} | {
     "thread_index_in_threadgroup",
     "thread_index_in_simdgroup",
     "simdgroup_index_in_threadgroup",
