@@ -180,8 +180,11 @@ struct MoeTile {
   static constant constexpr const int SIMD_COLS = 4 / SIMD_ROWS;     // 4 or 2
   static constant constexpr const int COLS = int(GEMM_BN) / SIMD_COLS;  // 16 or 32 columns per simdgroup
   static constant constexpr const int FRAGS_N = COLS / 8;
-  static_assert(BM == 16 || BM == 32, "grouped GEMM tiles are 16 or 32 rows");
+  static_assert((BM == 16 || BM == 32) && BM <= int(GEMM_BK), "16 or 32 rows, at most BK: outputs reuse the B tiles");
   static_assert(GEMM_THREADS == 128 && GEMM_THREADS == 2 * GEMM_BN, "4 simdgroups; 2 threads per weight row");
+  // This simdgroup's first row and column in the tile.
+  static uint row0(uint simd_group) { return (simd_group / SIMD_COLS) * 16; }
+  static uint col0(uint simd_group) { return (simd_group % SIMD_COLS) * COLS; }
 };
 
 // The A tile source for lily::gemm_tile_loop: a_tile [BM][A_STRIDE] fp32 = rows row_src[m] of `a` (zero for padding
@@ -236,17 +239,6 @@ struct MoeWeightTiles {
   }
 };
 
-// One grouped GEMM tile: the NumB products of the gathered rows with this expert's weights, into b_tiles (fp32
-// [BM][B_STRIDE] each) through lily::gemm_tile_loop.
-template <int BM, uint NumB, typename ATile, typename BTiles>
-inline void moe_tile_products(thread const ATile& a, thread const BTiles& b, uint K, threadgroup float* a_tile,
-                              threadgroup float* b_tiles, uint simd_group) {
-  static_assert(BM <= int(GEMM_BK), "the output tiles reuse the weight tiles");
-  lily::gemm_tile_loop<2, uint(MoeTile<BM>::FRAGS_N), GEMM_BK, NumB>(
-      a, b, K, a_tile, A_STRIDE, b_tiles, B_STRIDE, (simd_group / MoeTile<BM>::SIMD_COLS) * 16,
-      (simd_group % MoeTile<BM>::SIMD_COLS) * MoeTile<BM>::COLS);
-}
-
 // Grid: (I / 64, max_tiles) threadgroups of 128 threads.
 template <typename T, typename S, int BM>
 [[kernel]] void moe_gemm_gate_up(constant lily::MoeArgs& args [[buffer(0)]],
@@ -289,7 +281,9 @@ template <typename T, typename S, int BM>
   const MoeWeightTiles<S, 2> weights{{gate_weight + w_offset, up_weight + w_offset},
                                      {gate_scales + s_offset, up_scales + s_offset},
                                      {gate_biases + s_offset, up_biases + s_offset}, hidden_size, n0, tid};
-  moe_tile_products<BM, 2>(x_rows, weights, hidden_size, a_tile, gate_up_tiles, simd_group);
+  lily::gemm_tile_loop<2, uint(MoeTile<BM>::FRAGS_N), GEMM_BK, 2>(
+      x_rows, weights, hidden_size, a_tile, A_STRIDE, gate_up_tiles, B_STRIDE, MoeTile<BM>::row0(simd_group),
+      MoeTile<BM>::col0(simd_group));
   threadgroup const float* gate_tile = gate_up_tiles;
   threadgroup const float* up_tile = gate_up_tiles + GEMM_BK * B_STRIDE;
   // Only the tile's own rows: the rows after them in sorted order belong to the next tile or expert.
@@ -340,7 +334,9 @@ template <typename T, typename S, int BM>
   const MoeRowsTile<T, BM> h_rows{hidden, row_src, expert_size, tid};
   const MoeWeightTiles<S, 1> weights{{down_weight + w_offset}, {down_scales + s_offset}, {down_biases + s_offset},
                                      expert_size, n0, tid};
-  moe_tile_products<BM, 1>(h_rows, weights, expert_size, a_tile, b_tile, simd_group);
+  lily::gemm_tile_loop<2, uint(MoeTile<BM>::FRAGS_N), GEMM_BK, 1>(
+      h_rows, weights, expert_size, a_tile, A_STRIDE, b_tile, B_STRIDE, MoeTile<BM>::row0(simd_group),
+      MoeTile<BM>::col0(simd_group));
   for (uint i = tid; i < rows * GEMM_BN; i += GEMM_THREADS) {
     const uint m = i / GEMM_BN;
     const uint n = i % GEMM_BN;
