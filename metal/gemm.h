@@ -1,6 +1,7 @@
-// The tiled GEMM shared by qmm (metal/qmatmul.metal), mm (metal/mm.metal) and, for its MMA step and store, the grouped
-// MoE GEMM (metal/moe_prefill.metal): Y[M, N] = X[M, K] · W^T with fp32 threadgroup tiles and simdgroup_matrix 8x8
-// MMAs accumulating in fp32. Each simdgroup owns FragsM x FragsN fragments; tiles are row-major with a padded stride.
+// The tiled GEMM shared by qmm (metal/qmatmul.metal), mm (metal/mm.metal) and the grouped MoE GEMM
+// (metal/moe_prefill.metal): Y[M, N] = X[M, K] · W^T with fp32 threadgroup tiles and simdgroup_matrix 8x8 MMAs
+// accumulating in fp32, one tile loop (gemm_tile_loop) fed by each kernel's tile loaders. Each simdgroup owns
+// FragsM x FragsN fragments; tiles are row-major with a padded stride.
 #ifndef LILY_GEMM_H
 #define LILY_GEMM_H
 
@@ -32,13 +33,6 @@ inline void store_y_tile(threadgroup const float* tile, uint ld, uint rows, uint
     if (m < M && n < N) {
       y[size_t(m) * N + n] = T(tile[r * ld + c]);
     }
-  }
-}
-
-template <uint Frags>
-inline void zero_fragments(thread simdgroup_float8x8* acc) {
-  for (uint f = 0; f < Frags; ++f) {
-    acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
 }
 
@@ -76,37 +70,66 @@ inline void store_fragments(threadgroup float* out_tile, uint ldo, thread const 
   }
 }
 
-// The qmm / mm tile loop: a BM x LILY_QMM_BN output tile per threadgroup, (BM / 16) x 2 simdgroups of 16 x 16 each.
-// Per K step of LILY_QMM_BK the threadgroup copies a BM x BK tile of X and `w_tile` fills the BK x BN k-major W^T tile
-// (dequantized or copied), then every simdgroup runs its MMAs. The store goes through threadgroup memory, so partial
-// tiles are clipped and rounded per element, independent of the simdgroup_matrix lane layout. The caller declares the
-// threadgroup tiles: x_tile [BM][BK + PAD], wt_tile [BK][BN + PAD], y_tile [BM][BN + PAD].
+// The tile loop of every tiled GEMM (qmm, mm, the grouped MoE GEMM): NumB products A · B_i^T sharing one A, of which
+// this simdgroup owns FragsM x FragsN fragments at (row0, col0). Per K step of BK, the threads stage the A tile
+// [rows][lda] through `a` and the NumB k-major B tiles [BK][ldb] (tile i at b_tiles + i·BK·ldb) through `b` (structs
+// with `void load(threadgroup float* tile, uint ld, uint k0) const`), then each simdgroup runs its MMAs. Product i
+// ends in fp32 in B tile i (BK covers the tile's rows), visible to the whole threadgroup.
+template <uint FragsM, uint FragsN, uint BK, uint NumB, typename ATile, typename BTiles>
+inline void gemm_tile_loop(thread const ATile& a, thread const BTiles& b, uint K, threadgroup float* a_tile, uint lda,
+                           threadgroup float* b_tiles, uint ldb, uint row0, uint col0) {
+  constexpr uint kFrags = FragsM * FragsN;
+  simdgroup_float8x8 acc[NumB * kFrags];
+  for (uint f = 0; f < NumB * kFrags; ++f) {
+    acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  for (uint k0 = 0; k0 < K; k0 += BK) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done reading the previous step's tiles
+    a.load(a_tile, lda, k0);
+    b.load(b_tiles, ldb, k0);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint i = 0; i < NumB; ++i) {
+      mma_step<FragsM, FragsN>(acc + i * kFrags, a_tile, lda, b_tiles + i * BK * ldb, ldb, BK, row0, col0);
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done reading the last step's B tiles
+  for (uint i = 0; i < NumB; ++i) {
+    store_fragments<FragsM, FragsN>(b_tiles + i * BK * ldb, ldb, acc + i * kFrags, row0, col0);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// The qmm / mm A tile source for gemm_tile_loop: rows [row0, row0 + rows) of X[M, K], BK columns per step.
+template <typename T>
+struct RowsTile {
+  device const T* x;
+  uint rows, row0, M, K, tid, n_threads;
+
+  void load(threadgroup float* tile, uint ld, uint k0) const {
+    load_x_tile(x, tile, ld, rows, LILY_QMM_BK, row0, k0, M, K, tid, n_threads);
+  }
+};
+
+// The qmm / mm GEMM: a BM x LILY_QMM_BN output tile per threadgroup, (BM / 16) x 2 simdgroups of 16 x 16 each; `w_tile`
+// (bound to W rows tg.x · BN ..) fills the BK x BN k-major W^T tile, dequantized or copied, rows past N zero. The store
+// goes through threadgroup memory, so partial tiles are clipped and rounded per element, independent of the
+// simdgroup_matrix lane layout. The caller declares the threadgroup tiles: x_tile [BM][BK + PAD], wt_tile
+// [BK][BN + PAD] (which holds the output tile after the loop).
 template <int BM, typename T, typename WTile>
 inline void gemm_tiles(device const T* x, thread const WTile& w_tile, device T* y, threadgroup float* x_tile,
-                       threadgroup float* wt_tile, threadgroup float* y_tile, uint M, uint N, uint K, uint3 tg,
-                       uint tid, uint n_threads, uint simd_group) {
+                       threadgroup float* wt_tile, uint M, uint N, uint K, uint3 tg, uint tid, uint n_threads,
+                       uint simd_group) {
   constexpr uint BN = LILY_QMM_BN;
-  constexpr uint BK = LILY_QMM_BK;
   constexpr uint kLdX = LILY_QMM_BK + LILY_QMM_PAD;
   constexpr uint kLdW = LILY_QMM_BN + LILY_QMM_PAD;
   static_assert(BN == 32 && (BM == 16 || BM == 32), "simdgroups own 16 x 16 blocks: (BM / 16) x 2 simdgroups");
+  static_assert(BM <= LILY_QMM_BK, "the output tile reuses the W^T tile");
   const uint row0 = tg.y * BM;
   const uint n0 = tg.x * BN;
-  const uint sub_row = (simd_group / 2) * 16;  // this simdgroup's 16 x 16 block of the tile
-  const uint sub_col = (simd_group % 2) * 16;
-
-  simdgroup_float8x8 acc[4];
-  zero_fragments<4>(acc);
-  for (uint k0 = 0; k0 < K; k0 += BK) {
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done reading the previous step's tiles
-    load_x_tile(x, x_tile, kLdX, BM, BK, row0, k0, M, K, tid, n_threads);
-    w_tile.load(wt_tile, kLdW, BN, BK, n0, k0, N, K, tid, n_threads);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    mma_step<2, 2>(acc, x_tile, kLdX, wt_tile, kLdW, BK, sub_row, sub_col);
-  }
-  store_fragments<2, 2>(y_tile, kLdW, acc, sub_row, sub_col);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  store_y_tile(y_tile, kLdW, BM, BN, y, row0, n0, M, N, tid, n_threads);
+  const RowsTile<T> x_rows{x, BM, row0, M, K, tid, n_threads};
+  gemm_tile_loop<2, 2, LILY_QMM_BK, 1>(x_rows, w_tile, K, x_tile, kLdX, wt_tile, kLdW, (simd_group / 2) * 16,
+                                       (simd_group % 2) * 16);
+  store_y_tile(wt_tile, kLdW, BM, BN, y, row0, n0, M, N, tid, n_threads);
 }
 
 }  // namespace lily

@@ -11,16 +11,16 @@ using namespace metal;
 
 namespace lily_mm {
 
-// The mm W^T tile source for lily::gemm_tiles: rows [n0, n0 + rows) x columns [k0, k0 + cols) of a dense W[N, K]
-// into a k-major threadgroup tile (tile[k * ld + n]), widened to fp32; rows past N are zero.
+// The mm W^T tile source for lily::gemm_tiles: rows [n0, n0 + BN) x columns [k0, k0 + BK) of a dense W[N, K] into a
+// k-major threadgroup tile (tile[k * ld + n]), widened to fp32; rows past N are zero.
 template <typename T>
 struct DenseWTile {
   device const T* w;
+  uint n0, N, K, tid, n_threads;
 
-  void load(threadgroup float* tile, uint ld, uint rows, uint cols, uint n0, uint k0, uint N, uint K, uint tid,
-            uint n_threads) const {
-    for (uint i = tid; i < rows * cols; i += n_threads) {
-      uint r = i / cols, c = i % cols;
+  void load(threadgroup float* tile, uint ld, uint k0) const {
+    for (uint i = tid; i < LILY_QMM_BN * LILY_QMM_BK; i += n_threads) {
+      uint r = i / LILY_QMM_BK, c = i % LILY_QMM_BK;
       uint n = n0 + r;
       tile[c * ld + r] = n < N ? float(w[size_t(n) * K + k0 + c]) : 0.0f;
     }
@@ -41,10 +41,9 @@ template <typename T, int BM>
   const uint n_threads = threads_per_group.x;  // 1-D threadgroups: the attribute's width matches the position's
   threadgroup float x_tile[BM][LILY_QMM_BK + LILY_QMM_PAD];
   threadgroup float wt_tile[LILY_QMM_BK][LILY_QMM_BN + LILY_QMM_PAD];
-  threadgroup float y_tile[BM][LILY_QMM_BN + LILY_QMM_PAD];
-  const lily_mm::DenseWTile<T> w_tile{w};
-  lily::gemm_tiles<BM>(x, w_tile, y, &x_tile[0][0], &wt_tile[0][0], &y_tile[0][0], args.num_rows, args.out_features,
-                       args.in_features, tg, tid, n_threads, simd_group);
+  const lily_mm::DenseWTile<T> w_tile{w, tg.x * LILY_QMM_BN, args.out_features, args.in_features, tid, n_threads};
+  lily::gemm_tiles<BM>(x, w_tile, y, &x_tile[0][0], &wt_tile[0][0], args.num_rows, args.out_features, args.in_features,
+                       tg, tid, n_threads, simd_group);
 }
 
 LILY_INSTANTIATE_KERNEL("mm_f32_bm16", mm, float, 16)

@@ -180,57 +180,64 @@ struct MoeTile {
   static constant constexpr const int SIMD_COLS = 4 / SIMD_ROWS;     // 4 or 2
   static constant constexpr const int COLS = int(GEMM_BN) / SIMD_COLS;  // 16 or 32 columns per simdgroup
   static constant constexpr const int FRAGS_N = COLS / 8;
-  static_assert(BM == 16 || BM == 32, "grouped GEMM tiles are 16 or 32 rows");
+  static_assert((BM == 16 || BM == 32) && BM <= int(GEMM_BK), "16 or 32 rows, at most BK: outputs reuse the B tiles");
   static_assert(GEMM_THREADS == 128 && GEMM_THREADS == 2 * GEMM_BN, "4 simdgroups; 2 threads per weight row");
+  // This simdgroup's first row and column in the tile.
+  static uint row0(uint simd_group) { return (simd_group / SIMD_COLS) * 16; }
+  static uint col0(uint simd_group) { return (simd_group % SIMD_COLS) * COLS; }
 };
 
-// a_tile [BM][A_STRIDE] fp32 = rows row_src[m] of `a` (zero for padding rows), columns k0 .. k0+BK. Consecutive
-// threads read consecutive elements of a row.
+// The A tile source for lily::gemm_tile_loop: a_tile [BM][A_STRIDE] fp32 = rows row_src[m] of `a` (zero for padding
+// rows), columns k0 .. k0+BK. Consecutive threads read consecutive elements of a row.
 template <typename T, int BM>
-inline void moe_load_rows(threadgroup float* a_tile, device const T* a, threadgroup const uint* row_src,
-                          uint row_stride, uint k0, uint tid) {
-  for (uint i = tid; i < uint(BM) * GEMM_BK; i += GEMM_THREADS) {
-    const uint m = i / GEMM_BK;
-    const uint c = i % GEMM_BK;
-    const uint src = row_src[m];
-    a_tile[m * A_STRIDE + c] = src == MOE_NO_ROW ? 0.0f : float(a[size_t(src) * row_stride + k0 + c]);
-  }
-}
+struct MoeRowsTile {
+  device const T* a;
+  threadgroup const uint* row_src;
+  uint row_stride, tid;
 
-// b_tile [BK][B_STRIDE] fp32, column n = weight row n0 + n over k0 .. k0+BK, dequantised (scale·q + bias): this
-// thread's share, words [first_word, first_word + num_words) of the row's BK/8 words. Stored k-major so the MMA loads
-// B fragments without a transposed load; the 32 lanes of a simdgroup own 32 consecutive columns, so each of their
-// threadgroup writes is one conflict-free row segment. The BK-wide step lies inside one group of 64: one scale and
-// bias per row.
-template <typename S>
-inline void moe_load_weight_row(threadgroup float* b_tile, device const uint* weight, device const S* scales,
-                                device const S* biases, uint in_size, uint n0, uint n, uint k0, uint first_word,
-                                uint num_words) {
-  const size_t row = n0 + n;
-  const float scale = float(scales[row * (in_size / 64) + k0 / 64]);
-  const float bias = float(biases[row * (in_size / 64) + k0 / 64]);
-  device const uint* words = weight + row * (in_size / 8) + k0 / 8;
-  for (uint w = first_word; w < first_word + num_words; ++w) {
-    const uint word = words[w];
-    for (uint j = 0; j < 8; ++j) {
-      b_tile[(w * 8 + j) * B_STRIDE + n] = lily::dequantize_code<4>(word, j, scale, bias);
+  void load(threadgroup float* a_tile, uint ld, uint k0) const {
+    for (uint i = tid; i < uint(BM) * GEMM_BK; i += GEMM_THREADS) {
+      const uint m = i / GEMM_BK;
+      const uint c = i % GEMM_BK;
+      const uint src = row_src[m];
+      a_tile[m * ld + c] = src == MOE_NO_ROW ? 0.0f : float(a[size_t(src) * row_stride + k0 + c]);
     }
   }
-}
+};
 
-// acc[fm·FRAGS_N + fn] += a_tile(rows of this simdgroup) · b_tile(columns of this simdgroup) over one BK step
-// (lily::mma_step of metal/gemm.h on the MoE tile strides).
-template <int BM>
-inline void moe_mma(thread simdgroup_float8x8* acc, threadgroup const float* a_tile, threadgroup const float* b_tile,
-                    uint row0, uint col0) {
-  lily::mma_step<2, uint(MoeTile<BM>::FRAGS_N)>(acc, a_tile, A_STRIDE, b_tile, B_STRIDE, GEMM_BK, row0, col0);
-}
+// The expert's NumB weight tiles for lily::gemm_tile_loop, consecutive b_tile [BK][B_STRIDE] fp32: column n = weight
+// row n0 + n over k0 .. k0+BK, dequantised (scale·q + bias). Gate then up (NumB 2: simdgroups 0-1 dequantise the gate
+// rows, 2-3 the up rows, one row per thread) or down (NumB 1: two threads per row, half of its BK/8 words each).
+// Stored k-major so the MMA loads B fragments without a transposed load; the 32 lanes of a simdgroup own 32
+// consecutive columns, so each of their threadgroup writes is one conflict-free row segment. The BK-wide step lies
+// inside one group of 64: one scale and bias per row.
+template <typename S, uint NumB>
+struct MoeWeightTiles {
+  device const uint* weight[NumB];
+  device const S* scales[NumB];
+  device const S* biases[NumB];
+  uint in_size, n0, tid;
 
-// out_tile [BM][B_STRIDE] fp32 = this simdgroup's accumulators at (row0, col0).
-template <int BM>
-inline void moe_store_acc(threadgroup float* out_tile, thread const simdgroup_float8x8* acc, uint row0, uint col0) {
-  lily::store_fragments<2, uint(MoeTile<BM>::FRAGS_N)>(out_tile, B_STRIDE, acc, row0, col0);
-}
+  void load(threadgroup float* b_tiles, uint, uint k0) const {
+    constexpr uint kThreadsPerRow = GEMM_THREADS / (NumB * GEMM_BN);
+    constexpr uint kWords = GEMM_BK / 8 / kThreadsPerRow;  // this thread's share of the row's BK/8 words
+    const uint b = tid / (GEMM_BN * kThreadsPerRow);        // the matrix: uniform per simdgroup
+    const uint n = tid % GEMM_BN;
+    const uint first_word = (tid / GEMM_BN) % kThreadsPerRow * kWords;
+    const size_t row = n0 + n;
+    const size_t group = row * (in_size / 64) + k0 / 64;
+    const float scale = float((b == 0 ? scales[0] : scales[NumB - 1])[group]);
+    const float bias = float((b == 0 ? biases[0] : biases[NumB - 1])[group]);
+    device const uint* words = (b == 0 ? weight[0] : weight[NumB - 1]) + row * (in_size / 8) + k0 / 8;
+    threadgroup float* b_tile = b_tiles + b * GEMM_BK * B_STRIDE;
+    for (uint w = first_word; w < first_word + kWords; ++w) {
+      const uint word = words[w];
+      for (uint j = 0; j < 8; ++j) {
+        b_tile[(w * 8 + j) * B_STRIDE + n] = lily::dequantize_code<4>(word, j, scale, bias);
+      }
+    }
+  }
+};
 
 // Grid: (I / 64, max_tiles) threadgroups of 128 threads.
 template <typename T, typename S, int BM>
@@ -250,11 +257,9 @@ template <typename T, typename S, int BM>
                                  uint tid [[thread_index_in_threadgroup]],
                                  uint simd_group [[simdgroup_index_in_threadgroup]]) {
   threadgroup float a_tile[BM * LILY_MOE_GEMM_BK + BM * LILY_MOE_GEMM_PAD];
-  // [BK][B_STRIDE]; after the K loop, also the gate and up output tiles [BM][B_STRIDE]
-  threadgroup float gate_tile[LILY_MOE_GEMM_BK * LILY_MOE_GEMM_BN + LILY_MOE_GEMM_BK * LILY_MOE_GEMM_PAD];
-  threadgroup float up_tile[LILY_MOE_GEMM_BK * LILY_MOE_GEMM_BN + LILY_MOE_GEMM_BK * LILY_MOE_GEMM_PAD];
+  // gate then up, each [BK][B_STRIDE]; after the K loop, the gate and up output tiles [BM][B_STRIDE]
+  threadgroup float gate_up_tiles[2 * LILY_MOE_GEMM_BK * LILY_MOE_GEMM_BN + 2 * LILY_MOE_GEMM_BK * LILY_MOE_GEMM_PAD];
   threadgroup uint row_src[BM];
-  static_assert(BM <= int(GEMM_BK), "the output tiles reuse the weight tiles");
   const uint tile = group.y;
   if (tile >= tile_count[0]) {
     return;  // past the block map: the whole threadgroup leaves before any barrier
@@ -272,32 +277,15 @@ template <typename T, typename S, int BM>
 
   const size_t w_offset = size_t(expert) * expert_size * (hidden_size / 8);
   const size_t s_offset = size_t(expert) * expert_size * (hidden_size / 64);
-  const uint row0 = (simd_group / MoeTile<BM>::SIMD_COLS) * 16;
-  const uint col0 = (simd_group % MoeTile<BM>::SIMD_COLS) * MoeTile<BM>::COLS;
-  simdgroup_float8x8 gate_acc[2 * MoeTile<BM>::FRAGS_N];
-  simdgroup_float8x8 up_acc[2 * MoeTile<BM>::FRAGS_N];
-  for (uint f = 0; f < uint(2 * MoeTile<BM>::FRAGS_N); ++f) {
-    gate_acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    up_acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-  }
-  for (uint k0 = 0; k0 < hidden_size; k0 += GEMM_BK) {
-    moe_load_rows<T, BM>(a_tile, x, row_src, hidden_size, k0, tid);
-    // Simdgroups 0-1 dequantise the gate rows, 2-3 the up rows (uniform per simdgroup): one row per thread.
-    if (tid < GEMM_BN) {
-      moe_load_weight_row(gate_tile, gate_weight + w_offset, gate_scales + s_offset, gate_biases + s_offset,
-                          hidden_size, n0, tid, k0, 0, GEMM_BK / 8);
-    } else {
-      moe_load_weight_row(up_tile, up_weight + w_offset, up_scales + s_offset, up_biases + s_offset, hidden_size, n0,
-                          tid - GEMM_BN, k0, 0, GEMM_BK / 8);
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    moe_mma<BM>(gate_acc, a_tile, gate_tile, row0, col0);
-    moe_mma<BM>(up_acc, a_tile, up_tile, row0, col0);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-  moe_store_acc<BM>(gate_tile, gate_acc, row0, col0);
-  moe_store_acc<BM>(up_tile, up_acc, row0, col0);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const MoeRowsTile<T, BM> x_rows{x, row_src, hidden_size, tid};
+  const MoeWeightTiles<S, 2> weights{{gate_weight + w_offset, up_weight + w_offset},
+                                     {gate_scales + s_offset, up_scales + s_offset},
+                                     {gate_biases + s_offset, up_biases + s_offset}, hidden_size, n0, tid};
+  lily::gemm_tile_loop<2, uint(MoeTile<BM>::FRAGS_N), GEMM_BK, 2>(
+      x_rows, weights, hidden_size, a_tile, A_STRIDE, gate_up_tiles, B_STRIDE, MoeTile<BM>::row0(simd_group),
+      MoeTile<BM>::col0(simd_group));
+  threadgroup const float* gate_tile = gate_up_tiles;
+  threadgroup const float* up_tile = gate_up_tiles + GEMM_BK * B_STRIDE;
   // Only the tile's own rows: the rows after them in sorted order belong to the next tile or expert.
   for (uint i = tid; i < rows * GEMM_BN; i += GEMM_THREADS) {
     const uint m = i / GEMM_BN;
@@ -326,7 +314,6 @@ template <typename T, typename S, int BM>
   // [BK][B_STRIDE]; after the K loop, also the output tile [BM][B_STRIDE]
   threadgroup float b_tile[LILY_MOE_GEMM_BK * LILY_MOE_GEMM_BN + LILY_MOE_GEMM_BK * LILY_MOE_GEMM_PAD];
   threadgroup uint row_src[BM];
-  static_assert(BM <= int(GEMM_BK), "the output tile reuses the weight tile");
   const uint tile = group.y;
   if (tile >= tile_count[0]) {
     return;
@@ -344,23 +331,12 @@ template <typename T, typename S, int BM>
 
   const size_t w_offset = size_t(expert) * hidden_size * (expert_size / 8);
   const size_t s_offset = size_t(expert) * hidden_size * (expert_size / 64);
-  const uint row0 = (simd_group / MoeTile<BM>::SIMD_COLS) * 16;
-  const uint col0 = (simd_group % MoeTile<BM>::SIMD_COLS) * MoeTile<BM>::COLS;
-  simdgroup_float8x8 acc[2 * MoeTile<BM>::FRAGS_N];
-  for (uint f = 0; f < uint(2 * MoeTile<BM>::FRAGS_N); ++f) {
-    acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-  }
-  for (uint k0 = 0; k0 < expert_size; k0 += GEMM_BK) {
-    moe_load_rows<T, BM>(a_tile, hidden, row_src, expert_size, k0, tid);
-    // Two threads per weight row, half of its BK/8 words each; the 32 lanes of a simdgroup take 32 consecutive rows.
-    moe_load_weight_row(b_tile, down_weight + w_offset, down_scales + s_offset, down_biases + s_offset, expert_size,
-                        n0, tid % GEMM_BN, k0, (tid / GEMM_BN) * (GEMM_BK / 16), GEMM_BK / 16);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    moe_mma<BM>(acc, a_tile, b_tile, row0, col0);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-  moe_store_acc<BM>(b_tile, acc, row0, col0);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const MoeRowsTile<T, BM> h_rows{hidden, row_src, expert_size, tid};
+  const MoeWeightTiles<S, 1> weights{{down_weight + w_offset}, {down_scales + s_offset}, {down_biases + s_offset},
+                                     expert_size, n0, tid};
+  lily::gemm_tile_loop<2, uint(MoeTile<BM>::FRAGS_N), GEMM_BK, 1>(
+      h_rows, weights, expert_size, a_tile, A_STRIDE, b_tile, B_STRIDE, MoeTile<BM>::row0(simd_group),
+      MoeTile<BM>::col0(simd_group));
   for (uint i = tid; i < rows * GEMM_BN; i += GEMM_THREADS) {
     const uint m = i / GEMM_BN;
     const uint n = i % GEMM_BN;

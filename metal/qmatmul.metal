@@ -109,16 +109,17 @@ inline void dequantize_w_tile(device const uint* weight, device const S* scales,
   }
 }
 
-// The qmm W^T tile source for lily::gemm_tiles: dequantizes the tile from the packed weights.
+// The qmm W^T tile source for lily::gemm_tiles: dequantizes W rows [n0, n0 + BN) from the packed weights.
 template <int Bits, typename S>
 struct QuantizedWTile {
   device const uint* weight;
   device const S* scales;
   device const S* biases;
+  uint n0, N, K, tid, n_threads;
 
-  void load(threadgroup float* tile, uint ld, uint rows, uint cols, uint n0, uint k0, uint N, uint K, uint tid,
-            uint n_threads) const {
-    dequantize_w_tile<Bits, true>(weight, scales, biases, tile, ld, rows, cols, n0, k0, N, K, tid, n_threads);
+  void load(threadgroup float* tile, uint ld, uint k0) const {
+    dequantize_w_tile<Bits, true>(weight, scales, biases, tile, ld, LILY_QMM_BN, LILY_QMM_BK, n0, k0, N, K, tid,
+                                  n_threads);
   }
 };
 
@@ -461,11 +462,11 @@ template <typename T, typename S, int Bits, int BM>
   const uint n_threads = threads_per_group.x;  // 1-D threadgroups: the attribute's width matches the position's
   threadgroup float x_tile[BM][LILY_QMM_BK + LILY_QMM_PAD];
   threadgroup float wt_tile[LILY_QMM_BK][LILY_QMM_BN + LILY_QMM_PAD];
-  threadgroup float y_tile[BM][LILY_QMM_BN + LILY_QMM_PAD];
   static_assert(lily_qmatmul::kGroupSize % LILY_QMM_BK == 0, "a K step must stay inside one quantization group");
-  const lily_qmatmul::QuantizedWTile<Bits, S> w_tile{weight, scales, biases};
-  lily::gemm_tiles<BM>(x, w_tile, y, &x_tile[0][0], &wt_tile[0][0], &y_tile[0][0], args.num_rows, args.out_features,
-                       args.in_features, tg, tid, n_threads, simd_group);
+  const lily_qmatmul::QuantizedWTile<Bits, S> w_tile{weight,    scales,           biases,          tg.x * LILY_QMM_BN,
+                                                      args.out_features, args.in_features, tid, n_threads};
+  lily::gemm_tiles<BM>(x, w_tile, y, &x_tile[0][0], &wt_tile[0][0], args.num_rows, args.out_features, args.in_features,
+                       tg, tid, n_threads, simd_group);
 }
 
 #if defined(LILY_QMATMUL_HAS_TENSOR_OPS)

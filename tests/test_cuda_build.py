@@ -17,22 +17,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import cuda_kernels  # noqa: E402
 import msl2cpu  # noqa: E402
+import msl_text  # noqa: E402
 
 from lily import cuda, selftest  # noqa: E402
 
-INSTANTIATION = re.compile(r'LILY_INSTANTIATE_KERNEL\s*\(\s*"([^"]+)"')
-PLAIN_KERNEL = re.compile(r"\[\[\s*kernel\s*\]\]\s*void\s+(\w+)\s*\(")  # not a template: its own host name
 # The Metal 4 tensor-op kernels are emulated by the CPU harness only (their #if is false for CUDA).
 NOT_BUILT_FOR_CUDA = re.compile(r"qmm_nax_.*")
 
 
 def source_names() -> set[str]:
-    names = set()
-    for path in cuda_kernels.metal_sources():
-        text = re.sub(r"//[^\n]*|/\*.*?\*/", "", path.read_text(), flags=re.S)
-        names |= set(INSTANTIATION.findall(text))
-        names |= {m.group(1) for m in PLAIN_KERNEL.finditer(text) if not text[: m.start()].rstrip().endswith(">")}
-    return names
+    return {name for path in cuda_kernels.metal_sources() for name in msl_text.host_names(path.read_text())}
 
 
 def test_selftest_compile_only_builds_every_kernel_for_cuda(cuda_compile_only) -> None:

@@ -170,3 +170,89 @@ def test_switch_lists_name_the_same_switches() -> None:
     assert sorted(name.upper() for name in SWITCHES) == sorted(documented)
     assert sorted(SWITCHES) == sorted(m for m, _ in members) and all(m.upper() == c for m, c in members)
     assert sorted(SWITCHES) == sorted(parsed)
+
+
+# ---- size: no file over 800 lines, no function over 80, in python/ and src/lily_ext/ ----
+
+MAX_FILE_LINES = 800
+MAX_FUNCTION_LINES = 80
+# Files other engineers are rewriting right now (python/lily/selftest.py is being split into modules; the engine's
+# files are being rewritten): measured by the test, not held to the limits until that work lands.
+BEING_REWRITTEN = {
+    *(f"src/lily_ext/{name}" for name in ("engine.cpp", "decode_graph.cpp", "prefill_graph.cpp", "model.cpp",
+                                          "model.h", "encoder.cpp", "encoder.h", "device.cpp", "device.h",
+                                          "plan.cpp", "plan.h")),
+}
+sys.path.insert(0, str(ROOT / "tools"))
+from msl_text import blank_comments  # noqa: E402
+
+# A brace that opens a function body: its head ends with the parameter list and qualifiers, and is no control flow.
+FUNCTION_HEAD = re.compile(r"\)\s*(?:const\b|noexcept\b|override\b|final\b|mutable\b|->\s*[\w:<>,\s*&]+|\s)*$")
+CONTROL_FLOW = re.compile(r"\b(?:if|for|while|switch|catch)\s*\(.*\)\s*$", re.S)
+
+
+def sized_sources() -> list[Path]:
+    return sorted([*(ROOT / "python").rglob("*.py"), *(ROOT / "src" / "lily_ext").rglob("*.cpp"),
+                   *(ROOT / "src" / "lily_ext").rglob("*.h")])
+
+
+def python_functions(text: str) -> list[tuple[str, int, int]]:
+    """(name, first line, lines) of every function and method."""
+    return [(node.name, node.lineno, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(text))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def cpp_functions(text: str) -> list[tuple[str, int, int]]:
+    """(head, line of its "{", lines to its "}") of every outermost function body (lambdas and blocks inside count
+    toward theirs), found by matching braces in the code with comments and strings blanked."""
+    code = blank_comments(text)
+    found, scopes, head_start = [], [], 0  # scopes: (offset of "{", its head if it opens an outermost function)
+    for m in re.finditer(r"[{};]", code):
+        if m.group() == "{":
+            head = code[head_start : m.start()]
+            is_function = FUNCTION_HEAD.search(head) and not CONTROL_FLOW.search(head)
+            outermost = not any(function_head for _, function_head in scopes)
+            scopes.append((m.start(), " ".join(head.split()) if is_function and outermost else None))
+        elif m.group() == "}" and scopes:
+            opened, function_head = scopes.pop()
+            if function_head:
+                found.append((function_head, code.count("\n", 0, opened) + 1, code.count("\n", opened, m.start()) + 1))
+        head_start = m.end()
+    return found
+
+
+def oversized(paths: list[Path], root: Path = ROOT) -> list[str]:
+    """Each file over MAX_FILE_LINES and each function over MAX_FUNCTION_LINES, as "path[:line]: what"."""
+    found = []
+    for path in paths:
+        text = path.read_text()
+        where = str(path.relative_to(root))
+        if text.count("\n") > MAX_FILE_LINES:
+            found.append(f"{where}: {text.count(chr(10))} lines")
+        functions = python_functions(text) if path.suffix == ".py" else cpp_functions(text)
+        found += [f"{where}:{line}: {name} has {length} lines" for name, line, length in functions
+                  if length > MAX_FUNCTION_LINES]
+    return found
+
+
+def test_no_file_over_800_lines_and_no_function_over_80() -> None:
+    assert all((ROOT / path).is_file() for path in BEING_REWRITTEN), "BEING_REWRITTEN names a file that is gone"
+    paths = sized_sources()
+    assert len(paths) > 60
+    assert oversized([p for p in paths if str(p.relative_to(ROOT)) not in BEING_REWRITTEN]) == []
+
+
+def test_size_check_sees_a_long_function_and_file(tmp_path: Path) -> None:
+    """The check itself can fail: an 81-line function in either language and an 801-line file are reported; an
+    80-line one is not, and lambdas, blocks and braces in comments or strings count toward their function."""
+    statements = "".join(f"  x += {i};\n" for i in range(78))
+    cpp = tmp_path / "a.cpp"
+    cpp.write_text("namespace a {\n"
+                   f"int f(int x) const {{\n{statements}}}\n"  # 80 lines from "{" to "}"
+                   "auto g = [](int x) -> int {\n  if (x) {\n    x = 1;\n  }  // }\n  s = \"}\";\n"
+                   f"{statements}}}\n"  # 84 lines
+                   "}  // namespace a\n")
+    py = tmp_path / "b.py"
+    py.write_text("def f(x):\n" + "".join(f"    x += {i}\n" for i in range(80)) + "\n" * 720)
+    assert oversized([cpp, py], tmp_path) == ["a.cpp:82: auto g = [](int x) -> int has 84 lines", "b.py: 801 lines",
+                                              "b.py:1: f has 81 lines"]

@@ -1,7 +1,8 @@
 """Rules with one implementation: a second copy, or a caller that stops using the one, fails here.
 
 bf16 rounding lives in ``lily.quant`` (round to nearest even, NaN kept NaN); the token-id check of a backend's
-``forward`` in ``lily.reference.check_token_ids``.
+``forward`` in ``lily.reference.check_token_ids``; the reading of kernel host names from Metal source in
+``tools/msl_text.py``.
 """
 
 from __future__ import annotations
@@ -96,3 +97,18 @@ def test_tool_call_arguments_are_normalised_by_lily_chat() -> None:
             normalize_messages(history(bad))
     for user in ("tokenizer.py", "server/requests.py"):  # both call lily.chat.tool_call_arguments
         assert "json.loads(arguments" not in (ROOT / "python" / "lily" / user).read_text()
+
+
+# What a reader of kernel host names matches, as written in a Python or C++ regular expression: the `[[host_name("x")]]`
+# attribute, metal/lily.h's LILY_INSTANTIATE_KERNEL("x", ...) or the `[[kernel]]` attribute of a plain kernel.
+HOST_NAME_READER = re.compile(r"host_name\)?\\s\*\\\(|LILY_INSTANTIATE_KERNEL\)?\\s\*\\\(|\\\[\\\[\\s\*kernel")
+
+
+def test_kernel_host_names_are_read_once() -> None:
+    """tools/msl_text.py alone reads host names from kernel sources: the harness registration and the extension's
+    kernel lists (tools/msl2cpu.py), the rules check and the tests import it; no other file has a pattern for them."""
+    this = Path(__file__).resolve()
+    sources = [*python_sources(), *(ROOT / "tools").glob("*.py"), *(ROOT / "src").rglob("*.cpp"),
+               *(ROOT / "src").rglob("*.h")]
+    readers = [str(p.relative_to(ROOT)) for p in sources if p != this and HOST_NAME_READER.search(p.read_text())]
+    assert readers == ["tools/msl_text.py"]

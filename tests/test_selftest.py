@@ -22,6 +22,9 @@ from lily._ext import kernels, msl
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from msl_text import host_names  # noqa: E402
+
 FAKE_DEVICE = "Lily fake Metal (CPU harness)"
 # Families whose selftest cases this test pins (other families are still being written).
 OWN_FAMILIES = r"^(rms_norm|gated_delta|argmax|sample)"
@@ -206,7 +209,7 @@ def test_on_a_mac_the_harness_is_absent_and_nothing_is_tested(monkeypatch: pytes
 
 def test_a_metal_device_that_cannot_open_is_reported(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     monkeypatch.setattr(selftest.device, "_metal_runner",
-                        lambda: kernels.Runner("#error this GPU's compiler says no\n"))
+                        lambda: source_runner("#error this GPU's compiler says no\n"))
     assert selftest.main(["--device", "metal-api"]) == 2
     err = capsys.readouterr().err
     assert "cannot open the Metal device" in err and "this GPU's compiler says no" in err
@@ -218,7 +221,7 @@ def test_kernels_the_gpu_did_not_compile_are_named_and_not_run(monkeypatch: pyte
     source = (ROOT / "metal" / "lily.h").read_text() + (ROOT / "metal" / "rms_norm.metal").read_text() + (
         "#if defined(__HAVE_A_FUTURE_GPU__)\nLILY_INSTANTIATE_KERNEL(\"rms_norm_future_f32\", rms_norm, float)\n"
         "#endif\n")
-    monkeypatch.setattr(selftest.device, "_metal_runner", lambda: kernels.Runner(source))
+    monkeypatch.setattr(selftest.device, "_metal_runner", lambda: source_runner(source))
     assert selftest.main(["--json", "--device", "metal-api"]) == 0
     out, err = capsys.readouterr()
     rows = json.loads(out)
@@ -228,6 +231,11 @@ def test_kernels_the_gpu_did_not_compile_are_named_and_not_run(monkeypatch: pyte
 
 
 # ---- the kernel runner (lily._ext.kernels.Runner) ----
+
+
+def source_runner(source: str) -> kernels.Runner:
+    """A Runner compiling `source`, listing the kernels it instantiates."""
+    return kernels.Runner(source, kernel_names=host_names(source))
 
 
 @pytest.fixture(scope="module")
@@ -240,23 +248,23 @@ def test_kernels_runner() -> kernels.Runner:
     """A Runner over the harness's and the engine tests' own kernels, compiled as one library: Lily's embedded
     families hold only the kernels of metal/."""
     sources = sorted((ROOT / "tests" / "harness").glob("*.metal")) + sorted((ROOT / "tests" / "engine").glob("*.metal"))
-    return kernels.Runner("\n".join(p.read_text() for p in sources))
+    return source_runner("\n".join(p.read_text() for p in sources))
 
 
 def test_runner_lists_the_kernels_the_source_instantiates(runner: kernels.Runner) -> None:
     assert runner.device_name == FAKE_DEVICE
     assert runner.kernel_names() == msl.kernel_names() and runner.missing_kernel_names() == []
-    # The harness's own test kernels (plain kernels and host_name instantiations) are registered by tools/msl2cpu.py
-    # independently of the runner's reading of the source.
+    # The harness's own test kernels (plain kernels and host_name instantiations), as the harness registered them at
+    # build time, are what tools/msl_text.py reads from the sources.
     test_sources = sorted((ROOT / "tests" / "harness").glob("*.metal")) + sorted((ROOT / "tests" / "engine").glob(
         "*.metal"))
-    test_runner = kernels.Runner("\n".join(p.read_text() for p in test_sources))
+    test_runner = source_runner("\n".join(p.read_text() for p in test_sources))
     assert test_runner.kernel_names() == msl.test_kernel_names() and test_runner.missing_kernel_names() == []
-    commented = kernels.Runner('// LILY_INSTANTIATE_KERNEL("rms_norm_x", rms_norm, float)\n'
-                               '/* [[kernel]] void engine_y(device float* a) */\n'
-                               'template <typename T>\n[[kernel]] void engine_scale(device T* a) {}\n'
-                               'template [[host_name("engine_scale")]] [[kernel]] decltype(f<float>) f<float>;\n'
-                               'LILY_INSTANTIATE_KERNEL("no_such_kernel", f, float)\n')
+    commented = source_runner('// LILY_INSTANTIATE_KERNEL("rms_norm_x", rms_norm, float)\n'
+                              '/* [[kernel]] void engine_y(device float* a) */\n'
+                              'template <typename T>\n[[kernel]] void engine_scale(device T* a) {}\n'
+                              'template [[host_name("engine_scale")]] [[kernel]] decltype(f<float>) f<float>;\n'
+                              'LILY_INSTANTIATE_KERNEL("no_such_kernel", f, float)\n')
     assert commented.kernel_names() == ["engine_scale"] and commented.missing_kernel_names() == ["no_such_kernel"]
 
 
@@ -300,7 +308,9 @@ def test_runner_errors_name_the_kernel_and_the_argument(test_kernels_runner: ker
     with pytest.raises(RuntimeError, match=r"kernel 'no_such_kernel': .*was not found in the library"):
         test_kernels_runner.run("no_such_kernel", [x], (1, 1, 1), (1, 1, 1))
     with pytest.raises(RuntimeError, match=r"cannot compile the kernel library: program_source:2: error: bad"):
-        kernels.Runner("// fine\n#error bad\n")
+        source_runner("// fine\n#error bad\n")
+    with pytest.raises(ValueError, match=r"kernel_source needs kernel_names, the host names it instantiates"):
+        kernels.Runner("[[kernel]] void engine_x(device float* a [[buffer(0)]]) {}\n")
 
 
 def test_a_failing_command_buffer_names_the_kernel_and_leaves_the_arrays(test_kernels_runner: kernels.Runner) -> None:

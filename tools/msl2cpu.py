@@ -27,14 +27,10 @@ import sys
 from pathlib import Path
 
 import msl_rules
+from msl_text import INSTANTIATION_RE, KERNEL_RE, blank_comments, host_names, is_template_kernel, split_top_level
 
-POSITION_ATTRS = {
-    "thread_position_in_grid",
-    "thread_position_in_threadgroup",
-    "threadgroup_position_in_grid",
-    "threads_per_threadgroup",
-    "threadgroups_per_grid",
-    "threads_per_grid",
+# The position attributes the harness binds: Metal's (msl_rules.py), less dispatch_threads_per_threadgroup.
+POSITION_ATTRS = msl_rules.VECTOR_POSITION_ATTRS - {"dispatch_threads_per_threadgroup"} | {
     "thread_index_in_threadgroup",
     "thread_index_in_simdgroup",
     "simdgroup_index_in_threadgroup",
@@ -44,15 +40,8 @@ POSITION_ATTRS = {
 }
 MAX_FUNCTION_CONSTANTS = 4  # 3**4 = 81 compiled variants
 
-KERNEL_RE = re.compile(r"(?:\[\[\s*kernel\s*\]\]|\bkernel\b)\s*(?:\[\[[^\]]*\]\]\s*)*void\s+(\w+)\s*\(")
-TEMPLATE_BEFORE_RE = re.compile(r"template\s*<[^;{}]*>\s*$")
 FUNCTION_CONSTANT_RE = re.compile(
     r"\bconstant\s+(\w+)\s+(\w+)\s*\[\[\s*function_constant\s*\(([^)]*)\)\s*\]\]\s*;"
-)
-INSTANTIATION_RE = re.compile(
-    r"template\s*\[\[\s*host_name\s*\(\s*\"([^\"]+)\"\s*\)\s*\]\]\s*\[\[\s*kernel\s*\]\]\s*"
-    r"decltype\s*\(\s*(\w+)\s*<(.*?)>\s*\)\s*(\w+)\s*<(.*?)>\s*;",
-    re.S,
 )
 THREADGROUP_ARRAY_RE = re.compile(
     r"^(\s*)threadgroup\s+([\w:<>, ]+?)\s+(\w+)\s*((?:\[[^\]\[()]+\])*)\s*;", re.M
@@ -66,31 +55,6 @@ class RewriteError(Exception):
     """A construct the harness cannot translate; the message names the file and line."""
 
 
-def blank_comments(text: str) -> str:
-    """Replace comments and string contents by spaces, keeping every offset and newline."""
-    out = list(text)
-    i, n = 0, len(text)
-    while i < n:
-        if text.startswith("//", i):
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-            out[i:j] = " " * (j - i)
-            i = j
-        elif text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            out[i:j] = [c if c == "\n" else " " for c in text[i:j]]
-            i = j
-        elif text[i] == '"':
-            j = i + 1
-            while j < n and text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
-            i = j + 1
-        else:
-            i += 1
-    return "".join(out)
-
-
 def line_of(text: str, offset: int) -> int:
     return text.count("\n", 0, offset) + 1
 
@@ -98,23 +62,6 @@ def line_of(text: str, offset: int) -> int:
 def same_lines(original: str, replacement: str) -> str:
     """Pad a replacement with newlines so the lines after it keep their numbers."""
     return replacement + "\n" * (original.count("\n") - replacement.count("\n"))
-
-
-def split_top_level(params: str) -> list[str]:
-    parts, depth, start, i = [], 0, 0, 0
-    while i < len(params):
-        c = params[i]
-        if c in "(<[":
-            depth += 1
-        elif c in ")>]":
-            depth -= 1
-        elif c == "," and depth == 0:
-            parts.append(params[start:i])
-            start = i + 1
-        i += 1
-    if params[start:].strip():
-        parts.append(params[start:])
-    return parts
 
 
 def parse_kernels(code: str, path: str) -> list[tuple[str, bool, list[tuple[str, str]]]]:
@@ -137,8 +84,7 @@ def parse_kernels(code: str, path: str) -> list[tuple[str, bool, list[tuple[str,
                 )
             name, index = found[0]
             attrs.append((name, index.strip() or "0"))
-        is_template = bool(TEMPLATE_BEFORE_RE.search(code[: m.start()].rstrip()))
-        kernels.append((m.group(1), is_template, attrs))
+        kernels.append((m.group(1), is_template_kernel(code, m), attrs))
     return kernels
 
 
@@ -155,7 +101,7 @@ def rewrite(source: str, path: str, target: str = "cpu") -> tuple[str, list[str]
             text += " " * (len(original) - len(text))
         body[start:end] = [text] + [""] * (end - start - 1)
 
-    includes = [m.group(0).strip() for m in INCLUDE_RE.finditer(code)]
+    includes = [source[m.start() : m.end()].strip() for m in INCLUDE_RE.finditer(code)]
     for m in INCLUDE_RE.finditer(code):
         replace(m.start(), m.end(), "")
 
@@ -305,7 +251,8 @@ def generate_cuda(source_path: Path, out_dir: Path) -> Path:
 
 def embed(out: Path, header: Path, sources: list[Path]) -> None:
     """One kernel library per .metal file (its family): lily.h, then the file with each of its local headers
-    (metal/*.h) inlined where first included, with #line markers so Metal's diagnostics name the real file and line.
+    (metal/*.h) inlined where first included, with #line markers so Metal's diagnostics name the real file and line,
+    and the host names it instantiates.
 
     A file with Metal 4 tensor-op kernels gets a second library at TENSOR_OPS_METAL_VERSION, which the engine builds
     only on devices that support them (src/lily_ext/device.cpp); its base library compiles without them.
@@ -333,7 +280,8 @@ def embed(out: Path, header: Path, sources: list[Path]) -> None:
         families.append((s.stem, f"metal/{s.name}", source, msl_rules.BASE_METAL_VERSION))
         if msl_rules.uses_tensor_ops(s.read_text()):
             families.append((f"{s.stem}.tensor_ops", f"metal/{s.name}", source, msl_rules.TENSOR_OPS_METAL_VERSION))
-    rows = "\n".join(f'  {{"{name}", "{file}", R"LILYMSL({source})LILYMSL", {version}}},'
+    rows = "\n".join(f'  {{"{name}", "{file}", R"LILYMSL({source})LILYMSL", {version}, '
+                     f'"{" ".join(sorted(set(host_names(source))))}"}},'
                      for name, file, source, version in families)
     out.write_text(
         "// Generated by tools/msl2cpu.py: the Metal kernel libraries compiled at run time on Apple GPUs.\n"

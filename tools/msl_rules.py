@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from msl_text import KERNEL_RE, blank_comments, split_top_level
+
 # The language version of Lily's kernel libraries (MTLLanguageVersion3_1: macOS 14, bfloat, simdgroup_matrix) and of
 # the separate library of Metal 4 tensor-op kernels, built only on devices that support Metal 4.
 BASE_METAL_VERSION = 310
@@ -49,10 +51,9 @@ VERSIONED = [  # (pattern, minimum __METAL_VERSION__, rule)
     (re.compile(r"\bbfloat[234]?\b"), 310, "bfloat-version"),
 ]
 
-KERNEL_HEAD_RE = re.compile(r"\[\[\s*kernel\s*\]\]|\bkernel\s+void\b")
 ATTR_RE = re.compile(r"\[\[\s*(\w+)\s*(?:\([^)]*\))?\s*\]\]")
 MACRO_CALL_RE = re.compile(r"^[ \t]*[A-Z][A-Z0-9_]+\s*\(", re.M)
-DIRECTIVE_RE = re.compile(r"[ \t]*#")
+DIRECTIVE_RE = re.compile(r"^[ \t]*#(?:[^\n]*\\\n)*[^\n]*", re.M)
 LOCAL_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
 THREADGROUP_DECL_RE = re.compile(
     r"^\s*(?:static\s+)?threadgroup\s+[\w:<>, ]+?\s+\w+\s*(?:\[[^\]]*\]\s*)*(?:=.*)?$", re.S)
@@ -67,43 +68,11 @@ class RuleViolation(Exception):
 
 def _blank(text: str) -> str:
     """Comments, string literals and preprocessor lines replaced by spaces (offsets and newlines kept)."""
-    out = list(text)
-    i, n = 0, len(text)
-    at_line_start = True
-    while i < n:
-        c = text[i]
-        if at_line_start and DIRECTIVE_RE.match(text, i):
-            j = i
-            while True:  # the directive, with its backslash-continued lines
-                j = text.find("\n", j)
-                if j < 0 or text[j - 1] != "\\":
-                    break
-                j += 1
-            j = n if j < 0 else j
-            out[i:j] = [ch if ch == "\n" else " " for ch in text[i:j]]
-            i = j
-            continue
-        at_line_start = c == "\n"
-        if text.startswith("//", i):
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-            out[i:j] = " " * (j - i)
-            i = j
-        elif text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            out[i:j] = [ch if ch == "\n" else " " for ch in text[i:j]]
-            i = j
-        elif c == '"':
-            j = i + 1
-            while j < n and text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
-            out[i + 1 : j] = " " * (j - i - 1)
-            i = j + 1
-        else:
-            i += 1
-    code = "".join(out)
+    code = blank_comments(text)
+    # Directives, with their backslash-continued lines.
+    code = DIRECTIVE_RE.sub(lambda m: "".join(ch if ch == "\n" else " " for ch in m.group(0)), code)
     # Macro invocations at the start of a line (LILY_INSTANTIATE_KERNEL(...)) are not statements: blank them.
+    n = len(code)
     for m in reversed(list(MACRO_CALL_RE.finditer(code))):
         depth, j = 1, m.end()
         while depth and j < n:
@@ -111,18 +80,6 @@ def _blank(text: str) -> str:
             j += 1
         code = code[: m.start()] + "".join(ch if ch == "\n" else " " for ch in code[m.start() : j]) + code[j:]
     return code
-
-
-def _split_params(params: str) -> list[str]:
-    parts, depth, start = [], 0, 0
-    for i, c in enumerate(params):
-        depth += {"(": 1, "<": 1, "[": 1, ")": -1, ">": -1, "]": -1}.get(c, 0)
-        if c == "," and depth == 0:
-            parts.append(params[start:i])
-            start = i + 1
-    if params[start:].strip():
-        parts.append(params[start:])
-    return parts
 
 
 class _Checker:
@@ -168,7 +125,7 @@ class _Checker:
                 elif re.search(r"\b(struct|class|union)\b", head) and ")" not in head.split("{")[-1].split(":")[0]:
                     kind, is_kernel = "type", False
                 elif ")" in head and "=" not in head.split("(")[0]:
-                    kind, is_kernel = "function", bool(KERNEL_HEAD_RE.search(head))
+                    kind, is_kernel = "function", bool(KERNEL_RE.search(head))
                     self.check_function_head(head, start, is_kernel)
                 else:
                     kind, is_kernel = "init", outer[1]
@@ -227,7 +184,7 @@ class _Checker:
             return
         at = offset + open_
         widths = {}
-        for param in _split_params(head[open_ + 1 : close]):
+        for param in split_top_level(head[open_ + 1 : close]):
             ptype = ATTR_RE.sub("", param).split("=")[0].strip()  # not a default argument's product
             if "*" in ptype and not set(re.findall(r"\w+", ptype.split("*")[0])) & ADDRESS_SPACES:
                 self.fail(at, "unqualified-pointer", f"parameter '{' '.join(ptype.split())}'")
@@ -256,13 +213,13 @@ def kernel_attribute_widths(source: str) -> list[tuple[str, dict[str, int]]]:
     """Each kernel's vector-position attributes and their widths (1 = scalar), for tests that scan signatures."""
     code = _blank(source)
     out = []
-    for m in re.finditer(r"(?:\[\[\s*kernel\s*\]\]|\bkernel\b)\s*(?:\[\[[^\]]*\]\]\s*)*void\s+(\w+)\s*\(", code):
+    for m in KERNEL_RE.finditer(code):
         depth, i = 1, m.end()
         while depth and i < len(code):
             depth += {"(": 1, ")": -1}.get(code[i], 0)
             i += 1
         widths = {}
-        for param in _split_params(code[m.end() : i - 1]):
+        for param in split_top_level(code[m.end() : i - 1]):
             for attr in ATTR_RE.findall(param):
                 if attr in VECTOR_POSITION_ATTRS:
                     t = re.search(r"\b(u?int|u?short)([234]?)\b", param)

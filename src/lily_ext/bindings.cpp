@@ -234,21 +234,27 @@ void bind_kernel_runner(nb::module_ m) {
       .def(
           "__init__",
           [](lily::KernelRunner* runner, const std::optional<std::string>& kernel_source,
-             const std::optional<std::string>& metallib, const std::map<std::string, std::string>& family_sources) {
+             const std::optional<std::string>& metallib, const std::map<std::string, std::string>& family_sources,
+             const std::optional<std::vector<std::string>>& kernel_names) {
+            if (kernel_source && !kernel_names) {
+              throw nb::value_error("Runner: kernel_source needs kernel_names, the host names it instantiates "
+                                    "(tools/msl_text.py host_names reads them)");
+            }
             if (metallib) {
               new (runner) lily::KernelRunner(lily::MetallibFile{*metallib},
-                                              kernel_source ? *kernel_source : lily::embedded_kernel_source());
+                                              kernel_names ? *kernel_names : lily::embedded_kernel_names());
             } else if (kernel_source) {
-              new (runner) lily::KernelRunner(*kernel_source);
+              new (runner) lily::KernelRunner(*kernel_source, *kernel_names);
             } else {
               new (runner) lily::KernelRunner(lily::embedded_kernel_families(family_sources));
             }
           },
           nb::arg("kernel_source") = nb::none(), nb::arg("metallib") = nb::none(),
-          nb::arg("family_sources") = std::map<std::string, std::string>(),
+          nb::arg("family_sources") = std::map<std::string, std::string>(), nb::arg("kernel_names") = nb::none(),
           "Opens the default Metal device and compiles kernel_source as one library, or by default Lily's embedded\n"
           "kernels as one library per family (family_sources replaces the source of the families it names), or,\n"
-          "given metallib (a path), loads that precompiled library; kernel_source then lists its kernels.")
+          "given metallib (a path), loads that precompiled library. kernel_names: the host names kernel_source or\n"
+          "the metallib instantiates (by default those of Lily's kernels).")
       .def_prop_ro("device_name", &lily::KernelRunner::device_name)
       .def(
           "library_failures",
@@ -292,6 +298,11 @@ void bind_kernel_runner(nb::module_ m) {
 }  // namespace
 // ---- end of kernel runner ----
 
+namespace {
+void bind_engine(nb::module_ m);    // lily::Engine, the metal backend's engine
+void bind_platform(nb::module_ m);  // which Metal the extension talks to, and the CPU harness where it is built
+}  // namespace
+
 NB_MODULE(_ext, m) {
   m.doc() = "Lily's compiled engine (private; use the lily package).";
   // Host engine: device, encoder and (on Linux) the fake Metal, for tests only.
@@ -318,16 +329,23 @@ NB_MODULE(_ext, m) {
       },
       nb::arg("config"), nb::arg("precision"), nb::arg("switches"), nb::arg("bits"), nb::arg("f32_scales"),
       nb::arg("prefill_rows"), "The kernels the engine's decode and prefill graphs dispatch for this configuration.");
+  bind_engine(m);
+  bind_platform(m);
+}
+
+namespace {
+void new_engine(lily::Engine* e, const nb::dict& config, const std::string& precision, const nb::dict& switches,
+                size_t max_context, const std::optional<std::string>& metallib,
+                const std::map<std::string, std::string>& family_sources) {
+  std::optional<lily::MetallibFile> library;
+  if (metallib) library = lily::MetallibFile{*metallib};
+  new (e) lily::Engine(config_from_dict(config), precision_from(precision), switches_from_dict(switches), max_context,
+                       lily::embedded_kernel_families(family_sources), library);
+}
+
+void bind_engine(nb::module_ m) {
   nb::class_<lily::Engine>(m, "Engine")
-      .def("__init__",
-           [](lily::Engine* e, const nb::dict& config, const std::string& precision, const nb::dict& switches,
-              size_t max_context, const std::optional<std::string>& metallib,
-              const std::map<std::string, std::string>& family_sources) {
-             std::optional<lily::MetallibFile> library;
-             if (metallib) library = lily::MetallibFile{*metallib};
-             new (e) lily::Engine(config_from_dict(config), precision_from(precision), switches_from_dict(switches),
-                                  max_context, lily::embedded_kernel_families(family_sources), library);
-           },
+      .def("__init__", &new_engine,
            nb::arg("config"), nb::arg("precision"), nb::arg("switches"), nb::arg("max_context"),
            nb::arg("metallib") = nb::none(), nb::arg("family_sources") = std::map<std::string, std::string>())
       .def("add_file", &lily::Engine::add_file, nb::arg("path"))
@@ -397,6 +415,9 @@ NB_MODULE(_ext, m) {
         add_graph(e.last_graph(), out);
         return out;
       });
+}
+
+void bind_platform(nb::module_ m) {
 #if defined(__APPLE__)
   m.attr("platform") = "metal";
 #elif defined(LILY_METAL_TEST_RUNTIME)
@@ -407,3 +428,4 @@ NB_MODULE(_ext, m) {
   m.attr("platform") = "none";  // built without the Metal test runtime (CMakeLists.txt)
 #endif
 }
+}  // namespace

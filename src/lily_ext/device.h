@@ -97,10 +97,6 @@ struct LibraryFailure {
   std::vector<std::string> kernels;  // the host names it instantiates
 };
 
-// Host names of the kernels MSL `source` instantiates (LILY_INSTANTIATE_KERNEL("name", ...),
-// [[host_name("name")]], and plain non-template kernels), comments ignored, sorted and without
-// duplicates. Kernels inside #if blocks are listed whether or not the compiler keeps them.
-std::vector<std::string> instantiated_kernel_names(const std::string& source);
 // Whether `error` is Metal's MTLLibraryErrorFunctionNotFound (the fake Metal says the same).
 bool is_function_not_found(const Error& error);
 

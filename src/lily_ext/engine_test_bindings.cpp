@@ -84,11 +84,8 @@ nb::dict counters_dict(const EncoderCounters& c) {
   return d;
 }
 
-}  // namespace
-
-void bind_test_engine(nb::module_ m) {
-  m.doc() = "The host engine and the fake Metal, for tests only.";
-
+// Pipeline, Buffer, Event and Device.
+void bind_device(nb::module_ m) {
   nb::class_<Pipeline>(m, "Pipeline")
       .def_prop_ro("name", &Pipeline::name)
       .def_prop_ro("max_threads_per_threadgroup", &Pipeline::max_threads_per_threadgroup)
@@ -134,7 +131,9 @@ void bind_test_engine(nb::module_ m) {
           },
           "array"_a, "owner"_a, "Wraps a page-aligned uint8 array without copying; keeps `owner` alive.")
       .def("event", &Device::new_event);
+}
 
+void bind_encoder(nb::module_ m) {
   nb::class_<Encoder>(m, "Encoder")
       .def(
           "__init__",
@@ -180,8 +179,11 @@ void bind_test_engine(nb::module_ m) {
       .def("commit", &Encoder::commit, nb::call_guard<nb::gil_scoped_release>())
       .def("wait", &Encoder::wait, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("counters", [](const Encoder& e) { return counters_dict(e.counters()); });
+}
 
 #if defined(LILY_METAL_TEST_RUNTIME)
+// The fake Metal's controls and counters.
+void bind_fake_metal(nb::module_ m) {
   m.def(
       "set_stage_order",
       [](const std::string& order, uint64_t seed) {
@@ -207,6 +209,17 @@ void bind_test_engine(nb::module_ m) {
   m.def("set_kernel_execution", &fake_metal::set_kernel_execution, "execute"_a,
         "False: dispatches are counted, their kernels not run (host-cost measurement).");
   m.def("live_objects", &objc_toy::live_objects, "Toy Objective-C objects alive now.");
+}
+#endif
+
+}  // namespace
+
+void bind_test_engine(nb::module_ m) {
+  m.doc() = "The host engine and the fake Metal, for tests only.";
+  bind_device(m);
+  bind_encoder(m);
+#if defined(LILY_METAL_TEST_RUNTIME)
+  bind_fake_metal(m);
 #endif
 }
 

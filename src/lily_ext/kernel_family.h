@@ -14,6 +14,7 @@ struct EmbeddedKernelFamily {
   const char* file;        // "metal/rms_norm.metal"
   const char* source;      // MSL: metal/lily.h, then the file (with #line, so diagnostics name the file)
   unsigned metal_version;  // the __METAL_VERSION__ it is compiled for: 310, or 400 for tensor ops
+  const char* kernel_names;  // the host names its source instantiates, space-separated (tools/msl_text.py)
 };
 
 struct KernelFamily {
@@ -21,6 +22,7 @@ struct KernelFamily {
   std::string file;
   std::string source;
   unsigned metal_version;
+  std::vector<std::string> kernel_names;  // sorted; a family whose source is replaced keeps its built names
 };
 
 // The families compiled into the extension, in lookup order (each base family before its tensor-op one), with the

@@ -10,24 +10,31 @@
 
 namespace lily {
 
-
-KernelRunner::KernelRunner(const std::string& kernel_source) : source_(kernel_source), device_(kernel_source) {}
-
 namespace {
-std::string joined_sources(const std::vector<KernelFamily>& families) {
-  std::string all;
-  for (const KernelFamily& family : families) all += family.source + "\n";
-  return all;
+std::vector<std::string> sorted_once(std::vector<std::string> names) {
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  return names;
+}
+
+std::vector<std::string> family_kernel_names(const std::vector<KernelFamily>& families) {
+  std::vector<std::string> names;
+  for (const KernelFamily& family : families) names.insert(names.end(), family.kernel_names.begin(),
+                                                           family.kernel_names.end());
+  return sorted_once(std::move(names));
 }
 }  // namespace
 
-std::string embedded_kernel_source() { return joined_sources(embedded_kernel_families()); }
+std::vector<std::string> embedded_kernel_names() { return family_kernel_names(embedded_kernel_families()); }
+
+KernelRunner::KernelRunner(const std::string& kernel_source, std::vector<std::string> kernel_names)
+    : names_(sorted_once(std::move(kernel_names))), device_(kernel_source) {}
 
 KernelRunner::KernelRunner(const std::vector<KernelFamily>& families)
-    : source_(joined_sources(families)), device_(families) {}
+    : names_(family_kernel_names(families)), device_(families) {}
 
-KernelRunner::KernelRunner(const MetallibFile& metallib, const std::string& kernel_source)
-    : source_(kernel_source), device_(metallib) {}
+KernelRunner::KernelRunner(const MetallibFile& metallib, std::vector<std::string> kernel_names)
+    : names_(sorted_once(std::move(kernel_names))), device_(metallib) {}
 
 std::string KernelRunner::device_name() const { return device_.name(); }
 
@@ -37,7 +44,7 @@ std::string KernelRunner::device_name() const { return device_.name(); }
 void KernelRunner::probe_library() {
   if (probed_) return;
   std::vector<std::string> available, missing;
-  for (const std::string& name : instantiated_kernel_names(source_)) {
+  for (const std::string& name : names_) {
     try {
       device_.pipeline(name);
       available.push_back(name);

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.resources
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,9 @@ from lily.backends import metal as engine
 from lily._ext import kernels, msl
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+from msl_text import host_names  # noqa: E402
+
 ENGINE_KERNELS = ROOT / "tests" / "engine" / "engine_kernels.metal"
 
 
@@ -34,22 +38,23 @@ def lily_kernel_source() -> str:
 
 
 def test_the_library_comes_from_the_file(tmp_path: Path) -> None:
-    # The runner's source lists two kernels; the metallib holds only one of them.
+    # The runner expects two kernels; the metallib holds only one of them.
     lily_kernel = msl.kernel_names()[0]
     listing = ENGINE_KERNELS.read_text() + f'\nLILY_INSTANTIATE_KERNEL("{lily_kernel}", f, float)\n'
     metallib = write_stand_in_metallib(tmp_path / "lily.metallib", ENGINE_KERNELS.read_text())
-    runner = kernels.Runner(listing, metallib=str(metallib))
+    runner = kernels.Runner(metallib=str(metallib), kernel_names=host_names(listing))
     assert runner.kernel_names() == ["engine_scale"]
     assert runner.missing_kernel_names() == [lily_kernel]
     # The same listing compiled from source finds both: the difference is the file's.
-    assert sorted(kernels.Runner(listing).kernel_names()) == sorted(["engine_scale", lily_kernel])
+    from_source = kernels.Runner(listing, kernel_names=host_names(listing))
+    assert from_source.kernel_names() == sorted(["engine_scale", lily_kernel])
 
 
 @pytest.mark.parametrize("count,threads", [(1, 32), (70, 32), (257, 128)])
 @pytest.mark.parametrize("add_one", [None, True])
 def test_a_kernel_from_the_metallib_runs(tmp_path: Path, count: int, threads: int, add_one: bool | None) -> None:
     metallib = write_stand_in_metallib(tmp_path / "lily.metallib", ENGINE_KERNELS.read_text())
-    runner = kernels.Runner(ENGINE_KERNELS.read_text(), metallib=str(metallib))
+    runner = kernels.Runner(metallib=str(metallib), kernel_names=["engine_scale"])
     rng = np.random.default_rng(count * 31 + threads)
     x = rng.standard_normal(count + 3).astype(np.float32)
     y = np.full(count + 3, np.nan, np.float32)
@@ -61,7 +66,7 @@ def test_a_kernel_from_the_metallib_runs(tmp_path: Path, count: int, threads: in
 
 
 def test_a_metallib_of_lilys_kernels_serves_every_kernel(tmp_path: Path) -> None:
-    # The AOT build's library from the real kernel sources, listed by the embedded source (the runner's default).
+    # The AOT build's library from the real kernel sources, listed by the embedded host names (the runner's default).
     metallib = write_stand_in_metallib(tmp_path / "lily.metallib", lily_kernel_source())
     runner = kernels.Runner(metallib=str(metallib))
     assert runner.kernel_names() == msl.kernel_names()

@@ -1,8 +1,7 @@
 """Every instantiated kernel is registered, has an engine path, and is executed by the tests.
 
-Host names are read from metal/*.metal (`[[host_name("...")]]`, `LILY_INSTANTIATE_KERNEL("...", ...)` and plain
-`[[kernel]]` functions that are not templates) and must
-equal `lily._ext.msl.kernel_names()`. A name has an engine path when a graph the engine builds dispatches it
+Host names are read from metal/*.metal by tools/msl_text.py (`host_names`, the one reader of them) and must equal
+`lily._ext.msl.kernel_names()`. A name has an engine path when a graph the engine builds dispatches it
 (`lily._ext.graph_kernels`: decode steps and prefill chunks over the model's shapes, both precisions, 4/8-bit
 weights, bf16/f32 scales and every switch; graphs are built as on a GPU with tensor ops unless TENSOR_OPS is off). A name is tested when the harness ran it during the test session
 (`msl.executions()`); that check runs last in the session, or runs the kernel tests in a subprocess when the
@@ -14,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,20 +26,15 @@ from lily.backends.metal import SWITCHES, engine_config
 from lily.plan import FULL_SIZE_CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
-INSTANTIATION = re.compile(r'\[\[\s*host_name\s*\(\s*"([^"]+)"\s*\)\s*\]\]|LILY_INSTANTIATE_KERNEL\s*\(\s*"([^"]+)"')
+sys.path.insert(0, str(ROOT / "tools"))
+from msl_text import host_names  # noqa: E402
+
 # Prefill chunk sizes around the GEMV/GEMM, 16/32-row tile, matrix-unit attention and MoE tile thresholds.
 PREFILL_ROWS = [2, 8, 16, 17, 33, 64, 300]
-# A kernel that is not a template is its own host name.
-KERNEL = re.compile(r"\[\[\s*kernel\s*\]\]\s*void\s+(\w+)\s*\(")
 
 
 def source_host_names() -> list[str]:
-    names = []
-    for path in sorted((ROOT / "metal").glob("*.metal")):
-        text = re.sub(r"//[^\n]*|/\*.*?\*/", "", path.read_text(), flags=re.S)
-        names += [a or b for a, b in INSTANTIATION.findall(text)]
-        names += [m.group(1) for m in KERNEL.finditer(text) if not text[: m.start()].rstrip().endswith(">")]
-    return names
+    return [name for path in sorted((ROOT / "metal").glob("*.metal")) for name in host_names(path.read_text())]
 
 
 def test_sources_and_registry_agree() -> None:

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence, TypeVar, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence, TypeVar, Union
 
 import uvicorn
 from starlette.applications import Starlette
@@ -320,67 +320,71 @@ async def _collect(
     return started, tokens
 
 
-async def _stream_chat(
-    state: ServerState, job: Job, assembler: ChatAssembler, writer: ChunkWriter
+async def _stream(
+    state: ServerState,
+    job: Job,
+    chunks: Callable[[TokenEvent], Iterable[str]],
+    closing: Callable[[_Started | None], Iterable[str]],
+    opening: Iterable[str] = (),
 ) -> AsyncIterator[str]:
+    """A streamed response: `opening`, `chunks(item)` for each generated item (keepalives pass through), then
+    `closing` given the job's start record. The status line is already sent, so errors travel in-stream; [DONE]
+    ends the stream either way."""
     started: _Started | None = None
+    try:
+        for chunk in opening:
+            yield chunk
+        async for item in _events(job, state.config.keepalive_s):
+            if item is _KEEPALIVE:
+                yield item
+            elif isinstance(item, _Started):
+                started = item
+            else:
+                for chunk in chunks(item):
+                    yield chunk
+        for chunk in closing(started):
+            yield chunk
+    except ApiError as exc:
+        yield event(exc.body())
+    yield DONE_EVENT
 
+
+def _stream_chat(state: ServerState, job: Job, assembler: ChatAssembler, writer: ChunkWriter) -> AsyncIterator[str]:
     def choice(delta: dict, finish_reason: str | None = None) -> dict:
         return {"index": 0, "delta": delta, "logprobs": assembler.take_logprobs(), "finish_reason": finish_reason}
 
-    try:
-        yield writer.chunk(choice({"role": "assistant", "content": ""}))
-        async for item in _events(job, state.config.keepalive_s):
-            if item is _KEEPALIVE:
-                yield item
-                continue
-            if isinstance(item, _Started):
-                started = item
-                continue
-            delta = assembler.add(item)
-            if delta is not None:
-                yield writer.chunk(choice(delta))
+    def chunks(item: TokenEvent) -> Iterable[str]:
+        delta = assembler.add(item)
+        return () if delta is None else (writer.chunk(choice(delta)),)
+
+    def closing(started: _Started | None) -> Iterable[str]:
         yield writer.chunk(choice({"content": ""}, assembler.final_reason()))
         if writer.include_usage and started is not None:
-            yield writer.chunk(
-                None,
-                usage(
-                    started.prompt_tokens,
-                    assembler.completion_tokens,
-                    started.cached_tokens,
-                    assembler.reasoning_tokens,
-                ),
-            )
-    except ApiError as exc:
-        # The status line is already sent, so errors travel in-stream.
-        yield event(exc.body())
-    yield DONE_EVENT
+            yield writer.chunk(None, usage(started.prompt_tokens, assembler.completion_tokens, started.cached_tokens,
+                                           assembler.reasoning_tokens))
+
+    return _stream(state, job, chunks, closing, opening=[writer.chunk(choice({"role": "assistant", "content": ""}))])
 
 
-async def _stream_completion(
+def _stream_completion(
     state: ServerState, job: Job, engine: Engine, sampling: SamplingParams, writer: ChunkWriter
 ) -> AsyncIterator[str]:
-    started: _Started | None = None
     completion_tokens, offset, reason = 0, 0, None
-    try:
-        async for item in _events(job, state.config.keepalive_s):
-            if item is _KEEPALIVE:
-                yield item
-                continue
-            if isinstance(item, _Started):
-                started = item
-                continue
-            completion_tokens += 1
-            reason = item.finish_reason or reason
-            logprobs = completion_logprobs(engine, [item], sampling.top_logprobs, offset) if sampling.logprobs else None
-            offset += len(item.text)
-            yield writer.chunk({"index": 0, "text": item.text, "logprobs": logprobs, "finish_reason": None})
+
+    def chunks(item: TokenEvent) -> Iterable[str]:
+        nonlocal completion_tokens, offset, reason
+        completion_tokens += 1
+        reason = item.finish_reason or reason
+        logprobs = completion_logprobs(engine, [item], sampling.top_logprobs, offset) if sampling.logprobs else None
+        offset += len(item.text)
+        return (writer.chunk({"index": 0, "text": item.text, "logprobs": logprobs, "finish_reason": None}),)
+
+    def closing(started: _Started | None) -> Iterable[str]:
         yield writer.chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": reason or "stop"})
         if writer.include_usage and started is not None:
             yield writer.chunk(None, usage(started.prompt_tokens, completion_tokens, started.cached_tokens))
-    except ApiError as exc:
-        yield event(exc.body())
-    yield DONE_EVENT
+
+    return _stream(state, job, chunks, closing)
 
 
 def _state(request: Request) -> ServerState:

@@ -339,6 +339,18 @@ namespace precise {
 using namespace metal::fast;
 }
 
+// ---- simdgroup_matrix<T, 8, 8>: two elements per lane, MLX lane layout (both targets) ----
+template <class T, int Rows, int Cols>
+struct simdgroup_matrix {
+  static_assert(Rows == 8 && Cols == 8, "the shim supports 8x8 simdgroup matrices only");
+  vec<T, 2> elements;
+  vec<T, 2>& thread_elements() { return elements; }
+  const vec<T, 2>& thread_elements() const { return elements; }
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+
 // ---- threadgroup and simdgroup synchronisation ----
 enum class mem_flags : uint32_t { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(uint32_t(a) | uint32_t(b)); }
@@ -674,18 +686,7 @@ MSL_CPU_ATOMIC_AS(__attribute__((address_space(1))))
 MSL_CPU_ATOMIC_AS(__attribute__((address_space(3))))
 #undef MSL_CPU_ATOMIC_AS
 
-// ---- simdgroup_matrix<T, 8, 8>: two elements per lane, MLX lane layout ----
-template <class T, int Rows, int Cols>
-struct simdgroup_matrix {
-  static_assert(Rows == 8 && Cols == 8, "the CPU harness supports 8x8 simdgroup matrices only");
-  vec<T, 2> elements;
-  vec<T, 2>& thread_elements() { return elements; }
-  const vec<T, 2>& thread_elements() const { return elements; }
-};
-typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
-typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
-typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
-
+// ---- simdgroup_matrix<T, 8, 8> operations on the CPU harness's lanes ----
 namespace matrix_detail {
 // Row and first column of the two elements lane `lane` holds: (row, col) and (row, col + 1).
 inline void lane_coord(uint32_t lane, int& row, int& col) {

@@ -242,18 +242,7 @@ MSL_CUDA_ATOMIC_AS(__attribute__((address_space(1))))
 MSL_CUDA_ATOMIC_AS(__attribute__((address_space(3))))
 #undef MSL_CUDA_ATOMIC_AS
 
-// ---- simdgroup_matrix<T, 8, 8>: two elements per lane in the MLX lane layout, as in the CPU harness ----
-template <class T, int Rows, int Cols>
-struct simdgroup_matrix {
-  static_assert(Rows == 8 && Cols == 8, "the shim supports 8x8 simdgroup matrices only");
-  vec<T, 2> elements;
-  vec<T, 2>& thread_elements() { return elements; }
-  const vec<T, 2>& thread_elements() const { return elements; }
-};
-typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
-typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
-typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
-
+// ---- simdgroup_matrix<T, 8, 8> operations on a warp (the type is msl_cpu.h's: the MLX lane layout) ----
 namespace matrix_detail {
 // Row and first column of the two elements lane `lane` holds: (row, col) and (row, col + 1).
 constexpr int lane_row(uint32_t lane) { return int(((lane / 4) & 4) + ((lane / 2) % 4)); }
