@@ -10,6 +10,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "metal_runtime.h"
 #include "plan.h"
 // ---- end ----
 
@@ -322,8 +323,9 @@ NB_MODULE(_ext, m) {
               const std::map<std::string, std::string>& family_sources) {
              std::optional<lily::MetallibFile> library;
              if (metallib) library = lily::MetallibFile{*metallib};
+             auto runtime = std::make_unique<lily::MetalRuntime>(lily::embedded_kernel_families(family_sources), library);
              new (e) lily::Engine(config_from_dict(config), precision_from(precision), switches_from_dict(switches),
-                                  max_context, lily::embedded_kernel_families(family_sources), library);
+                                  max_context, std::move(runtime));
            },
            nb::arg("config"), nb::arg("precision"), nb::arg("switches"), nb::arg("max_context"),
            nb::arg("metallib") = nb::none(), nb::arg("family_sources") = std::map<std::string, std::string>())
