@@ -1,0 +1,49 @@
+"""The ``cuda`` backend: the same compiled engine as ``metal`` (``lily._ext.Engine``), run by its CUDA runtime.
+
+The graphs, the switches, the precision modes, the states, snapshots and GPU token choice are the Metal backend's;
+only the runtime under the engine differs (docs/engine.md, "Runtimes"): weights streamed into device memory once, the
+Metal kernels as PTX (``$LILY_CUDA_PTX_DIR``, else the package's ``cuda_kernels``; docs/cuda.md), the decode step an
+explicit CUDA graph replayed per token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+from lily.backends.metal import MetalBackend
+from lily.cuda import ptx_dir
+
+
+def cuda_unavailable() -> str | None:
+    """Why this machine cannot run the ``cuda`` backend (no driver, no GPU, no PTX), or None when it can."""
+    library = os.environ.get("LILY_LIBCUDA", "libcuda.so.1")
+    try:
+        driver = ctypes.CDLL(library)
+    except OSError as exc:
+        return f"no NVIDIA driver: {library} cannot be loaded ({exc})"
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value < 1:
+        return f"no NVIDIA GPU: {library} loads but reports no device"
+    folder = ptx_dir()
+    if not any(folder.glob("*.ptx")):
+        return f"no CUDA kernels: no .ptx files in {folder} (build them with tools/cuda_kernels.py; docs/cuda.md)"
+    return None
+
+
+def require_cuda() -> None:
+    """Raise RuntimeError, before any work, when this machine cannot run the ``cuda`` backend."""
+    reason = cuda_unavailable()
+    if reason:
+        raise RuntimeError(f"backend='cuda' is unavailable: {reason}")
+
+
+class CudaBackend(MetalBackend):
+    """The ``cuda`` backend: ``MetalBackend``'s Python over the engine's CUDA runtime (same arguments)."""
+
+    def _require_runtime(self) -> None:
+        require_cuda()
+
+    def _runtime_arguments(self) -> dict[str, Any]:
+        return {"runtime": "cuda", "ptx_dir": str(ptx_dir())}

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The engine on a real NVIDIA GPU in one call (docs/verification.md, "The engine on the H200").
+#
+#   scripts/h200_engine_check.sh prepare   # here (clang-19, ptxas, mlx-lm): PTX and the tiny checkpoints into .dev/h200
+#   scripts/h200_engine_check.sh run       # there (g++, no clang, no network): build with g++, run the engine tests
+#
+# `run` builds lily._ext with g++ (the Metal test runtime needs clang, so that build has only the CUDA runtime),
+# then runs the engine tests that take `engine_backend` on the CUDA runtime over the machine's libcuda, with the PTX
+# and checkpoints made by `prepare` (carry .dev/h200). It prints one summary line per step; the device call is:
+#   run(command="scripts/h200_engine_check.sh run", carry=[".dev/h200"], timeout_s=300)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+DEV=$ROOT/.dev/h200
+
+if [[ "${1:-}" == "prepare" ]]; then
+  rm -rf "$DEV/ptx" "$DEV/checkpoints"
+  mkdir -p "$DEV"
+  python tools/cuda_kernels.py "$DEV/ptx"
+  python -c "from pathlib import Path; from tests.engine.test_metal_backend import save_checkpoints; \
+save_checkpoints(Path('$DEV/checkpoints'))"
+  du -sh "$DEV"
+  exit 0
+fi
+[[ "${1:-}" == "run" ]] || { echo "usage: $0 prepare|run" >&2; exit 2; }
+ls "$DEV"/ptx/*.ptx >/dev/null && ls "$DEV"/checkpoints/mlx >/dev/null
+
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 --version
+start=$(date +%s)
+python3 -m venv --system-site-packages /tmp/lily-venv
+. /tmp/lily-venv/bin/activate
+CXX=g++ CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) pip install -q --no-deps --no-build-isolation . -Cbuild-dir=/tmp/lily-build
+echo "build: $(( $(date +%s) - start )) s"
+(cd /tmp && python -c "import lily._ext as e; print('lily._ext platform:', e.platform)")
+
+export LILY_CUDA_PTX_DIR=$DEV/ptx LILY_ENGINE_CHECKPOINTS=$DEV/checkpoints LILY_ENGINE_RUNTIMES=cuda
+# The installed package, not python/ of the tree: tests import lily from site-packages.
+python -m pytest -q -p no:cacheprovider tests/engine/test_metal_backend.py \
+  -k "cuda" -x --durations=5 2>&1 | tail -25
+echo "total: $(( $(date +%s) - start )) s"

@@ -1,0 +1,50 @@
+"""The engine's runtimes as a test parameter: `engine_backend` is MetalBackend (the fake Metal on Linux, a Mac's GPU)
+or CudaBackend (the fake libcuda on Linux, LILY_LIBCUDA; a real NVIDIA GPU with LILY_ENGINE_RUNTIMES=cuda), so one
+test checks both runtimes under the same graphs (docs/engine.md, "Runtimes")."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.engine.runtimes import cuda_absent, prepare_cuda
+
+# Which runtimes to run: all of them by default; LILY_ENGINE_RUNTIMES=cuda on a GPU machine without Metal.
+RUNTIMES = os.environ.get("LILY_ENGINE_RUNTIMES", "metal,cuda").split(",")
+
+
+def _params():
+    marks = {"metal": [pytest.mark.metal], "cuda": [pytest.mark.cuda_runtime]}
+    return [pytest.param(name, marks=marks[name], id=name) for name in RUNTIMES]
+
+
+def _cuda_backend():
+    absent = cuda_absent()
+    if absent:  # no NVIDIA driver and a build without the fake libcuda (a Mac, a g++ build off the GPU machine)
+        pytest.skip(absent)
+    prepare_cuda()
+    from lily.backends.cuda import CudaBackend
+
+    return CudaBackend
+
+
+@pytest.fixture(params=_params())
+def engine_backend(request):
+    """The backend class of one runtime, taking MetalBackend's arguments."""
+    if request.param == "cuda":
+        return _cuda_backend()
+    from lily.backends.metal import MetalBackend
+
+    return MetalBackend
+
+
+@pytest.fixture
+def cuda_engine_backend():
+    """CudaBackend, for tests of the CUDA runtime alone."""
+    return _cuda_backend()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cuda_runtime: runs the engine's CUDA runtime (the fake libcuda, or a GPU)")
+
