@@ -74,6 +74,7 @@ def test_a_machine_without_clang_builds_installs_and_generates(tmp_path):
     log = build.stdout + build.stderr
     assert "The CXX compiler identification is GNU" in log, log[-4000:]
     assert log.count(NO_RUNTIME_LINE) == 1, log[-4000:]
+    assert "Lily: no CUDA kernels in this build: no clang++" in log, log[-4000:]  # one line, and the build goes on
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
     wheel = next((tmp_path / "wheel").glob("lily-*.whl"))
@@ -97,3 +98,10 @@ def test_a_machine_without_clang_builds_installs_and_generates(tmp_path):
         "on x86-64); reinstall with CXX=clang++-19 pip install ., or use backend='reference'"
     ), metal.stderr
     assert "Traceback" not in metal.stderr
+    # The CUDA driver layer is built with any compiler; without a driver it says so (LILY_LIBCUDA: no such file).
+    no_driver = subprocess.run([str(venv / "bin" / "python"), "-c", "from lily import cuda\ntry:\n    cuda.Runner()\n"
+                                "except cuda.CudaError as e:\n    print(e)"],
+                               cwd=tmp_path, env={**run_env, "LILY_LIBCUDA": str(tmp_path / "libcuda.so.1")},
+                               capture_output=True, text=True, timeout=300)
+    assert no_driver.stdout.startswith(f"no NVIDIA driver: {tmp_path / 'libcuda.so.1'} cannot be loaded"), (
+        no_driver.stdout + no_driver.stderr[-3000:])

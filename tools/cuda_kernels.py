@@ -5,7 +5,11 @@ The same rewrite as the CPU harness (msl2cpu.py --target cuda), then clang in CU
 (src/msl_cpu/include/msl_cuda.h), linked with NVIDIA's libdevice; ptxas assembles the PTX for every checked
 architecture. No CUDA headers, no nvcc, no GPU needed.
 
-    cuda_kernels.py OUT_DIR [--arch sm_90] [--check-arch sm_80 sm_90]   -> OUT_DIR/<stem>.ptx per metal file
+    cuda_kernels.py OUT_DIR [--arch sm_90] [--check-arch sm_80 sm_90] [--source metal/x.metal ...]
+                                                    -> OUT_DIR/<stem>.ptx per metal file (--check-arch alone: no ptxas)
+    cuda_kernels.py --toolchain                     -> prints the toolchain, or why there is none (exit 1)
+
+CMake runs it per file at build time (CMakeLists.txt, "CUDA kernels") where --toolchain succeeds.
 
 Toolchain: clang (LILY_CLANG, else clang++-19 / clang++ on PATH), and libdevice + ptxas from the CUDA toolkit
 (LILY_CUDA_HOME, CUDA_HOME, CUDA_PATH, /usr/local/cuda, ptxas on PATH) or else NVIDIA's pip package
@@ -64,10 +68,24 @@ def _pip_nvidia_dirs() -> list[Path]:
     return dirs
 
 
+MIN_CLANG = 19  # CUDA device mode through the shim: ext_vector_type, __bf16 arithmetic, NVPTX of clang 19
+
+
+def _clang_major(clang: str) -> int:
+    try:
+        out = subprocess.run([clang, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    m = re.search(r"clang version (\d+)", out)
+    return int(m.group(1)) if m else 0
+
+
 def find_toolchain() -> Toolchain:
     clang = os.environ.get("LILY_CLANG") or shutil.which("clang++-19") or shutil.which("clang++")
     if not clang:
         raise ToolchainError("no clang++ (set LILY_CLANG or install clang-19): it compiles the kernels for CUDA")
+    if _clang_major(clang) < MIN_CLANG:
+        raise ToolchainError(f"{clang} is not clang {MIN_CLANG} or newer (set LILY_CLANG or install clang-19)")
     homes = [os.environ.get(v) for v in ("LILY_CUDA_HOME", "CUDA_HOME", "CUDA_PATH")] + ["/usr/local/cuda"]
     ptxas_on_path = shutil.which("ptxas")
     if ptxas_on_path:
@@ -163,18 +181,32 @@ def build(out_dir: Path, arch: str = DEFAULT_ARCH, check_archs: tuple[str, ...] 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("out_dir", type=Path, nargs="?")
     parser.add_argument("--arch", default=DEFAULT_ARCH, help="the PTX target (default %(default)s)")
-    parser.add_argument("--check-arch", nargs="+", default=list(CHECK_ARCHS), help="ptxas targets checked")
+    parser.add_argument("--check-arch", nargs="*", default=list(CHECK_ARCHS),
+                        help="ptxas targets checked (none: no ptxas run)")
+    parser.add_argument("--source", type=Path, action="append", help="only these .metal files (default: metal/)")
+    parser.add_argument("--toolchain", action="store_true", help="print the toolchain found, or why none is")
     parser.add_argument("-j", "--jobs", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.toolchain:
+        try:
+            tc = find_toolchain()
+        except ToolchainError as e:
+            print(e, file=sys.stderr)
+            return 1
+        print(f"{tc.clang}, {tc.libdevice}, {tc.ptxas}")
+        return 0
+    if args.out_dir is None:
+        parser.error("OUT_DIR is required")
     try:
-        built = build(args.out_dir, args.arch, tuple(args.check_arch), jobs=args.jobs)
+        built = build(args.out_dir, args.arch, tuple(args.check_arch), sources=args.source, jobs=args.jobs)
     except (ToolchainError, RuntimeError) as e:
         print(f"cuda_kernels: error: {e}", file=sys.stderr)
         return 1
     n = sum(len(v) for v in built.values())
-    print(f"cuda_kernels: {n} kernels in {len(built)} PTX files, ptxas {' '.join(args.check_arch)}: ok")
+    checked = f"ptxas {' '.join(args.check_arch)}: ok" if args.check_arch else "not assembled (no --check-arch)"
+    print(f"cuda_kernels: {n} kernels in {len(built)} PTX files, {checked}")
     return 0
 
 

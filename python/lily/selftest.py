@@ -949,8 +949,9 @@ def _table(results: Sequence[Result]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
-def _compile_cuda() -> int:
-    """--device cuda --compile-only: every kernel of metal/ through clang (CUDA) and ptxas, one row per kernel."""
+def _compile_cuda(ptx_out: str | None = None) -> int:
+    """--device cuda --compile-only: every kernel of metal/ through clang (CUDA) and ptxas, one row per kernel; the PTX
+    is kept in `ptx_out` when given (a folder for LILY_CUDA_PTX_DIR)."""
     import importlib.util
     import tempfile
     from pathlib import Path
@@ -971,9 +972,9 @@ def _compile_cuda() -> int:
     builder = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = builder  # its dataclasses look their module up
     spec.loader.exec_module(builder)
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as scratch:
         try:
-            built = builder.build(Path(out))
+            built = builder.build(Path(ptx_out or scratch))
         except (builder.ToolchainError, RuntimeError) as exc:
             print(f"lily.selftest: {exc}", file=sys.stderr)
             return 1
@@ -996,6 +997,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--compile-only", action="store_true",
                         help="with --device cuda: compile every kernel for the NVIDIA targets and check it with "
                              "ptxas; no GPU needed")
+    parser.add_argument("--ptx-out", metavar="DIR", help="with --compile-only: keep the PTX files in DIR")
     parser.add_argument("--kernels", metavar="REGEX", help="only the instantiated kernels whose name matches REGEX")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     parser.add_argument("--corrupt", metavar="KERNEL", action="append", default=[],
@@ -1005,7 +1007,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.device != "cuda":
             print("lily.selftest: --compile-only needs --device cuda", file=sys.stderr)
             return 2
-        return _compile_cuda()
+        return _compile_cuda(args.ptx_out)
 
     try:
         device = open_device(args.device)

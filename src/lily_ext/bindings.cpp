@@ -3,6 +3,7 @@
 
 #include "engine_test_bindings.h"
 #include "cpu/cpu_bindings.h"
+#include "cuda/cuda_bindings.h"
 
 // ---- model graph and plan: includes ----
 #include <nanobind/ndarray.h>
@@ -304,6 +305,8 @@ NB_MODULE(_ext, m) {
   // The CPU backend (backend="cpu").
   nb::module_ cpu = m.def_submodule("cpu");
   lily::cpu::bind(cpu);
+  nb::module_ cuda = m.def_submodule("cuda");  // the CUDA driver layer (docs/cuda.md)
+  lily::cuda::bind(cuda);
   // Model graph and plan.
   m.def("plan_decode", &plan_decode, nb::arg("config"), nb::arg("context"), nb::arg("precision") = "bfloat16",
         nb::arg("switches") = nb::dict(), nb::arg("with_graph") = false,

@@ -180,14 +180,6 @@ struct Dim3 {
   uint32_t x = 1, y = 1, z = 1;
 };
 
-// msl_cuda_detail::Params, the one by-value parameter of every entry point (msl_cuda_launch.h).
-constexpr int kMaxBuffers = 31;
-constexpr int kMaxThreadgroupSlices = 8;
-struct KernelParams {
-  CUdeviceptr buffers[kMaxBuffers];
-  uint32_t threadgroup_offsets[kMaxThreadgroupSlices];
-};
-static_assert(sizeof(KernelParams) == 31 * 8 + 8 * 4, "Params layout of msl_cuda_launch.h");
 
 // One kernel parameter as the `<kernel>_msl_params` table exports it: attribute 0 is [[buffer(index)]], 1 is
 // [[threadgroup(index)]], others are position attributes (msl_rt::Attr); binding 0 pointer, 1 reference, 2 value;
@@ -225,6 +217,16 @@ class KernelSet {
   bool has_kernel(const std::string& kernel) const { return kernel_file_.count(kernel) != 0; }
   // The kernel's parameter table, read from the module once.
   const std::vector<KernelParameter>& parameters(const std::string& kernel);
+
+  // The CPU harness's argument rules, before any GPU work: every [[buffer(i)]] bound, setBytes data for a struct
+  // exactly the struct, a buffer bound to one at least as long, a length for every [[threadgroup(i)]]. Throws
+  // std::invalid_argument naming the kernel, the parameter and the slot.
+  struct BoundArgument {
+    size_t bytes;
+    bool is_bytes;  // setBytes data rather than a device buffer
+  };
+  void check_arguments(const std::string& kernel, const std::vector<BoundArgument>& arguments,
+                       const std::vector<uint32_t>& threadgroup_memory);
 
   // Chooses the function for the shape (the register-capped build where the fast one cannot run that many threads),
   // packs `buffers` (device pointers bound at [[buffer(i)]]) and the threadgroup slices, and raises the kernel's

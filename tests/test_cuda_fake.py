@@ -1,0 +1,177 @@
+"""The CUDA path without a GPU: lily.cuda -> the extension's driver layer (src/lily_ext/cuda/driver.cpp) -> the fake
+libcuda (src/cuda_fake/, loaded through $LILY_LIBCUDA), which runs the PTX's kernels on the CPU harness and runs
+graph nodes in a seeded random order that respects only the declared edges (docs/cuda.md).
+
+The PTX is the session's one CUDA build (the ``cuda_compile_only`` fixture, tests/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lily import _ext, cuda
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE_LIBCUDA = Path(_ext.__file__).resolve().parent / "liblily_fake_cuda.so"
+FAKE_DEVICE = "Lily fake CUDA device (CPU harness)"
+# A representative subset of the kernel tests (norms, quantized matmuls, MoE, attention, sampling); the Metal 4
+# tensor-op kernels have no CUDA build, and the sampling distribution test is the slow one (10 s on the harness).
+KERNEL_TESTS = ["test_rms_norm.py", "test_qmatmul.py", "test_moe.py", "test_attention.py", "test_sampling.py"]
+KERNEL_TEST_FILTER = "not qmm_nax and not test_sample_distribution"
+EPS = 1e-6
+
+
+@pytest.fixture(scope="module")
+def ptx(cuda_compile_only) -> Path:
+    code, _, folder = cuda_compile_only
+    assert code == 0, "the CUDA build of the kernels failed (see test_cuda_build.py)"
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runner(ptx: Path) -> cuda.Runner:
+    """A Runner on the fake libcuda. The driver is opened once per process: this module sets $LILY_LIBCUDA first."""
+    assert FAKE_LIBCUDA.is_file(), f"{FAKE_LIBCUDA} is not built (CMakeLists.txt builds it with the harness)"
+    os.environ["LILY_LIBCUDA"] = str(FAKE_LIBCUDA)
+    r = cuda.Runner(ptx)
+    if r.device_name != FAKE_DEVICE:  # only where an earlier test of this process opened a real GPU's driver
+        pytest.skip(f"this process already uses the CUDA driver of '{r.device_name}'")
+    return r
+
+
+def _fake_env(ptx: Path) -> dict[str, str]:
+    return {**os.environ, "LILY_LIBCUDA": str(FAKE_LIBCUDA), "LILY_CUDA_PTX_DIR": str(ptx),
+            "LILY_KERNEL_DEVICE": "cuda"}
+
+
+def test_kernel_tests_pass_through_the_driver_layer_on_the_fake(ptx: Path) -> None:
+    """LILY_KERNEL_DEVICE=cuda kernel tests: every dispatch goes lily.cuda -> driver.cpp -> the fake -> the harness,
+    with the arguments packed into the Params block a GPU gets, and matches the float64 references."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", KERNEL_TEST_FILTER,
+           *[str(ROOT / "tests" / "kernels" / name) for name in KERNEL_TESTS]]
+    run = subprocess.run(cmd, cwd=ROOT, env=_fake_env(ptx), capture_output=True, text=True, timeout=900)
+    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr[-2000:]
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and int(passed.group(1)) > 300, summary
+    assert not re.search(r"failed|skipped|error", summary), summary
+
+
+def test_selftest_runs_on_the_fake(ptx: Path) -> None:
+    code = "from lily import selftest\nraise SystemExit(selftest.main(['--device', 'cuda', '--kernels', '^rms_norm']))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_fake_env(ptx), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert f"Kernels ran on the NVIDIA GPU '{FAKE_DEVICE}' through the CUDA driver API." in run.stdout
+    assert re.search(r"(\d+)/\1 kernels passed", run.stdout), run.stdout[-2000:]
+
+
+def test_bad_arguments_are_refused_before_launch(runner: cuda.Runner) -> None:
+    x = np.ones((2, 64), np.float32)
+    with pytest.raises(ValueError, match=r"rms_norm_f32 parameter 0 \[\[buffer\(0\)\]\] expects 16 bytes"):
+        runner.dispatch("rms_norm_f32", [b"\0" * 8, x, x[0].copy(), x.copy()], (2, 1, 1), (64, 1, 1))
+    with pytest.raises(ValueError, match=r"\[\[buffer\(3\)\]\] is not bound: only 3 args"):
+        runner.dispatch("rms_norm_f32", [_args(64), x, x[0].copy()], (2, 1, 1), (64, 1, 1))
+    with pytest.raises(ValueError, match=r"no kernel named 'rms_norm_f64'"):
+        runner.launch("rms_norm_f64", [], (1, 1, 1), (1, 1, 1))
+    with pytest.raises(ValueError, match=r"bad launch shape threadgroups=\[1, 1, 1\] threads=\[2048, 1, 1\]"):
+        runner.launch("rms_norm_f32", [], (1, 1, 1), (2048, 1, 1))
+
+
+def test_a_kernel_fault_names_the_kernel_and_the_harness_finding(runner: cuda.Runner) -> None:
+    """A launch whose [[buffer(i)]] is not device memory fails in the driver call, naming the kernel and the slot."""
+    out = runner.alloc(256)
+    with pytest.raises(cuda.CudaError, match=r"kernel rms_norm_f32: cuLaunchKernel failed: CUDA_ERROR_ILLEGAL_ADDRESS"
+                                             r".*\[\[buffer\(1\)\]\] is not device memory \(null\)"):
+        runner.launch("rms_norm_f32", [out, 0, out, out], (1, 1, 1), (32, 1, 1))
+    runner.free(out)
+
+
+def test_missing_ptx_is_a_clear_error(runner: cuda.Runner, tmp_path: Path) -> None:
+    with pytest.raises(cuda.CudaError, match="no .ptx files in"):
+        cuda.Runner(tmp_path)
+
+
+# ---- Explicit graphs: y = rms_norm(x, w1); z = rms_norm(y, w2), with y poisoned (NaN) first ----
+
+
+def _args(n: int) -> bytes:
+    """lily::RmsNormArgs (metal/lily.h)."""
+    return struct.pack("<IfII", n, EPS, 0, 0)
+
+
+def _rms_norm(h: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + EPS) * w
+
+
+class _Chain:
+    """Two dependent kernels and a fill in one graph; `edge`: whether the second kernel declares the first."""
+
+    rows, n = 3, 256
+
+    def __init__(self, runner: cuda.Runner, edge: bool) -> None:
+        rng = np.random.default_rng(7)
+        self.x = (rng.standard_normal((self.rows, self.n)) * 3).astype(np.float32)
+        self.w1, self.w2 = (1 + 0.5 * rng.standard_normal((2, self.n))).astype(np.float32)
+        y = _rms_norm(self.x.astype(np.float64), self.w1.astype(np.float64)).astype(np.float32)
+        self.expected = _rms_norm(y.astype(np.float64), self.w2.astype(np.float64))
+        self.runner = runner
+        self.buffers = {}
+        for name, data in (("args", np.frombuffer(_args(self.n), np.uint8)), ("x", self.x), ("w1", self.w1),
+                           ("w2", self.w2), ("y", self.x), ("z", self.x)):
+            self.buffers[name] = runner.alloc(data.nbytes)
+            runner.upload(self.buffers[name], data)
+        b = self.buffers
+        graph = runner.graph()
+        poison = graph.add_fill(b["y"], 0xFF, self.x.nbytes)
+        first = graph.add_kernel("rms_norm_f32", [b["args"], b["x"], b["w1"], b["y"]], (self.rows, 1, 1),
+                                 (256, 1, 1), dependencies=[poison])
+        graph.add_kernel("rms_norm_f32", [b["args"], b["y"], b["w2"], b["z"]], (self.rows, 1, 1), (256, 1, 1),
+                         dependencies=[first] if edge else [poison])
+        self.graph, self.exec = graph, graph.instantiate()
+
+    def launch_is_right(self) -> bool:
+        self.exec.launch()
+        self.runner.synchronize()
+        z = np.empty_like(self.x)
+        self.runner.download(self.buffers["z"], z)
+        return bool(np.all(np.abs(z - self.expected) <= 1e-5 * (1 + np.abs(self.expected))))
+
+    def free(self) -> None:
+        for ptr in self.buffers.values():
+            self.runner.free(ptr)
+
+
+def test_graph_with_its_dependency_edges_is_right_in_every_order(runner: cuda.Runner) -> None:
+    chain = _Chain(runner, edge=True)
+    assert chain.graph.node_count == 3
+    assert all(chain.launch_is_right() for _ in range(8))
+    chain.free()
+
+
+def test_graph_missing_a_dependency_edge_gives_a_wrong_answer(runner: cuda.Runner) -> None:
+    """Without the edge the second kernel may run before the first and read the poisoned y: the fake's random
+    order finds it within 8 launches (and also runs it in the lucky order, so the failure is the order's)."""
+    chain = _Chain(runner, edge=False)
+    outcomes = [chain.launch_is_right() for _ in range(8)]
+    assert not all(outcomes), "every launch ran the nodes in the declared order: the missing edge went unnoticed"
+    assert any(outcomes), "no launch ran the kernels in the working order"
+    chain.free()
+
+
+def test_graph_kernel_node_can_be_repointed(runner: cuda.Runner) -> None:
+    """cuGraphExecKernelNodeSetParams: the second kernel reads x instead of y, keeping its edge."""
+    chain = _Chain(runner, edge=True)
+    b = chain.buffers
+    chain.graph.set_kernel(chain.exec, 2, "rms_norm_f32", [b["args"], b["x"], b["w2"], b["z"]], (chain.rows, 1, 1),
+                           (256, 1, 1))
+    chain.expected = _rms_norm(chain.x.astype(np.float64), chain.w2.astype(np.float64))
+    assert chain.launch_is_right()
+    chain.free()
