@@ -43,7 +43,14 @@ Engine::Engine(const ModelConfig& config, Precision precision, const Switches& s
 }
 
 Engine::~Engine() {
-  // The work in flight and the recordings go before the buffers they use.
+  // The work in flight finishes, and goes with the recordings, before the buffers it uses.
+  for (InFlight& f : in_flight_) {
+    try {
+      f.work->wait();
+    } catch (const Error&) {
+      // Its failure was the caller's to see; here only its end matters.
+    }
+  }
   in_flight_.clear();
   programs_.clear();
   buffers_.clear();

@@ -19,11 +19,11 @@ def _params():
     return [pytest.param(name, marks=marks[name], id=name) for name in RUNTIMES]
 
 
-def _cuda_backend():
+def _cuda_backend(request):
     absent = cuda_absent()
     if absent:  # no NVIDIA driver and a build without the fake libcuda (a Mac, a g++ build off the GPU machine)
         pytest.skip(absent)
-    prepare_cuda()
+    prepare_cuda(request)
     from lily.backends.cuda import CudaBackend
 
     return CudaBackend
@@ -33,16 +33,16 @@ def _cuda_backend():
 def engine_backend(request):
     """The backend class of one runtime, taking MetalBackend's arguments."""
     if request.param == "cuda":
-        return _cuda_backend()
+        return _cuda_backend(request)
     from lily.backends.metal import MetalBackend
 
     return MetalBackend
 
 
 @pytest.fixture
-def cuda_engine_backend():
+def cuda_engine_backend(request):
     """CudaBackend, for tests of the CUDA runtime alone."""
-    return _cuda_backend()
+    return _cuda_backend(request)
 
 
 def pytest_configure(config: pytest.Config) -> None:

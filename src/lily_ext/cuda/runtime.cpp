@@ -21,11 +21,25 @@ constexpr size_t kArgumentAlign = 16;
 
 size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
+// Device memory, or pinned host memory for what the host reads or writes while steps run (the token slots: kernels
+// write the chosen token there, and the host reads it once the step's event fired, with no copy queued behind the
+// next step). With unified addressing a pinned host pointer is also the device's pointer to it.
 class CudaBuffer : public DeviceBuffer {
  public:
-  explicit CudaBuffer(size_t length) : DeviceBuffer(length), memory(length) {}
-  cuda::CUdeviceptr at(size_t offset) const { return memory.ptr() + offset; }
-  cuda::DeviceMemory memory;
+  CudaBuffer(size_t length, Memory memory) : DeviceBuffer(length) {
+    if (memory == Memory::HostVisible) {
+      pinned = cuda::PinnedMemory(length);
+    } else {
+      device = cuda::DeviceMemory(length);
+    }
+  }
+  bool host_visible() const { return pinned.data() != nullptr; }
+  unsigned char* host(size_t offset) const { return static_cast<unsigned char*>(pinned.data()) + offset; }
+  cuda::CUdeviceptr at(size_t offset) const {
+    return (host_visible() ? reinterpret_cast<cuda::CUdeviceptr>(pinned.data()) : device.ptr()) + offset;
+  }
+  cuda::DeviceMemory device;
+  cuda::PinnedMemory pinned;
 };
 
 CudaBuffer& device(DeviceBuffer& b) { return static_cast<CudaBuffer&>(b); }
@@ -98,17 +112,15 @@ CudaRuntime::~CudaRuntime() {
 
 void CudaRuntime::current() const { context_->make_current(); }
 
-std::unique_ptr<DeviceBuffer> CudaRuntime::allocate(size_t length, Memory) {
-  // Host-visible buffers are device memory too: the host reads them (token ids) once the step that wrote them is
-  // done, while the next step runs.
+std::unique_ptr<DeviceBuffer> CudaRuntime::allocate(size_t length, Memory memory) {
   current();
-  return std::make_unique<CudaBuffer>(length);
+  return std::make_unique<CudaBuffer>(length, memory);
 }
 
 std::unique_ptr<DeviceBuffer> CudaRuntime::load_file(const std::string& path) {
   current();
   MappedFile file(path);
-  auto buffer = std::make_unique<CudaBuffer>(file.mapped_length());
+  auto buffer = std::make_unique<CudaBuffer>(file.mapped_length(), Memory::Device);
   cuda::PinnedMemory staging(2 * kStagingChunk);
   staging_bytes_ = std::max(staging_bytes_, staging.size());
   cuda::Event copied[2];
@@ -138,6 +150,10 @@ std::unique_ptr<DeviceBuffer> CudaRuntime::reserve(size_t length) {
 void CudaRuntime::upload(DeviceBuffer& to, size_t offset, const void* from, size_t length) {
   check_range(to, offset, length, "upload");
   if (!length) return;
+  if (device(to).host_visible()) {
+    std::memcpy(device(to).host(offset), from, length);
+    return;
+  }
   current();
   cuda::upload_async(device(to).at(offset), from, length, stream_->handle());
   stream_->synchronize();
@@ -146,6 +162,10 @@ void CudaRuntime::upload(DeviceBuffer& to, size_t offset, const void* from, size
 void CudaRuntime::download(const DeviceBuffer& from, size_t offset, void* to, size_t length) {
   check_range(from, offset, length, "download");
   if (!length) return;
+  if (device(from).host_visible()) {
+    std::memcpy(to, device(from).host(offset), length);
+    return;
+  }
   current();
   cuda::download_async(to, device(from).at(offset), length, stream_->handle());
   stream_->synchronize();
@@ -156,12 +176,18 @@ void CudaRuntime::copy(const DeviceBuffer& from, size_t from_offset, DeviceBuffe
   check_range(from, from_offset, length, "copy");
   check_range(to, to_offset, length, "copy");
   if (!length) return;
+  if (device(from).host_visible()) return upload(to, to_offset, device(from).host(from_offset), length);
+  if (device(to).host_visible()) return download(from, from_offset, device(to).host(to_offset), length);
   current();
   cuda::copy_async(device(to).at(to_offset), device(from).at(from_offset), length, stream_->handle());
   stream_->synchronize();
 }
 
 void CudaRuntime::fill_zero(DeviceBuffer& buffer) {
+  if (device(buffer).host_visible()) {
+    std::memset(device(buffer).host(0), 0, buffer.length());
+    return;
+  }
   current();
   cuda::fill_async(device(buffer).at(0), 0, buffer.length(), stream_->handle());
   stream_->synchronize();
