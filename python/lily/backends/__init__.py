@@ -25,7 +25,7 @@ def choose(name: str) -> str:
             return "metal"
         from lily.backends.cuda import cuda_unavailable
 
-        if hasattr(_ext, "Engine") and cuda_unavailable() is None:
+        if hasattr(_ext, "Engine") and cuda_unavailable(system_driver=True) is None:
             return "cuda"
         return "cpu" if hasattr(_ext, "cpu") else "reference"
     if name not in NAMES:

@@ -16,9 +16,12 @@ from lily.backends.metal import MetalBackend
 from lily.cuda import ptx_dir
 
 
-def cuda_unavailable() -> str | None:
-    """Why this machine cannot run the ``cuda`` backend (no driver, no GPU, no PTX), or None when it can."""
-    library = os.environ.get("LILY_LIBCUDA", "libcuda.so.1")
+def cuda_unavailable(*, system_driver: bool = False) -> str | None:
+    """Why this machine cannot run the ``cuda`` backend (no driver, no GPU, no PTX), or None when it can.
+
+    The driver is ``$LILY_LIBCUDA`` (tests point it at the fake libcuda), else ``libcuda.so.1``; ``system_driver``:
+    ``libcuda.so.1`` only (what ``backend="auto"`` looks for: the machine's own NVIDIA driver)."""
+    library = "libcuda.so.1" if system_driver else os.environ.get("LILY_LIBCUDA", "libcuda.so.1")
     try:
         driver = ctypes.CDLL(library)
     except OSError as exc:
