@@ -401,9 +401,9 @@ class MetalBackend:
     def host_timing(self, on: bool) -> dict[str, list[int]]:
         """Turn per-step host timing on or off; returns the times (ns) of the steps submitted since the last call.
 
-        ``encode``: finding the built step, patching and encoding it with its Metal calls (before commit);
-        ``cpp``: the same encode into an encoder that makes no Metal call, the engine's own C++ (while timing is
-        on, each step is encoded both ways).
+        ``encode``: finding the built step and submitting it (Metal: patching, encoding with its Metal calls and
+        committing; CUDA: patching the position fields, their upload and the graph launch); ``cpp``: the same without
+        the driver calls, the engine's own C++ (while timing is on, each step is submitted both ways).
         """
         times = {"encode": list(self._engine.step_encode_ns), "cpp": list(self._engine.step_cpp_ns)}
         self._engine.reset_host_timing()
