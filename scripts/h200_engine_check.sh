@@ -5,7 +5,8 @@
 #   scripts/h200_engine_check.sh run       # there (g++, no clang, no network): build with g++, run the engine tests
 #
 # `run` builds lily._ext with g++ (the Metal test runtime needs clang, so that build has only the CUDA runtime),
-# then runs the engine tests that take `engine_backend` on the CUDA runtime over the machine's libcuda, with the PTX
+# then runs the engine tests that take `engine_backend` / `engine_runtime` on the CUDA runtime over the machine's
+# libcuda (the tiny checkpoints in float32 and bf16, every switch, the demo model's top-1 and perplexity), with the PTX
 # and checkpoints made by `prepare` (carry .dev/h200). It prints one summary line per step; the device call is:
 #   run(command="scripts/h200_engine_check.sh run", carry=[".dev/h200"], timeout_s=300)
 set -euo pipefail
@@ -38,8 +39,8 @@ echo "build: $(( $(date +%s) - start )) s"
 
 export LILY_CUDA_PTX_DIR=$DEV/ptx LILY_ENGINE_CHECKPOINTS=$DEV/checkpoints LILY_ENGINE_RUNTIMES=cuda
 # The installed package, not python/ of the tree: tests import lily from site-packages.
-python -m pytest -q -p no:cacheprovider tests/engine/test_metal_backend.py \
-  -k "cuda" -x --durations=5 2>&1 | tail -25
+python -m pytest -q -p no:cacheprovider tests/engine/test_metal_backend.py tests/engine/test_demo_metal.py \
+  tests/engine/test_cuda_backend.py -k "cuda" --durations=5 2>&1 | tail -40
 # Host time per decode token (Lily's C++ between two tokens: finding the step, patching, upload and graph launch) and
 # the tiny model's decode speed, bf16, 256 greedy tokens with two steps in flight.
 python - <<'PY'
@@ -57,7 +58,8 @@ start = time.perf_counter()
 backend.generate_greedy(state, 1, 256)
 seconds = time.perf_counter() - start
 times = backend.host_timing(False)
-print(f"tiny model bf16 decode: {256 / seconds:.0f} tok/s; host per token: submit median "
-      f"{statistics.median(times['encode']) / 1e3:.1f} us, engine C++ alone {statistics.median(times['cpp']) / 1e3:.1f} us")
+submit, cpp = (statistics.median(times[k]) / 1e3 for k in ("encode", "cpp"))
+print(f"tiny model bf16 decode: {256 / seconds:.0f} tok/s; host per token: submit median {submit:.1f} us, "
+      f"engine C++ alone {cpp:.1f} us")
 PY
 echo "total: $(( $(date +%s) - start )) s"

@@ -91,7 +91,8 @@ nb::list spans_list(const std::vector<lily::Span>& spans) {
   return out;
 }
 
-// buffers [(name, bytes)] and nodes [{kernel, label, reads, writes, barrier_before, depends_on}] of a graph, into `out`.
+// buffers [(name, bytes)] and nodes [{kernel, label, reads, writes, barrier_before, depends_on}] of a graph, into
+// `out`.
 void add_graph(const lily::Graph& graph, nb::dict& out) {
   nb::list buffers, nodes;
   for (const lily::GraphBuffer& b : graph.buffers) buffers.append(nb::make_tuple(b.name, b.length));

@@ -1,8 +1,7 @@
-// The engine: mapped checkpoint files, state buffers, and load -> prefill -> decode over the graphs (see model.h).
+// The engine: checkpoint files, state, load -> prefill -> decode over the graphs, through a Runtime (see model.h).
 #include "model.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>

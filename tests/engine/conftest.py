@@ -19,21 +19,27 @@ def _params():
     return [pytest.param(name, marks=marks[name], id=name) for name in RUNTIMES]
 
 
-def _cuda_backend(request):
+def _prepared_cuda(request) -> str:
     absent = cuda_absent()
     if absent:  # no NVIDIA driver and a build without the fake libcuda (a Mac, a g++ build off the GPU machine)
         pytest.skip(absent)
     prepare_cuda(request)
-    from lily.backends.cuda import CudaBackend
-
-    return CudaBackend
+    return "cuda"
 
 
 @pytest.fixture(params=_params())
-def engine_backend(request):
+def engine_runtime(request) -> str:
+    """The backend name of one runtime of the engine ("metal" or "cuda"), ready to load."""
+    return _prepared_cuda(request) if request.param == "cuda" else "metal"
+
+
+@pytest.fixture
+def engine_backend(engine_runtime):
     """The backend class of one runtime, taking MetalBackend's arguments."""
-    if request.param == "cuda":
-        return _cuda_backend(request)
+    if engine_runtime == "cuda":
+        from lily.backends.cuda import CudaBackend
+
+        return CudaBackend
     from lily.backends.metal import MetalBackend
 
     return MetalBackend
@@ -42,9 +48,7 @@ def engine_backend(request):
 @pytest.fixture
 def cuda_engine_backend(request):
     """CudaBackend, for tests of the CUDA runtime alone."""
-    return _cuda_backend(request)
+    _prepared_cuda(request)
+    from lily.backends.cuda import CudaBackend
 
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "cuda_runtime: runs the engine's CUDA runtime (the fake libcuda, or a GPU)")
-
+    return CudaBackend
