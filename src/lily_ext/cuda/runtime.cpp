@@ -1,6 +1,8 @@
 // The CUDA runtime (see runtime.h).
 #include "runtime.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -122,7 +124,6 @@ std::unique_ptr<DeviceBuffer> CudaRuntime::load_file(const std::string& path) {
   MappedFile file(path);
   auto buffer = std::make_unique<CudaBuffer>(file.mapped_length(), Memory::Device);
   cuda::PinnedMemory staging(2 * kStagingChunk);
-  staging_bytes_ = std::max(staging_bytes_, staging.size());
   cuda::Event copied[2];
   const auto* bytes = static_cast<const unsigned char*>(file.data());
   size_t chunk = 0;
@@ -131,6 +132,8 @@ std::unique_ptr<DeviceBuffer> CudaRuntime::load_file(const std::string& path) {
     if (chunk >= 2) copied[half].synchronize();  // the copy that last read this half is done
     unsigned char* slot = static_cast<unsigned char*>(staging.data()) + half * kStagingChunk;
     std::memcpy(slot, bytes + offset, n);
+    // The chunk's pages leave this process (the page cache keeps them): a load holds one chunk of the file at a time.
+    ::madvise(const_cast<unsigned char*>(bytes) + offset, n, MADV_DONTNEED);
     cuda::upload_async(buffer->at(offset), slot, n, stream_->handle());
     copied[half].record(stream_->handle());
   }
@@ -138,7 +141,6 @@ std::unique_ptr<DeviceBuffer> CudaRuntime::load_file(const std::string& path) {
     cuda::fill_async(buffer->at(file.file_length()), 0, file.mapped_length() - file.file_length(), stream_->handle());
   }
   stream_->synchronize();
-  loaded_bytes_ += file.file_length();
   return buffer;
 }
 

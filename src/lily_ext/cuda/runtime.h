@@ -43,10 +43,6 @@ class CudaRuntime : public Runtime {
   std::unique_ptr<Submission> submit(const std::shared_ptr<RecordedGraph>& graph, size_t position) override;
   void submit_dry(RecordedGraph& graph, size_t position) override;
 
-  // Bytes of checkpoint files uploaded so far, and the most host memory (pinned staging) a load held at once.
-  size_t loaded_bytes() const { return loaded_bytes_; }
-  size_t staging_bytes() const { return staging_bytes_; }
-
  private:
   struct Recording;
   void current() const;  // makes the context current on the calling thread (the server decodes on its own thread)
@@ -54,7 +50,6 @@ class CudaRuntime : public Runtime {
   std::unique_ptr<cuda::Context> context_;
   std::unique_ptr<cuda::KernelSet> kernels_;
   std::unique_ptr<cuda::Stream> stream_;
-  size_t loaded_bytes_ = 0, staging_bytes_ = 0;
 };
 
 }  // namespace lily
