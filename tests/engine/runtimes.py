@@ -36,11 +36,17 @@ def cuda_absent() -> str | None:
 
 
 def prepare_cuda(request: pytest.FixtureRequest) -> None:
-    """Points the engine at a driver and at PTX. The driver is opened once per process, so this runs before."""
+    """Opens the engine's CUDA driver (once per process: the machine's, else the fake) with $LILY_LIBCUDA set only
+    while it opens, so later tests' subprocesses get the environment they had; points the engine at PTX."""
+    from lily import _ext
     from lily.cuda import ptx_dir
 
-    if not os.environ.get("LILY_LIBCUDA") and not _real_driver():
+    if not _real_driver() and not os.environ.get("LILY_LIBCUDA"):
         os.environ["LILY_LIBCUDA"] = str(fake_libcuda())
+        try:
+            _ext.cuda.driver_version()
+        finally:
+            del os.environ["LILY_LIBCUDA"]
     if not any(ptx_dir().glob("*.ptx")):
         code, _, folder = request.getfixturevalue("cuda_compile_only")
         assert code == 0, "the CUDA build of the kernels failed (see test_cuda_build.py)"

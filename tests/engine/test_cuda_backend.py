@@ -4,12 +4,16 @@ tests/engine/test_metal_backend.py's (`engine_backend`)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from lily import Model
 from lily.backends import choose
-from tests.engine.runtimes import fake_libcuda
+from tests.engine.runtimes import cuda_absent, fake_libcuda, prepare_cuda
 from tests.engine.test_metal_backend import PROMPT, save_checkpoints
 
 
@@ -20,16 +24,20 @@ def checkpoint_dir(tmp_path_factory):
     return root / "mlx"
 
 
-def test_backend_cuda_without_a_driver_or_kernels_is_one_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("LILY_LIBCUDA", str(tmp_path / "libcuda.so.1"))
-    with pytest.raises(RuntimeError, match=r"backend='cuda' is unavailable: no NVIDIA driver: .*libcuda.so.1"):
-        choose("cuda")
-    fake = fake_libcuda()
-    if fake is None:
-        pytest.skip("this build has no fake libcuda (Linux builds with clang-19 have one)")
-    monkeypatch.setenv("LILY_LIBCUDA", str(fake))
+def test_backend_cuda_without_a_driver_or_kernels_is_one_clear_error(monkeypatch, tmp_path, request):
+    # No driver: a fresh process (the engine opens its driver once per process), $LILY_LIBCUDA naming no file.
+    code = "from lily.backends import choose; choose('cuda')"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "LILY_LIBCUDA": str(tmp_path / "libcuda.so.1")})
+    assert run.returncode != 0
+    assert f"backend='cuda' is unavailable: no NVIDIA driver: {tmp_path / 'libcuda.so.1'} cannot be loaded" in \
+        run.stderr, run.stderr
+    # A driver but no kernels: the PTX folder is named.
+    if cuda_absent():
+        pytest.skip(cuda_absent())
+    prepare_cuda(request)
     monkeypatch.setenv("LILY_CUDA_PTX_DIR", str(tmp_path))  # no .ptx there
-    with pytest.raises(RuntimeError, match=r"no CUDA kernels: no \.ptx files in"):
+    with pytest.raises(RuntimeError, match=rf"no CUDA kernels: no \.ptx files in {tmp_path}"):
         choose("cuda")
 
 

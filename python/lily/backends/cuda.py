@@ -9,7 +9,6 @@ explicit CUDA graph replayed per token.
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any
 
 from lily.backends.metal import MetalBackend
@@ -19,16 +18,24 @@ from lily.cuda import ptx_dir
 def cuda_unavailable(*, system_driver: bool = False) -> str | None:
     """Why this machine cannot run the ``cuda`` backend (no driver, no GPU, no PTX), or None when it can.
 
-    The driver is ``$LILY_LIBCUDA`` (tests point it at the fake libcuda), else ``libcuda.so.1``; ``system_driver``:
-    ``libcuda.so.1`` only (what ``backend="auto"`` looks for: the machine's own NVIDIA driver)."""
-    library = "libcuda.so.1" if system_driver else os.environ.get("LILY_LIBCUDA", "libcuda.so.1")
-    try:
-        driver = ctypes.CDLL(library)
-    except OSError as exc:
-        return f"no NVIDIA driver: {library} cannot be loaded ({exc})"
-    count = ctypes.c_int(0)
-    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value < 1:
-        return f"no NVIDIA GPU: {library} loads but reports no device"
+    The driver is the one the engine opens, once per process: ``$LILY_LIBCUDA`` (tests point it at the fake
+    libcuda), else ``libcuda.so.1``. ``system_driver``: look for ``libcuda.so.1`` only, without opening the engine's
+    driver (what ``backend="auto"`` asks: does this machine have its own NVIDIA driver and GPU)."""
+    if system_driver:
+        try:
+            driver = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            return f"no NVIDIA driver: libcuda.so.1 cannot be loaded ({exc})"
+        count = ctypes.c_int(0)
+        if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value < 1:
+            return "no NVIDIA GPU: libcuda.so.1 loads but reports no device"
+    else:
+        from lily import _ext
+
+        try:
+            _ext.cuda.driver_version()  # opens the driver and initialises it (cuInit fails without a GPU)
+        except RuntimeError as exc:
+            return str(exc)
     folder = ptx_dir()
     if not any(folder.glob("*.ptx")):
         return f"no CUDA kernels: no .ptx files in {folder} (build them with tools/cuda_kernels.py; docs/cuda.md)"
