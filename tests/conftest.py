@@ -110,7 +110,7 @@ def tiny_mlx4_f32_dir(tiny_checkpoints: TinyCheckpoints) -> Path:
 @pytest.fixture(scope="session")
 def cuda_compile_only(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path]:
     """`python -m lily.selftest --device cuda --compile-only --ptx-out DIR`, once per session: every kernel compiled
-    to PTX and checked by ptxas (test_cuda_build.py reads the table, test_cuda_fake.py runs the PTX on the fake
+    to PTX and checked by ptxas (test_cuda_build.py reads the table, test_cuda_driver.py runs the PTX on the fake
     libcuda), so CI compiles the kernels for CUDA once. Returns (exit code, stdout, the PTX folder)."""
     import contextlib
     import io
@@ -153,7 +153,7 @@ except ImportError:  # not built: every test that needs the extension says so
 HAS_HARNESS = _ext is not None and getattr(_ext, "msl", None) is not None
 HAS_FAKE_METAL = _ext is not None and hasattr(_ext._test_engine, "set_stage_order")
 HAS_METAL = _ext is not None and _ext.platform != "none"
-HARNESS_MODULES = ("kernels/", "harness/", "test_selftest.py", "engine/test_metallib.py", "test_cuda_fake.py")
+HARNESS_MODULES = ("kernels/", "harness/", "test_selftest.py", "engine/test_metallib.py")
 # LILY_KERNEL_DEVICE=cuda: the kernel tests dispatch on the NVIDIA GPU (tests/kernels/conftest.py), no harness needed.
 KERNELS_ON_CUDA = os.environ.get("LILY_KERNEL_DEVICE") == "cuda"
 SKIP_REASONS = {

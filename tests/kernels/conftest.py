@@ -20,19 +20,19 @@ from lily.quant import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 
 def _use_cuda_for_dispatch() -> None:
-    """LILY_KERNEL_DEVICE=cuda: the same test cases dispatch on the NVIDIA GPU (lily.cuda) instead of the CPU harness.
-    Where the extension is not built (the GPU machine has no clang), a stand-in ``lily._ext.msl`` is installed."""
-    from lily import cuda
+    """LILY_KERNEL_DEVICE=cuda: the same test cases dispatch on the NVIDIA GPU (lily.cuda, through the extension's
+    driver layer) instead of the CPU harness. Where the extension is built without the harness (g++, as on the GPU
+    machine, which has no clang 19), a stand-in ``lily._ext.msl`` is installed."""
+    from lily import _ext, cuda
 
     runner = cuda.Runner()
     try:
         from lily._ext import msl
     except ImportError:
-        ext = types.ModuleType("lily._ext")
         msl = types.ModuleType("lily._ext.msl")
         msl.test_kernel_names = lambda: []
-        ext.msl = msl
-        sys.modules["lily._ext"], sys.modules["lily._ext.msl"] = ext, msl
+        _ext.msl = msl
+        sys.modules["lily._ext.msl"] = msl
     runs: collections.Counter[str] = collections.Counter()
 
     def dispatch(kernel: str, *args, **options):

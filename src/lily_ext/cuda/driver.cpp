@@ -4,6 +4,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -25,6 +26,8 @@ constexpr uint32_t kSliceAlignment = 16;             // Metal's threadgroup memo
 // ---- Driver ----
 
 const Driver& Driver::get() {
+  static std::atomic<const Driver*> ready{nullptr};  // every call after the first: one load, no lock
+  if (const Driver* d = ready.load(std::memory_order_acquire)) return *d;
   static std::mutex mutex;
   static std::unique_ptr<Driver> driver;
   std::lock_guard<std::mutex> lock(mutex);
@@ -32,6 +35,7 @@ const Driver& Driver::get() {
     std::unique_ptr<Driver> opened(new Driver());
     opened->open();  // throws: the next call tries again
     driver = std::move(opened);
+    ready.store(driver.get(), std::memory_order_release);
   }
   return *driver;
 }
@@ -484,6 +488,8 @@ GraphNode Graph::add_copy(CUdeviceptr dst, CUdeviceptr src, size_t bytes, const 
   copy.srcDevice = src;
   copy.dstMemoryType = CU_MEMORYTYPE_DEVICE;
   copy.dstDevice = dst;
+  copy.srcPitch = copy.dstPitch = bytes;  // one row: the pitch is the row, as cudaGraphAddMemcpyNode1D sets it
+  copy.srcHeight = copy.dstHeight = 1;
   copy.WidthInBytes = bytes;
   copy.Height = 1;
   copy.Depth = 1;

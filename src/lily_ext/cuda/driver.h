@@ -199,7 +199,8 @@ struct KernelLaunch {
   KernelParams params{};
 };
 
-// Every kernel of the PTX files of one folder, loaded into the current context.
+// Every kernel of the PTX files of one folder, loaded into the current context. Its caches (modules, functions,
+// parameter tables) are not locked: one thread at a time prepares launches; launch() itself only reads.
 class KernelSet {
  public:
   // $LILY_CUDA_PTX_DIR if set, else the `cuda_kernels` folder beside the extension (where the build installs it).

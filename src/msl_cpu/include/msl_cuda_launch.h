@@ -2,7 +2,8 @@
 // name (a GNU asm label), that builds each MSL parameter from its attribute, as the CPU harness does per thread.
 // The launch ABI (docs/cuda.md) is one by-value parameter, msl_cuda_detail::Params: the [[buffer(i)]] pointers
 // (a `constant T&` argument points into a buffer holding the setBytes data) and the byte offset of each
-// [[threadgroup(i)]] slice in dynamic shared memory. lily/cuda.py packs the same layout.
+// [[threadgroup(i)]] slice in dynamic shared memory. The host packs the same layout (KernelParams in
+// src/lily_ext/cuda/driver_abi.h).
 
 namespace msl_cuda_detail {
 constexpr int kMaxBuffers = 31;           // Metal's buffer argument table
