@@ -31,19 +31,23 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 --version
 start=$(date +%s)
-python3 -m venv --system-site-packages /tmp/lily-venv
-. /tmp/lily-venv/bin/activate
-CXX=g++ CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) pip install -q --no-deps --no-build-isolation . -Cbuild-dir=/tmp/lily-build
+# Into the image's python3 (itself a venv holding torch and numpy); no PTX build there (no clang 19).
+CXX=g++ CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-deps --no-build-isolation \
+  -Cbuild-dir=/tmp/lily-build -Ccmake.define.LILY_CUDA_KERNELS=OFF .
 echo "build: $(( $(date +%s) - start )) s"
-(cd /tmp && python -c "import lily._ext as e; print('lily._ext platform:', e.platform)")
+cd /tmp  # the installed lily, not python/ of the tree; the tree's tests import each other as `tests.*`
+python3 -c "import lily._ext as e; print('lily._ext platform:', e.platform)"
 
-export LILY_CUDA_PTX_DIR=$DEV/ptx LILY_ENGINE_CHECKPOINTS=$DEV/checkpoints LILY_ENGINE_RUNTIMES=cuda
-# The installed package, not python/ of the tree: tests import lily from site-packages.
-python -m pytest -q -p no:cacheprovider tests/engine/test_metal_backend.py tests/engine/test_demo_metal.py \
-  tests/engine/test_cuda_backend.py -k "cuda" --durations=5 2>&1 | tail -40
+export LILY_CUDA_PTX_DIR=$DEV/ptx LILY_ENGINE_CHECKPOINTS=$DEV/checkpoints LILY_ENGINE_RUNTIMES=cuda HF_HUB_OFFLINE=1
+export PYTHONPATH=$ROOT
+status=0
+python3 -m pytest -q -p no:cacheprovider --rootdir "$ROOT" "$ROOT/tests/engine/test_metal_backend.py" \
+  "$ROOT/tests/engine/test_demo_metal.py" "$ROOT/tests/engine/test_cuda_backend.py" -k "cuda" --durations=5 \
+  >/tmp/engine_tests.txt 2>&1 || status=1
+tail -40 /tmp/engine_tests.txt
 # Host time per decode token (Lily's C++ between two tokens: finding the step, patching, upload and graph launch) and
 # the tiny model's decode speed, bf16, 256 greedy tokens with two steps in flight.
-python - <<'PY'
+python3 - <<'PY'
 import os, statistics, time
 from pathlib import Path
 import numpy as np
@@ -62,4 +66,5 @@ submit, cpp = (statistics.median(times[k]) / 1e3 for k in ("encode", "cpp"))
 print(f"tiny model bf16 decode: {256 / seconds:.0f} tok/s; host per token: submit median {submit:.1f} us, "
       f"engine C++ alone {cpp:.1f} us")
 PY
-echo "total: $(( $(date +%s) - start )) s"
+echo "commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u '+%Y-%m-%d %H:%M UTC'), total $(( $(date +%s) - start )) s"
+exit $status
