@@ -178,7 +178,6 @@ def test_a_removed_barrier_breaks_the_result(checkpoints, reference_run):
     assert relative_error(good, want_logits[:2]) < 1e-3
 
 
-@pytest.mark.cuda_runtime
 def test_a_removed_dependency_edge_breaks_the_cuda_graph(cuda_engine_backend, checkpoints):
     # Node 1 (the first layer's input norm) waits for node 0 (the embedding) by one edge. Without it the fake libcuda
     # runs the two in a random order (a seed per launch): some launches run the norm first, on the stale hidden row
@@ -191,7 +190,7 @@ def test_a_removed_dependency_edge_breaks_the_cuda_graph(cuda_engine_backend, ch
             broken = backend.forward(ids, backend.new_state(), dropped_barrier=1)
             good = backend.forward(ids, backend.new_state(), dropped_barrier=10**6)  # every edge in place
             errors.append(relative_error(broken, good))
-        assert max(errors) > 1e-2, (count, errors)
+        assert any(not error <= 1e-2 for error in errors), (count, errors)  # NaN: it read never-written memory
 
 
 def test_snapshots_copy_the_state(engine_backend, checkpoints, reference_run):
