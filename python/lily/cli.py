@@ -23,7 +23,7 @@ DEFAULT_MODEL = "lily:demo"
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help="checkpoint directory, Hugging Face repo id, or lily:demo (default)")
-    p.add_argument("--backend", default="auto", choices=("auto", "reference", "metal", "cpu"),
+    p.add_argument("--backend", default="auto", choices=("auto", "reference", "metal", "cuda", "cpu"),
                    help="engine backend (default: auto)")
     p.add_argument("--precision", default=None, choices=("bfloat16", "float32"),
                    help="metal backend activations (default: the backend's own, bfloat16 for metal)")

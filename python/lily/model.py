@@ -466,11 +466,12 @@ class Model:
              progress: bool = True, load_format: str = "auto") -> Model:
         """Load a checkpoint from a directory, a Hugging Face repo id or ``"lily:demo"``.
 
-        ``backend``: "reference" (numpy, the specification), "metal" (the compiled engine), "cpu"
-        (the compiled CPU engine) or "auto" (metal on a Mac when the extension drives real Metal,
-        else cpu). On Linux "metal" selects the engine's test runtime (the kernels run on the CPU
-        harness: correct, and slow).
-        ``precision``: the metal backend's activations, "bfloat16" or "float32" (None: the
+        ``backend``: "reference" (numpy, the specification), "metal" (the compiled engine), "cuda"
+        (the same engine on an NVIDIA GPU), "cpu" (the compiled CPU engine) or "auto" (metal on a Mac
+        when the extension drives real Metal, cuda where an NVIDIA driver, a GPU and the CUDA kernels
+        are present, else cpu). On Linux "metal" selects the engine's test runtime (the kernels run
+        on the CPU harness: correct, and slow).
+        ``precision``: the metal and cuda backends' activations, "bfloat16" or "float32" (None: the
         backend's default); the reference and cpu backends compute in float32 only. ``quantize=4``
         quantizes an HF bf16/fp32 checkpoint on load. The prompt cache keeps at most
         ``prompt_cache_entries`` snapshots and ``prompt_cache_bytes`` bytes. ``progress`` shows

@@ -11,6 +11,8 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "cuda/runtime.h"
+#include "metal_runtime.h"
 #include "plan.h"
 // ---- end ----
 
@@ -89,12 +91,15 @@ nb::list spans_list(const std::vector<lily::Span>& spans) {
   return out;
 }
 
-// buffers [(name, bytes)] and nodes [{kernel, label, reads, writes, barrier_before}] of a graph, into `out`.
+// buffers [(name, bytes)] and nodes [{kernel, label, reads, writes, barrier_before, depends_on}] of a graph, into
+// `out`.
 void add_graph(const lily::Graph& graph, nb::dict& out) {
   nb::list buffers, nodes;
   for (const lily::GraphBuffer& b : graph.buffers) buffers.append(nb::make_tuple(b.name, b.length));
+  const std::vector<std::vector<size_t>> edges = lily::dependencies(graph, 0, graph.nodes.size());
   for (const lily::Node& n : graph.nodes) {
     nb::dict node;
+    node["depends_on"] = edges[nodes.size()];  // the CUDA graph's edges into this node
     node["kernel"] = n.kernel;
     node["label"] = n.label;
     node["reads"] = spans_list(n.reads);
@@ -336,18 +341,28 @@ NB_MODULE(_ext, m) {
 namespace {
 void new_engine(lily::Engine* e, const nb::dict& config, const std::string& precision, const nb::dict& switches,
                 size_t max_context, const std::optional<std::string>& metallib,
-                const std::map<std::string, std::string>& family_sources) {
-  std::optional<lily::MetallibFile> library;
-  if (metallib) library = lily::MetallibFile{*metallib};
+                const std::map<std::string, std::string>& family_sources, const std::string& runtime_name,
+                const std::string& ptx_dir) {
+  std::unique_ptr<lily::Runtime> runtime;
+  if (runtime_name == "cuda") {
+    runtime = std::make_unique<lily::CudaRuntime>(0, ptx_dir);
+  } else if (runtime_name == "metal") {
+    std::optional<lily::MetallibFile> library;
+    if (metallib) library = lily::MetallibFile{*metallib};
+    runtime = std::make_unique<lily::MetalRuntime>(lily::embedded_kernel_families(family_sources), library);
+  } else {
+    throw nb::value_error(("runtime must be 'metal' or 'cuda'; got '" + runtime_name + "'").c_str());
+  }
   new (e) lily::Engine(config_from_dict(config), precision_from(precision), switches_from_dict(switches), max_context,
-                       lily::embedded_kernel_families(family_sources), library);
+                       std::move(runtime));
 }
 
 void bind_engine(nb::module_ m) {
   nb::class_<lily::Engine>(m, "Engine")
       .def("__init__", &new_engine,
            nb::arg("config"), nb::arg("precision"), nb::arg("switches"), nb::arg("max_context"),
-           nb::arg("metallib") = nb::none(), nb::arg("family_sources") = std::map<std::string, std::string>())
+           nb::arg("metallib") = nb::none(), nb::arg("family_sources") = std::map<std::string, std::string>(),
+           nb::arg("runtime") = "metal", nb::arg("ptx_dir") = "")
       .def("add_file", &lily::Engine::add_file, nb::arg("path"))
       .def("add_owned",
            [](lily::Engine& e, nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> bytes) {

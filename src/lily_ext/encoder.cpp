@@ -55,8 +55,7 @@ void* Encoder::open_encoder() {
                                                                   : mtl::DispatchType::Concurrent);
     ++counters_.encoders;
     stage_has_dispatches_ = false;
-    stage_reads_.clear();
-    stage_writes_.clear();
+    stage_.clear();
   }
   return encoder_.get();
 }
@@ -70,37 +69,14 @@ void Encoder::close_encoder() {
   }
 }
 
-// The concurrency rule. In a concurrent compute encoder the GPU may run dispatches in any order
-// and overlap them, until a memory barrier: everything before it finishes (and its writes are
-// visible) before anything after it starts. The dispatches since the last barrier form the
-// current stage; the encoder keeps the byte ranges they read and wrote (CPU addresses of shared
-// storage, so two buffers wrapping the same memory alias correctly). A new dispatch gets a
-// barrier in front of it exactly when one of these holds:
-//   - it reads bytes some dispatch of the stage writes        (read after write)
-//   - it writes bytes some dispatch of the stage reads        (write after read)
-//   - it writes bytes some dispatch of the stage writes       (write after write)
-// Reads never conflict with reads. After the barrier the stage holds only the new dispatch.
-// Ranges are half-open; an empty range touches nothing.
-bool Encoder::conflicts_with_stage(const std::vector<AddressRange>& reads,
-                                   const std::vector<AddressRange>& writes) const {
-  auto overlap = [](const std::vector<AddressRange>& a, const std::vector<AddressRange>& b) {
-    for (const AddressRange& x : a) {
-      for (const AddressRange& y : b) {
-        if (x.begin < y.end && y.begin < x.end) return true;
-      }
-    }
-    return false;
-  };
-  return overlap(reads, stage_writes_) || overlap(writes, stage_reads_) ||
-         overlap(writes, stage_writes_);
-}
-
+// The barrier rule is barriers.h's: in a concurrent compute encoder the GPU may run the dispatches of a stage in any
+// order, or at once, until a memory barrier. Ranges are CPU addresses of shared storage (space 0), so two buffers
+// wrapping the same memory alias correctly.
 void Encoder::issue_barrier() {
   mtl::memory_barrier_buffers(encoder_.get());
   ++counters_.barriers;
   stage_has_dispatches_ = false;
-  stage_reads_.clear();
-  stage_writes_.clear();
+  stage_.clear();
 }
 
 void Encoder::dispatch(const Pipeline& pipeline, const std::vector<Argument>& arguments,
@@ -117,7 +93,7 @@ void Encoder::dispatch(const Pipeline& pipeline, const std::vector<Argument>& ar
                 std::to_string(threads));
   }
   auto to_addresses = [&](const std::vector<BufferRange>& ranges, const char* kind) {
-    std::vector<AddressRange> addresses;
+    std::vector<ByteRange> addresses;
     for (const BufferRange& range : ranges) {
       if (range.buffer == nullptr || range.offset > range.buffer->length() ||
           range.length > range.buffer->length() - range.offset) {
@@ -126,17 +102,16 @@ void Encoder::dispatch(const Pipeline& pipeline, const std::vector<Argument>& ar
                     (range.buffer ? " of " + std::to_string(range.buffer->length()) + " bytes" : ""));
       }
       uintptr_t begin = reinterpret_cast<uintptr_t>(range.buffer->contents()) + range.offset;
-      if (range.length > 0) addresses.push_back({begin, begin + range.length});
+      if (range.length > 0) addresses.push_back({0, begin, begin + range.length});
     }
     return addresses;
   };
-  std::vector<AddressRange> read_addresses = to_addresses(reads, "read");
-  std::vector<AddressRange> write_addresses = to_addresses(writes, "write");
+  std::vector<ByteRange> read_addresses = to_addresses(reads, "read");
+  std::vector<ByteRange> write_addresses = to_addresses(writes, "write");
 
   mtl::AutoreleasePool pool;
   void* encoder = open_encoder();
-  if (policy_ == BarrierPolicy::Automatic && stage_has_dispatches_ &&
-      conflicts_with_stage(read_addresses, write_addresses)) {
+  if (policy_ == BarrierPolicy::Automatic && stage_.conflicts(read_addresses, write_addresses)) {
     issue_barrier();
   }
   mtl::set_pipeline(encoder, pipeline.handle());
@@ -155,11 +130,10 @@ void Encoder::dispatch(const Pipeline& pipeline, const std::vector<Argument>& ar
 
   if (!stage_has_dispatches_) ++counters_.stages;
   stage_has_dispatches_ = true;
-  stage_reads_.insert(stage_reads_.end(), read_addresses.begin(), read_addresses.end());
-  stage_writes_.insert(stage_writes_.end(), write_addresses.begin(), write_addresses.end());
+  stage_.add(read_addresses, write_addresses);
   ++counters_.dispatches;
-  for (const AddressRange& r : read_addresses) counters_.bytes_read += r.end - r.begin;
-  for (const AddressRange& w : write_addresses) counters_.bytes_written += w.end - w.begin;
+  for (const ByteRange& r : read_addresses) counters_.bytes_read += r.end - r.begin;
+  for (const ByteRange& w : write_addresses) counters_.bytes_written += w.end - w.begin;
 }
 
 void Encoder::dispatch_planned(const Pipeline& pipeline, bool same_pipeline, const std::vector<Argument>& arguments,

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "barriers.h"
 #include "device.h"
 
 namespace lily {
@@ -104,15 +105,9 @@ class Encoder {
   const EncoderCounters& counters() const { return counters_; }
 
  private:
-  struct AddressRange {
-    uintptr_t begin, end;
-  };
-
   void* open_encoder();
   void close_encoder();
   void require_not_committed(const char* what) const;
-  bool conflicts_with_stage(const std::vector<AddressRange>& reads,
-                            const std::vector<AddressRange>& writes) const;
   void issue_barrier();
 
   BarrierPolicy policy_;
@@ -121,8 +116,7 @@ class Encoder {
   mtl::Object encoder_;
   bool committed_ = false;
   bool stage_has_dispatches_ = false;
-  std::vector<AddressRange> stage_reads_;
-  std::vector<AddressRange> stage_writes_;
+  Stage stage_;  // the ranges of the dispatches since the last barrier (Automatic only)
   EncoderCounters counters_;
 };
 

@@ -14,7 +14,7 @@ inline Span whole(const Graph& g, int buffer) { return Span{buffer, 0, g.buffers
 
 inline const WeightRef& weight(const WeightTable& w, const std::string& name) {
   auto found = w.find(name);
-  if (found == w.end()) throw mtl::Error("[engine] the checkpoint has no tensor " + name);
+  if (found == w.end()) throw Error("[engine] the checkpoint has no tensor " + name);
   return found->second;
 }
 

@@ -15,7 +15,7 @@ using graph::layer_prefix;
 namespace {
 
 [[noreturn]] void bad_config(const std::string& field, const std::string& why) {
-  throw mtl::Error("[engine] config field " + field + ": " + why);
+  throw Error("[engine] config field " + field + ": " + why);
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // The model as the engine runs it: its configuration, where every weight lives (a byte range of a buffer), the
 // state and scratch buffers, and the forward pass recorded as a graph of dispatches with declared read/write
-// ranges. The graph is plain data: `lily plan` counts it without a GPU; `Engine` replays it into an Encoder.
+// ranges. The graph is plain data: `lily plan` counts it without a GPU; `Engine` hands it to a Runtime (runtime.h).
 #pragma once
 
 #include <cstddef>
@@ -12,9 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "device.h"
-#include "encoder.h"
-#include "metal/mtl.h"
+#include "runtime.h"
+#include "types.h"
 
 namespace lily {
 
@@ -110,7 +109,7 @@ struct Node {
   std::string kernel;
   std::string label;  // what it computes, for `lily plan --json` and errors
   std::vector<NodeArg> args;
-  mtl::Size groups, threads;
+  Dim3 groups, threads;
   std::vector<Span> reads, writes;
   uint64_t traffic_read = 0, traffic_written = 0;
   bool barrier_before = false;  // forced (serial mode)
@@ -227,33 +226,16 @@ struct SharedExpertRouting {
 };
 SharedExpertRouting shared_expert_routing(size_t tokens, bool wide_tiles);
 
-// A checkpoint file mapped once (private: the file is never written), page-aligned (16 KB, Apple silicon) and padded to whole pages, so that
-// Metal can wrap all of it as one buffer without a copy.
-class MappedFile {
- public:
-  explicit MappedFile(const std::string& path);
-  ~MappedFile();
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
-  void* data() const { return data_; }
-  size_t mapped_length() const { return mapped_length_; }  // whole pages
-
- private:
-  void* reservation_ = nullptr;
-  size_t reservation_length_ = 0;
-  void* data_ = nullptr;
-  size_t mapped_length_ = 0, file_length_ = 0;
-};
-
-// The Metal engine: weights bound to mapped files (or materialised once), state buffers, the prefill chunk graph and
-// the decode step, built once per shape and re-encoded per token. Not thread-safe.
+// The engine: weights bound to checkpoint files (or materialised once), state buffers, the prefill chunk graph and
+// the decode step, built once per shape and recorded once, then submitted per token, all through a Runtime (Metal or
+// CUDA). Not thread-safe.
 class Engine {
  public:
-  // The kernels come from `metallib` when given (an ahead-of-time build), else from `kernel_families`.
   Engine(const ModelConfig& config, Precision precision, const Switches& switches, size_t max_context,
-         const std::vector<KernelFamily>& kernel_families,
-         const std::optional<MetallibFile>& metallib = std::nullopt);
+         std::unique_ptr<Runtime> runtime);
   ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
 
   // Loading. Graph-buffer ids name where a weight's bytes are: a mapped file or a materialised (owned) copy.
   int add_file(const std::string& path);
@@ -300,9 +282,9 @@ class Engine {
 
   // Bytes copied from engine buffers to the host so far: logits rows and token ids.
   uint64_t host_read_bytes() const { return host_read_bytes_; }
-  // Host-cost runs: each decode step submitted is also encoded once into a dry Encoder (no Metal call), timed.
-  // step_encode_ns: finding the built step, patching and encoding it with its Metal calls, before commit;
-  // step_cpp_ns: the same without the Metal calls (the engine's own C++). At most kHostTimingSteps entries each.
+  // Host-cost runs: each decode step submitted is also submitted dry (Runtime::submit_dry: no driver call), timed.
+  // step_encode_ns: finding the recorded step and submitting it (Metal: patching, encoding and committing it);
+  // step_cpp_ns: the same without the driver calls (the engine's own C++). At most kHostTimingSteps entries each.
   static constexpr size_t kHostTimingSteps = 1 << 16;
   void set_host_timing(bool on) { host_timing_ = on; }
   const std::vector<uint64_t>& step_encode_ns() const { return step_encode_ns_; }
@@ -315,28 +297,17 @@ class Engine {
   const ModelConfig& config() const { return config_; }
 
  private:
-  // A decode step built once: pipelines resolved, arguments bound, barriers placed, and the argument fields that
-  // follow the position, rewritten per token. `split_blocks` (0 = no split) and the KV capacity are the shape;
-  // a step for another shape is a new program.
+  // A decode step built once per shape (token slot, choice, KV capacity, split-KV blocks at this position) and
+  // recorded once for the runtime; submitted per token with the position written into its per-position fields.
   struct Program {
-    struct Dispatch {
-      const Pipeline* pipeline;
-      std::vector<Argument> args;
-      mtl::Size groups, threads;
-      bool barrier;
-      std::vector<PositionField> per_position;
-      bool same_pipeline;        // as the dispatch before (left bound)
-      std::vector<bool> rebind;  // per argument: differs from what the dispatches before left bound
-    };
     int token_slot = 0;
     size_t kv_capacity = 0, split_blocks = 0;
     std::optional<TokenChoice> choice;
-    std::vector<Dispatch> dispatches;
-    bool serial = false;  // every dispatch starts a stage: a serial encoder orders them with no barrier calls
     std::shared_ptr<const Graph> graph;
+    std::shared_ptr<RecordedGraph> recorded;
   };
   struct InFlight {
-    std::unique_ptr<Encoder> encoder;
+    std::unique_ptr<Submission> work;
     int slot;  // the token slot its choice writes
   };
 
@@ -344,30 +315,26 @@ class Engine {
   void prefill_chunk(const uint32_t* tokens, size_t count, float* logits, size_t logit_rows, long dropped_barrier);
   size_t split_blocks(size_t position) const;
   Program& program(int token_slot, const std::optional<TokenChoice>& choice);
-  Program build_program(std::shared_ptr<const Graph> graph) const;
-  std::unique_ptr<Encoder> encode_program(Program& program, long dropped_barrier, bool dry = false);
-  // Nodes [begin, end) of `graph` into a new Encoder; `starts` are the graph's stage starts (manual barriers).
-  std::unique_ptr<Encoder> encode_nodes(const Graph& graph, const std::vector<bool>& starts, size_t begin,
-                                              size_t end, long dropped_barrier);
-  // Commits `graph` and waits, running its host steps in between (one command buffer per segment).
+  std::unique_ptr<Submission> submit_program(const Program& program, long dropped_barrier);
+  // Submits `graph` and waits, running its host steps in between (one submission per segment).
   void run_graph(Graph graph, long dropped_barrier);
+  int add_buffer(const std::string& name, BufferRole role, std::unique_ptr<DeviceBuffer> buffer);
+  std::unique_ptr<DeviceBuffer> allocate(const GraphBuffer& buffer) const;
+  std::vector<DeviceBuffer*> buffer_list() const;
   void run_host_sort(const HostMoeSort& sort);
   void ensure_prefill_rows(size_t rows);
   void read_rows(int buffer_id, size_t rows, float* out);
   void write_logits(const float* logits);
   void wait_in_flight();
   void require_idle(const char* what) const;
-  const Buffer& buffer(int id) const { return buffers_.at(static_cast<size_t>(id)); }
 
   ModelConfig config_;
   Precision precision_;
   Switches switches_;
   size_t max_context_;
-  std::unique_ptr<Device> device_;
-  std::vector<std::unique_ptr<MappedFile>> files_;
-  std::vector<std::pair<void*, size_t>> reservations_;
-  Graph base_;                   // buffers only
-  std::vector<Buffer> buffers_;  // one per graph buffer
+  std::unique_ptr<Runtime> runtime_;
+  Graph base_;                                         // buffers only
+  std::vector<std::unique_ptr<DeviceBuffer>> buffers_;  // one per graph buffer
   WeightTable weights_;
   DecodeBuffers decode_{};
   PrefillBuffers prefill_{};

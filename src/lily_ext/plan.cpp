@@ -3,40 +3,11 @@
 
 #include <vector>
 
+#include "barriers.h"
 #include "ops/ops.h"
 #include "tuning.h"
 
 namespace lily {
-
-std::vector<bool> stage_starts(const Graph& graph) {
-  std::vector<bool> starts;
-  // Spans of the current stage; spans of different buffers never alias (each buffer is its own allocation).
-  std::vector<Span> stage_reads, stage_writes;
-  auto overlaps = [](const std::vector<Span>& a, const std::vector<Span>& b) {
-    for (const Span& x : a) {
-      for (const Span& y : b) {
-        if (x.buffer == y.buffer && x.length && y.length && x.offset < y.offset + y.length &&
-            y.offset < x.offset + x.length) {
-          return true;
-        }
-      }
-    }
-    return false;
-  };
-  for (const Node& node : graph.nodes) {
-    bool conflict = overlaps(node.reads, stage_writes) || overlaps(node.writes, stage_reads) ||
-                    overlaps(node.writes, stage_writes);
-    bool start = starts.empty() || node.barrier_before || conflict;
-    if (start) {
-      stage_reads.clear();
-      stage_writes.clear();
-    }
-    starts.push_back(start);
-    stage_reads.insert(stage_reads.end(), node.reads.begin(), node.reads.end());
-    stage_writes.insert(stage_writes.end(), node.writes.begin(), node.writes.end());
-  }
-  return starts;
-}
 
 GraphCounts count_graph(const Graph& graph) {
   GraphCounts counts;

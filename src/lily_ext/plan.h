@@ -6,21 +6,20 @@
 #include <string>
 #include <vector>
 
+#include "barriers.h"
 #include "model.h"
 
 namespace lily {
 
-// Counts of a graph. Stages come from the barrier rule the Encoder applies to declared ranges (encoder.cpp,
-// Encoder::conflicts_with_stage): a dispatch opens a new stage when it reads what the stage writes, or writes what
-// the stage reads or writes; tests check these counts against a real Encoder's counters.
+// Counts of a graph. Stages come from the barrier rule (barriers.h), the one the Encoder applies to declared ranges:
+// a dispatch opens a new stage when it reads what the stage writes, or writes what the stage reads or writes; tests
+// check these counts against a real Encoder's counters.
 struct GraphCounts {
   uint64_t dispatches = 0, stages = 0, barriers = 0;
   uint64_t bytes_read = 0, bytes_written = 0;  // traffic (data-dependent reads counted as what is read)
   std::map<std::string, uint64_t> dispatches_by_kernel;
 };
 GraphCounts count_graph(const Graph& graph);
-// Per node: whether it opens a new stage (a barrier in front of it, except the first).
-std::vector<bool> stage_starts(const Graph& graph);
 
 // The minimum bytes one decode token must move: active weights, DeltaNet recurrent state
 // read and written, conv state read and written, and the KV cache of `context` tokens.

@@ -184,7 +184,7 @@ void host_moe_sort(const HostMoeSort& s, const uint32_t* ids, uint32_t* expert_o
   std::vector<uint32_t> counts(s.experts, 0);
   for (size_t p = 0; p < s.pairs; ++p) {
     if (ids[p] >= s.experts) {
-      throw mtl::Error("[engine] MoE routing wrote expert id " + std::to_string(ids[p]) + " for pair " +
+      throw Error("[engine] MoE routing wrote expert id " + std::to_string(ids[p]) + " for pair " +
                        std::to_string(p) + "; the layer has " + std::to_string(s.experts) + " experts");
     }
     ++counts[ids[p]];

@@ -1,5 +1,6 @@
-"""The metal backend on the embedded demo model (`lily:demo`: head dim 64, DeltaNet dk = dv = 64) through
-`lily.Model.load(backend="metal")`, against `lily.reference` (numpy fp32) on held-out Shakespeare text.
+"""The engine on the embedded demo model (`lily:demo`: head dim 64, DeltaNet dk = dv = 64) through
+`lily.Model.load(backend=...)`, on each runtime ("metal", "cuda": `engine_runtime`, tests/engine/conftest.py), against
+`lily.reference` (numpy fp32) on held-out Shakespeare text.
 
 The Must-show check of the default mode (bf16 activations, fp32 accumulation and DeltaNet state, bf16 KV cache):
 teacher-forced top-1 agreement with the reference >= 98 % over 256 positions and perplexity within 0.5 %. The
@@ -16,7 +17,6 @@ import pytest
 
 from lily import Model
 
-pytestmark = pytest.mark.metal  # runs the metal backend (tests/conftest.py)
 
 HELDOUT = Path(__file__).resolve().parents[2] / "scripts" / "demo" / "heldout_sample.txt"
 POSITIONS = 256
@@ -44,8 +44,8 @@ def heldout_ids(reference) -> np.ndarray:
     return ids[: POSITIONS + 1]
 
 
-def test_default_mode_agrees_with_the_reference_on_heldout_text(reference, heldout_ids):
-    model = Model.load("lily:demo", backend="metal", progress=False)
+def test_default_mode_agrees_with_the_reference_on_heldout_text(engine_runtime, reference, heldout_ids):
+    model = Model.load("lily:demo", backend=engine_runtime, progress=False)
     assert model.backend.precision == "bfloat16"  # the default mode
     inputs, targets = heldout_ids[:-1], heldout_ids[1:]
     want = reference.backend.forward(inputs, reference.backend.new_state())
@@ -66,15 +66,15 @@ def test_default_mode_agrees_with_the_reference_on_heldout_text(reference, heldo
         assert np.mean(got[part].argmax(-1) == want[part].argmax(-1)) >= 0.97
 
 
-def test_model_load_metal_prefill_and_greedy_decode_match_the_reference(reference, tmp_path):
+def test_model_load_prefill_and_greedy_decode_match_the_reference(engine_runtime, reference, tmp_path):
     prompt = "KING HENRY:\nWhat say you, my lords?"
-    model = Model.load("lily:demo", backend="metal", precision="float32", progress=False)
-    assert model.backend_name == "metal" and model.backend.precision == "float32"
+    model = Model.load("lily:demo", backend=engine_runtime, precision="float32", progress=False)
+    assert model.backend_name == engine_runtime and model.backend.precision == "float32"
     want = reference.generate(prompt, max_tokens=8, temperature=0, use_cache=False)
     got = model.generate(prompt, max_tokens=8, temperature=0)
     assert got.token_ids == want.token_ids and got.text == want.text
 
-    # The prompt cache holds metal snapshots: the same prompt again restores one and continues identically.
+    # The prompt cache holds the engine's snapshots: the same prompt again restores one and continues identically.
     assert len(model.prompt_cache) > 0 and model.prompt_cache.nbytes > 0
     again = model.generate(prompt, max_tokens=8, temperature=0)
     assert again.stats.cached_tokens > 0 and again.token_ids == want.token_ids
@@ -84,17 +84,18 @@ def test_model_load_metal_prefill_and_greedy_decode_match_the_reference(referenc
     path = tmp_path / "session.safetensors"
     session.save(path)
     live = [t.id for t in session.decode(max_tokens=4, temperature=0)]
-    other = Model.load("lily:demo", backend="metal", precision="float32", progress=False)
+    other = Model.load("lily:demo", backend=engine_runtime, precision="float32", progress=False)
     restored = type(session).load(path, other)
     assert [t.id for t in restored.decode(max_tokens=4, temperature=0)] == live
 
     # A session saved in float32 mode does not fit the bfloat16 engine's state: one clear error.
-    bf16 = Model.load("lily:demo", backend="metal", precision="bfloat16", progress=False)
+    bf16 = Model.load("lily:demo", backend=engine_runtime, precision="bfloat16", progress=False)
     mismatched = type(session).load(path, bf16)
     with pytest.raises(ValueError, match="state snapshot holds"):
         list(mismatched.decode(max_tokens=2, temperature=0))  # the second token runs the model
 
 
+@pytest.mark.metal
 def test_precision_is_checked_against_the_backend():
     with pytest.raises(ValueError, match="reference backend computes in float32 only"):
         Model.load("lily:demo", backend="reference", precision="bfloat16", progress=False)

@@ -6,7 +6,9 @@ layouts (bf16 and f32 HF files quantized on load), float32 mode, and the bfloat1
 from __future__ import annotations
 
 import copy
+import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ from lily.reference import ReferenceModel
 
 from tests.fixtures import _KV64, build_hf_model, save_hf_checkpoint, save_mlx_checkpoint
 
-pytestmark = pytest.mark.metal  # runs the metal backend (tests/conftest.py)
+# Each test that takes `engine_backend` runs on both runtimes of the engine (tests/engine/conftest.py).
 
 # The model's per-head shapes at a tiny width: 3 DeltaNet layers and 1 attention layer, 8 experts top-2.
 HEAD_SHAPES_CONFIG = copy.deepcopy(_KV64)
@@ -36,15 +38,24 @@ ALL_FLIPPED = {"concurrent": False, "fused_projections": False, "split_kv_min_ke
                "batched_prefill": False}
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("head_shapes")
+def save_checkpoints(root: Path) -> None:
+    """The three layouts of the head-shapes model under `root` (scripts/h200_engine_check.sh makes them here for a
+    GPU machine without mlx-lm, which reads them from $LILY_ENGINE_CHECKPOINTS)."""
     model = build_hf_model(HEAD_SHAPES_CONFIG, seed=3)
     hf = save_hf_checkpoint(model, root / "hf", dtype="bfloat16")
-    mlx = save_mlx_checkpoint(hf, root / "mlx")
-    hf32 = save_hf_checkpoint(model, root / "hf32", dtype="float32")
+    save_mlx_checkpoint(hf, root / "mlx")
+    save_hf_checkpoint(model, root / "hf32", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    prepared = os.environ.get("LILY_ENGINE_CHECKPOINTS")
+    root = Path(prepared) if prepared else tmp_path_factory.mktemp("head_shapes")
+    if not prepared:
+        save_checkpoints(root)
     # hf32: quantized on load with f32 scales, so the "_sf32" kernel variants run.
-    return {"mlx": load_checkpoint(mlx), "hf": load_checkpoint(hf, quantize=4), "hf32": load_checkpoint(hf32, quantize=4)}
+    return {"mlx": load_checkpoint(root / "mlx"), "hf": load_checkpoint(root / "hf", quantize=4),
+            "hf32": load_checkpoint(root / "hf32", quantize=4)}
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +88,8 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("layout", ["mlx", "hf", "hf32"])
-def test_logits_and_greedy_tokens_match_the_reference(checkpoints, reference_run, layout):
-    backend = MetalBackend(checkpoints[layout], precision="float32")
+def test_logits_and_greedy_tokens_match_the_reference(engine_backend, checkpoints, reference_run, layout):
+    backend = engine_backend(checkpoints[layout], precision="float32")
     want_logits, want_tokens = reference_run[layout]
     state = backend.new_state()
     logits = backend.forward(PROMPT, state)
@@ -91,8 +102,8 @@ def test_logits_and_greedy_tokens_match_the_reference(checkpoints, reference_run
     assert state.position == len(PROMPT) + GREEDY_TOKENS - 1
 
 
-def test_every_switch_flipped_gives_the_same_tokens(checkpoints, reference_run):
-    backend = MetalBackend(checkpoints["mlx"], precision="float32", switches=ALL_FLIPPED)
+def test_every_switch_flipped_gives_the_same_tokens(engine_backend, checkpoints, reference_run):
+    backend = engine_backend(checkpoints["mlx"], precision="float32", switches=ALL_FLIPPED)
     want_logits, want_tokens = reference_run["mlx"]
     state = backend.new_state()
     logits = backend.forward(PROMPT, state)
@@ -109,9 +120,9 @@ def test_every_switch_flipped_gives_the_same_tokens(checkpoints, reference_run):
                                     {"split_kv_min_keys": 1}, {"split_kv": False}, {"gpu_token": False},
                                     {"batched_prefill": False}, {"prefill_chunk": 4}, {"gpu_routing": False},
                                     {"prefill_chunk": 4, "chunked_prefill": False}])
-def test_each_switch_gives_the_same_logits(checkpoints, switch):
-    default = MetalBackend(checkpoints["mlx"], precision="float32")
-    flipped = MetalBackend(checkpoints["mlx"], precision="float32", switches=switch)
+def test_each_switch_gives_the_same_logits(engine_backend, checkpoints, switch):
+    default = engine_backend(checkpoints["mlx"], precision="float32")
+    flipped = engine_backend(checkpoints["mlx"], precision="float32", switches=switch)
     want_state, got_state = default.new_state(), flipped.new_state()
     want = default.forward(PROMPT, want_state)
     got = flipped.forward(PROMPT, got_state)
@@ -122,7 +133,7 @@ def test_each_switch_gives_the_same_logits(checkpoints, switch):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
 
 
-def test_wide_and_narrow_gemm_tiles_agree(checkpoints):
+def test_wide_and_narrow_gemm_tiles_agree(engine_backend, checkpoints):
     # 100 rows: 100*2/8 = 25 rows per expert selects 32-row grouped-GEMM tiles, and > 16 rows 32-row qmm tiles.
     checkpoint = checkpoints["mlx"]
     ids = np.random.default_rng(7).integers(0, checkpoint.args.vocab_size, 100)
@@ -130,7 +141,7 @@ def test_wide_and_narrow_gemm_tiles_agree(checkpoints):
     want = ref.forward(ids, ref.new_state())
     results = {}
     for wide in (True, False):
-        backend = MetalBackend(checkpoint, precision="float32", switches={"wide_tiles": wide})
+        backend = engine_backend(checkpoint, precision="float32", switches={"wide_tiles": wide})
         results[wide] = backend.forward(ids, backend.new_state())
         kernels = backend.last_step_counts()["dispatches_by_kernel"]
         tiles = {name[-4:] for name in kernels if name.startswith(("qmm_", "moe_gemm_"))}
@@ -167,8 +178,23 @@ def test_a_removed_barrier_breaks_the_result(checkpoints, reference_run):
     assert relative_error(good, want_logits[:2]) < 1e-3
 
 
-def test_snapshots_copy_the_state(checkpoints, reference_run):
-    backend = MetalBackend(checkpoints["mlx"], precision="float32")
+def test_a_removed_dependency_edge_breaks_the_cuda_graph(cuda_engine_backend, checkpoints):
+    # Node 1 (the first layer's input norm) waits for node 0 (the embedding) by one edge. Without it the fake libcuda
+    # runs the two in a random order (a seed per launch): some launches run the norm first, on the stale hidden row
+    # of the token before. One token: the decode graph (replayed); two: a prefill chunk (one-shot).
+    backend = cuda_engine_backend(checkpoints["mlx"], precision="float32")
+    for count in (1, 2):
+        errors = []
+        for start in range(6):
+            ids = PROMPT[start:start + count]
+            broken = backend.forward(ids, backend.new_state(), dropped_barrier=1)
+            good = backend.forward(ids, backend.new_state(), dropped_barrier=10**6)  # every edge in place
+            errors.append(relative_error(broken, good))
+        assert any(not error <= 1e-2 for error in errors), (count, errors)  # NaN: it read never-written memory
+
+
+def test_snapshots_copy_the_state(engine_backend, checkpoints, reference_run):
+    backend = engine_backend(checkpoints["mlx"], precision="float32")
     want_logits, _ = reference_run["mlx"]
     state = backend.new_state()
     backend.forward(PROMPT[:4], state)
@@ -182,9 +208,9 @@ def test_snapshots_copy_the_state(checkpoints, reference_run):
     assert fork.position == state.position == len(PROMPT)
 
 
-def test_kv_cache_grows_in_blocks_and_snapshots_follow(checkpoints, reference_run):
+def test_kv_cache_grows_in_blocks_and_snapshots_follow(engine_backend, checkpoints, reference_run):
     # Blocks of 2 rows: the 7-token prompt grows the cache 3 times, one of them after a restore.
-    backend = MetalBackend(checkpoints["mlx"], precision="float32", switches={"kv_block": 2})
+    backend = engine_backend(checkpoints["mlx"], precision="float32", switches={"kv_block": 2})
     want_logits, _ = reference_run["mlx"]
     state = backend.new_state()
     first = backend.forward(PROMPT[:3], state)
@@ -194,9 +220,9 @@ def test_kv_cache_grows_in_blocks_and_snapshots_follow(checkpoints, reference_ru
     assert relative_error(np.concatenate([first, rest]), want_logits) < 1e-3
 
 
-def test_weights_are_mapped_not_copied(checkpoints):
+def test_weights_are_mapped_not_copied(engine_backend, checkpoints):
     checkpoint = checkpoints["mlx"]
-    backend = MetalBackend(checkpoint, precision="float32")
+    backend = engine_backend(checkpoint, precision="float32")
     assert backend.mapped_files == [str(f) for f in checkpoint.files]
     # Materialised: only the small dense tensors not stored as f32 (norms, conv weights, A_log, dt_bias in bf16),
     # widened to f32 for float32 mode; every quantized tensor is a range of the mapped file.
@@ -209,12 +235,12 @@ def test_weights_are_mapped_not_copied(checkpoints):
     assert backend.materialised_bytes == widened
 
 
-def test_bfloat16_mode_maps_an_mlx_checkpoint_without_copies(checkpoints):
+def test_bfloat16_mode_maps_an_mlx_checkpoint_without_copies(engine_backend, checkpoints):
     """bf16 mode on an MLX 4-bit checkpoint: every quantized tensor (fused projections included: the segmented GEMVs
     bind each part's own bytes) and every bf16 dense tensor is a range of the mapped file; only dense tensors stored
     in another dtype than the kernels take (A_log, dt_bias: f32) are converted."""
     checkpoint = checkpoints["mlx"]
-    backend = MetalBackend(checkpoint, precision="bfloat16", switches={"fused_projections": True})
+    backend = engine_backend(checkpoint, precision="bfloat16", switches={"fused_projections": True})
     weights = checkpoint.weights
 
     def wanted(name: str) -> str:
@@ -248,30 +274,30 @@ def test_the_engine_releases_every_metal_object(checkpoints):
     assert te.live_objects() == baseline
 
 
-def test_bad_input_is_one_clear_error(checkpoints, tmp_path):
-    backend = MetalBackend(checkpoints["mlx"], precision="float32", max_context=4)
+def test_bad_input_is_one_clear_error(engine_backend, checkpoints, tmp_path):
+    backend = engine_backend(checkpoints["mlx"], precision="float32", max_context=4)
     with pytest.raises(ValueError, match="token_ids must lie in"):
         backend.forward(np.array([640]), backend.new_state())
     with pytest.raises(ValueError, match="context limit is 4"):
         backend.forward(PROMPT[:5], backend.new_state())
     with pytest.raises(ValueError, match="unknown engine switch 'turbo'"):
-        MetalBackend(checkpoints["mlx"], switches={"turbo": False})
+        engine_backend(checkpoints["mlx"], switches={"turbo": False})
     with pytest.raises(ValueError, match="state was not made by this backend"):
         backend.forward(PROMPT[:1], ReferenceModel(checkpoints["mlx"]).new_state())
     # The kernels are built for key head dims 128 and 64: the tiny dk32 fixture is refused by name.
     dk32 = save_hf_checkpoint(build_hf_model("dk32", randomize=False), tmp_path / "dk32", dtype="bfloat16")
     with pytest.raises(ValueError, match="linear_key_head_dim"):
-        MetalBackend(load_checkpoint(dk32, quantize=4), precision="float32")
+        engine_backend(load_checkpoint(dk32, quantize=4), precision="float32")
 
 
-def test_cpu_routing_round_trip_matches_the_gpu_sort(checkpoints):
+def test_cpu_routing_round_trip_matches_the_gpu_sort(engine_backend, checkpoints):
     # 40 rows in chunks of 20 (two chunks, each with several 16-row tiles per expert): the CPU builds the sort
     # between command buffers instead of moe_sort_count/scan/scatter, and the result is bit-identical.
     checkpoint = checkpoints["mlx"]
     ids = np.random.default_rng(11).integers(0, checkpoint.args.vocab_size, 40)
     results, kernels = {}, {}
     for gpu in (True, False):
-        backend = MetalBackend(checkpoint, precision="float32", switches={"gpu_routing": gpu, "prefill_chunk": 20})
+        backend = engine_backend(checkpoint, precision="float32", switches={"gpu_routing": gpu, "prefill_chunk": 20})
         results[gpu] = backend.forward(ids, backend.new_state())
         kernels[gpu] = backend.last_step_counts()["dispatches_by_kernel"]
     assert kernels[True]["moe_sort_scatter_u32"] == len(checkpoint.args.layer_types)
@@ -279,9 +305,9 @@ def test_cpu_routing_round_trip_matches_the_gpu_sort(checkpoints):
     np.testing.assert_array_equal(results[False], results[True])
 
 
-def test_whole_prompt_prefill_grows_the_chunk_scratch(checkpoints, reference_run):
+def test_whole_prompt_prefill_grows_the_chunk_scratch(engine_backend, checkpoints, reference_run):
     # Chunk size 2 with chunking off: a 3-token prompt, then the 6 others as one chunk each (the scratch grows).
-    backend = MetalBackend(checkpoints["mlx"], precision="float32",
+    backend = engine_backend(checkpoints["mlx"], precision="float32",
                            switches={"prefill_chunk": 2, "chunked_prefill": False})
     want_logits, _ = reference_run["mlx"]
     state = backend.new_state()
@@ -291,10 +317,10 @@ def test_whole_prompt_prefill_grows_the_chunk_scratch(checkpoints, reference_run
     assert relative_error(np.concatenate([first, rest]), want_logits) < 1e-3
 
 
-def test_bfloat16_mode_follows_the_reference(checkpoints, reference_run):
+def test_bfloat16_mode_follows_the_reference(engine_backend, checkpoints, reference_run):
     # bf16 activations and KV cache, f32 router logits and DeltaNet state: prefill and decode stay within bf16
     # rounding of the fp32 reference and choose the same next tokens.
-    backend = MetalBackend(checkpoints["mlx"])
+    backend = engine_backend(checkpoints["mlx"])
     assert backend.precision == "bfloat16"
     want_logits, want_tokens = reference_run["mlx"]
     state = backend.new_state()
@@ -313,7 +339,7 @@ def test_bfloat16_mode_follows_the_reference(checkpoints, reference_run):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_kv64_fixture_in_the_hf_layout_matches_the_reference(tmp_path, dtype):
+def test_kv64_fixture_in_the_hf_layout_matches_the_reference(engine_backend, tmp_path, dtype):
     # The tiny kv64 fixture (head dim 64, DeltaNet dk 64) in the HF layout, quantized on load: bf16 scales from a
     # bf16 file, f32 scales ("_sf32" kernels) from an f32 file. (tests/engine/test_metal_head_dims.py runs the MLX
     # layouts of kv64 and gqa4.)
@@ -325,13 +351,13 @@ def test_kv64_fixture_in_the_hf_layout_matches_the_reference(tmp_path, dtype):
     tokens = [int(np.argmax(want[-1]))]
     for _ in range(5):
         tokens.append(int(np.argmax(ref.forward(np.array([tokens[-1]]), ref_state)[-1])))
-    backend = MetalBackend(checkpoint, precision="float32")
+    backend = engine_backend(checkpoint, precision="float32")
     state = backend.new_state()
     assert relative_error(backend.forward(ids, state), want) < 1e-3
     assert [tokens[0]] + backend.generate_greedy(state, tokens[0], 5) == tokens
 
 
-def test_a_mixed_bit_router_runs_on_the_general_kernels(checkpoints, monkeypatch):
+def test_a_mixed_bit_router_runs_on_the_general_kernels(engine_backend, checkpoints, monkeypatch):
     # The router at 4 bits next to an 8-bit shared-expert gate (mlx-lm quantizes both at 8): the bf16 prefill router
     # runs the 4-bit "_of32" GEMV, and the decode's fused router | shared-gate GEMV, which needs matrices quantized
     # alike, falls back to one GEMV per matrix. Both modes follow the reference on the same weights.
@@ -344,7 +370,7 @@ def test_a_mixed_bit_router_runs_on_the_general_kernels(checkpoints, monkeypatch
     want = ref.forward(PROMPT, ref_state)
     want_step = ref.forward(np.array([int(np.argmax(want[-1]))]), ref_state)
     for precision, tolerance in (("float32", 1e-3), ("bfloat16", 5e-2)):
-        backend = MetalBackend(checkpoint, precision=precision)
+        backend = engine_backend(checkpoint, precision=precision)
         state = backend.new_state()
         logits = backend.forward(PROMPT, state)
         prefill_kernels = backend.last_step_counts()["dispatches_by_kernel"]

@@ -127,6 +127,39 @@ def test_stages_equal_the_encoders_automatic_barriers(switches):
         assert plan["stages"] == plan["dispatches"]
 
 
+def must_wait(earlier: dict, later: dict) -> bool:
+    """The barrier rule, written again from its definition: RAW, WAR or WAW on overlapping spans of one buffer."""
+    def overlap(a, b):
+        return any(x[0] == y[0] and x[2] and y[2] and x[1] < y[1] + y[2] and y[1] < x[1] + x[2] for x in a for y in b)
+    return (overlap(later["reads"], earlier["writes"]) or overlap(later["writes"], earlier["reads"])
+            or overlap(later["writes"], earlier["writes"]))
+
+
+@pytest.mark.parametrize("switches", [{}, {"concurrent": False}, {"fusion": False, "fused_projections": False},
+                                      {"split_kv_min_keys": 8}])
+def test_dependency_edges_order_exactly_what_the_rule_orders(switches):
+    """The CUDA graph's edges (barriers.cpp, `dependencies`): every pair the rule orders is ordered by a path of
+    edges, every edge is a pair the rule orders (or a forced barrier), and no edge is implied by the others."""
+    plan = lily_plan.plan_decode(small_full_shape_args(8), context=37, precision="float32", switches=switches,
+                                 with_graph=True)
+    nodes = plan["nodes"]
+    before: list[set[int]] = []  # the nodes each node runs after, through the edges
+    for i, node in enumerate(nodes):
+        edges = node["depends_on"]
+        assert edges == sorted(set(edges)) and all(j < i for j in edges)
+        ancestors = set().union(*(before[j] | {j} for j in edges)) if edges else set()
+        for j in edges:
+            assert node["barrier_before"] or must_wait(nodes[j], node), (j, i)
+            others = set().union(*(before[k] | {k} for k in edges if k != j)) if len(edges) > 1 else set()
+            assert j not in others, f"edge {j} -> {i} is implied by the others"
+        for j in range(i):
+            if node["barrier_before"] or must_wait(nodes[j], node):
+                assert j in ancestors, f"node {i} ({node['label']}) is not ordered after node {j}"
+        before.append(ancestors)
+    if switches.get("concurrent") is False:
+        assert all(node["depends_on"] == [i - 1] for i, node in enumerate(nodes) if i)
+
+
 @pytest.mark.parametrize("context", [4096, 40000])
 def test_full_size_meets_the_decode_targets(context):
     """Issue 6: at most 360 dispatches and 300 barrier stages per decode token at full size (bf16, the default)."""

@@ -2,6 +2,7 @@
 
 ``reference``: ``lily.reference.ReferenceModel``, the specification itself (numpy, float32, always available).
 ``metal``: ``lily.backends.metal.MetalBackend``, the compiled engine (``lily._ext``).
+``cuda``: ``lily.backends.cuda.CudaBackend``, the same engine on its CUDA runtime (NVIDIA GPUs).
 ``cpu``: ``lily.backends.cpu.CpuBackend``, the extension's C++ forward pass on the packed weights (any machine).
 """
 
@@ -9,12 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-NAMES = ("reference", "metal", "cpu")
+NAMES = ("reference", "metal", "cuda", "cpu")
 
 
 def choose(name: str) -> str:
-    """The backend ``name`` stands for: "auto" is metal where the extension drives real Metal, else cpu (reference
-    when the extension is missing)."""
+    """The backend ``name`` stands for: "auto" is metal where the extension drives real Metal, cuda where an NVIDIA
+    driver, a GPU and the CUDA kernels are present, else cpu (reference when the extension is missing)."""
     if name == "auto":
         try:
             from lily import _ext
@@ -22,22 +23,34 @@ def choose(name: str) -> str:
             return "reference"
         if getattr(_ext, "platform", "") == "metal" and hasattr(_ext, "Engine"):
             return "metal"
+        from lily.backends.cuda import cuda_unavailable
+
+        if hasattr(_ext, "Engine") and cuda_unavailable(system_driver=True) is None:
+            return "cuda"
         return "cpu" if hasattr(_ext, "cpu") else "reference"
     if name not in NAMES:
-        raise ValueError(f"backend must be 'auto', 'reference', 'metal' or 'cpu'; got {name!r}")
+        raise ValueError(f"backend must be 'auto', 'reference', 'metal', 'cuda' or 'cpu'; got {name!r}")
     if name == "metal":
         from lily.backends.metal import require_metal_runtime
 
         require_metal_runtime()
+    if name == "cuda":
+        from lily.backends.cuda import require_cuda
+
+        require_cuda()
     return name
 
 
 def create(name: str, checkpoint: Any, precision: str | None = None) -> Any:
-    """A backend of the chosen ``name`` ("reference", "metal" or "cpu") over ``checkpoint``."""
+    """A backend of the chosen ``name`` ("reference", "metal", "cuda" or "cpu") over ``checkpoint``."""
     if name == "metal":
         from lily.backends.metal import MetalBackend
 
         return MetalBackend(checkpoint, **({} if precision is None else {"precision": precision}))
+    if name == "cuda":
+        from lily.backends.cuda import CudaBackend
+
+        return CudaBackend(checkpoint, **({} if precision is None else {"precision": precision}))
     if name == "cpu":
         from lily.backends.cpu import CpuBackend
 

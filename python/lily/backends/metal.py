@@ -157,7 +157,7 @@ class MetalBackend:
     ) -> None:
         from lily import _ext
 
-        require_metal_runtime()
+        self._require_runtime()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
         chosen = {**switches_from_env(os.environ), **dict(switches or {})}
@@ -170,7 +170,7 @@ class MetalBackend:
         self.precision = precision
         try:
             self._engine = _ext.Engine(engine_config(self.args), precision, chosen, max_context,
-                                       metallib=kernel_metallib())
+                                       **self._runtime_arguments())
         except RuntimeError as exc:
             raise ValueError(f"{checkpoint.path}: {exc}") from None
         for line in _ext.fast_paths_left_out(engine_config(self.args)):
@@ -186,6 +186,13 @@ class MetalBackend:
         self._decoded: MetalState | None = None  # the state whose decode logits the engine's buffer holds
         self._decoding = False  # a decode_tokens iterator is open (steps may be in flight)
         self._gpu_token = chosen.get("gpu_token", True)
+
+    def _require_runtime(self) -> None:
+        require_metal_runtime()
+
+    def _runtime_arguments(self) -> dict[str, Any]:
+        """How ``lily._ext.Engine`` reaches the GPU (``CudaBackend`` runs the same engine on its CUDA runtime)."""
+        return {"metallib": kernel_metallib()}
 
     @classmethod
     def synthetic(cls, args: ModelArgs, *, precision: str = "bfloat16", max_context: int = DEFAULT_MAX_CONTEXT,
@@ -394,9 +401,9 @@ class MetalBackend:
     def host_timing(self, on: bool) -> dict[str, list[int]]:
         """Turn per-step host timing on or off; returns the times (ns) of the steps submitted since the last call.
 
-        ``encode``: finding the built step, patching and encoding it with its Metal calls (before commit);
-        ``cpp``: the same encode into an encoder that makes no Metal call, the engine's own C++ (while timing is
-        on, each step is encoded both ways).
+        ``encode``: finding the built step and submitting it (Metal: patching, encoding with its Metal calls and
+        committing; CUDA: patching the position fields, their upload and the graph launch); ``cpp``: the same without
+        the driver calls, the engine's own C++ (while timing is on, each step is submitted both ways).
         """
         times = {"encode": list(self._engine.step_encode_ns), "cpp": list(self._engine.step_cpp_ns)}
         self._engine.reset_host_timing()

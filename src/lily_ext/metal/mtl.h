@@ -14,14 +14,15 @@
 #include <stdexcept>
 #include <string>
 
+#include "../types.h"
+
 namespace lily::mtl {
 
 using NSUInteger = unsigned long;
 
-// MTLSize: three NSUIntegers, passed to Metal by value.
-struct Size {
-  NSUInteger width = 1, height = 1, depth = 1;
-};
+// MTLSize: three NSUIntegers, passed to Metal by value (lily::Dim3 has that layout).
+using Size = Dim3;
+static_assert(sizeof(Size) == 3 * sizeof(NSUInteger), "MTLSize is three NSUIntegers");
 
 // Values from Apple's MTLDataType.h, MTLCommandBuffer.h, MTLCommandEncoder.h, MTLResource.h.
 enum class DataType : NSUInteger {
@@ -48,10 +49,7 @@ constexpr NSUInteger kBarrierScopeBuffers = 1;
 constexpr NSUInteger kMathModeSafe = 0;
 
 // A Metal or Objective-C failure; what() names the call and carries Metal's description.
-class Error : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+using Error = lily::Error;
 
 // An owning reference to an Objective-C object: releases it when the last copy goes.
 class Object {

@@ -22,7 +22,7 @@ size_t packed_heads(size_t head_dim) {
 
 void check_attention_shapes(const ModelConfig& c) {
   if (packed_heads(c.head_dim) == 0) {
-    throw mtl::Error("[engine] config field head_dim: the attention kernels are built for 256 and 64; got " +
+    throw Error("[engine] config field head_dim: the attention kernels are built for 256 and 64; got " +
                      std::to_string(c.head_dim));
   }
 }

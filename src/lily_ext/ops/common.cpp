@@ -5,8 +5,8 @@
 
 namespace lily::ops {
 
-Node& add_node(Context& ctx, std::string kernel, std::string label, std::vector<NodeArg> args, mtl::Size groups,
-               mtl::Size threads, std::vector<Span> reads, std::vector<Span> writes) {
+Node& add_node(Context& ctx, std::string kernel, std::string label, std::vector<NodeArg> args, Dim3 groups,
+               Dim3 threads, std::vector<Span> reads, std::vector<Span> writes) {
   Node node;
   node.kernel = std::move(kernel);
   node.label = std::move(label);

@@ -8,7 +8,7 @@ namespace lily::ops {
 void check_gated_delta_shapes(const ModelConfig& c) {
   // Key head dims with instantiated gated_delta_* kernels: 128 (the model's) and 64 (demo model, test fixtures).
   if (c.gdn_k_dim != 128 && c.gdn_k_dim != 64) {
-    throw mtl::Error("[engine] config field linear_key_head_dim: the DeltaNet kernels are built for 128 and 64; got " +
+    throw Error("[engine] config field linear_key_head_dim: the DeltaNet kernels are built for 128 and 64; got " +
                      std::to_string(c.gdn_k_dim));
   }
 }

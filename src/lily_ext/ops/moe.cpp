@@ -29,7 +29,7 @@ std::string decode_suffix(const Context& ctx, const MoeSpans& s) {
 // k experts.
 size_t expert_fraction(const ModelConfig& c, const WeightRef* w) { return w->bytes() / w->experts * c.top_k; }
 
-mtl::Size gate_up_groups(const ModelConfig& c) {
+Dim3 gate_up_groups(const ModelConfig& c) {
   const size_t rows = std::max(c.expert_size, c.shared_expert_size);
   return {(rows + tuning::kMoeGemvRowsPerThreadgroup - 1) / tuning::kMoeGemvRowsPerThreadgroup, c.top_k + 1, 1};
 }

@@ -30,8 +30,8 @@ struct Context {
 };
 
 // Appends a node; traffic defaults to the declared ranges.
-Node& add_node(Context& ctx, std::string kernel, std::string label, std::vector<NodeArg> args, mtl::Size groups,
-               mtl::Size threads, std::vector<Span> reads, std::vector<Span> writes);
+Node& add_node(Context& ctx, std::string kernel, std::string label, std::vector<NodeArg> args, Dim3 groups,
+               Dim3 threads, std::vector<Span> reads, std::vector<Span> writes);
 NodeArg arg(const Span& span);
 template <class T>
 NodeArg arg_value(const T& value) {

@@ -21,9 +21,9 @@ void qmatmul(Context& ctx, const std::string& label, const Span& x, const Weight
   name += "_q" + std::to_string(w.bits) + "_g64_" + dtype_name(f32_out ? ctx.act : dtype);
   if (w.scale_dtype == DType::F32) name += "_sf32";
   if (f32_out) name += "_of32";
-  mtl::Size groups{(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup,
+  Dim3 groups{(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup,
                    (rows + tuning::kQmvMaxRows - 1) / tuning::kQmvMaxRows, 1};  // each takes up to 4 input rows
-  mtl::Size threads{tuning::kQmvThreads, 1, 1};
+  Dim3 threads{tuning::kQmvThreads, 1, 1};
   if (rows > tuning::kQmvMaxRows && ctx.tensor_ops && ctx.in_gemm_dequant && dtype == DType::BF16 &&
       ctx.act == DType::BF16 && w.scale_dtype == DType::BF16) {
     // Metal 4 tensor ops (M5-class GPUs): a 32 x 64 tile per threadgroup of 4 simdgroups.
@@ -56,7 +56,7 @@ void check_qmv_weight(const std::string& label, const WeightRef& w) {
 std::string qmv_suffix(const WeightRef& w, DType act) {
   return "_q" + std::to_string(w.bits) + "_g64_" + dtype_name(act) + (w.scale_dtype == DType::F32 ? "_sf32" : "");
 }
-mtl::Size qmv_groups(const WeightRef& w) {
+Dim3 qmv_groups(const WeightRef& w) {
   return {(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup, 1, 1};
 }
 }  // namespace

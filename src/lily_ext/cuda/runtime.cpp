@@ -1,0 +1,289 @@
+// The CUDA runtime (see runtime.h).
+#include "runtime.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "../barriers.h"
+#include "../mapped_file.h"
+#include "../model.h"
+#include "driver.h"
+
+namespace lily {
+
+namespace {
+
+// Checkpoint files go to the GPU in chunks of this size, through two pinned staging halves (one filled by the CPU
+// while the other is copied): the only host memory a load holds beyond the page cache.
+constexpr size_t kStagingChunk = 16u << 20;
+// Alignment of each bytes argument (setBytes data) in its arena: the widest vector a kernel reads from it.
+constexpr size_t kArgumentAlign = 16;
+
+size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// Device memory, or pinned host memory for what the host reads or writes while steps run (the token slots: kernels
+// write the chosen token there, and the host reads it once the step's event fired, with no copy queued behind the
+// next step). With unified addressing a pinned host pointer is also the device's pointer to it.
+class CudaBuffer : public DeviceBuffer {
+ public:
+  CudaBuffer(size_t length, Memory memory) : DeviceBuffer(length) {
+    if (memory == Memory::HostVisible) {
+      pinned = cuda::PinnedMemory(length);
+    } else {
+      device = cuda::DeviceMemory(length);
+    }
+  }
+  bool host_visible() const { return pinned.data() != nullptr; }
+  unsigned char* host(size_t offset) const { return static_cast<unsigned char*>(pinned.data()) + offset; }
+  cuda::CUdeviceptr at(size_t offset) const {
+    return (host_visible() ? reinterpret_cast<cuda::CUdeviceptr>(pinned.data()) : device.ptr()) + offset;
+  }
+  cuda::DeviceMemory device;
+  cuda::PinnedMemory pinned;
+};
+
+CudaBuffer& device(DeviceBuffer& b) { return static_cast<CudaBuffer&>(b); }
+const CudaBuffer& device(const DeviceBuffer& b) { return static_cast<const CudaBuffer&>(b); }
+
+void check_range(const DeviceBuffer& buffer, size_t offset, size_t length, const char* what) {
+  if (offset > buffer.length() || length > buffer.length() - offset) {
+    throw Error(std::string("[cuda] ") + what + " of [" + std::to_string(offset) + ", +" + std::to_string(length) +
+                ") is not inside the buffer's " + std::to_string(buffer.length()) + " bytes");
+  }
+}
+
+cuda::Dim3 dim3(const Dim3& d) {
+  return {static_cast<uint32_t>(d.width), static_cast<uint32_t>(d.height), static_cast<uint32_t>(d.depth)};
+}
+
+}  // namespace
+
+// One graph recorded as a CUDA graph. The bytes arguments live in device memory: those that never change in
+// `constants` (uploaded once), those holding per-position fields in `positional`, uploaded from its pinned host copy
+// before each launch, in stream order, after the host patched the fields.
+struct CudaRuntime::Recording : RecordedGraph {
+  struct Patch {
+    size_t offset;  // into positional_host
+    int32_t delta;
+  };
+  std::shared_ptr<const Graph> graph;
+  cuda::DeviceMemory constants, positional;
+  cuda::PinnedMemory positional_host;
+  size_t positional_bytes = 0;
+  std::vector<Patch> patches;
+  std::unique_ptr<cuda::Graph> cuda_graph;
+  std::unique_ptr<cuda::GraphExec> exec;
+  std::shared_ptr<cuda::Event> last;  // the last submission's completion (its upload read positional_host)
+};
+
+namespace {
+
+class CudaSubmission : public Submission {
+ public:
+  CudaSubmission(const cuda::Context& context, std::shared_ptr<RecordedGraph> graph, std::shared_ptr<cuda::Event> done)
+      : context_(context), graph_(std::move(graph)), done_(std::move(done)) {}
+  void wait() override {
+    context_.make_current();
+    done_->synchronize();
+  }
+
+ private:
+  const cuda::Context& context_;
+  std::shared_ptr<RecordedGraph> graph_;  // kept until the work is done
+  std::shared_ptr<cuda::Event> done_;
+};
+
+}  // namespace
+
+CudaRuntime::CudaRuntime(int ordinal, const std::string& ptx_dir) {
+  context_ = std::make_unique<cuda::Context>(ordinal);
+  kernels_ = std::make_unique<cuda::KernelSet>(*context_, ptx_dir);
+  stream_ = std::make_unique<cuda::Stream>();
+}
+
+CudaRuntime::~CudaRuntime() {
+  try {
+    current();
+    stream_->synchronize();
+  } catch (const Error&) {
+    // A failed kernel was reported to whoever waited on it; nothing more to do while closing.
+  }
+}
+
+void CudaRuntime::current() const { context_->make_current(); }
+
+std::unique_ptr<DeviceBuffer> CudaRuntime::allocate(size_t length, Memory memory) {
+  current();
+  return std::make_unique<CudaBuffer>(length, memory);
+}
+
+std::unique_ptr<DeviceBuffer> CudaRuntime::load_file(const std::string& path) {
+  current();
+  MappedFile file(path);
+  auto buffer = std::make_unique<CudaBuffer>(file.mapped_length(), Memory::Device);
+  cuda::PinnedMemory staging(2 * kStagingChunk);
+  cuda::Event copied[2];
+  const auto* bytes = static_cast<const unsigned char*>(file.data());
+  size_t chunk = 0;
+  for (size_t offset = 0; offset < file.file_length(); offset += kStagingChunk, ++chunk) {
+    const size_t half = chunk % 2, n = std::min(kStagingChunk, file.file_length() - offset);
+    if (chunk >= 2) copied[half].synchronize();  // the copy that last read this half is done
+    unsigned char* slot = static_cast<unsigned char*>(staging.data()) + half * kStagingChunk;
+    std::memcpy(slot, bytes + offset, n);
+    // The chunk's pages leave this process (the page cache keeps them): a load holds one chunk of the file at a time.
+    ::madvise(const_cast<unsigned char*>(bytes) + offset, n, MADV_DONTNEED);
+    cuda::upload_async(buffer->at(offset), slot, n, stream_->handle());
+    copied[half].record(stream_->handle());
+  }
+  if (file.mapped_length() > file.file_length()) {
+    cuda::fill_async(buffer->at(file.file_length()), 0, file.mapped_length() - file.file_length(), stream_->handle());
+  }
+  stream_->synchronize();
+  return buffer;
+}
+
+std::unique_ptr<DeviceBuffer> CudaRuntime::reserve(size_t length) {
+  // Host-cost runs stub the kernels out on Metal only; here the memory is simply allocated.
+  return allocate(length, Memory::Device);
+}
+
+void CudaRuntime::upload(DeviceBuffer& to, size_t offset, const void* from, size_t length) {
+  check_range(to, offset, length, "upload");
+  if (!length) return;
+  if (device(to).host_visible()) {
+    std::memcpy(device(to).host(offset), from, length);
+    return;
+  }
+  current();
+  cuda::upload_async(device(to).at(offset), from, length, stream_->handle());
+  stream_->synchronize();
+}
+
+void CudaRuntime::download(const DeviceBuffer& from, size_t offset, void* to, size_t length) {
+  check_range(from, offset, length, "download");
+  if (!length) return;
+  if (device(from).host_visible()) {
+    std::memcpy(to, device(from).host(offset), length);
+    return;
+  }
+  current();
+  cuda::download_async(to, device(from).at(offset), length, stream_->handle());
+  stream_->synchronize();
+}
+
+void CudaRuntime::copy(const DeviceBuffer& from, size_t from_offset, DeviceBuffer& to, size_t to_offset,
+                       size_t length) {
+  check_range(from, from_offset, length, "copy");
+  check_range(to, to_offset, length, "copy");
+  if (!length) return;
+  if (device(from).host_visible()) return upload(to, to_offset, device(from).host(from_offset), length);
+  if (device(to).host_visible()) return download(from, from_offset, device(to).host(to_offset), length);
+  current();
+  cuda::copy_async(device(to).at(to_offset), device(from).at(from_offset), length, stream_->handle());
+  stream_->synchronize();
+}
+
+void CudaRuntime::fill_zero(DeviceBuffer& buffer) {
+  if (device(buffer).host_visible()) {
+    std::memset(device(buffer).host(0), 0, buffer.length());
+    return;
+  }
+  current();
+  cuda::fill_async(device(buffer).at(0), 0, buffer.length(), stream_->handle());
+  stream_->synchronize();
+}
+
+void CudaRuntime::require_kernel(const std::string& name) {
+  if (!kernels_->has_kernel(name)) {
+    throw Error("[cuda] kernel '" + name + "' is not in the PTX of " + kernels_->ptx_dir() +
+                " (build it with tools/cuda_kernels.py; docs/cuda.md)");
+  }
+}
+
+std::shared_ptr<RecordedGraph> CudaRuntime::record(std::shared_ptr<const Graph> graph, size_t begin, size_t end,
+                                                   const std::vector<DeviceBuffer*>& buffers,
+                                                   const RecordOptions& options) {
+  current();
+  auto r = std::make_shared<Recording>();
+  r->graph = std::move(graph);
+  const std::vector<Node>& nodes = r->graph->nodes;
+  // Where each bytes argument goes: (positional?, offset in its arena), per node and argument.
+  std::vector<std::vector<std::pair<bool, size_t>>> placed(end - begin);
+  std::vector<unsigned char> constants, positional;
+  for (size_t i = begin; i < end; ++i) {
+    const Node& node = nodes[i];
+    for (size_t k = 0; k < node.args.size(); ++k) {
+      const bool follows = std::any_of(node.per_position.begin(), node.per_position.end(),
+                                       [&](const PositionField& f) { return f.arg == k; });
+      std::vector<unsigned char>& arena = follows ? positional : constants;
+      const size_t at = align_up(arena.size(), kArgumentAlign);
+      arena.resize(at + node.args[k].bytes.size());
+      std::copy(node.args[k].bytes.begin(), node.args[k].bytes.end(), arena.begin() + static_cast<long>(at));
+      placed[i - begin].push_back({follows, at});
+      for (const PositionField& f : node.per_position) {
+        if (f.arg == k) r->patches.push_back({at + f.offset, f.delta});
+      }
+    }
+  }
+  r->constants = cuda::DeviceMemory(std::max<size_t>(constants.size(), 1));
+  if (!constants.empty()) cuda::upload(r->constants.ptr(), constants.data(), constants.size());
+  r->positional_bytes = positional.size();
+  r->positional = cuda::DeviceMemory(std::max<size_t>(positional.size(), 1));
+  r->positional_host = cuda::PinnedMemory(std::max<size_t>(positional.size(), 1));
+  std::copy(positional.begin(), positional.end(), static_cast<unsigned char*>(r->positional_host.data()));
+
+  // Dependency edges by the barrier rule; a dropped barrier (tests) drops every edge into that node.
+  std::vector<std::vector<size_t>> edges = dependencies(*r->graph, begin, end);
+  if (options.dropped_barrier >= static_cast<long>(begin) && options.dropped_barrier < static_cast<long>(end)) {
+    edges[static_cast<size_t>(options.dropped_barrier) - begin].clear();
+  }
+  r->cuda_graph = std::make_unique<cuda::Graph>(*context_);
+  std::vector<cuda::GraphNode> added;
+  for (size_t i = begin; i < end; ++i) {
+    const Node& node = nodes[i];
+    std::vector<cuda::CUdeviceptr> pointers;
+    for (size_t k = 0; k < node.args.size(); ++k) {
+      const NodeArg& a = node.args[k];
+      if (a.buffer >= 0) {
+        pointers.push_back(device(*buffers.at(static_cast<size_t>(a.buffer))).at(a.offset));
+      } else {
+        const auto [follows, at] = placed[i - begin][k];
+        pointers.push_back((follows ? r->positional.ptr() : r->constants.ptr()) + at);
+      }
+    }
+    std::vector<cuda::GraphNode> after;
+    for (size_t j : edges[i - begin]) after.push_back(added[j - begin]);
+    added.push_back(r->cuda_graph->add_kernel(
+        kernels_->prepare(node.kernel, pointers, dim3(node.groups), dim3(node.threads)), after));
+  }
+  if (end > begin) r->exec = std::make_unique<cuda::GraphExec>(*r->cuda_graph);
+  return r;
+}
+
+void CudaRuntime::submit_dry(RecordedGraph& graph, size_t position) {
+  auto& r = static_cast<Recording&>(graph);
+  if (r.last) r.last->synchronize();  // its upload read the fields about to change
+  auto* host = static_cast<unsigned char*>(r.positional_host.data());
+  for (const Recording::Patch& p : r.patches) {
+    const uint32_t value = static_cast<uint32_t>(static_cast<long>(position) + p.delta);
+    std::memcpy(host + p.offset, &value, 4);
+  }
+}
+
+std::unique_ptr<Submission> CudaRuntime::submit(const std::shared_ptr<RecordedGraph>& graph, size_t position) {
+  current();
+  auto& r = static_cast<Recording&>(*graph);
+  submit_dry(r, position);
+  if (r.positional_bytes) {
+    cuda::upload_async(r.positional.ptr(), r.positional_host.data(), r.positional_bytes, stream_->handle());
+  }
+  if (r.exec) r.exec->launch(stream_->handle());
+  auto done = std::make_shared<cuda::Event>();
+  done->record(stream_->handle());
+  r.last = done;
+  return std::make_unique<CudaSubmission>(*context_, graph, std::move(done));
+}
+
+}  // namespace lily
