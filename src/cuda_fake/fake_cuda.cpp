@@ -145,6 +145,7 @@ CUresult fake_GetErrorName(CUresult error, const char** name) {
       {CUDA_ERROR_INVALID_PTX, "CUDA_ERROR_INVALID_PTX"}, {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE"},
       {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND"}, {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY"},
       {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS"},
+      {CUDA_ERROR_MISALIGNED_ADDRESS, "CUDA_ERROR_MISALIGNED_ADDRESS"},
       {CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"},
       {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED"}, {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN"}};
   auto it = names.find(error);
@@ -388,6 +389,15 @@ CUresult run_kernel(const Function& fn, const unsigned grid[3], const unsigned b
         return fail(CUDA_ERROR_ILLEGAL_ADDRESS, fn.name + ": [[buffer(" + std::to_string(a.index) +
                                                     ")]] is not device memory (" +
                                                     (ptr ? "an unknown address" : "null") + ")");
+      }
+      // A GPU load through a pointer faults unless the address is aligned to the pointee (to 16 bytes at most), as
+      // the H200 showed for tensors of an MLX-written file at odd offsets; the CPU would read them anyway.
+      const size_t pointee = v.params[i].kind == msl_rt::ParamKind::pointer ? v.params[i].pointee_size : 1;
+      const size_t alignment = std::min<size_t>(pointee & ~(pointee - 1), 16);
+      if (alignment > 1 && reinterpret_cast<uintptr_t>(ptr) % alignment) {
+        return fail(CUDA_ERROR_MISALIGNED_ADDRESS, fn.name + ": [[buffer(" + std::to_string(a.index) +
+                                                       ")]] is not aligned to its " + std::to_string(alignment) +
+                                                       "-byte elements");
       }
       if (bindings.size() <= size_t(a.index)) bindings.resize(size_t(a.index) + 1, msl_rt::Binding{nullptr, 0, false});
       bindings[size_t(a.index)] = msl_rt::Binding{ptr, size, false};

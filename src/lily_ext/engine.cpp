@@ -91,17 +91,22 @@ void Engine::bind_synthetic_weights() {
   }
 }
 
+// `ref`'s spans are byte ranges of the files as written; each moves by where its buffer put the file's byte 0.
 void Engine::bind_weight(const std::string& name, const WeightRef& ref) {
   if (loaded_) throw Error("[engine] " + name + ": weights are bound before finish_loading");
-  for (const Span* span : {&ref.data, &ref.scales, &ref.biases}) {
-    if (span->length == 0 && span != &ref.data) continue;
-    if (span->buffer < 0 || static_cast<size_t>(span->buffer) >= buffers_.size() ||
-        span->offset + span->length > base_.buffers[span->buffer].length) {
+  WeightRef placed = ref;
+  for (Span* span : {&placed.data, &placed.scales, &placed.biases}) {
+    if (span->length == 0 && span != &placed.data) continue;
+    if (span->buffer < 0 || static_cast<size_t>(span->buffer) >= buffers_.size()) {
+      throw Error("[engine] " + name + ": its byte range is not inside a loaded file or buffer");
+    }
+    span->offset += buffers_[span->buffer]->origin();
+    if (span->offset + span->length > base_.buffers[span->buffer].length) {
       throw Error("[engine] " + name + ": its byte range is not inside a loaded file or buffer");
     }
   }
   if (ref.bits && ref.cols % 64) throw Error("[engine] " + name + ": input features must be a multiple of 64");
-  weights_[name] = ref;
+  weights_[name] = placed;
 }
 
 void Engine::finish_loading() {

@@ -24,12 +24,14 @@ class DeviceBuffer {
  public:
   virtual ~DeviceBuffer() = default;
   size_t length() const { return length_; }
+  // Where byte 0 of a loaded file lies in the buffer (load_file may shift a file so that its tensors are aligned).
+  size_t origin() const { return origin_; }
 
  protected:
-  explicit DeviceBuffer(size_t length) : length_(length) {}
+  explicit DeviceBuffer(size_t length, size_t origin = 0) : length_(length), origin_(origin) {}
 
  private:
-  size_t length_;
+  size_t length_, origin_;
 };
 
 // Nodes of a graph prepared for one runtime (kernels resolved, arguments bound, barriers or dependency edges
@@ -65,7 +67,9 @@ class Runtime {
   // ---- memory ----
   virtual std::unique_ptr<DeviceBuffer> allocate(size_t length, Memory memory) = 0;
   // The whole file `path` as one buffer (length: the file padded to the runtime's page). Metal maps the file and
-  // wraps the mapping without a copy; CUDA streams it from the mapping into device memory.
+  // wraps the mapping without a copy; CUDA streams it from the mapping into device memory, shifted (origin()) so
+  // that a safetensors file's data section starts on a 16-byte boundary: writers such as MLX's leave the header at
+  // any length, and GPU loads of uint32 codes or bf16 scales fault at misaligned addresses.
   virtual std::unique_ptr<DeviceBuffer> load_file(const std::string& path) = 0;
   // `length` bytes of address space that are never touched (host-cost runs: synthetic weights, kernels stubbed).
   virtual std::unique_ptr<DeviceBuffer> reserve(size_t length) = 0;

@@ -35,6 +35,7 @@ constexpr CUresult CUDA_ERROR_INVALID_HANDLE = 400;
 constexpr CUresult CUDA_ERROR_NOT_FOUND = 500;
 constexpr CUresult CUDA_ERROR_NOT_READY = 600;
 constexpr CUresult CUDA_ERROR_ILLEGAL_ADDRESS = 700;
+constexpr CUresult CUDA_ERROR_MISALIGNED_ADDRESS = 716;
 constexpr CUresult CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701;
 constexpr CUresult CUDA_ERROR_LAUNCH_FAILED = 719;
 constexpr CUresult CUDA_ERROR_UNKNOWN = 999;

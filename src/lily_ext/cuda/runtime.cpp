@@ -28,7 +28,7 @@ size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 // next step). With unified addressing a pinned host pointer is also the device's pointer to it.
 class CudaBuffer : public DeviceBuffer {
  public:
-  CudaBuffer(size_t length, Memory memory) : DeviceBuffer(length) {
+  CudaBuffer(size_t length, Memory memory, size_t origin = 0) : DeviceBuffer(length, origin) {
     if (memory == Memory::HostVisible) {
       pinned = cuda::PinnedMemory(length);
     } else {
@@ -52,6 +52,16 @@ void check_range(const DeviceBuffer& buffer, size_t offset, size_t length, const
     throw Error(std::string("[cuda] ") + what + " of [" + std::to_string(offset) + ", +" + std::to_string(length) +
                 ") is not inside the buffer's " + std::to_string(buffer.length()) + " bytes");
   }
+}
+
+// Bytes to shift a file by so that its safetensors data section (after the 8-byte header length and the header)
+// starts on a 16-byte boundary; 0 for a file too short to be one.
+size_t aligning_shift(const MappedFile& file) {
+  uint64_t header = 0;
+  if (file.file_length() < sizeof header) return 0;
+  std::memcpy(&header, file.data(), sizeof header);  // little-endian, as safetensors and every host Lily runs on
+  if (header > file.file_length() - sizeof header) return 0;
+  return (16 - (sizeof header + header) % 16) % 16;
 }
 
 cuda::Dim3 dim3(const Dim3& d) {
@@ -122,7 +132,8 @@ std::unique_ptr<DeviceBuffer> CudaRuntime::allocate(size_t length, Memory memory
 std::unique_ptr<DeviceBuffer> CudaRuntime::load_file(const std::string& path) {
   current();
   MappedFile file(path);
-  auto buffer = std::make_unique<CudaBuffer>(file.mapped_length(), Memory::Device);
+  const size_t shift = aligning_shift(file);
+  auto buffer = std::make_unique<CudaBuffer>(file.mapped_length() + shift, Memory::Device, shift);
   cuda::PinnedMemory staging(2 * kStagingChunk);
   cuda::Event copied[2];
   const auto* bytes = static_cast<const unsigned char*>(file.data());
@@ -134,11 +145,12 @@ std::unique_ptr<DeviceBuffer> CudaRuntime::load_file(const std::string& path) {
     std::memcpy(slot, bytes + offset, n);
     // The chunk's pages leave this process (the page cache keeps them): a load holds one chunk of the file at a time.
     ::madvise(const_cast<unsigned char*>(bytes) + offset, n, MADV_DONTNEED);
-    cuda::upload_async(buffer->at(offset), slot, n, stream_->handle());
+    cuda::upload_async(buffer->at(shift + offset), slot, n, stream_->handle());
     copied[half].record(stream_->handle());
   }
   if (file.mapped_length() > file.file_length()) {
-    cuda::fill_async(buffer->at(file.file_length()), 0, file.mapped_length() - file.file_length(), stream_->handle());
+    cuda::fill_async(buffer->at(shift + file.file_length()), 0, file.mapped_length() - file.file_length(),
+                     stream_->handle());
   }
   stream_->synchronize();
   return buffer;
