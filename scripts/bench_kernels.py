@@ -11,6 +11,7 @@ benchmark, not a test: it exits non-zero when a kernel fails to launch or run.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import statistics
@@ -23,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+if importlib.util.find_spec("lily") is None:  # not installed: the checkout's package (it needs a built extension)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from lily import cuda  # noqa: E402
 
 # Qwen3.5/3.6-35B-A3B shapes (python/lily/plan.py, full_size_args).
