@@ -20,7 +20,7 @@ def fake_libcuda() -> Path | None:
     return path if path.is_file() else None
 
 
-def _real_driver() -> bool:
+def real_driver() -> bool:
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -30,7 +30,7 @@ def _real_driver() -> bool:
 
 def cuda_absent() -> str | None:
     """Why no CUDA runtime can run here (no driver, no fake), or None."""
-    if os.environ.get("LILY_LIBCUDA") or _real_driver() or fake_libcuda():
+    if os.environ.get("LILY_LIBCUDA") or real_driver() or fake_libcuda():
         return None
     return "no NVIDIA driver (libcuda.so.1) and no fake libcuda in this build (Linux builds with clang-19 have one)"
 
@@ -41,7 +41,7 @@ def prepare_cuda(request: pytest.FixtureRequest) -> None:
     from lily import _ext
     from lily.cuda import ptx_dir
 
-    if not _real_driver() and not os.environ.get("LILY_LIBCUDA"):
+    if not real_driver() and not os.environ.get("LILY_LIBCUDA"):
         os.environ["LILY_LIBCUDA"] = str(fake_libcuda())
         try:
             _ext.cuda.driver_version()

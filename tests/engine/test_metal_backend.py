@@ -19,6 +19,7 @@ from lily.checkpoint import load_checkpoint
 from lily.backends.metal import MetalBackend
 from lily.reference import ReferenceModel
 
+from tests.engine.runtimes import real_driver
 from tests.fixtures import _KV64, build_hf_model, save_hf_checkpoint, save_mlx_checkpoint
 
 # Each test that takes `engine_backend` runs on both runtimes of the engine (tests/engine/conftest.py).
@@ -183,6 +184,9 @@ def test_a_removed_dependency_edge_breaks_the_cuda_graph(cuda_engine_backend, ch
     # runs the two in a random order (a seed per launch): some launches run the norm first, on the stale hidden row
     # of the token before. One token: the decode graph (replayed); two: a prefill chunk (one-shot).
     backend = cuda_engine_backend(checkpoints["mlx"], precision="float32")
+    if not os.environ.get("LILY_LIBCUDA") and real_driver():
+        # Seen on the H200: the nodes still ran in order. Only the fake's random order makes the missing edge show.
+        pytest.skip("on a GPU a missing edge may go unseen; the fake libcuda's random node order is what shows it")
     for count in (1, 2):
         errors = []
         for start in range(6):
