@@ -14,42 +14,57 @@ using graph::layer_prefix;
 using graph::weight;
 using graph::whole;
 
-void build_decode_step(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,
-                       const DecodeBuffers& b, size_t position, int token_slot, int next_slot, Graph& g,
-                       const std::optional<TokenChoice>& choice) {
-  const DType act = precision == Precision::Float32 ? DType::F32 : DType::BF16;
-  const size_t a = dtype_size(act), H = c.hidden_size;
-  ops::Context ctx{g, act, !sw.concurrent, sw.wide_tiles};
-  ctx.gqa_packing = sw.gqa_packing;
-  ctx.coalesced_kv = sw.coalesced_kv;
-  Span hidden = whole(g, b.hidden), normed = whole(g, b.normed), mixer_out = whole(g, b.mixer_out);
-  Span proj = whole(g, b.proj);
-  const size_t split_min = sw.split_kv_min_keys ? sw.split_kv_min_keys : tuning::kAttentionSplitMinKeys;
+namespace {
 
-  ops::embedding(ctx, whole(g, b.tokens), static_cast<size_t>(token_slot), weight(w, "embed_tokens.weight"), hidden, 1);
+// One decode step under construction: what its dispatches share (configuration, switches, weights, buffers, the op
+// context and the hidden-stream spans), and the pieces build_decode_step puts together, one method each.
+struct DecodeStep {
+  const ModelConfig& c;
+  const Switches& sw;
+  const WeightTable& w;
+  const DecodeBuffers& b;
+  Graph& g;
+  size_t position;
+  DType act;
+  size_t a, H;
+  ops::Context ctx;
   // With fusion on, every RMSNorm of the hidden stream is folded into the GEMV(s) reading it (qmv_norm: each
   // simdgroup recomputes the row's sum of squares), the residual adds into the out/o projection (qmv_residual), and
   // moe_route with the post-attention norm into the experts' gate/up kernel: 6 dispatches per DeltaNet layer, 7 per
   // attention layer (short context), each depending on the one before.
-  const bool fuse = sw.fusion;
+  bool fuse;
+  Span hidden, normed, mixer_out, proj;
+
+  DecodeStep(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,
+             const DecodeBuffers& b, size_t position, Graph& g)
+      : c(c), sw(sw), w(w), b(b), g(g), position(position),
+        act(precision == Precision::Float32 ? DType::F32 : DType::BF16), a(dtype_size(act)), H(c.hidden_size),
+        ctx{g, act, !sw.concurrent, sw.wide_tiles}, fuse(sw.fusion), hidden(whole(g, b.hidden)),
+        normed(whole(g, b.normed)), mixer_out(whole(g, b.mixer_out)), proj(whole(g, b.proj)) {
+    ctx.gqa_packing = sw.gqa_packing;
+    ctx.coalesced_kv = sw.coalesced_kv;
+  }
+
   // `norm` (rms_norm(x) ⊙ norm, written to `normed`) in front of the GEMVs that read it: its own dispatch, or folded.
-  auto normalise = [&](const std::string& label, const WeightRef& norm) -> Span {
+  Span normalise(const std::string& label, const WeightRef& norm) {
     if (fuse) return hidden;
     ops::rms_norm(ctx, label, hidden, norm, normed, 1, H, c.eps);
     return normed;
-  };
-  auto gemv = [&](const std::string& label, const Span& x, const WeightRef& m, const Span& out, DType dtype,
-                  const WeightRef& norm) {
+  }
+
+  void gemv(const std::string& label, const Span& x, const WeightRef& m, const Span& out, DType dtype,
+            const WeightRef& norm) {
     if (fuse) {
       ops::qmatmul_norm(ctx, label, x, norm, m, out, c.eps, dtype);
     } else {
       ops::qmatmul(ctx, label, x, m, out, 1, dtype);
     }
-  };
+  }
+
   // Projections sharing an input: one segmented GEMV reading each matrix's own (mapped) bytes, or one GEMV per
   // matrix; either way each writes its slice of the same output.
-  auto projections = [&](const std::string& label, const std::vector<std::string>& parts, const Span& x,
-                         const Span& out, DType dtype, bool use_fused, const WeightRef& norm) {
+  void projections(const std::string& label, const std::vector<std::string>& parts, const Span& x, const Span& out,
+                   DType dtype, bool use_fused, const WeightRef& norm) {
     if (use_fused) {
       std::vector<const WeightRef*> refs;
       size_t rows = 0;
@@ -70,59 +85,68 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
       gemv(name, x, p, ops::sub(out, offset, p.rows * dtype_size(dtype)), dtype, norm);
       offset += p.rows * dtype_size(dtype);
     }
-  };
+  }
+
   // The out/o projection: hidden += W · x in one GEMV, or into mixer_out (the residual add comes with the next norm).
-  auto out_projection = [&](const std::string& label, const Span& x, const WeightRef& m) {
+  void out_projection(const std::string& label, const Span& x, const WeightRef& m) {
     if (fuse) {
       ops::qmatmul_residual(ctx, label, x, m, hidden);
     } else {
       ops::qmatmul(ctx, label, x, m, mixer_out, 1, act);
     }
-  };
-  for (size_t i = 0; i < c.num_layers(); ++i) {
-    const std::string p = layer_prefix(i);
-    const WeightRef& input_norm = weight(w, p + "input_layernorm.weight");
-    const Span mixer_in = normalise(p + "input_layernorm", input_norm);
-    if (c.attention_layers[i]) {
-      const std::string s = p + "self_attn.";
-      const size_t qg = 2 * c.num_heads * c.head_dim * a, kv = c.num_kv_heads * c.head_dim * a;
-      projections(s + "in_proj", {s + "q_proj.weight", s + "k_proj.weight", s + "v_proj.weight"},
-                  mixer_in, proj, act, sw.fused_projections, input_norm);
-      ops::AttentionSpans at;
-      at.q_and_gate = ops::sub(proj, 0, qg);
-      at.k = ops::sub(proj, qg, kv);
-      at.v = ops::sub(proj, qg + kv, kv);
-      at.q = whole(g, b.q);
-      at.gate = whole(g, b.gate);
-      at.out = whole(g, b.attn_out);
-      at.k_cache = whole(g, b.k_cache[i]);
-      at.v_cache = whole(g, b.v_cache[i]);
-      at.partial_out = whole(g, b.attn_partial_out);
-      at.partial_stats = whole(g, b.attn_partial_stats);
-      at.q_norm = &weight(w, s + "q_norm.weight");
-      at.k_norm = &weight(w, s + "k_norm.weight");
-      at.capacity = b.kv_capacity;
-      bool split = sw.split_kv && position + 1 >= split_min;
-      ops::attention_decode(ctx, c, p + "attention", at, position, split);
-      out_projection(s + "o_proj", at.out, weight(w, s + "o_proj.weight"));
-    } else {
-      const std::string s = p + "linear_attn.";
-      const size_t C = c.conv_dim() * a, vd = c.gdn_v_heads * c.gdn_v_dim * a, hv = c.gdn_v_heads * a;
-      projections(s + "in_proj",
-                  {s + "in_proj_qkv.weight", s + "in_proj_z.weight", s + "in_proj_b.weight", s + "in_proj_a.weight"},
-                  mixer_in, proj, act, sw.fused_projections, input_norm);
-      ops::GatedDeltaSpans gd;
-      gd.qkv = ops::sub(proj, 0, C);
-      gd.z = ops::sub(proj, C, vd);
-      gd.b = ops::sub(proj, C + vd, hv);
-      gd.a = ops::sub(proj, C + vd + hv, hv);
-      gd.out = whole(g, b.gdn_out);
-      gd.conv_state = whole(g, b.conv_state[i]);
-      gd.recurrent_state = whole(g, b.recurrent_state[i]);
-      bind_deltanet_weights(w, s, gd);
-      ops::gated_delta_step(ctx, c, p + "deltanet", gd);
-      out_projection(s + "out_proj", gd.out, weight(w, s + "out_proj.weight"));
-    }
+  }
+
+  // Layer i's mixer when it is full attention: q (with its gate), k and v from one projection's slices, attention
+  // over the cache (split over key blocks once the context is long enough), then o_proj.
+  void attention_mixer(size_t i, const std::string& p, const Span& mixer_in, const WeightRef& input_norm) {
+    const size_t split_min = sw.split_kv_min_keys ? sw.split_kv_min_keys : tuning::kAttentionSplitMinKeys;
+    const std::string s = p + "self_attn.";
+    const size_t qg = 2 * c.num_heads * c.head_dim * a, kv = c.num_kv_heads * c.head_dim * a;
+    projections(s + "in_proj", {s + "q_proj.weight", s + "k_proj.weight", s + "v_proj.weight"},
+                mixer_in, proj, act, sw.fused_projections, input_norm);
+    ops::AttentionSpans at;
+    at.q_and_gate = ops::sub(proj, 0, qg);
+    at.k = ops::sub(proj, qg, kv);
+    at.v = ops::sub(proj, qg + kv, kv);
+    at.q = whole(g, b.q);
+    at.gate = whole(g, b.gate);
+    at.out = whole(g, b.attn_out);
+    at.k_cache = whole(g, b.k_cache[i]);
+    at.v_cache = whole(g, b.v_cache[i]);
+    at.partial_out = whole(g, b.attn_partial_out);
+    at.partial_stats = whole(g, b.attn_partial_stats);
+    at.q_norm = &weight(w, s + "q_norm.weight");
+    at.k_norm = &weight(w, s + "k_norm.weight");
+    at.capacity = b.kv_capacity;
+    bool split = sw.split_kv && position + 1 >= split_min;
+    ops::attention_decode(ctx, c, p + "attention", at, position, split);
+    out_projection(s + "o_proj", at.out, weight(w, s + "o_proj.weight"));
+  }
+
+  // Layer i's mixer when it is a Gated DeltaNet: qkv, z, b and a from one projection's slices, one recurrent step
+  // (conv and recurrent state in place), then out_proj.
+  void deltanet_mixer(size_t i, const std::string& p, const Span& mixer_in, const WeightRef& input_norm) {
+    const std::string s = p + "linear_attn.";
+    const size_t C = c.conv_dim() * a, vd = c.gdn_v_heads * c.gdn_v_dim * a, hv = c.gdn_v_heads * a;
+    projections(s + "in_proj",
+                {s + "in_proj_qkv.weight", s + "in_proj_z.weight", s + "in_proj_b.weight", s + "in_proj_a.weight"},
+                mixer_in, proj, act, sw.fused_projections, input_norm);
+    ops::GatedDeltaSpans gd;
+    gd.qkv = ops::sub(proj, 0, C);
+    gd.z = ops::sub(proj, C, vd);
+    gd.b = ops::sub(proj, C + vd, hv);
+    gd.a = ops::sub(proj, C + vd + hv, hv);
+    gd.out = whole(g, b.gdn_out);
+    gd.conv_state = whole(g, b.conv_state[i]);
+    gd.recurrent_state = whole(g, b.recurrent_state[i]);
+    bind_deltanet_weights(w, s, gd);
+    ops::gated_delta_step(ctx, c, p + "deltanet", gd);
+    out_projection(s + "out_proj", gd.out, weight(w, s + "out_proj.weight"));
+  }
+
+  // The layer's MoE block after its mixer: the residual add and post-attention norm (unless folded), the router and
+  // shared-expert gate logits, then the routed and shared experts adding into the hidden stream.
+  void moe_block(const std::string& p) {
     const WeightRef& post_norm = weight(w, p + "post_attention_layernorm.weight");
     if (!fuse) {
       // hidden += mixer out (in place), normed = post_attention_layernorm(hidden).
@@ -148,9 +172,30 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
       ops::moe_decode(ctx, c, p + "moe", mo);
     }
   }
+};
+
+}  // namespace
+
+void build_decode_step(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,
+                       const DecodeBuffers& b, size_t position, int token_slot, int next_slot, Graph& g,
+                       const std::optional<TokenChoice>& choice) {
+  DecodeStep step(c, precision, sw, w, b, position, g);
+  ops::embedding(step.ctx, whole(g, b.tokens), static_cast<size_t>(token_slot), weight(w, "embed_tokens.weight"),
+                 step.hidden, 1);
+  for (size_t i = 0; i < c.num_layers(); ++i) {
+    const std::string p = layer_prefix(i);
+    const WeightRef& input_norm = weight(w, p + "input_layernorm.weight");
+    const Span mixer_in = step.normalise(p + "input_layernorm", input_norm);
+    if (c.attention_layers[i]) {
+      step.attention_mixer(i, p, mixer_in, input_norm);
+    } else {
+      step.deltanet_mixer(i, p, mixer_in, input_norm);
+    }
+    step.moe_block(p);
+  }
   const WeightRef& final_norm = weight(w, "norm.weight");
   Span logits = whole(g, b.logits);
-  gemv("lm_head", normalise("norm", final_norm), weight(w, "lm_head.weight"), logits, act, final_norm);
+  step.gemv("lm_head", step.normalise("norm", final_norm), weight(w, "lm_head.weight"), logits, step.act, final_norm);
   if (sw.gpu_token && choice) {
     build_token_choice(c, precision, *choice, b, position, 1, next_slot, g);  // the token at position + 1
   }

@@ -18,6 +18,34 @@ namespace {
   throw Error("[engine] config field " + field + ": " + why);
 }
 
+// A synthetic tensor: its name and reference, the reference's spans sized but not yet placed in a buffer.
+struct PendingWeight {
+  std::string name;
+  WeightRef ref;
+};
+
+// Lays the tensors out back to back (16-byte aligned) in one virtual buffer, as a checkpoint file would hold them.
+WeightTable place_in_one_buffer(std::vector<PendingWeight>& pending, Graph& graph) {
+  WeightTable table;
+  auto place = [](Span& s, size_t& cursor, int buffer) {
+    s.buffer = buffer;
+    s.offset = cursor;
+    cursor += (s.length + 15) / 16 * 16;
+  };
+  int file = graph.add_buffer("weights", 16, BufferRole::Weights);
+  size_t cursor = 0;
+  for (PendingWeight& p : pending) {
+    place(p.ref.data, cursor, file);
+    if (p.ref.bits) {
+      place(p.ref.scales, cursor, file);
+      place(p.ref.biases, cursor, file);
+    }
+    table[p.name] = p.ref;
+  }
+  graph.buffers[file].length = cursor;
+  return table;
+}
+
 }  // namespace
 
 void ModelConfig::validate() const {
@@ -85,12 +113,7 @@ int Graph::add_buffer(const std::string& name, size_t length, BufferRole role) {
 }
 
 WeightTable synthetic_weights(const ModelConfig& c, Graph& graph) {
-  WeightTable table;
-  struct Pending {
-    std::string name;
-    WeightRef ref;
-  };
-  std::vector<Pending> pending;
+  std::vector<PendingWeight> pending;
   auto quantized = [&](const std::string& name, size_t experts, size_t rows, size_t cols, int bits) {
     WeightRef w;
     w.bits = bits;
@@ -147,24 +170,7 @@ WeightTable synthetic_weights(const ModelConfig& c, Graph& graph) {
     quantized(p + "mlp.shared_expert.up_proj.weight", 0, c.shared_expert_size, H, 4);
     quantized(p + "mlp.shared_expert.down_proj.weight", 0, H, c.shared_expert_size, 4);
   }
-  // Lay the tensors out back to back (16-byte aligned) in one virtual buffer, as a checkpoint file would hold them.
-  auto place = [](Span& s, size_t& cursor, int buffer) {
-    s.buffer = buffer;
-    s.offset = cursor;
-    cursor += (s.length + 15) / 16 * 16;
-  };
-  int file = graph.add_buffer("weights", 16, BufferRole::Weights);
-  size_t cursor = 0;
-  for (Pending& p : pending) {
-    place(p.ref.data, cursor, file);
-    if (p.ref.bits) {
-      place(p.ref.scales, cursor, file);
-      place(p.ref.biases, cursor, file);
-    }
-    table[p.name] = p.ref;
-  }
-  graph.buffers[file].length = cursor;
-  return table;
+  return place_in_one_buffer(pending, graph);
 }
 
 StateLayout state_layout(const ModelConfig& c, Precision precision) {

@@ -84,64 +84,88 @@ SharedExpertRouting shared_expert_routing(size_t tokens, bool wide_tiles) {
   return r;
 }
 
-void build_prefill_chunk(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,
-                         const DecodeBuffers& state, const PrefillBuffers& p, size_t position, size_t T,
-                         size_t logit_rows, Graph& g) {
-  const DType act = precision == Precision::Float32 ? DType::F32 : DType::BF16;
-  const size_t a = dtype_size(act), H = c.hidden_size;
-  ops::Context ctx{g, act, !sw.concurrent, sw.wide_tiles};
-  ctx.gpu_routing = sw.gpu_routing;
-  ctx.in_gemm_dequant = sw.in_gemm_dequant;
-  if (p.dequant >= 0) ctx.dequant_scratch = whole(g, p.dequant);
-  ctx.register_scan = sw.register_scan;
-  ctx.tensor_ops = sw.tensor_ops;
-  ctx.mma_attention = sw.mma_attention;
-  auto rows = [&](int buffer, size_t row_bytes) { return Span{buffer, 0, T * row_bytes}; };
-  Span hidden = rows(p.hidden, H * a), normed = rows(p.normed, H * a), mixer_out = rows(p.mixer_out, H * a);
-  ops::embedding(ctx, rows(p.ids, 4), 0, weight(w, "embed_tokens.weight"), hidden, T);
-  for (size_t i = 0; i < c.num_layers(); ++i) {
-    const std::string pre = layer_prefix(i);
-    ops::rms_norm(ctx, pre + "input_layernorm", hidden, weight(w, pre + "input_layernorm.weight"), normed, T, H, c.eps);
-    if (c.attention_layers[i]) {
-      const std::string s = pre + "self_attn.";
-      ops::AttentionSpans at;
-      at.q_and_gate = rows(p.q_and_gate, 2 * c.num_heads * c.head_dim * a);
-      at.k = rows(p.k, c.num_kv_heads * c.head_dim * a);
-      at.v = rows(p.v, c.num_kv_heads * c.head_dim * a);
-      at.q = rows(p.q, c.num_heads * c.head_dim * a);
-      at.gate = rows(p.gate, c.num_heads * c.head_dim * a);
-      at.out = rows(p.attn_out, c.num_heads * c.head_dim * a);
-      at.k_cache = whole(g, state.k_cache[i]);
-      at.v_cache = whole(g, state.v_cache[i]);
-      at.q_norm = &weight(w, s + "q_norm.weight");
-      at.k_norm = &weight(w, s + "k_norm.weight");
-      at.capacity = state.kv_capacity;
-      ops::qmatmul(ctx, s + "q_proj", normed, weight(w, s + "q_proj.weight"), at.q_and_gate, T, act);
-      ops::qmatmul(ctx, s + "k_proj", normed, weight(w, s + "k_proj.weight"), at.k, T, act);
-      ops::qmatmul(ctx, s + "v_proj", normed, weight(w, s + "v_proj.weight"), at.v, T, act);
-      ops::attention_prefill(ctx, c, pre + "attention", at, position, T);
-      ops::qmatmul(ctx, s + "o_proj", at.out, weight(w, s + "o_proj.weight"), mixer_out, T, act);
-    } else {
-      const std::string s = pre + "linear_attn.";
-      ops::GatedDeltaPrefillSpans gd;
-      gd.qkv = rows(p.qkv, c.conv_dim() * a);
-      gd.z = rows(p.z, c.gdn_v_heads * c.gdn_v_dim * a);
-      gd.b = rows(p.b, c.gdn_v_heads * a);
-      gd.a = rows(p.a, c.gdn_v_heads * a);
-      gd.conv_out = rows(p.conv_out, c.conv_dim() * 4);
-      gd.out = rows(p.gdn_out, c.gdn_v_heads * c.gdn_v_dim * a);
-      gd.conv_state = whole(g, state.conv_state[i]);
-      gd.recurrent_state = whole(g, state.recurrent_state[i]);
-      bind_deltanet_weights(w, s, gd);
-      ops::qmatmul(ctx, s + "in_proj_qkv", normed, weight(w, s + "in_proj_qkv.weight"), gd.qkv, T, act);
-      ops::qmatmul(ctx, s + "in_proj_z", normed, weight(w, s + "in_proj_z.weight"), gd.z, T, act);
-      ops::qmatmul(ctx, s + "in_proj_b", normed, weight(w, s + "in_proj_b.weight"), gd.b, T, act);
-      ops::qmatmul(ctx, s + "in_proj_a", normed, weight(w, s + "in_proj_a.weight"), gd.a, T, act);
-      ops::gated_delta_prefill(ctx, c, pre + "deltanet", gd, T);
-      ops::qmatmul(ctx, s + "out_proj", gd.out, weight(w, s + "out_proj.weight"), mixer_out, T, act);
-    }
-    ops::rms_norm_residual(ctx, pre + "post_attention_layernorm", mixer_out, hidden,
-                           weight(w, pre + "post_attention_layernorm.weight"), normed, hidden, T, H, c.eps);
+namespace {
+
+// One prefill chunk under construction: what its dispatches share (configuration, weights, the decode state, the
+// chunk's scratch, the op context and the hidden-stream rows), and the pieces build_prefill_chunk puts together, one
+// method each.
+struct PrefillChunk {
+  const ModelConfig& c;
+  const WeightTable& w;
+  const DecodeBuffers& state;
+  const PrefillBuffers& p;
+  Graph& g;
+  size_t position, T;
+  DType act;
+  size_t a, H;
+  ops::Context ctx;
+  Span hidden, normed, mixer_out;
+
+  PrefillChunk(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,
+               const DecodeBuffers& state, const PrefillBuffers& p, size_t position, size_t T, Graph& g)
+      : c(c), w(w), state(state), p(p), g(g), position(position), T(T),
+        act(precision == Precision::Float32 ? DType::F32 : DType::BF16), a(dtype_size(act)), H(c.hidden_size),
+        ctx{g, act, !sw.concurrent, sw.wide_tiles}, hidden(rows(p.hidden, H * a)), normed(rows(p.normed, H * a)),
+        mixer_out(rows(p.mixer_out, H * a)) {
+    ctx.gpu_routing = sw.gpu_routing;
+    ctx.in_gemm_dequant = sw.in_gemm_dequant;
+    if (p.dequant >= 0) ctx.dequant_scratch = whole(g, p.dequant);
+    ctx.register_scan = sw.register_scan;
+    ctx.tensor_ops = sw.tensor_ops;
+    ctx.mma_attention = sw.mma_attention;
+  }
+
+  // The chunk's first T rows of `buffer`, `row_bytes` each.
+  Span rows(int buffer, size_t row_bytes) const { return Span{buffer, 0, T * row_bytes}; }
+
+  // Layer i's mixer when it is full attention: the q (with its gate), k and v projections of `normed`, attention over
+  // the cache and the chunk, then o_proj into `mixer_out`.
+  void attention_mixer(size_t i, const std::string& pre) {
+    const std::string s = pre + "self_attn.";
+    ops::AttentionSpans at;
+    at.q_and_gate = rows(p.q_and_gate, 2 * c.num_heads * c.head_dim * a);
+    at.k = rows(p.k, c.num_kv_heads * c.head_dim * a);
+    at.v = rows(p.v, c.num_kv_heads * c.head_dim * a);
+    at.q = rows(p.q, c.num_heads * c.head_dim * a);
+    at.gate = rows(p.gate, c.num_heads * c.head_dim * a);
+    at.out = rows(p.attn_out, c.num_heads * c.head_dim * a);
+    at.k_cache = whole(g, state.k_cache[i]);
+    at.v_cache = whole(g, state.v_cache[i]);
+    at.q_norm = &weight(w, s + "q_norm.weight");
+    at.k_norm = &weight(w, s + "k_norm.weight");
+    at.capacity = state.kv_capacity;
+    ops::qmatmul(ctx, s + "q_proj", normed, weight(w, s + "q_proj.weight"), at.q_and_gate, T, act);
+    ops::qmatmul(ctx, s + "k_proj", normed, weight(w, s + "k_proj.weight"), at.k, T, act);
+    ops::qmatmul(ctx, s + "v_proj", normed, weight(w, s + "v_proj.weight"), at.v, T, act);
+    ops::attention_prefill(ctx, c, pre + "attention", at, position, T);
+    ops::qmatmul(ctx, s + "o_proj", at.out, weight(w, s + "o_proj.weight"), mixer_out, T, act);
+  }
+
+  // Layer i's mixer when it is a Gated DeltaNet: the qkv, z, b and a projections of `normed`, the chunked scan (conv
+  // and recurrent state in place), then out_proj into `mixer_out`.
+  void deltanet_mixer(size_t i, const std::string& pre) {
+    const std::string s = pre + "linear_attn.";
+    ops::GatedDeltaPrefillSpans gd;
+    gd.qkv = rows(p.qkv, c.conv_dim() * a);
+    gd.z = rows(p.z, c.gdn_v_heads * c.gdn_v_dim * a);
+    gd.b = rows(p.b, c.gdn_v_heads * a);
+    gd.a = rows(p.a, c.gdn_v_heads * a);
+    gd.conv_out = rows(p.conv_out, c.conv_dim() * 4);
+    gd.out = rows(p.gdn_out, c.gdn_v_heads * c.gdn_v_dim * a);
+    gd.conv_state = whole(g, state.conv_state[i]);
+    gd.recurrent_state = whole(g, state.recurrent_state[i]);
+    bind_deltanet_weights(w, s, gd);
+    ops::qmatmul(ctx, s + "in_proj_qkv", normed, weight(w, s + "in_proj_qkv.weight"), gd.qkv, T, act);
+    ops::qmatmul(ctx, s + "in_proj_z", normed, weight(w, s + "in_proj_z.weight"), gd.z, T, act);
+    ops::qmatmul(ctx, s + "in_proj_b", normed, weight(w, s + "in_proj_b.weight"), gd.b, T, act);
+    ops::qmatmul(ctx, s + "in_proj_a", normed, weight(w, s + "in_proj_a.weight"), gd.a, T, act);
+    ops::gated_delta_prefill(ctx, c, pre + "deltanet", gd, T);
+    ops::qmatmul(ctx, s + "out_proj", gd.out, weight(w, s + "out_proj.weight"), mixer_out, T, act);
+  }
+
+  // The layer's MoE block on the post-attention-normed rows: the router and shared-expert gate logits, then the
+  // routed and shared experts adding into `hidden`.
+  void moe_block(const std::string& pre) {
     const std::string m = pre + "mlp.";
     ops::MoePrefillSpans mo;
     mo.x = normed;
@@ -169,14 +193,37 @@ void build_prefill_chunk(const ModelConfig& c, Precision precision, const Switch
     bind_expert_weights(w, m, mo);
     ops::moe_prefill(ctx, c, pre + "moe", mo, T);
   }
+};
+
+}  // namespace
+
+void build_prefill_chunk(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,
+                         const DecodeBuffers& state, const PrefillBuffers& p, size_t position, size_t T,
+                         size_t logit_rows, Graph& g) {
+  PrefillChunk chunk(c, precision, sw, w, state, p, position, T, g);
+  const size_t a = chunk.a, H = chunk.H;
+  ops::embedding(chunk.ctx, chunk.rows(p.ids, 4), 0, weight(w, "embed_tokens.weight"), chunk.hidden, T);
+  for (size_t i = 0; i < c.num_layers(); ++i) {
+    const std::string pre = layer_prefix(i);
+    ops::rms_norm(chunk.ctx, pre + "input_layernorm", chunk.hidden, weight(w, pre + "input_layernorm.weight"),
+                  chunk.normed, T, H, c.eps);
+    if (c.attention_layers[i]) {
+      chunk.attention_mixer(i, pre);
+    } else {
+      chunk.deltanet_mixer(i, pre);
+    }
+    ops::rms_norm_residual(chunk.ctx, pre + "post_attention_layernorm", chunk.mixer_out, chunk.hidden,
+                           weight(w, pre + "post_attention_layernorm.weight"), chunk.normed, chunk.hidden, T, H, c.eps);
+    chunk.moe_block(pre);
+  }
   if (logit_rows == 0) return;
   if (logit_rows > T) throw std::logic_error("[graph] more logit rows than the chunk has");
   // Only the rows whose logits are asked for (normally the last) go through the final norm and lm_head.
-  const Span last_hidden = ops::sub(hidden, (T - logit_rows) * H * a, logit_rows * H * a);
-  const Span last_normed = ops::sub(normed, 0, logit_rows * H * a);
-  ops::rms_norm(ctx, "norm", last_hidden, weight(w, "norm.weight"), last_normed, logit_rows, H, c.eps);
-  ops::qmatmul(ctx, "lm_head", last_normed, weight(w, "lm_head.weight"), Span{p.logits, 0, logit_rows * c.vocab_size * a},
-               logit_rows, act);
+  const Span last_hidden = ops::sub(chunk.hidden, (T - logit_rows) * H * a, logit_rows * H * a);
+  const Span last_normed = ops::sub(chunk.normed, 0, logit_rows * H * a);
+  ops::rms_norm(chunk.ctx, "norm", last_hidden, weight(w, "norm.weight"), last_normed, logit_rows, H, c.eps);
+  ops::qmatmul(chunk.ctx, "lm_head", last_normed, weight(w, "lm_head.weight"),
+               Span{p.logits, 0, logit_rows * c.vocab_size * a}, logit_rows, chunk.act);
 }
 
 void host_moe_sort(const HostMoeSort& s, const uint32_t* ids, uint32_t* expert_offsets, uint32_t* tile_map,
