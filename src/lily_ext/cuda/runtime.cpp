@@ -61,7 +61,8 @@ size_t aligning_shift(const MappedFile& file) {
   if (file.file_length() < sizeof header) return 0;
   std::memcpy(&header, file.data(), sizeof header);  // little-endian, as safetensors and every host Lily runs on
   if (header > file.file_length() - sizeof header) return 0;
-  return (16 - (sizeof header + header) % 16) % 16;
+  const size_t data_start = sizeof header + header;
+  return align_up(data_start, 16) - data_start;
 }
 
 cuda::Dim3 dim3(const Dim3& d) {
