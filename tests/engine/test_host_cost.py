@@ -55,11 +55,14 @@ def test_bench_generation_chooses_tokens_on_the_gpu_and_each_step_reads_the_last
 
 def test_host_only_bench_measures_the_full_size_graph_with_kernels_stubbed():
     te.reset_fake_stats()
-    result = bench.host_cost(tokens=200, warmup=4)
+    # Three runs, judged by the least disturbed: on a 2-core machine one run's median still moves with whatever else
+    # runs (CI measured 102 us once where a quiet run takes 55 us); the quietest run is the one that measures Lily.
+    runs = [bench.host_cost(tokens=200, warmup=4) for _ in range(3)]
+    result = min(runs, key=lambda run: run["host_us_per_token"])
     plan = plan_decode(full_size_args(), context=8)
-    assert result["tokens"] == 200 and result["dispatches_per_token"] == plan["dispatches"]
+    assert all(run["tokens"] == 200 and run["dispatches_per_token"] == plan["dispatches"] for run in runs)
     # Every step was committed and "ran": its dispatches recorded by the fake GPU, none executed.
-    assert te.fake_stats()["dispatches"] >= 205 * plan["dispatches"]
+    assert te.fake_stats()["dispatches"] >= 3 * 205 * plan["dispatches"]
     values = [result[k] for k in ("host_us_per_token", "cpp_us_per_token", "encode_us_per_token")]
     assert all(np.isfinite(v) and v > 0 for v in values)
     assert result["cpp_us_per_token"] < result["encode_us_per_token"] < result["host_us_per_token"]
