@@ -392,8 +392,7 @@ CUresult run_kernel(const Function& fn, const unsigned grid[3], const unsigned b
       }
       // A GPU load through a pointer faults unless the address is aligned to the pointee (to 16 bytes at most), as
       // the H200 showed for tensors of an MLX-written file at odd offsets; the CPU would read them anyway.
-      const size_t pointee = v.params[i].kind == msl_rt::ParamKind::pointer ? v.params[i].pointee_size : 1;
-      const size_t alignment = std::min<size_t>(pointee & ~(pointee - 1), 16);
+      const size_t alignment = msl_rt::buffer_alignment(v.params[i]);
       if (alignment > 1 && reinterpret_cast<uintptr_t>(ptr) % alignment) {
         return fail(CUDA_ERROR_MISALIGNED_ADDRESS, fn.name + ": [[buffer(" + std::to_string(a.index) +
                                                        ")]] is not aligned to its " + std::to_string(alignment) +

@@ -364,6 +364,7 @@ void bind_engine(nb::module_ m) {
            nb::arg("metallib") = nb::none(), nb::arg("family_sources") = std::map<std::string, std::string>(),
            nb::arg("runtime") = "metal", nb::arg("ptx_dir") = "")
       .def("add_file", &lily::Engine::add_file, nb::arg("path"))
+      .def("buffer_origin", &lily::Engine::buffer_origin, nb::arg("id"))
       .def("add_owned",
            [](lily::Engine& e, nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> bytes) {
              return e.add_owned(bytes.data(), bytes.shape(0));

@@ -65,6 +65,11 @@ int Engine::add_file(const std::string& path) {
   return add_buffer(path, BufferRole::Weights, runtime_->load_file(path));
 }
 
+size_t Engine::buffer_origin(int id) const {
+  if (id < 0 || static_cast<size_t>(id) >= buffers_.size()) throw Error("[engine] no buffer " + std::to_string(id));
+  return buffers_[id]->origin();
+}
+
 int Engine::add_owned(const void* data, size_t length) {
   int id = add_buffer("materialised weights", BufferRole::Weights, runtime_->allocate(length, Memory::Device));
   runtime_->upload(*buffers_.back(), 0, data, length);

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -53,6 +54,24 @@ MappedFile::MappedFile(const std::string& path) {
     throw Error("[engine] cannot map " + path + ": " + std::strerror(errno));
   }
   data_ = mapped;
+}
+
+size_t MappedFile::aligning_shift() const {
+  uint64_t header = 0;
+  if (file_length_ < sizeof header) return 0;
+  std::memcpy(&header, data_, sizeof header);  // little-endian, as safetensors and every host Lily runs on
+  if (header > file_length_ - sizeof header) return 0;
+  const size_t data_start = sizeof header + header;
+  return round_up(data_start, 16) - data_start;
+}
+
+void MappedFile::copy_out(size_t chunk, const std::function<void(size_t, const unsigned char*, size_t)>& copy) const {
+  auto* bytes = static_cast<unsigned char*>(data_);
+  for (size_t offset = 0; offset < file_length_; offset += chunk) {
+    const size_t n = std::min(chunk, file_length_ - offset);
+    copy(offset, bytes + offset, n);
+    ::madvise(bytes + offset, n, MADV_DONTNEED);
+  }
 }
 
 MappedFile::~MappedFile() {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <string>
 
 namespace lily {
@@ -18,6 +19,13 @@ class MappedFile {
   void* data() const { return data_; }
   size_t mapped_length() const { return mapped_length_; }  // whole pages
   size_t file_length() const { return file_length_; }
+  // Bytes to shift the file by so that its safetensors data section (after the 8-byte header length and the header)
+  // starts on a 16-byte boundary; 0 for a file too short to be one. Writers such as MLX's leave the header at any
+  // length, and a GPU reads uint32 codes or bf16 scales only at addresses aligned to them.
+  size_t aligning_shift() const;
+  // Hands the file to `copy` in consecutive pieces of at most `chunk` bytes (offset, bytes, length) and releases
+  // each piece's pages once copied (the page cache keeps them): a load that copies the file holds one chunk of it.
+  void copy_out(size_t chunk, const std::function<void(size_t, const unsigned char*, size_t)>& copy) const;
 
  private:
   void* reservation_ = nullptr;

@@ -18,13 +18,16 @@ namespace {
 
 // Apple silicon's page size: buffers that wrap memory want the pointer and the length aligned to it.
 constexpr size_t kMetalPage = 16384;
+// A file whose tensors are not aligned is copied into its buffer in pieces of this size.
+constexpr size_t kCopyChunk = 16u << 20;
 
 size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
 // A Metal buffer, and what its memory belongs to when it wraps memory it does not own.
 class MetalBuffer : public DeviceBuffer {
  public:
-  explicit MetalBuffer(Buffer buffer) : DeviceBuffer(buffer.length()), buffer(std::move(buffer)) {}
+  explicit MetalBuffer(Buffer buffer, size_t origin = 0)
+      : DeviceBuffer(buffer.length(), origin), buffer(std::move(buffer)) {}
   ~MetalBuffer() override {
     buffer = Buffer();  // the buffer goes before the memory it wraps
     file.reset();
@@ -90,8 +93,20 @@ std::unique_ptr<DeviceBuffer> MetalRuntime::allocate(size_t length, Memory) {
 
 std::unique_ptr<DeviceBuffer> MetalRuntime::load_file(const std::string& path) {
   auto file = std::make_unique<MappedFile>(path);
-  auto buffer = std::make_unique<MetalBuffer>(device_->wrap_memory(file->data(), file->mapped_length()));
-  buffer->file = std::move(file);
+  const size_t shift = file->aligning_shift();
+  if (shift == 0) {  // the mapping itself becomes the buffer
+    auto buffer = std::make_unique<MetalBuffer>(device_->wrap_memory(file->data(), file->mapped_length()));
+    buffer->file = std::move(file);
+    return buffer;
+  }
+  // setBuffer:offset: wants offsets aligned to the type a kernel reads, and a mapping keeps the file's offsets
+  // modulo the page: a file whose data section is not aligned is copied, shifted, into a buffer of its own.
+  auto buffer = std::make_unique<MetalBuffer>(device_->new_buffer(file->mapped_length() + shift), shift);
+  std::memset(buffer->at(0), 0, shift);
+  file->copy_out(kCopyChunk, [&](size_t offset, const unsigned char* bytes, size_t n) {
+    std::memcpy(buffer->at(shift + offset), bytes, n);
+  });
+  std::memset(buffer->at(shift + file->file_length()), 0, file->mapped_length() - file->file_length());
   return buffer;
 }
 

@@ -242,6 +242,8 @@ class Engine {
   int add_owned(const void* data, size_t length);
   // `length` bytes of address space that are never touched (host-cost runs: synthetic weights, kernels stubbed).
   int add_reserved(size_t length);
+  // Where byte 0 of buffer `id` (a file) lies in it: non-zero where the runtime shifted the file to align its tensors.
+  size_t buffer_origin(int id) const;
   // Bytes copied into engine-owned weight buffers so far (everything not bound as a range of a mapped file).
   size_t owned_bytes() const { return owned_bytes_; }
   void bind_weight(const std::string& name, const WeightRef& ref);

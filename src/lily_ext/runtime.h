@@ -66,10 +66,11 @@ class Runtime {
 
   // ---- memory ----
   virtual std::unique_ptr<DeviceBuffer> allocate(size_t length, Memory memory) = 0;
-  // The whole file `path` as one buffer (length: the file padded to the runtime's page). Metal maps the file and
-  // wraps the mapping without a copy; CUDA streams it from the mapping into device memory, shifted (origin()) so
-  // that a safetensors file's data section starts on a 16-byte boundary: writers such as MLX's leave the header at
-  // any length, and GPU loads of uint32 codes or bf16 scales fault at misaligned addresses.
+  // The whole file `path` as one buffer (length: the file padded to the runtime's page), shifted (origin()) so that
+  // a safetensors file's data section starts on a 16-byte boundary: writers such as MLX's leave the header at any
+  // length, and GPU loads of uint32 codes or bf16 scales fault at misaligned addresses. Metal wraps the mapping
+  // without a copy where no shift is needed and copies the file otherwise; CUDA streams it from the mapping into
+  // device memory.
   virtual std::unique_ptr<DeviceBuffer> load_file(const std::string& path) = 0;
   // `length` bytes of address space that are never touched (host-cost runs: synthetic weights, kernels stubbed).
   virtual std::unique_ptr<DeviceBuffer> reserve(size_t length) = 0;

@@ -41,6 +41,15 @@ struct ParamInfo {
   size_t pointee_size;  // sizeof the referenced type (reference) or pointee (pointer)
 };
 
+// The alignment a GPU wants of a [[buffer]] argument's address: its pointee's (the size's lowest set bit, 16 bytes at
+// most), as loads through a misaligned pointer fault on NVIDIA and Metal requires setBuffer offsets aligned to the
+// type the kernel reads; 1 for what is not a pointer.
+inline size_t buffer_alignment(const ParamInfo& param) {
+  if (param.kind != ParamKind::pointer || param.pointee_size == 0) return 1;
+  const size_t lowest_bit = param.pointee_size & ~(param.pointee_size - 1);
+  return lowest_bit < 16 ? lowest_bit : 16;
+}
+
 // One function constant of a compiled variant: [[function_constant(index)]] defined or not, and its value.
 struct FcState {
   int index;

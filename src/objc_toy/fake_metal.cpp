@@ -296,12 +296,36 @@ void fail(CommandBufferObject* command_buffer, const std::string& message) {
   }
 }
 
+// Metal wants a buffer's offset aligned to the type the kernel reads through it (a real GPU may fault or read the
+// wrong bytes); the CPU would read anywhere. Names the first argument that is not, or "".
+std::string misaligned_buffer(const std::string& kernel, const std::vector<Argument>& arguments) {
+  const auto* variants = msl_rt::find_kernel(kernel);
+  if (!variants) return "";  // msl_rt::dispatch names an unknown kernel
+  const msl_rt::KernelVariant& v = variants->front();
+  for (size_t i = 0; i < v.params.size(); ++i) {
+    const size_t index = size_t(v.attrs[i].index);
+    if (v.attrs[i].kind != msl_rt::Attr::buffer || index >= arguments.size()) continue;
+    const Argument& argument = arguments[index];
+    if (!argument.bound || argument.bytes) continue;
+    const auto* buffer = argument.buffer.as<BufferObject>();
+    const uintptr_t address = reinterpret_cast<uintptr_t>(buffer->memory) + argument.offset;
+    const size_t alignment = msl_rt::buffer_alignment(v.params[i]);
+    if (address % alignment) {
+      return "[[buffer(" + std::to_string(index) + ")]] at offset " + std::to_string(argument.offset) +
+             " is not aligned to its " + std::to_string(alignment) + "-byte elements";
+    }
+  }
+  return "";
+}
+
 std::string run_dispatch(const Dispatch& dispatch) {
   if (!execute_kernels) {
     ++gpu_stats.dispatches;
     return "";
   }
   auto* pipeline = dispatch.pipeline.as<PipelineObject>();
+  std::string misaligned = misaligned_buffer(pipeline->name, dispatch.arguments);
+  if (!misaligned.empty()) return "kernel " + pipeline->name + " failed: " + misaligned;
   std::vector<msl_rt::Binding> bindings(dispatch.arguments.size(), msl_rt::Binding{nullptr, 0, false});
   for (size_t i = 0; i < dispatch.arguments.size(); ++i) {
     const Argument& argument = dispatch.arguments[i];

@@ -407,6 +407,24 @@ def test_bad_dispatches_raise_clear_errors(device):
     encoder.wait()
 
 
+def test_a_buffer_offset_not_aligned_to_what_the_kernel_reads_fails_the_command_buffer(device):
+    """Metal wants setBuffer offsets aligned to the kernel's element type; the CPU would read anywhere, so the fake
+    checks it, as a GPU would fault or read the wrong bytes."""
+    x, y = device.buffer(1024), device.buffer(1024)
+    for offset, fails in ((4, False), (2, True), (1, True)):
+        encoder = te.Encoder(device)
+        encoder.dispatch(device.pipeline("engine_scale"), [(x, offset), (y, 0), struct.pack("<f", 2.0),
+                                                           struct.pack("<I", 8)],
+                         (1, 1, 1), (32, 1, 1), reads=[(x, offset, 32)], writes=[(y, 0, 32)])
+        encoder.commit()
+        if fails:
+            with pytest.raises(RuntimeError, match=rf"\[\[buffer\(0\)\]\] at offset {offset} is not aligned to its "
+                                                   r"4-byte elements"):
+                encoder.wait()
+        else:
+            encoder.wait()
+
+
 @pytest.mark.fake_metal
 def test_binding_releases_every_object_it_creates():
     gc.collect()

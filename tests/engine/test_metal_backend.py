@@ -224,6 +224,38 @@ def test_kv_cache_grows_in_blocks_and_snapshots_follow(engine_backend, checkpoin
     assert relative_error(np.concatenate([first, rest]), want_logits) < 1e-3
 
 
+def aligned_copy(source: Path, to: Path) -> Path:
+    """`source` (a checkpoint folder) with each safetensors header padded by spaces so the data section starts on 16
+    bytes, as the safetensors format allows; tensors and every other file unchanged."""
+    to.mkdir()
+    for path in source.iterdir():
+        data = path.read_bytes()
+        if path.suffix == ".safetensors":
+            header_length = int.from_bytes(data[:8], "little")
+            padded = data[8 : 8 + header_length] + b" " * (-(8 + header_length) % 16)
+            data = len(padded).to_bytes(8, "little") + padded + data[8 + header_length :]
+        (to / path.name).write_bytes(data)
+    return to
+
+
+def test_an_mlx_file_is_shifted_to_aligned_tensors_and_an_aligned_file_is_mapped(engine_backend, checkpoints,
+                                                                                  tmp_path):
+    """MLX writes headers of any length (every tensor at an odd offset; GPUs want offsets aligned to what a kernel
+    reads): such a file is loaded shifted (on Metal: copied), an aligned one is wrapped as mapped, and both compute
+    the same logits, bit for bit."""
+    unaligned = checkpoints["mlx"]
+    header_length = int.from_bytes(unaligned.files[0].read_bytes()[:8], "little")
+    assert (8 + header_length) % 16 != 0  # the case this test is about
+    aligned = load_checkpoint(aligned_copy(unaligned.path, tmp_path / "aligned"))
+    logits = {}
+    for name, checkpoint in (("unaligned", unaligned), ("aligned", aligned)):
+        backend = engine_backend(checkpoint, precision="float32")
+        assert backend.mapped_files == [str(f) for f in checkpoint.files]
+        assert backend.shifted_files == ([str(f) for f in checkpoint.files] if name == "unaligned" else [])
+        logits[name] = backend.forward(PROMPT, backend.new_state())
+    np.testing.assert_array_equal(logits["unaligned"], logits["aligned"])
+
+
 def test_weights_are_mapped_not_copied(engine_backend, checkpoints):
     checkpoint = checkpoints["mlx"]
     backend = engine_backend(checkpoint, precision="float32")

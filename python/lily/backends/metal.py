@@ -277,8 +277,14 @@ class MetalBackend:
 
     @property
     def mapped_files(self) -> list[str]:
-        """The checkpoint files wrapped as Metal buffers."""
+        """The checkpoint files loaded as buffers (Metal wraps a file's mapping unless it had to be shifted)."""
         return list(self._files)
+
+    @property
+    def shifted_files(self) -> list[str]:
+        """The checkpoint files loaded shifted, so that their tensors start aligned (on Metal: copied, not wrapped):
+        MLX writes safetensors headers of any length, which leaves every tensor at an odd offset."""
+        return [path for path, buffer in self._files.items() if self._engine.buffer_origin(buffer)]
 
     # -- the backend interface ----------------------------------------------------------------------
 

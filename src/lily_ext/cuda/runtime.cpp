@@ -1,8 +1,6 @@
 // The CUDA runtime (see runtime.h).
 #include "runtime.h"
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <cstring>
 
@@ -52,17 +50,6 @@ void check_range(const DeviceBuffer& buffer, size_t offset, size_t length, const
     throw Error(std::string("[cuda] ") + what + " of [" + std::to_string(offset) + ", +" + std::to_string(length) +
                 ") is not inside the buffer's " + std::to_string(buffer.length()) + " bytes");
   }
-}
-
-// Bytes to shift a file by so that its safetensors data section (after the 8-byte header length and the header)
-// starts on a 16-byte boundary; 0 for a file too short to be one.
-size_t aligning_shift(const MappedFile& file) {
-  uint64_t header = 0;
-  if (file.file_length() < sizeof header) return 0;
-  std::memcpy(&header, file.data(), sizeof header);  // little-endian, as safetensors and every host Lily runs on
-  if (header > file.file_length() - sizeof header) return 0;
-  const size_t data_start = sizeof header + header;
-  return align_up(data_start, 16) - data_start;
 }
 
 cuda::Dim3 dim3(const Dim3& d) {
@@ -133,22 +120,19 @@ std::unique_ptr<DeviceBuffer> CudaRuntime::allocate(size_t length, Memory memory
 std::unique_ptr<DeviceBuffer> CudaRuntime::load_file(const std::string& path) {
   current();
   MappedFile file(path);
-  const size_t shift = aligning_shift(file);
+  const size_t shift = file.aligning_shift();
   auto buffer = std::make_unique<CudaBuffer>(file.mapped_length() + shift, Memory::Device, shift);
   cuda::PinnedMemory staging(2 * kStagingChunk);
   cuda::Event copied[2];
-  const auto* bytes = static_cast<const unsigned char*>(file.data());
   size_t chunk = 0;
-  for (size_t offset = 0; offset < file.file_length(); offset += kStagingChunk, ++chunk) {
-    const size_t half = chunk % 2, n = std::min(kStagingChunk, file.file_length() - offset);
-    if (chunk >= 2) copied[half].synchronize();  // the copy that last read this half is done
+  file.copy_out(kStagingChunk, [&](size_t offset, const unsigned char* bytes, size_t n) {
+    const size_t half = chunk % 2;
+    if (chunk++ >= 2) copied[half].synchronize();  // the copy that last read this half is done
     unsigned char* slot = static_cast<unsigned char*>(staging.data()) + half * kStagingChunk;
-    std::memcpy(slot, bytes + offset, n);
-    // The chunk's pages leave this process (the page cache keeps them): a load holds one chunk of the file at a time.
-    ::madvise(const_cast<unsigned char*>(bytes) + offset, n, MADV_DONTNEED);
+    std::memcpy(slot, bytes, n);
     cuda::upload_async(buffer->at(shift + offset), slot, n, stream_->handle());
     copied[half].record(stream_->handle());
-  }
+  });
   if (file.mapped_length() > file.file_length()) {
     cuda::fill_async(buffer->at(shift + file.file_length()), 0, file.mapped_length() - file.file_length(),
                      stream_->handle());
