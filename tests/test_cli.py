@@ -65,10 +65,14 @@ def test_entry_point_reports_errors_in_a_subprocess(tmp_path):
 def test_bench_json_and_markdown(chat_model_dir, capsys):
     base = ["bench", "--model", str(chat_model_dir), "--backend", "reference", "-p", "6", "-n", "3",
             "-d", "0,5", "-r", "2"]
-    code, out, _ = run_cli(base + ["-o", "json"], capsys)
+    code, out, err = run_cli(base + ["-o", "json"], capsys)
     assert code == 0
     rows = json.loads(out)
     assert [r["test"] for r in rows] == ["pp6", "tg3", "pp6 @ d5", "tg3 @ d5"]
+    # Each result is shown as its test finishes (a full-size run takes minutes), in the table's numbers.
+    shown = re.findall(r"^  (.+): ([\d.]+) ± [\d.]+ t/s$", err, re.M)
+    assert [(test, float(ts)) for test, ts in shown] == [(r["test"], pytest.approx(r["avg_ts"], abs=0.006))
+                                                          for r in rows]
     for row in rows:
         assert len(row["samples_ts"]) == 2 and len(row["samples_ns"]) == 2
         n = row["n_prompt"] or row["n_gen"]

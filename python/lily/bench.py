@@ -103,8 +103,9 @@ def _time_generate(model: Model, base: Session, n_gen: int, first: int) -> float
 
 def run_bench(model: Model, *, prompts: Sequence[int] = (512,), gens: Sequence[int] = (128,),
               depths: Sequence[int] = (0,), repetitions: int = 5, seed: int = 0,
-              progress: Any = None) -> list[BenchRow]:
-    """Run every pp/tg test at every depth; ``progress(row_name)`` is called before each test."""
+              progress: Any = None, finished: Any = None) -> list[BenchRow]:
+    """Run every pp/tg test at every depth; ``progress(row_name)`` is called before each test and
+    ``finished(row)`` after it, so a caller can show each result as it comes (a full-size run takes minutes)."""
     for name, values in (("-p", prompts), ("-n", gens), ("-d", depths)):
         if any(v < 0 for v in values):
             raise ValueError(f"{name} values must be >= 0; got {list(values)}")
@@ -133,6 +134,8 @@ def run_bench(model: Model, *, prompts: Sequence[int] = (512,), gens: Sequence[i
                 row.samples_ts.append((n_prompt or n_gen) / seconds if seconds > 0 else math.inf)
             row.peak_memory = peak_memory_gb(model.backend)
             rows.append(row)
+            if finished is not None:
+                finished(row)
     return rows
 
 

@@ -252,8 +252,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--full-size needs --dummy-weights (random weights of the full-size shapes) or --host-only")
     else:
         model = _load(args)
+    def report(row: "bench.BenchRow") -> None:
+        print(f"  {row.test}: {row.avg_ts:.2f} ± {row.stddev_ts:.2f} t/s", file=sys.stderr, flush=True)
+
     rows = bench.run_bench(model, prompts=args.p, gens=args.n, depths=args.d, repetitions=args.r,
-                           progress=lambda name: print(f"running {name} ...", file=sys.stderr, flush=True))
+                           progress=lambda name: print(f"running {name} ...", file=sys.stderr, flush=True),
+                           finished=report)
     info = bench.model_info(model)
     load = None
     if args.dummy_weights and any(args.p) and not args.no_expert_load:
