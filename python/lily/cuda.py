@@ -9,7 +9,6 @@ setBytes data), a Metal grid of threadgroups, and the byte length of each ``[[th
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -29,13 +28,11 @@ else:
 
 
 def ptx_dir() -> Path:
-    """Where the PTX files are: $LILY_CUDA_PTX_DIR, else the package's ``cuda_kernels`` folder (built at install)."""
-    env = os.environ.get("LILY_CUDA_PTX_DIR")
-    if env:
-        return Path(env)
-    if _driver is not None:
-        return Path(_driver.default_ptx_dir())
-    return Path(__file__).resolve().parent / "cuda_kernels"
+    """Where the PTX files are: $LILY_CUDA_PTX_DIR, else the package's ``cuda_kernels`` folder (built at install);
+    the extension's rule, which is what loads them."""
+    if _driver is None:  # nothing can load PTX without the extension: the folder an install would have
+        return Path(__file__).resolve().parent / "cuda_kernels"
+    return Path(_driver.default_ptx_dir())
 
 
 class Runner:
