@@ -221,6 +221,9 @@ class MetalBackend:
         key = str(path)
         if key not in self._files:
             self._files[key] = self._engine.add_file(key)
+            if self._engine.buffer_origin(self._files[key]):
+                _log.debug("%s: loaded shifted (on Metal: copied, not mapped): its tensors do not start on 16 bytes",
+                           key)
         return self._files[key]
 
     def _owned(self, array: np.ndarray) -> tuple[int, int, int]:
