@@ -96,7 +96,16 @@ void Engine::bind_synthetic_weights() {
   }
 }
 
-// `ref`'s spans are byte ranges of the files as written; each moves by where its buffer put the file's byte 0.
+namespace {
+
+// The alignment kernels read an element of `dtype` at (the fake Metal and fake libcuda check it per kernel argument).
+size_t element_alignment(DType dtype) { return dtype == DType::BF16 || dtype == DType::F16 ? 2 : 4; }
+
+}  // namespace
+
+// `ref`'s spans are byte ranges of the files as written; each moves by where its buffer put the file's byte 0. A span
+// still not aligned to its elements (a writer that does not pad tensors: MLX after an odd-sized bf16 tensor) is copied
+// into a buffer of its own, since a GPU reads elements only at aligned addresses.
 void Engine::bind_weight(const std::string& name, const WeightRef& ref) {
   if (loaded_) throw Error("[engine] " + name + ": weights are bound before finish_loading");
   WeightRef placed = ref;
@@ -108,6 +117,17 @@ void Engine::bind_weight(const std::string& name, const WeightRef& ref) {
     span->offset += buffers_[span->buffer]->origin();
     if (span->offset + span->length > base_.buffers[span->buffer].length) {
       throw Error("[engine] " + name + ": its byte range is not inside a loaded file or buffer");
+    }
+    const size_t alignment = span == &placed.data ? (ref.bits ? 4 : element_alignment(ref.dtype))
+                                                  : element_alignment(ref.scale_dtype);
+    if (span->offset % alignment) {
+      const DeviceBuffer& source = *buffers_[span->buffer];
+      const int id = add_buffer("realigned " + name, BufferRole::Weights,
+                                runtime_->allocate(span->length, Memory::Device));
+      runtime_->copy(source, span->offset, *buffers_.back(), 0, span->length);
+      owned_bytes_ += span->length;
+      span->buffer = id;
+      span->offset = 0;
     }
   }
   if (ref.bits && ref.cols % 64) throw Error("[engine] " + name + ": input features must be a multiple of 64");
