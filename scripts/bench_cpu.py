@@ -2,8 +2,9 @@
 
 The demo model (or any Lily checkpoint) is converted to the HF layout: every weight dequantized to float32 (the
 exact values the 4-bit model computes with) and loaded into transformers' ``Qwen3_5MoeForCausalLM``. Both engines
-then run pp512 (one 512-token prompt) and tg128 (128 greedy tokens after a 1-token prompt), each ``--repetitions``
-times, on the same number of threads; the medians and the ratio Lily / HF are printed.
+then run pp512 (one 512-token prompt keeping the last row of logits, as ``Model.prefill`` does) and tg128 (128
+greedy tokens after a 1-token prompt), each ``--repetitions`` times, on the same number of threads; the medians and
+the ratio Lily / HF are printed.
 
 Lily is measured through its user path (``lily bench``'s code: ``Model.prefill`` and ``Session.decode``); HF through
 the model's own forward with its cache, greedy, under ``torch.inference_mode``.
@@ -68,11 +69,12 @@ def build_hf_model(directory: Path, checkpoint):
 
 
 def hf_prefill_seconds(model, ids: list[int]) -> float:
+    """Seconds for one prefill of ``ids`` that keeps the last row of logits, as Lily's prefill does."""
     import torch
 
     with torch.inference_mode():
         start = time.perf_counter()
-        model(torch.tensor([ids]), use_cache=True)
+        model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
         return time.perf_counter() - start
 
 

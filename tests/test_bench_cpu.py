@@ -37,3 +37,5 @@ def test_the_hf_conversion_of_the_demo_model_matches_the_reference():
     _, tokens = bench.hf_generate(hf_model, ids[0], 6)
     reference = lily.Model.load(directory, backend="reference")
     assert tokens == reference.generate([ids[0]], max_tokens=6, temperature=0, stop_token_ids=[]).token_ids
+    # the timed prefill keeps one row of logits, as Lily's prefill does (transformers' logits_to_keep)
+    assert bench.hf_prefill_seconds(hf_model, ids) > 0
