@@ -8,6 +8,7 @@ API
     * ``"kv64"``: the primary fixture (4 layers, attention at layer 3,
       dk = dv = 64, 8 experts top-2).
     * ``"dk32"``: as kv64 but ``linear_key_head_dim`` 32, so key-dim / value-dim mix-ups show.
+    * ``"d96"``: as kv64 but attention head_dim 96.
     * ``"gqa4"``: hidden 192, 6 layers with attention at layers 2 and 5
       (``full_attention_interval`` 3), 8 q / 2 kv heads, GDN 2 k-heads / 6 v-heads,
       half rotary, 16 experts top-4.
@@ -110,6 +111,8 @@ TINY_CONFIGS: dict[str, dict] = {
     "kv64": _KV64,
     "dk32": {**_KV64, "linear_key_head_dim": 32},
     "gqa4": _GQA4,
+    # head_dim 96: attention rows that are not a whole number of 64-float blocks (the CPU backend's register tiles)
+    "d96": {**_KV64, "head_dim": 96, "rope_parameters": {**_ROPE_QUARTER, "mrope_section": [4, 4, 4]}},
 }
 
 _TINY_VISION_CONFIG = dict(

@@ -100,7 +100,7 @@ def test_logits_and_greedy_tokens_match_the_reference(tiny_checkpoints, layout, 
         assert backend.owned_bytes == 0
 
 
-@pytest.mark.parametrize("variant", ["dk32", "gqa4"])
+@pytest.mark.parametrize("variant", ["dk32", "gqa4", "d96"])
 def test_other_head_shapes_match_the_reference(tiny_checkpoints, variant, isa):
     checkpoint = checkpoint_of(tiny_checkpoints, "mlx4", variant)
     prompt = np.random.default_rng(7).integers(0, checkpoint.args.vocab_size, 9)

@@ -61,10 +61,10 @@ void attention(const float* q, const float* keys, const float* values, const flo
         sum += scores[j];
       }
       float* o = out + item * d;
-      std::memset(o, 0, d * sizeof(float));
-      for (size_t j = 0; j < keys_seen; ++j) axpy(scores[j], values + j * row + kv * d, o, d);
+      weighted_sum(scores.data(), values + kv * d, keys_seen, row, d, o);
       const float* g = gate + item * d;
-      for (size_t i = 0; i < d; ++i) o[i] = float(o[i] / sum * (1.0 / (1.0 + std::exp(-double(g[i])))));
+      const float inverse_sum = float(1.0 / sum);
+      for (size_t i = 0; i < d; ++i) o[i] = o[i] * inverse_sum * sigmoid(g[i]);
     }
   };
   // Split only when each thread gets enough work to pay for waking it (about 2^15 multiply-adds).

@@ -216,7 +216,7 @@ void CpuModel::attention_layer(const Layer& layer, const float* x, size_t tokens
   const size_t d = s.head_dim, kv_row = s.kv_heads * d;
   if (state.first_size < (position + tokens) * kv_row || state.second_size != state.first_size)
     throw std::invalid_argument("KV cache is smaller than position + tokens rows");
-  std::vector<float> q_and_gate(tokens * 2 * s.heads * d), q(tokens * s.heads * d), gate(q.size()), att(q.size());
+  Scratch q_and_gate(tokens * 2 * s.heads * d), q(tokens * s.heads * d), gate(q.size()), att(q.size());
   float* keys = state.first;
   float* values = state.second;
   linear(x, tokens, *w.q_proj, q_and_gate.data(), &pool_);
@@ -238,7 +238,7 @@ void CpuModel::delta_net_layer(const Layer& layer, const float* x, size_t tokens
   const size_t channels = s.conv_dim();
   if (state.first_size != (s.conv_kernel - 1) * channels || state.second_size != s.v_heads * s.k_dim * s.v_dim)
     throw std::invalid_argument("DeltaNet state has the wrong size for this model");
-  std::vector<float> mixed(tokens * channels), z(tokens * s.value_dim()), b(tokens * s.v_heads), a(b.size());
+  Scratch mixed(tokens * channels), z(tokens * s.value_dim()), b(tokens * s.v_heads), a(b.size());
   linear(x, tokens, *w.in_proj_qkv, mixed.data(), &pool_);
   linear(x, tokens, *w.in_proj_z, z.data(), &pool_);
   linear(x, tokens, *w.in_proj_b, b.data(), &pool_);
@@ -260,7 +260,7 @@ void CpuModel::delta_net_layer(const Layer& layer, const float* x, size_t tokens
       b[i] = sigmoid(b[i]);
       a[i] = -std::exp((*w.a_log)[h]) * softplus;
     }
-  std::vector<float> o(tokens * s.value_dim()), y(o.size());
+  Scratch o(tokens * s.value_dim()), y(o.size());
   gated_delta_rule(mixed.data(), a.data(), b.data(), s, tokens, state.second, o.data(), &pool_);
   pool_.for_items(tokens * s.v_heads, s.v_dim * 8, [&](size_t r0, size_t r1) {
     gated_rms_norm(o.data() + r0 * s.v_dim, z.data() + r0 * s.v_dim, r1 - r0, s.v_dim, w.norm->data(), config_.eps,
@@ -273,7 +273,7 @@ void CpuModel::moe_layer(const Layer& layer, const float* x, size_t tokens, floa
   const CpuConfig& c = config_;
   const MoeWeights& w = layer.moe;
   const size_t H = c.hidden_size, k = c.top_k, width = c.shared_expert_size;
-  std::vector<float> router(tokens * c.num_experts), routing_weights(tokens * k);
+  Scratch router(tokens * c.num_experts), routing_weights(tokens * k);
   std::vector<int32_t> indices(tokens * k);
   linear(x, tokens, *w.router, router.data(), &pool_);
   moe_route(router.data(), tokens, c.num_experts, k, indices.data(), routing_weights.data());
@@ -281,7 +281,7 @@ void CpuModel::moe_layer(const Layer& layer, const float* x, size_t tokens, floa
   for (const int32_t expert : indices) ++load[expert];
   swiglu_experts(x, tokens, H, *w.gate_proj, *w.up_proj, *w.down_proj, indices.data(), routing_weights.data(), k,
                  out, &pool_);
-  std::vector<float> gate(tokens * width), up(gate.size()), shared(tokens * H), shared_gate(tokens);
+  Scratch gate(tokens * width), up(gate.size()), shared(tokens * H), shared_gate(tokens);
   linear(x, tokens, *w.shared_gate_proj, gate.data(), &pool_);
   linear(x, tokens, *w.shared_up_proj, up.data(), &pool_);
   pool_.for_items(gate.size(), 8, [&](size_t i0, size_t i1) {
@@ -310,7 +310,7 @@ void CpuModel::forward(const int64_t* ids, size_t tokens, size_t position, const
   if (states.size() != layers_.size()) throw std::invalid_argument("state has the wrong number of layers");
   for (size_t i = 0; i < tokens; ++i)
     if (ids[i] < 0 || size_t(ids[i]) >= c.vocab_size) throw std::invalid_argument("token id out of range");
-  std::vector<float> h(tokens * H), normed(h.size()), mixed(h.size());
+  Scratch h(tokens * H), normed(h.size()), mixed(h.size());
   embed(ids, tokens, *embed_tokens_, h.data());
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];

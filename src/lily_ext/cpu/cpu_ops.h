@@ -9,11 +9,28 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 namespace lily::cpu {
+
+// Floats that are written before they are read: std::vector<float>(n) without the zeroing (megabytes per layer in a
+// prefill).
+class Scratch {
+ public:
+  explicit Scratch(size_t n) : data_(new float[n]), size_(n) {}
+  float* data() { return data_.get(); }
+  const float* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+  float& operator[](size_t i) { return data_[i]; }
+  float operator[](size_t i) const { return data_[i]; }
+
+ private:
+  std::unique_ptr<float[]> data_;
+  size_t size_;
+};
 
 // Storage dtype of dense values, or of the scales and biases of a quantized weight.
 enum class DType { F32, BF16, F16 };
@@ -74,6 +91,8 @@ void embed(const int64_t* ids, size_t count, const Matrix& w, float* out);
 // sum_k a[k] b[k] and y += alpha x, on the chosen instruction set (fp32 accumulation).
 float dot(const float* a, const float* b, size_t n);
 void axpy(float alpha, const float* x, float* y, size_t n);
+// out[0..n) = sum_j weights[j] rows[j * stride + 0..n), j ascending (what count axpy calls into zeros would give).
+void weighted_sum(const float* weights, const float* rows, size_t count, size_t stride, size_t n, float* out);
 
 // ---- rms_norm.cpp ----
 void rms_norm(const float* x, size_t rows, size_t n, const float* w, float eps, float* out);

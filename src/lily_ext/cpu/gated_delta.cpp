@@ -20,13 +20,22 @@ void causal_conv1d(float* x, size_t tokens, size_t channels, size_t taps, const 
   std::vector<float> history((history_rows + tokens) * channels);
   std::memcpy(history.data(), conv_state, history_rows * channels * sizeof(float));
   std::memcpy(history.data() + history_rows * channels, x, tokens * channels * sizeof(float));
+  // The weights tap-major [taps, channels], so that each tap is one pass over a row with channels innermost (which
+  // the compiler vectorizes); each channel's sum still adds the taps in order.
+  std::vector<float> tap_major(taps * channels);
+  for (size_t c = 0; c < channels; ++c)
+    for (size_t j = 0; j < taps; ++j) tap_major[j * channels + c] = w[c * taps + j];
   auto rows = [&](size_t begin, size_t end) {
-    for (size_t t = begin; t < end; ++t)
-      for (size_t c = 0; c < channels; ++c) {
-        float sum = 0;
-        for (size_t j = 0; j < taps; ++j) sum += w[c * taps + j] * history[(t + j) * channels + c];
-        x[t * channels + c] = silu(sum);
+    std::vector<float> sum(channels);
+    for (size_t t = begin; t < end; ++t) {
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (size_t j = 0; j < taps; ++j) {
+        const float* tap = tap_major.data() + j * channels;
+        const float* in = history.data() + (t + j) * channels;
+        for (size_t c = 0; c < channels; ++c) sum[c] += tap[c] * in[c];
       }
+      for (size_t c = 0; c < channels; ++c) x[t * channels + c] = silu(sum[c]);
+    }
   };
   if (pool) pool->for_items(tokens, channels * (taps + 8), rows);
   else rows(0, tokens);

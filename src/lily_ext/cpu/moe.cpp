@@ -41,7 +41,7 @@ void swiglu_experts(const float* x, size_t tokens, size_t hidden, const Matrix& 
   std::vector<size_t> used;
   for (size_t e = 0; e < slots.size(); ++e)
     if (!slots[e].empty()) used.push_back(e);
-  std::vector<float> y(tokens * k * hidden);  // each slot's expert output
+  Scratch y(tokens * k * hidden);  // each slot's expert output (every slot has one expert, which writes it)
   auto run_experts = [&](size_t begin, size_t end) {
     std::vector<float> xs, gate, up, ys;
     for (size_t i = begin; i < end; ++i) {
@@ -56,7 +56,7 @@ void swiglu_experts(const float* x, size_t tokens, size_t hidden, const Matrix& 
       linear(xs.data(), n, up_proj.expert(e), up.data(), nullptr);
       for (size_t j = 0; j < n * width; ++j) gate[j] = silu(gate[j]) * up[j];
       linear(gate.data(), n, down_proj.expert(e), ys.data(), nullptr);
-      for (size_t j = 0; j < n; ++j) std::copy_n(ys.begin() + j * hidden, hidden, y.begin() + slots[e][j] * hidden);
+      for (size_t j = 0; j < n; ++j) std::copy_n(ys.begin() + j * hidden, hidden, y.data() + slots[e][j] * hidden);
     }
   };
   const size_t per_expert = (tokens * k / std::max<size_t>(used.size(), 1) + 1) * 3 * width * hidden;
@@ -64,11 +64,8 @@ void swiglu_experts(const float* x, size_t tokens, size_t hidden, const Matrix& 
   else run_experts(0, used.size());
   // Weighted sum in rank order.
   auto combine = [&](size_t begin, size_t end) {
-    for (size_t t = begin; t < end; ++t) {
-      float* o = out + t * hidden;
-      std::fill(o, o + hidden, 0.0f);
-      for (size_t r = 0; r < k; ++r) axpy(weights[t * k + r], y.data() + (t * k + r) * hidden, o, hidden);
-    }
+    for (size_t t = begin; t < end; ++t) weighted_sum(weights + t * k, y.data() + t * k * hidden, k, hidden, hidden,
+                                                      out + t * hidden);
   };
   if (pool) pool->for_items(tokens, k * hidden, combine);
   else combine(0, tokens);
