@@ -88,26 +88,36 @@ bool chunked(const Matrix& w) {
 }
 
 #ifdef LILY_CPU_X86
+// dst[j * dst_stride + i] = src[i * src_stride + j] for an 8 x 8 block.
+__attribute__((target("avx2,fma"))) inline void transpose_8x8(const float* src, size_t src_stride, float* dst,
+                                                              size_t dst_stride) {
+  __m256 r[8], t[8];
+  for (size_t i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * src_stride);
+  for (size_t i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (size_t i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (size_t i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * dst_stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * dst_stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+
 // At 4 bits a chunk is an 8 x 8 transpose: out[s * 8 + w] = x[8 * w + s].
 __attribute__((target("avx2,fma"))) void transpose_chunks_4bit(const float* x, size_t count, float* out) {
-  for (size_t c = 0; c < count; c += 64) {
-    __m256 r[8], t[8];
-    for (size_t i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(x + c + 8 * i);
-    for (size_t i = 0; i < 8; i += 2) {
-      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (size_t i = 0; i < 8; i += 4) {
-      r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-      r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-      r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-      r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (size_t i = 0; i < 4; ++i) {
-      _mm256_storeu_ps(out + c + 8 * i, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-      _mm256_storeu_ps(out + c + 8 * (i + 4), _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-    }
-  }
+  for (size_t c = 0; c < count; c += 64) transpose_8x8(x + c, 8, out + c, 8);
+}
+
+// A full tile of 16 rows [16, cols] into [cols, 16] (cols a multiple of 8), by 8 x 8 blocks.
+__attribute__((target("avx2,fma"))) void transpose_tile_avx2(const float* tile, size_t cols, float* tile_t) {
+  for (size_t r = 0; r < 16; r += 8)
+    for (size_t k = 0; k < cols; k += 8) transpose_8x8(tile + r * cols + k, cols, tile_t + k * 16 + r, 16);
 }
 #endif
 
@@ -520,9 +530,13 @@ void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPo
         static_assert(kTileRows == 16, "the transposed kernel holds 16 rows");
         thread_local std::vector<float> tile_t;
         tile_t.resize(cols * kTileRows);
-        if (n < kTileRows) std::fill(tile_t.begin(), tile_t.end(), 0.0f);  // rows past n stay zero
-        for (size_t k = 0; k < cols; ++k)
-          for (size_t r = 0; r < n; ++r) tile_t[k * kTileRows + r] = t[r * cols + k];
+        if (n == kTileRows && cols % 8 == 0) {
+          transpose_tile_avx2(t, cols, tile_t.data());
+        } else {
+          if (n < kTileRows) std::fill(tile_t.begin(), tile_t.end(), 0.0f);  // rows past n stay zero
+          for (size_t k = 0; k < cols; ++k)
+            for (size_t r = 0; r < n; ++r) tile_t[k * kTileRows + r] = t[r * cols + k];
+        }
         tile_gemm_transposed_avx2(xs, tokens, cols, tile_t.data(), n, out + r0, rows);
         continue;
       }
