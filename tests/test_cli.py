@@ -254,6 +254,7 @@ def test_chat_in_a_terminal_keeps_the_conversation_on_ctrl_c_and_has_history(cha
         child.expect_exact(">> ")
         time.sleep(0.5)  # readline has the terminal: keys typed now are read by it, as a person's would be
         child.send("half typed")
+        child.expect_exact("half typed")  # echoed: readline has read the keys and waits for the next one
         child.sendintr()  # Ctrl-C at the prompt
         child.expect_exact("the conversation is kept")
         child.expect_exact(">> ")
