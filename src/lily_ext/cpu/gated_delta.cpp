@@ -1,5 +1,5 @@
 // causal_conv1d and gated_delta_rule (reference.py "Gated DeltaNet"), the CPU twin of metal/gated_delta.metal:
-// the recurrence runs token by token on the fp32 state, one value head per task.
+// the recurrence runs token by token on the fp32 state, one slab of a value head's columns per task.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -44,53 +44,58 @@ void causal_conv1d(float* x, size_t tokens, size_t channels, size_t taps, const 
 
 namespace {
 
-// One token of one value head on its state S [dk, dv]: S *= decay; e = beta (v - S^T k); S += k e^T; o = S^T q.
+// Columns are independent in the recurrence (column c of S, v, e and o only meet column c), so the state is worked
+// on in slabs of this many columns: heads x slabs tasks instead of heads alone (4 value heads in the demo model).
+constexpr size_t kSlabColumns = 8;
+
+// One token of one value head on columns [c0, c1) of its state S [dk, dv]: S *= decay; e = beta (v - S^T k);
+// S += k e^T; o = S^T q.
 void delta_step_portable(float* S, const float* q, const float* k, const float* v, float decay, float beta,
-                         size_t dk, size_t dv, float* error, float* out) {
-  std::memcpy(error, v, dv * sizeof(float));
+                         size_t dk, size_t dv, size_t c0, size_t c1, float* out) {
+  float error[kSlabColumns];
+  for (size_t c = c0; c < c1; ++c) error[c - c0] = v[c];
   for (size_t a = 0; a < dk; ++a) {
     float* row = S + a * dv;
-    for (size_t c = 0; c < dv; ++c) {
+    for (size_t c = c0; c < c1; ++c) {
       row[c] *= decay;
-      error[c] -= k[a] * row[c];
+      error[c - c0] -= k[a] * row[c];
     }
   }
-  for (size_t c = 0; c < dv; ++c) error[c] *= beta;
-  std::memset(out, 0, dv * sizeof(float));
+  for (size_t c = c0; c < c1; ++c) {
+    error[c - c0] *= beta;
+    out[c] = 0.0f;
+  }
   for (size_t a = 0; a < dk; ++a) {
     float* row = S + a * dv;
-    for (size_t c = 0; c < dv; ++c) {
-      row[c] += k[a] * error[c];
+    for (size_t c = c0; c < c1; ++c) {
+      row[c] += k[a] * error[c - c0];
       out[c] += q[a] * row[c];
     }
   }
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-// The same step, 8 columns at a time (dv is a multiple of 8; the caller checks).
+// The same step on one slab of 8 columns (dv is a multiple of 8; the caller checks).
 __attribute__((target("avx2,fma"))) void delta_step_avx2(float* S, const float* q, const float* k, const float* v,
-                                                         float decay, float beta, size_t dk, size_t dv,
-                                                         float* error, float* out) {
+                                                         float decay, float beta, size_t dk, size_t dv, size_t c0,
+                                                         size_t, float* out) {
   const __m256 d = _mm256_set1_ps(decay), b = _mm256_set1_ps(beta);
-  for (size_t c = 0; c < dv; c += 8) {
-    __m256 e = _mm256_loadu_ps(v + c);
-    for (size_t a = 0; a < dk; ++a) {
-      float* row = S + a * dv + c;
-      const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row), d);
-      _mm256_storeu_ps(row, s);
-      e = _mm256_fnmadd_ps(_mm256_set1_ps(k[a]), s, e);
-    }
-    e = _mm256_mul_ps(e, b);
-    __m256 o = _mm256_setzero_ps();
-    for (size_t a = 0; a < dk; ++a) {
-      float* row = S + a * dv + c;
-      const __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(k[a]), e, _mm256_loadu_ps(row));
-      _mm256_storeu_ps(row, s);
-      o = _mm256_fmadd_ps(_mm256_set1_ps(q[a]), s, o);
-    }
-    _mm256_storeu_ps(out + c, o);
+  __m256 e = _mm256_loadu_ps(v + c0);
+  for (size_t a = 0; a < dk; ++a) {
+    float* row = S + a * dv + c0;
+    const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row), d);
+    _mm256_storeu_ps(row, s);
+    e = _mm256_fnmadd_ps(_mm256_set1_ps(k[a]), s, e);
   }
-  (void)error;
+  e = _mm256_mul_ps(e, b);
+  __m256 o = _mm256_setzero_ps();
+  for (size_t a = 0; a < dk; ++a) {
+    float* row = S + a * dv + c0;
+    const __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(k[a]), e, _mm256_loadu_ps(row));
+    _mm256_storeu_ps(row, s);
+    o = _mm256_fmadd_ps(_mm256_set1_ps(q[a]), s, o);
+  }
+  _mm256_storeu_ps(out + c0, o);
 }
 #endif
 
@@ -103,21 +108,24 @@ void gated_delta_rule(const float* mixed, const float* g, const float* beta, con
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   if (avx2_enabled() && dv % 8 == 0) step = delta_step_avx2;
 #endif
-  auto heads = [&](size_t begin, size_t end) {
-    std::vector<float> error(dv);
-    for (size_t j = begin; j < end; ++j) {
-      const size_t kh = j / heads_per_key;
+  const size_t slabs = (dv + kSlabColumns - 1) / kSlabColumns;
+  std::vector<float> decay(tokens * s.v_heads);  // exp(g) once, not once per slab
+  for (size_t i = 0; i < decay.size(); ++i) decay[i] = std::exp(g[i]);
+  auto tasks = [&](size_t begin, size_t end) {
+    for (size_t task = begin; task < end; ++task) {
+      const size_t j = task / slabs, kh = j / heads_per_key;
+      const size_t c0 = task % slabs * kSlabColumns, c1 = std::min(dv, c0 + kSlabColumns);
       for (size_t t = 0; t < tokens; ++t) {
         const float* q = mixed + t * channels + kh * dk;
         const float* v = mixed + t * channels + 2 * s.key_dim() + j * dv;
-        step(state + j * dk * dv, q, q + s.key_dim(), v, std::exp(g[t * s.v_heads + j]), beta[t * s.v_heads + j],
-             dk, dv, error.data(), o + (t * s.v_heads + j) * dv);
+        step(state + j * dk * dv, q, q + s.key_dim(), v, decay[t * s.v_heads + j], beta[t * s.v_heads + j], dk, dv,
+             c0, c1, o + (t * s.v_heads + j) * dv);
       }
     }
   };
-  const size_t per_head = tokens * dk * dv * 4;
-  if (pool) pool->parallel_for(s.v_heads, std::max<size_t>(1, (size_t(1) << 15) / per_head), heads);
-  else heads(0, s.v_heads);
+  const size_t per_task = tokens * dk * kSlabColumns * 4;
+  if (pool) pool->parallel_for(s.v_heads * slabs, std::max<size_t>(1, (size_t(1) << 15) / per_task), tasks);
+  else tasks(0, s.v_heads * slabs);
 }
 
 }  // namespace lily::cpu
