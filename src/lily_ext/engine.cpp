@@ -96,16 +96,10 @@ void Engine::bind_synthetic_weights() {
   }
 }
 
-namespace {
-
-// The alignment kernels read an element of `dtype` at (the fake Metal and fake libcuda check it per kernel argument).
-size_t element_alignment(DType dtype) { return dtype == DType::BF16 || dtype == DType::F16 ? 2 : 4; }
-
-}  // namespace
-
 // `ref`'s spans are byte ranges of the files as written; each moves by where its buffer put the file's byte 0. A span
 // still not aligned to its elements (a writer that does not pad tensors: MLX after an odd-sized bf16 tensor) is copied
-// into a buffer of its own, since a GPU reads elements only at aligned addresses.
+// into a buffer of its own, since a GPU reads an element only at an address aligned to its size (the fake Metal and
+// fake libcuda check that per kernel argument).
 void Engine::bind_weight(const std::string& name, const WeightRef& ref) {
   if (loaded_) throw Error("[engine] " + name + ": weights are bound before finish_loading");
   WeightRef placed = ref;
@@ -118,8 +112,7 @@ void Engine::bind_weight(const std::string& name, const WeightRef& ref) {
     if (span->offset + span->length > base_.buffers[span->buffer].length) {
       throw Error("[engine] " + name + ": its byte range is not inside a loaded file or buffer");
     }
-    const size_t alignment = span == &placed.data ? (ref.bits ? 4 : element_alignment(ref.dtype))
-                                                  : element_alignment(ref.scale_dtype);
+    const size_t alignment = dtype_size(span == &placed.data ? (ref.bits ? DType::U32 : ref.dtype) : ref.scale_dtype);
     if (span->offset % alignment) {
       const DeviceBuffer& source = *buffers_[span->buffer];
       const int id = add_buffer("realigned " + name, BufferRole::Weights,
