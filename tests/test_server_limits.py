@@ -165,7 +165,7 @@ from lily.server import serve
 from lily.server.adapter import LilyEngine
 
 model = scripted_model(Path({tokenizer!r}), lambda prompt: "word " * 400)
-model.backend.forward_delay_s = 0.02
+model.backend.forward_delay_s = {forward_delay_s}
 serve(LilyEngine(model, model_id="scripted"), port={port})
 """
 
@@ -176,38 +176,91 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_ctrl_c_ends_active_streams_with_an_error_event_and_done(tokenizer_dir):
+def start_server(tokenizer_dir: Path, forward_delay_s: float) -> tuple[subprocess.Popen, int]:
+    """A real `lily.server.serve` process on a scripted model, once /health answers."""
     port = free_port()
-    script = SERVE_SCRIPT.format(tests=str(Path(__file__).parent), tokenizer=str(tokenizer_dir), port=port)
+    script = SERVE_SCRIPT.format(tests=str(Path(__file__).parent), tokenizer=str(tokenizer_dir), port=port,
+                                 forward_delay_s=forward_delay_s)
     process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if raw_request(port, HEALTH, timeout=2).startswith(b"HTTP/1.1 200"):
+                return process, port
+        except OSError:
+            pass
+        if time.monotonic() > deadline or process.poll() is not None:
+            process.kill()
+            raise AssertionError(f"the server did not start: {process.communicate()[0]}")
+        time.sleep(0.1)
+
+
+def interrupt(process: subprocess.Popen, times: int) -> None:
+    """Ctrl-C `times` times, the second while the server is shutting down (uvicorn's forced exit)."""
+    for _ in range(times):
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+
+
+def finish(process: subprocess.Popen) -> tuple[int, str]:
+    """The exit status and everything the server printed."""
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if raw_request(port, HEALTH, timeout=2).startswith(b"HTTP/1.1 200"):
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline and process.poll() is None, "the server did not start"
-            time.sleep(0.1)
-        body = {"messages": [{"role": "user", "content": "go"}], "stream": True, **NO_THINKING}
-        lines = []
-        with httpx.stream("POST", f"http://127.0.0.1:{port}{CHAT}", json=body, timeout=30) as response:
-            for line in response.iter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 5:
-                    process.send_signal(signal.SIGINT)
         code = process.wait(timeout=30)
     finally:
         if process.poll() is None:
             process.kill()
-        output = process.communicate()[0]
+    return code, process.communicate()[0]
+
+
+def assert_clean_exit(code: int, output: str) -> None:
+    assert code == 0, output
+    assert "Traceback" not in output and "Exception in ASGI application" not in output, output
+
+
+# One Ctrl-C: the running generation stops at its next token. Two, during a slow forward: uvicorn stops
+# waiting and cancels the open responses, which must still end cleanly.
+@pytest.mark.parametrize("ctrl_c, forward_delay_s", [(1, 0.02), (2, 3.0)], ids=["once", "twice-mid-forward"])
+def test_ctrl_c_ends_active_streams_with_an_error_event_and_done(tokenizer_dir, ctrl_c, forward_delay_s):
+    process, port = start_server(tokenizer_dir, forward_delay_s)
+    body = {"messages": [{"role": "user", "content": "go"}], "stream": True, **NO_THINKING}
+    lines = []
+    try:
+        with httpx.stream("POST", f"http://127.0.0.1:{port}{CHAT}", json=body, timeout=30) as response:
+            for line in response.iter_lines():
+                if not line:
+                    continue
+                lines.append(line)
+                if len(lines) == (5 if ctrl_c == 1 else 2):
+                    interrupted = time.monotonic()
+                    interrupt(process, ctrl_c)
+        ended = time.monotonic()
+    finally:
+        code, output = finish(process)
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2][len("data: "):])["error"]
     assert error["code"] == "server_shutting_down"
     tokens = [json.loads(line[6:]) for line in lines[:-2]]
-    assert 4 <= len(tokens) < 400  # cut short, not run to the end
-    assert code == 0, output
-    assert "Traceback" not in output and "Exception in ASGI application" not in output, output
+    assert (4 if ctrl_c == 1 else 1) <= len(tokens) < 400  # cut short, not run to the end
+    if ctrl_c == 2:  # the stream ended when the second Ctrl-C came, not when the 3 s forward returned
+        assert ended - interrupted < forward_delay_s / 2
+    assert_clean_exit(code, output)
+
+
+def test_a_second_ctrl_c_answers_a_running_request_with_503(tokenizer_dir):
+    process, port = start_server(tokenizer_dir, forward_delay_s=3.0)
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 3, **NO_THINKING}
+    answer: list[httpx.Response] = []
+    try:
+        client = threading.Thread(
+            target=lambda: answer.append(httpx.post(f"http://127.0.0.1:{port}{CHAT}", json=body, timeout=30))
+        )
+        client.start()
+        time.sleep(0.5)  # the request is in its first forward
+        interrupt(process, 2)
+        client.join(timeout=30)
+    finally:
+        code, output = finish(process)
+    assert answer and answer[0].status_code == 503, answer and answer[0].text
+    assert answer[0].json()["error"]["code"] == "server_shutting_down"
+    assert_clean_exit(code, output)

@@ -274,26 +274,44 @@ async def _watch_disconnect(receive: Receive, on_disconnect: Callable[[], None])
 
 
 class _EventStream(Response):
-    """An SSE response that cancels its job as soon as the client goes away."""
+    """An SSE response that cancels its job as soon as the client goes away. When the server exits
+    without waiting (a second Ctrl-C, or the grace period over), uvicorn cancels the response: the stream
+    still ends with the shutting-down error event and `[DONE]`, and no traceback is logged."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None], scheduler: Scheduler) -> None:
         self.chunks = chunks
         self.on_close = on_close
+        self.scheduler = scheduler
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watcher = asyncio.create_task(_watch_disconnect(receive, self.on_close))
+        done_sent = False
+
+        async def send_chunk(chunk: str) -> None:
+            nonlocal done_sent
+            await send({"type": "http.response.body", "body": chunk.encode("utf-8"), "more_body": True})
+            done_sent = chunk == DONE_EVENT
+
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in self.chunks:
-                await send({"type": "http.response.body", "body": chunk.encode("utf-8"), "more_body": True})
+                await send_chunk(chunk)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
             pass  # the client went away mid-write; on_close below stops the job
+        except asyncio.CancelledError:
+            if not self.scheduler.stopping:
+                raise
+            log.info("ended an open stream at exit")
+            if not done_sent:
+                await send_chunk(event(_shutting_down().body()))
+                await send_chunk(DONE_EVENT)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watcher.cancel()
             self.on_close()
@@ -414,7 +432,9 @@ async def _chat_completions(request: Request) -> Response:
     completion_id = new_id("chatcmpl")
     if chat.stream:
         writer = ChunkWriter("chat.completion.chunk", completion_id, engine.model_id, chat.include_usage)
-        return _EventStream(_stream_chat(state, job, assembler, writer), lambda: state.scheduler.cancel(job))
+        return _EventStream(
+            _stream_chat(state, job, assembler, writer), lambda: state.scheduler.cancel(job), state.scheduler
+        )
 
     started, tokens = await _collect(request, state, job, prompt)
     for token in tokens:
@@ -468,7 +488,9 @@ async def _completions(request: Request) -> Response:
     if completion.stream:
         writer = ChunkWriter("text_completion", completion_id, engine.model_id, completion.include_usage)
         return _EventStream(
-            _stream_completion(state, job, engine, sampling, writer), lambda: state.scheduler.cancel(job)
+            _stream_completion(state, job, engine, sampling, writer),
+            lambda: state.scheduler.cancel(job),
+            state.scheduler,
         )
 
     started, tokens = await _collect(request, state, job, prompt)
@@ -576,13 +598,18 @@ def _internal_error() -> ApiError:
 
 def _guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
     """Turn a bug in a handler into a logged 500 in the error shape. (Starlette's last-resort
-    handler would also answer, but then re-raises, and uvicorn drops the keep-alive connection.)"""
+    handler would also answer, but then re-raises, and uvicorn drops the keep-alive connection.) A request
+    that uvicorn cancels because the server exits without waiting gets the shutting-down 503."""
 
     async def guarded(request: Request) -> Response:
         try:
             return await handler(request)
         except (ApiError, HTTPException):
             raise
+        except asyncio.CancelledError:
+            if not request.app.state.lily.scheduler.stopping:
+                raise
+            raise _shutting_down() from None
         except Exception:
             log.exception("unhandled error in %s %s", request.method, request.url.path)
             raise _internal_error() from None
@@ -628,7 +655,9 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> Starlette:
 
 def uvicorn_config(app: Starlette, config: ServerConfig, **options: Any) -> uvicorn.Config:
     """uvicorn's settings for `app`: the connection layer of `http` with the config's limits."""
-    options = {"timeout_graceful_shutdown": 5, **options}
+    # No lifespan task: the app has no startup or shutdown handlers, and a second Ctrl-C (uvicorn's forced exit)
+    # would cancel that task and log its traceback.
+    options = {"timeout_graceful_shutdown": 5, "lifespan": "off", **options}
     return uvicorn.Config(
         app,
         host=config.host,

@@ -79,6 +79,12 @@ class Scheduler:
             return len(self._waiting)
 
     @property
+    def stopping(self) -> bool:
+        """Whether `shutdown` was called."""
+        with self._condition:
+            return self._stopping
+
+    @property
     def busy(self) -> bool:
         """Whether a job is running or waiting."""
         with self._condition:
