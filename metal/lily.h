@@ -76,6 +76,20 @@ struct SampleArgs {
 };
 static_assert(sizeof(SampleArgs) == 48, "SampleArgs layout must match the host and tests");
 
+// penalize_logits_<dtype>, count_token (metal/sampling.metal): lily.sampling steps 1-3 (logit bias, repetition,
+// presence and frequency penalties) on the GPU, before the choice, and the record of each chosen token.
+struct PenaltyArgs {
+  u32 vocab_size;          // logits in the row; ids >= vocab_size are never counted
+  u32 has_bias;            // 1: add bias[i] (the request's logit_bias, dense over the vocabulary)
+  f32 repetition_penalty;  // > 0 (1: off): applied to every id `seen` marks (the context and the tokens chosen)
+  f32 presence_penalty;    // subtracted from every id chosen in this decode (counts[i] > 0)
+  f32 frequency_penalty;   // subtracted counts[i] times
+  u32 out_index;           // count_token: the token slot the choice wrote
+  u32 _pad0;
+  u32 _pad1;
+};
+static_assert(sizeof(PenaltyArgs) == 32, "PenaltyArgs layout must match the host and tests");
+
 // qmv_*, qmm_*, qmm_nax_* (metal/qmatmul.metal): Y[M, N] = X[M, K] * W^T, W MLX affine-quantized (uint32 codes
 // [N, K*bits/32], element 0 in the low bits; scales and biases [N, K/64]; w = scale*q + bias). K must be a multiple of
 // 64 (the model's K: 2048, 4096, 512); the host checks it. X and Y are row-major [M, K] and [M, N].

@@ -6,6 +6,12 @@
 //                           Ties go to the lowest id; a NaN beats every number (numpy.argmax semantics).
 //   sample_<dtype>          temperature > 0: temperature, top-k, top-p, min-p, then a Philox4x32-10 draw keyed by
 //                           the request seed with counter (step, 0, 0, 0); one threadgroup of up to 1024 threads.
+//   penalize_logits_<dtype> lily.sampling steps 1-3 before either choice, for requests with a logit bias or a
+//                           penalty: fp32 logits x = logit + bias, divided (x > 0) or multiplied (x <= 0) by the
+//                           repetition penalty where `seen` marks the id, minus presence + frequency · count where the
+//                           decode chose the id `count` times. One thread per logit; the choice then reads x (f32).
+//   count_token             after the choice of a penalized request: marks tokens[out_index] seen and counts it, so
+//                           the next step's penalize_logits sees it (the host never learns the token in between).
 // Sampling follows lily.sampling step 4-6: x = logit / temperature; top-k keeps every x >= the k-th largest (ties
 // kept); top-p keeps the shortest head, in descending order with ties by lowest id, whose mass before each kept token
 // is < top_p; min-p keeps p >= min_p * p_max; the token is the first id whose cumulative kept mass (in id order)
@@ -484,8 +490,50 @@ template <typename T>
   }
 }
 
+// lily.sampling steps 1-3 for one logit (Sampler.process): bias, then the repetition penalty, then presence and
+// frequency, in fp32.
+template <typename T>
+[[kernel]] void penalize_logits(constant lily::PenaltyArgs& args [[buffer(0)]],
+                                device const T* logits [[buffer(1)]],      // [vocab]
+                                device const float* bias [[buffer(2)]],    // [vocab], read only with has_bias
+                                device const uint* seen [[buffer(3)]],     // [vocab] 0/1
+                                device const uint* counts [[buffer(4)]],   // [vocab]
+                                device float* processed [[buffer(5)]],     // [vocab]
+                                uint i [[thread_position_in_grid]]) {
+  if (i >= args.vocab_size) {
+    return;
+  }
+  float x = float(logits[i]);
+  if (args.has_bias != 0u) {
+    x += bias[i];
+  }
+  if (seen[i] != 0u) {
+    x = x > 0.0f ? x / args.repetition_penalty : x * args.repetition_penalty;
+  }
+  const uint count = counts[i];
+  if (count != 0u) {
+    x -= args.presence_penalty + args.frequency_penalty * float(count);
+  }
+  processed[i] = x;
+}
+
+// One thread: the token just chosen, for the next step's penalize_logits.
+[[kernel]] void count_token(constant lily::PenaltyArgs& args [[buffer(0)]],
+                            device const uint* tokens [[buffer(1)]],
+                            device uint* seen [[buffer(2)]],
+                            device uint* counts [[buffer(3)]],
+                            uint i [[thread_position_in_grid]]) {
+  const uint token = tokens[args.out_index];
+  if (i == 0 && token < args.vocab_size) {
+    seen[token] = 1u;
+    counts[token] += 1u;
+  }
+}
+
 LILY_INSTANTIATE_KERNEL("argmax_partial_f32", argmax_partial, float)
 LILY_INSTANTIATE_KERNEL("argmax_partial_bf16", argmax_partial, bfloat)
 LILY_INSTANTIATE_KERNEL("argmax_final_f32", argmax_final, float)
 LILY_INSTANTIATE_KERNEL("sample_f32", sample, float)
 LILY_INSTANTIATE_KERNEL("sample_bf16", sample, bfloat)
+LILY_INSTANTIATE_KERNEL("penalize_logits_f32", penalize_logits, float)
+LILY_INSTANTIATE_KERNEL("penalize_logits_bf16", penalize_logits, bfloat)

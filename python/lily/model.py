@@ -367,7 +367,7 @@ class Session:
 
     def _gpu_decode_possible(self, params: SamplingParams) -> bool:
         """Whether the backend chooses tokens itself for this request (see ``MetalBackend.gpu_decode_blockers``:
-        logit bias, penalties and logprobs keep a request on the CPU sampler)."""
+        logprobs and a windowed repetition penalty keep a request on the CPU sampler)."""
         backend = self.model.backend
         return hasattr(backend, "decode_tokens") and not backend.gpu_decode_blockers(params)
 
@@ -385,7 +385,8 @@ class Session:
         """Tokens chosen by the backend with steps in flight: only token ids come back. A yielded token has been
         submitted to run (its step is in flight), so it counts as processed; closing waits for that step, and the
         logits after it stay in the backend until asked for."""
-        steps = self.model.backend.decode_tokens(self.state, self._ensure_logits(), params, params.max_tokens)
+        steps = self.model.backend.decode_tokens(self.state, self._ensure_logits(), params, params.max_tokens,
+                                                 context=self.tokens)
         try:
             for token in steps:
                 self._processed.append(token)

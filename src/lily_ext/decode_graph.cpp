@@ -204,13 +204,23 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
 void build_token_choice(const ModelConfig& c, Precision precision, const TokenChoice& choice, const DecodeBuffers& b,
                         size_t position, int position_delta, int out_slot, Graph& g) {
   ops::Context ctx{g, precision == Precision::Float32 ? DType::F32 : DType::BF16, false};
-  const Span logits = whole(g, b.logits), tokens = whole(g, b.tokens);
+  Span logits = whole(g, b.logits);
+  const Span tokens = whole(g, b.tokens), seen = whole(g, b.seen_tokens), counts = whole(g, b.token_counts);
+  if (choice.penalized()) {
+    ops::penalize_logits(ctx, logits, c.vocab_size, choice, whole(g, b.logit_bias), seen, counts,
+                         whole(g, b.penalized_logits));
+    logits = whole(g, b.penalized_logits);
+  }
+  // The choice reads the processed logits in fp32 when there are any.
+  ops::Context choice_ctx{g, choice.penalized() ? DType::F32 : ctx.act, false};
   if (choice.temperature == 0.0f) {
-    ops::argmax(ctx, logits, c.vocab_size, whole(g, b.argmax_values), whole(g, b.argmax_ids), tokens,
+    ops::argmax(choice_ctx, logits, c.vocab_size, whole(g, b.argmax_values), whole(g, b.argmax_ids), tokens,
                 static_cast<size_t>(out_slot));
   } else {
-    ops::sample(ctx, logits, c.vocab_size, choice, tokens, static_cast<size_t>(out_slot), position, position_delta);
+    ops::sample(choice_ctx, logits, c.vocab_size, choice, tokens, static_cast<size_t>(out_slot), position,
+                position_delta);
   }
+  if (choice.penalized()) ops::count_token(ctx, c.vocab_size, tokens, static_cast<size_t>(out_slot), seen, counts);
 }
 
 }  // namespace lily

@@ -391,13 +391,14 @@ void Engine::forward(const std::vector<uint32_t>& tokens, float* logits, long dr
 
 // ---- decode on the GPU: the token chosen in the step, steps in flight ----
 
-void Engine::begin_decode(const float* last_logits, const TokenChoice& choice) {
+void Engine::begin_decode(const float* last_logits, const TokenChoice& choice, const PenaltyInputs& penalties) {
   require_idle("begin_decode");
   if (!switches_.gpu_token) throw Error("[engine] decoding on the GPU needs the GPU_TOKEN switch on");
   if (!(choice.temperature >= 0.0f) || !(choice.top_p > 0.0f && choice.top_p <= 1.0f) ||
       !(choice.min_p >= 0.0f && choice.min_p <= 1.0f)) {
     throw Error("[engine] token choice out of range: temperature >= 0, top_p in (0, 1], min_p in [0, 1]");
   }
+  if (choice.penalized()) write_penalty_tables(choice, penalties);
   write_logits(last_logits);
   choice_ = choice;
   decoding_ = true;
@@ -409,6 +410,36 @@ void Engine::begin_decode(const float* last_logits, const TokenChoice& choice) {
       runtime_->record(graph, 0, graph->nodes.size(), buffer_list(), {/*replayed=*/false, -1});
   in_flight_.push_back({runtime_->submit(recorded, position_), 0});
   next_slot_ = 0;
+}
+
+// The tables penalize_logits reads: the dense logit bias, the ids the repetition penalty applies to (the context),
+// and zero counts (nothing chosen yet in this decode).
+void Engine::write_penalty_tables(const TokenChoice& choice, const PenaltyInputs& penalties) {
+  const size_t V = config_.vocab_size;
+  auto check_ids = [&](const std::vector<uint32_t>& ids, const char* what) {
+    for (uint32_t id : ids) {
+      if (id >= V) {
+        throw Error(std::string("[engine] ") + what + " token id " + std::to_string(id) + " is not below vocab_size " +
+                    std::to_string(V));
+      }
+    }
+  };
+  check_ids(penalties.bias_ids, "logit_bias");
+  check_ids(penalties.context, "context");
+  if (penalties.bias_ids.size() != penalties.bias_values.size()) {
+    throw Error("[engine] logit_bias ids and values differ in length");
+  }
+  if (choice.logit_bias) {
+    std::vector<float> bias(V, 0.0f);
+    for (size_t i = 0; i < penalties.bias_ids.size(); ++i) bias[penalties.bias_ids[i]] += penalties.bias_values[i];
+    runtime_->upload(*buffers_[decode_.logit_bias], 0, bias.data(), V * 4);
+  }
+  std::vector<uint32_t> seen(V, 0);
+  if (choice.repetition_penalty != 1.0f) {
+    for (uint32_t id : penalties.context) seen[id] = 1;
+  }
+  runtime_->upload(*buffers_[decode_.seen_tokens], 0, seen.data(), V * 4);
+  runtime_->fill_zero(*buffers_[decode_.token_counts]);
 }
 
 void Engine::submit_step() {

@@ -209,6 +209,12 @@ DecodeBuffers add_decode_buffers(const ModelConfig& c, Precision precision, size
   b.argmax_values = g.add_buffer("argmax values", partials * 4, BufferRole::Scratch);
   b.argmax_ids = g.add_buffer("argmax ids", partials * 4, BufferRole::Scratch);
   b.tokens = g.add_buffer("tokens", 2 * 4, BufferRole::Io);  // two GPU token slots, alternating
+  // lily.sampling steps 1-3 on the GPU (penalized requests only): host-written bias and seen-token tables, the
+  // counts count_token keeps, and the processed fp32 logits the choice then reads.
+  b.logit_bias = g.add_buffer("logit bias", c.vocab_size * 4, BufferRole::Io);
+  b.seen_tokens = g.add_buffer("seen tokens", c.vocab_size * 4, BufferRole::Io);
+  b.token_counts = g.add_buffer("token counts", c.vocab_size * 4, BufferRole::Io);
+  b.penalized_logits = g.add_buffer("penalized logits", c.vocab_size * 4, BufferRole::Scratch);
   StateLayout s = state_layout(c, precision);
   for (size_t i = 0; i < c.num_layers(); ++i) {
     std::string p = layer_prefix(i);

@@ -158,7 +158,7 @@ StateLayout state_layout(const ModelConfig& config, Precision precision);
 struct DecodeBuffers {
   int hidden, normed, mixer_out, proj, gdn_out, q, gate, attn_out, attn_partial_out,
       attn_partial_stats, router, expert_ids, expert_weights, moe_hidden, logits, argmax_values, argmax_ids,
-      tokens;
+      tokens, logit_bias, seen_tokens, token_counts, penalized_logits;
   std::vector<int> conv_state, recurrent_state, k_cache, v_cache;  // per layer; -1 where the layer has none
   size_t kv_capacity = 0;
 };
@@ -166,16 +166,32 @@ struct DecodeBuffers {
 DecodeBuffers add_decode_buffers(const ModelConfig& config, Precision precision, size_t kv_capacity, size_t max_keys,
                                  Graph& graph);
 
-// How a decode step chooses its next token on the GPU (lily.sampling steps 4-6): temperature 0 is greedy (argmax),
+// How a decode step chooses its next token on the GPU (lily.sampling steps 1-6): temperature 0 is greedy (argmax),
 // otherwise sample_* with top-k, top-p, min-p and a Philox draw keyed by `seed`, counter = the chosen token's position.
+// With a logit bias or a penalty, penalize_logits runs first (steps 1-3) and count_token records each chosen token.
 struct TokenChoice {
   float temperature = 0.0f;
   uint32_t top_k = 0;
   float top_p = 1.0f, min_p = 0.0f;
   uint64_t seed = 0;
-  bool operator==(const TokenChoice& o) const {
-    return temperature == o.temperature && top_k == o.top_k && top_p == o.top_p && min_p == o.min_p && seed == o.seed;
+  float repetition_penalty = 1.0f, presence_penalty = 0.0f, frequency_penalty = 0.0f;
+  bool logit_bias = false;  // the bias buffer holds the request's logit_bias (uploaded by begin_decode)
+  bool penalized() const {
+    return logit_bias || repetition_penalty != 1.0f || presence_penalty != 0.0f || frequency_penalty != 0.0f;
   }
+  bool operator==(const TokenChoice& o) const {
+    return temperature == o.temperature && top_k == o.top_k && top_p == o.top_p && min_p == o.min_p &&
+           seed == o.seed && repetition_penalty == o.repetition_penalty && presence_penalty == o.presence_penalty &&
+           frequency_penalty == o.frequency_penalty && logit_bias == o.logit_bias;
+  }
+};
+
+// What a penalized choice starts from (Engine::begin_decode): the request's logit bias (ids and values) and the token
+// history the repetition penalty sees (the session's tokens before this decode).
+struct PenaltyInputs {
+  std::vector<uint32_t> bias_ids;
+  std::vector<float> bias_values;
+  std::vector<uint32_t> context;
 };
 
 // The dispatches that choose a token from `logits` into tokens[out_slot]: argmax or sample (see TokenChoice); the
@@ -272,7 +288,9 @@ class Engine {
   // other slot) without waiting; next_token waits for the oldest choice in flight and returns its token. At most
   // two command buffers are in flight. end_decode waits for everything in flight: the state then holds every
   // token submitted, and the logits buffer the last step's logits (read_logits).
-  void begin_decode(const float* last_logits, const TokenChoice& choice);
+  // A penalized choice (choice.penalized()) also takes `penalties`: the bias and seen-token tables are written from
+  // them, and the token counts start at zero.
+  void begin_decode(const float* last_logits, const TokenChoice& choice, const PenaltyInputs& penalties = {});
   void submit_step();
   uint32_t next_token();
   void end_decode();
@@ -327,6 +345,7 @@ class Engine {
   void ensure_prefill_rows(size_t rows);
   void read_rows(int buffer_id, size_t rows, float* out);
   void write_logits(const float* logits);
+  void write_penalty_tables(const TokenChoice& choice, const PenaltyInputs& penalties);
   void wait_in_flight();
   void require_idle(const char* what) const;
 

@@ -50,6 +50,8 @@ constexpr size_t kMoeCombineThreads = 256;
 constexpr size_t kArgmaxThreads = 256;
 // sample_*: one threadgroup scans the whole vocabulary (metal/sampling.metal).
 constexpr size_t kSampleThreads = LILY_SAMPLE_THREADS;
+// penalize_logits: one thread per logit.
+constexpr size_t kPenaltyThreads = 256;
 constexpr size_t kEmbeddingThreads = LILY_EMBEDDING_THREADS;
 
 // Prefill: tokens per chunk (one command buffer each). 512 keeps the chunk's temporaries (MoE gather buffers,

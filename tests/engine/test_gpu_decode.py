@@ -1,8 +1,8 @@
 """What users run takes the engine's fast paths (issue 12), on the demo model through the Linux test runtime.
 
 `Session.decode` on the metal backend chooses tokens on the GPU (the decode step's last dispatches) with the next
-step committed before the host reads a token; the CPU sampler (`LILY_DISABLE_GPU_TOKEN=1`, or a request with logit
-bias, penalties or logprobs) is the reference. Float32 mode: the two paths run the same kernels on the same logits,
+step committed before the host reads a token, logit bias and penalties included; the CPU sampler
+(`LILY_DISABLE_GPU_TOKEN=1`, or a request with logprobs or a windowed repetition penalty) is the reference. Float32 mode: the two paths run the same kernels on the same logits,
 so greedy tokens must be identical.
 """
 
@@ -40,8 +40,9 @@ def test_the_paths_are_the_ones_asked_for(gpu, cpu):
     assert gpu.backend.gpu_decode_blockers(params) == []
     assert cpu.backend.gpu_decode_blockers(params) == ["the GPU_TOKEN switch is off"]
     assert gpu.backend.gpu_decode_blockers(SamplingParams(logit_bias={3: 1.0}, repetition_penalty=1.1,
-                                                          logprobs=True)) == [
-        "logit_bias", "repetition_penalty", "logprobs"]
+                                                          presence_penalty=1.5, frequency_penalty=0.2)) == []
+    assert gpu.backend.gpu_decode_blockers(SamplingParams(repetition_penalty=1.1, repetition_context_size=20,
+                                                          logprobs=True)) == ["repetition_context_size", "logprobs"]
 
 
 def test_greedy_decode_is_identical_and_copies_only_token_ids(gpu, cpu):
@@ -62,8 +63,55 @@ def test_greedy_decode_is_identical_and_copies_only_token_ids(gpu, cpu):
     np.testing.assert_allclose(session.logits, want_session.logits, rtol=0, atol=2e-4)
 
 
+PENALTIES = {
+    "presence": {"presence_penalty": 4.0},
+    "frequency": {"frequency_penalty": 2.5},
+    "repetition": {"repetition_penalty": 1.3},  # over the prompt too
+    "logit_bias": "ban the plain decode's favourite token",
+    "all": {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2},
+}
+
+
+@pytest.fixture(scope="module")
+def plain(gpu) -> list[int]:
+    return decode_ids(gpu, PROMPT, max_tokens=24, temperature=0.0, stop_token_ids=())[0]
+
+
+@pytest.mark.parametrize("feature", list(PENALTIES))
+def test_penalized_greedy_decode_is_identical_and_copies_only_token_ids(gpu, cpu, plain, feature):
+    """Logit bias and penalties on the GPU (penalize_logits before the choice, count_token after it) against the CPU
+    sampler over 24 steps: the same tokens, a different decode from the plain one, and only token ids copied."""
+    options = PENALTIES[feature]
+    if not isinstance(options, dict):
+        favourite = max(set(plain), key=plain.count)
+        options = {"logit_bias": {favourite: -100.0, plain[0]: -3.0}}
+    if feature == "all":
+        options = {**options, "logit_bias": {plain[1]: 4.0}}
+    session = gpu.prefill(PROMPT, use_cache=False)
+    before = gpu.backend.host_read_bytes
+    got = [t.id for t in session.decode(max_tokens=24, temperature=0.0, stop_token_ids=(), **options)]
+    assert gpu.backend.host_read_bytes - before == 24 * 4
+    want = decode_ids(cpu, PROMPT, max_tokens=24, temperature=0.0, stop_token_ids=(), **options)[0]
+    assert got == want
+    assert got != plain, f"{options} did not change the greedy decode"
+
+
+def test_a_second_decode_counts_its_own_tokens(gpu, cpu):
+    """Presence and frequency count the tokens of the current decode call only; the repetition penalty sees the whole
+    session, earlier decodes included (as the CPU sampler's context)."""
+    options = dict(max_tokens=12, temperature=0.0, stop_token_ids=(), presence_penalty=1.0, repetition_penalty=1.2)
+    runs = []
+    for model in (gpu, cpu):
+        session = model.prefill(PROMPT, use_cache=False)
+        first = [t.id for t in session.decode(**options)]
+        second = [t.id for t in session.decode(**options)]
+        runs.append((first, second))
+    assert runs[0] == runs[1]
+
+
 def test_sampled_decode_is_reproducible_per_seed(gpu):
-    options = dict(max_tokens=12, temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, stop_token_ids=())
+    options = dict(max_tokens=12, temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, presence_penalty=1.5,
+                   stop_token_ids=())
     first = decode_ids(gpu, PROMPT, seed=1234, **options)[0]
     assert decode_ids(gpu, PROMPT, seed=1234, **options)[0] == first
     others = {tuple(decode_ids(gpu, PROMPT, seed=s, **options)[0]) for s in (1, 2, 3)}

@@ -1,7 +1,9 @@
 """The GPU token choice of the metal engine against the CPU sampler (lily.sampling), feature by feature.
 
 Each draw is the engine's own path for a decode's first token: logits uploaded, the choice dispatched (argmax or
-sample_f32, exactly the dispatches ending every decode step), the token id read back. The draws are tested with a
+sample_f32, after penalize_logits for a logit bias or a repetition penalty over the context: exactly the dispatches
+ending every decode step), the token id read back. Presence and frequency act from the second token on: their draws
+are tested on the kernel pair in tests/kernels/test_sampling.py, their tokens over whole decodes in test_gpu_decode.py. The draws are tested with a
 chi-square goodness-of-fit against the distribution lily.sampling.Sampler draws from (computed in float64), over
 logits with a dozen plausible tokens and a long tail. 400 draws per feature (the harness runs the
 1024-thread sample kernel's radix passes as fibers: tens of ms a draw); p < 1e-3 fails.
@@ -14,7 +16,7 @@ import pytest
 from scipy.stats import chisquare
 
 from lily import Model
-from lily.sampling import SamplingParams, min_p_mask, top_k_mask, top_p_mask
+from lily.sampling import Sampler, SamplingParams, min_p_mask, top_k_mask, top_p_mask
 
 DRAWS = 400
 
@@ -34,9 +36,9 @@ def logits(engine) -> np.ndarray:
     return x
 
 
-def cpu_distribution(x: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The probabilities Sampler.choose draws from (steps 4-6 of lily.sampling), in float64."""
-    z = x.astype(np.float64) / params.temperature
+def cpu_distribution(x: np.ndarray, params: SamplingParams, context: list[int] = ()) -> np.ndarray:
+    """The probabilities Sampler draws its first token from (steps 1-6 of lily.sampling), in float64."""
+    z = Sampler(params, context=context).process(x) / params.temperature
     keep = top_k_mask(z, params.top_k)
     z = np.where(keep, z, -np.inf)
     probs = np.exp(z - z.max())
@@ -48,11 +50,14 @@ def cpu_distribution(x: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs / probs.sum()
 
 
-def gpu_draws(engine, x: np.ndarray, params: SamplingParams, draws: int = DRAWS) -> np.ndarray:
+def gpu_draws(engine, x: np.ndarray, params: SamplingParams, draws: int = DRAWS, context: list[int] = ()) -> np.ndarray:
     e, vocab = engine
     counts = np.zeros(vocab, dtype=np.int64)
+    bias = params.logit_bias or {}
     for seed in range(draws):
-        e.begin_decode(x, params.temperature, params.top_k, params.top_p, params.min_p, seed)
+        e.begin_decode(x, params.temperature, params.top_k, params.top_p, params.min_p, seed,
+                       repetition_penalty=params.repetition_penalty, bias_ids=list(bias),
+                       bias_values=list(bias.values()), context=list(context))
         counts[e.next_token()] += 1
         e.end_decode()
     return counts
@@ -84,6 +89,24 @@ def test_gpu_draws_follow_the_cpu_sampler(engine, logits, feature):
     params = FEATURES[feature]
     counts = gpu_draws(engine, logits, params)
     assert fit_pvalue(counts, cpu_distribution(logits, params)) > 1e-3
+
+
+@pytest.mark.parametrize("feature", ["logit_bias", "repetition_penalty"])
+def test_penalized_gpu_draws_follow_the_cpu_sampler(engine, logits, feature):
+    """The two likeliest tokens pushed down (a bias, or the repetition penalty over a context holding them), one of
+    the tail raised by a bias: the draws follow the processed distribution, not the raw one."""
+    head = np.argsort(-logits, kind="stable")
+    context = [int(head[0]), int(head[1]), 7]
+    if feature == "logit_bias":
+        params = SamplingParams(temperature=1.0, top_k=10, logit_bias={context[0]: -1.5, context[1]: -0.5,
+                                                                         int(head[30]): 43.0})
+    else:
+        params = SamplingParams(temperature=1.0, top_k=10, repetition_penalty=2.0)
+    counts = gpu_draws(engine, logits, params, context=context)
+    assert fit_pvalue(counts, cpu_distribution(logits, params, context)) > 1e-3
+    raw = cpu_distribution(logits, SamplingParams(temperature=1.0, top_k=10))
+    if counts[raw == 0].sum() == 0:  # else the raw distribution excludes a token drawn: rejected already
+        assert fit_pvalue(counts, raw) < 1e-3
 
 
 def test_the_fit_rejects_a_wrong_distribution(engine, logits):

@@ -12,8 +12,9 @@ from cases import check, op_cases
 
 from lily._ext import msl
 from lily.kernel_cases.common import Run, to_device
-from lily.kernel_cases.sampling import MASK32, philox4x32_10, run_sample, sample_args
-from lily.sampling import log_softmax, top_k_mask, top_p_mask
+from lily.kernel_cases.sampling import (MASK32, philox4x32_10, processed_reference, run_penalize, run_sample,
+                                        sample_args)
+from lily.sampling import SamplingParams, log_softmax, top_k_mask, top_p_mask
 
 
 @pytest.mark.parametrize("case", op_cases("sampling"))
@@ -57,6 +58,28 @@ def test_sample_distribution(kernel_device) -> None:
     chi2 = float(((counts[keep] - e) ** 2 / e).sum())
     # 99.9th percentile of chi-square with (kept - 1) <= 4 degrees of freedom is 18.5.
     assert chi2 < 18.5, f"chi2 {chi2:.1f}; counts {counts.tolist()}, expected {np.round(e).tolist()}"
+
+
+@pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
+def test_penalized_sample_distribution(kernel_device, penalty) -> None:
+    """The decode step's kernel pair, penalize_logits_f32 then sample_f32, for a decode that has chosen tokens 0, 0
+    and 1: chi-square of 3000 draws against lily.sampling's distribution over the processed logits."""
+    logits = np.array([2.0, 1.5, 1.0, 0.3, 0.0, -0.5, -1.0, -3.0], np.float32)
+    generated = [0, 0, 1]
+    params = SamplingParams(temperature=0.9, **{penalty: 0.8})
+    run = Run(kernel_device, np.random.default_rng(1))
+    processed = run_penalize(run, "penalize_logits_f32", logits, 32, params, [], generated)
+    x = processed_reference(logits.astype(np.float64), params, [], generated) / params.temperature
+    expected = np.exp(log_softmax(x))
+    draws = 3000
+    counts = np.bincount([run_sample(run, "sample_f32", processed, 32, params.temperature, 0, 1.0, 0.0, 99, s)
+                          for s in range(draws)], minlength=logits.size)
+    e = expected * draws
+    chi2 = float(((counts - e) ** 2 / e).sum())
+    # 99.9th percentile of chi-square with 7 degrees of freedom is 24.3; the unpenalized distribution must fail it.
+    assert chi2 < 24.3, f"chi2 {chi2:.1f}; counts {counts.tolist()}, expected {np.round(e).tolist()}"
+    raw = np.exp(log_softmax(logits.astype(np.float64) / params.temperature)) * draws
+    assert float(((counts - raw) ** 2 / raw).sum()) > 24.3
 
 
 def test_sample_independent_of_schedule() -> None:

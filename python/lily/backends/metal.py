@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -349,26 +349,22 @@ class MetalBackend:
     def gpu_decode_blockers(self, params: "SamplingParams") -> list[str]:
         """The requested features that keep this request on the CPU sampler (empty: it runs on the GPU).
 
-        The GPU chooses tokens with temperature, top-k, top-p, min-p and a seed (metal/sampling.metal). Logit bias,
-        the repetition, presence and frequency penalties, and logprobs need the logits on the host: such a request
-        reads every step's logits and samples with ``lily.sampling.Sampler``, for that request only.
+        The GPU chooses tokens with temperature, top-k, top-p, min-p, a seed, a logit bias and the repetition,
+        presence and frequency penalties (metal/sampling.metal). Logprobs need the logits on the host, and a
+        repetition penalty over a window (``repetition_context_size``) needs the token leaving the window: such a
+        request reads every step's logits and samples with ``lily.sampling.Sampler``, for that request only.
         """
         blockers = [] if self._gpu_token else ["the GPU_TOKEN switch is off"]
-        if params.logit_bias:
-            blockers.append("logit_bias")
-        if params.repetition_penalty != 1.0:
-            blockers.append("repetition_penalty")
-        if params.presence_penalty != 0.0:
-            blockers.append("presence_penalty")
-        if params.frequency_penalty != 0.0:
-            blockers.append("frequency_penalty")
+        if params.repetition_penalty != 1.0 and params.repetition_context_size is not None:
+            blockers.append("repetition_context_size")
         if params.logprobs or params.top_logprobs:
             blockers.append("logprobs")
         return blockers
 
     def decode_tokens(self, state: MetalState, last_logits: np.ndarray, params: "SamplingParams",
-                      max_tokens: int | None) -> Iterator[int]:
-        """Token ids chosen on the GPU, starting from ``last_logits`` (the logits of the state's last position).
+                      max_tokens: int | None, context: Sequence[int] = ()) -> Iterator[int]:
+        """Token ids chosen on the GPU, starting from ``last_logits`` (the logits of the state's last position);
+        ``context`` is the token history the repetition penalty sees (the session's tokens, as ``Sampler``'s).
 
         The first token is chosen from ``last_logits``; each next token by a decode step that runs the one before
         and chooses in its last dispatches, so only token ids come back. The step that runs the token just yielded
@@ -380,8 +376,14 @@ class MetalBackend:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         logits = np.ascontiguousarray(last_logits, dtype=np.float32).reshape(-1)
         engine = self._engine
+        bias = params.logit_bias or {}
         engine.begin_decode(logits, float(params.temperature), int(params.top_k), float(params.top_p),
-                            float(params.min_p), int(seed) & (2**64 - 1))
+                            float(params.min_p), int(seed) & (2**64 - 1),
+                            repetition_penalty=float(params.repetition_penalty),
+                            presence_penalty=float(params.presence_penalty),
+                            frequency_penalty=float(params.frequency_penalty),
+                            bias_ids=[int(t) for t in bias], bias_values=[float(v) for v in bias.values()],
+                            context=[int(t) for t in context] if params.repetition_penalty != 1.0 else [])
         self._decoded = state
         self._decoding = True
         count = 0

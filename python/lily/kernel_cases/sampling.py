@@ -8,6 +8,10 @@ min_p_mask) and draw rule (the first id whose cumulative kept probability exceed
 kernel's Philox4x32-10 number u. The kernel works in fp32, so a draw must match exactly unless nudging top_p or min_p
 by 1e-5 (relative) or u by 2e-6 changes the float64 answer; such near-boundary draws must be rare (at most 1 in 12)
 and must match one of the nudged answers. Ties at the top-p and top-k cuts, banned (-inf) tokens.
+
+Penalties (penalize_logits) against ``Sampler.process`` in float64, with a history that repeats tokens, -inf entries,
+a poisoned bias buffer when the bias is off, and vocabularies around the 256-thread group; count_token over a token
+sequence written to alternating slots, ids past the vocabulary ignored.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from functools import partial
 
 import numpy as np
 
-from lily.kernel_cases.common import Case, Run, dtype_of, to_device, to_f64
-from lily.sampling import log_softmax, min_p_mask, top_k_mask, top_p_mask
+from lily.kernel_cases.common import Case, Run, dtype_of, poisoned, to_device, to_f64
+from lily.sampling import Sampler, SamplingParams, log_softmax, min_p_mask, top_k_mask, top_p_mask
 
-PATTERN = re.compile(r"argmax_partial_(f32|f16|bf16)|argmax_final_f32|sample_(f32|f16|bf16)")
+PATTERN = re.compile(r"argmax_partial_(f32|f16|bf16)|argmax_final_f32|sample_(f32|f16|bf16)|"
+                     r"penalize_logits_(f32|bf16)|count_token")
 MASK32 = 0xFFFFFFFF
 # (vocab, block, threads) of argmax; the first is the self-test's.
 ARGMAX_SHAPES = [(5000, 1024, 256), (1, 64, 32), (31, 32, 32), (33, 32, 32), (64, 64, 64), (65, 64, 64),
@@ -32,6 +37,11 @@ SAMPLE_PARAMS = [(0.7, 20, 0.95, 0.0), (1.0, 0, 1.0, 0.0), (1.0, 0, 0.9, 0.05), 
                  (0.8, 0, 0.5, 0.0), (1.0, 100000, 0.8, 0.1)]
 SAMPLE_SIZES = [(2000, 256), (37, 32), (300, 64)]  # (vocab, threads)
 STEPS = 12
+# (repetition, presence, frequency, logit-bias entries): the model card's presence 1.5 (the self-test's); each alone;
+# all together with a negative presence (a reward).
+PENALTY_PARAMS = [(1.0, 1.5, 0.0, 0), (1.3, 0.0, 0.0, 0), (1.0, 0.0, 0.7, 0), (1.0, 0.0, 0.0, 8),
+                  (1.2, -0.5, 0.3, 5)]
+PENALTY_SIZES = [(5000, 256), (1, 256), (255, 256), (256, 256), (257, 256)]  # (vocab, threads)
 
 
 def argmax_args(vocab: int, block: int, num_partials: int, out_index: int) -> bytes:
@@ -44,6 +54,12 @@ def sample_args(vocab: int, temperature: float, top_k: int, top_p: float, min_p:
     """lily::SampleArgs (metal/lily.h): 48 bytes."""
     return struct.pack("<IIfffIIIIIII", vocab, top_k, temperature, top_p, min_p, seed & MASK32, seed >> 32, step,
                        out_index, 0, 0, 0)
+
+
+def penalty_args(vocab: int, has_bias: bool, repetition: float, presence: float, frequency: float,
+                 out_index: int = 0) -> bytes:
+    """lily::PenaltyArgs (metal/lily.h): 32 bytes."""
+    return struct.pack("<IIfffIII", vocab, int(has_bias), repetition, presence, frequency, out_index, 0, 0)
 
 
 def philox4x32_10(counter: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, int, int, int]:
@@ -170,8 +186,95 @@ def _sample_top_k_ties_and_banned(run: Run, kernel: str) -> None:
     run.compare_exact("tokens drawn in 60 steps", sorted(seen), [3, 40, 41, 77])
 
 
+def penalty_inputs(run: Run, vocab: int, n_bias: int) -> tuple[list[int], list[int], dict[int, float]]:
+    """A context, the tokens generated so far (repeats likely) and a logit bias of fp32 values."""
+    context = run.rng.integers(0, vocab, size=min(vocab, 40)).tolist()
+    generated = run.rng.integers(0, max(1, vocab // 8), size=30).tolist()
+    ids = run.rng.choice(vocab, size=min(n_bias, vocab), replace=False)
+    bias = {int(t): float(np.float32(v)) for t, v in zip(ids, run.rng.uniform(-100.0, 100.0, ids.size))}
+    return context, generated, bias
+
+
+def penalty_tables(vocab: int, context: list[int], generated: list[int], bias: dict[int, float]):
+    """The engine's tables for penalize_logits: dense bias (NaN where the bias is off: never read), seen, counts."""
+    dense = np.zeros(vocab, np.float32) if bias else np.full(vocab, np.nan, np.float32)
+    for token, value in bias.items():
+        dense[token] += value
+    seen = np.zeros(vocab, np.uint32)
+    seen[context + generated] = 1
+    counts = np.bincount(np.asarray(generated, np.int64), minlength=vocab).astype(np.uint32)
+    return dense, seen, counts
+
+
+def run_penalize(run: Run, kernel: str, logits: np.ndarray, threads: int, params: SamplingParams,
+                 context: list[int], generated: list[int]) -> np.ndarray:
+    """penalize_logits over `logits` for a decode that has chosen `generated` after `context`; the fp32 result."""
+    vocab = logits.shape[0]
+    bias, seen, counts = penalty_tables(vocab, context, generated, params.logit_bias or {})
+    processed = poisoned((vocab,), "f32")
+    args = penalty_args(vocab, bool(params.logit_bias), params.repetition_penalty, params.presence_penalty,
+                        params.frequency_penalty)
+    run.dispatch(kernel, [args, logits, bias, seen, counts, processed], -(-vocab // threads), threads)
+    return processed
+
+
+def processed_reference(logits64: np.ndarray, params: SamplingParams, context: list[int],
+                        generated: list[int]) -> np.ndarray:
+    """lily.sampling steps 1-3 in float64 (``Sampler.process``)."""
+    sampler = Sampler(params, context=context)
+    sampler.generated = list(generated)
+    return sampler.process(logits64)
+
+
+def _penalize(run: Run, kernel: str, vocab: int, threads: int, params: tuple) -> None:
+    repetition, presence, frequency, n_bias = params
+    dtype = dtype_of(kernel)
+    values = 4.0 * run.rng.standard_normal(vocab)
+    values[run.rng.choice(vocab, vocab // 50, replace=False)] = -np.inf  # banned tokens stay banned
+    logits = to_device(values, dtype)
+    context, generated, bias = penalty_inputs(run, vocab, n_bias)
+    sampling = SamplingParams(repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency,
+                              logit_bias=bias)
+    got = run_penalize(run, kernel, logits, threads, sampling, context, generated)
+    x64 = to_f64(logits, dtype)
+    expected = processed_reference(x64, sampling, context, generated)
+    # fp32 steps: the bias add, the penalty division, presence + frequency·count and the subtraction (one rounding
+    # each, of terms up to these magnitudes).
+    counts = np.bincount(np.asarray(generated, np.int64), minlength=vocab)
+    dense_bias = np.zeros(vocab)
+    dense_bias[list(bias)] = list(bias.values())
+    terms = np.abs(np.where(np.isfinite(x64), x64, 0.0)) + np.abs(dense_bias) + abs(presence) + frequency * counts
+    run.compare("penalized logits", got, expected, "f32", allowance=4 * 2.0**-24 * terms)
+
+
+def _count_token(run: Run, kernel: str, vocab: int) -> None:
+    """Twenty choices written to alternating slots, repeating (a count must grow), the last id of the vocabulary and
+    one past it (ignored), counted one by one."""
+    context = run.rng.integers(0, vocab, size=10).tolist()
+    _, seen, counts = penalty_tables(vocab, context, [], {})
+    chosen = run.rng.integers(0, min(vocab, 5), size=20).tolist()
+    chosen[7], chosen[11] = vocab, vocab - 1
+    tokens = np.full(3, MASK32, np.uint32)
+    for step, token in enumerate(chosen):
+        slot = step % 2
+        tokens[slot] = token
+        run.dispatch(kernel, [penalty_args(vocab, False, 1.0, 0.0, 0.0, slot), tokens, seen, counts], 1, 32)
+    valid = [t for t in chosen if t < vocab]
+    run.compare_exact("token counts", counts, np.bincount(np.asarray(valid, np.int64), minlength=vocab))
+    want_seen = np.zeros(vocab, np.uint32)
+    want_seen[context + valid] = 1
+    run.compare_exact("seen tokens", seen, want_seen)
+
+
 def cases(kernel: str) -> list[Case]:
     """Every case of one token-selection kernel; the first is the self-test's."""
+    if kernel.startswith("penalize_logits"):
+        return [Case(kernel, f"vocab={v} threads={t} repetition={p[0]} presence={p[1]} frequency={p[2]} bias={p[3]}",
+                     partial(_penalize, kernel=kernel, vocab=v, threads=t, params=p), quick=i == 0 and j == 0)
+                for i, (v, t) in enumerate(PENALTY_SIZES) for j, p in enumerate(PENALTY_PARAMS)]
+    if kernel == "count_token":
+        return [Case(kernel, f"vocab={v}", partial(_count_token, kernel=kernel, vocab=v), quick=i == 0)
+                for i, v in enumerate((248320, 7))]
     if kernel.startswith("argmax_partial"):
         found = [Case(kernel, f"vocab={v} block={b} threads={t}",
                       partial(_argmax, kernel=kernel, vocab=v, block=b, threads=t), quick=i == 0)

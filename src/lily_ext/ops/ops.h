@@ -145,6 +145,12 @@ size_t moe_max_tiles(size_t pairs, size_t experts, size_t tile_rows);
 // position + position_delta, marked as a PositionField).
 void argmax(Context& ctx, const Span& logits, size_t vocab, const Span& partial_values, const Span& partial_ids,
             const Span& tokens, size_t out_index);
+// penalize_logits: lily.sampling steps 1-3 from `logits` into the fp32 `processed`; count_token: records
+// tokens[out_index] in `seen` and `counts` (after the choice).
+void penalize_logits(Context& ctx, const Span& logits, size_t vocab, const TokenChoice& choice, const Span& bias,
+                     const Span& seen, const Span& counts, const Span& processed);
+void count_token(Context& ctx, size_t vocab, const Span& tokens, size_t out_index, const Span& seen,
+                 const Span& counts);
 void sample(Context& ctx, const Span& logits, size_t vocab, const TokenChoice& choice, const Span& tokens,
             size_t out_index, size_t position, int position_delta);
 

@@ -1,5 +1,6 @@
-// argmax_partial_<dtype>, argmax_final_f32, sample_<dtype> (metal/sampling.metal): the token choice, written to the
-// token buffer the next step's embedding reads.
+// argmax_partial_<dtype>, argmax_final_f32, sample_<dtype>, penalize_logits_<dtype>, count_token
+// (metal/sampling.metal): the token choice, written to the token buffer the next step's embedding reads, and the
+// logit bias and penalties in front of it.
 #include <cstddef>
 
 #include "../../../metal/lily.h"
@@ -21,6 +22,29 @@ void argmax(Context& ctx, const Span& logits, size_t vocab, const Span& partial_
            {logits}, {values, ids});
   add_node(ctx, "argmax_final_f32", "argmax final", {arg_value(a), arg(values), arg(ids), arg(tokens)}, {1, 1, 1},
            {tuning::kArgmaxThreads, 1, 1}, {values, ids}, {sub(tokens, out_index * 4, 4)});
+}
+
+void penalize_logits(Context& ctx, const Span& logits, size_t vocab, const TokenChoice& choice, const Span& bias,
+                     const Span& seen, const Span& counts, const Span& processed) {
+  PenaltyArgs a{};
+  a.vocab_size = static_cast<u32>(vocab);
+  a.has_bias = choice.logit_bias ? 1 : 0;
+  a.repetition_penalty = choice.repetition_penalty;
+  a.presence_penalty = choice.presence_penalty;
+  a.frequency_penalty = choice.frequency_penalty;
+  const u32 groups = static_cast<u32>((vocab + tuning::kPenaltyThreads - 1) / tuning::kPenaltyThreads);
+  add_node(ctx, std::string("penalize_logits_") + dtype_name(ctx.act), "penalize logits",
+           {arg_value(a), arg(logits), arg(bias), arg(seen), arg(counts), arg(processed)}, {groups, 1, 1},
+           {tuning::kPenaltyThreads, 1, 1}, {logits, bias, seen, counts}, {processed});
+}
+
+void count_token(Context& ctx, size_t vocab, const Span& tokens, size_t out_index, const Span& seen,
+                 const Span& counts) {
+  PenaltyArgs a{};
+  a.vocab_size = static_cast<u32>(vocab);
+  a.out_index = static_cast<u32>(out_index);
+  add_node(ctx, "count_token", "count token", {arg_value(a), arg(tokens), arg(seen), arg(counts)}, {1, 1, 1},
+           {32, 1, 1}, {sub(tokens, out_index * 4, 4), seen, counts}, {seen, counts});
 }
 
 void sample(Context& ctx, const Span& logits, size_t vocab, const TokenChoice& choice, const Span& tokens,
