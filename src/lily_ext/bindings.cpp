@@ -357,6 +357,17 @@ void new_engine(lily::Engine* e, const nb::dict& config, const std::string& prec
                        std::move(runtime));
 }
 
+void begin_decode(lily::Engine& e, nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> logits,
+                  float temperature, uint32_t top_k, float top_p, float min_p, uint64_t seed, float repetition_penalty,
+                  float presence_penalty, float frequency_penalty, std::vector<uint32_t> bias_ids,
+                  std::vector<float> bias_values, std::vector<uint32_t> context) {
+  if (logits.shape(0) != e.config().vocab_size) throw nb::value_error("logits must be float32 [vocab_size]");
+  const lily::TokenChoice choice{temperature, top_k, top_p, min_p, seed, repetition_penalty, presence_penalty,
+                                 frequency_penalty, !bias_ids.empty()};
+  e.begin_decode(logits.data(), choice,
+                 lily::PenaltyInputs{std::move(bias_ids), std::move(bias_values), std::move(context)});
+}
+
 void bind_engine(nb::module_ m) {
   nb::class_<lily::Engine>(m, "Engine")
       .def("__init__", &new_engine,
@@ -399,17 +410,7 @@ void bind_engine(nb::module_ m) {
              e.forward(tokens, out.data(), dropped_barrier, last_only);
            },
            nb::arg("tokens"), nb::arg("out"), nb::arg("dropped_barrier") = -1, nb::arg("last_only") = false)
-      .def("begin_decode",
-           [](lily::Engine& e, nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> logits,
-              float temperature, uint32_t top_k, float top_p, float min_p, uint64_t seed, float repetition_penalty,
-              float presence_penalty, float frequency_penalty, std::vector<uint32_t> bias_ids,
-              std::vector<float> bias_values, std::vector<uint32_t> context) {
-             if (logits.shape(0) != e.config().vocab_size) throw nb::value_error("logits must be float32 [vocab_size]");
-             lily::TokenChoice choice{temperature, top_k, top_p, min_p, seed, repetition_penalty, presence_penalty,
-                                      frequency_penalty, !bias_ids.empty()};
-             e.begin_decode(logits.data(), choice,
-                            lily::PenaltyInputs{std::move(bias_ids), std::move(bias_values), std::move(context)});
-           },
+      .def("begin_decode", &begin_decode,
            nb::arg("logits"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
            nb::arg("seed"), nb::arg("repetition_penalty") = 1.0f, nb::arg("presence_penalty") = 0.0f,
            nb::arg("frequency_penalty") = 0.0f, nb::arg("bias_ids") = std::vector<uint32_t>{},

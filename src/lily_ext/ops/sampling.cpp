@@ -1,6 +1,6 @@
-// argmax_partial_<dtype>, argmax_final_f32, sample_<dtype>, penalize_logits_<dtype>, count_token
-// (metal/sampling.metal): the token choice, written to the token buffer the next step's embedding reads, and the
-// logit bias and penalties in front of it.
+// metal/sampling.metal: argmax_partial_<dtype>, argmax_final_f32, sample_<dtype>, penalize_logits_<dtype>,
+// count_token: the token choice, written to the token buffer the next step's embedding reads, and the logit bias
+// and penalties in front of it.
 #include <cstddef>
 
 #include "../../../metal/lily.h"
