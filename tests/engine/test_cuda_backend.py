@@ -71,6 +71,11 @@ def test_model_on_cuda_decodes_as_the_reference(cuda_engine_backend, checkpoint_
     want = [t.id for t in reference.prefill(prompt).decode(max_tokens=12, temperature=0)]
     got = [t.id for t in cuda.prefill(prompt).decode(max_tokens=12, temperature=0)]
     assert got == want
+    # The penalized choice (penalize_logits and count_token in the CUDA graph) against the reference's CPU sampler.
+    penalties = dict(max_tokens=12, temperature=0, presence_penalty=2.0, repetition_penalty=1.3,
+                     logit_bias={want[0]: -50.0})
+    want_penalized = [t.id for t in reference.prefill(prompt).decode(**penalties)]
+    assert [t.id for t in cuda.prefill(prompt).decode(**penalties)] == want_penalized != want
     longer = prompt + want[:2]
     session = cuda.prefill(longer)
     assert session.stats.cached_tokens >= len(prompt)
