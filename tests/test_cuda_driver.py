@@ -189,10 +189,13 @@ def test_graph_with_its_dependency_edges_is_right_in_every_order(runner: cuda.Ru
 
 @fake_only
 def test_graph_missing_a_dependency_edge_gives_a_wrong_answer(runner: cuda.Runner) -> None:
-    """Without the edge the second kernel may run before the first and read the poisoned y: the fake's random
-    order finds it within 8 launches (and also runs it in the lucky order, so the failure is the order's)."""
+    """Without the edge the second kernel may run before the first and read the poisoned y: each launch of the fake
+    runs either order with probability 1/2, so launches go on until both outcomes are seen, at most 64 (the wrong
+    one shows the missing edge, the right one that the failure is the order's; one outcome 64 times: 2^-63)."""
     chain = _Chain(runner, edge=False)
-    outcomes = [chain.launch_is_right() for _ in range(8)]
+    outcomes: list[bool] = []
+    while len(outcomes) < 64 and len(set(outcomes)) < 2:
+        outcomes.append(chain.launch_is_right())
     assert not all(outcomes), "every launch ran the nodes in the declared order: the missing edge went unnoticed"
     assert any(outcomes), "no launch ran the kernels in the working order"
     chain.free()
