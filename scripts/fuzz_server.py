@@ -57,7 +57,7 @@ sys.path.insert(0, {tests!r})
 from server_helpers import echo, scripted_model
 from lily import hub
 from lily.server import serve
-from lily.server_engine import LilyEngine
+from lily.server.adapter import LilyEngine
 
 serve(LilyEngine(scripted_model(hub.resolve("lily:demo"), echo), model_id="scripted"), port={port})
 """

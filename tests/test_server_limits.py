@@ -264,3 +264,13 @@ def test_a_second_ctrl_c_answers_a_running_request_with_503(tokenizer_dir):
     assert answer and answer[0].status_code == 503, answer and answer[0].text
     assert answer[0].json()["error"]["code"] == "server_shutting_down"
     assert_clean_exit(code, output)
+
+
+def test_the_fuzz_script_runs_and_finds_no_failure():
+    """scripts/fuzz_server.py, small (its full run is docs/verification.md's): it starts its server and reports."""
+    script = Path(__file__).parent.parent / "scripts" / "fuzz_server.py"
+    done = subprocess.run([sys.executable, str(script), "--bodies", "40", "--huge", "1", "--half-heads", "0",
+                           "--seed", "3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["ok"] and summary["five_xx"] == 0 and summary["hangs"] == 0 and summary["requests"] >= 41
