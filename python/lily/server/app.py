@@ -763,7 +763,10 @@ def serve(
         if not server.should_exit:
             raise
     finally:
-        state.scheduler.stop()
         listener.close()
+        try:
+            state.scheduler.stop()  # waits for the engine's current step (up to 10 s)
+        except KeyboardInterrupt:
+            pass  # another Ctrl-C while waiting: exit now (the engine thread is a daemon)
     if state.load_error is not None:
         raise RuntimeError(f"model failed to load: {state.load_error}")
