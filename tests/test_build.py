@@ -58,6 +58,38 @@ def path_without_clang(bin_dir: Path) -> str:
     return str(bin_dir)
 
 
+def make_venv(venv: Path, *, with_pip: bool = True) -> Path:
+    """A venv that imports what this interpreter imports (lily's dependencies included), in a venv, a conda env or a
+    plain interpreter alike: a .pth file lists this interpreter's sys.path beyond the standard library.
+    `--system-site-packages` would not do: it passes on the base interpreter's packages, not those of the venv or
+    conda env running the tests."""
+    subprocess.run([sys.executable, "-m", "venv", *([] if with_pip else ["--without-pip"]), str(venv)],
+                   check=True, timeout=300)
+    stdlib = subprocess.run([sys.executable, "-I", "-S", "-c", "import sys; print(*sys.path, sep='\\n')"],
+                            capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
+    inherited = [entry for entry in sys.path if entry and entry not in stdlib and os.path.isdir(entry)]
+    purelib = subprocess.run([str(venv / "bin" / "python"), "-c",
+                              "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    # Plain paths, appended after the venv's own site-packages: what is installed into the venv comes first, and
+    # the .pth files of the inherited directories (an editable install's import hook) do not run.
+    (Path(purelib) / "inherited.pth").write_text("\n".join(inherited) + "\n")
+    return venv
+
+
+def test_a_venv_made_by_a_test_imports_what_the_running_interpreter_imports(tmp_path, monkeypatch):
+    # A module only this interpreter can import (as a package installed in an outer venv would be).
+    outer = tmp_path / "outer"
+    outer.mkdir()
+    (outer / "only_outside.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(outer))
+    venv = make_venv(tmp_path / "venv", with_pip=False)
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import only_outside, sys; print(only_outside.VALUE,"
+                            " sys.prefix)"], capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["7", str(venv)]
+
+
 def test_a_machine_without_clang_builds_installs_and_generates(tmp_path):
     env = {key: value for key, value in os.environ.items() if key not in ("CXX", "CC", "CMAKE_ARGS")}
     env["PATH"] = path_without_clang(tmp_path / "bin")
@@ -75,8 +107,7 @@ def test_a_machine_without_clang_builds_installs_and_generates(tmp_path):
     assert "The CXX compiler identification is GNU" in log, log[-4000:]
     assert log.count(NO_RUNTIME_LINE) == 1, log[-4000:]
     assert "Lily: no CUDA kernels in this build: no clang++" in log, log[-4000:]  # one line, and the build goes on
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    venv = make_venv(tmp_path / "venv")
     wheel = next((tmp_path / "wheel").glob("lily-*.whl"))
     # --ignore-installed: CI has already installed this same version into the interpreter the venv inherits, and pip
     # would otherwise call the wheel satisfied and install nothing (no venv/bin/lily).
