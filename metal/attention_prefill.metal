@@ -34,19 +34,6 @@
 
 using namespace metal;
 
-// The lane layout of simdgroup_float8x8::thread_elements(), which attention_prefill_mma relies on and Apple leaves
-// unspecified: lane l writes its two elements of M[r][c] = 8r + c. The engine runs it once per device
-// (src/lily_ext/layout_probe.cpp) and uses the vector kernel when the layout differs; lily.selftest has its row.
-[[kernel]] void simdgroup_layout_probe(device float2* out [[buffer(0)]], uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float matrix[64];
-  matrix[lane] = float(lane);
-  matrix[lane + 32] = float(lane + 32);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  simdgroup_float8x8 m;
-  simdgroup_load(m, matrix, 8);
-  out[lane] = m.thread_elements();
-}
-
 template <typename T, typename C, uint D, uint G>
 [[kernel]] void attention_prefill(constant lily::AttentionArgs& args [[buffer(0)]],
                                   device const T* q [[buffer(1)]],
@@ -149,23 +136,51 @@ template <typename T, typename C, uint D, uint G>
   }
 }
 
-// Row and first column of the two elements a lane holds in an 8x8 simdgroup matrix: (row, col) and (row, col + 1).
-// Apple leaves this mapping implementation-defined; it is the one MLX's steel kernels rely on.
+// Row and first column of the two elements a lane holds in an 8x8 simdgroup matrix: (row, col) and (row, col + 1),
+// and the sum or max over the four lanes holding one row. Apple leaves this mapping implementation-defined; on Apple
+// GPUs it is the one MLX's steel kernels rely on; the CUDA shim stores fragments in NVIDIA's mma layout.
+#if defined(MSL_CUDA)
+inline uint attn_mma_row(uint lane) {
+  return lane / 4;
+}
+inline uint attn_mma_col(uint lane) {
+  return (lane % 4) * 2;
+}
+constant constexpr ushort ATTN_MMA_ROW_XOR_NEAR = 1;  // the lanes of a row differ in these two bits
+constant constexpr ushort ATTN_MMA_ROW_XOR_FAR = 2;
+#else
 inline uint attn_mma_row(uint lane) {
   return ((lane / 4) & 4) + ((lane / 2) % 4);
 }
 inline uint attn_mma_col(uint lane) {
   return ((lane / 4) & 2) * 2 + (lane % 2) * 2;
 }
-
-// Sum or max over the four lanes holding one row of an 8x8 fragment (lanes differing in bits 0 and 3).
+constant constexpr ushort ATTN_MMA_ROW_XOR_NEAR = 1;
+constant constexpr ushort ATTN_MMA_ROW_XOR_FAR = 8;
+#endif
 inline float attn_mma_row_max(float x) {
-  x = max(x, simd_shuffle_xor(x, ushort(1)));
-  return max(x, simd_shuffle_xor(x, ushort(8)));
+  x = max(x, simd_shuffle_xor(x, ATTN_MMA_ROW_XOR_NEAR));
+  return max(x, simd_shuffle_xor(x, ATTN_MMA_ROW_XOR_FAR));
 }
 inline float attn_mma_row_sum(float x) {
-  x += simd_shuffle_xor(x, ushort(1));
-  return x + simd_shuffle_xor(x, ushort(8));
+  x += simd_shuffle_xor(x, ATTN_MMA_ROW_XOR_NEAR);
+  return x + simd_shuffle_xor(x, ATTN_MMA_ROW_XOR_FAR);
+}
+
+// The lane layout check attention_prefill_mma depends on: lane l writes the two element indices 8r + c its
+// thread_elements() hold after a simdgroup_load of M[r][c] = 8r + c (out[l]), and the two that attn_mma_row/col say it
+// holds (out[32 + l]). The engine runs it once per device (src/lily_ext/layout_probe.cpp) and uses the vector kernel
+// when they differ; lily.selftest has its row.
+[[kernel]] void simdgroup_layout_probe(device float2* out [[buffer(0)]], uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float matrix[64];
+  matrix[lane] = float(lane);
+  matrix[lane + 32] = float(lane + 32);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  simdgroup_float8x8 m;
+  simdgroup_load(m, matrix, 8);
+  out[lane] = m.thread_elements();
+  const float first = float(8 * attn_mma_row(lane) + attn_mma_col(lane));
+  out[32 + lane] = float2(first, first + 1.0f);
 }
 
 template <typename T, typename C, uint D, uint G>

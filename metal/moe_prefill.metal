@@ -19,15 +19,17 @@
 // Grouped GEMM: one threadgroup (4 simdgroups) per (64 output columns, tile of bm rows of one expert); the grid's y
 // is max_tiles = ceil(T·k / bm) + min(E, T·k), a bound on Σ_e ceil(count_e / bm) known without reading the counts;
 // threadgroups past tile_count[0] exit at once. Per 32-deep K step, bm rows of the activations (gathered through
-// sorted_pairs for gate/up) and the 64 × 32 weight block(s) are staged in threadgroup memory as fp32, the weights
-// dequantised there from 4-bit codes (never a full dequantised matrix); simdgroup_matrix 8×8 MMAs accumulate in fp32.
+// sorted_pairs for gate/up) and the 64 × 32 weight block(s) are staged in threadgroup memory in the activation dtype,
+// the weights dequantised there from 4-bit codes and rounded to it once (never a full dequantised matrix);
+// simdgroup_matrix 8×8 MMAs accumulate in fp32 (tensor cores on NVIDIA). Gate/up applies SwiGLU to its two fp32
+// accumulators in registers, so one fp32 output tile serves both kernels.
 // bm = 32 (2 × 2 simdgroups of 16 × 32) when the chunk's mean rows per expert T·k/E is at least
 // LILY_MOE_BM32_MIN_ROWS_PER_EXPERT, else bm = 16 (1 × 4 simdgroups of 16 × 16), so sparse experts pad fewer rows.
 // Each weight byte is read once per tile of its expert: with 64 rows per expert (2048-token chunk) that is 2 (bm 32)
 // or 4 (bm 16) reads, i.e. 114 or 57 FLOP per weight byte. Outputs are rounded once to the
 // activation dtype (f32, f16, bf16); scales and biases are bf16, or f32 with the _sf32 suffix.
 // Verified on Linux (CPU harness): results, the block map and the sorted order exactly. Mac-only: speed, the
-// staging layout's bank conflicts, whether bf16 threadgroup staging (half the threadgroup traffic) pays off.
+// staging layout's bank conflicts.
 #include <metal_stdlib>
 #include "activations.h"
 #include "gemm.h"
@@ -180,14 +182,14 @@ struct MoeTile {
   static constant constexpr const int SIMD_COLS = 4 / SIMD_ROWS;     // 4 or 2
   static constant constexpr const int COLS = int(GEMM_BN) / SIMD_COLS;  // 16 or 32 columns per simdgroup
   static constant constexpr const int FRAGS_N = COLS / 8;
-  static_assert((BM == 16 || BM == 32) && BM <= int(GEMM_BK), "16 or 32 rows, at most BK: outputs reuse the B tiles");
+  static_assert(BM == 16 || BM == 32, "16 or 32 rows");
   static_assert(GEMM_THREADS == 128 && GEMM_THREADS == 2 * GEMM_BN, "4 simdgroups; 2 threads per weight row");
   // This simdgroup's first row and column in the tile.
   static uint row0(uint simd_group) { return (simd_group / SIMD_COLS) * 16; }
   static uint col0(uint simd_group) { return (simd_group % SIMD_COLS) * COLS; }
 };
 
-// The A tile source for lily::gemm_tile_loop: a_tile [BM][A_STRIDE] fp32 = rows row_src[m] of `a` (zero for padding
+// The A tile source for lily::gemm_tile_loop: a_tile [BM][A_STRIDE] in T = rows row_src[m] of `a` (zero for padding
 // rows), columns k0 .. k0+BK. Consecutive threads read consecutive elements of a row.
 template <typename T, int BM>
 struct MoeRowsTile {
@@ -195,18 +197,18 @@ struct MoeRowsTile {
   threadgroup const uint* row_src;
   uint row_stride, tid;
 
-  void load(threadgroup float* a_tile, uint ld, uint k0) const {
+  void load(threadgroup T* a_tile, uint ld, uint k0) const {
     for (uint i = tid; i < uint(BM) * GEMM_BK; i += GEMM_THREADS) {
       const uint m = i / GEMM_BK;
       const uint c = i % GEMM_BK;
       const uint src = row_src[m];
-      a_tile[m * ld + c] = src == MOE_NO_ROW ? 0.0f : float(a[size_t(src) * row_stride + k0 + c]);
+      a_tile[m * ld + c] = src == MOE_NO_ROW ? T(0.0f) : a[size_t(src) * row_stride + k0 + c];
     }
   }
 };
 
-// The expert's NumB weight tiles for lily::gemm_tile_loop, consecutive b_tile [BK][B_STRIDE] fp32: column n = weight
-// row n0 + n over k0 .. k0+BK, dequantised (scale·q + bias). Gate then up (NumB 2: simdgroups 0-1 dequantise the gate
+// The expert's NumB weight tiles for lily::gemm_tile_loop, consecutive b_tile [BK][B_STRIDE] in T: column n = weight
+// row n0 + n over k0 .. k0+BK, dequantised (scale·q + bias) and rounded to T. Gate then up (NumB 2: simdgroups 0-1 dequantise the gate
 // rows, 2-3 the up rows, one row per thread) or down (NumB 1: two threads per row, half of its BK/8 words each).
 // Stored k-major so the MMA loads B fragments without a transposed load; the 32 lanes of a simdgroup own 32
 // consecutive columns, so each of their threadgroup writes is one conflict-free row segment. The BK-wide step lies
@@ -218,7 +220,8 @@ struct MoeWeightTiles {
   device const S* biases[NumB];
   uint in_size, n0, tid;
 
-  void load(threadgroup float* b_tiles, uint, uint k0) const {
+  template <typename T>
+  void load(threadgroup T* b_tiles, uint, uint k0) const {
     constexpr uint kThreadsPerRow = GEMM_THREADS / (NumB * GEMM_BN);
     constexpr uint kWords = GEMM_BK / 8 / kThreadsPerRow;  // this thread's share of the row's BK/8 words
     const uint b = tid / (GEMM_BN * kThreadsPerRow);        // the matrix: uniform per simdgroup
@@ -229,11 +232,11 @@ struct MoeWeightTiles {
     const float scale = float((b == 0 ? scales[0] : scales[NumB - 1])[group]);
     const float bias = float((b == 0 ? biases[0] : biases[NumB - 1])[group]);
     device const uint* words = (b == 0 ? weight[0] : weight[NumB - 1]) + row * (in_size / 8) + k0 / 8;
-    threadgroup float* b_tile = b_tiles + b * GEMM_BK * B_STRIDE;
+    threadgroup T* b_tile = b_tiles + b * GEMM_BK * B_STRIDE;
     for (uint w = first_word; w < first_word + kWords; ++w) {
       const uint word = words[w];
       for (uint j = 0; j < 8; ++j) {
-        b_tile[(w * 8 + j) * B_STRIDE + n] = lily::dequantize_code<4>(word, j, scale, bias);
+        b_tile[(w * 8 + j) * B_STRIDE + n] = T(lily::dequantize_code<4>(word, j, scale, bias));
       }
     }
   }
@@ -256,9 +259,10 @@ template <typename T, typename S, int BM>
                                  uint2 group [[threadgroup_position_in_grid]],
                                  uint tid [[thread_index_in_threadgroup]],
                                  uint simd_group [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float a_tile[BM * LILY_MOE_GEMM_BK + BM * LILY_MOE_GEMM_PAD];
-  // gate then up, each [BK][B_STRIDE]; after the K loop, the gate and up output tiles [BM][B_STRIDE]
-  threadgroup float gate_up_tiles[2 * LILY_MOE_GEMM_BK * LILY_MOE_GEMM_BN + 2 * LILY_MOE_GEMM_BK * LILY_MOE_GEMM_PAD];
+  threadgroup T a_tile[BM * LILY_MOE_GEMM_BK + BM * LILY_MOE_GEMM_PAD];
+  // gate then up, each [BK][B_STRIDE]
+  threadgroup T gate_up_tiles[2 * LILY_MOE_GEMM_BK * LILY_MOE_GEMM_BN + 2 * LILY_MOE_GEMM_BK * LILY_MOE_GEMM_PAD];
+  threadgroup float h_tile[BM * B_STRIDE];  // SiLU(gate) ⊙ up, [BM][B_STRIDE]
   threadgroup uint row_src[BM];
   const uint tile = group.y;
   if (tile >= tile_count[0]) {
@@ -281,17 +285,24 @@ template <typename T, typename S, int BM>
   const MoeWeightTiles<S, 2> weights{{gate_weight + w_offset, up_weight + w_offset},
                                      {gate_scales + s_offset, up_scales + s_offset},
                                      {gate_biases + s_offset, up_biases + s_offset}, hidden_size, n0, tid};
+  constexpr uint kFrags = 2 * uint(MoeTile<BM>::FRAGS_N);
+  simdgroup_float8x8 acc[2 * kFrags];  // gate fragments, then up
   lily::gemm_tile_loop<2, uint(MoeTile<BM>::FRAGS_N), GEMM_BK, 2>(
       x_rows, weights, hidden_size, a_tile, A_STRIDE, gate_up_tiles, B_STRIDE, MoeTile<BM>::row0(simd_group),
-      MoeTile<BM>::col0(simd_group));
-  threadgroup const float* gate_tile = gate_up_tiles;
-  threadgroup const float* up_tile = gate_up_tiles + GEMM_BK * B_STRIDE;
+      MoeTile<BM>::col0(simd_group), acc);
+  for (uint f = 0; f < kFrags; ++f) {
+    // Element-wise on the lane's elements: a gate fragment and its up fragment share the lane layout.
+    const float2 gate = acc[f].thread_elements();
+    acc[f].thread_elements() = float2(lily::silu(gate[0]), lily::silu(gate[1])) * acc[kFrags + f].thread_elements();
+  }
+  lily::store_fragments<2, uint(MoeTile<BM>::FRAGS_N)>(h_tile, B_STRIDE, acc, MoeTile<BM>::row0(simd_group),
+                                                      MoeTile<BM>::col0(simd_group));
+  threadgroup_barrier(mem_flags::mem_threadgroup);
   // Only the tile's own rows: the rows after them in sorted order belong to the next tile or expert.
   for (uint i = tid; i < rows * GEMM_BN; i += GEMM_THREADS) {
     const uint m = i / GEMM_BN;
     const uint n = i % GEMM_BN;
-    const float gate = gate_tile[m * B_STRIDE + n];
-    hidden[size_t(first + m) * expert_size + n0 + n] = T(lily::silu(gate) * up_tile[m * B_STRIDE + n]);
+    hidden[size_t(first + m) * expert_size + n0 + n] = T(h_tile[m * B_STRIDE + n]);
   }
 }
 
@@ -310,9 +321,9 @@ template <typename T, typename S, int BM>
                               uint2 group [[threadgroup_position_in_grid]],
                               uint tid [[thread_index_in_threadgroup]],
                               uint simd_group [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float a_tile[BM * LILY_MOE_GEMM_BK + BM * LILY_MOE_GEMM_PAD];
-  // [BK][B_STRIDE]; after the K loop, also the output tile [BM][B_STRIDE]
-  threadgroup float b_tile[LILY_MOE_GEMM_BK * LILY_MOE_GEMM_BN + LILY_MOE_GEMM_BK * LILY_MOE_GEMM_PAD];
+  threadgroup T a_tile[BM * LILY_MOE_GEMM_BK + BM * LILY_MOE_GEMM_PAD];
+  threadgroup T b_tile[LILY_MOE_GEMM_BK * LILY_MOE_GEMM_BN + LILY_MOE_GEMM_BK * LILY_MOE_GEMM_PAD];  // [BK][B_STRIDE]
+  threadgroup float out_tile[BM * B_STRIDE];
   threadgroup uint row_src[BM];
   const uint tile = group.y;
   if (tile >= tile_count[0]) {
@@ -334,14 +345,18 @@ template <typename T, typename S, int BM>
   const MoeRowsTile<T, BM> h_rows{hidden, row_src, expert_size, tid};
   const MoeWeightTiles<S, 1> weights{{down_weight + w_offset}, {down_scales + s_offset}, {down_biases + s_offset},
                                      expert_size, n0, tid};
+  simdgroup_float8x8 acc[2 * uint(MoeTile<BM>::FRAGS_N)];
   lily::gemm_tile_loop<2, uint(MoeTile<BM>::FRAGS_N), GEMM_BK, 1>(
       h_rows, weights, expert_size, a_tile, A_STRIDE, b_tile, B_STRIDE, MoeTile<BM>::row0(simd_group),
-      MoeTile<BM>::col0(simd_group));
+      MoeTile<BM>::col0(simd_group), acc);
+  lily::store_fragments<2, uint(MoeTile<BM>::FRAGS_N)>(out_tile, B_STRIDE, acc, MoeTile<BM>::row0(simd_group),
+                                                      MoeTile<BM>::col0(simd_group));
+  threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint i = tid; i < rows * GEMM_BN; i += GEMM_THREADS) {
     const uint m = i / GEMM_BN;
     const uint n = i % GEMM_BN;
     const uint pair = sorted_pairs[first + m];
-    expert_out[size_t(pair) * hidden_size + n0 + n] = T(b_tile[m * B_STRIDE + n] * expert_weights[pair]);
+    expert_out[size_t(pair) * hidden_size + n0 + n] = T(out_tile[m * B_STRIDE + n] * expert_weights[pair]);
   }
 }
 

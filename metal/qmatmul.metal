@@ -41,8 +41,9 @@
 //                                          simdgroups (64 threads) for M <= LILY_QMM_BM16_MAX_ROWS, BM = 32 with 4
 //                                          simdgroups (128 threads) above. Per K step of 32 the threadgroup copies a
 //                                          BM x 32 tile of X and dequantizes ONE 32 x 32 tile of W into threadgroup
-//                                          memory (fp32: no second rounding of the weights), then each simdgroup
-//                                          accumulates a 16 x 16 block with simdgroup_matrix 8x8 MMAs in fp32. Each
+//                                          memory in the activation dtype (the weights rounded to it once, as MLX
+//                                          does), then each simdgroup accumulates a 16 x 16 block with
+//                                          simdgroup_matrix 8x8 MMAs in fp32 (tensor cores on NVIDIA). Each
 //                                          weight byte is read once per BM rows of X, each X element once per 32
 //                                          columns of W; no dequantized copy of W ever exists in device memory.
 //   qmm_nax_q<b>_g64_<dtype>               the same GEMM on Metal 4 tensor ops (M5 "neural accelerators"): 32 x 64
@@ -117,7 +118,8 @@ struct QuantizedWTile {
   device const S* biases;
   uint n0, N, K, tid, n_threads;
 
-  void load(threadgroup float* tile, uint ld, uint k0) const {
+  template <typename TileT>
+  void load(threadgroup TileT* tile, uint ld, uint k0) const {
     dequantize_w_tile<Bits, true>(weight, scales, biases, tile, ld, LILY_QMM_BN, LILY_QMM_BK, n0, k0, N, K, tid,
                                   n_threads);
   }
@@ -460,13 +462,14 @@ template <typename T, typename S, int Bits, int BM>
                     uint3 threads_per_group [[threads_per_threadgroup]],
                     uint simd_group [[simdgroup_index_in_threadgroup]]) {
   const uint n_threads = threads_per_group.x;  // 1-D threadgroups: the attribute's width matches the position's
-  threadgroup float x_tile[BM][LILY_QMM_BK + LILY_QMM_PAD];
-  threadgroup float wt_tile[LILY_QMM_BK][LILY_QMM_BN + LILY_QMM_PAD];
+  threadgroup T x_tile[BM][LILY_QMM_BK + LILY_QMM_PAD];
+  threadgroup T wt_tile[LILY_QMM_BK][LILY_QMM_BN + LILY_QMM_PAD];
+  threadgroup float y_tile[BM][LILY_QMM_BN + LILY_QMM_PAD];
   static_assert(lily_qmatmul::kGroupSize % LILY_QMM_BK == 0, "a K step must stay inside one quantization group");
   const lily_qmatmul::QuantizedWTile<Bits, S> w_tile{weight,    scales,           biases,          tg.x * LILY_QMM_BN,
                                                       args.out_features, args.in_features, tid, n_threads};
-  lily::gemm_tiles<BM>(x, w_tile, y, &x_tile[0][0], &wt_tile[0][0], args.num_rows, args.out_features, args.in_features,
-                       tg, tid, n_threads, simd_group);
+  lily::gemm_tiles<BM>(x, w_tile, y, &x_tile[0][0], &wt_tile[0][0], &y_tile[0][0], args.num_rows, args.out_features,
+                       args.in_features, tg, tid, n_threads, simd_group);
 }
 
 #if defined(LILY_QMATMUL_HAS_TENSOR_OPS)

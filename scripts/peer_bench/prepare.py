@@ -35,7 +35,7 @@ def fetch_sdist(work: Path) -> Path:
     """The vendored llama.cpp tree of the llama-cpp-python source distribution."""
     package, version, _ = SDIST
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    "--no-build-isolation", f"{package}=={version}", "-d", str(work)], check=True)
+                    f"{package}=={version}", "-d", str(work)], check=True)
     archive = next(work.glob("*.tar.gz"))
     with tarfile.open(archive) as tar:
         tar.extractall(work, filter="data")

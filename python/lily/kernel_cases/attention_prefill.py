@@ -43,22 +43,16 @@ SHAPES = {
 UNPACKED_SHAPES = [(6, 2, 9, 0, 4), (6, 2, 5, 17, 3), (3, 3, 12, 5, 8), (2, 2, 2, 0, 1)]
 
 
-def assumed_simdgroup_layout() -> np.ndarray:
-    """[32, 2]: the element index 8 * row + col of an 8x8 simdgroup matrix that each lane's thread_elements() holds,
-    in the layout attention_prefill_mma assumes (MLX's; src/lily_ext/layout_probe.cpp has the same mapping)."""
-    lanes = np.arange(32)
-    quad = lanes // 4
-    first = 8 * ((quad & 4) + (lanes // 2) % 4) + (quad & 2) * 2 + (lanes % 2) * 2
-    return np.stack([first, first + 1], axis=1)
-
-
 def _layout_probe(run: Run, kernel: str) -> None:
-    """Apple does not specify the lane layout of thread_elements(); where it differs, the engine runs prefill
-    attention on the vector kernel, and this case fails to say so."""
-    out = np.full((32, 2), np.nan, np.float32)
+    """Apple does not specify the lane layout of thread_elements(); where the device's differs from what the kernels'
+    attn_mma_row/col assume, the engine runs prefill attention on the vector kernel, and this case fails to say so.
+    The assumed layout must also be a layout: every element of the 8x8 matrix held by exactly one lane."""
+    out = np.full((64, 2), np.nan, np.float32)
     run.dispatch(kernel, [out], 1, 32)
-    run.compare_exact("element index per lane", np.where(np.isfinite(out), out, -1).astype(np.int64),
-                      assumed_simdgroup_layout())
+    held, assumed = (np.where(np.isfinite(out[rows]), out[rows], -1).astype(np.int64) for rows in (slice(0, 32),
+                                                                                                   slice(32, 64)))
+    run.compare_exact("element index per lane", held, assumed)
+    run.compare_exact("elements the assumed layout covers", np.sort(assumed, axis=None), np.arange(64))
 
 
 def _prefill(run: Run, kernel: str, heads: int, kv_heads: int, queries: int, offset: int, simdgroups: int) -> None:

@@ -124,7 +124,8 @@ def _sort(run: Run, kernel: str, routing: tuple, tile_rows: int) -> None:
 
 
 def _gemm(run: Run, kernel: str, routing: tuple, hidden: int, expert: int) -> None:
-    """gate/up: SwiGLU rows in sorted order; down: routing-weighted rows in (token, slot) order."""
+    """gate/up: SwiGLU rows in sorted order; down: routing-weighted rows in (token, slot) order. The kernels stage the
+    dequantized weights in the activation dtype, as MLX does: the reference rounds them too."""
     kind, rows, experts, k = routing
     dtype, scales, tile_rows = dtype_of(kernel), scale_dtype_of(kernel), int(kernel[-2:])
     r = sort_products(expert_ids(run.rng, kind, rows, experts, k), experts, tile_rows)
@@ -140,8 +141,9 @@ def _gemm(run: Run, kernel: str, routing: tuple, hidden: int, expert: int) -> No
         run.dispatch(kernel, [args, x, *tiles, *gate.buffers(), *up.buffers(), h],
                      (expert // GEMM_BN, r["max_tiles"], 1), GEMM_THREADS)
         xs = to_f64(x, dtype).astype(np.float32)
-        expected = np.stack([silu64(reference.qmatmul(xs[p // k], gate.dense[flat_ids[p]]))
-                             * reference.qmatmul(xs[p // k], up.dense[flat_ids[p]]) for p in pairs])
+        gate_w, up_w = (round_to(w.dense, dtype).astype(np.float32) for w in (gate, up))
+        expected = np.stack([silu64(reference.qmatmul(xs[p // k], gate_w[flat_ids[p]]))
+                             * reference.qmatmul(xs[p // k], up_w[flat_ids[p]]) for p in pairs])
         compare_dot(run, "h (sorted order)", to_f64(h, dtype), round_to(expected, dtype), dtype)
         return
     down = quantized_weight(run.rng, (experts, hidden, expert), scales)
@@ -150,9 +152,10 @@ def _gemm(run: Run, kernel: str, routing: tuple, hidden: int, expert: int) -> No
     run.dispatch(kernel, [args, h, *tiles, weights, *down.buffers(), y], (hidden // GEMM_BN, r["max_tiles"], 1),
                  GEMM_THREADS)
     hs = to_f64(h, dtype).astype(np.float32)
+    down_w = round_to(down.dense, dtype).astype(np.float32)
     expected = np.empty((pairs.size, hidden))
     for pos, pair in enumerate(pairs):
-        expected[pair] = float(weights[pair]) * reference.qmatmul(hs[pos], down.dense[flat_ids[pair]])
+        expected[pair] = float(weights[pair]) * reference.qmatmul(hs[pos], down_w[flat_ids[pair]])
     compare_dot(run, "expert_out (pair order)", to_f64(y, dtype), round_to(expected, dtype), dtype)
 
 

@@ -735,10 +735,16 @@ inline simdgroup_matrix<T, R, C> make_filled_simdgroup_matrix(T value) {
   return m;
 }
 
-// Metal declares simdgroup_load/store/multiply(_accumulate) over one element type T; clang would convert.
+// Metal declares simdgroup_load/store over one element type T (clang would convert), and simdgroup_multiply(_accumulate)
+// over one type, or half/bfloat operands accumulated into float matrices (llama.cpp's Metal GEMMs, kernel_mul_mm,
+// compile that way: simdgroup_half8x8 and simdgroup_bfloat8x8 operands, simdgroup_float8x8 accumulators).
 #define MSL_CPU_SIMDGROUP_TYPES_RULE \
-  "[simdgroup-element-types] simdgroup_load/store and simdgroup_multiply(_accumulate) take matrices and " \
-  "memory of one element type: convert explicitly"
+  "[simdgroup-element-types] simdgroup_load/store take matrices and memory of one element type, " \
+  "simdgroup_multiply(_accumulate) operands of one type accumulated into the same type or float: convert explicitly"
+template <class TD, class TA, class TB, class TC>
+constexpr bool simdgroup_mma_types_ok =
+    std::is_same<TA, TB>::value && std::is_same<TD, TC>::value &&
+    (std::is_same<TD, TA>::value || std::is_same<TD, float>::value);
 // matrix_origin is (x = column, y = row) of the stored matrix; transpose loads its transpose.
 // (Both conventions are assumptions until checked on a Mac; see docs/harness.md.)
 #define MSL_CPU_MATRIX_AS(AS)                                                                         \
@@ -773,15 +779,14 @@ inline void simdgroup_multiply_accumulate_at(const char* site, simdgroup_matrix<
                                                              const simdgroup_matrix<TA, 8, 8>& a,
                                                              const simdgroup_matrix<TB, 8, 8>& b,
                                                              const simdgroup_matrix<TC, 8, 8>& c) {
-  static_assert(std::is_same<TD, TA>::value && std::is_same<TD, TB>::value && std::is_same<TD, TC>::value,
-                MSL_CPU_SIMDGROUP_TYPES_RULE);
+  static_assert(simdgroup_mma_types_ok<TD, TA, TB, TC>, MSL_CPU_SIMDGROUP_TYPES_RULE);
   matrix_detail::MmaIn<TD, TA, TB, TC> in{&a, &b, &c};
   MSL_CPU_COLLECTIVE((&matrix_detail::combine_mma<TD, TA, TB, TC>), &in, &d, "simdgroup_multiply_accumulate");
 }
 template <class TD, class TA, class TB>
 inline void simdgroup_multiply_at(const char* site, simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
                                                   const simdgroup_matrix<TB, 8, 8>& b) {
-  static_assert(std::is_same<TD, TA>::value && std::is_same<TD, TB>::value, MSL_CPU_SIMDGROUP_TYPES_RULE);
+  static_assert(simdgroup_mma_types_ok<TD, TA, TB, TD>, MSL_CPU_SIMDGROUP_TYPES_RULE);
   matrix_detail::MmaIn<TD, TA, TB, TD> in{&a, &b, nullptr};
   MSL_CPU_COLLECTIVE((&matrix_detail::combine_mma<TD, TA, TB, TD>), &in, &d, "simdgroup_multiply");
 }

@@ -242,34 +242,64 @@ MSL_CUDA_ATOMIC_AS(__attribute__((address_space(1))))
 MSL_CUDA_ATOMIC_AS(__attribute__((address_space(3))))
 #undef MSL_CUDA_ATOMIC_AS
 
-// ---- simdgroup_matrix<T, 8, 8> operations on a warp (the type is msl_cpu.h's: the MLX lane layout) ----
+// ---- simdgroup_matrix<T, 8, 8> operations on a warp ----
+// The lane layout is NVIDIA's mma fragment layout, not Apple's: lane l holds (l / 4, 2·(l % 4)) and the element after
+// it, which is the accumulator and A-operand layout of mma.sync, so a bf16/f16 MMA runs on tensor cores with no lane
+// exchange (the B operand is one movmatrix transpose). Apple leaves the layout unspecified; kernels that read
+// thread_elements() by position take it from lily.h (attn_mma_row/col), and the engine checks that with
+// simdgroup_layout_probe.
 namespace matrix_detail {
 // Row and first column of the two elements lane `lane` holds: (row, col) and (row, col + 1).
-constexpr int lane_row(uint32_t lane) { return int(((lane / 4) & 4) + ((lane / 2) % 4)); }
-constexpr int lane_col(uint32_t lane) { return int(((lane / 4) & 2) * 2 + (lane % 2) * 2); }
-// The lane holding element (row, col).
-constexpr uint32_t lane_of(int row, int col) {
-  for (uint32_t l = 0; l < 32; ++l)
-    if (lane_row(l) == row && lane_col(l) == (col & ~1)) return l;
-  return 0;
+constexpr int lane_row(uint32_t lane) { return int(lane / 4); }
+constexpr int lane_col(uint32_t lane) { return int(lane % 4) * 2; }
+
+template <class T>
+inline uint32_t pack_b16(vec<T, 2> v) {
+  return uint32_t(__builtin_bit_cast(uint16_t, v[0])) | (uint32_t(__builtin_bit_cast(uint16_t, v[1])) << 16);
 }
-// D = A*B (+C) in fp32, one rounding per element, k in order (as the CPU harness): 24 shuffles, no tensor cores.
+// D = A·B + C for 16-bit A and B on tensor cores: the upper half of one m16n8k8 MMA (rows 8..15 of A are zero), fp32
+// accumulation. A's fragment is its storage; B's is the transpose of its storage layout (movmatrix).
+template <class T>
+inline void mma_b16(float (&acc)[2], vec<T, 2> a, vec<T, 2> b) {
+  uint32_t bt;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(bt) : "r"(pack_b16(b)));
+  float unused0, unused1;
+  if constexpr (std::is_same_v<T, bfloat>) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};"
+        : "=f"(acc[0]), "=f"(acc[1]), "=f"(unused0), "=f"(unused1)
+        : "r"(pack_b16(a)), "r"(0u), "r"(bt), "f"(acc[0]), "f"(acc[1]), "f"(0.0f), "f"(0.0f));
+  } else {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};"
+        : "=f"(acc[0]), "=f"(acc[1]), "=f"(unused0), "=f"(unused1)
+        : "r"(pack_b16(a)), "r"(0u), "r"(bt), "f"(acc[0]), "f"(acc[1]), "f"(0.0f), "f"(0.0f));
+  }
+}
+// Any other element types (fp32 tiles: exact checks): fp32 products and sums, k in order, as the CPU harness; 24
+// shuffles per MMA.
+template <class TA, class TB>
+inline void mma_exact(float (&acc)[2], vec<TA, 2> a, vec<TB, 2> b) {
+  const uint32_t full = 0xFFFFFFFFu, me = __nvvm_read_ptx_sreg_laneid();
+  const uint32_t row = me / 4, pair = me % 4;
+#pragma unroll
+  for (uint32_t k = 0; k < 8; ++k) {
+    const float ak = cuda_detail::shuffle_idx(full, float(a[k & 1]), 4 * row + k / 2);  // A(row, k)
+    const float b0 = cuda_detail::shuffle_idx(full, float(b[0]), 4 * k + pair);          // B(k, 2·pair)
+    const float b1 = cuda_detail::shuffle_idx(full, float(b[1]), 4 * k + pair);          // B(k, 2·pair + 1)
+    acc[0] += ak * b0;
+    acc[1] += ak * b1;
+  }
+}
 template <class TD, class TA, class TB, class TC>
 inline void mma(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
                 const simdgroup_matrix<TB, 8, 8>& b, const simdgroup_matrix<TC, 8, 8>* c) {
-  const uint32_t full = 0xFFFFFFFFu, me = __nvvm_read_ptx_sreg_laneid();
-  const int r = lane_row(me), col = lane_col(me);
-  float s0 = c ? float(c->elements[0]) : 0.0f, s1 = c ? float(c->elements[1]) : 0.0f;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    float ak = cuda_detail::shuffle_idx(full, float(a.elements[k & 1]), lane_of(r, k));
-    uint32_t bl = lane_of(k, col);
-    float b0 = cuda_detail::shuffle_idx(full, float(b.elements[0]), bl);
-    float b1 = cuda_detail::shuffle_idx(full, float(b.elements[1]), bl);
-    s0 += ak * b0;
-    s1 += ak * b1;
+  float acc[2] = {c ? float(c->elements[0]) : 0.0f, c ? float(c->elements[1]) : 0.0f};
+  constexpr bool kB16 = (std::is_same_v<TA, bfloat> || std::is_same_v<TA, half>) && std::is_same_v<TA, TB>;
+  if constexpr (kB16) {
+    mma_b16<TA>(acc, a.elements, b.elements);
+  } else {
+    mma_exact(acc, a.elements, b.elements);
   }
-  d.elements = vec<TD, 2>{static_cast<TD>(s0), static_cast<TD>(s1)};
+  d.elements = vec<TD, 2>{static_cast<TD>(acc[0]), static_cast<TD>(acc[1])};
 }
 }  // namespace matrix_detail
 
