@@ -8,6 +8,7 @@ checkpoint has no tokenizer, so ``chat_model_dir`` adds a small hand-made byte-l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -242,6 +243,26 @@ def test_max_tokens_gives_length(model):
                                                                 stop_token_ids=[]))
     assert len(tokens) == 3 and tokens[-1].finish_reason == "length"
     assert tokens[-1].stats.generation_tokens == 3 and tokens[-1].stats.generation_tps > 0
+
+
+def test_max_tokens_beyond_the_context_is_refused_and_a_full_context_ends_with_length(model):
+    context = model.config.max_position_embeddings
+    message = f"max_tokens must be at most the model's context of {context} tokens"
+    with pytest.raises(ValueError, match=f"Model.generate\\(\\): {message}"):
+        model.generate("abc", max_tokens=context + 1)
+    with pytest.raises(ValueError, match=f"Model.chat\\(\\): {message}.*got 10000000000"):
+        model.chat([{"role": "user", "content": "hi"}], max_tokens=10**10)
+    with pytest.raises(ValueError, match=f"Session.decode\\(\\): {message}"):
+        model.prefill("abc", use_cache=False).decode(max_tokens=context + 1)
+    # A max_tokens that fits the context, but not after this prompt: the answer ends where the context does.
+    scripted = with_backend(model, ScriptedBackend(model.config.vocab_size, [], 0))
+    tokens = list(scripted.prefill([5] * (context - 3), use_cache=False).decode(max_tokens=10, stop_token_ids=[]))
+    assert len(tokens) == 3 and tokens[-1].finish_reason == "length"
+    # A chat's default max_tokens (DEFAULT_CHAT_MAX_TOKENS) is no error on a model with a smaller context.
+    small = lily.Model(scripted.backend, dataclasses.replace(model.config, max_position_embeddings=64), model.tokenizer,
+                       backend_name="scripted", fingerprint="small")
+    result = small.chat([{"role": "user", "content": "hi"}], temperature=0, stop_token_ids=[])
+    assert result.finish_reason == "length" and result.stats.prompt_tokens + result.stats.generation_tokens == 64
 
 
 def test_same_seed_same_tokens(model):

@@ -208,6 +208,18 @@ def test_checkpoint_template_gets_hf_helpers(tmp_path: Path) -> None:
         Tokenizer.from_dir(d)
 
 
+def test_thinking_is_the_templates_choice_unless_asked(tmp_path: Path, tok: Tokenizer) -> None:
+    d = write_tiny_tokenizer(tmp_path / "t")
+    (d / "chat_template.jinja").write_text("{{ enable_thinking is defined }}:{{ enable_thinking }}")
+    custom = Tokenizer.from_dir(d)
+    hi = [{"role": "user", "content": "x"}]
+    assert [custom.apply_chat_template(hi, enable_thinking=e) for e in (None, True, False)] == [
+        "False:", "True:True", "True:False"]
+    assert tok.thinks_by_default  # Qwen3.6 thinks when enable_thinking is left out
+    (d / "chat_template.jinja").write_text("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not Tokenizer.from_dir(d).thinks_by_default
+
+
 def test_sandbox_blocks_unsafe_attribute_access(tmp_path: Path) -> None:
     d = write_tiny_tokenizer(tmp_path / "t")
     (d / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}")

@@ -160,6 +160,23 @@ def test_chat_shows_thinking_apart_from_the_answer(model, monkeypatch, capsys):
     assert "[thinking] hmm\n[answer] four" in out
 
 
+def test_thinking_flags_default_to_the_template():
+    parser = cli.build_parser()
+    for command in (["chat"], ["generate", "x", "--chat"]):
+        assert [parser.parse_args(command + flag).thinking for flag in ([], ["--thinking"], ["--no-thinking"])] == [
+            None, True, False]
+
+
+def test_chat_reports_an_impossible_max_tokens_once(chat_model_dir, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nhi again\n/quit\n"))
+    code, out, err = run_cli(["chat", "--model", str(chat_model_dir), "--backend", "reference",
+                              "--max-tokens", "10000000000"], capsys)
+    lines = [line for line in err.splitlines() if not line.startswith("Loading ")]
+    assert code == 1 and out == "" and lines == [
+        "lily: error: Model.chat(): max_tokens must be at most the model's context of 4096 tokens (prompt and answer "
+        "share it); got 10000000000"]
+
+
 def test_generate_defaults_to_the_demo_model(capsys):
     """No --model: lily:demo; no sampling flags: its generation_config.json (temperature, top-k/p, penalty)."""
     code, out, err = run_cli(["generate", "ROMEO:", "--max-tokens", "12", "--seed", "1", "--backend", "reference"],

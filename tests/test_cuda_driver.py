@@ -124,6 +124,13 @@ def test_packaged_ptx_is_beside_the_extension(monkeypatch) -> None:
     assert _ext.cuda.default_ptx_dir() == "/somewhere/ptx" and cuda.ptx_dir() == Path("/somewhere/ptx")
 
 
+def test_every_ptx_entry_is_a_kernel_by_its_name(runner: cuda.Runner, ptx: Path) -> None:
+    """The driver's PTX scan (driver_abi.h) finds exactly the .entry names a regular expression finds here."""
+    entry = re.compile(r"^(?:\.visible\s+|\.weak\s+)?\.entry\s+([A-Za-z0-9_$]+)\s*\(", re.MULTILINE)
+    expected = {name for path in ptx.glob("*.ptx") for name in entry.findall(path.read_text())}
+    assert len(expected) > 100 and sorted(runner.kernel_names()) == sorted(expected)
+
+
 def test_missing_ptx_is_a_clear_error(runner: cuda.Runner, tmp_path: Path) -> None:
     with pytest.raises(cuda.CudaError, match="no .ptx files in"):
         cuda.Runner(tmp_path)

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +118,71 @@ def test_weights_are_mlx_4bit_in_the_real_layout() -> None:
         assert header[prefix + "mlp.gate.weight"]["shape"] == [experts, hidden * 8 // 32]
     assert header["language_model.lm_head.weight"]["shape"] == [text["vocab_size"], hidden * 4 // 32]
     assert header["language_model.model.layers.0.linear_attn.A_log"]["dtype"] == "F32"
+
+
+def test_the_chat_template_answers_at_once_unless_asked_to_think(tmp_path) -> None:
+    """The demo was trained on plain text, never to think: its template closes the think block unless
+    enable_thinking is true, and is otherwise the packaged Qwen3.6 template."""
+    from lily.tokenizer import Tokenizer
+
+    demo = Tokenizer.from_dir(DEMO)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # no chat_template.jinja: the packaged template
+        (tmp_path / name).write_bytes((DEMO / name).read_bytes())
+    packaged = Tokenizer.from_dir(tmp_path)
+    hi = [{"role": "user", "content": "Hi"}]
+    assert not demo.thinks_by_default and packaged.thinks_by_default
+    assert demo.apply_chat_template(hi) == packaged.apply_chat_template(hi, enable_thinking=False)
+    assert demo.apply_chat_template(hi, enable_thinking=True) == packaged.apply_chat_template(hi)
+    history = [*hi, {"role": "assistant", "content": "<think>\nhm\n</think>\n\nWell met."},
+               {"role": "user", "content": "Again"}]
+    for preserve in (False, True):
+        assert (demo.apply_chat_template(history, add_generation_prompt=False, preserve_thinking=preserve)
+                == packaged.apply_chat_template(history, add_generation_prompt=False, preserve_thinking=preserve))
+
+
+@pytest.fixture(scope="module")
+def demo_model():
+    import lily
+
+    return lily.Model.load("lily:demo", backend="cpu", progress=False)
+
+
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+def test_model_chat_answers_a_greeting_with_the_defaults(demo_model) -> None:
+    result = demo_model.chat(HELLO, seed=0)
+    assert result.content.strip() and not result.reasoning
+    # It never learned to end a turn: the answer runs until prompt and answer fill the 4,096-token context.
+    assert result.finish_reason == "length"
+    assert result.stats.prompt_tokens + result.stats.generation_tokens == demo_model.config.max_position_embeddings
+
+
+def test_lily_chat_answers_hello_and_says_where_it_stopped() -> None:
+    """`printf 'Hello\\n' | lily chat`, every setting at its default but the seed (a draw that ends at the context,
+    not at a sampled end token)."""
+    proc = subprocess.run([sys.executable, "-m", "lily.cli", "chat", "--seed", "0"], input="Hello\n",
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    answer = proc.stdout.split("[answer] ", 1)
+    assert len(answer) == 2 and answer[1].strip() and "[thinking]" not in proc.stdout
+    assert "[stopped at the end of the model's context (4096 tokens); /reset starts a new conversation]" in proc.stderr
+
+
+def test_the_server_answers_hi_with_content(demo_model, caplog) -> None:
+    """The README's OpenAI snippet against `lily serve`: the message has content."""
+    import openai
+    from server_helpers import ServerThread
+
+    from lily.server.adapter import LilyEngine
+
+    with ServerThread(LilyEngine(demo_model)) as server, caplog.at_level("INFO", logger="lily.server"):
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        reply = client.chat.completions.create(model="lily:demo", messages=[{"role": "user", "content": "Hi"}], seed=0)
+    message = reply.choices[0].message
+    assert message.content.strip() and not getattr(message, "reasoning_content", None)
+    assert reply.choices[0].finish_reason == "length"
+    assert any("stopped at the context limit" in r.getMessage() for r in caplog.records)
 
 
 @pytest.fixture(scope="module")

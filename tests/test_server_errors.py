@@ -103,6 +103,9 @@ CHAT_BAD_FIELDS = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 1.5}, "max_tokens"),
     ({"max_completion_tokens": "ten"}, "max_completion_tokens"),
+    # Longer than the whole context (4096): refused, not shortened to fit.
+    ({"max_tokens": 10**10}, "max_tokens"),
+    ({"max_completion_tokens": 4097, "max_tokens": 5}, "max_completion_tokens"),
     ({"n": 2}, "n"),
     ({"seed": "abc"}, "seed"),
     ({"seed": 2**70}, "seed"),
@@ -230,7 +233,7 @@ def test_unknown_fields_are_ignored(http):
     assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "You said: hello"
 
 
-def test_over_context_prompt_is_400_and_never_truncated(model):
+def test_over_context_prompt_is_400_and_never_truncated(model, caplog):
     tokenizer = Tokenizer.from_dir(model.path)
     with (
         ServerThread(LilyEngine(model, model_id="scripted"), max_context=64) as small,
@@ -253,10 +256,17 @@ def test_over_context_prompt_is_400_and_never_truncated(model):
         turn = tokenizer.encode(
             tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], enable_thinking=False)
         )
-        reply = http.post(COMPLETIONS, json={"prompt": [5] * (63 - len(turn)) + turn, "max_tokens": 10}).json()
+        with caplog.at_level("INFO", logger="lily.server"):
+            reply = http.post(COMPLETIONS, json={"prompt": [5] * (63 - len(turn)) + turn, "max_tokens": 10}).json()
         assert reply["choices"][0]["text"] == tokenizer.decode(tokenizer.encode("You said: hi")[:1])
         assert reply["usage"]["prompt_tokens"] == 63 and reply["usage"]["completion_tokens"] == 1
         assert reply["choices"][0]["finish_reason"] == "length"
+        # The log says why: the context was full before max_tokens.
+        assert [r.getMessage() for r in caplog.records if "context limit" in r.getMessage()] == [
+            'a generation stopped at the context limit (finish_reason "length"): 63 prompt + 1 generated tokens '
+            "fill the 64-token context before max_tokens=10"]
+        assert_error(http.post(COMPLETIONS, json={"prompt": [5], "max_tokens": 65}), 400, param="max_tokens",
+                     code="context_length_exceeded")
         assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 64
 
 

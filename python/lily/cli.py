@@ -44,6 +44,12 @@ def _add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens_help: str) -> 
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+def _add_thinking_flag(p: argparse.ArgumentParser, scope: str) -> None:
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"think before answering, or not{scope} (default: the model's chat template: on for "
+                        "Qwen3.6, off for lily:demo)")
+
+
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     """Sampling keyword arguments of the flags given; the model supplies the rest (its
     generation_config.json, then Lily's defaults: see ``lily.sampling``), as it does for Python."""
@@ -80,7 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}]
         printer = _ChatPrinter(sys.stdout)
-        for last in model.chat(messages, enable_thinking=not args.no_thinking, stream=True, **sampling):
+        for last in model.chat(messages, enable_thinking=args.thinking, stream=True, **sampling):
             printer.write("reasoning", last.reasoning)
             printer.write("content", last.content)
         printer.finish()
@@ -89,9 +95,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(last.text)
             sys.stdout.flush()
     sys.stdout.write("\n")
+    if _filled_the_context(model, last):
+        print(f"[stopped at the end of the model's context ({model.config.max_position_embeddings} tokens)]",
+              file=sys.stderr)
     if last is not None:
         _print_stats(last.stats, sys.stderr)
     return 0
+
+
+def _filled_the_context(model: Any, last: Any) -> bool:
+    """Whether a generation ended because prompt and answer filled the model's context (not at max_tokens)."""
+    return (last is not None and last.finish_reason == "length"
+            and last.stats.prompt_tokens + last.stats.generation_tokens >= model.config.max_position_embeddings)
 
 
 class _ChatPrinter:
@@ -140,7 +155,7 @@ def _chat_turn(model: Any, messages: list[dict[str, Any]], args: argparse.Namesp
     """Prefill and stream one answer; the assistant message to keep, or None when there is none
     (Ctrl-C during the prefill, or a prompt the model cannot take)."""
     try:
-        tokens = model.chat(messages, enable_thinking=not args.no_thinking,
+        tokens = model.chat(messages, enable_thinking=args.thinking,
                             preserve_thinking=args.preserve_thinking, stream=True, **sampling)
     except KeyboardInterrupt:
         print("\n[interrupted before the answer: the message was not added; the conversation is kept]",
@@ -165,10 +180,13 @@ def _chat_turn(model: Any, messages: list[dict[str, Any]], args: argparse.Namesp
     printer.finish()
     sys.stdout.write("\n")
     if last is not None and last.finish_reason == "length":
-        limit = sampling.get("max_tokens", "the default")
-        where = "while still thinking, before any answer" if not "".join(content) and not calls else ""
-        print(f"[cut off by --max-tokens ({limit}){' ' + where if where else ''}; raise --max-tokens for more]",
-              file=sys.stderr)
+        where = " while still thinking, before any answer" if not "".join(content) and not calls else ""
+        if _filled_the_context(model, last):
+            print(f"[stopped at the end of the model's context ({model.config.max_position_embeddings} tokens)"
+                  f"{where}; /reset starts a new conversation]", file=sys.stderr)
+        else:
+            limit = sampling.get("max_tokens", "the default")
+            print(f"[cut off by --max-tokens ({limit}){where}; raise --max-tokens for more]", file=sys.stderr)
     if last is not None and args.verbose:
         _print_stats(last.stats, sys.stderr)
     reply: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
@@ -184,6 +202,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     current answer (or clears the line) and keeps the conversation."""
     model = _load(args)
     sampling = _sampling(args)
+    model._sampling_params("Model.chat", sampling)  # a bad flag is reported once, not at every turn
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, Any]] = []
     _line_editing()
@@ -308,14 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(p, max_tokens_help=f"{DEFAULT_MAX_TOKENS}, {DEFAULT_CHAT_MAX_TOKENS} with --chat")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
     p.add_argument("--system", default=None, help="system prompt (with --chat)")
-    p.add_argument("--no-thinking", action="store_true", help="disable thinking (with --chat)")
+    _add_thinking_flag(p, " (with --chat)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat; reasoning is shown apart from the answer")
     _add_model_flags(p)
     _add_sampling_flags(p, max_tokens_help=str(DEFAULT_CHAT_MAX_TOKENS))
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--no-thinking", action="store_true", help="disable thinking")
+    _add_thinking_flag(p, "")
     p.add_argument("--preserve-thinking", action="store_true", help="keep earlier turns' reasoning in the prompt")
     p.add_argument("--verbose", "-v", action="store_true", help="print token counts and speeds after each answer")
     p.set_defaults(func=cmd_chat)

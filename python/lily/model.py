@@ -544,7 +544,7 @@ class Model:
                 values.pop(name, None)
         try:
             params = SamplingParams(**values)
-            params.validate(self.config.vocab_size)
+            params.validate(self.config.vocab_size, self.config.max_position_embeddings)
         except ValueError as exc:
             raise ValueError(f"{method}(): {exc}") from None
         return params
@@ -567,11 +567,12 @@ class Model:
         return None if self.tokenizer is None else _Detokenizer(self.tokenizer)
 
     def encode(self, prompt: Prompt, *, tools: Sequence[Mapping[str, Any]] | None = None,
-               enable_thinking: bool = True, preserve_thinking: bool = False) -> list[int]:
-        """Token ids of a prompt: text, token ids, or chat messages (rendered with the template)."""
+               enable_thinking: bool | None = None, preserve_thinking: bool = False) -> list[int]:
+        """Token ids of a prompt: text, token ids, or chat messages (rendered with the template;
+        ``enable_thinking=None`` leaves thinking to it, see ``Tokenizer.thinks_by_default``)."""
         return self._encode(prompt, tools, enable_thinking, preserve_thinking)[0]
 
-    def _encode(self, prompt: Prompt, tools: Any, enable_thinking: bool,
+    def _encode(self, prompt: Prompt, tools: Any, enable_thinking: bool | None,
                 preserve_thinking: bool) -> tuple[list[int], list[int]]:
         """Token ids and the checkpoint positions inside them."""
         if isinstance(prompt, (bytes, bytearray, memoryview)):
@@ -635,7 +636,7 @@ class Model:
         return Session(self, use_cache=use_cache)
 
     def prefill(self, prompt: Prompt, *, session: Session | None = None,
-                tools: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool = True,
+                tools: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool | None = None,
                 preserve_thinking: bool = False, use_cache: bool = True,
                 cancel: CancelCheck = None) -> Session:
         """Run a prompt (text, token ids or chat messages) and return the session after it.
@@ -683,21 +684,25 @@ class Model:
         return tokens if stream else _collect(tokens, parse=None)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
-             enable_thinking: bool = True, preserve_thinking: bool = False, stream: bool = False,
+             enable_thinking: bool | None = None, preserve_thinking: bool = False, stream: bool = False,
              use_cache: bool = True, cancel: CancelCheck = None, **sampling: Any) -> Result | Iterator[Token]:
         """Answer a conversation; the output is split into reasoning, content and tool calls.
 
-        ``stream=True`` returns an iterator of ``Token`` whose ``reasoning``/``content``/
+        ``enable_thinking=None`` thinks if the chat template does by default (Qwen3.6 does, the
+        demo model does not: ``Tokenizer.thinks_by_default``). ``stream=True`` returns an iterator of ``Token`` whose ``reasoning``/``content``/
         ``tool_calls`` hold each token's share; otherwise a ``Result``. The finish reason is
         "tool_calls" when the answer ends in tool calls. ``max_tokens`` defaults to
-        ``DEFAULT_CHAT_MAX_TOKENS``; without ``tools`` tool-call markup stays in the content.
+        ``DEFAULT_CHAT_MAX_TOKENS`` or the model's context, whichever is smaller; without ``tools``
+        tool-call markup stays in the content.
         """
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise ValueError("Model.chat(): messages must be a non-empty list of chat messages")
-        sampling = self._decode_options("Model.chat", sampling, max_tokens=DEFAULT_CHAT_MAX_TOKENS)
-        session = self.prefill(messages, tools=tools, enable_thinking=enable_thinking,
+        sampling = self._decode_options("Model.chat", sampling, max_tokens=min(
+            DEFAULT_CHAT_MAX_TOKENS, self.config.max_position_embeddings))
+        thinking = self._require_tokenizer().thinks_by_default if enable_thinking is None else enable_thinking
+        session = self.prefill(messages, tools=tools, enable_thinking=thinking,
                                preserve_thinking=preserve_thinking, use_cache=use_cache, cancel=cancel)
-        tokens = chat_stream(session.decode(cancel=cancel, **sampling), tools, enable_thinking)
+        tokens = chat_stream(session.decode(cancel=cancel, **sampling), tools, thinking)
         return tokens if stream else _collect(tokens, parse=True)
 
 

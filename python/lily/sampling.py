@@ -25,8 +25,10 @@ Defaults, the same for every entry point (Python API, ``lily generate``/``lily c
 ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` come from the checkpoint's
 ``generation_config.json`` when it sets them (``generation_defaults``), else from ``SamplingParams``
 (1.0, 1.0, 0, 0.0, 1.0). ``max_tokens`` is ``DEFAULT_MAX_TOKENS`` (256, as mlx_lm) for text
-continuations and ``DEFAULT_CHAT_MAX_TOKENS`` for chats, whose reasoning comes first; the server
-follows the OpenAI API instead: an omitted ``max_tokens`` means up to the end of the context.
+continuations and ``DEFAULT_CHAT_MAX_TOKENS`` (or the model's context, if smaller) for chats, whose
+reasoning comes first; the server follows the OpenAI API instead: an omitted ``max_tokens`` means up
+to the end of the context. A ``max_tokens`` above the model's context is an error everywhere; one
+that does not fit after the prompt ends the generation at the context's end (finish reason "length").
 """
 
 from __future__ import annotations
@@ -117,10 +119,13 @@ class SamplingParams:
         self.logit_bias = {_token_key(k): v for k, v in (self.logit_bias or {}).items()}
         self.validate()
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ``ValueError`` naming the first parameter that is out of range."""
+    def validate(self, vocab_size: int | None = None, context: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first parameter that is out of range; ``context`` is the
+        model's (prompt and answer share it, so no answer can be longer)."""
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", "an integer >= 1 or None", self.max_tokens)
+        _check(self.max_tokens is None or context is None or self.max_tokens <= context, "max_tokens",
+               f"at most the model's context of {context} tokens (prompt and answer share it)", self.max_tokens)
         _check(_is_finite(self.temperature) and self.temperature >= 0,
                "temperature", "a finite number >= 0", self.temperature)
         _check(_is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)

@@ -25,7 +25,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders
 
-from lily.chat import tool_call_arguments, tool_functions
+from lily.chat import THINK_CLOSE, THINK_OPEN, tool_call_arguments, tool_functions
 from lily.config import read_json_object
 
 PACKAGED_TEMPLATE = Path(__file__).parent / "templates" / "qwen3_6.jinja"
@@ -361,14 +361,15 @@ class Tokenizer:
     # -- chat -------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: Any, *, tools: Any = None, add_generation_prompt: bool = True,
-                            enable_thinking: bool = True, preserve_thinking: bool = False,
+                            enable_thinking: bool | None = None, preserve_thinking: bool = False,
                             **kwargs: Any) -> str:
         """Render ``messages`` (and ``tools``) with the checkpoint's chat template.
 
-        ``enable_thinking=False`` pre-fills an empty think block; ``preserve_thinking=True`` keeps
-        the reasoning of every earlier assistant turn (Qwen3.6). Extra keyword arguments reach the
-        template as variables. Raises ``ValueError`` for malformed messages and
-        ``ChatTemplateError`` when the template rejects them.
+        ``enable_thinking=False`` pre-fills an empty think block, ``True`` opens one; None leaves the
+        choice to the template (``thinks_by_default``). ``preserve_thinking=True`` keeps the reasoning
+        of every earlier assistant turn (Qwen3.6). Extra keyword arguments reach the template as
+        variables. Raises ``ValueError`` for malformed messages and ``ChatTemplateError`` when the
+        template rejects them.
         """
         context = {
             "bos_token": self.bos_token or "",
@@ -378,13 +379,22 @@ class Tokenizer:
             "messages": normalize_messages(messages),
             "tools": _normalize_tools(tools),
             "add_generation_prompt": add_generation_prompt,
-            "enable_thinking": enable_thinking,
             "preserve_thinking": preserve_thinking,
         }
+        if enable_thinking is not None:  # undefined in the template otherwise, as transformers leaves it
+            context["enable_thinking"] = enable_thinking
         try:
             return self._template.render(**context)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template: {exc.message or exc}") from None
+
+
+    @cached_property
+    def thinks_by_default(self) -> bool:
+        """Whether the chat template opens a think block for the answer when ``enable_thinking`` is
+        not given: Qwen3.6's does; the demo model's does not (docs/demo-model.md)."""
+        prompt = self.apply_chat_template([{"role": "user", "content": "Hi"}])
+        return prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
 
 
 class StreamingDetokenizer:

@@ -3,6 +3,7 @@
 # flash attention on) on the same full-size Qwen3.6-35B-A3B shapes, in one run, then one table (table.py).
 #
 #   scripts/peer_bench/run.sh [STAGE ...]      stages: build gguf bandwidth plan llama lily table (default: all)
+#   (REPS and DEPTHS override the repetitions, 5, and the depths, 0,4096,32768)
 #
 # Needs .dev/peer/llama.cpp.tar.gz (scripts/peer_bench/prepare.py, run where there is network; carried to the GPU
 # machine: it is git-ignored), gcc, nvcc, cmake, ninja, python3 with numpy and torch, and Lily installed with its
@@ -14,7 +15,8 @@ HERE="$REPO/scripts/peer_bench"
 WORK="${PEER_WORK:-/tmp/lily-peer}"
 OUT="${OUT:-$WORK/out}"
 JOBS="${JOBS:-$(nproc)}"
-PROMPTS="512,4096"; GENS="128"; DEPTHS="0,4096,32768"; REPS=5
+# Lily also measures the short prompts (pp1, pp8: a chat turn's first token), which llama-bench's table leaves out.
+PROMPTS="512,4096"; LILY_PROMPTS="1,8,$PROMPTS"; GENS="128"; DEPTHS="${DEPTHS:-0,4096,32768}"; REPS="${REPS:-5}"
 LLAMA="$WORK/llama.cpp"
 MODEL="$WORK/qwen35moe-q4_0.gguf"
 mkdir -p "$WORK" "$OUT"
@@ -65,7 +67,7 @@ EOF
         -o json >"$OUT/llama-bench.json" 2>"$OUT/llama-bench.log" ;;
     lily)
       # EXPERT_LOAD=0 skips the expert-load count (a cpu backend over the same weights, host time only)
-      lily bench --dummy-weights --full-size --backend cuda -p "$PROMPTS" -n "$GENS" -d "$DEPTHS" -r "$REPS" \
+      lily bench --dummy-weights --full-size --backend cuda -p "$LILY_PROMPTS" -n "$GENS" -d "$DEPTHS" -r "$REPS" \
         $([ "${EXPERT_LOAD:-1}" = 0 ] && echo --no-expert-load) -o json \
         >"$OUT/lily-bench.json" 2>"$OUT/lily-bench.log" ;;
     table)

@@ -7,9 +7,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <new>
-#include <regex>
 #include <stdexcept>
 
 #include "msl_rt.h"
@@ -294,16 +294,13 @@ CUresult fake_MemsetD8Async(CUdeviceptr dst, unsigned char value, size_t bytes, 
 // ---- Modules and functions ----
 
 CUresult fake_ModuleLoadData(CUmodule* module, const void* image) {
-  static const std::regex entry(R"(^\.(?:visible|weak)?\s*\.entry\s+(\w+)\s*\()", std::regex::multiline);
   const std::string text(static_cast<const char*>(image));
   if (text.find(".version") == std::string::npos || text.find(".target") == std::string::npos) {
     return fail(CUDA_ERROR_INVALID_PTX, "the image is not PTX text (no .version/.target)");
   }
   auto m = std::make_unique<Module>();
   if (!load_globals(text, *m)) return CUDA_ERROR_OUT_OF_MEMORY;
-  for (auto it = std::sregex_iterator(text.begin(), text.end(), entry); it != std::sregex_iterator(); ++it) {
-    m->entries.insert((*it)[1].str());
-  }
+  for (const std::string& name : lily::cuda::ptx_entry_names(text)) m->entries.insert(name);
   *module = reinterpret_cast<CUmodule>(m.release());
   return CUDA_SUCCESS;
 }

@@ -129,7 +129,8 @@ class LilyEngine:
     def _template_kwargs(self, chat: ChatRequest) -> dict[str, Any]:
         return {
             "tools": chat.tools,
-            "enable_thinking": True if chat.enable_thinking is None else chat.enable_thinking,
+            "enable_thinking": (self.model.tokenizer.thinks_by_default if chat.enable_thinking is None
+                                else chat.enable_thinking),
             "preserve_thinking": bool(chat.preserve_thinking),
         }
 

@@ -205,22 +205,43 @@ def _check_context(state: ServerState, prompt_tokens: int, param: str) -> None:
         )
 
 
+def _check_max_tokens(state: ServerState, body: dict, sampling: SamplingParams) -> None:
+    """Refuse an answer longer than the whole context: it can never come (a shorter one that does not fit after this
+    prompt runs to the end of the context, finish_reason "length")."""
+    if sampling.max_tokens is not None and sampling.max_tokens > state.context_length:
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        raise ApiError(
+            400,
+            f"'{name}': {sampling.max_tokens} tokens can never fit: this model's maximum context length is "
+            f"{state.context_length} tokens, prompt and answer together",
+            param=name,
+            code="context_length_exceeded",
+        )
+
+
 def _start_job(state: ServerState, prompt: list[int], chat: ChatRequest | None, sampling: SamplingParams) -> Job:
     """Queue a generation; its events are `_Started`, then `TokenEvent`s, then `Done`."""
     engine = state.ready_engine()
     room = state.context_length - len(prompt)
-    sampling.max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
+    asked = sampling.max_tokens
+    sampling.max_tokens = room if asked is None else min(asked, room)
 
     def work(job: Job) -> None:
         generation = engine.generate(prompt, chat, sampling, job.is_cancelled)
+        count, reason = 0, None
         try:
             job.emit(_Started(generation.prompt_tokens, generation.cached_tokens))
             for token in generation:
                 job.emit(token)
+                count, reason = count + 1, token.finish_reason
                 if job.is_cancelled():
                     break
         finally:
             generation.close()
+        if reason == "length" and count == room and (asked is None or asked > room):
+            log.info("a generation stopped at the context limit (finish_reason \"length\"): %d prompt + %d generated "
+                     "tokens fill the %d-token context%s", len(prompt), count, state.context_length,
+                     "" if asked is None else f" before max_tokens={asked}")
 
     job = Job(work, asyncio.get_running_loop())
     try:
@@ -419,6 +440,7 @@ async def _parse_request(
     engine = state.ready_engine()
     parsed = parse(body, engine.vocab_size, engine.sampling_defaults)
     _check_model(state, parsed.model)
+    _check_max_tokens(state, body, parsed.sampling)
     return state, engine, parsed
 
 

@@ -10,7 +10,6 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
-#include <regex>
 #include <sstream>
 #include <stdexcept>
 
@@ -283,11 +282,8 @@ KernelSet::KernelSet(const Context& context, std::string ptx_dir)
                           " (build them with tools/cuda_kernels.py, or set LILY_CUDA_PTX_DIR)",
                       CUDA_ERROR_NOT_FOUND);
   }
-  static const std::regex entry(R"(^\.(?:visible|weak)?\s*\.entry\s+(\w+)\s*\()", std::regex::multiline);
   for (const auto& [file, image] : images_) {
-    for (auto it = std::sregex_iterator(image.begin(), image.end(), entry); it != std::sregex_iterator(); ++it) {
-      kernel_file_[(*it)[1].str()] = file;
-    }
+    for (const std::string& name : ptx_entry_names(image)) kernel_file_[name] = file;
     module(file, false);  // a PTX file the driver refuses fails here, naming it
   }
 }

@@ -6,6 +6,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
 
 namespace lily::cuda {
 
@@ -185,5 +188,38 @@ static_assert(sizeof(KernelParams) == 31 * 8 + 8 * 4, "Params layout of msl_cuda
     CUresult, (CUgraphExec exec, CUgraphNode node, const CUDA_KERNEL_NODE_PARAMS* params))                      \
   X(GraphLaunch, "cuGraphLaunch", nullptr, CUresult, (CUgraphExec exec, CUstream stream))                       \
   X(GraphExecDestroy, "cuGraphExecDestroy", nullptr, CUresult, (CUgraphExec exec))
+
+// The kernel names of a PTX module: lines `[.visible|.weak] .entry NAME(`. A plain scan, not std::regex: libstdc++'s
+// regex compiler crashed (SIGSEGV) in an extension built with g++ 13 and loaded by the GPU machine's Python.
+inline std::vector<std::string> ptx_entry_names(std::string_view ptx) {
+  const auto is_space = [](char c) { return c == ' ' || c == '\t'; };
+  const auto is_name = [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '$';
+  };
+  std::vector<std::string> names;
+  for (size_t start = 0; start < ptx.size();) {
+    size_t end = ptx.find('\n', start);
+    if (end == std::string_view::npos) end = ptx.size();
+    std::string_view line = ptx.substr(start, end - start);
+    start = end + 1;
+    for (std::string_view linkage : {".visible", ".weak"}) {
+      if (line.substr(0, linkage.size()) == linkage && line.size() > linkage.size() && is_space(line[linkage.size()])) {
+        line.remove_prefix(linkage.size());
+        while (!line.empty() && is_space(line.front())) line.remove_prefix(1);
+        break;
+      }
+    }
+    constexpr std::string_view kEntry = ".entry";
+    if (line.substr(0, kEntry.size()) != kEntry || line.size() == kEntry.size() || !is_space(line[kEntry.size()])) continue;
+    line.remove_prefix(kEntry.size());
+    while (!line.empty() && is_space(line.front())) line.remove_prefix(1);
+    size_t n = 0;
+    while (n < line.size() && is_name(line[n])) ++n;
+    size_t after = n;
+    while (after < line.size() && is_space(line[after])) ++after;
+    if (n > 0 && after < line.size() && line[after] == '(') names.emplace_back(line.substr(0, n));
+  }
+  return names;
+}
 
 }  // namespace lily::cuda
