@@ -7,6 +7,8 @@ The full build (one, into a temporary directory, reusing ccache when present) ta
 from __future__ import annotations
 
 import os
+import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -20,18 +22,34 @@ NO_RUNTIME_LINE = "built without the Metal test runtime (needs clang-19 on x86-6
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the Linux build (a Mac always builds with Metal)")
 
 
-def configure(tmp_path: Path, cxx: str) -> str:
-    """CMake's configure step of the project with CXX=`cxx`; its output."""
+def configure(tmp_path: Path, cxx: str, source: Path = ROOT) -> str:
+    """CMake's configure step of the project in `source` with CXX=`cxx`; its output."""
     import nanobind
 
     env = {**os.environ, "CXX": cxx}
     proc = subprocess.run(
-        ["cmake", "-S", str(ROOT), "-B", str(tmp_path / "build"),
+        ["cmake", "-S", str(source), "-B", str(tmp_path / "build"), "-DLILY_CUDA_KERNELS=OFF",
          f"-DPython_EXECUTABLE={sys.executable}", f"-Dnanobind_DIR={nanobind.cmake_dir()}"],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
+
+
+def recorded(tmp_path: Path) -> dict:
+    """What the build recorded about itself (lily._build, written at configure time)."""
+    return runpy.run_path(str(tmp_path / "build" / "_build.py"))
+
+
+def no_runtime_line(output: str) -> str:
+    """The build's line on the missing Metal test runtime as the package keeps it (no CMake or pip framing)."""
+    line = next(line for line in output.splitlines() if NO_RUNTIME_LINE in line)
+    return line.split("-- Lily: ", 1)[1].removesuffix(': backend="metal" is unavailable')
+
+
+def head_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
 
 
 @pytest.mark.parametrize("cxx,compiler_id,runtime", [("g++", "GNU", False), ("clang++-19", "Clang", True)])
@@ -40,8 +58,21 @@ def test_the_compiler_the_user_chose_is_used(tmp_path, cxx, compiler_id, runtime
         pytest.fail(f"{cxx} is not installed (scripts/test.sh installs clang-19; g++ comes with the OS)")
     out = configure(tmp_path, cxx)
     assert f"The CXX compiler identification is {compiler_id} " in out, out
-    # One line says the Metal test runtime is left out, and only where it is.
+    # One line says the Metal test runtime is left out, and only where it is; the package keeps it for the user.
     assert out.count(NO_RUNTIME_LINE) == (0 if runtime else 1), out
+    build = recorded(tmp_path)
+    assert build["NO_METAL_RUNTIME"] == ("" if runtime else no_runtime_line(out))
+    assert build["COMMIT"] == head_commit()
+
+
+def test_a_build_from_outside_a_git_checkout_records_an_unknown_commit(tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    for entry in ROOT.iterdir():  # the tree without .git
+        if entry.name != ".git":
+            (source / entry.name).symlink_to(entry)
+    configure(tmp_path, "g++", source)
+    assert recorded(tmp_path)["COMMIT"] == "unknown"
 
 
 def path_without_clang(bin_dir: Path) -> str:
@@ -120,15 +151,25 @@ def test_a_machine_without_clang_builds_installs_and_generates(tmp_path):
     assert generate.returncode == 0, generate.stderr[-3000:]
     assert len(generate.stdout.strip()) > 0, generate.stderr[-3000:]
     assert "Generation: 12 tokens" in generate.stderr
-    # The metal backend says what the build lacks, in one line, before loading anything.
+    # The metal backend says what the build lacks, in one line, before loading anything: the build's own line, which
+    # pip showed only with -v.
+    build_line = no_runtime_line(log)
+    assert "this build uses GNU " in build_line
     metal = subprocess.run([str(venv / "bin" / "lily"), "generate", "ROMEO:", "--backend", "metal"],
                            cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=600)
     assert metal.returncode != 0
     assert metal.stderr.strip().splitlines()[-1] == (
-        "lily: error: backend='metal' is unavailable: lily was built without the Metal test runtime (needs clang-19 "
-        "on x86-64); reinstall with CXX=clang++-19 pip install ., or use backend='reference'"
+        f"lily: error: backend='metal' is unavailable: lily was {build_line}; reinstall with CXX=clang++-19 pip "
+        "install . (CXX picks the compiler), or use backend='cpu'"
     ), metal.stderr
     assert "Traceback" not in metal.stderr
+    selftest = subprocess.run([str(venv / "bin" / "python"), "-m", "lily.selftest"], cwd=tmp_path, env=run_env,
+                              capture_output=True, text=True, timeout=600)
+    assert selftest.returncode != 0 and f"lily was {build_line}" in selftest.stderr, selftest.stderr
+    # The commit the wheel was built from, recorded at build time (the venv is no git checkout).
+    version = subprocess.run([str(venv / "bin" / "lily"), "--version"], cwd=tmp_path, env=run_env,
+                             capture_output=True, text=True, timeout=300)
+    assert re.fullmatch(rf"lily \S+ \(build {head_commit()}\)\n", version.stdout), version.stdout + version.stderr
     # The CUDA driver layer is built with any compiler; without a driver it says so (LILY_LIBCUDA: no such file).
     no_driver = subprocess.run([str(venv / "bin" / "python"), "-c", "from lily import cuda\ntry:\n    cuda.Runner()\n"
                                 "except cuda.CudaError as e:\n    print(e)"],

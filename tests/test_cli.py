@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import lily
-from lily import cli
+from lily import _build, cli
 from test_api import (  # noqa: F401 (chat_model_dir and model are fixtures)
     ScriptedBackend,
     chat_model_dir,
@@ -94,7 +94,15 @@ def test_bench_json_and_markdown(chat_model_dir, capsys):
     assert cells[0].startswith(" q") and cells[1].endswith(" GiB ") and cells[1].startswith("  ")
     assert chat_model_dir.name not in lines[2]
     build = next(line for line in lines if line.startswith("build: "))
-    assert re.fullmatch(r"build: ([0-9a-f]{7,}|unknown) \(lily \S+\)", build)
+    assert build == f"build: {_build.COMMIT} (lily {lily.__version__})"  # recorded by the build (test_build.py)
+
+
+def test_version_names_the_build_commit(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"lily {lily.__version__} (build {_build.COMMIT})\n"
+    assert re.fullmatch(r"[0-9a-f]{7,}|unknown", _build.COMMIT)
 
 
 def test_serve_delegates_with_its_flags(monkeypatch):

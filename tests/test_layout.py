@@ -87,8 +87,10 @@ LAYERS = [
     ("lily.backends", "lily.cuda", "lily.kernel_cases"),
     # lily.sampling: the CPU sampler, which the metal backend keeps for requests the GPU cannot sample
     ("lily.reference", "lily.checkpoint", "lily.quant", "lily.config", "lily.sampling"),
-    ("lily._ext",),
+    ("lily._ext", "lily._build"),
 ]
+# Modules the build writes (CMakeLists.txt), absent from the source tree.
+BUILT_MODULES = ("lily._ext", "lily._build")
 
 
 def layer_of(module: str) -> int:
@@ -121,7 +123,7 @@ def imported_modules(path: Path) -> set[str]:
                 submodule = f"{base}.{alias.name}"
                 is_module = (PACKAGE.parent / Path(*submodule.split("."))).with_suffix(".py").is_file() or \
                     (PACKAGE.parent / Path(*submodule.split("."))).is_dir()
-                found.add(submodule if is_module or submodule == "lily._ext" else base)
+                found.add(submodule if is_module or submodule in BUILT_MODULES else base)
     return {m for m in found if m == "lily" or m.startswith("lily.")}
 
 

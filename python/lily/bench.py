@@ -16,7 +16,6 @@ import json
 import math
 import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -256,15 +255,10 @@ def stored_bytes(weights: Any) -> int:
 
 
 def build_info() -> dict[str, str]:
-    """The lily version and, in a git checkout, its commit (llama-bench's build_commit)."""
-    from lily import __version__
+    """The lily version and the commit it was built from (llama-bench's build_commit; ``lily._build``)."""
+    from lily import __version__, _build
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                                capture_output=True, text=True, timeout=5, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-    return {"build_commit": commit or "unknown", "lily_version": __version__}
+    return {"build_commit": _build.COMMIT, "lily_version": __version__}
 
 
 def system_info() -> str:

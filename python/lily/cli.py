@@ -316,9 +316,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    """``lily 0.1.0 (build 3f1d83f)``: the version and the commit the package was built from (``lily._build``)."""
+    from lily import __version__, _build
+
+    return f"lily {__version__} (build {_build.COMMIT})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="lily", description="Fast local inference of Qwen3.5/3.6-35B-A3B.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("generate", help="continue a prompt (stream text to stdout, stats to stderr)")

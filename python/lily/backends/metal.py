@@ -35,20 +35,24 @@ SWITCHES = ("concurrent", "fused_projections", "fusion", "split_kv", "gpu_token"
 TEST_OPTIONS = ("split_kv_min_keys", "kv_block", "prefill_chunk")
 
 
-# What a build of lily._ext without a Metal runtime lacks (lily._ext.platform == "none": a Linux build without clang,
-# or not on x86-64; CMakeLists.txt).
-NO_METAL_RUNTIME = "built without the Metal test runtime (needs clang-19 on x86-64)"
-
 _log = logging.getLogger(__name__)
+
+
+def missing_metal_runtime() -> str:
+    """Why this build runs no Metal (lily._ext.platform == "none": a Linux build without clang-19 or off x86-64), in
+    the build's own words and with the way to get it; "" where it runs Metal."""
+    from lily import _build, _ext
+
+    if _ext.platform != "none":
+        return ""
+    return f"lily was {_build.NO_METAL_RUNTIME}; reinstall with CXX=clang++-19 pip install . (CXX picks the compiler)"
 
 
 def require_metal_runtime() -> None:
     """Raise RuntimeError, before any work, when this build cannot run the ``metal`` backend."""
-    from lily import _ext
-
-    if _ext.platform == "none":
-        raise RuntimeError(f"backend='metal' is unavailable: lily was {NO_METAL_RUNTIME}; reinstall with "
-                           "CXX=clang++-19 pip install ., or use backend='reference'")
+    missing = missing_metal_runtime()
+    if missing:
+        raise RuntimeError(f"backend='metal' is unavailable: {missing}, or use backend='cpu'")
 
 
 def engine_config(args: ModelArgs) -> dict[str, Any]:

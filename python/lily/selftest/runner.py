@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from lily import kernel_cases
+from lily.backends.metal import missing_metal_runtime
 from lily.kernel_cases import Case
 from lily.selftest import device as devices
 from lily.selftest.device import KernelDevice
@@ -92,7 +93,7 @@ def _open(kind: str) -> KernelDevice | None:
     except ImportError as exc:
         if kind == "harness" or platform.system() != "Darwin":
             where = "on macOS the harness is not built; use --device metal-api" if platform.system() == "Darwin" \
-                else f"import failed: {exc}"
+                else missing_metal_runtime() or f"import failed: {exc}"
             print(f"lily.selftest: the CPU kernel harness lily._ext.msl is absent ({where}). Nothing was tested.",
                   file=sys.stderr)
         else:
