@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -173,6 +174,19 @@ def test_thinking_flags_default_to_the_template():
     for command in (["chat"], ["generate", "x", "--chat"]):
         assert [parser.parse_args(command + flag).thinking for flag in ([], ["--thinking"], ["--no-thinking"])] == [
             None, True, False]
+
+
+def test_generate_says_when_the_context_ended_it(model, monkeypatch, capsys):
+    small = lily.Model(ScriptedBackend(model.config.vocab_size, [], 0),
+                       dataclasses.replace(model.config, max_position_embeddings=16), model.tokenizer,
+                       backend_name="scripted", fingerprint="small")
+    monkeypatch.setattr(lily.Model, "load", classmethod(lambda cls, *a, **k: small))
+    prompt = "b" * 10  # 10 tokens: letters that take part in no merge
+    for max_tokens, note in ((4, False), (16, True)):
+        code, _, err = run_cli(["generate", prompt, "--max-tokens", str(max_tokens), "--temp", "0"], capsys)
+        assert code == 0
+        assert ("[stopped at the end of the model's context (16 tokens)]" in err) == note, err
+        assert f"Generation: {min(max_tokens, 6)} tokens" in err
 
 
 def test_chat_reports_an_impossible_max_tokens_once(chat_model_dir, monkeypatch, capsys):
