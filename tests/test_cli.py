@@ -189,6 +189,17 @@ def test_generate_says_when_the_context_ended_it(model, monkeypatch, capsys):
         assert f"Generation: {min(max_tokens, 6)} tokens" in err
 
 
+def test_chat_says_when_the_context_ended_the_answer(model, monkeypatch, capsys):
+    small = lily.Model(ScriptedBackend(model.config.vocab_size, [], 0),
+                       dataclasses.replace(model.config, max_position_embeddings=32), model.tokenizer,
+                       backend_name="scripted", fingerprint="small")
+    monkeypatch.setattr(lily.Model, "load", classmethod(lambda cls, *a, **k: small))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n/quit\n"))
+    code, _, err = run_cli(["chat", "--temp", "0", "--no-thinking"], capsys)
+    assert code == 0 and "cut off by --max-tokens" not in err
+    assert "[stopped at the end of the model's context (32 tokens); /reset starts a new conversation]" in err
+
+
 def test_chat_reports_an_impossible_max_tokens_once(chat_model_dir, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nhi again\n/quit\n"))
     code, out, err = run_cli(["chat", "--model", str(chat_model_dir), "--backend", "reference",

@@ -153,36 +153,30 @@ HELLO = [{"role": "user", "content": "Hello"}]
 def test_model_chat_answers_a_greeting_with_the_defaults(demo_model) -> None:
     result = demo_model.chat(HELLO, seed=0)
     assert result.content.strip() and not result.reasoning
-    # It never learned to end a turn: the answer runs until prompt and answer fill the 4,096-token context.
-    assert result.finish_reason == "length"
-    assert result.stats.prompt_tokens + result.stats.generation_tokens == demo_model.config.max_position_embeddings
 
 
-def test_lily_chat_answers_hello_and_says_where_it_stopped() -> None:
-    """`printf 'Hello\\n' | lily chat`, every setting at its default but the seed (a draw that ends at the context,
-    not at a sampled end token)."""
-    proc = subprocess.run([sys.executable, "-m", "lily.cli", "chat", "--seed", "0"], input="Hello\n",
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+def test_lily_chat_answers_hello() -> None:
+    """`printf 'Hello\\n' | lily chat`, every setting at its default."""
+    proc = subprocess.run([sys.executable, "-m", "lily.cli", "chat"], input="Hello\n", capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr
     answer = proc.stdout.split("[answer] ", 1)
     assert len(answer) == 2 and answer[1].strip() and "[thinking]" not in proc.stdout
-    assert "[stopped at the end of the model's context (4096 tokens); /reset starts a new conversation]" in proc.stderr
+    assert "while still thinking" not in proc.stderr
 
 
-def test_the_server_answers_hi_with_content(demo_model, caplog) -> None:
+def test_the_server_answers_hi_with_content(demo_model) -> None:
     """The README's OpenAI snippet against `lily serve`: the message has content."""
     import openai
     from server_helpers import ServerThread
 
     from lily.server.adapter import LilyEngine
 
-    with ServerThread(LilyEngine(demo_model)) as server, caplog.at_level("INFO", logger="lily.server"):
+    with ServerThread(LilyEngine(demo_model)) as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        reply = client.chat.completions.create(model="lily:demo", messages=[{"role": "user", "content": "Hi"}], seed=0)
+        reply = client.chat.completions.create(model="lily:demo", messages=[{"role": "user", "content": "Hi"}])
     message = reply.choices[0].message
     assert message.content.strip() and not getattr(message, "reasoning_content", None)
-    assert reply.choices[0].finish_reason == "length"
-    assert any("stopped at the context limit" in r.getMessage() for r in caplog.records)
 
 
 @pytest.fixture(scope="module")
