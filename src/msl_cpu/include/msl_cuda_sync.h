@@ -253,9 +253,11 @@ namespace matrix_detail {
 constexpr int lane_row(uint32_t lane) { return int(lane / 4); }
 constexpr int lane_col(uint32_t lane) { return int(lane % 4) * 2; }
 
+// The two 16-bit elements as one register, element 0 in the low half. A bit cast of the whole vector: clang 19's NVPTX
+// back end lowered v[1] of a bfloat2 to v[0] (the PTX packed one load twice).
 template <class T>
 inline uint32_t pack_b16(vec<T, 2> v) {
-  return uint32_t(__builtin_bit_cast(uint16_t, v[0])) | (uint32_t(__builtin_bit_cast(uint16_t, v[1])) << 16);
+  return __builtin_bit_cast(uint32_t, v);
 }
 // D = A·B + C for 16-bit A and B on tensor cores: the upper half of one m16n8k8 MMA (rows 8..15 of A are zero), fp32
 // accumulation. A's fragment is its storage; B's is the transpose of its storage layout (movmatrix).
