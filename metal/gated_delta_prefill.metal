@@ -2,7 +2,9 @@
 //   gated_delta_conv_<dtype>_dk<Dk>     part 1: the causal conv + SiLU of T tokens into an fp32 scratch [T, C],
 //                                      continuing from and updating the conv state. One thread per channel.
 //   gated_delta_prefill_<dtype>_dk<Dk>  part 2: the sequential scan over T tokens with the state rows held in
-//                                      registers for the whole chunk. Chosen for T > 1 (after gated_delta_conv).
+//                                      registers for the whole chunk (LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP per
+//                                      simdgroup, one threadgroup per value head), one barrier per token.
+//                                      Chosen for T > 1 (after gated_delta_conv).
 //   gated_delta_prefill_blockwise_<dtype>_dk<Dk>
 //                                      the REGISTER_SCAN ablation (f32 and bf16): the state rows round-trip through
 //                                      device memory every LILY_GDN_SCAN_BLOCK tokens. Same arithmetic, same bits.
@@ -45,8 +47,39 @@ template <typename T, uint Dk>
   }
 }
 
+// Stages token t's scan inputs in one slot of the kernel's double-buffered threadgroup arrays: raw q and k of the key
+// head, v of the value head, beta and the decay.
+template <typename T, uint Dk>
+LILY_INLINE void gdn_stage_token(threadgroup float* q, threadgroup float* k, threadgroup float* v,
+                                 threadgroup float* beta, threadgroup float* decay, uint t,
+                                 device const float* conv_out, device const T* b, device const T* a,
+                                 device const float* a_log, device const float* dt_bias,
+                                 constant lily::GatedDeltaArgs& args, uint v_head, uint tid, uint n_threads) {
+  const uint dv = args.head_v_dim;
+  const uint key_dim = args.num_k_heads * Dk;
+  const uint channels = 2 * key_dim + args.num_v_heads * dv;
+  const uint key_head = v_head / (args.num_v_heads / args.num_k_heads);
+  device const float* x = conv_out + size_t(t) * channels;
+  for (uint i = tid; i < 2 * Dk + dv; i += n_threads) {
+    if (i < Dk) {
+      q[i] = x[key_head * Dk + i];
+    } else if (i < 2 * Dk) {
+      k[i - Dk] = x[key_dim + key_head * Dk + (i - Dk)];
+    } else {
+      v[i - 2 * Dk] = x[2 * key_dim + v_head * dv + (i - 2 * Dk)];
+    }
+  }
+  if (tid == 0) {
+    gdn_gates<T>(v_head, t, args, b, a, a_log, dt_bias, beta, decay);
+  }
+}
+
 // Block = 0: the state rows stay in registers for the whole chunk. Block > 0 (blockwise): they are stored to and
 // reloaded from `state` every Block tokens.
+// One threadgroup barrier per token: after it, token t's staged inputs and token t - 1's outputs o are complete;
+// then token t + 1 is staged into the other slot (its last readers finished before this barrier), every simdgroup
+// updates its rows for token t into o slot t % 2, and simdgroup (t - 1) % n_sg applies the gated norm to token t - 1
+// (its o slot is next written after the following barrier), so the loads and the norm overlap the row updates.
 template <typename T, uint Dk, uint Block>
 [[kernel]] void gated_delta_prefill(constant lily::GatedDeltaArgs& args [[buffer(0)]],
                                     device const float* conv_out [[buffer(1)]],  // [T, C] from gated_delta_conv
@@ -64,78 +97,81 @@ template <typename T, uint Dk, uint Block>
                                     uint lane [[thread_index_in_simdgroup]],
                                     uint sg [[simdgroup_index_in_threadgroup]],
                                     uint n_sg [[simdgroups_per_threadgroup]]) {
-  threadgroup float q_tg[Dk];
-  threadgroup float k_tg[Dk];
-  threadgroup float v_tg[LILY_GDN_MAX_ROWS];
-  threadgroup float o_tg[LILY_GDN_MAX_ROWS];
-  threadgroup float beta_tg[1];
-  threadgroup float decay_tg[1];
+  static_assert(Dk <= LILY_GDN_MAX_DK, "the staged q and k rows");
+  threadgroup float q_tg[2][LILY_GDN_MAX_DK];
+  threadgroup float k_tg[2][LILY_GDN_MAX_DK];
+  threadgroup float v_tg[2][LILY_GDN_MAX_ROWS];
+  threadgroup float o_tg[2][LILY_GDN_MAX_ROWS];
+  threadgroup float beta_tg[2];
+  threadgroup float decay_tg[2];
 
   const uint dv = args.head_v_dim;
-  const uint key_dim = args.num_k_heads * Dk;
-  const uint channels = 2 * key_dim + args.num_v_heads * dv;
-  const uint key_head = v_head / (args.num_v_heads / args.num_k_heads);
   const size_t v_offset = size_t(v_head) * dv;
+  const uint num_tokens = args.num_tokens;
+  const uint block = Block != 0 ? Block : num_tokens;
 
-  // This simdgroup's rows r = sg + m·n_sg stay in registers for a block of tokens (host: dv <= 8·n_sg): the whole
-  // chunk when Block = 0.
-  float s[LILY_GDN_ROWS_PER_SIMDGROUP][Dk / 32];
-  const uint block = Block != 0 ? Block : args.num_tokens;
-  for (uint first = 0; first < args.num_tokens; first += block) {
-    for (uint m = 0; m < LILY_GDN_ROWS_PER_SIMDGROUP; ++m) {
-      const uint r = sg + m * n_sg;
-      for (uint e = 0; e < Dk / 32 && r < dv; ++e) {
-        s[m][e] = state[(v_offset + r) * Dk + lane * (Dk / 32) + e];
-      }
+  // This simdgroup's rows r = sg + m·n_sg stay in registers (host: dv <= LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP·n_sg).
+  float s[LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP][Dk / 32];
+  for (uint m = 0; m < LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; ++m) {
+    const uint r = sg + m * n_sg;
+    for (uint e = 0; e < Dk / 32 && r < dv; ++e) {
+      s[m][e] = state[(v_offset + r) * Dk + lane * (Dk / 32) + e];
     }
-    for (uint t = first; t < min(first + block, args.num_tokens); ++t) {
-      // Two barriers per token suffice: the writes below only race with reads made before the previous token's
-      // second barrier (q/k/v/gates) or after this token's first barrier (o).
-      device const float* x = conv_out + size_t(t) * channels;
-      for (uint i = tid; i < 2 * Dk + dv; i += n_threads) {
-        if (i < Dk) {
-          q_tg[i] = x[key_head * Dk + i];
-        } else if (i < 2 * Dk) {
-          k_tg[i - Dk] = x[key_dim + key_head * Dk + (i - Dk)];
-        } else {
-          v_tg[i - 2 * Dk] = x[2 * key_dim + v_offset + (i - 2 * Dk)];
-        }
-      }
-      if (tid == 0) {
-        gdn_gates<T>(v_head, t, args, b, a, a_log, dt_bias, &beta_tg[0], &decay_tg[0]);
-      }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-
-      float q[Dk / 32];
-      float k[Dk / 32];
-      gdn_normalized_qk<Dk>(q_tg, k_tg, args.l2_eps, q, k, lane);
-      for (uint m = 0; m < LILY_GDN_ROWS_PER_SIMDGROUP; ++m) {
+  }
+  gdn_stage_token<T, Dk>(q_tg[0], k_tg[0], v_tg[0], &beta_tg[0], &decay_tg[0], 0, conv_out, b, a, a_log, dt_bias, args,
+                         v_head, tid, n_threads);
+  for (uint t = 0; t < num_tokens; ++t) {
+    const uint slot = t % 2;
+    if (Block != 0 && t % block == 0 && t != 0) {
+      // The ablation's round trip: a device-memory fence between the store and the reload, so the compiler may not
+      // carry the rows in registers across it (each lane reloads its own writes).
+      for (uint m = 0; m < LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; ++m) {
         const uint r = sg + m * n_sg;
-        if (r >= dv) {
-          break;  // uniform over the simdgroup: the collectives stay convergent
-        }
-        const float o = gdn_update_row<Dk>(s[m], q, k, decay_tg[0], beta_tg[0], v_tg[r]);
-        if (lane == 0) {
-          o_tg[r] = o;
+        for (uint e = 0; e < Dk / 32 && r < dv; ++e) {
+          state[(v_offset + r) * Dk + lane * (Dk / 32) + e] = s[m][e];
         }
       }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
+      threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
+      for (uint m = 0; m < LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; ++m) {
+        const uint r = sg + m * n_sg;
+        for (uint e = 0; e < Dk / 32 && r < dv; ++e) {
+          s[m][e] = state[(v_offset + r) * Dk + lane * (Dk / 32) + e];
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (t + 1 < num_tokens) {
+      gdn_stage_token<T, Dk>(q_tg[1 - slot], k_tg[1 - slot], v_tg[1 - slot], &beta_tg[1 - slot], &decay_tg[1 - slot],
+                             t + 1, conv_out, b, a, a_log, dt_bias, args, v_head, tid, n_threads);
+    }
+    if (t > 0 && sg == (t - 1) % n_sg) {
+      const size_t offset = size_t(t - 1) * args.num_v_heads * dv + v_offset;
+      gdn_gated_norm<T>(o_tg[1 - slot], z + offset, norm_weight, out + offset, dv, args.norm_eps, lane);
+    }
 
-      if (sg == 0) {
-        const size_t offset = size_t(t) * args.num_v_heads * dv + v_offset;
-        gdn_gated_norm<T>(o_tg, z + offset, norm_weight, out + offset, dv, args.norm_eps, lane);
-      }
-    }
-    for (uint m = 0; m < LILY_GDN_ROWS_PER_SIMDGROUP; ++m) {
+    float q[Dk / 32];
+    float k[Dk / 32];
+    gdn_normalized_qk<Dk>(q_tg[slot], k_tg[slot], args.l2_eps, q, k, lane);
+    for (uint m = 0; m < LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; ++m) {
       const uint r = sg + m * n_sg;
-      for (uint e = 0; e < Dk / 32 && r < dv; ++e) {
-        state[(v_offset + r) * Dk + lane * (Dk / 32) + e] = s[m][e];
+      if (r >= dv) {
+        break;  // uniform over the simdgroup: the collectives stay convergent
+      }
+      const float o = gdn_update_row<Dk>(s[m], q, k, decay_tg[slot], beta_tg[slot], v_tg[slot][r]);
+      if (lane == 0) {
+        o_tg[slot][r] = o;
       }
     }
-    if (Block != 0) {
-      // A device-memory fence between the store and the next block's load: the compiler may not carry the rows in
-      // registers across it, so the ablation really moves the state through memory (each lane reloads its own writes).
-      threadgroup_barrier(mem_flags::mem_device);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (sg == (num_tokens - 1) % n_sg) {
+    const size_t offset = size_t(num_tokens - 1) * args.num_v_heads * dv + v_offset;
+    gdn_gated_norm<T>(o_tg[(num_tokens - 1) % 2], z + offset, norm_weight, out + offset, dv, args.norm_eps, lane);
+  }
+  for (uint m = 0; m < LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; ++m) {
+    const uint r = sg + m * n_sg;
+    for (uint e = 0; e < Dk / 32 && r < dv; ++e) {
+      state[(v_offset + r) * Dk + lane * (Dk / 32) + e] = s[m][e];
     }
   }
 }

@@ -42,7 +42,7 @@ struct GatedDeltaArgs {
   u32 num_k_heads;  // Hk; gated_delta_step runs one threadgroup per key head
   u32 num_v_heads;  // Hv, a multiple of Hk; value head j uses key head j / (Hv/Hk); gated_delta_prefill: one
                     // threadgroup per value head
-  u32 head_v_dim;   // dv; (Hv/Hk)*dv <= LILY_GDN_MAX_ROWS; prefill: dv <= LILY_GDN_ROWS_PER_SIMDGROUP * simdgroups
+  u32 head_v_dim;   // dv; (Hv/Hk)*dv <= LILY_GDN_MAX_ROWS; prefill: dv <= LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP * simdgroups
   f32 l2_eps;       // added to sum(q^2) and sum(k^2) before the rsqrt; 1e-6
   f32 norm_eps;     // added to mean(o^2) in the gated RMSNorm; 1e-6
   u32 _pad0;
@@ -214,10 +214,16 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 #define LILY_RMS_NORM_MAX_THREADS 1024
 
 // Gated DeltaNet (metal/gated_delta.metal). Untuned: no Mac benchmark yet.
-// gated_delta_prefill: state rows of [Dk] fp32 one simdgroup keeps in registers for a whole chunk (Dk/32 per lane):
-// 8 rows x 4 = 32 floats per lane, so 16 simdgroups (512 threads) hold a dv = 128 value head. (gated_delta_step takes
-// any threadgroup size; ceil(rows / 8) simdgroups, 1024 threads for the model, gives each simdgroup 8 rows.)
+// gated_delta_step: state rows per simdgroup; the step takes any threadgroup size, and ceil(rows / 8) simdgroups
+// (1024 threads for the model's 256 rows per key head) give each simdgroup 8 rows.
 #define LILY_GDN_ROWS_PER_SIMDGROUP 8
+// gated_delta_prefill: state rows of [Dk] fp32 one simdgroup keeps in registers for a whole chunk (Dk/32 per lane):
+// 4 rows x 4 = 16 floats per lane, so 32 simdgroups (1024 threads) hold a dv = 128 value head. Fewer rows per
+// simdgroup shorten the per-token chain of the scan, which is serial over the chunk (8 rows took 5.5 us per token on
+// an H200; docs/performance.md).
+#define LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP 4
+// gated_delta_prefill: the largest key head dim (staged q and k rows).
+#define LILY_GDN_MAX_DK 128
 // gated_delta_step: value rows per key head, (Hv/Hk)*dv, sized for the threadgroup arrays (model: 2*128 = 256).
 #define LILY_GDN_MAX_ROWS 256
 // gated_delta_step: at most this many value heads per key head, Hv/Hk (model: 2).

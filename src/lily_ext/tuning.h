@@ -30,8 +30,9 @@ constexpr size_t kQmvRowsPerThreadgroup = LILY_QMV_ROWS_PER_SIMDGROUP * LILY_QMV
 // rms_norm: one threadgroup per row; 256 threads already cover H = 2048 with 8 elements per thread, and a smaller
 // group than the 1024 maximum leaves room for other dispatches of the same stage.
 constexpr size_t kRmsNormThreads = 256;
-// Gated DeltaNet: LILY_GDN_ROWS_PER_SIMDGROUP state rows per simdgroup; the host sizes the group from (Hv/Hk)*dv.
+// Gated DeltaNet: state rows per simdgroup; the host sizes the group from (Hv/Hk)*dv (step) or dv (prefill scan).
 constexpr size_t kGdnRowsPerSimdgroup = LILY_GDN_ROWS_PER_SIMDGROUP;
+constexpr size_t kGdnPrefillRowsPerSimdgroup = LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP;
 // attention_prep: 8 simdgroups (8 head rows) per threadgroup: the model's 18 rows per token fill 3 groups.
 constexpr size_t kAttentionPrepSimdgroups = 8;
 // attention_decode: 8 simdgroups split the keys; enough lanes to stream a KV head at 4K context, few enough that

@@ -26,6 +26,7 @@ from lily.kernel_cases.common import TOLERANCES, Case, Run, Tolerance, dtype_of,
 PATTERN = re.compile(r"gated_delta_step_(f32|f16|bf16)_dk(128|64)")
 K = 4  # the causal conv's kernel size
 EPS = 1e-6
+PREFILL_ROWS_PER_SIMDGROUP = 4  # LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP
 # The kernels compute in fp32 from rounded inputs and round once: bf16/f16 outputs are within 1 ulp of the rounded
 # reference. fp32 outputs go through ~10 dependent fp32 operations per token, so they get a few ulp, not one.
 F32_CHAIN = Tolerance(rtol=3e-5, atol=3e-6, rel_rms=5e-6)
@@ -110,8 +111,8 @@ def reference_chain(layer: Layer, tokens: dict[str, np.ndarray]):
 
 
 def prefill_threads(layer: Layer, extra_simdgroups: int = 0) -> int:
-    """gated_delta_prefill keeps at most 8 rows per simdgroup: dv <= 8 * simdgroups."""
-    return 32 * (-(-layer.dv // 8) + extra_simdgroups)
+    """gated_delta_prefill keeps at most LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP (4) rows per simdgroup."""
+    return 32 * (-(-layer.dv // PREFILL_ROWS_PER_SIMDGROUP) + extra_simdgroups)
 
 
 def run_step(run: Run, layer: Layer, token: dict[str, np.ndarray], threads: int, **options) -> np.ndarray:

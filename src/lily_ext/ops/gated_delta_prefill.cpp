@@ -20,9 +20,10 @@ void gated_delta_prefill(Context& ctx, const ModelConfig& c, const std::string& 
            {arg_value(a), arg(s.qkv), arg(s.conv_weight->data), arg(s.conv_state), arg(s.conv_out)},
            {(channels + tuning::kGdnConvThreads - 1) / tuning::kGdnConvThreads, 1, 1}, {tuning::kGdnConvThreads, 1, 1},
            {s.qkv, s.conv_weight->data, s.conv_state}, {s.conv_state, s.conv_out});
-  // One threadgroup per value head; each simdgroup keeps LILY_GDN_ROWS_PER_SIMDGROUP state rows in registers, for
-  // the whole chunk, or (REGISTER_SCAN off) for LILY_GDN_SCAN_BLOCK tokens between round trips through memory.
-  const size_t simdgroups = (c.gdn_v_dim + tuning::kGdnRowsPerSimdgroup - 1) / tuning::kGdnRowsPerSimdgroup;
+  // One threadgroup per value head; each simdgroup keeps LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP state rows in registers,
+  // for the whole chunk, or (REGISTER_SCAN off) for LILY_GDN_SCAN_BLOCK tokens between round trips through memory.
+  const size_t simdgroups =
+      (c.gdn_v_dim + tuning::kGdnPrefillRowsPerSimdgroup - 1) / tuning::kGdnPrefillRowsPerSimdgroup;
   const std::string variant = ctx.register_scan ? "" : "blockwise_";
   Node& scan = add_node(ctx, "gated_delta_prefill_" + variant + suffix, label,
                         {arg_value(a), arg(s.conv_out), arg(s.z), arg(s.b), arg(s.a), arg(s.a_log->data),
