@@ -3,10 +3,11 @@
 // out = softmax(q k^T * scale + causal mask) v ⊙ sigmoid(gate), fp32 online softmax, the gate fused.
 //   attention_prefill_mma_<dtype>_d<D> matrix units: one threadgroup of G simdgroups per (8 query tokens, G query
 //                                       heads of one KV head; G = 4 at D = 256, 2 at D = 64); simdgroup s owns head
-//                                       head0 + s. Scores S = Q K^T and the update O += P V are simdgroup_float8x8
-//                                       products over key tiles of LILY_ATTN_MMA_TILE_KEYS (8) keys staged in fp32
-//                                       threadgroup memory (K transposed, so no transposed load is needed). Q (32
-//                                       fragments) and O (32 fragments) stay in registers for the whole chunk.
+//                                       head0 + s. Scores S = Q K^T and the update O += P V are simdgroup_matrix
+//                                       products in the cache dtype (fp32 accumulators) over key tiles of
+//                                       LILY_ATTN_MMA_TILE_KEYS (8) keys staged in threadgroup memory (K transposed,
+//                                       so no transposed load is needed). Q (32 fragments) and O (32 fragments)
+//                                       stay in registers for the whole chunk.
 //                                       Chosen for T >= LILY_ATTN_MMA_MIN_QUERIES (8).
 //   attention_prefill_<dtype>_d<D>      vector ALUs: one threadgroup per (n consecutive queries, G query heads);
 //                                       simdgroup s owns query q0 + s for the G heads, one float4 simd_sum of the G
@@ -27,7 +28,7 @@
 // Verified here: the maths, causality, KV offsets, boundaries and races (CPU harness, which emulates
 // simdgroup_matrix with MLX's lane layout). Mac only: compiler acceptance, the lane layout
 // the mma kernel's softmax relies on, register pressure (128 fp32 fragment elements per lane), speed; the key tile
-// (8) is small because the fp32 tiles must fit 32 KiB, and bf16 tiles with bf16 fragments are the obvious next step.
+// (8) is small because the fp32 tiles of float32 mode must fit 32 KiB (bf16 mode stages bf16 tiles).
 #include <metal_stdlib>
 #include "activations.h"
 #include "lily.h"
@@ -194,9 +195,11 @@ template <typename T, typename C, uint D, uint G>
                                       uint tid [[thread_index_in_threadgroup]],
                                       uint simd_lane [[thread_index_in_simdgroup]],
                                       uint simd_group [[simdgroup_index_in_threadgroup]]) {
-  // K^T (dims x keys) and V (keys x dims) of one key tile, fp32 for simdgroup_float8x8 loads.
-  threadgroup float kt_tile[LILY_ATTN_MMA_TILE_KEYS * D];
-  threadgroup float v_tile[LILY_ATTN_MMA_TILE_KEYS * D];
+  // K^T (dims x keys) and V (keys x dims) of one key tile in the cache dtype C, which is also the MMA operand type:
+  // bf16 MMAs with fp32 accumulators in bf16 mode (tensor cores on NVIDIA; the probabilities are rounded to bf16 for
+  // P·V, as FlashAttention does), fp32 in float32 mode.
+  threadgroup C kt_tile[LILY_ATTN_MMA_TILE_KEYS * D];
+  threadgroup C v_tile[LILY_ATTN_MMA_TILE_KEYS * D];
   static_assert(LILY_ATTN_MMA_TILE_KEYS == 8, "one 8x8 fragment of scores per simdgroup and tile");
   static_assert(D % 8 == 0, "head_dim is a whole number of 8-wide fragments");
   constexpr uint BK = LILY_ATTN_MMA_TILE_KEYS;
@@ -213,15 +216,16 @@ template <typename T, typename C, uint D, uint G>
   const uint position = first_position + t;
 
   // Q fragments (8 tokens x 8 dims each), scaled, straight from device memory into the lane's two elements.
-  simdgroup_float8x8 query[FRAGS];
+  simdgroup_matrix<C, 8, 8> query[FRAGS];
   simdgroup_float8x8 acc[FRAGS];
   for (uint f = 0; f < FRAGS; ++f) {
     float2 elements = float2(0.0f);
     if (t < args.num_queries) {
       device const T* src = q + (size_t(t) * args.num_heads + head) * D + 8 * f + col;
-      elements = float2(float(src[0]), float(src[1])) * args.scale;
+      elements = float2(float(src[0]), float(src[1])) * args.scale;  // 1/sqrt(D): a power of 2 for D = 64, 256
     }
-    query[f].thread_elements() = elements;
+    query[f].thread_elements()[0] = C(elements[0]);
+    query[f].thread_elements()[1] = C(elements[1]);
     acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
   float run_max = -INFINITY;  // of this lane's row (the four lanes of a row hold the same values)
@@ -242,15 +246,15 @@ template <typename T, typename C, uint D, uint G>
         v4 = lily::attn_load4(v_head + size_t(tile_start + key) * D + d);
       }
       for (uint j = 0; j < 4; ++j) {
-        kt_tile[(d + j) * BK + key] = k4[j];
+        kt_tile[(d + j) * BK + key] = C(k4[j]);  // exact: the values came from C
+        v_tile[key * D + d + j] = C(v4[j]);
       }
-      *((threadgroup float4*)(v_tile + key * D + d)) = v4;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     simdgroup_float8x8 scores = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     for (uint f = 0; f < FRAGS; ++f) {
-      simdgroup_float8x8 key_frag;
+      simdgroup_matrix<C, 8, 8> key_frag;
       simdgroup_load(key_frag, kt_tile + 8 * f * BK, BK);  // dims 8f..8f+7 x the tile's keys
       simdgroup_multiply_accumulate(scores, query[f], key_frag, scores);
     }
@@ -267,11 +271,12 @@ template <typename T, typename C, uint D, uint G>
     const float2 p = float2(precise::exp(s[0] - new_max), precise::exp(s[1] - new_max));
     run_sum = run_sum * rescale + attn_mma_row_sum(p[0] + p[1]);
     run_max = new_max;
-    simdgroup_float8x8 probs;
-    probs.thread_elements() = p;
+    simdgroup_matrix<C, 8, 8> probs;
+    probs.thread_elements()[0] = C(p[0]);
+    probs.thread_elements()[1] = C(p[1]);
     for (uint f = 0; f < FRAGS; ++f) {
       acc[f].thread_elements() *= rescale;  // the lane's elements are all in its row
-      simdgroup_float8x8 value_frag;
+      simdgroup_matrix<C, 8, 8> value_frag;
       simdgroup_load(value_frag, v_tile + 8 * f, D);  // the tile's keys x dims 8f..8f+7
       simdgroup_multiply_accumulate(acc[f], probs, value_frag, acc[f]);
     }
