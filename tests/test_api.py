@@ -155,6 +155,23 @@ def test_load_sets_config_tokenizer_and_backend(model, chat_model_dir):
         lily.Model.load(chat_model_dir, backend="cuda")
 
 
+def test_max_context_is_checked_before_loading(chat_model_dir):
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_context must be a positive integer"):
+            lily.Model.load(chat_model_dir, backend="reference", max_context=bad)
+    limit = lily.Model.load(chat_model_dir, backend="reference").config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_context={limit + 1} exceeds the model's context of {limit}"):
+        lily.Model.load(chat_model_dir, backend="reference", max_context=limit + 1)
+
+
+def test_bench_sizes_the_context_to_its_deepest_test():
+    from lily import bench
+
+    assert bench.context_needed([512, 4096], [128], [0, 4096]) is None  # within the engine's default 32768
+    assert bench.context_needed([1, 8, 512, 4096], [128], [32768]) == 32768 + 4096 + 1
+    assert bench.context_needed([0], [128], [32768]) == 32768 + 128 + 1
+
+
 def test_quantized_checkpoint_generates(tiny_mlx4_dir):
     m = lily.Model.load(tiny_mlx4_dir, backend="reference")
     prompt = random_ids(7, 5)

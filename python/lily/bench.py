@@ -100,6 +100,15 @@ def _time_generate(model: Model, base: Session, n_gen: int, first: int) -> float
     return time.perf_counter() - start
 
 
+def context_needed(prompts: Sequence[int], gens: Sequence[int], depths: Sequence[int]) -> int | None:
+    """The KV-cache limit the tests need (the deepest test: its depth, its prompt or generation, and the token after
+    it), or None where the engine backends' default limit (32768) holds them."""
+    from lily.backends.metal import DEFAULT_MAX_CONTEXT
+
+    needed = max(depths, default=0) + max([*prompts, *gens], default=0) + 1
+    return needed if needed > DEFAULT_MAX_CONTEXT else None
+
+
 def run_bench(model: Model, *, prompts: Sequence[int] = (512,), gens: Sequence[int] = (128,),
               depths: Sequence[int] = (0,), repetitions: int = 5, seed: int = 0,
               progress: Any = None, finished: Any = None) -> list[BenchRow]:

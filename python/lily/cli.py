@@ -58,11 +58,11 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
-def _load(args: argparse.Namespace) -> Any:
+def _load(args: argparse.Namespace, max_context: int | None = None) -> Any:
     from lily import Model
 
     print(f"Loading {args.model} ...", file=sys.stderr, flush=True)
-    return Model.load(args.model, backend=args.backend, precision=args.precision)
+    return Model.load(args.model, backend=args.backend, precision=args.precision, max_context=max_context)
 
 
 def _print_stats(stats: Any, out: TextIO) -> None:
@@ -266,11 +266,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         source = FULL_SIZE if args.full_size else args.model
         print(f"Loading {source} with dummy weights ...", file=sys.stderr, flush=True)
-        model = Model.load(source, backend=args.backend, precision=args.precision, load_format="dummy")
+        model = Model.load(source, backend=args.backend, precision=args.precision, load_format="dummy",
+                           max_context=bench.context_needed(args.p, args.n, args.d))
     elif args.full_size:
         raise ValueError("--full-size needs --dummy-weights (random weights of the full-size shapes) or --host-only")
     else:
-        model = _load(args)
+        model = _load(args, bench.context_needed(args.p, args.n, args.d))
     def report(row: "bench.BenchRow") -> None:
         print(f"  {row.test}: {row.avg_ts:.2f} ± {row.stddev_ts:.2f} t/s", file=sys.stderr, flush=True)
 

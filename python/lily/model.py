@@ -464,7 +464,7 @@ class Model:
     def load(cls, path_or_repo: str | Path | Mapping[str, Any], *, backend: str = "auto", precision: str | None = None,
              revision: str | None = None, quantize: int | None = None, prompt_cache_entries: int = 16,
              prompt_cache_bytes: int = 4 << 30, prefill_step_size: int = 512,
-             progress: bool = True, load_format: str = "auto") -> Model:
+             progress: bool = True, load_format: str = "auto", max_context: int | None = None) -> Model:
         """Load a checkpoint from a directory, a Hugging Face repo id or ``"lily:demo"``.
 
         ``backend``: "reference" (numpy, the specification), "metal" (the compiled engine), "cuda"
@@ -480,6 +480,8 @@ class Model:
         ``load_format="dummy"`` reads no weights: random 4-bit weights of the configuration's shapes, for
         benchmarks (``lily.dummy``); ``path_or_repo`` is then a checkpoint directory, a config.json path, a config
         dict or ``"full-size"`` (Qwen3.6-35B-A3B).
+        ``max_context``: the metal and cuda backends' KV-cache limit in tokens (None: 32768; at most the model's
+        ``max_position_embeddings``); the cache grows in blocks up to it. The other backends have no preset limit.
         """
         from lily import backends, hub
         from lily.checkpoint import load_checkpoint
@@ -499,13 +501,19 @@ class Model:
         _check_precision(backend, chosen, precision)
         if prefill_step_size < 1:
             raise ValueError(f"prefill_step_size must be >= 1; got {prefill_step_size}")
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
+                                        or max_context < 1):
+            raise ValueError(f"Model.load(): max_context must be a positive integer; got {max_context!r}")
         if dummy:
             checkpoint = dummy_checkpoint(path_or_repo)
             directory = checkpoint.path
         else:
             directory = Path(hub.resolve(path_or_repo, revision=revision, progress=progress))
             checkpoint = load_checkpoint(directory, quantize=quantize)
-        engine = backends.create(chosen, checkpoint, precision)
+        if max_context is not None and max_context > checkpoint.args.max_position_embeddings:
+            raise ValueError(f"Model.load(): max_context={max_context} exceeds the model's context of "
+                             f"{checkpoint.args.max_position_embeddings} tokens (max_position_embeddings)")
+        engine = backends.create(chosen, checkpoint, precision, max_context)
         tokenizer = None
         tokenizer_dir = Path(checkpoint.tokenizer_dir or directory)
         if (tokenizer_dir / "tokenizer.json").is_file():

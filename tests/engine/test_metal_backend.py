@@ -423,3 +423,14 @@ def test_a_mixed_bit_router_runs_on_the_general_kernels(engine_backend, checkpoi
             assert prefill_kernels.get("qmv_q4_g64_bf16_of32") == layers, sorted(prefill_kernels)
             assert decode_kernels.get("qmv_norm_q4_g64_bf16_of32") == layers, sorted(decode_kernels)
             assert decode_kernels.get("qmv_norm_q8_g64_bf16_of32") == layers, sorted(decode_kernels)
+
+
+def test_model_load_sets_the_engine_context_limit(checkpoints):
+    """Model.load(max_context=N): N tokens fit in the engine's KV cache, N + 1 are refused naming the limit."""
+    import lily
+
+    limit = len(PROMPT)
+    model = lily.Model.load(checkpoints["mlx"].path, backend="metal", precision="float32", max_context=limit)
+    assert model.logits(PROMPT.tolist()).shape == (limit, HEAD_SHAPES_CONFIG["vocab_size"])
+    with pytest.raises(ValueError, match=f"context limit is {limit} tokens; this call needs {limit + 1}"):
+        model.logits(PROMPT.tolist() + [1])

@@ -41,16 +41,20 @@ def choose(name: str) -> str:
     return name
 
 
-def create(name: str, checkpoint: Any, precision: str | None = None) -> Any:
-    """A backend of the chosen ``name`` ("reference", "metal", "cuda" or "cpu") over ``checkpoint``."""
+def create(name: str, checkpoint: Any, precision: str | None = None, max_context: int | None = None) -> Any:
+    """A backend of the chosen ``name`` ("reference", "metal", "cuda" or "cpu") over ``checkpoint``; ``precision`` and
+    ``max_context`` (the KV cache's limit) apply to the engine backends, metal and cuda, and None keeps their
+    defaults."""
+    options = {key: value for key, value in (("precision", precision), ("max_context", max_context))
+               if value is not None}
     if name == "metal":
         from lily.backends.metal import MetalBackend
 
-        return MetalBackend(checkpoint, **({} if precision is None else {"precision": precision}))
+        return MetalBackend(checkpoint, **options)
     if name == "cuda":
         from lily.backends.cuda import CudaBackend
 
-        return CudaBackend(checkpoint, **({} if precision is None else {"precision": precision}))
+        return CudaBackend(checkpoint, **options)
     if name == "cpu":
         from lily.backends.cpu import CpuBackend
 
