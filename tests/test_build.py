@@ -48,8 +48,11 @@ def no_runtime_line(output: str) -> str:
 
 
 def head_commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    """HEAD's short hash, with -dirty where tracked files differ from it (CMakeLists.txt's rule)."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    changed = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode == 1
+    return commit + ("-dirty" if changed else "")
 
 
 @pytest.mark.parametrize("cxx,compiler_id,runtime", [("g++", "GNU", False), ("clang++-19", "Clang", True)])
