@@ -74,6 +74,24 @@ LILY_INLINE void gdn_stage_token(threadgroup float* q, threadgroup float* k, thr
   }
 }
 
+// This simdgroup's state rows r = sg + m·n_sg of one value head (`head_state`, [dv, Dk]) to (Store) or from its
+// registers: Dk/32 consecutive elements per lane.
+template <uint Dk, bool Store>
+LILY_INLINE void gdn_move_rows(thread float (&s)[LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP][Dk / 32],
+                               device float* head_state, uint dv, uint sg, uint n_sg, uint lane) {
+  for (uint m = 0; m < LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; ++m) {
+    const uint r = sg + m * n_sg;
+    for (uint e = 0; e < Dk / 32 && r < dv; ++e) {
+      device float& element = head_state[r * Dk + lane * (Dk / 32) + e];
+      if (Store) {
+        element = s[m][e];
+      } else {
+        s[m][e] = element;
+      }
+    }
+  }
+}
+
 // Block = 0: the state rows stay in registers for the whole chunk. Block > 0 (blockwise): they are stored to and
 // reloaded from `state` every Block tokens.
 // One threadgroup barrier per token: after it, token t's staged inputs and token t - 1's outputs o are complete;
@@ -112,12 +130,7 @@ template <typename T, uint Dk, uint Block>
 
   // This simdgroup's rows r = sg + m·n_sg stay in registers (host: dv <= LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP·n_sg).
   float s[LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP][Dk / 32];
-  for (uint m = 0; m < LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; ++m) {
-    const uint r = sg + m * n_sg;
-    for (uint e = 0; e < Dk / 32 && r < dv; ++e) {
-      s[m][e] = state[(v_offset + r) * Dk + lane * (Dk / 32) + e];
-    }
-  }
+  gdn_move_rows<Dk, false>(s, state + v_offset * Dk, dv, sg, n_sg, lane);
   gdn_stage_token<T, Dk>(q_tg[0], k_tg[0], v_tg[0], &beta_tg[0], &decay_tg[0], 0, conv_out, b, a, a_log, dt_bias, args,
                          v_head, tid, n_threads);
   for (uint t = 0; t < num_tokens; ++t) {
@@ -125,19 +138,9 @@ template <typename T, uint Dk, uint Block>
     if (Block != 0 && t % block == 0 && t != 0) {
       // The ablation's round trip: a device-memory fence between the store and the reload, so the compiler may not
       // carry the rows in registers across it (each lane reloads its own writes).
-      for (uint m = 0; m < LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; ++m) {
-        const uint r = sg + m * n_sg;
-        for (uint e = 0; e < Dk / 32 && r < dv; ++e) {
-          state[(v_offset + r) * Dk + lane * (Dk / 32) + e] = s[m][e];
-        }
-      }
+      gdn_move_rows<Dk, true>(s, state + v_offset * Dk, dv, sg, n_sg, lane);
       threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
-      for (uint m = 0; m < LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; ++m) {
-        const uint r = sg + m * n_sg;
-        for (uint e = 0; e < Dk / 32 && r < dv; ++e) {
-          s[m][e] = state[(v_offset + r) * Dk + lane * (Dk / 32) + e];
-        }
-      }
+      gdn_move_rows<Dk, false>(s, state + v_offset * Dk, dv, sg, n_sg, lane);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (t + 1 < num_tokens) {
@@ -168,12 +171,7 @@ template <typename T, uint Dk, uint Block>
     const size_t offset = size_t(num_tokens - 1) * args.num_v_heads * dv + v_offset;
     gdn_gated_norm<T>(o_tg[(num_tokens - 1) % 2], z + offset, norm_weight, out + offset, dv, args.norm_eps, lane);
   }
-  for (uint m = 0; m < LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; ++m) {
-    const uint r = sg + m * n_sg;
-    for (uint e = 0; e < Dk / 32 && r < dv; ++e) {
-      state[(v_offset + r) * Dk + lane * (Dk / 32) + e] = s[m][e];
-    }
-  }
+  gdn_move_rows<Dk, true>(s, state + v_offset * Dk, dv, sg, n_sg, lane);
 }
 
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_f32_dk128", gated_delta_conv, float, 128)
