@@ -103,7 +103,7 @@ def test_version_names_the_build_commit(capsys):
         cli.main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out == f"lily {lily.__version__} (build {_build.COMMIT})\n"
-    assert re.fullmatch(r"[0-9a-f]{7,}|unknown", _build.COMMIT)
+    assert re.fullmatch(r"[0-9a-f]{7,}(-dirty)?|unknown", _build.COMMIT)
 
 
 def test_serve_delegates_with_its_flags(monkeypatch):

@@ -299,6 +299,37 @@ def format_markdown(rows: Sequence[BenchRow], info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def require_profiling(model: Model, n_prompt: int) -> None:
+    """ValueError, before any benchmark runs, where ``profile_prefill`` cannot: not the cuda backend, or a prompt
+    too short to be a prefill."""
+    if not getattr(model.backend, "supports_profiling", False):
+        raise ValueError(f"--profile needs the cuda backend (per-node device times); this model runs on "
+                         f"{model.backend_name!r}")
+    if n_prompt < 2:
+        raise ValueError(f"--profile times a prefill of the largest -p, which must be at least 2 tokens; got {n_prompt}")
+
+
+def profile_prefill(model: Model, n_prompt: int, seed: int = 0) -> list[tuple[str, str, float]]:
+    """Per-node device times of one prefill of ``n_prompt`` random tokens (``MetalBackend.profile_prefill``)."""
+    require_profiling(model, n_prompt)
+    return model.backend.profile_prefill(_random_ids(model, n_prompt, np.random.default_rng(seed)))
+
+
+def format_profile(times: Sequence[tuple[str, str, float]], n_prompt: int) -> str:
+    """A markdown table of ``profile_prefill``'s times by kernel, most time first: launches, total, share, mean."""
+    totals: dict[str, list[float]] = {}
+    for kernel, _, ms in times:
+        totals.setdefault(kernel, []).append(ms)
+    device = sum(ms for _, _, ms in times)
+    lines = [f"device time of a {n_prompt}-token prefill, node by node: {device:.2f} ms over {len(times)} launches",
+             "| kernel | launches | total ms | share | mean µs |", "| --- | ---: | ---: | ---: | ---: |"]
+    for kernel, samples in sorted(totals.items(), key=lambda item: -sum(item[1])):
+        total = sum(samples)
+        lines.append(f"| `{kernel}` | {len(samples)} | {total:.3f} | {100 * total / (device or 1):.1f}% | "
+                     f"{1e3 * total / len(samples):.1f} |")
+    return "\n".join(lines)
+
+
 def format_json(rows: Sequence[BenchRow], info: dict[str, Any]) -> str:
     """A JSON list with one object per test (llama-bench ``-o json`` keys)."""
     return json.dumps([{**info, **row.as_dict()} for row in rows], indent=2)

@@ -272,6 +272,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--full-size needs --dummy-weights (random weights of the full-size shapes) or --host-only")
     else:
         model = _load(args, bench.context_needed(args.p, args.n, args.d))
+    if args.profile:
+        bench.require_profiling(model, max(args.p))
     def report(row: "bench.BenchRow") -> None:
         print(f"  {row.test}: {row.avg_ts:.2f} ± {row.stddev_ts:.2f} t/s", file=sys.stderr, flush=True)
 
@@ -287,6 +289,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(bench.format_json(rows, info) if args.output == "json" else bench.format_markdown(rows, info))
     if load is not None and args.output != "json":
         print(bench.format_expert_load(load))
+    if args.profile:
+        n_prompt = max(args.p)
+        times = bench.profile_prefill(model, n_prompt)
+        print(bench.format_profile(times, n_prompt), file=sys.stderr if args.output == "json" else sys.stdout)
     return 0
 
 
@@ -377,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--dummy-weights, or with --host-only (synthetic weights)")
     p.add_argument("--host-only", action="store_true", help="host cost per decode token with kernels stubbed out "
                    "(Linux test runtime): host_us_per_token, cpp_us_per_token")
+    p.add_argument("--profile", action="store_true", help="also the device time of each kernel of one prefill of the "
+                   "largest -p (cuda backend: every node run alone between CUDA events); on stderr with -o json")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("download", help="download a model repository (with progress bars)")

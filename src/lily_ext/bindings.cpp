@@ -165,6 +165,13 @@ void bind_weight(lily::Engine& e, const std::string& name, int bits, const std::
   e.bind_weight(name, ref);
 }
 
+// Engine::node_times() as [(kernel, label, milliseconds)].
+nb::list node_times_list(const lily::Engine& e) {
+  nb::list rows;
+  for (const lily::Engine::NodeTime& t : e.node_times()) rows.append(nb::make_tuple(t.kernel, t.label, t.milliseconds));
+  return rows;
+}
+
 nb::dict counts_dict(const lily::Graph& graph) {
   lily::GraphCounts c = lily::count_graph(graph);
   nb::dict d;
@@ -436,6 +443,10 @@ void bind_engine(nb::module_ m) {
       .def("bind_synthetic_weights", &lily::Engine::bind_synthetic_weights)
       .def("generate_greedy", &lily::Engine::generate_greedy, nb::arg("first"), nb::arg("count"))
       .def("last_step_counts", [](const lily::Engine& e) { return counts_dict(e.last_graph()); })
+      .def("set_profiling", &lily::Engine::set_profiling, nb::arg("on"))
+      .def("supports_profiling", &lily::Engine::supports_profiling)
+      .def("node_times", &node_times_list)
+      .def("clear_node_times", &lily::Engine::clear_node_times)
       .def("last_step_graph", [](const lily::Engine& e) {
         nb::dict out;
         add_graph(e.last_graph(), out);

@@ -251,8 +251,15 @@ void Engine::run_graph(Graph graph, long dropped_barrier) {
   const std::vector<DeviceBuffer*> buffers = buffer_list();
   size_t begin = 0;
   auto run = [&](size_t end) {
-    runtime_->submit(runtime_->record(shared, begin, end, buffers, {/*replayed=*/false, dropped_barrier}), position_)
-        ->wait();
+    std::unique_ptr<Submission> submitted =
+        runtime_->submit(runtime_->record(shared, begin, end, buffers, {false, dropped_barrier, profiling_}), position_);
+    submitted->wait();
+    if (profiling_) {
+      const std::vector<double> ms = submitted->node_milliseconds();
+      for (size_t i = begin; i < end; ++i) {
+        node_times_.push_back({shared->nodes[i].kernel, shared->nodes[i].label, ms.at(i - begin)});
+      }
+    }
     begin = end;
   };
   for (const HostMoeSort& sort : shared->host_sorts) {
@@ -261,6 +268,14 @@ void Engine::run_graph(Graph graph, long dropped_barrier) {
   }
   run(shared->nodes.size());
   last_graph_ = std::move(shared);
+}
+
+void Engine::set_profiling(bool on) {
+  if (on && !runtime_->supports_profiling()) {
+    throw Error(std::string("[engine] per-node device times need the cuda runtime; the ") + runtime_->name() +
+                " runtime does not report them yet");
+  }
+  profiling_ = on;
 }
 
 void Engine::run_host_sort(const HostMoeSort& sort) {

@@ -314,6 +314,17 @@ class Engine {
   size_t programs_built() const { return programs_built_; }
   // The last command buffer's graph.
   const Graph& last_graph() const { return *last_graph_; }
+  // Per-node device times of prefill chunks (lily bench --profile): while on, each chunk's graph runs node by node
+  // (Runtime RecordOptions::profiled) and its nodes' times are appended to node_times() in run order. Throws Error
+  // when the runtime does not report them.
+  struct NodeTime {
+    std::string kernel, label;
+    double milliseconds;
+  };
+  void set_profiling(bool on);
+  bool supports_profiling() const { return runtime_->supports_profiling(); }
+  const std::vector<NodeTime>& node_times() const { return node_times_; }
+  void clear_node_times() { node_times_.clear(); }
   const ModelConfig& config() const { return config_; }
 
  private:
@@ -372,6 +383,8 @@ class Engine {
   int next_slot_ = 0;  // the token slot the next decode step reads
   uint64_t host_read_bytes_ = 0;
   bool host_timing_ = false;
+  bool profiling_ = false;
+  std::vector<NodeTime> node_times_;
   std::vector<uint64_t> step_encode_ns_, step_cpp_ns_;
   std::shared_ptr<const Graph> last_graph_ = std::make_shared<const Graph>();
 };

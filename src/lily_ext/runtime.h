@@ -47,6 +47,9 @@ class Submission {
  public:
   virtual ~Submission() = default;
   virtual void wait() = 0;
+  // After wait(), of a graph recorded with RecordOptions::profiled: each node's device time in milliseconds, in
+  // node order. Empty otherwise.
+  virtual std::vector<double> node_milliseconds() const { return {}; }
 };
 
 struct RecordOptions {
@@ -56,6 +59,9 @@ struct RecordOptions {
   // Tests: the node whose barrier (on CUDA: whose dependency edges) is left out; -1 = none. Dropping one must
   // break the result, which shows the barriers are the ones that matter.
   long dropped_barrier = -1;
+  // Per-node device times (lily bench --profile): every node runs on its own, in order, between two timing events
+  // (no concurrency, so the times add up to the graph's serial cost). Only runtimes with supports_profiling().
+  bool profiled = false;
 };
 
 class Runtime {
@@ -85,6 +91,8 @@ class Runtime {
   virtual void require_kernel(const std::string& name) = 0;
   // Prefill GEMMs on Metal 4 tensor ops (qmm_nax).
   virtual bool supports_tensor_ops() const = 0;
+  // RecordOptions::profiled (per-node device times).
+  virtual bool supports_profiling() const { return false; }
 
   // ---- graphs ----
   // Nodes [begin, end) of `graph`, whose buffer i is buffers[i]. The buffers must outlive the recording; the

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -434,3 +435,27 @@ def test_model_load_sets_the_engine_context_limit(checkpoints):
     assert model.logits(PROMPT.tolist()).shape == (limit, HEAD_SHAPES_CONFIG["vocab_size"])
     with pytest.raises(ValueError, match=f"context limit is {limit} tokens; this call needs {limit + 1}"):
         model.logits(PROMPT.tolist() + [1])
+
+
+def test_profile_prefill_times_every_node_and_changes_no_result(engine_backend, engine_runtime, checkpoints):
+    """lily bench --profile: on the cuda runtime every node of the prefill is timed once, and running the nodes one by
+    one gives the graph's logits; the metal runtime says it cannot."""
+    backend = engine_backend(checkpoints["mlx"], precision="float32")
+    if engine_runtime != "cuda":
+        assert not backend.supports_profiling
+        with pytest.raises(ValueError, match="needs the cuda runtime"):
+            backend.profile_prefill(PROMPT)
+        return
+    times = backend.profile_prefill(PROMPT)
+    kernels = backend.last_step_counts()["dispatches_by_kernel"]
+    assert Counter(kernel for kernel, _, _ in times) == Counter(kernels)
+    assert all(ms >= 0 for _, _, ms in times) and sum(ms for _, _, ms in times) > 0
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        backend.profile_prefill(PROMPT[:1])
+    want = backend.forward(PROMPT, backend.new_state())
+    backend._engine.set_profiling(True)
+    try:
+        got = backend.forward(PROMPT, backend.new_state())
+    finally:
+        backend._engine.set_profiling(False)
+    np.testing.assert_array_equal(got, want)

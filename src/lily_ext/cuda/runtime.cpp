@@ -73,6 +73,7 @@ struct CudaRuntime::Recording : RecordedGraph {
   std::vector<Patch> patches;
   std::unique_ptr<cuda::Graph> cuda_graph;
   std::unique_ptr<cuda::GraphExec> exec;
+  std::vector<cuda::KernelLaunch> profiled_launches;  // RecordOptions::profiled: the nodes in order, no graph
   std::shared_ptr<cuda::Event> last;  // the last submission's completion (its upload read positional_host)
 };
 
@@ -80,17 +81,25 @@ namespace {
 
 class CudaSubmission : public Submission {
  public:
-  CudaSubmission(const cuda::Context& context, std::shared_ptr<RecordedGraph> graph, std::shared_ptr<cuda::Event> done)
-      : context_(context), graph_(std::move(graph)), done_(std::move(done)) {}
+  // `marks`: for a profiled recording, the timing event before each node and one after the last.
+  CudaSubmission(const cuda::Context& context, std::shared_ptr<RecordedGraph> graph, std::shared_ptr<cuda::Event> done,
+                 std::vector<std::unique_ptr<cuda::Event>> marks = {})
+      : context_(context), graph_(std::move(graph)), done_(std::move(done)), marks_(std::move(marks)) {}
   void wait() override {
     context_.make_current();
     done_->synchronize();
+  }
+  std::vector<double> node_milliseconds() const override {
+    std::vector<double> ms;
+    for (size_t i = 1; i < marks_.size(); ++i) ms.push_back(marks_[i]->elapsed_ms_since(*marks_[i - 1]));
+    return ms;
   }
 
  private:
   const cuda::Context& context_;
   std::shared_ptr<RecordedGraph> graph_;  // kept until the work is done
   std::shared_ptr<cuda::Event> done_;
+  std::vector<std::unique_ptr<cuda::Event>> marks_;
 };
 
 }  // namespace
@@ -250,12 +259,16 @@ std::shared_ptr<RecordedGraph> CudaRuntime::record(std::shared_ptr<const Graph> 
         pointers.push_back((follows ? r->positional.ptr() : r->constants.ptr()) + at);
       }
     }
+    cuda::KernelLaunch launch = kernels_->prepare(node.kernel, pointers, dim3(node.groups), dim3(node.threads));
+    if (options.profiled) {
+      r->profiled_launches.push_back(std::move(launch));  // stream order: every dependency holds
+      continue;
+    }
     std::vector<cuda::GraphNode> after;
     for (size_t j : edges[i - begin]) after.push_back(added[j - begin]);
-    added.push_back(r->cuda_graph->add_kernel(
-        kernels_->prepare(node.kernel, pointers, dim3(node.groups), dim3(node.threads)), after));
+    added.push_back(r->cuda_graph->add_kernel(launch, after));
   }
-  if (end > begin) r->exec = std::make_unique<cuda::GraphExec>(*r->cuda_graph);
+  if (end > begin && !options.profiled) r->exec = std::make_unique<cuda::GraphExec>(*r->cuda_graph);
   return r;
 }
 
@@ -277,10 +290,16 @@ std::unique_ptr<Submission> CudaRuntime::submit(const std::shared_ptr<RecordedGr
     cuda::upload_async(r.positional.ptr(), r.positional_host.data(), r.positional_bytes, stream_->handle());
   }
   if (r.exec) r.exec->launch(stream_->handle());
+  std::vector<std::unique_ptr<cuda::Event>> marks;
+  for (size_t i = 0; i <= r.profiled_launches.size() && !r.profiled_launches.empty(); ++i) {
+    marks.push_back(std::make_unique<cuda::Event>(/*timing=*/true));
+    marks.back()->record(stream_->handle());
+    if (i < r.profiled_launches.size()) kernels_->launch(r.profiled_launches[i], stream_->handle());
+  }
   auto done = std::make_shared<cuda::Event>();
   done->record(stream_->handle());
   r.last = done;
-  return std::make_unique<CudaSubmission>(*context_, graph, std::move(done));
+  return std::make_unique<CudaSubmission>(*context_, graph, std::move(done), std::move(marks));
 }
 
 }  // namespace lily
