@@ -14,8 +14,8 @@
 namespace lily {
 using namespace metal;
 
-// Copies rows [row0, row0 + rows) x columns [k0, k0 + cols) of X into a threadgroup tile (row stride `ld`), converted to the
-// tile type; rows past M are zero. Consecutive threads read consecutive k: coalesced.
+// Copies rows [row0, row0 + rows) x columns [k0, k0 + cols) of X into a threadgroup tile (row stride `ld`),
+// converted to the tile type; rows past M are zero. Consecutive threads read consecutive k: coalesced.
 template <typename T, typename TileT>
 inline void load_x_tile(device const T* x, threadgroup TileT* tile, uint ld, uint rows, uint cols, uint row0, uint k0,
                         uint M, uint K, uint tid, uint n_threads) {
@@ -74,8 +74,8 @@ inline void store_fragments(threadgroup float* out_tile, uint ldo, thread const 
 }
 
 // The tile loop of every tiled GEMM (qmm, mm, the grouped MoE GEMM): NumB products A · B_i^T sharing one A, of which
-// this simdgroup owns FragsM x FragsN fragments at (row0, col0), accumulated in acc[i · FragsM · FragsN ..]. Per K step
-// of BK, the threads stage the A tile [rows][lda] through `a` and the NumB k-major B tiles [BK][ldb] (tile i at
+// this simdgroup owns FragsM x FragsN fragments at (row0, col0), accumulated in acc[i · FragsM · FragsN ..]. Per K
+// step of BK, the threads stage the A tile [rows][lda] through `a` and the NumB k-major B tiles [BK][ldb] (tile i at
 // b_tiles + i·BK·ldb) through `b` (structs with `void load(threadgroup TileT* tile, uint ld, uint k0) const`), then
 // each simdgroup runs its MMAs. The caller stores the fragments (store_fragments) where it wants them.
 template <uint FragsM, uint FragsN, uint BK, uint NumB, typename TileT, typename ATile, typename BTiles>

@@ -42,7 +42,8 @@ struct GatedDeltaArgs {
   u32 num_k_heads;  // Hk; gated_delta_step runs one threadgroup per key head
   u32 num_v_heads;  // Hv, a multiple of Hk; value head j uses key head j / (Hv/Hk); gated_delta_prefill: one
                     // threadgroup per value head
-  u32 head_v_dim;   // dv; (Hv/Hk)*dv <= LILY_GDN_MAX_ROWS; prefill: dv <= LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP * simdgroups
+  u32 head_v_dim;   // dv; (Hv/Hk)*dv <= LILY_GDN_MAX_ROWS;
+                    // prefill: dv <= LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP * simdgroups
   f32 l2_eps;       // added to sum(q^2) and sum(k^2) before the rsqrt; 1e-6
   f32 norm_eps;     // added to mean(o^2) in the gated RMSNorm; 1e-6
   u32 _pad0;

@@ -1,7 +1,8 @@
 // Dense prefill GEMM, Y[M, N] = X[M, K] · W^T with W [N, K] already dequantized in the activation dtype: the
 // IN_GEMM_DEQUANT switch off (docs/engine.md), after dequantize_* (metal/dequantize.metal) wrote W to a scratch.
 //   mm_<dtype>_bm<BM>   the qmm tile loop of metal/gemm.h (grid, threads, tiles and fp32 accumulation of
-//                       qmm_*_bm<BM>, metal/qmatmul.metal), with the W tile copied instead of dequantized; never chosen by default (W moves through device memory twice more than with qmm).
+//                       qmm_*_bm<BM>, metal/qmatmul.metal), with the W tile copied instead of dequantized;
+//                       never chosen by default (W moves through device memory twice more than with qmm).
 #include <metal_stdlib>
 #include "gemm.h"
 #include "lily.h"

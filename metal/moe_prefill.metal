@@ -208,8 +208,9 @@ struct MoeRowsTile {
 };
 
 // The expert's NumB weight tiles for lily::gemm_tile_loop, consecutive b_tile [BK][B_STRIDE] in T: column n = weight
-// row n0 + n over k0 .. k0+BK, dequantised (scale·q + bias) and rounded to T. Gate then up (NumB 2: simdgroups 0-1 dequantise the gate
-// rows, 2-3 the up rows, one row per thread) or down (NumB 1: two threads per row, half of its BK/8 words each).
+// row n0 + n over k0 .. k0+BK, dequantised (scale·q + bias) and rounded to T. Gate then up (NumB 2: simdgroups 0-1
+// dequantise the gate rows, 2-3 the up rows, one row per thread) or down (NumB 1: two threads per row, half of its
+// BK/8 words each).
 // Stored k-major so the MMA loads B fragments without a transposed load; the 32 lanes of a simdgroup own 32
 // consecutive columns, so each of their threadgroup writes is one conflict-free row segment. The BK-wide step lies
 // inside one group of 64: one scale and bias per row.

@@ -251,8 +251,9 @@ void Engine::run_graph(Graph graph, long dropped_barrier) {
   const std::vector<DeviceBuffer*> buffers = buffer_list();
   size_t begin = 0;
   auto run = [&](size_t end) {
-    std::unique_ptr<Submission> submitted =
-        runtime_->submit(runtime_->record(shared, begin, end, buffers, {false, dropped_barrier, profiling_}), position_);
+    const RecordOptions options{/*replayed=*/false, dropped_barrier, profiling_};
+    std::unique_ptr<Submission> submitted = runtime_->submit(runtime_->record(shared, begin, end, buffers, options),
+                                                             position_);
     submitted->wait();
     if (profiling_) {
       const std::vector<double> ms = submitted->node_milliseconds();

@@ -7,8 +7,9 @@
 
 namespace lily {
 
-// Runs simdgroup_layout_probe once through `runtime`: true when every lane holds the elements the kernels assume. False also when the probe
-// cannot run (its family did not compile): the engine then keeps to the vector attention kernels.
+// Runs simdgroup_layout_probe once through `runtime`: true when every lane holds the elements the kernels assume.
+// False also when the probe cannot run (its family did not compile): the engine then keeps to the vector attention
+// kernels.
 bool simdgroup_layout_matches(Runtime& runtime);
 
 }  // namespace lily

@@ -210,7 +210,9 @@ inline std::vector<std::string> ptx_entry_names(std::string_view ptx) {
       }
     }
     constexpr std::string_view kEntry = ".entry";
-    if (line.substr(0, kEntry.size()) != kEntry || line.size() == kEntry.size() || !is_space(line[kEntry.size()])) continue;
+    if (line.substr(0, kEntry.size()) != kEntry || line.size() == kEntry.size() || !is_space(line[kEntry.size()])) {
+      continue;
+    }
     line.remove_prefix(kEntry.size());
     while (!line.empty() && is_space(line.front())) line.remove_prefix(1);
     size_t n = 0;

@@ -241,11 +241,15 @@ std::shared_ptr<RecordedGraph> CudaRuntime::record(std::shared_ptr<const Graph> 
   std::copy(positional.begin(), positional.end(), static_cast<unsigned char*>(r->positional_host.data()));
 
   // Dependency edges by the barrier rule; a dropped barrier (tests) drops every edge into that node.
-  std::vector<std::vector<size_t>> edges = dependencies(*r->graph, begin, end);
-  if (options.dropped_barrier >= static_cast<long>(begin) && options.dropped_barrier < static_cast<long>(end)) {
-    edges[static_cast<size_t>(options.dropped_barrier) - begin].clear();
+  // A profiled recording runs its nodes one by one in stream order: no graph, no edges.
+  std::vector<std::vector<size_t>> edges;
+  if (!options.profiled) {
+    edges = dependencies(*r->graph, begin, end);
+    if (options.dropped_barrier >= static_cast<long>(begin) && options.dropped_barrier < static_cast<long>(end)) {
+      edges[static_cast<size_t>(options.dropped_barrier) - begin].clear();
+    }
+    r->cuda_graph = std::make_unique<cuda::Graph>(*context_);
   }
-  r->cuda_graph = std::make_unique<cuda::Graph>(*context_);
   std::vector<cuda::GraphNode> added;
   for (size_t i = begin; i < end; ++i) {
     const Node& node = nodes[i];
@@ -261,7 +265,7 @@ std::shared_ptr<RecordedGraph> CudaRuntime::record(std::shared_ptr<const Graph> 
     }
     cuda::KernelLaunch launch = kernels_->prepare(node.kernel, pointers, dim3(node.groups), dim3(node.threads));
     if (options.profiled) {
-      r->profiled_launches.push_back(std::move(launch));  // stream order: every dependency holds
+      r->profiled_launches.push_back(std::move(launch));
       continue;
     }
     std::vector<cuda::GraphNode> after;
@@ -290,12 +294,16 @@ std::unique_ptr<Submission> CudaRuntime::submit(const std::shared_ptr<RecordedGr
     cuda::upload_async(r.positional.ptr(), r.positional_host.data(), r.positional_bytes, stream_->handle());
   }
   if (r.exec) r.exec->launch(stream_->handle());
-  std::vector<std::unique_ptr<cuda::Event>> marks;
-  for (size_t i = 0; i <= r.profiled_launches.size() && !r.profiled_launches.empty(); ++i) {
+  std::vector<std::unique_ptr<cuda::Event>> marks;  // profiled: one before each node and one after the last
+  auto mark = [&] {
     marks.push_back(std::make_unique<cuda::Event>(/*timing=*/true));
     marks.back()->record(stream_->handle());
-    if (i < r.profiled_launches.size()) kernels_->launch(r.profiled_launches[i], stream_->handle());
+  };
+  for (const cuda::KernelLaunch& launch : r.profiled_launches) {
+    mark();
+    kernels_->launch(launch, stream_->handle());
   }
+  if (!marks.empty()) mark();
   auto done = std::make_shared<cuda::Event>();
   done->record(stream_->handle());
   r.last = done;
