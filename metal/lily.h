@@ -275,10 +275,19 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // MoE (metal/moe.metal, metal/moe_prefill.metal). Untuned: no Mac benchmark yet.
 // Router limits: moe_route keeps one row's E probabilities in registers of one simdgroup (E/32 per lane).
 #define LILY_MOE_MAX_EXPERTS 256
-// Decode GEMVs: 2 simdgroups x 4 output rows = 8 rows per threadgroup, lanes over K (one uint32 = 8 codes per step),
-// MLX's qmv_fast shape.
+// Decode gate/up GEMV: 2 simdgroups x 4 output rows (each a gate row and an up row) = 8 rows per threadgroup. A lane
+// reads the qmv packs (LILY_QMV_PACK_WORDS words, LILY_QMV_PACKS_PER_LANE per row and step), so at the model's
+// H = 2048 a simdgroup issues all of its 8 rows' loads (8 KB) at once; 9 slots x 64 threadgroups keep the layer's
+// 10.6 MB in flight in one wave on an H200 (1,152 simdgroups).
 #define LILY_MOE_GEMV_ROWS_PER_SIMDGROUP 4
 #define LILY_MOE_GEMV_SIMDGROUPS 2
+// Decode down + combine GEMV: each simdgroup owns 2 output rows and reads their k + 1 slots' rows as one flattened row
+// of packs (k * I / 32 + Is / 32 packs: 144 at the model's k = 8, I = Is = 512), LILY_MOE_DOWN_PACKS_PER_LANE per lane
+// and step, so 32 x 5 = 160 >= 144 covers the model's row in one step with every load in flight; 4 simdgroups
+// (8 rows) per threadgroup. The routing weight of a pack's slot folds into that pack's partial sum.
+#define LILY_MOE_DOWN_ROWS_PER_SIMDGROUP 2
+#define LILY_MOE_DOWN_SIMDGROUPS 4
+#define LILY_MOE_DOWN_PACKS_PER_LANE 5
 // Prefill sort: (token, slot) assignments per threadgroup of moe_sort_count / moe_sort_scatter (one per thread).
 #define LILY_MOE_SORT_BLOCK 256
 // Grouped GEMM: 4 simdgroups; tile = bm rows (16 or 32) x 64 output columns, 32-deep K steps dequantized into

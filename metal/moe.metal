@@ -12,8 +12,9 @@
 //       moe_route and the post-attention RMSNorm folded into moe_gate_up_swiglu (decode fusion): x is the hidden
 //       stream itself; every routed simdgroup recomputes the softmax/top-k over the E f32 logits (E/32 values per
 //       lane, k simd_max/simd_min rounds: far cheaper than a dispatch and a barrier stage) to find its slot's expert,
-//       and sums x^2 while it folds x ⊙ norm_weight into its dot products (1/rms applied after the sums). One thread
-//       (threadgroup (0, 0), simdgroup 0, lane 0) writes the ids and renormalised weights moe_down_combine reads.
+//       and sums x^2 while it folds x ⊙ norm_weight into its dot products (1/rms applied after the sums). Slot s
+//       runs rounds 0..s only; lane 0 of simdgroup 0 of threadgroup (0, k - 1), which runs all k, writes the ids and
+//       renormalised weights moe_down_combine reads.
 //       Extra reads per simdgroup: E logits and the H norm weights, from cache. Chosen whenever fusion is on.
 //   moe_down_combine_<dtype>[_sf32]
 //       out = residual + Σ_s w_s·down_s·h_s + sigmoid(gate logit)·down_shared·h_shared: the layer output written once
@@ -21,10 +22,12 @@
 // Weights: MLX affine 4-bit, group 64 along the input axis: codes packed 8 per uint32 (element 0 in the low bits),
 // bf16 scales and biases (f32 with the _sf32 suffix: checkpoints converted from fp32 weights), w = scale·q + bias;
 // routed experts stacked [E, out, in]. <dtype> is the activation type (f32: float32 mode, bf16: default, f16).
-// GEMV shape (qmv_fast-like): 2 simdgroups × 4 output rows per threadgroup; lanes stride over K
-// one uint32 (8 codes) at a time, so consecutive lanes read consecutive words of a row (coalesced), each x value is
-// loaded once per lane and reused for 4 rows (×2 matrices in gate/up), and the affine dequantisation folds into
-// scale·Σq·x + bias·Σx per group. fp32 accumulation; one simd_sum per output row at the end.
+// GEMV shape: the qmv packs (metal/qmatmul.metal): a lane reads LILY_QMV_PACK_WORDS consecutive words of a row (32
+// codes at 4 bits, one scale and bias), packs lane + 32 i, and every load of a step is issued before its arithmetic,
+// so at the model's sizes each simdgroup has its whole share of the layer's weights in flight at once (gate/up: 4
+// output rows = 8 weight rows of H = 2048, one step; down: 2 output rows, their k + 1 slot rows flattened into one row
+// of 144 packs, one step). Codes become floats by lily::code_float (two operations each, quantized.h); the affine
+// dequantisation folds into scale·Σq·x + bias·Σx per pack. fp32 accumulation; one simd_sum per output row at the end.
 // Traffic per decode token at the model's sizes (H = 2048, I = Is = 512, k = 8): gate/up read 9 × 2 × 512 rows ×
 // 1152 B (codes + scales + biases) ≈ 10.6 MB, down 9 × 2048 rows × 288 B ≈ 5.3 MB; activations are < 40 KB. The
 // hidden scratch stays fp32 (18 KB written and read once): rounding it would save 9 KB and add an error.
@@ -126,6 +129,110 @@ template <typename T>
   }
 }
 
+// One simdgroup's MOE_ROWS SwiGLU outputs: out[r] = silu(gate_r · x') * (up_r · x'), x' = x (Norm false) or
+// rms_norm(x) ⊙ norm_weight (Norm: each lane sums x^2 over the values it reads; 1/rms is applied after the row sums).
+// The row pointers point at the simdgroup's first gate and up row (codes, scales, biases). A lane reads the qmv packs:
+// LILY_QMV_PACK_WORDS consecutive words (32 codes at 4 bits, inside one quantization group), pack lane + 32 i of every
+// row, LILY_QMV_PACKS_PER_LANE of them per step, all loads of a step issued before its arithmetic; at H = 2048 one step
+// covers the row. A pack past the row re-reads the row's last pack weighted 0 (no load is conditional).
+template <bool Norm, typename T, typename S>
+LILY_INLINE void moe_gate_up_rows(device const T* x, device const T* norm_weight, device const uint* wg,
+                                  device const S* sg, device const S* bg, device const uint* wu, device const S* su,
+                                  device const S* bu, uint K, float eps, uint lane, device float* out) {
+  constexpr uint kRows = MOE_ROWS;
+  constexpr uint kPackWords = LILY_QMV_PACK_WORDS;
+  constexpr uint kPacks = LILY_QMV_PACKS_PER_LANE;
+  const uint words_per_row = K / 8;
+  const uint packs_per_row = words_per_row / kPackWords;
+  const uint groups_per_row = K / 64;
+  uint magic[lily::kCodeMagicCount<4>];
+  lily::code_float_magic<4>(magic);
+  float acc_gate[kRows], acc_up[kRows];
+  LILY_UNROLL
+  for (uint r = 0; r < kRows; ++r) {
+    acc_gate[r] = 0.0f;
+    acc_up[r] = 0.0f;
+  }
+  float sum_sq = 0.0f;
+  for (uint p0 = lane; p0 < packs_per_row; p0 += 32 * kPacks) {
+    uint words_gate[kPacks][kRows][kPackWords], words_up[kPacks][kRows][kPackWords];
+    float scale_gate[kPacks][kRows], bias_gate[kPacks][kRows], scale_up[kPacks][kRows], bias_up[kPacks][kRows];
+    LILY_UNROLL
+    for (uint i = 0; i < kPacks; ++i) {
+      const uint p = min(p0 + 32 * i, packs_per_row - 1);
+      const bool in_row = p0 + 32 * i < packs_per_row;
+      const uint g = p * kPackWords / 8;  // 8 words per group of 64
+      LILY_UNROLL
+      for (uint r = 0; r < kRows; ++r) {
+        LILY_UNROLL
+        for (uint j = 0; j < kPackWords; ++j) {
+          words_gate[i][r][j] = wg[r * words_per_row + p * kPackWords + j];
+          words_up[i][r][j] = wu[r * words_per_row + p * kPackWords + j];
+        }
+        scale_gate[i][r] = in_row ? float(sg[r * groups_per_row + g]) : 0.0f;
+        bias_gate[i][r] = in_row ? float(bg[r * groups_per_row + g]) : 0.0f;
+        scale_up[i][r] = in_row ? float(su[r * groups_per_row + g]) : 0.0f;
+        bias_up[i][r] = in_row ? float(bu[r * groups_per_row + g]) : 0.0f;
+      }
+    }
+    LILY_UNROLL
+    for (uint i = 0; i < kPacks; ++i) {
+      const uint p = min(p0 + 32 * i, packs_per_row - 1);
+      const bool in_row = p0 + 32 * i < packs_per_row;
+      float d_gate[kRows], d_up[kRows];
+      LILY_UNROLL
+      for (uint r = 0; r < kRows; ++r) {
+        d_gate[r] = 0.0f;
+        d_up[r] = 0.0f;
+      }
+      float x_sum = 0.0f, x_sq = 0.0f;
+      LILY_UNROLL
+      for (uint j = 0; j < kPackWords; ++j) {
+        const uint k0 = (p * kPackWords + j) * 8;
+        float xs[8];
+        LILY_UNROLL
+        for (uint c = 0; c < 8; c += 4) {
+          float4 v = lily::attn_load4(x + k0 + c);
+          if (Norm) {
+            x_sq += dot(v, v);
+            v *= lily::attn_load4(norm_weight + k0 + c);
+          }
+          x_sum += (v.x + v.y) + (v.z + v.w);
+          LILY_UNROLL
+          for (uint e = 0; e < 4; ++e) {
+            xs[c + e] = v[e];
+          }
+        }
+        LILY_UNROLL
+        for (uint r = 0; r < kRows; ++r) {
+          const uint gate_word = words_gate[i][r][j], up_word = words_up[i][r][j];
+          const uint gate_high = gate_word >> 16, up_high = up_word >> 16;
+          LILY_UNROLL
+          for (uint e = 0; e < 8; ++e) {
+            d_gate[r] = fma(xs[e], lily::code_float<4>(gate_word, gate_high, e, magic), d_gate[r]);
+            d_up[r] = fma(xs[e], lily::code_float<4>(up_word, up_high, e, magic), d_up[r]);
+          }
+        }
+      }
+      LILY_UNROLL
+      for (uint r = 0; r < kRows; ++r) {
+        acc_gate[r] = fma(scale_gate[i][r], d_gate[r], fma(bias_gate[i][r], x_sum, acc_gate[r]));
+        acc_up[r] = fma(scale_up[i][r], d_up[r], fma(bias_up[i][r], x_sum, acc_up[r]));
+      }
+      sum_sq += in_row ? x_sq : 0.0f;
+    }
+  }
+  const float inv_rms = Norm ? precise::rsqrt(simd_sum(sum_sq) / float(K) + eps) : 1.0f;
+  LILY_UNROLL
+  for (uint r = 0; r < kRows; ++r) {
+    const float gate = simd_sum(acc_gate[r]) * inv_rms;
+    const float up = simd_sum(acc_up[r]) * inv_rms;
+    if (lane == r) {
+      out[r] = lily::silu(gate) * up;
+    }
+  }
+}
+
 // Grid: (ceil(max(I, Is) / 8), k + 1) threadgroups of 64 threads; threadgroup row y is slot y (slot k: shared).
 template <typename T, typename S>
 [[kernel]] void moe_gate_up_swiglu(constant lily::MoeArgs& args [[buffer(0)]],
@@ -160,49 +267,20 @@ template <typename T, typename S>
   if (!is_shared) {
     row0 += size_t(expert_ids[slot]) * args.expert_size;
   }
-  device const uint* wg = (is_shared ? shared_gate_weight : gate_weight) + row0 * words;
-  device const S* sg = (is_shared ? shared_gate_scales : gate_scales) + row0 * groups;
-  device const S* bg = (is_shared ? shared_gate_biases : gate_biases) + row0 * groups;
-  device const uint* wu = (is_shared ? shared_up_weight : up_weight) + row0 * words;
-  device const S* su = (is_shared ? shared_up_scales : up_scales) + row0 * groups;
-  device const S* bu = (is_shared ? shared_up_biases : up_biases) + row0 * groups;
-
-  float acc_gate[MOE_ROWS];
-  float acc_up[MOE_ROWS];
-  for (uint r = 0; r < MOE_ROWS; ++r) {
-    acc_gate[r] = 0.0f;
-    acc_up[r] = 0.0f;
-  }
-  for (uint w = lane; w < words; w += 32) {
-    float xv[8];
-    float x_sum = 0.0f;
-    for (uint j = 0; j < 8; ++j) {
-      xv[j] = float(x[8 * w + j]);
-      x_sum += xv[j];
-    }
-    const uint g = w / 8;  // 8 words = one group of 64
-    for (uint r = 0; r < MOE_ROWS; ++r) {
-      acc_gate[r] += float(sg[r * groups + g]) * lily::dot_codes<4>(wg[r * words + w], xv)
-                     + float(bg[r * groups + g]) * x_sum;
-      acc_up[r] += float(su[r * groups + g]) * lily::dot_codes<4>(wu[r * words + w], xv)
-                   + float(bu[r * groups + g]) * x_sum;
-    }
-  }
-  device float* out = hidden + size_t(slot) * args.expert_size + first_row;
-  for (uint r = 0; r < MOE_ROWS; ++r) {
-    float gate = simd_sum(acc_gate[r]);
-    float up = simd_sum(acc_up[r]);
-    if (lane == r) {
-      out[r] = lily::silu(gate) * up;
-    }
-  }
+  moe_gate_up_rows<false>(x, x, (is_shared ? shared_gate_weight : gate_weight) + row0 * words,
+                          (is_shared ? shared_gate_scales : gate_scales) + row0 * groups,
+                          (is_shared ? shared_gate_biases : gate_biases) + row0 * groups,
+                          (is_shared ? shared_up_weight : up_weight) + row0 * words,
+                          (is_shared ? shared_up_scales : up_scales) + row0 * groups,
+                          (is_shared ? shared_up_biases : up_biases) + row0 * groups, args.hidden_size, 0.0f, lane,
+                          hidden + size_t(slot) * args.expert_size + first_row);
 }
 
 // moe_route and the post-attention RMSNorm folded into moe_gate_up_swiglu. Grid and slots as moe_gate_up_swiglu; x
-// is the un-normalised hidden stream. Each routed simdgroup recomputes the softmax/top-k over the E f32 logits (E/32
-// per lane, k rounds: cheaper than a dispatch and a barrier) to find its slot's expert, and sums x^2 over the row
-// while it folds x ⊙ norm_weight into its dot products; 1/rms is applied after the sums. Threadgroup (0, 0),
-// simdgroup 0, lane 0 writes the ids and renormalised weights that moe_down_combine reads.
+// is the un-normalised hidden stream. The simdgroups of routed slot s recompute the softmax over the E f32 logits
+// (E/32 per lane) and run top-k rounds 0..s (their expert is round s's winner: a cheaper chain than a dispatch and a
+// barrier); the shared slot routes nothing. Simdgroup 0 of threadgroup (0, k - 1), which runs all k rounds anyway,
+// writes the ids and renormalised weights that moe_down_combine reads.
 template <typename T, typename S>
 [[kernel]] void moe_gate_up_swiglu_routed(constant lily::MoeRoutedArgs& args [[buffer(0)]],
                                           device const T* x [[buffer(1)]],
@@ -237,24 +315,22 @@ template <typename T, typename S>
   uint expert = 0;
   if (!is_shared) {
     const uint num_experts = args.moe.num_experts;
-    const bool writer = group.x == 0 && group.y == 0 && simd_group == 0 && lane == 0;
+    const bool writer_simdgroup = group.x == 0 && slot == k - 1 && simd_group == 0;  // first_row 0: never left
     float p[MOE_PER_LANE];
     moe_probabilities(router_logits, num_experts, lane, p);
     uint taken = 0;
     float chosen_sum = 0.0f;
-    for (uint r = 0; r < k; ++r) {
+    for (uint r = 0; r <= slot; ++r) {  // slot k - 1: all k rounds
       float top;
       const uint winner = moe_pick(p, taken, num_experts, lane, r, top);
       chosen_sum += top;
-      if (r == slot) {
-        expert = winner;
-      }
-      if (writer) {
+      expert = winner;
+      if (writer_simdgroup && lane == 0) {
         expert_ids[r] = winner;
         expert_weights[r] = top;
       }
     }
-    if (writer) {
+    if (writer_simdgroup && lane == 0) {
       for (uint r = 0; r < k; ++r) {
         expert_weights[r] = expert_weights[r] / chosen_sum;
       }
@@ -262,54 +338,22 @@ template <typename T, typename S>
   }
   const uint words = args.moe.hidden_size / 8;
   const uint groups = args.moe.hidden_size / 64;
-  size_t row0 = first_row;
-  if (!is_shared) {
-    row0 += size_t(expert) * args.moe.expert_size;
-  }
-  device const uint* wg = (is_shared ? shared_gate_weight : gate_weight) + row0 * words;
-  device const S* sg = (is_shared ? shared_gate_scales : gate_scales) + row0 * groups;
-  device const S* bg = (is_shared ? shared_gate_biases : gate_biases) + row0 * groups;
-  device const uint* wu = (is_shared ? shared_up_weight : up_weight) + row0 * words;
-  device const S* su = (is_shared ? shared_up_scales : up_scales) + row0 * groups;
-  device const S* bu = (is_shared ? shared_up_biases : up_biases) + row0 * groups;
-
-  float acc_gate[MOE_ROWS];
-  float acc_up[MOE_ROWS];
-  for (uint r = 0; r < MOE_ROWS; ++r) {
-    acc_gate[r] = 0.0f;
-    acc_up[r] = 0.0f;
-  }
-  float sum_sq = 0.0f;
-  for (uint w = lane; w < words; w += 32) {
-    float xv[8];
-    float x_sum = 0.0f;
-    for (uint j = 0; j < 8; ++j) {
-      const float v = float(x[8 * w + j]);
-      sum_sq += v * v;
-      xv[j] = v * float(norm_weight[8 * w + j]);
-      x_sum += xv[j];
-    }
-    const uint g = w / 8;  // 8 words = one group of 64
-    for (uint r = 0; r < MOE_ROWS; ++r) {
-      acc_gate[r] += float(sg[r * groups + g]) * lily::dot_codes<4>(wg[r * words + w], xv)
-                     + float(bg[r * groups + g]) * x_sum;
-      acc_up[r] += float(su[r * groups + g]) * lily::dot_codes<4>(wu[r * words + w], xv)
-                   + float(bu[r * groups + g]) * x_sum;
-    }
-  }
-  const float inv_rms = precise::rsqrt(simd_sum(sum_sq) / float(args.moe.hidden_size) + args.eps);
-  device float* out = hidden + size_t(slot) * args.moe.expert_size + first_row;
-  for (uint r = 0; r < MOE_ROWS; ++r) {
-    float gate = simd_sum(acc_gate[r]) * inv_rms;
-    float up = simd_sum(acc_up[r]) * inv_rms;
-    if (lane == r) {
-      out[r] = lily::silu(gate) * up;
-    }
-  }
+  const size_t row0 = first_row + (is_shared ? size_t(0) : size_t(expert) * args.moe.expert_size);
+  moe_gate_up_rows<true>(x, norm_weight, (is_shared ? shared_gate_weight : gate_weight) + row0 * words,
+                         (is_shared ? shared_gate_scales : gate_scales) + row0 * groups,
+                         (is_shared ? shared_gate_biases : gate_biases) + row0 * groups,
+                         (is_shared ? shared_up_weight : up_weight) + row0 * words,
+                         (is_shared ? shared_up_scales : up_scales) + row0 * groups,
+                         (is_shared ? shared_up_biases : up_biases) + row0 * groups, args.moe.hidden_size, args.eps,
+                         lane, hidden + size_t(slot) * args.moe.expert_size + first_row);
 }
 
-// Grid: H / 8 threadgroups of 64 threads. Every lane accumulates w_s·(its partial dot) over all k + 1 slots, so one
-// simd_sum per output row finishes the routed sum, the gated shared expert and (on lane r) the residual add.
+// Grid: ceil(H / 8) threadgroups of 128 threads (4 simdgroups x 2 output rows). Each simdgroup reads its rows' k + 1
+// slot rows as one flattened row of packs: pack p < k * I / 32 is pack p % (I / 32) of routed slot p / (I / 32), the
+// rest the shared expert's; a lane takes packs lane + 32 i, LILY_MOE_DOWN_PACKS_PER_LANE per step, every load of the
+// step (codes, scale, bias, the slot's expert id and routing weight) issued before the arithmetic. Each pack's partial
+// sum is weighted by its slot's routing weight (sigmoid of the gate logit for the shared expert), so one simd_sum per
+// output row finishes the routed sum, the gated shared expert and (on lane 0) the residual add.
 template <typename T, typename S>
 [[kernel]] void moe_down_combine(constant lily::MoeArgs& args [[buffer(0)]],
                                  device const float* hidden [[buffer(1)]],
@@ -327,47 +371,95 @@ template <typename T, typename S>
                                  uint group [[threadgroup_position_in_grid]],
                                  uint lane [[thread_index_in_simdgroup]],
                                  uint simd_group [[simdgroup_index_in_threadgroup]]) {
-  const uint first_row = group * MOE_ROWS_PER_THREADGROUP + simd_group * MOE_ROWS;
-  if (first_row >= args.hidden_size) {
+  constexpr uint kRows = LILY_MOE_DOWN_ROWS_PER_SIMDGROUP;
+  constexpr uint kPackWords = LILY_QMV_PACK_WORDS;
+  constexpr uint kPacks = LILY_MOE_DOWN_PACKS_PER_LANE;
+  const uint H = args.hidden_size;
+  const uint first_row = (group * LILY_MOE_DOWN_SIMDGROUPS + simd_group) * kRows;
+  if (first_row >= H) {
     return;  // whole simdgroup (H is a multiple of 64)
   }
-  float acc[MOE_ROWS];
-  for (uint r = 0; r < MOE_ROWS; ++r) {
+  const uint k = args.top_k;
+  const uint routed_packs = args.expert_size / (8 * kPackWords);  // packs per routed slot row
+  const uint routed_total = k * routed_packs;
+  const uint total = routed_total + args.shared_expert_size / (8 * kPackWords);
+  const float shared_weight = lily::sigmoid(shared_gate_logit[0]);
+  uint magic[lily::kCodeMagicCount<4>];
+  lily::code_float_magic<4>(magic);
+  float acc[kRows];
+  LILY_UNROLL
+  for (uint r = 0; r < kRows; ++r) {
     acc[r] = 0.0f;
   }
-  for (uint slot = 0; slot <= args.top_k; ++slot) {
-    const bool is_shared = slot == args.top_k;
-    const uint in_size = is_shared ? args.shared_expert_size : args.expert_size;
-    const uint words = in_size / 8;
-    const uint groups = in_size / 64;
-    size_t row0 = first_row;
-    if (!is_shared) {
-      row0 += size_t(expert_ids[slot]) * args.hidden_size;
-    }
-    const float weight = is_shared ? lily::sigmoid(shared_gate_logit[0]) : expert_weights[slot];
-    device const uint* wd = (is_shared ? shared_down_weight : down_weight) + row0 * words;
-    device const S* sd = (is_shared ? shared_down_scales : down_scales) + row0 * groups;
-    device const S* bd = (is_shared ? shared_down_biases : down_biases) + row0 * groups;
-    device const float* h = hidden + size_t(slot) * args.expert_size;
-    for (uint w = lane; w < words; w += 32) {
-      float hv[8];
-      float h_sum = 0.0f;
-      for (uint j = 0; j < 8; ++j) {
-        hv[j] = h[8 * w + j];
-        h_sum += hv[j];
+  for (uint p0 = lane; p0 < total; p0 += 32 * kPacks) {
+    uint words[kPacks][kRows][kPackWords];
+    float scale[kPacks][kRows], bias[kPacks][kRows], weight[kPacks];
+    uint h_offset[kPacks];
+    LILY_UNROLL
+    for (uint i = 0; i < kPacks; ++i) {
+      // A pack past the row re-reads the row's last pack with weight 0: no load is conditional.
+      const uint p = min(p0 + 32 * i, total - 1);
+      const bool routed = p < routed_total;
+      const uint slot = routed ? p / routed_packs : k;
+      const uint pack = p - slot * routed_packs;  // pack within the slot's row
+      const uint in_size = routed ? args.expert_size : args.shared_expert_size;
+      const size_t row0 = routed ? size_t(expert_ids[slot]) * H + first_row : size_t(first_row);
+      device const uint* w = (routed ? down_weight : shared_down_weight) + row0 * (in_size / 8) + pack * kPackWords;
+      device const S* sc = (routed ? down_scales : shared_down_scales) + row0 * (in_size / 64) + pack * kPackWords / 8;
+      device const S* bi = (routed ? down_biases : shared_down_biases) + row0 * (in_size / 64) + pack * kPackWords / 8;
+      LILY_UNROLL
+      for (uint r = 0; r < kRows; ++r) {
+        LILY_UNROLL
+        for (uint j = 0; j < kPackWords; ++j) {
+          words[i][r][j] = w[r * (in_size / 8) + j];
+        }
+        scale[i][r] = float(sc[r * (in_size / 64)]);
+        bias[i][r] = float(bi[r * (in_size / 64)]);
       }
-      const uint g = w / 8;
-      for (uint r = 0; r < MOE_ROWS; ++r) {
-        const float dot = float(sd[r * groups + g]) * lily::dot_codes<4>(wd[r * words + w], hv);
-        acc[r] += weight * (dot + float(bd[r * groups + g]) * h_sum);
+      weight[i] = p0 + 32 * i < total ? (routed ? expert_weights[slot] : shared_weight) : 0.0f;
+      h_offset[i] = slot * args.expert_size + pack * kPackWords * 8;
+    }
+    LILY_UNROLL
+    for (uint i = 0; i < kPacks; ++i) {
+      float d[kRows];
+      LILY_UNROLL
+      for (uint r = 0; r < kRows; ++r) {
+        d[r] = 0.0f;
+      }
+      float h_sum = 0.0f;
+      LILY_UNROLL
+      for (uint j = 0; j < kPackWords; ++j) {
+        float hs[8];
+        LILY_UNROLL
+        for (uint c = 0; c < 8; c += 4) {
+          const float4 v = *((device const float4*)(hidden + h_offset[i] + 8 * j + c));
+          h_sum += (v.x + v.y) + (v.z + v.w);
+          LILY_UNROLL
+          for (uint e = 0; e < 4; ++e) {
+            hs[c + e] = v[e];
+          }
+        }
+        LILY_UNROLL
+        for (uint r = 0; r < kRows; ++r) {
+          const uint word = words[i][r][j], high = word >> 16;
+          LILY_UNROLL
+          for (uint e = 0; e < 8; ++e) {
+            d[r] = fma(hs[e], lily::code_float<4>(word, high, e, magic), d[r]);
+          }
+        }
+      }
+      LILY_UNROLL
+      for (uint r = 0; r < kRows; ++r) {
+        acc[r] = fma(weight[i], fma(scale[i][r], d[r], bias[i][r] * h_sum), acc[r]);
       }
     }
   }
-  for (uint r = 0; r < MOE_ROWS; ++r) {
-    float total = simd_sum(acc[r]);
-    if (lane == r) {
+  LILY_UNROLL
+  for (uint r = 0; r < kRows; ++r) {
+    const float total_r = simd_sum(acc[r]);
+    if (lane == 0) {
       // Read and write by the same thread: out may alias residual.
-      out[first_row + r] = T(float(residual[first_row + r]) + total);
+      out[first_row + r] = T(float(residual[first_row + r]) + total_r);
     }
   }
 }

@@ -14,7 +14,8 @@
 //   qmv_q<b>_g64_bf16[_sf32]_of32          the same GEMV with bf16 input and f32 output: the router and shared-expert
 //                                          gate logits in bf16 mode (moe_route / moe_down_combine read f32 logits).
 //   qmv_norm_q<b>_g64_<dtype>[_sf32][_of32] decode GEMV with the RMSNorm in front of it folded in (fusion):
-//                                          y = W · (rms_norm(x) ⊙ norm_weight). Same grid and lanes as qmv; each
+//                                          y = W · (rms_norm(x) ⊙ norm_weight). Lanes as qmv, one input row per
+//                                          threadgroup row (grid (ceil(N / 8), M, 1)); each
 //                                          lane also sums x^2 over the values it reads and folds x ⊙ norm_weight into
 //                                          its dot products, and each simdgroup's simd_sum of x^2 gives 1/rms, applied
 //                                          after the row sums (a scalar per row). So x is still read once per
@@ -33,7 +34,8 @@
 //                                          concatenation; at most 3 idle simdgroups per segment boundary. Chosen by
 //                                          the FUSED_PROJECTIONS switch (on by default).
 //   qmv_residual_q<b>_g64_<dtype>[_sf32]   decode GEMV with the residual add folded in (fusion): out = residual +
-//                                          W · x, one rounding; out may alias residual (the hidden stream updated in
+//                                          W · x, one rounding, one input row per threadgroup row (grid
+//                                          (ceil(N / 8), M, 1)); out may alias residual (the hidden stream updated in
 //                                          place: each element is read and written by the same lane). Chosen for the
 //                                          DeltaNet out_proj and the attention o_proj; saves the mixer-output write
 //                                          and re-read and, with qmv_norm, the rms_norm_residual stage.
@@ -129,24 +131,6 @@ struct QuantizedWTile {
 
 namespace lily_qmatmul {
 
-// Code e of a packed word as a float, with neither a shift per code nor an int-to-float conversion (decode is
-// issue-bound on the unpacking). The code sits at bit offset o of `word` while it ends below the float's exponent
-// (bit 23), else of word >> 16; it is masked in place into the mantissa of 2^(23 - o) (`magic[o / Bits]`, its bits),
-// whose mantissa unit is then exactly 1: the float is 2^(23 - o) + q, and subtracting 2^(23 - o) leaves q exactly.
-// Two operations per code (on NVIDIA GPUs one three-input logic op and an add), one shift per word, and x needs no
-// pre-scaling.
-template <int Bits>
-constexpr uint qmv_code_offset(uint e) {
-  return e * Bits + Bits <= 23 ? e * Bits : e * Bits - 16;
-}
-template <int Bits>
-LILY_INLINE float qmv_code(uint word, uint word_high, uint e, thread const uint* magic) {
-  constexpr uint kMask = (1u << Bits) - 1u;
-  const uint o = qmv_code_offset<Bits>(e);
-  const uint m = magic[o / Bits];
-  return as_type<float>(((e * Bits + Bits <= 23 ? word : word_high) & (kMask << o)) | m) - as_type<float>(m);
-}
-
 // One simdgroup's part of a decode GEMV for B input rows at once, so each weight byte is read once for all of
 // them: acc[b][r] = sum_k x'_{b,k} w[first_row + r, k] (this lane's share; the caller does the simd_sum), with
 // x' = x ⊙ norm_weight when Norm (then sum_sq[b] is this lane's share of sum_k x_{b,k}^2; 1/rms is applied by the
@@ -188,14 +172,8 @@ LILY_INLINE void qmv_accumulate(thread float (&acc)[B][LILY_QMV_ROWS_PER_SIMDGRO
       acc[b][r] = 0.0f;
     }
   }
-  // The bits of 2^(23 - o) for each code offset o (a multiple of Bits up to 16), as register values (a broadcast the
-  // compiler cannot fold): with a constant in a register, a code's mask and or are one three-input logic op on
-  // NVIDIA GPUs, not two.
-  uint magic[16 / Bits + 1];
-  LILY_UNROLL
-  for (uint i = 0; i <= 16 / Bits; ++i) {
-    magic[i] = simd_broadcast_first((150u - i * Bits) << 23);
-  }
+  uint magic[lily::kCodeMagicCount<Bits>];
+  lily::code_float_magic<Bits>(magic);
   for (uint p0 = lane; p0 < packs_per_row; p0 += 32 * kPacks) {
     uint words[kPacks][kRows][kPackWords];
     float scale[kPacks][kRows], bias[kPacks][kRows];
@@ -256,7 +234,7 @@ LILY_INLINE void qmv_accumulate(thread float (&acc)[B][LILY_QMV_ROWS_PER_SIMDGRO
           const uint word_high = words[i][r][j] >> 16;
           LILY_UNROLL
           for (uint e = 0; e < kPerWord; ++e) {
-            const float q = qmv_code<Bits>(words[i][r][j], word_high, e, magic);
+            const float q = lily::code_float<Bits>(words[i][r][j], word_high, e, magic);
             LILY_UNROLL
             for (uint b = 0; b < B; ++b) {
               d[b][r] = fma(xs[b][e], q, d[b][r]);
@@ -346,7 +324,9 @@ template <typename T, typename S, int Bits, typename O>
 }
 
 // y = W · (rms_norm(x) ⊙ norm_weight): the RMSNorm in front of a projection folded into its GEMV. Every simdgroup
-// sums x^2 over the whole row itself (it reads all of x anyway), so no threadgroup memory and no extra pass.
+// sums x^2 over the whole row itself (it reads all of x anyway), so no threadgroup memory and no extra pass. One input
+// row per threadgroup row (grid y = M): the engine runs it on decode's one row, and without qmv's 2- to 4-row paths
+// it needs far fewer registers (the lm_head GEMV: 255 with spills at 4 rows).
 template <typename T, typename S, int Bits, typename O>
 [[kernel]] void qmv_norm(constant lily::QMatmulNormArgs& args [[buffer(0)]],
                          device const T* x [[buffer(1)]],
@@ -359,20 +339,19 @@ template <typename T, typename S, int Bits, typename O>
                          uint lane [[thread_index_in_simdgroup]],
                          uint simd_group [[simdgroup_index_in_threadgroup]]) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
-  constexpr uint kBatch = LILY_QMV_MAX_ROWS;
   const uint K = args.in_features;
   const uint N = args.out_features;
   const uint first_row = (tg.x * LILY_QMV_SIMDGROUPS + simd_group) * kRows;
-  const uint m0 = tg.y * kBatch;
-  if (first_row >= N || m0 >= args.num_rows) {
+  if (first_row >= N || tg.y >= args.num_rows) {
     return;  // the whole simdgroup leaves: the simd_sums below stay convergent
   }
-  lily_qmatmul::qmv_batch<true, false, Bits>(x, norm_weight, weight, scales, biases, x, y, K, N, args.num_rows,
-                                             args.eps, m0, first_row, lane);
+  lily_qmatmul::qmv_rows<true, false, 1, Bits>(x, norm_weight, weight, scales, biases, x, y, K, N, args.eps, tg.y,
+                                               first_row, lane);
 }
 
 // out = residual + W · x, written once: the residual add after the out/o projection folded into its GEMV. out may
-// alias residual (the residual stream updated in place): each element is read and written by the same thread.
+// alias residual (the residual stream updated in place): each element is read and written by the same thread. One
+// input row per threadgroup row (grid y = M), as qmv_norm.
 template <typename T, typename S, int Bits>
 [[kernel]] void qmv_residual(constant lily::QMatmulArgs& args [[buffer(0)]],
                              device const T* x [[buffer(1)]],
@@ -385,16 +364,14 @@ template <typename T, typename S, int Bits>
                              uint lane [[thread_index_in_simdgroup]],
                              uint simd_group [[simdgroup_index_in_threadgroup]]) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
-  constexpr uint kBatch = LILY_QMV_MAX_ROWS;
   const uint K = args.in_features;
   const uint N = args.out_features;
   const uint first_row = (tg.x * LILY_QMV_SIMDGROUPS + simd_group) * kRows;
-  const uint m0 = tg.y * kBatch;
-  if (first_row >= N || m0 >= args.num_rows) {
+  if (first_row >= N || tg.y >= args.num_rows) {
     return;  // the whole simdgroup leaves: the simd_sum below stays convergent
   }
-  lily_qmatmul::qmv_batch<false, true, Bits>(x, x, weight, scales, biases, residual, out, K, N, args.num_rows, 0.0f,
-                                             m0, first_row, lane);
+  lily_qmatmul::qmv_rows<false, true, 1, Bits>(x, x, weight, scales, biases, residual, out, K, N, 0.0f, tg.y,
+                                               first_row, lane);
 }
 
 // The segmented decode GEMV: y = W_s · x' for the segment s a threadgroup falls in, x' = rms_norm(x) ⊙ norm_weight

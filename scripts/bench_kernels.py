@@ -41,6 +41,7 @@ EPS = 1e-6
 QMV_SHAPE = {"rows_per_simdgroup": 4, "simdgroups": 2, "batch": 4}
 QMM_BN, QMM_BM16 = 32, 16
 MOE_GEMV_ROWS, MOE_GEMV_THREADS = 8, 64
+MOE_DOWN_ROWS, MOE_DOWN_THREADS = 8, 128
 ATTN_HEADS_PER_GROUP, ATTN_THREADS, ATTN_SPLIT_BLOCK = 4, 256, 1024
 GDN_ROWS_PER_SIMDGROUP = 8
 ARGMAX_BLOCK, ARGMAX_THREADS, SAMPLE_THREADS = 4096, 256, 1024
@@ -198,7 +199,7 @@ def moe_cases() -> list[Case]:
              2 * bf16(HIDDEN) + f32(EXPERTS) + 2 * f32(TOP_K) + weight_bytes + hidden),
         Case("moe down+combine+residual, 8 experts + shared", "moe_down_combine_bf16",
              [_moe_args(), hidden, _expert_ids(), f32(TOP_K), dw, ds, ds, sdw, sds, sds, f32(1), bf16(HIDDEN),
-              Same(11)], (ceil_div(HIDDEN, MOE_GEMV_ROWS), 1, 1), (MOE_GEMV_THREADS, 1, 1),
+              Same(11)], (ceil_div(HIDDEN, MOE_DOWN_ROWS), 1, 1), (MOE_DOWN_THREADS, 1, 1),
              hidden + 2 * f32(TOP_K) + TOP_K * (one_w + 2 * one_s) + sdw + 2 * sds + f32(1) + 2 * bf16(HIDDEN)),
     ]
 

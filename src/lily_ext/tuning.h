@@ -38,9 +38,11 @@ constexpr size_t kAttentionPrepSimdgroups = 8;
 // attention_decode: 8 simdgroups split the keys; enough lanes to stream a KV head at 4K context, few enough that
 // the merge through threadgroup memory stays short.
 constexpr size_t kAttentionDecodeThreads = 256;
-// MoE decode GEMVs: 2 simdgroups x 4 rows (the kernels' fixed shape).
+// MoE decode GEMVs (the kernels' fixed shapes): gate/up 2 simdgroups x 4 rows; down + combine 4 simdgroups x 2 rows.
 constexpr size_t kMoeGemvThreads = 32 * LILY_MOE_GEMV_SIMDGROUPS;
 constexpr size_t kMoeGemvRowsPerThreadgroup = LILY_MOE_GEMV_ROWS_PER_SIMDGROUP * LILY_MOE_GEMV_SIMDGROUPS;
+constexpr size_t kMoeDownThreads = 32 * LILY_MOE_DOWN_SIMDGROUPS;
+constexpr size_t kMoeDownRowsPerThreadgroup = LILY_MOE_DOWN_ROWS_PER_SIMDGROUP * LILY_MOE_DOWN_SIMDGROUPS;
 // gated_delta_conv: one thread per channel; 256 per group keeps 32 groups busy on the model's 8192 channels.
 constexpr size_t kGdnConvThreads = 256;
 // MoE prefill: one thread per (token, slot) pair in the sort kernels (the kernels' block), 256 per combine group.
