@@ -12,7 +12,8 @@
 // lily.reference's [Hv, dk, dv]). Value head j uses key head j / (Hv/Hk).
 // Dispatch. step: one threadgroup per KEY head (it owns the q/k channels and all Hv/Hk value heads of that key head,
 // so the in-place conv-state shift never races with another threadgroup still reading the old state), any multiple
-// of 32 threads up to 1024; state rows go round-robin over simdgroups, one row at a time through registers.
+// of 32 threads up to 1024; state rows go round-robin over simdgroups, LILY_GDN_ROWS_PER_SIMDGROUP at a time through
+// registers (their loads issued together, one memory round trip per batch).
 // conv: one thread per channel, grid ceil(C / threads). prefill: one threadgroup per VALUE head, 32·n threads with
 // dv <= 8·n (512 threads for dv = 128); each simdgroup keeps its <= 8 rows in registers for the whole chunk.
 // Numerics: fp32 everywhere inside (conv, norms, state, gated norm); one rounding of each output to the activation
@@ -93,20 +94,37 @@ template <typename T, uint Dk>
   float q[Dk / 32];
   float k[Dk / 32];
   gdn_normalized_qk<Dk>(q_tg, k_tg, args.l2_eps, q, k, lane);
-  // Rows round-robin over simdgroups, one at a time: the state passes through registers once (read, update, write).
-  for (uint r = sg; r < n_rows; r += n_sg) {
-    const uint h = r / dv;
-    device float* row = state + (size_t(key_head) * n_rows + r) * Dk + lane * (Dk / 32);
-    float s[Dk / 32];
-    for (uint e = 0; e < Dk / 32; ++e) {
-      s[e] = row[e];
+  // Rows round-robin over simdgroups (row r0 + i * n_sg), LILY_GDN_ROWS_PER_SIMDGROUP at a time: all of their loads
+  // are issued before the first update (one memory round trip per batch, not per row), and the state passes through
+  // registers once (read, update, write). A row past n_rows re-reads the last row and is never written.
+  constexpr uint kRows = LILY_GDN_ROWS_PER_SIMDGROUP;
+  for (uint r0 = sg; r0 < n_rows; r0 += n_sg * kRows) {
+    float s[kRows][Dk / 32];
+    LILY_UNROLL
+    for (uint i = 0; i < kRows; ++i) {
+      const uint r = min(r0 + i * n_sg, n_rows - 1);
+      device const float* row = state + (size_t(key_head) * n_rows + r) * Dk + lane * (Dk / 32);
+      LILY_UNROLL
+      for (uint e = 0; e < Dk / 32; ++e) {
+        s[i][e] = row[e];
+      }
     }
-    const float o = gdn_update_row<Dk>(s, q, k, decay_tg[h], beta_tg[h], v_tg[r]);
-    for (uint e = 0; e < Dk / 32; ++e) {
-      row[e] = s[e];
-    }
-    if (lane == 0) {
-      o_tg[r] = o;
+    LILY_UNROLL
+    for (uint i = 0; i < kRows; ++i) {
+      const uint r = r0 + i * n_sg;
+      if (r >= n_rows) {
+        break;  // uniform across the simdgroup: the simd_sums stay convergent
+      }
+      const uint h = r / dv;
+      const float o = gdn_update_row<Dk>(s[i], q, k, decay_tg[h], beta_tg[h], v_tg[r]);
+      device float* row = state + (size_t(key_head) * n_rows + r) * Dk + lane * (Dk / 32);
+      LILY_UNROLL
+      for (uint e = 0; e < Dk / 32; ++e) {
+        row[e] = s[i][e];
+      }
+      if (lane == 0) {
+        o_tg[r] = o;
+      }
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -215,8 +215,9 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 #define LILY_RMS_NORM_MAX_THREADS 1024
 
 // Gated DeltaNet (metal/gated_delta.metal). Untuned: no Mac benchmark yet.
-// gated_delta_step: state rows per simdgroup; the step takes any threadgroup size, and ceil(rows / 8) simdgroups
-// (1024 threads for the model's 256 rows per key head) give each simdgroup 8 rows.
+// gated_delta_step: state rows per simdgroup and batch (their loads issued together); the step takes any threadgroup
+// size, and ceil(rows / 8) simdgroups (1024 threads for the model's 256 rows per key head) give each simdgroup one
+// batch of 8 rows.
 #define LILY_GDN_ROWS_PER_SIMDGROUP 8
 // gated_delta_prefill: state rows of [Dk] fp32 one simdgroup keeps in registers for a whole chunk (Dk/32 per lane):
 // 4 rows x 4 = 16 floats per lane, so 32 simdgroups (1024 threads) hold a dv = 128 value head. Fewer rows per
