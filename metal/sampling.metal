@@ -4,8 +4,17 @@
 //                           logits to (value, id). ~61 threadgroups for the 248320-entry vocabulary.
 //   argmax_final_f32        greedy, stage 2: one threadgroup reduces the partials and writes the token.
 //                           Ties go to the lowest id; a NaN beats every number (numpy.argmax semantics).
-//   sample_<dtype>          temperature > 0: temperature, top-k, top-p, min-p, then a Philox4x32-10 draw keyed by
-//                           the request seed with counter (step, 0, 0, 0); one threadgroup of up to 1024 threads.
+//   sample_<dtype>          temperature > 0, the general path: temperature, top-k, top-p, min-p, then a Philox4x32-10
+//                           draw keyed by the request seed with counter (step, 0, 0, 0); one threadgroup of up to
+//                           1024 threads over the whole vocabulary.
+//   sample_partial_<dtype>  the block path, stage 1 (the host's choice, tuning::sample_block_path, for top_k in
+//                           [1, LILY_SAMPLE_CANDIDATES] with any top_p/min_p, and for top_k off with top_p 1 and
+//                           min_p 0): one threadgroup per LILY_SAMPLE_BLOCK logits writes the block's max x, its sum
+//                           of exp(x - max) and, with top-k on, its LILY_SAMPLE_CANDIDATES largest x in id order.
+//   sample_final_<dtype>    the block path, stage 2, one threadgroup: the same steps and draw as sample_* over the
+//                           candidates (which hold every token top-k can keep), or for plain temperature the block
+//                           from the block masses and the token from one scan of it; sample_*'s steps over the whole
+//                           vocabulary when a block left out ties at the k-th largest key (or for other parameters).
 //   penalize_logits_<dtype> lily.sampling steps 1-3 before either choice, for requests with a logit bias or a
 //                           penalty: fp32 logits x = logit + bias, divided (x > 0) or multiplied (x <= 0) by the
 //                           repetition penalty where `seen` marks the id, minus presence + frequency · count where the
@@ -17,11 +26,14 @@
 // is < top_p; min-p keeps p >= min_p * p_max; the token is the first id whose cumulative kept mass (in id order)
 // exceeds u * (kept mass), u = (philox.x >> 8) * 2^-24. Order statistics use radix select over the order-preserving
 // uint32 key of x: 8 passes of 4-bit digits, per-digit counts and masses reduced with fixed-order sums (no float
-// atomics), so the same seed and step give the same token on every run.
+// atomics), so the same seed and step give the same token on every run. The block path draws from the same
+// distribution with the same u; its sums run in another order, so a draw within fp32 rounding of a boundary may pick
+// the neighbouring token of sample_*'s.
 // Threadgroups: any multiple of 32 threads (argmax shuffles across whole simdgroups), at most LILY_SAMPLE_THREADS for
-// sample_*.
-// Cost: sample reads the logits ~3 times plus 8 times for top-k and 8 for top-p (about 20 x 1 MB at f32 for this
-// model's vocabulary, from cache, in one threadgroup); verified here for correctness only, speed needs a Mac.
+// sample_* and sample_final_*; sample_partial_* needs block_size <= threads * LILY_SAMPLE_PER_THREAD.
+// Cost: sample_* reads the logits ~3 times plus 8 times for top-k and 8 for top-p (about 20 x 1 MB at f32 for this
+// model's vocabulary, from cache, in one threadgroup); the block path reads them once in many threadgroups, then works
+// on 64 candidates per block or on one block. Verified here for correctness only.
 #include <metal_stdlib>
 #include "lily.h"
 
@@ -599,11 +611,12 @@ template <typename T>
   const uint begin = block * args.block_size;
   const uint end = min(begin + args.block_size, args.vocab_size);
   const uint n = end - begin;
-  const uint per = (n + n_threads - 1) / n_threads;  // <= PER (the host checks)
+  const uint per = (n + n_threads - 1) / n_threads;  // <= PER (static_assert in src/lily_ext/ops/sampling.cpp)
   const uint first = begin + tid * per;
   const uint valid = first < end ? min(per, end - first) : 0u;
   uint keys[PER];  // the order-preserving keys of this thread's x, ids first .. first + valid - 1
   float local_max = -INFINITY;
+  LILY_UNROLL
   for (uint j = 0; j < PER; ++j) {
     const float x = j < valid ? float(logits[first + j]) / args.temperature : -INFINITY;
     keys[j] = sample_key(x);
@@ -611,6 +624,7 @@ template <typename T>
   }
   const float block_max = sample_max(local_max, f_part, lane, sg, n_sg);
   float local_sum = 0.0f;
+  LILY_UNROLL
   for (uint j = 0; j < PER; ++j) {
     if (j < valid && block_max != -INFINITY) {
       local_sum += precise::exp(sample_key_value(keys[j]) - block_max);
@@ -633,8 +647,10 @@ template <typename T>
     uint prefix = 0;
     uint remaining = C;
     for (int shift = 28; shift >= 0; shift -= 4) {
+      LILY_UNROLL
       for (uint b = 0; b < 16; ++b) {
         uint c = 0;
+        LILY_UNROLL
         for (uint j = 0; j < PER; ++j) {
           const uint key = keys[j];
           const bool match = j < valid && (shift == 28 || (key >> (shift + 4)) == prefix);
@@ -676,6 +692,7 @@ template <typename T>
   // Compaction in id order: one exclusive scan of (ties, keys above) packed in one word (each count <= 16384).
   uint above = 0;
   uint ties = 0;
+  LILY_UNROLL
   for (uint j = 0; j < PER; ++j) {
     above += (j < valid && keys[j] > key_c) ? 1u : 0u;
     ties += (j < valid && keys[j] == key_c) ? 1u : 0u;
@@ -693,6 +710,7 @@ template <typename T>
   uint above_before = before & 0xFFFFu;
   uint ties_before = before >> 16;
   const uint out = block * C;
+  LILY_UNROLL
   for (uint j = 0; j < PER; ++j) {
     if (j >= valid) {
       continue;

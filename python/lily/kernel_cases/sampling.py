@@ -257,8 +257,8 @@ def _sample_blocks_ties(run: Run, kernel: str, block: int, top_k: int, copies: i
     logits = to_device(values, dtype)
     x32 = to_f64(logits, dtype).astype(np.float32)
     left_out = np.setdiff1d(tied, partial_reference(x32, block)[1])
-    run.require("the case leaves ties out exactly when copies > CANDIDATES", (left_out.size > 0) == (copies > CANDIDATES),
-                f"{left_out.size} tied tokens left out of the candidates")
+    run.require("the case leaves ties out exactly when copies > CANDIDATES",
+                (left_out.size > 0) == (copies > CANDIDATES), f"{left_out.size} tied tokens left out of the candidates")
     got, allowed = [], []
     for step in range(40):
         got.append(run_sample_blocks(run, dtype, logits, block, 32, 64, 1.0, top_k, 1.0, 0.0, 31, step))

@@ -10,6 +10,12 @@
 
 namespace lily::ops {
 
+// sample_partial holds at most LILY_SAMPLE_PER_THREAD logits a thread and packs two block counts in one 32-bit scan.
+static_assert(LILY_SAMPLE_BLOCK <= tuning::kSamplePartialThreads * LILY_SAMPLE_PER_THREAD &&
+                  tuning::kSamplePartialThreads <= 1024 && tuning::kSamplePartialThreads % 32 == 0 &&
+                  LILY_SAMPLE_BLOCK < 65536 && LILY_SAMPLE_BLOCK > LILY_SAMPLE_CANDIDATES,
+              "sample_partial's block shape");
+
 void argmax(Context& ctx, const Span& logits, size_t vocab, const Span& partial_values, const Span& partial_ids,
             const Span& tokens, size_t out_index) {
   ArgmaxArgs a{};
