@@ -156,7 +156,7 @@ inline float sample_key_value(uint key) {
 }
 
 // Fixed-order threadgroup reductions; the trailing barrier lets the next call reuse `part`.
-inline float sample_sum(float v, threadgroup float* part, uint lane, uint sg, uint n_sg) {
+LILY_INLINE float sample_sum(float v, threadgroup float* part, uint lane, uint sg, uint n_sg) {
   v = simd_sum(v);
   if (lane == 0) {
     part[sg] = v;
@@ -170,7 +170,7 @@ inline float sample_sum(float v, threadgroup float* part, uint lane, uint sg, ui
   return total;
 }
 
-inline float sample_max(float v, threadgroup float* part, uint lane, uint sg, uint n_sg) {
+LILY_INLINE float sample_max(float v, threadgroup float* part, uint lane, uint sg, uint n_sg) {
   v = simd_max(v);
   if (lane == 0) {
     part[sg] = v;
@@ -186,7 +186,7 @@ inline float sample_max(float v, threadgroup float* part, uint lane, uint sg, ui
 
 // Per-digit counts and masses of one radix pass, summed over the threadgroup into bin_count/bin_mass [16]
 // (sum over simdgroups in index order). Ends with a barrier.
-inline void sample_reduce_digits(thread uint* count, thread float* mass, threadgroup uint* count_part,
+LILY_INLINE void sample_reduce_digits(thread uint* count, thread float* mass, threadgroup uint* count_part,
                                  threadgroup float* mass_part, threadgroup uint* bin_count,
                                  threadgroup float* bin_mass, uint tid, uint lane, uint sg, uint n_sg) {
   for (uint b = 0; b < 16; ++b) {
@@ -213,7 +213,7 @@ inline void sample_reduce_digits(thread uint* count, thread float* mass, threadg
 
 // e = exp(x - x_max) if the token survives top-k, top-p and min-p, else 0. `tie_rank` counts the tokens tied at key_p
 // met so far in id order (advanced here); min-p: p >= min_p * p_max  <=>  e >= min_p, as e_max = 1.
-inline float sample_kept_mass(float x, float x_max, bool use_k, uint key_k, bool keep_all_p, uint key_p,
+LILY_INLINE float sample_kept_mass(float x, float x_max, bool use_k, uint key_k, bool keep_all_p, uint key_p,
                               uint ties_kept, float min_p, thread uint& tie_rank) {
   const uint key = sample_key(x);
   const float e = precise::exp(x - x_max);
@@ -246,7 +246,7 @@ struct SampleScratch {
 
 // Filled member by member: a braced initializer of threadgroup addresses becomes a constant aggregate in global
 // memory under the CUDA target, which ptxas rejects (shared addresses are not link-time constants there).
-inline SampleScratch sample_scratch(threadgroup float* f_part, threadgroup uint* u_part, threadgroup uint* count_part,
+LILY_INLINE SampleScratch sample_scratch(threadgroup float* f_part, threadgroup uint* u_part, threadgroup uint* count_part,
                                     threadgroup float* mass_part, threadgroup uint* bin_count,
                                     threadgroup float* bin_mass, threadgroup uint* select_state,
                                     threadgroup float* above_tg, threadgroup float* chunk_cum,
@@ -299,7 +299,7 @@ struct TopPCut {
 
 // 1. Temperature and the maximum (the max token survives every filter: its p is p_max, and e = 1).
 template <typename Src>
-inline float sample_max_logit(Src src, SampleScratch tg, SampleThread th) {
+LILY_INLINE float sample_max_logit(Src src, SampleScratch tg, SampleThread th) {
   float local_max = -INFINITY;
   for (uint i = th.tid; i < src.count; i += th.n_threads) {
     local_max = max(local_max, src.x(i));
@@ -309,7 +309,7 @@ inline float sample_max_logit(Src src, SampleScratch tg, SampleThread th) {
 
 // 2. Top-k: radix select of the key of the k-th largest x (keep key >= the result).
 template <typename Src>
-inline uint sample_top_k_key(Src src, uint top_k, SampleScratch tg, SampleThread th) {
+LILY_INLINE uint sample_top_k_key(Src src, uint top_k, SampleScratch tg, SampleThread th) {
   uint prefix = 0;
   uint remaining = top_k;
   for (int shift = 28; shift >= 0; shift -= 4) {
@@ -346,7 +346,7 @@ inline uint sample_top_k_key(Src src, uint top_k, SampleScratch tg, SampleThread
 
 // 3. Mass of what top-k keeps: the sum of e = exp(x - x_max).
 template <typename Src>
-inline float sample_top_k_mass(Src src, float x_max, bool use_k, uint key_k, SampleScratch tg, SampleThread th) {
+LILY_INLINE float sample_top_k_mass(Src src, float x_max, bool use_k, uint key_k, SampleScratch tg, SampleThread th) {
   float local_mass = 0.0f;
   for (uint i = th.tid; i < src.count; i += th.n_threads) {
     const float x = src.x(i);
@@ -359,7 +359,7 @@ inline float sample_top_k_mass(Src src, float x_max, bool use_k, uint key_k, Sam
 
 // 4. Top-p: radix select of the key of the last kept token in descending order, by mass.
 template <typename Src>
-inline TopPCut sample_top_p_cut(Src src, float top_p, float x_max, bool use_k, uint key_k, float mass_k,
+LILY_INLINE TopPCut sample_top_p_cut(Src src, float top_p, float x_max, bool use_k, uint key_k, float mass_k,
                                 SampleScratch tg, SampleThread th) {
   TopPCut cut{!(top_p < 1.0f), 0u, 0u};
   if (cut.keep_all) {
@@ -425,7 +425,7 @@ inline TopPCut sample_top_p_cut(Src src, float top_p, float x_max, bool use_k, u
 
 // 5a. Tokens tied at the top-p cut key in the chunks of the threads before this one (elements [0, begin)).
 template <typename Src>
-inline uint sample_ties_before(Src src, uint begin, uint end, float x_max, uint key_p, SampleScratch tg,
+LILY_INLINE uint sample_ties_before(Src src, uint begin, uint end, float x_max, uint key_p, SampleScratch tg,
                                SampleThread th) {
   uint ties = 0;
   for (uint i = begin; i < end; ++i) {
@@ -455,7 +455,7 @@ struct SampleChunk {
 // mass), or `fixed_target` when that is >= 0. The chunk holding it is the first whose cumulative mass passes it;
 // rounding may make two chunks claim it or none: the first claimant wins, else the last non-empty chunk, with an
 // infinite target (its walk ends at its last kept token). Every thread gets the answer; ends with a barrier.
-inline SampleChunk sample_choose_chunk(float chunk_mass, float u, float fixed_target, SampleScratch tg,
+LILY_INLINE SampleChunk sample_choose_chunk(float chunk_mass, float u, float fixed_target, SampleScratch tg,
                                        SampleThread th) {
   const float cum_in_simd = simd_prefix_inclusive_sum(chunk_mass);
   const float simd_total = simd_sum(chunk_mass);
@@ -496,7 +496,7 @@ inline SampleChunk sample_choose_chunk(float chunk_mass, float u, float fixed_ta
 // 5. The draw over `src`: contiguous chunks per thread, cumulative kept mass in id order; the chosen thread writes the
 // token id to tokens[out_index].
 template <typename Src>
-inline void sample_draw(Src src, float x_max, bool use_k, uint key_k, TopPCut cut, float min_p, float u,
+LILY_INLINE void sample_draw(Src src, float x_max, bool use_k, uint key_k, TopPCut cut, float min_p, float u,
                         float fixed_target, device uint* tokens, uint out_index, SampleScratch tg, SampleThread th) {
   const uint chunk = (src.count + th.n_threads - 1) / th.n_threads;
   const uint begin = min(th.tid * chunk, src.count);
@@ -531,7 +531,7 @@ inline void sample_draw(Src src, float x_max, bool use_k, uint key_k, TopPCut cu
 
 // Steps 3-5 once x_max and the top-k key are known.
 template <typename Src>
-inline void sample_after_top_k(Src src, float x_max, bool use_k, uint key_k, float top_p, float min_p, float u,
+LILY_INLINE void sample_after_top_k(Src src, float x_max, bool use_k, uint key_k, float top_p, float min_p, float u,
                                device uint* tokens, uint out_index, SampleScratch tg, SampleThread th) {
   const float mass_k = sample_top_k_mass(src, x_max, use_k, key_k, tg, th);
   const TopPCut cut = sample_top_p_cut(src, top_p, x_max, use_k, key_k, mass_k, tg, th);
@@ -540,7 +540,7 @@ inline void sample_after_top_k(Src src, float x_max, bool use_k, uint key_k, flo
 
 // Every step over the whole vocabulary in one threadgroup (the general path).
 template <typename T>
-inline void sample_vocabulary(SampleLogits<T> src, uint top_k, float top_p, float min_p, float u, device uint* tokens,
+LILY_INLINE void sample_vocabulary(SampleLogits<T> src, uint top_k, float top_p, float min_p, float u, device uint* tokens,
                               uint out_index, SampleScratch tg, SampleThread th) {
   const float x_max = sample_max_logit(src, tg, th);
   const bool use_k = top_k > 0 && top_k < src.count;
@@ -549,7 +549,7 @@ inline void sample_vocabulary(SampleLogits<T> src, uint top_k, float top_p, floa
 }
 
 // u in [0, 1): 24 bits of the first Philox word for counter (step, 0, 0, 0) and the request's seed.
-inline float sample_uniform(uint step, uint seed_lo, uint seed_hi) {
+LILY_INLINE float sample_uniform(uint step, uint seed_lo, uint seed_hi) {
   const uint4 random = philox4x32_10(uint4(step, 0u, 0u, 0u), uint2(seed_lo, seed_hi));
   return float(random.x >> 8) * 5.9604644775390625e-8f /* 2^-24 */;
 }
@@ -740,7 +740,7 @@ template <typename T>
 }
 
 // Mass of block b relative to the vocabulary's max x: sum exp(x - m_b) * exp(m_b - x_max); 0 for a block of -inf.
-inline float sample_block_scale(device const float* block_stats, uint b, float x_max) {
+LILY_INLINE float sample_block_scale(device const float* block_stats, uint b, float x_max) {
   const float m = block_stats[2 * b];
   return m == -INFINITY ? 0.0f : precise::exp(m - x_max);
 }
