@@ -71,9 +71,9 @@ struct SampleArgs {
   u32 seed_hi;
   u32 step;         // Philox counter word 0: the decode step (same seed and step -> same draw)
   u32 out_index;    // slot of the token buffer written
+  u32 block_size;   // sample_partial/sample_final: logits per block (the last may be shorter); sample_* ignores it
+  u32 num_blocks;   // sample_partial/sample_final: threadgroups of sample_partial; sample_* ignores it
   u32 _pad0;
-  u32 _pad1;
-  u32 _pad2;
 };
 static_assert(sizeof(SampleArgs) == 48, "SampleArgs layout must match the host and tests");
 
@@ -241,6 +241,12 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 #define LILY_ARGMAX_BLOCK 4096
 // sample_*: one threadgroup of this many threads scans the whole vocabulary several times (radix select passes).
 #define LILY_SAMPLE_THREADS 1024
+// sample_partial/sample_final (the block path): logits per sample_partial threadgroup (248320 / 4096 = 61 blocks),
+// at most LILY_SAMPLE_PER_THREAD per thread (kept in registers), and the candidates each block keeps for top-k: the
+// block path takes top_k <= LILY_SAMPLE_CANDIDATES.
+#define LILY_SAMPLE_BLOCK 4096
+#define LILY_SAMPLE_PER_THREAD 16
+#define LILY_SAMPLE_CANDIDATES 64
 
 // Quantized matmul (metal/qmatmul.metal) and embedding (metal/embedding.metal). Untuned: no Mac benchmark yet.
 // qmv: each simdgroup computes LILY_QMV_ROWS_PER_SIMDGROUP output rows; LILY_QMV_SIMDGROUPS simdgroups per threadgroup

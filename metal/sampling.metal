@@ -4,8 +4,17 @@
 //                           logits to (value, id). ~61 threadgroups for the 248320-entry vocabulary.
 //   argmax_final_f32        greedy, stage 2: one threadgroup reduces the partials and writes the token.
 //                           Ties go to the lowest id; a NaN beats every number (numpy.argmax semantics).
-//   sample_<dtype>          temperature > 0: temperature, top-k, top-p, min-p, then a Philox4x32-10 draw keyed by
-//                           the request seed with counter (step, 0, 0, 0); one threadgroup of up to 1024 threads.
+//   sample_<dtype>          temperature > 0, the general path: temperature, top-k, top-p, min-p, then a Philox4x32-10
+//                           draw keyed by the request seed with counter (step, 0, 0, 0); one threadgroup of up to
+//                           1024 threads over the whole vocabulary.
+//   sample_partial_<dtype>  the block path, stage 1 (the host's choice, tuning::sample_block_path, for top_k in
+//                           [1, LILY_SAMPLE_CANDIDATES] with any top_p/min_p, and for top_k off with top_p 1 and
+//                           min_p 0): one threadgroup per LILY_SAMPLE_BLOCK logits writes the block's max x, its sum
+//                           of exp(x - max) and, with top-k on, its LILY_SAMPLE_CANDIDATES largest x in id order.
+//   sample_final_<dtype>    the block path, stage 2, one threadgroup: the same steps and draw as sample_* over the
+//                           candidates (which hold every token top-k can keep), or for plain temperature the block
+//                           from the block masses and the token from one scan of it; sample_*'s steps over the whole
+//                           vocabulary when a block left out ties at the k-th largest key (or for other parameters).
 //   penalize_logits_<dtype> lily.sampling steps 1-3 before either choice, for requests with a logit bias or a
 //                           penalty: fp32 logits x = logit + bias, divided (x > 0) or multiplied (x <= 0) by the
 //                           repetition penalty where `seen` marks the id, minus presence + frequency · count where the
@@ -17,11 +26,14 @@
 // is < top_p; min-p keeps p >= min_p * p_max; the token is the first id whose cumulative kept mass (in id order)
 // exceeds u * (kept mass), u = (philox.x >> 8) * 2^-24. Order statistics use radix select over the order-preserving
 // uint32 key of x: 8 passes of 4-bit digits, per-digit counts and masses reduced with fixed-order sums (no float
-// atomics), so the same seed and step give the same token on every run.
+// atomics), so the same seed and step give the same token on every run. The block path draws from the same
+// distribution with the same u; its sums run in another order, so a draw within fp32 rounding of a boundary may pick
+// the neighbouring token of sample_*'s.
 // Threadgroups: any multiple of 32 threads (argmax shuffles across whole simdgroups), at most LILY_SAMPLE_THREADS for
-// sample_*.
-// Cost: sample reads the logits ~3 times plus 8 times for top-k and 8 for top-p (about 20 x 1 MB at f32 for this
-// model's vocabulary, from cache, in one threadgroup); verified here for correctness only, speed needs a Mac.
+// sample_* and sample_final_*; sample_partial_* needs block_size <= threads * LILY_SAMPLE_PER_THREAD.
+// Cost: sample_* reads the logits ~3 times plus 8 times for top-k and 8 for top-p (about 20 x 1 MB at f32 for this
+// model's vocabulary, from cache, in one threadgroup); the block path reads them once in many threadgroups, then works
+// on 64 candidates per block or on one block. Verified here for correctness only.
 #include <metal_stdlib>
 #include "lily.h"
 
@@ -144,7 +156,7 @@ inline float sample_key_value(uint key) {
 }
 
 // Fixed-order threadgroup reductions; the trailing barrier lets the next call reuse `part`.
-inline float sample_sum(float v, threadgroup float* part, uint lane, uint sg, uint n_sg) {
+LILY_INLINE float sample_sum(float v, threadgroup float* part, uint lane, uint sg, uint n_sg) {
   v = simd_sum(v);
   if (lane == 0) {
     part[sg] = v;
@@ -158,7 +170,7 @@ inline float sample_sum(float v, threadgroup float* part, uint lane, uint sg, ui
   return total;
 }
 
-inline float sample_max(float v, threadgroup float* part, uint lane, uint sg, uint n_sg) {
+LILY_INLINE float sample_max(float v, threadgroup float* part, uint lane, uint sg, uint n_sg) {
   v = simd_max(v);
   if (lane == 0) {
     part[sg] = v;
@@ -174,7 +186,7 @@ inline float sample_max(float v, threadgroup float* part, uint lane, uint sg, ui
 
 // Per-digit counts and masses of one radix pass, summed over the threadgroup into bin_count/bin_mass [16]
 // (sum over simdgroups in index order). Ends with a barrier.
-inline void sample_reduce_digits(thread uint* count, thread float* mass, threadgroup uint* count_part,
+LILY_INLINE void sample_reduce_digits(thread uint* count, thread float* mass, threadgroup uint* count_part,
                                  threadgroup float* mass_part, threadgroup uint* bin_count,
                                  threadgroup float* bin_mass, uint tid, uint lane, uint sg, uint n_sg) {
   for (uint b = 0; b < 16; ++b) {
@@ -201,7 +213,7 @@ inline void sample_reduce_digits(thread uint* count, thread float* mass, threadg
 
 // e = exp(x - x_max) if the token survives top-k, top-p and min-p, else 0. `tie_rank` counts the tokens tied at key_p
 // met so far in id order (advanced here); min-p: p >= min_p * p_max  <=>  e >= min_p, as e_max = 1.
-inline float sample_kept_mass(float x, float x_max, bool use_k, uint key_k, bool keep_all_p, uint key_p,
+LILY_INLINE float sample_kept_mass(float x, float x_max, bool use_k, uint key_k, bool keep_all_p, uint key_p,
                               uint ties_kept, float min_p, thread uint& tie_rank) {
   const uint key = sample_key(x);
   const float e = precise::exp(x - x_max);
@@ -217,7 +229,8 @@ inline float sample_kept_mass(float x, float x_max, bool use_k, uint key_k, bool
   return kept ? e : 0.0f;
 }
 
-// The threadgroup scratch of `sample` (declared in the kernel) and this thread's place in the threadgroup.
+// The threadgroup scratch of `sample` and `sample_final` (declared in the kernel) and this thread's place in the
+// threadgroup.
 struct SampleScratch {
   threadgroup float* f_part;        // [32] per-simdgroup float partials
   threadgroup uint* u_part;         // [32] per-simdgroup uint partials
@@ -231,8 +244,50 @@ struct SampleScratch {
   threadgroup atomic_uint* claim;   // [2] first chunk whose cumulative mass passes the target; last non-empty chunk
 };
 
+// Filled member by member: a braced initializer of threadgroup addresses becomes a constant aggregate in global
+// memory under the CUDA target, which ptxas rejects (shared addresses are not link-time constants there).
+LILY_INLINE SampleScratch sample_scratch(threadgroup float* f_part, threadgroup uint* u_part, threadgroup uint* count_part,
+                                    threadgroup float* mass_part, threadgroup uint* bin_count,
+                                    threadgroup float* bin_mass, threadgroup uint* select_state,
+                                    threadgroup float* above_tg, threadgroup float* chunk_cum,
+                                    threadgroup atomic_uint* claim) {
+  SampleScratch tg;
+  tg.f_part = f_part;
+  tg.u_part = u_part;
+  tg.count_part = count_part;
+  tg.mass_part = mass_part;
+  tg.bin_count = bin_count;
+  tg.bin_mass = bin_mass;
+  tg.select_state = select_state;
+  tg.above_tg = above_tg;
+  tg.chunk_cum = chunk_cum;
+  tg.claim = claim;
+  return tg;
+}
+
 struct SampleThread {
   uint tid, n_threads, lane, sg, n_sg;
+};
+
+// What the order statistics and the draw read: x = logit / temperature and the token id of element i < count.
+// SampleLogits: `count` consecutive logits from id `first` (the vocabulary, or one block of it).
+// SampleCandidates: what sample_partial kept, a subsequence of the vocabulary in id order (x already divided).
+template <typename T>
+struct SampleLogits {
+  device const T* logits;
+  uint first;
+  uint count;
+  float temperature;
+  float x(uint i) const { return float(logits[first + i]) / temperature; }
+  uint id(uint i) const { return first + i; }
+};
+
+struct SampleCandidates {
+  device const float* xs;
+  device const uint* ids;
+  uint count;
+  float x(uint i) const { return xs[i]; }
+  uint id(uint i) const { return ids[i]; }
 };
 
 // What top-p keeps: every token (keep_all), or those with key > key, plus the first ties_kept tokens tied at key.
@@ -243,20 +298,18 @@ struct TopPCut {
 };
 
 // 1. Temperature and the maximum (the max token survives every filter: its p is p_max, and e = 1).
-template <typename T>
-inline float sample_max_logit(device const T* logits, uint vocab, float temperature, SampleScratch tg,
-                              SampleThread th) {
+template <typename Src>
+LILY_INLINE float sample_max_logit(Src src, SampleScratch tg, SampleThread th) {
   float local_max = -INFINITY;
-  for (uint i = th.tid; i < vocab; i += th.n_threads) {
-    local_max = max(local_max, float(logits[i]) / temperature);
+  for (uint i = th.tid; i < src.count; i += th.n_threads) {
+    local_max = max(local_max, src.x(i));
   }
   return sample_max(local_max, tg.f_part, th.lane, th.sg, th.n_sg);
 }
 
 // 2. Top-k: radix select of the key of the k-th largest x (keep key >= the result).
-template <typename T>
-inline uint sample_top_k_key(device const T* logits, uint vocab, float temperature, uint top_k, SampleScratch tg,
-                             SampleThread th) {
+template <typename Src>
+LILY_INLINE uint sample_top_k_key(Src src, uint top_k, SampleScratch tg, SampleThread th) {
   uint prefix = 0;
   uint remaining = top_k;
   for (int shift = 28; shift >= 0; shift -= 4) {
@@ -266,8 +319,8 @@ inline uint sample_top_k_key(device const T* logits, uint vocab, float temperatu
       count[b] = 0;
       mass[b] = 0.0f;
     }
-    for (uint i = th.tid; i < vocab; i += th.n_threads) {
-      const uint key = sample_key(float(logits[i]) / temperature);
+    for (uint i = th.tid; i < src.count; i += th.n_threads) {
+      const uint key = sample_key(src.x(i));
       if (shift == 28 || (key >> (shift + 4)) == prefix) {
         count[(key >> shift) & 15u] += 1;
       }
@@ -292,12 +345,11 @@ inline uint sample_top_k_key(device const T* logits, uint vocab, float temperatu
 }
 
 // 3. Mass of what top-k keeps: the sum of e = exp(x - x_max).
-template <typename T>
-inline float sample_top_k_mass(device const T* logits, uint vocab, float temperature, float x_max, bool use_k,
-                               uint key_k, SampleScratch tg, SampleThread th) {
+template <typename Src>
+LILY_INLINE float sample_top_k_mass(Src src, float x_max, bool use_k, uint key_k, SampleScratch tg, SampleThread th) {
   float local_mass = 0.0f;
-  for (uint i = th.tid; i < vocab; i += th.n_threads) {
-    const float x = float(logits[i]) / temperature;
+  for (uint i = th.tid; i < src.count; i += th.n_threads) {
+    const float x = src.x(i);
     if (!use_k || sample_key(x) >= key_k) {
       local_mass += precise::exp(x - x_max);
     }
@@ -306,9 +358,9 @@ inline float sample_top_k_mass(device const T* logits, uint vocab, float tempera
 }
 
 // 4. Top-p: radix select of the key of the last kept token in descending order, by mass.
-template <typename T>
-inline TopPCut sample_top_p_cut(device const T* logits, uint vocab, float temperature, float top_p, float x_max,
-                                bool use_k, uint key_k, float mass_k, SampleScratch tg, SampleThread th) {
+template <typename Src>
+LILY_INLINE TopPCut sample_top_p_cut(Src src, float top_p, float x_max, bool use_k, uint key_k, float mass_k,
+                                SampleScratch tg, SampleThread th) {
   TopPCut cut{!(top_p < 1.0f), 0u, 0u};
   if (cut.keep_all) {
     return cut;
@@ -324,8 +376,8 @@ inline TopPCut sample_top_p_cut(device const T* logits, uint vocab, float temper
       count[b] = 0;
       mass[b] = 0.0f;
     }
-    for (uint i = th.tid; i < vocab; i += th.n_threads) {
-      const float x = float(logits[i]) / temperature;
+    for (uint i = th.tid; i < src.count; i += th.n_threads) {
+      const float x = src.x(i);
       const uint key = sample_key(x);
       const float e = precise::exp(x - x_max);
       if (e > 0.0f && (!use_k || key >= key_k) && (shift == 28 || (key >> (shift + 4)) == prefix)) {
@@ -371,13 +423,13 @@ inline TopPCut sample_top_p_cut(device const T* logits, uint vocab, float temper
   return cut;
 }
 
-// 5a. Tokens tied at the top-p cut key in the chunks of the threads before this one (ids [0, begin)).
-template <typename T>
-inline uint sample_ties_before(device const T* logits, uint begin, uint end, float temperature, float x_max,
-                               uint key_p, SampleScratch tg, SampleThread th) {
+// 5a. Tokens tied at the top-p cut key in the chunks of the threads before this one (elements [0, begin)).
+template <typename Src>
+LILY_INLINE uint sample_ties_before(Src src, uint begin, uint end, float x_max, uint key_p, SampleScratch tg,
+                               SampleThread th) {
   uint ties = 0;
   for (uint i = begin; i < end; ++i) {
-    const float x = float(logits[i]) / temperature;
+    const float x = src.x(i);
     ties += (sample_key(x) == key_p && precise::exp(x - x_max) > 0.0f) ? 1u : 0u;
   }
   const uint before_in_simd = simd_prefix_exclusive_sum(ties);
@@ -391,6 +443,115 @@ inline uint sample_ties_before(device const T* logits, uint begin, uint end, flo
     tie_rank += tg.u_part[s];
   }
   return tie_rank;
+}
+
+// The thread whose chunk holds the target, and the target less the mass of the chunks before it.
+struct SampleChunk {
+  uint owner;
+  float target;
+};
+
+// 5b. Threads own consecutive chunks (thread order = id order) of kept mass `chunk_mass`. The target is u · (total
+// mass), or `fixed_target` when that is >= 0. The chunk holding it is the first whose cumulative mass passes it;
+// rounding may make two chunks claim it or none: the first claimant wins, else the last non-empty chunk, with an
+// infinite target (its walk ends at its last kept token). Every thread gets the answer; ends with a barrier.
+LILY_INLINE SampleChunk sample_choose_chunk(float chunk_mass, float u, float fixed_target, SampleScratch tg,
+                                       SampleThread th) {
+  const float cum_in_simd = simd_prefix_inclusive_sum(chunk_mass);
+  const float simd_total = simd_sum(chunk_mass);
+  if (th.lane == 0) {
+    tg.f_part[th.sg] = simd_total;
+  }
+  if (th.tid == 0) {
+    atomic_store_explicit(&tg.claim[0], 0xFFFFFFFFu, memory_order_relaxed);
+    atomic_store_explicit(&tg.claim[1], 0u, memory_order_relaxed);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float cum = cum_in_simd;
+  for (uint s = 0; s < th.sg; ++s) {
+    cum += tg.f_part[s];
+  }
+  tg.chunk_cum[th.tid] = cum;
+  float total = 0.0f;
+  for (uint s = 0; s < th.n_sg; ++s) {
+    total += tg.f_part[s];
+  }
+  const float target = fixed_target >= 0.0f ? fixed_target : u * total;
+  if (chunk_mass > 0.0f) {
+    if (cum > target) {
+      atomic_fetch_min_explicit(&tg.claim[0], th.tid, memory_order_relaxed);
+    }
+    atomic_fetch_max_explicit(&tg.claim[1], th.tid, memory_order_relaxed);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint first = atomic_load_explicit(&tg.claim[0], memory_order_relaxed);
+  const bool passed = first != 0xFFFFFFFFu;
+  SampleChunk out;
+  out.owner = passed ? first : atomic_load_explicit(&tg.claim[1], memory_order_relaxed);
+  out.target = passed ? target - (first > 0 ? tg.chunk_cum[first - 1] : 0.0f) : INFINITY;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return out;
+}
+
+// 5. The draw over `src`: contiguous chunks per thread, cumulative kept mass in id order; the chosen thread writes the
+// token id to tokens[out_index].
+template <typename Src>
+LILY_INLINE void sample_draw(Src src, float x_max, bool use_k, uint key_k, TopPCut cut, float min_p, float u,
+                        float fixed_target, device uint* tokens, uint out_index, SampleScratch tg, SampleThread th) {
+  const uint chunk = (src.count + th.n_threads - 1) / th.n_threads;
+  const uint begin = min(th.tid * chunk, src.count);
+  const uint end = min(begin + chunk, src.count);
+  const uint first_tie_rank = cut.keep_all ? 0u : sample_ties_before(src, begin, end, x_max, cut.key, tg, th);
+  uint tie_rank = first_tie_rank;
+  float chunk_mass = 0.0f;
+  for (uint i = begin; i < end; ++i) {
+    chunk_mass += sample_kept_mass(src.x(i), x_max, use_k, key_k, cut.keep_all, cut.key, cut.ties_kept, min_p,
+                                   tie_rank);
+  }
+  const SampleChunk chosen = sample_choose_chunk(chunk_mass, u, fixed_target, tg, th);
+  if (th.tid == chosen.owner) {
+    // The same walk as above (same order, same sums) up to the first element whose running mass passes the target.
+    uint rank = first_tie_rank;
+    float acc = 0.0f;
+    uint token = begin;
+    for (uint i = begin; i < end; ++i) {
+      const float e = sample_kept_mass(src.x(i), x_max, use_k, key_k, cut.keep_all, cut.key, cut.ties_kept, min_p,
+                                       rank);
+      if (e > 0.0f) {
+        acc += e;
+        token = i;
+        if (acc > chosen.target) {
+          break;
+        }
+      }
+    }
+    tokens[out_index] = src.id(token);
+  }
+}
+
+// Steps 3-5 once x_max and the top-k key are known.
+template <typename Src>
+LILY_INLINE void sample_after_top_k(Src src, float x_max, bool use_k, uint key_k, float top_p, float min_p, float u,
+                               device uint* tokens, uint out_index, SampleScratch tg, SampleThread th) {
+  const float mass_k = sample_top_k_mass(src, x_max, use_k, key_k, tg, th);
+  const TopPCut cut = sample_top_p_cut(src, top_p, x_max, use_k, key_k, mass_k, tg, th);
+  sample_draw(src, x_max, use_k, key_k, cut, min_p, u, -1.0f, tokens, out_index, tg, th);
+}
+
+// Every step over the whole vocabulary in one threadgroup (the general path).
+template <typename T>
+LILY_INLINE void sample_vocabulary(SampleLogits<T> src, uint top_k, float top_p, float min_p, float u, device uint* tokens,
+                              uint out_index, SampleScratch tg, SampleThread th) {
+  const float x_max = sample_max_logit(src, tg, th);
+  const bool use_k = top_k > 0 && top_k < src.count;
+  const uint key_k = use_k ? sample_top_k_key(src, top_k, tg, th) : 0u;
+  sample_after_top_k(src, x_max, use_k, key_k, top_p, min_p, u, tokens, out_index, tg, th);
+}
+
+// u in [0, 1): 24 bits of the first Philox word for counter (step, 0, 0, 0) and the request's seed.
+LILY_INLINE float sample_uniform(uint step, uint seed_lo, uint seed_hi) {
+  const uint4 random = philox4x32_10(uint4(step, 0u, 0u, 0u), uint2(seed_lo, seed_hi));
+  return float(random.x >> 8) * 5.9604644775390625e-8f /* 2^-24 */;
 }
 
 template <typename T>
@@ -412,82 +573,276 @@ template <typename T>
   threadgroup float above_tg[1];
   threadgroup float chunk_cum[LILY_SAMPLE_THREADS];
   threadgroup atomic_uint claim[2];
-  const SampleScratch tg{f_part,    u_part,       count_part, mass_part, bin_count,
-                         bin_mass, select_state, above_tg,   chunk_cum, claim};
+  const SampleScratch tg = sample_scratch(f_part, u_part, count_part, mass_part, bin_count, bin_mass, select_state,
+                                          above_tg, chunk_cum, claim);
   const SampleThread th{tid, n_threads, lane, sg, n_sg};
+  const SampleLogits<T> vocabulary{logits, 0u, args.vocab_size, args.temperature};
+  sample_vocabulary(vocabulary, args.top_k, args.top_p, args.min_p, sample_uniform(args.step, args.seed_lo,
+                                                                                    args.seed_hi),
+                    tokens, args.out_index, tg, th);
+}
 
-  const uint vocab = args.vocab_size;
-  const float temperature = args.temperature;
-  const float x_max = sample_max_logit(logits, vocab, temperature, tg, th);
-  const bool use_k = args.top_k > 0 && args.top_k < vocab;
-  const uint key_k = use_k ? sample_top_k_key(logits, vocab, temperature, args.top_k, tg, th) : 0u;
-  const float mass_k = sample_top_k_mass(logits, vocab, temperature, x_max, use_k, key_k, tg, th);
-  const TopPCut cut = sample_top_p_cut(logits, vocab, temperature, args.top_p, x_max, use_k, key_k, mass_k, tg, th);
-
-  // 5. The draw: contiguous id chunks per thread, cumulative kept mass in id order.
-  const uint chunk = (vocab + n_threads - 1) / n_threads;
-  const uint begin = min(tid * chunk, vocab);
-  const uint end = min(begin + chunk, vocab);
-  const uint first_tie_rank =
-      cut.keep_all ? 0u : sample_ties_before(logits, begin, end, temperature, x_max, cut.key, tg, th);
-  uint tie_rank = first_tie_rank;
-  float chunk_mass = 0.0f;
-  for (uint i = begin; i < end; ++i) {
-    const float x = float(logits[i]) / temperature;
-    chunk_mass += sample_kept_mass(x, x_max, use_k, key_k, cut.keep_all, cut.key, cut.ties_kept, args.min_p,
-                                   tie_rank);
+// Stage 1 of the block path: one threadgroup per block of args.block_size logits (at most LILY_SAMPLE_PER_THREAD
+// per thread, held in registers). Writes the block's max x and sum of exp(x - max) (fixed order; 0 for a block of
+// -inf) and, when top-k is on, its LILY_SAMPLE_CANDIDATES candidates: every x above the block's C-th largest key plus
+// the ties at that key in id order until C are taken, written in id order (a block of fewer than C logits keeps them
+// all and pads with x = -inf). block_cut = (C-th key, ties at it left out): sample_final falls back to the general
+// path when ties were left out at the key that turns out to be the k-th largest.
+template <typename T>
+[[kernel]] void sample_partial(constant lily::SampleArgs& args [[buffer(0)]],
+                               device const T* logits [[buffer(1)]],       // [vocab]
+                               device float* cand_x [[buffer(2)]],         // [num_blocks * C]: x = logit / temperature
+                               device uint* cand_id [[buffer(3)]],         // [num_blocks * C]
+                               device float* block_stats [[buffer(4)]],    // [num_blocks * 2]: max x, sum exp(x - max)
+                               device uint* block_cut [[buffer(5)]],       // [num_blocks * 2]: C-th key, ties left out
+                               uint block [[threadgroup_position_in_grid]],
+                               uint tid [[thread_index_in_threadgroup]],
+                               uint n_threads [[threads_per_threadgroup]],
+                               uint lane [[thread_index_in_simdgroup]],
+                               uint sg [[simdgroup_index_in_threadgroup]],
+                               uint n_sg [[simdgroups_per_threadgroup]]) {
+  threadgroup float f_part[32];
+  threadgroup uint u_part[32];
+  threadgroup uint count_part[32 * 16];
+  threadgroup uint bin_count[16];
+  threadgroup uint select_state[3];
+  constexpr uint C = LILY_SAMPLE_CANDIDATES;
+  constexpr uint PER = LILY_SAMPLE_PER_THREAD;
+  const uint begin = block * args.block_size;
+  const uint end = min(begin + args.block_size, args.vocab_size);
+  const uint n = end - begin;
+  const uint per = (n + n_threads - 1) / n_threads;  // <= PER (static_assert in src/lily_ext/ops/sampling.cpp)
+  const uint first = begin + tid * per;
+  const uint valid = first < end ? min(per, end - first) : 0u;
+  uint keys[PER];  // the order-preserving keys of this thread's x, ids first .. first + valid - 1
+  float local_max = -INFINITY;
+  LILY_UNROLL
+  for (uint j = 0; j < PER; ++j) {
+    const float x = j < valid ? float(logits[first + j]) / args.temperature : -INFINITY;
+    keys[j] = sample_key(x);
+    local_max = max(local_max, x);
   }
-  const float cum_in_simd = simd_prefix_inclusive_sum(chunk_mass);
-  const float simd_total = simd_sum(chunk_mass);
-  if (lane == 0) {
-    f_part[sg] = simd_total;
-  }
-  if (tid == 0) {
-    atomic_store_explicit(&claim[0], 0xFFFFFFFFu, memory_order_relaxed);
-    atomic_store_explicit(&claim[1], 0u, memory_order_relaxed);
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  float cum = cum_in_simd;
-  for (uint s = 0; s < sg; ++s) {
-    cum += f_part[s];
-  }
-  chunk_cum[tid] = cum;
-  float total = 0.0f;
-  for (uint s = 0; s < n_sg; ++s) {
-    total += f_part[s];
-  }
-  const uint4 random = philox4x32_10(uint4(args.step, 0u, 0u, 0u), uint2(args.seed_lo, args.seed_hi));
-  const float target = float(random.x >> 8) * 5.9604644775390625e-8f /* 2^-24 */ * total;
-  // Rounding may make two chunks claim the target or none: the first claimant wins, else the last non-empty chunk.
-  if (chunk_mass > 0.0f) {
-    if (cum > target) {
-      atomic_fetch_min_explicit(&claim[0], tid, memory_order_relaxed);
+  const float block_max = sample_max(local_max, f_part, lane, sg, n_sg);
+  float local_sum = 0.0f;
+  LILY_UNROLL
+  for (uint j = 0; j < PER; ++j) {
+    if (j < valid && block_max != -INFINITY) {
+      local_sum += precise::exp(sample_key_value(keys[j]) - block_max);
     }
-    atomic_fetch_max_explicit(&claim[1], tid, memory_order_relaxed);
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  const uint first = atomic_load_explicit(&claim[0], memory_order_relaxed);
-  const bool passed = first != 0xFFFFFFFFu;
-  const uint chosen = passed ? first : atomic_load_explicit(&claim[1], memory_order_relaxed);
-  if (tid == chosen) {
-    const float local_target = passed ? target - (tid > 0 ? chunk_cum[tid - 1] : 0.0f) : INFINITY;
-    // The same walk as above (same order, same sums) up to the first id whose running mass passes the target.
-    uint rank = first_tie_rank;
-    float acc = 0.0f;
-    uint token = begin;
-    for (uint i = begin; i < end; ++i) {
-      const float e = sample_kept_mass(float(logits[i]) / temperature, x_max, use_k, key_k, cut.keep_all, cut.key,
-                                       cut.ties_kept, args.min_p, rank);
-      if (e > 0.0f) {
-        acc += e;
-        token = i;
-        if (acc > local_target) {
-          break;
+  const float block_sum = sample_sum(local_sum, f_part, lane, sg, n_sg);
+  if (tid == 0) {
+    block_stats[2 * block] = block_max;
+    block_stats[2 * block + 1] = block_sum;
+  }
+  if (!(args.top_k > 0 && args.top_k < args.vocab_size)) {
+    return;  // uniform: plain temperature sampling needs the statistics only
+  }
+  // The C-th largest key of the block: radix select, 8 passes of 4-bit digits (counts compared per digit, so the
+  // per-thread arrays stay in registers).
+  uint key_c = 0u;     // every key is >= 0: a block of at most C logits keeps all of them
+  uint ties_kept = C;
+  uint ties_left = 0u;
+  if (n > C) {
+    uint prefix = 0;
+    uint remaining = C;
+    for (int shift = 28; shift >= 0; shift -= 4) {
+      LILY_UNROLL
+      for (uint b = 0; b < 16; ++b) {
+        uint c = 0;
+        LILY_UNROLL
+        for (uint j = 0; j < PER; ++j) {
+          const uint key = keys[j];
+          const bool match = j < valid && (shift == 28 || (key >> (shift + 4)) == prefix);
+          c += (match && ((key >> shift) & 15u) == b) ? 1u : 0u;
+        }
+        c = simd_sum(c);
+        if (lane == 0) {
+          count_part[sg * 16 + b] = c;
         }
       }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (tid < 16) {
+        uint c = 0;
+        for (uint s = 0; s < n_sg; ++s) {
+          c += count_part[s * 16 + tid];
+        }
+        bin_count[tid] = c;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (tid == 0) {
+        uint b = 15;
+        while (b > 0 && bin_count[b] < remaining) {
+          remaining -= bin_count[b];
+          --b;
+        }
+        select_state[0] = (prefix << 4) | b;
+        select_state[1] = remaining;
+        select_state[2] = bin_count[b];
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      prefix = select_state[0];
+      remaining = select_state[1];
+      ties_left = select_state[2] - remaining;  // after the last pass: the ties at the C-th key beyond the C taken
+      threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    tokens[args.out_index] = token;
+    key_c = prefix;
+    ties_kept = remaining;
   }
+  // Compaction in id order: one exclusive scan of (ties, keys above) packed in one word (each count <= 16384).
+  uint above = 0;
+  uint ties = 0;
+  LILY_UNROLL
+  for (uint j = 0; j < PER; ++j) {
+    above += (j < valid && keys[j] > key_c) ? 1u : 0u;
+    ties += (j < valid && keys[j] == key_c) ? 1u : 0u;
+  }
+  const uint packed = (ties << 16) | above;
+  uint before = simd_prefix_exclusive_sum(packed);
+  const uint simd_total = simd_sum(packed);
+  if (lane == 0) {
+    u_part[sg] = simd_total;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint s = 0; s < sg; ++s) {
+    before += u_part[s];
+  }
+  uint above_before = before & 0xFFFFu;
+  uint ties_before = before >> 16;
+  const uint out = block * C;
+  LILY_UNROLL
+  for (uint j = 0; j < PER; ++j) {
+    if (j >= valid) {
+      continue;
+    }
+    const uint key = keys[j];
+    uint slot = C;
+    if (key > key_c) {
+      slot = above_before + min(ties_before, ties_kept);
+      above_before += 1;
+    } else if (key == key_c) {
+      slot = ties_before < ties_kept ? above_before + ties_before : C;
+      ties_before += 1;
+    }
+    if (slot < C) {
+      cand_x[out + slot] = sample_key_value(key);
+      cand_id[out + slot] = first + j;
+    }
+  }
+  for (uint s = n + tid; s < C; s += n_threads) {
+    cand_x[out + s] = -INFINITY;
+    cand_id[out + s] = 0xFFFFFFFFu;
+  }
+  if (tid == 0) {
+    block_cut[2 * block] = key_c;
+    block_cut[2 * block + 1] = ties_left;
+  }
+}
+
+// Mass of block b relative to the vocabulary's max x: sum exp(x - m_b) * exp(m_b - x_max); 0 for a block of -inf.
+LILY_INLINE float sample_block_scale(device const float* block_stats, uint b, float x_max) {
+  const float m = block_stats[2 * b];
+  return m == -INFINITY ? 0.0f : precise::exp(m - x_max);
+}
+
+// Stage 2 of the block path, one threadgroup; the same draw as sample_* for the same seed and step, up to fp32
+// rounding (sums run in another order). Three ways:
+//   top_k in [1, C] (any top_p, min_p): every step of sample_* over the candidates, unless a block left out ties at
+//     the k-th largest key (its kept set is incomplete): then the general path over the vocabulary.
+//   top_k off, top_p 1, min_p 0 (plain temperature): the block from the block masses in block order, then the token
+//     from one scan of that block.
+//   anything else: the general path (the host sends such requests to sample_* instead).
+template <typename T>
+[[kernel]] void sample_final(constant lily::SampleArgs& args [[buffer(0)]],
+                             device const T* logits [[buffer(1)]],             // [vocab]
+                             device const float* cand_x [[buffer(2)]],         // sample_partial's outputs
+                             device const uint* cand_id [[buffer(3)]],
+                             device const float* block_stats [[buffer(4)]],
+                             device const uint* block_cut [[buffer(5)]],
+                             device uint* tokens [[buffer(6)]],                // tokens[out_index] is written
+                             uint tid [[thread_index_in_threadgroup]],
+                             uint n_threads [[threads_per_threadgroup]],
+                             uint lane [[thread_index_in_simdgroup]],
+                             uint sg [[simdgroup_index_in_threadgroup]],
+                             uint n_sg [[simdgroups_per_threadgroup]]) {
+  threadgroup float f_part[32];
+  threadgroup uint u_part[32];
+  threadgroup uint count_part[32 * 16];
+  threadgroup float mass_part[32 * 16];
+  threadgroup uint bin_count[16];
+  threadgroup float bin_mass[16];
+  threadgroup uint select_state[3];
+  threadgroup float above_tg[1];
+  threadgroup float chunk_cum[LILY_SAMPLE_THREADS];
+  threadgroup atomic_uint claim[2];
+  threadgroup uint block_choice[1];
+  threadgroup float block_target[1];
+  const SampleScratch tg = sample_scratch(f_part, u_part, count_part, mass_part, bin_count, bin_mass, select_state,
+                                          above_tg, chunk_cum, claim);
+  const SampleThread th{tid, n_threads, lane, sg, n_sg};
+  const uint vocab = args.vocab_size;
+  const uint num_blocks = args.num_blocks;
+  const float u = sample_uniform(args.step, args.seed_lo, args.seed_hi);
+  const bool use_k = args.top_k > 0 && args.top_k < vocab;
+  if (use_k && args.top_k <= LILY_SAMPLE_CANDIDATES) {
+    const SampleCandidates candidates{cand_x, cand_id, num_blocks * LILY_SAMPLE_CANDIDATES};
+    const float x_max = sample_max_logit(candidates, tg, th);
+    const uint key_k = sample_top_k_key(candidates, args.top_k, tg, th);
+    float incomplete = 0.0f;
+    if (precise::exp(sample_key_value(key_k) - x_max) > 0.0f) {  // ties of zero mass are never drawn
+      for (uint b = tid; b < num_blocks; b += n_threads) {
+        incomplete = (block_cut[2 * b + 1] != 0u && block_cut[2 * b] == key_k) ? 1.0f : incomplete;
+      }
+    }
+    if (sample_max(incomplete, f_part, lane, sg, n_sg) == 0.0f) {
+      sample_after_top_k(candidates, x_max, true, key_k, args.top_p, args.min_p, u, tokens, args.out_index, tg, th);
+      return;
+    }
+  } else if (!use_k && !(args.top_p < 1.0f) && !(args.min_p > 0.0f)) {
+    float local_max = -INFINITY;
+    for (uint b = tid; b < num_blocks; b += n_threads) {
+      local_max = max(local_max, block_stats[2 * b]);
+    }
+    const float x_max = sample_max(local_max, f_part, lane, sg, n_sg);
+    const uint chunk = (num_blocks + n_threads - 1) / n_threads;
+    const uint begin = min(tid * chunk, num_blocks);
+    const uint end = min(begin + chunk, num_blocks);
+    float chunk_mass = 0.0f;
+    for (uint b = begin; b < end; ++b) {
+      chunk_mass += block_stats[2 * b + 1] * sample_block_scale(block_stats, b, x_max);
+    }
+    const SampleChunk chosen = sample_choose_chunk(chunk_mass, u, -1.0f, tg, th);
+    if (tid == chosen.owner) {
+      float acc = 0.0f;
+      float before = 0.0f;
+      uint pick = begin;
+      for (uint b = begin; b < end; ++b) {
+        const float mass = block_stats[2 * b + 1] * sample_block_scale(block_stats, b, x_max);
+        if (mass > 0.0f) {
+          pick = b;
+          before = acc;
+          acc += mass;
+          if (acc > chosen.target) {
+            break;
+          }
+        }
+      }
+      // The target inside the block, in the block's own units exp(x - m_b).
+      const float scale = sample_block_scale(block_stats, pick, x_max);
+      block_choice[0] = pick;
+      block_target[0] = scale > 0.0f ? (chosen.target - before) / scale : INFINITY;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const uint pick = block_choice[0];
+    const float target = max(block_target[0], 0.0f);
+    const uint first = pick * args.block_size;
+    const SampleLogits<T> block{logits, first, min(args.block_size, vocab - first), args.temperature};
+    const TopPCut all{true, 0u, 0u};
+    sample_draw(block, block_stats[2 * pick], false, 0u, all, 0.0f, u, target, tokens, args.out_index, tg, th);
+    return;
+  }
+  const SampleLogits<T> vocabulary{logits, 0u, vocab, args.temperature};
+  sample_vocabulary(vocabulary, args.top_k, args.top_p, args.min_p, u, tokens, args.out_index, tg, th);
 }
 
 // lily.sampling steps 1-3 for one logit (Sampler.process): bias, then the repetition penalty, then presence and
@@ -535,5 +890,9 @@ LILY_INSTANTIATE_KERNEL("argmax_partial_bf16", argmax_partial, bfloat)
 LILY_INSTANTIATE_KERNEL("argmax_final_f32", argmax_final, float)
 LILY_INSTANTIATE_KERNEL("sample_f32", sample, float)
 LILY_INSTANTIATE_KERNEL("sample_bf16", sample, bfloat)
+LILY_INSTANTIATE_KERNEL("sample_partial_f32", sample_partial, float)
+LILY_INSTANTIATE_KERNEL("sample_partial_bf16", sample_partial, bfloat)
+LILY_INSTANTIATE_KERNEL("sample_final_f32", sample_final, float)
+LILY_INSTANTIATE_KERNEL("sample_final_bf16", sample_final, bfloat)
 LILY_INSTANTIATE_KERNEL("penalize_logits_f32", penalize_logits, float)
 LILY_INSTANTIATE_KERNEL("penalize_logits_bf16", penalize_logits, bfloat)

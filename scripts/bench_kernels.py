@@ -45,6 +45,7 @@ MOE_DOWN_ROWS, MOE_DOWN_THREADS = 8, 128
 ATTN_HEADS_PER_GROUP, ATTN_THREADS, ATTN_SPLIT_BLOCK = 4, 256, 1024
 GDN_ROWS_PER_SIMDGROUP = 8
 ARGMAX_BLOCK, ARGMAX_THREADS, SAMPLE_THREADS = 4096, 256, 1024
+SAMPLE_BLOCK, SAMPLE_CANDIDATES, SAMPLE_PARTIAL_THREADS, SAMPLE_FINAL_THREADS = 4096, 64, 256, 256
 EMBEDDING_THREADS, RMS_NORM_THREADS = 256, 256
 
 
@@ -255,7 +256,40 @@ def sampling_cases() -> list[Case]:
         Case("sample over 248,320 logits (T 0.7, top-k 50, top-p 0.9)", "sample_bf16",
              [struct.pack("<IIfffIIIIIII", VOCAB, 50, 0.7, 0.9, 0.0, 1234, 0, 0, 0, 0, 0, 0), bf16(VOCAB), f32(4)],
              (1, 1, 1), (SAMPLE_THREADS, 1, 1), bf16(VOCAB) + 4),
+        *sample_block_cases(),
     ]
+
+
+def sample_block_cases() -> list[Case]:
+    """The block path (sample_partial + sample_final) for T 0.7, top-k 50, top-p 0.9 and for T 0.7 with top-k off and
+    top-p 1. sample_final reads the exact stage-1 outputs of random logits (not of its logits buffer, of which the
+    plain path scans one block), with no block leaving ties out, so it takes its normal path, not the fallback."""
+    blocks = ceil_div(VOCAB, SAMPLE_BLOCK)
+    rng = np.random.default_rng(5)
+    x = (3.0 * rng.standard_normal(VOCAB) / 0.7).astype(np.float32)
+    cand_x = np.full(blocks * SAMPLE_CANDIDATES, -np.inf, np.float32)
+    cand_id = np.zeros(blocks * SAMPLE_CANDIDATES, np.uint32)
+    stats = np.zeros(blocks * 2, np.float32)
+    for b in range(blocks):
+        xs = x[b * SAMPLE_BLOCK:(b + 1) * SAMPLE_BLOCK]
+        top = np.sort(np.argsort(-xs, kind="stable")[:SAMPLE_CANDIDATES])
+        cand_x[b * SAMPLE_CANDIDATES:b * SAMPLE_CANDIDATES + top.size] = xs[top]
+        cand_id[b * SAMPLE_CANDIDATES:b * SAMPLE_CANDIDATES + top.size] = top + b * SAMPLE_BLOCK
+        stats[2 * b:2 * b + 2] = xs.max(), np.exp(xs - xs.max()).sum()
+    cuts = np.zeros(blocks * 2, np.uint32).tobytes()  # no block left ties out
+    cases = []
+    for what, top_k, top_p in (("T 0.7, top-k 50, top-p 0.9", 50, 0.9), ("T 0.7, top-k off, top-p 1", 0, 1.0)):
+        args = struct.pack("<IIfffIIIIIII", VOCAB, top_k, 0.7, top_p, 0.0, 1234, 0, 0, 0, SAMPLE_BLOCK, blocks, 0)
+        written = (2 * f32(blocks * SAMPLE_CANDIDATES) if top_k else 0) + 2 * f32(blocks * 2)
+        cases.append(Case(f"sample block path over 248,320 logits ({what}): partials", "sample_partial_bf16",
+                          [args, bf16(VOCAB), f32(blocks * SAMPLE_CANDIDATES), f32(blocks * SAMPLE_CANDIDATES),
+                           f32(blocks * 2), f32(blocks * 2)], (blocks, 1, 1), (SAMPLE_PARTIAL_THREADS, 1, 1),
+                          bf16(VOCAB) + written))
+        read = 2 * f32(blocks * SAMPLE_CANDIDATES) + f32(blocks * 2) if top_k else f32(blocks * 2) + bf16(SAMPLE_BLOCK)
+        cases.append(Case(f"sample block path over 248,320 logits ({what}): final", "sample_final_bf16",
+                          [args, bf16(VOCAB), cand_x.tobytes(), cand_id.tobytes(), stats.tobytes(), cuts, f32(4)],
+                          (1, 1, 1), (SAMPLE_FINAL_THREADS, 1, 1), read + 4))
+    return cases
 
 
 def qmv_cases() -> list[Case]:

@@ -217,8 +217,8 @@ void build_token_choice(const ModelConfig& c, Precision precision, const TokenCh
     ops::argmax(choice_ctx, logits, c.vocab_size, whole(g, b.argmax_values), whole(g, b.argmax_ids), tokens,
                 static_cast<size_t>(out_slot));
   } else {
-    ops::sample(choice_ctx, logits, c.vocab_size, choice, tokens, static_cast<size_t>(out_slot), position,
-                position_delta);
+    ops::sample(choice_ctx, logits, c.vocab_size, choice, whole(g, b.argmax_values), whole(g, b.argmax_ids), tokens,
+                static_cast<size_t>(out_slot), position, position_delta);
   }
   if (choice.penalized()) ops::count_token(ctx, c.vocab_size, tokens, static_cast<size_t>(out_slot), seen, counts);
 }

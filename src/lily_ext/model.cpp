@@ -206,8 +206,10 @@ DecodeBuffers add_decode_buffers(const ModelConfig& c, Precision precision, size
   b.expert_weights = g.add_buffer("expert weights", c.top_k * 4, BufferRole::Scratch);
   b.moe_hidden = g.add_buffer("moe hidden", (c.top_k * c.expert_size + c.shared_expert_size) * 4, BufferRole::Scratch);
   b.logits = g.add_buffer("logits", c.vocab_size * act, BufferRole::Io);
-  b.argmax_values = g.add_buffer("argmax values", partials * 4, BufferRole::Scratch);
-  b.argmax_ids = g.add_buffer("argmax ids", partials * 4, BufferRole::Scratch);
+  // The token choice's scratch: argmax partials, or the sampling block path's candidates and block statistics.
+  const size_t choice_words = std::max(partials, ops::sample_scratch_words(c.vocab_size));
+  b.argmax_values = g.add_buffer("argmax values", choice_words * 4, BufferRole::Scratch);
+  b.argmax_ids = g.add_buffer("argmax ids", choice_words * 4, BufferRole::Scratch);
   b.tokens = g.add_buffer("tokens", 2 * 4, BufferRole::Io);  // two GPU token slots, alternating
   // lily.sampling steps 1-3 on the GPU (penalized requests only): host-written bias and seen-token tables, the
   // counts count_token keeps, and the processed fp32 logits the choice then reads.

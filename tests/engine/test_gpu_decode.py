@@ -118,6 +118,31 @@ def test_sampled_decode_is_reproducible_per_seed(gpu):
     assert len(others | {tuple(first)}) > 1, "different seeds gave the same 12 tokens every time"
 
 
+BLOCK_PATH = {"sample_partial_f32", "sample_final_f32"}
+# A sampled decode's choice kernels: the block path for top_k in [1, 64] or plain temperature (the demo checkpoint's
+# generation defaults are overridden where they matter).
+CHOICE_KERNELS = [
+    ({"temperature": 0.7, "top_k": 50, "top_p": 0.9}, BLOCK_PATH),
+    ({"temperature": 0.7, "top_k": 64, "min_p": 0.05}, BLOCK_PATH),
+    ({"temperature": 0.7, "top_k": 0, "top_p": 1.0, "min_p": 0.0}, BLOCK_PATH),
+    ({"temperature": 0.7, "top_k": 20, "presence_penalty": 1.0}, BLOCK_PATH | {"penalize_logits_f32", "count_token"}),
+    ({"temperature": 0.7, "top_k": 0, "top_p": 0.9}, {"sample_f32"}),
+    ({"temperature": 0.7, "top_k": 0, "top_p": 1.0, "min_p": 0.05}, {"sample_f32"}),
+    ({"temperature": 0.7, "top_k": 65}, {"sample_f32"}),
+    ({"temperature": 0.0}, {"argmax_partial_f32", "argmax_final_f32"}),
+]
+
+
+@pytest.mark.parametrize("sampling,kernels", CHOICE_KERNELS, ids=[str(c[0]) for c in CHOICE_KERNELS])
+def test_a_sampled_decode_takes_the_block_path_when_the_parameters_allow(gpu, sampling, kernels):
+    session = gpu.prefill(PROMPT, use_cache=False)
+    tokens = [t.id for t in session.decode(max_tokens=3, seed=7, stop_token_ids=(), **sampling)]
+    assert len(tokens) == 3 and all(0 <= t < gpu.config.vocab_size for t in tokens)
+    by_kernel = gpu.backend.last_step_counts()["dispatches_by_kernel"]
+    choice = {k for k in by_kernel if k.startswith(("sample", "argmax", "penalize", "count_token"))}
+    assert choice == kernels
+
+
 def test_stops_match_the_cpu_path_and_a_second_turn_equals_a_fresh_session(gpu, cpu):
     reference, text, _ = decode_ids(cpu, PROMPT, max_tokens=24, temperature=0.0, stop_token_ids=())
     # An end token in the middle, and a stop string that ends inside a later token's text.

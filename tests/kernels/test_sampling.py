@@ -11,9 +11,9 @@ import pytest
 from cases import check, op_cases
 
 from lily._ext import msl
-from lily.kernel_cases.common import Run, to_device
-from lily.kernel_cases.sampling import (MASK32, philox4x32_10, processed_reference, run_penalize, run_sample,
-                                        sample_args)
+from lily.kernel_cases.common import Run, to_device, to_f64
+from lily.kernel_cases.sampling import (MASK32, acceptable_tokens, block_scratch, philox4x32_10, philox_uniform,
+                                        processed_reference, run_penalize, run_sample, run_sample_blocks, sample_args)
 from lily.sampling import SamplingParams, log_softmax, top_k_mask, top_p_mask
 
 
@@ -94,3 +94,116 @@ def test_sample_independent_of_schedule() -> None:
                          (256, 1, 1), random_schedule=random_schedule, seed=schedule_seed)
             picks.add(int(tokens[0]))
         assert len(picks) == 1, f"step {step}: tokens {picks} depend on the schedule"
+
+
+# The block path (sample_partial + sample_final; tuning::sample_block_path sends top_k in [1, 64] and plain temperature
+# sampling there): vocabularies of several blocks, the last one short.
+BLOCK = 128
+
+
+def assert_passed(run: Run) -> None:
+    """The checks run_sample* made (slots around out_index untouched)."""
+    failed = [f"{c.what}: {c.detail}" for c in run.comparisons if not c.passed]
+    assert not failed, failed
+
+
+def block_logits(vocab: int = 600) -> np.ndarray:
+    """Eight plausible tokens spread over the blocks, a tail far below them and some banned (-inf) tokens."""
+    x = np.full(vocab, -12.0, np.float32)
+    x[np.random.default_rng(3).choice(vocab, vocab // 5, replace=False)] = -np.inf
+    head = np.linspace(5, vocab - 7, 8).astype(int)
+    x[head] = [2.0, 1.5, 1.0, 0.3, 0.0, -0.5, -1.0, -3.0]
+    return x
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(6, 0.9, 0.0), (0, 1.0, 0.0), (64, 0.95, 0.05)])
+def test_block_path_distribution(kernel_device, top_k, top_p, min_p) -> None:
+    """Chi-square of 3000 draws of the block path against lily.sampling's filtered distribution (the tail is kept by
+    plain temperature sampling: it holds ~1e-4 of the mass in 470 tokens, pooled into one bin)."""
+    logits = block_logits()
+    temperature = 0.9
+    x = logits.astype(np.float64) / temperature
+    keep = top_k_mask(x, top_k)
+    probs = np.exp(log_softmax(np.where(keep, x, -np.inf)))
+    keep &= top_p_mask(probs, top_p) & (probs >= min_p * probs.max())
+    expected = np.where(keep, probs, 0.0) / probs[keep].sum()
+    draws = 3000
+    run = Run(kernel_device, np.random.default_rng(0))
+    got = [run_sample_blocks(run, "f32", logits, BLOCK, 32, 64, temperature, top_k, top_p, min_p, 2024, s)
+           for s in range(draws)]
+    counts = np.bincount(got, minlength=logits.size)
+    assert (counts[~keep] == 0).all(), f"filtered tokens drawn: {np.flatnonzero(counts * ~keep)}"
+    head = expected * draws >= 5
+    observed = np.append(counts[head], counts[~head].sum())
+    e = np.append(expected[head] * draws, expected[~head].sum() * draws)
+    if e[-1] < 1e-9:
+        observed, e = observed[:-1], e[:-1]
+    chi2 = float(((observed - e) ** 2 / e).sum())
+    # 99.9th percentile of chi-square with <= 8 degrees of freedom is 26.1.
+    assert chi2 < 26.1, f"chi2 {chi2:.1f}; counts {observed.tolist()}, expected {np.round(e).tolist()}"
+    assert_passed(run)
+
+
+@pytest.mark.parametrize("params", [(0.7, 50, 0.9, 0.0), (1.0, 0, 1.0, 0.0), (0.8, 1, 1.0, 0.0), (1.2, 64, 1.0, 0.1)])
+def test_block_path_agrees_with_the_general_path(kernel_device, params) -> None:
+    """Fresh random bf16 logits (a tenth -inf) over 5 blocks, 30 seeds x steps: the block path picks sample_bf16's token
+    unless the draw is near a rounding boundary (then both must be among lily.sampling's nudged answers)."""
+    temperature, top_k, top_p, min_p = params
+    rng = np.random.default_rng(8)
+    values = 3.0 * rng.standard_normal(4 * 512 + 300)
+    values[rng.choice(values.size, values.size // 10, replace=False)] = -np.inf
+    logits = to_device(values, "bf16")
+    x32 = (to_f64(logits, "bf16").astype(np.float32) / np.float32(temperature)).astype(np.float32)
+    run = Run(kernel_device, np.random.default_rng(0))
+    disagree = 0
+    for step in range(30):
+        seed = int(rng.integers(0, 2**63))
+        fast = run_sample_blocks(run, "bf16", logits, 512, 32, 128, temperature, top_k, top_p, min_p, seed, step)
+        general = run_sample(run, "sample_bf16", logits, 256, temperature, top_k, top_p, min_p, seed, step)
+        allowed = acceptable_tokens(x32, top_k, top_p, min_p, philox_uniform(seed, step))
+        assert fast in allowed and general in allowed, (step, fast, general, allowed)
+        disagree += fast != general
+        assert fast == general or len(allowed) > 1, (step, fast, general)
+    assert disagree <= 2
+    assert_passed(run)
+
+
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 0.8, "repetition_penalty": 1.3}, {"frequency_penalty": 0.6}])
+def test_penalized_block_path(kernel_device, penalty) -> None:
+    """The decode step's penalized chain: penalize_logits_f32, then the block path over its fp32 output (top-k 20 and
+    plain temperature): the same tokens as sample_f32 over the same processed logits, and as lily.sampling."""
+    rng = np.random.default_rng(9)
+    vocab = 3 * BLOCK + 77
+    logits = to_device(2.0 * rng.standard_normal(vocab), "f32")
+    context = rng.integers(0, vocab, 30).tolist()
+    generated = rng.integers(0, vocab // 4, 40).tolist()
+    params = SamplingParams(temperature=0.8, **penalty)
+    run = Run(kernel_device, np.random.default_rng(1))
+    processed = run_penalize(run, "penalize_logits_f32", logits, 32, params, context, generated)
+    x32 = (processed_reference(logits.astype(np.float64), params, context, generated)
+           .astype(np.float32) / np.float32(params.temperature)).astype(np.float32)
+    for top_k in (20, 0):
+        for step in range(12):
+            fast = run_sample_blocks(run, "f32", processed, BLOCK, 32, 64, params.temperature, top_k, 1.0, 0.0, 4, step)
+            general = run_sample(run, "sample_f32", processed, 64, params.temperature, top_k, 1.0, 0.0, 4, step)
+            allowed = acceptable_tokens(x32, top_k, 1.0, 0.0, philox_uniform(4, step))
+            assert fast in allowed and (fast == general or len(allowed) > 1), (top_k, step, fast, general, allowed)
+    assert_passed(run)
+
+
+def test_block_path_independent_of_schedule() -> None:
+    """Fixed-order sums and integer atomics only: FIFO and random fiber schedules pick the same tokens."""
+    rng = np.random.default_rng(6)
+    logits = rng.standard_normal(3000).astype(np.float32) * 2.0
+    for top_k in (50, 0):
+        args = sample_args(3000, 0.9, top_k, 0.9 if top_k else 1.0, 0.02 if top_k else 0.0, 5, 1, 0, 512)
+        picks = set()
+        for schedule_seed, random_schedule in ((0, False), (1, True), (2, True)):
+            scratch = list(block_scratch(3000, 512))
+            tokens = np.full(1, MASK32, np.uint32)
+            msl.dispatch("sample_partial_f32", [args, logits, *scratch], (6, 1, 1), (64, 1, 1),
+                         random_schedule=random_schedule, seed=schedule_seed)
+            msl.dispatch("sample_final_f32", [args, logits, *scratch, tokens], (1, 1, 1), (128, 1, 1),
+                         random_schedule=random_schedule, seed=schedule_seed)
+            picks.add(int(tokens[0]))
+        assert len(picks) == 1, f"top_k {top_k}: tokens {picks} depend on the schedule"

@@ -26,7 +26,7 @@ from lily.kernel_cases.common import Case, Run, dtype_of, poisoned, to_device, t
 from lily.sampling import Sampler, SamplingParams, log_softmax, min_p_mask, top_k_mask, top_p_mask
 
 PATTERN = re.compile(r"argmax_partial_(f32|f16|bf16)|argmax_final_f32|sample_(f32|f16|bf16)|"
-                     r"penalize_logits_(f32|bf16)|count_token")
+                     r"sample_(partial|final)_(f32|bf16)|penalize_logits_(f32|bf16)|count_token")
 MASK32 = 0xFFFFFFFF
 # (vocab, block, threads) of argmax; the first is the self-test's.
 ARGMAX_SHAPES = [(5000, 1024, 256), (1, 64, 32), (31, 32, 32), (33, 32, 32), (64, 64, 64), (65, 64, 64),
@@ -36,6 +36,16 @@ ARGMAX_SHAPES = [(5000, 1024, 256), (1, 64, 32), (31, 32, 32), (33, 32, 32), (64
 SAMPLE_PARAMS = [(0.7, 20, 0.95, 0.0), (1.0, 0, 1.0, 0.0), (1.0, 0, 0.9, 0.05), (1.5, 5, 1.0, 0.0),
                  (0.8, 0, 0.5, 0.0), (1.0, 100000, 0.8, 0.1)]
 SAMPLE_SIZES = [(2000, 256), (37, 32), (300, 64)]  # (vocab, threads)
+# The block path (sample_partial + sample_final). LILY_SAMPLE_CANDIDATES and LILY_SAMPLE_PER_THREAD (metal/lily.h).
+CANDIDATES = 64
+PER_THREAD = 16
+# (temperature, top_k, top_p, min_p) the block path takes: the benchmark's setting (the self-test's); plain
+# temperature (block masses, no candidates); Qwen's; top_k = 1; top_k = CANDIDATES with top-p and min-p; top-k + min-p.
+BLOCK_PARAMS = [(0.7, 50, 0.9, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 20, 0.95, 0.0), (1.0, 1, 1.0, 0.0),
+                (1.0, CANDIDATES, 0.8, 0.1), (1.5, 5, 1.0, 0.05)]
+# (vocab, block, sample_partial threads, sample_final threads): the last block short in each; one block of fewer
+# than CANDIDATES logits; 16 logits a thread.
+BLOCK_SIZES = [(2000, 256, 32, 256), (37, 64, 32, 32), (1500, 512, 32, 64)]
 STEPS = 12
 # (repetition, presence, frequency, logit-bias entries): the model card's presence 1.5 (the self-test's); each alone;
 # all together with a negative presence (a reward).
@@ -50,10 +60,11 @@ def argmax_args(vocab: int, block: int, num_partials: int, out_index: int) -> by
 
 
 def sample_args(vocab: int, temperature: float, top_k: int, top_p: float, min_p: float, seed: int, step: int,
-                out_index: int) -> bytes:
-    """lily::SampleArgs (metal/lily.h): 48 bytes."""
+                out_index: int, block: int = 0) -> bytes:
+    """lily::SampleArgs (metal/lily.h): 48 bytes; `block` > 0: the block path's block size and block count."""
+    blocks = -(-vocab // block) if block else 0
     return struct.pack("<IIfffIIIIIII", vocab, top_k, temperature, top_p, min_p, seed & MASK32, seed >> 32, step,
-                       out_index, 0, 0, 0)
+                       out_index, block, blocks, 0)
 
 
 def penalty_args(vocab: int, has_bias: bool, repetition: float, presence: float, frequency: float,
@@ -122,6 +133,141 @@ def run_sample(run: Run, kernel: str, logits: np.ndarray, threads: int, temperat
     run.require("slots other than out_index untouched", tokens[out_index + 1] == MASK32 == tokens[out_index - 1],
                 f"tokens {tokens.tolist()}")
     return int(tokens[out_index])
+
+
+def sample_key(x32: np.ndarray) -> np.ndarray:
+    """The kernel's order-preserving uint32 key of fp32 values."""
+    bits = np.ascontiguousarray(x32, np.float32).view(np.uint32)
+    return np.where(bits & 0x80000000, ~bits, bits | 0x80000000).astype(np.uint32)
+
+
+def block_scratch(vocab: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """sample_partial's outputs, poisoned: candidate x and ids, block (max, sum), block (C-th key, ties left out)."""
+    blocks = -(-vocab // block)
+    return (poisoned((blocks * CANDIDATES,), "f32"), np.full(blocks * CANDIDATES, MASK32, np.uint32),
+            poisoned((blocks * 2,), "f32"), np.full(blocks * 2, MASK32, np.uint32))
+
+
+def run_sample_blocks(run: Run, dtype: str, logits: np.ndarray, block: int, partial_threads: int, final_threads: int,
+                      temperature: float, top_k: int, top_p: float, min_p: float, seed: int, step: int,
+                      out_index: int = 1) -> int:
+    """sample_partial then sample_final into tokens[out_index]; the slots around it must stay untouched."""
+    vocab = logits.shape[0]
+    args = sample_args(vocab, temperature, top_k, top_p, min_p, seed, step, out_index, block)
+    scratch = list(block_scratch(vocab, block))
+    tokens = np.full(out_index + 2, MASK32, np.uint32)
+    run.dispatch(f"sample_partial_{dtype}", [args, logits, *scratch], -(-vocab // block), partial_threads, seed=step)
+    run.dispatch(f"sample_final_{dtype}", [args, logits, *scratch, tokens], 1, final_threads, seed=step)
+    run.require("slots other than out_index untouched", tokens[out_index + 1] == MASK32 == tokens[out_index - 1],
+                f"tokens {tokens.tolist()}")
+    return int(tokens[out_index])
+
+
+def partial_reference(x32: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What sample_partial writes for fp32 x = logit / temperature: per block the CANDIDATES largest (ties at the
+    C-th key by lowest id) in id order, padded with (-inf, MASK32); max and float64 sum of exp(x - max); the C-th key
+    (0 for a block of at most C) and the ties at it left out."""
+    blocks = -(-x32.size // block)
+    cand_x = np.full(blocks * CANDIDATES, -np.inf, np.float32)
+    cand_id = np.full(blocks * CANDIDATES, MASK32, np.uint32)
+    stats = np.zeros(blocks * 2)
+    cut = np.zeros(blocks * 2, np.uint32)
+    for b in range(blocks):
+        xs = x32[b * block:(b + 1) * block]
+        keys = sample_key(xs)
+        top = float(xs.max())
+        stats[2 * b] = top
+        stats[2 * b + 1] = np.exp(xs.astype(np.float64) - top).sum() if top != -np.inf else 0.0
+        if xs.size <= CANDIDATES:
+            chosen = np.arange(xs.size)
+        else:
+            order = np.lexsort((np.arange(xs.size), -keys.astype(np.int64)))  # key descending, then id
+            chosen = np.sort(order[:CANDIDATES])
+            key_c = keys[order[CANDIDATES - 1]]
+            cut[2 * b] = key_c
+            cut[2 * b + 1] = int((keys == key_c).sum() - (keys[chosen] == key_c).sum())
+        cand_x[b * CANDIDATES:b * CANDIDATES + chosen.size] = xs[chosen]
+        cand_id[b * CANDIDATES:b * CANDIDATES + chosen.size] = chosen + b * block
+    return cand_x, cand_id, stats, cut
+
+
+def _sample_partial(run: Run, kernel: str, vocab: int, block: int, threads: int, values: str) -> None:
+    """sample_partial's outputs exactly (the sums within fp32 rounding): random logits, logits from 6 values (ties at
+    every block's C-th key), or a quarter -inf with one block all -inf."""
+    dtype = dtype_of(kernel)
+    temperature, top_k = 0.7, min(50, vocab - 1)  # top-k on: candidates are written
+    if values == "ties":
+        raw = run.rng.choice([-1.0, 0.0, 0.5, 1.0, 1.5, 2.0], vocab)
+    else:
+        raw = 3.0 * run.rng.standard_normal(vocab)
+    if values == "-inf":
+        raw[run.rng.choice(vocab, vocab // 4, replace=False)] = -np.inf
+        raw[block:2 * block] = -np.inf
+    logits = to_device(raw, dtype)
+    x32 = (to_f64(logits, dtype).astype(np.float32) / np.float32(temperature)).astype(np.float32)
+    cand_x, cand_id, stats, cut = block_scratch(vocab, block)
+    run.dispatch(kernel, [sample_args(vocab, temperature, top_k, 1.0, 0.0, 5, 0, 0, block), logits, cand_x, cand_id,
+                          stats, cut], -(-vocab // block), threads)
+    want_x, want_id, want_stats, want_cut = partial_reference(x32, block)
+    run.compare_exact("candidate ids", cand_id, want_id)
+    run.compare_exact("candidate x (bits)", cand_x.view(np.uint32), want_x.view(np.uint32))
+    run.compare_exact("block max", stats[0::2], want_stats[0::2].astype(np.float32))
+    run.compare("block sum", stats[1::2], want_stats[1::2], "f32", allowance=block * 2.0**-24 * want_stats[1::2])
+    run.compare_exact("block cut (C-th key, ties left out)", cut, want_cut)
+
+
+def _sample_blocks(run: Run, kernel: str, vocab: int, block: int, partial_threads: int, final_threads: int,
+                   params: tuple) -> None:
+    """The block path draw by draw against lily.sampling (as _sample), and against sample_* on the same seeds: the
+    same token unless the draw is near a rounding boundary."""
+    temperature, top_k, top_p, min_p = params
+    dtype = dtype_of(kernel)
+    logits = to_device(3.0 * run.rng.standard_normal(vocab), dtype)
+    x32 = (to_f64(logits, dtype).astype(np.float32) / np.float32(temperature)).astype(np.float32)
+    seed = int(run.rng.integers(0, 2**64, dtype=np.uint64))
+    got, allowed, general = [], [], []
+    for step in range(STEPS):
+        got.append(run_sample_blocks(run, dtype, logits, block, partial_threads, final_threads, temperature, top_k,
+                                     top_p, min_p, seed, step))
+        allowed.append(acceptable_tokens(x32, top_k, top_p, min_p, philox_uniform(seed, step)))
+        general.append(run_sample(run, f"sample_{dtype}", logits, 32 * min(8, max(1, vocab // 64)), temperature,
+                                  top_k, top_p, min_p, seed, step))
+    run.compare_allowed("drawn tokens", got, allowed)
+    near = sum(len(a) > 1 for a in allowed)
+    run.require("near-boundary draws are rare", near <= 1, f"{near} of {STEPS} draws near a boundary")
+    run.compare_allowed("the same tokens as sample_*", got, [{g} if len(a) == 1 else a for g, a in zip(general,
+                                                                                                      allowed)])
+
+
+def _sample_blocks_ties(run: Run, kernel: str, block: int, top_k: int, copies: int) -> None:
+    """Ties at the top-k cut spread over blocks: `copies` tokens of the k-th value in every full block, top_k - 1 tokens
+    just above it, some finite tokens below, the rest -inf. With more than CANDIDATES copies a block leaves ties out
+    and sample_final must fall back to the general path (tokens left out are drawn). Draws match lily.sampling."""
+    dtype = dtype_of(kernel)
+    vocab = 4 * block + block // 2
+    values = np.full(vocab, -np.inf)
+    above = run.rng.choice(vocab, top_k - 1, replace=False)
+    rest = np.setdiff1d(np.arange(vocab), above)
+    tied = np.concatenate([run.rng.choice(rest[(rest >= b) & (rest < b + block)], copies, replace=False)
+                           for b in range(0, vocab, block) if ((rest >= b) & (rest < b + block)).sum() >= copies])
+    values[tied] = 1.0
+    values[above] = 1.0 + 0.25 * (run.rng.random(above.size) + 0.01)
+    others = np.setdiff1d(rest, tied)
+    values[others[::2]] = 0.5 - run.rng.random(others[::2].size)  # below the cut, finite
+    logits = to_device(values, dtype)
+    x32 = to_f64(logits, dtype).astype(np.float32)
+    left_out = np.setdiff1d(tied, partial_reference(x32, block)[1])
+    run.require("the case leaves ties out exactly when copies > CANDIDATES",
+                (left_out.size > 0) == (copies > CANDIDATES), f"{left_out.size} tied tokens left out of the candidates")
+    got, allowed = [], []
+    for step in range(40):
+        got.append(run_sample_blocks(run, dtype, logits, block, 32, 64, 1.0, top_k, 1.0, 0.0, 31, step))
+        allowed.append(acceptable_tokens(x32, top_k, 1.0, 0.0, philox_uniform(31, step)))
+    run.compare_allowed("drawn tokens", got, allowed)
+    run.require("tied tokens are drawn", np.intersect1d(got, tied).size >= 3, f"drawn {sorted(set(got))}")
+    if copies > CANDIDATES:
+        run.require("tokens left out of the candidates are drawn", np.intersect1d(got, left_out).size > 0,
+                    f"drawn {sorted(set(got))}")
 
 
 def _argmax(run: Run, kernel: str, vocab: int, block: int, threads: int) -> None:
@@ -282,6 +428,23 @@ def cases(kernel: str) -> list[Case]:
         if kernel == "argmax_partial_f32":
             found.append(Case(kernel, "vocab=200 NaN and -inf", partial(_argmax_nan_and_negative_infinity,
                                                                          kernel=kernel)))
+        return found
+    if kernel.startswith("sample_partial"):
+        return [Case(kernel, f"vocab={v} block={b} threads={t} {values}",
+                     partial(_sample_partial, kernel=kernel, vocab=v, block=b, threads=t, values=values),
+                     quick=i == 0)
+                for i, (v, b, t, values) in enumerate([(2000, 256, 32, "normal"), (1500, 512, 32, "ties"),
+                                                       (700, 128, 64, "-inf"), (100, 64, 32, "normal"),
+                                                       (40, 64, 32, "ties")])]
+    if kernel.startswith("sample_final"):
+        found = [Case(kernel, f"vocab={v} block={b} threads={tp}/{tf} T={p[0]} top_k={p[1]} top_p={p[2]} min_p={p[3]}",
+                      partial(_sample_blocks, kernel=kernel, vocab=v, block=b, partial_threads=tp, final_threads=tf,
+                              params=p), quick=i == 0 and j == 0)
+                 for i, (v, b, tp, tf) in enumerate(BLOCK_SIZES) for j, p in enumerate(BLOCK_PARAMS)]
+        if kernel == "sample_final_f32":
+            found += [Case(kernel, f"block=128 top_k={k} {c} ties per block",
+                           partial(_sample_blocks_ties, kernel=kernel, block=128, top_k=k, copies=c))
+                      for k, c in ((8, 20), (CANDIDATES, 5), (4, 100))]
         return found
     if kernel == "argmax_final_f32":  # the model's vocabulary in blocks of LILY_ARGMAX_BLOCK
         return [Case(kernel, "partials=61", partial(_argmax_final, kernel=kernel, partials=61), quick=True)]

@@ -151,7 +151,10 @@ void penalize_logits(Context& ctx, const Span& logits, size_t vocab, const Token
                      const Span& seen, const Span& counts, const Span& processed);
 void count_token(Context& ctx, size_t vocab, const Span& tokens, size_t out_index, const Span& seen,
                  const Span& counts);
-void sample(Context& ctx, const Span& logits, size_t vocab, const TokenChoice& choice, const Span& tokens,
-            size_t out_index, size_t position, int position_delta);
+// sample: sample_* (one threadgroup), or sample_partial_* + sample_final_* where tuning::sample_block_path allows,
+// with the block path's candidates and block statistics in `values` and `ids` (sample_scratch_words(vocab) each).
+void sample(Context& ctx, const Span& logits, size_t vocab, const TokenChoice& choice, const Span& values,
+            const Span& ids, const Span& tokens, size_t out_index, size_t position, int position_delta);
+size_t sample_scratch_words(size_t vocab);
 
 }  // namespace lily::ops

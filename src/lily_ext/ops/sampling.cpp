@@ -1,4 +1,5 @@
-// metal/sampling.metal: argmax_partial_<dtype>, argmax_final_f32, sample_<dtype>, penalize_logits_<dtype>,
+// metal/sampling.metal: argmax_partial_<dtype>, argmax_final_f32, sample_<dtype>, sample_partial_<dtype> +
+// sample_final_<dtype>, penalize_logits_<dtype>,
 // count_token: the token choice, written to the token buffer the next step's embedding reads, and the logit bias
 // and penalties in front of it.
 #include <cstddef>
@@ -8,6 +9,12 @@
 #include "ops.h"
 
 namespace lily::ops {
+
+// sample_partial holds at most LILY_SAMPLE_PER_THREAD logits a thread and packs two block counts in one 32-bit scan.
+static_assert(LILY_SAMPLE_BLOCK <= tuning::kSamplePartialThreads * LILY_SAMPLE_PER_THREAD &&
+                  tuning::kSamplePartialThreads <= 1024 && tuning::kSamplePartialThreads % 32 == 0 &&
+                  LILY_SAMPLE_BLOCK < 65536 && LILY_SAMPLE_BLOCK > LILY_SAMPLE_CANDIDATES,
+              "sample_partial's block shape");
 
 void argmax(Context& ctx, const Span& logits, size_t vocab, const Span& partial_values, const Span& partial_ids,
             const Span& tokens, size_t out_index) {
@@ -47,8 +54,13 @@ void count_token(Context& ctx, size_t vocab, const Span& tokens, size_t out_inde
            {32, 1, 1}, {sub(tokens, out_index * 4, 4), seen, counts}, {seen, counts});
 }
 
-void sample(Context& ctx, const Span& logits, size_t vocab, const TokenChoice& choice, const Span& tokens,
-            size_t out_index, size_t position, int position_delta) {
+size_t sample_scratch_words(size_t vocab) {
+  const size_t blocks = (vocab + LILY_SAMPLE_BLOCK - 1) / LILY_SAMPLE_BLOCK;
+  return blocks * (LILY_SAMPLE_CANDIDATES + 2);
+}
+
+void sample(Context& ctx, const Span& logits, size_t vocab, const TokenChoice& choice, const Span& values,
+            const Span& ids, const Span& tokens, size_t out_index, size_t position, int position_delta) {
   SampleArgs a{};
   a.vocab_size = static_cast<u32>(vocab);
   a.top_k = choice.top_k;
@@ -59,6 +71,26 @@ void sample(Context& ctx, const Span& logits, size_t vocab, const TokenChoice& c
   a.seed_hi = static_cast<u32>(choice.seed >> 32);
   a.step = static_cast<u32>(position + position_delta);
   a.out_index = static_cast<u32>(out_index);
+  if (tuning::sample_block_path(choice.top_k, choice.top_p, choice.min_p, vocab)) {
+    // values: [blocks * C] candidate x, then [blocks * 2] block max and sum; ids: candidate ids, then the cuts.
+    a.block_size = LILY_SAMPLE_BLOCK;
+    a.num_blocks = static_cast<u32>((vocab + LILY_SAMPLE_BLOCK - 1) / LILY_SAMPLE_BLOCK);
+    const size_t cand_bytes = size_t{a.num_blocks} * LILY_SAMPLE_CANDIDATES * 4, stat_bytes = size_t{a.num_blocks} * 8;
+    const Span cand_x = sub(values, 0, cand_bytes), stats = sub(values, cand_bytes, stat_bytes);
+    const Span cand_id = sub(ids, 0, cand_bytes), cuts = sub(ids, cand_bytes, stat_bytes);
+    const std::string dtype = dtype_name(ctx.act);
+    Node& partial = add_node(ctx, "sample_partial_" + dtype, "sample partial",
+                             {arg_value(a), arg(logits), arg(cand_x), arg(cand_id), arg(stats), arg(cuts)},
+                             {a.num_blocks, 1, 1}, {tuning::kSamplePartialThreads, 1, 1}, {logits},
+                             {cand_x, cand_id, stats, cuts});
+    partial.per_position.push_back({0, offsetof(SampleArgs, step), position_delta});
+    Node& last = add_node(ctx, "sample_final_" + dtype, "sample final",
+                           {arg_value(a), arg(logits), arg(cand_x), arg(cand_id), arg(stats), arg(cuts), arg(tokens)},
+                           {1, 1, 1}, {tuning::kSampleFinalThreads, 1, 1}, {logits, cand_x, cand_id, stats, cuts},
+                           {sub(tokens, out_index * 4, 4)});
+    last.per_position.push_back({0, offsetof(SampleArgs, step), position_delta});
+    return;
+  }
   Node& node = add_node(ctx, std::string("sample_") + dtype_name(ctx.act), "sample",
                         {arg_value(a), arg(logits), arg(tokens)}, {1, 1, 1}, {tuning::kSampleThreads, 1, 1}, {logits},
                         {sub(tokens, out_index * 4, 4)});
