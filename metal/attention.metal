@@ -2,12 +2,18 @@
 // ⊙ sigmoid(gate), per query head h with KV head h / (Hq / Hkv).
 //   attention_decode_<dtype>_d<D>          single pass: one threadgroup per G query heads of one KV head (G = 4 at
 //                                          D = 256, LILY_ATTN_HEADS_PER_GROUP; 2 at D = 64, ..._D64), over all keys,
-//                                          gate fused. Chosen below LILY_ATTN_SPLIT_MIN_KEYS keys.
-//   attention_decode_partial_<dtype>_d<D>  split-KV pass 1: the same threadgroup over one fixed block of block_size
-//                                          keys (grid y = block); writes the block's normalised output and its
-//                                          softmax max and sum, fp32. Chosen from LILY_ATTN_SPLIT_MIN_KEYS keys.
+//                                          gate fused. Chosen below LILY_ATTN_SPLIT_MIN_KEYS keys (or always with the
+//                                          engine switch LILY_DISABLE_SPLIT_KV).
+//   attention_decode_partial_<dtype>_d<D>  split-KV pass 1: the same threadgroup over one block of keys (grid y =
+//                                          block); block b holds keys [b * span, (b + 1) * span) with span =
+//                                          ceil(num_keys / num_blocks), so one recorded program serves every position
+//                                          with the same num_blocks (the host picks it by a power-of-two rule,
+//                                          tuning::attention_split_blocks). Writes the block's normalised output and
+//                                          its softmax max and sum, fp32; an empty trailing block writes output 0,
+//                                          max -inf, sum 0. Chosen from LILY_ATTN_SPLIT_MIN_KEYS keys.
 //   attention_decode_combine_<dtype>_d<D>  split-KV pass 2: one threadgroup per query head merges the blocks
-//                                          (weights sum_b * exp(max_b - max)) and applies the gate.
+//                                          (weights sum_b * exp(max_b - max), kept in threadgroup memory: at most
+//                                          LILY_ATTN_SPLIT_MAX_BLOCKS blocks) and applies the gate.
 //   attention_decode[_partial]_unpacked_<dtype>_d<D>  the same with G = 1 (one query head per threadgroup, no K/V
 //                                          row sharing): the GQA-packing ablation, chosen only when the engine switch
 //                                          LILY_DISABLE_GQA_PACKING is set. f32 and bf16.
@@ -24,18 +30,21 @@
 // and test fixtures; f32, bf16).
 // Dispatch: 32*n threads (n <= 32 simdgroups; the engine picks n); grid (Hq/G) single pass, (Hq/G, num_blocks) partial,
 // (Hq) combine with any thread count. Hq/Hkv must be a multiple of G.
-// Design: simdgroup s takes keys s, s+n, ...; each K and V row is read once per
-// threadgroup and serves G query heads (GQA packing: 4x less cache traffic than one head per threadgroup at G = 4;
-// the model's 8 heads of a KV head are 2 threadgroups). A lane holds 8 of the 256 elements as two chunks of 4 at chunk
-// indices lane and lane + 32, so each simdgroup load reads 32 consecutive chunks (coalesced); at D = 64 a row is 16
-// chunks and lanes 16..31 hold zeros (half the lanes idle; the demo model is launch-bound). The G heads' dot products
-// go through one float4 simd_sum per key (components past G stay 0). fp32 online softmax per simdgroup, then the n
-// simdgroups are merged through threadgroup memory in rounds of min(D, 128) floats per simdgroup. Per call the kernel
-// reads num_keys * D * 2 cache elements per G heads once and writes G * D outputs; split-KV adds G * D * 4 bytes of
-// partials per block per G heads. Unpacked (G = 1) reads the cache once per query head: 4x the traffic of G = 4 at
-// the model's shape, for 4x the threadgroups.
-// Verified here: the maths, boundaries and races through the CPU harness. Only a Mac can verify the speed, the
-// block size and the switch point.
+// Design: simdgroup s takes the runs of U = LILY_ATTN_DECODE_KEYS_PER_STEP consecutive keys starting at s*U, s*U + n*U,
+// ...; per step it loads the U K rows, reduces U independent dot products (one float4 simd_sum each: the G heads'
+// scores, components past G stay 0), makes one online-softmax update for the U scores (one max, one rescale), then
+// loads the U V rows and accumulates them. Keys past the range in the last step read the range's last row (in bounds)
+// with score -inf (weight 0). Each K and V row is read once per threadgroup and serves G query heads (GQA packing: 4x
+// less cache traffic than one head per threadgroup at G = 4; the model's 8 heads of a KV head are 2 threadgroups). A
+// lane holds 8 of the 256 elements as two chunks of 4 at chunk indices lane and lane + 32, so each simdgroup load
+// reads 32 consecutive chunks (coalesced); at D = 64 a row is 16 chunks and lanes 16..31 hold zeros (half the lanes
+// idle; the demo model is launch-bound). fp32 online softmax per simdgroup, then the n simdgroups are merged through
+// threadgroup memory in rounds of min(D, 128) floats per simdgroup. Per call the kernel reads num_keys * D * 2 cache
+// elements per G heads once and writes G * D outputs; split-KV adds G * D * 4 bytes of partials per block per G heads
+// (written once, read once by the combine). Unpacked (G = 1) reads the cache once per query head: 4x the traffic of
+// G = 4 at the model's shape, for 4x the threadgroups.
+// Verified here: the maths, boundaries and races through the CPU harness; registers and spills with ptxas -v for
+// sm_90. Only a GPU can verify the speed, U, the block counts and the switch point.
 #include <metal_stdlib>
 #include "activations.h"
 #include "lily.h"
@@ -46,7 +55,8 @@ using namespace metal;
 #define ATTN_DECODE_MAX_SIMDGROUPS 32
 #define ATTN_DECODE_MERGE_FLOATS 4096
 
-// Attention of G query heads (head0 ...) over keys [key_begin, key_end) of their KV head (G = 1, 2 or 4).
+// Attention of G query heads (head0 ...) over keys [key_begin, key_end) of their KV head (G = 1, 2 or 4); the range
+// must not be empty (attention_decode_partial handles an empty block itself).
 // Leaves the normalised output of head h, element e in result[h * D + e] (visible to every thread on return) and the
 // softmax max and sum per head in components 0 .. G-1 of max_out / sum_out. Every thread of the threadgroup must
 // call it.
@@ -58,7 +68,7 @@ inline uint attn_decode_chunk(uint lane, uint c, uint cpl) {
 }
 
 template <typename T, typename C, uint D, uint G, bool COALESCED>
-inline void attn_decode_heads(constant lily::AttentionArgs& args, device const T* q, device const C* k_cache,
+LILY_INLINE void attn_decode_heads(constant lily::AttentionArgs& args, device const T* q, device const C* k_cache,
                               device const C* v_cache, uint head0, uint key_begin, uint key_end,
                               threadgroup float* stats_max, threadgroup float* stats_sum, threadgroup float* merge,
                               threadgroup float* result, thread float4& max_out, thread float4& sum_out, uint tid,
@@ -74,7 +84,9 @@ inline void attn_decode_heads(constant lily::AttentionArgs& args, device const T
 
   float4 query[G][CPL];
   float4 acc[G][CPL];
+  LILY_UNROLL
   for (uint h = 0; h < G; ++h) {
+    LILY_UNROLL
     for (uint c = 0; c < CPL; ++c) {
       const uint chunk = attn_decode_chunk<COALESCED>(simd_lane, c, CPL);
       query[h][c] = lane_active ? lily::attn_load4(q + size_t(head0 + h) * D + 4 * chunk) * args.scale : float4(0.0f);
@@ -87,34 +99,76 @@ inline void attn_decode_heads(constant lily::AttentionArgs& args, device const T
 
   device const C* k_head = k_cache + size_t(kv_head) * args.cache_capacity * D;
   device const C* v_head = v_cache + size_t(kv_head) * args.cache_capacity * D;
-  // The trip count depends only on simd_group: the simd_sum below is convergent.
-  for (uint s = key_begin + simd_group; s < key_end; s += n_simdgroups) {
-    float4 key[CPL];
-    float4 partial = float4(0.0f);
-    for (uint c = 0; c < CPL; ++c) {
-      const uint chunk = attn_decode_chunk<COALESCED>(simd_lane, c, CPL);
-      key[c] = lane_active ? lily::attn_load4(k_head + size_t(s) * D + 4 * chunk) : float4(0.0f);
-      for (uint h = 0; h < G; ++h) {
-        partial[h] += dot(query[h][c], key[c]);
+  // U consecutive keys per step (LILY_ATTN_DECODE_KEYS_PER_STEP): the U K rows are loaded first, their U dot
+  // products reduced independently, one online-softmax update covers the U scores, then the U V rows are loaded and
+  // accumulated. A key past key_end (the last step's tail) re-reads row key_end - 1 (in bounds) and gets score -inf,
+  // so p = 0. The trip count depends only on simd_group: the simd_sums below are convergent.
+  constexpr uint U = LILY_ATTN_DECODE_KEYS_PER_STEP;
+  for (uint s0 = key_begin + simd_group * U; s0 < key_end; s0 += n_simdgroups * U) {
+    float4 key[U][CPL];
+    LILY_UNROLL
+    for (uint u = 0; u < U; ++u) {
+      const size_t row = size_t(min(s0 + u, key_end - 1)) * D;
+      LILY_UNROLL
+      for (uint c = 0; c < CPL; ++c) {
+        const uint chunk = attn_decode_chunk<COALESCED>(simd_lane, c, CPL);
+        key[u][c] = lane_active ? lily::attn_load4(k_head + row + 4 * chunk) : float4(0.0f);
       }
     }
-    const float4 score = simd_sum(partial);
-    const float4 new_max = max(run_max, score);
-    const float4 rescale = precise::exp(run_max - new_max);  // 0 on the first key (run_max = -inf)
-    const float4 p = precise::exp(score - new_max);
-    run_sum = run_sum * rescale + p;
-    run_max = new_max;
+    float4 score[U];
+    LILY_UNROLL
+    for (uint u = 0; u < U; ++u) {
+      float4 partial = float4(0.0f);
+      LILY_UNROLL
+      for (uint c = 0; c < CPL; ++c) {
+        LILY_UNROLL
+        for (uint h = 0; h < G; ++h) {
+          partial[h] += dot(query[h][c], key[u][c]);
+        }
+      }
+      score[u] = simd_sum(partial);
+    }
+    float4 step_max = run_max;
+    LILY_UNROLL
+    for (uint u = 0; u < U; ++u) {
+      score[u] = s0 + u < key_end ? score[u] : float4(-INFINITY);
+      step_max = max(step_max, score[u]);
+    }
+    // step_max is finite: key s0 < key_end is always valid.
+    const float4 rescale = precise::exp(run_max - step_max);  // 0 on the first step (run_max = -inf)
+    float4 p[U];
+    float4 p_sum = float4(0.0f);
+    LILY_UNROLL
+    for (uint u = 0; u < U; ++u) {
+      p[u] = precise::exp(score[u] - step_max);
+      p_sum += p[u];
+    }
+    run_sum = run_sum * rescale + p_sum;
+    run_max = step_max;
+    LILY_UNROLL
     for (uint c = 0; c < CPL; ++c) {
       const uint chunk = attn_decode_chunk<COALESCED>(simd_lane, c, CPL);
-      const float4 value = lane_active ? lily::attn_load4(v_head + size_t(s) * D + 4 * chunk) : float4(0.0f);
+      float4 value[U];
+      LILY_UNROLL
+      for (uint u = 0; u < U; ++u) {
+        const size_t row = size_t(min(s0 + u, key_end - 1)) * D;
+        value[u] = lane_active ? lily::attn_load4(v_head + row + 4 * chunk) : float4(0.0f);
+      }
+      LILY_UNROLL
       for (uint h = 0; h < G; ++h) {
-        acc[h][c] = acc[h][c] * rescale[h] + p[h] * value;
+        float4 sum = acc[h][c] * rescale[h];
+        LILY_UNROLL
+        for (uint u = 0; u < U; ++u) {
+          sum += p[u][h] * value[u];
+        }
+        acc[h][c] = sum;
       }
     }
   }
 
   // Merge the simdgroups: global max, total sum, then the rescaled accumulators, ROUND floats per simdgroup per round.
   if (simd_lane == 0) {
+    LILY_UNROLL
     for (uint h = 0; h < G; ++h) {
       stats_max[simd_group * 4 + h] = run_max[h];
       stats_sum[simd_group * 4 + h] = run_sum[h];
@@ -123,22 +177,27 @@ inline void attn_decode_heads(constant lily::AttentionArgs& args, device const T
   threadgroup_barrier(mem_flags::mem_threadgroup);
   float4 total_max = float4(-INFINITY);
   for (uint g = 0; g < n_simdgroups; ++g) {
+    LILY_UNROLL
     for (uint h = 0; h < G; ++h) {
       total_max[h] = max(total_max[h], stats_max[g * 4 + h]);
     }
   }
   float4 total_sum = float4(0.0f);
   for (uint g = 0; g < n_simdgroups; ++g) {
+    LILY_UNROLL
     for (uint h = 0; h < G; ++h) {
       // A simdgroup that saw no key has max -inf and sum 0: weight exp(-inf) = 0 (total_max is finite).
       total_sum[h] += stats_sum[g * 4 + h] * precise::exp(stats_max[g * 4 + h] - total_max[h]);
     }
   }
+  LILY_UNROLL
   for (uint h = 0; h < G; ++h) {
     const float own_weight = precise::exp(run_max[h] - total_max[h]);
+    LILY_UNROLL
     for (uint c = 0; c < CPL; ++c) {
       const float4 mine = acc[h][c] * own_weight;
       if (lane_active) {
+        LILY_UNROLL
         for (uint j = 0; j < 4; ++j) {
           merge[simd_group * ROUND + 4 * simd_lane + j] = mine[j];
         }
@@ -208,8 +267,23 @@ template <typename T, typename C, uint D, uint G, bool COALESCED>
   threadgroup float result[G * D];
   const uint head0 = group.x * G;
   const uint block = group.y;
-  const uint key_begin = block * args.block_size;
-  const uint key_end = min(args.num_keys, key_begin + args.block_size);
+  // Block span from the key count, so one recorded program serves every position with the same num_blocks.
+  const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
+  const uint key_begin = block * span;
+  if (key_begin >= args.num_keys) {
+    // An empty block (the keys end in an earlier block): zero weight for the combine (max -inf, sum 0) and a finite
+    // output (0), so its weight 0 times the output stays 0. The whole threadgroup returns before any barrier.
+    for (uint i = tid; i < G * D; i += n_threads) {
+      partial_out[(size_t(head0 + i / D) * args.num_blocks + block) * D + i % D] = 0.0f;
+    }
+    if (tid < G) {
+      const size_t slot = (size_t(head0 + tid) * args.num_blocks + block) * 2;
+      partial_stats[slot] = -INFINITY;
+      partial_stats[slot + 1] = 0.0f;
+    }
+    return;
+  }
+  const uint key_end = min(args.num_keys, key_begin + span);
   float4 block_max;
   float4 block_sum;
   attn_decode_heads<T, C, D, G, COALESCED>(args, q, k_cache, v_cache, head0, key_begin, key_end, stats_max, stats_sum,
@@ -219,10 +293,13 @@ template <typename T, typename C, uint D, uint G, bool COALESCED>
     const uint head = head0 + i / D;
     partial_out[(size_t(head) * args.num_blocks + block) * D + i % D] = result[i];
   }
-  if (tid < G) {
-    const size_t slot = (size_t(head0 + tid) * args.num_blocks + block) * 2;
-    partial_stats[slot] = block_max[tid];
-    partial_stats[slot + 1] = block_sum[tid];
+  LILY_UNROLL
+  for (uint h = 0; h < G; ++h) {
+    if (tid == h) {  // constant component indices: no local-memory copy of the float4s on CUDA
+      const size_t slot = (size_t(head0 + h) * args.num_blocks + block) * 2;
+      partial_stats[slot] = block_max[h];
+      partial_stats[slot + 1] = block_sum[h];
+    }
   }
 }
 
@@ -235,24 +312,40 @@ template <typename T, uint D>
                                          uint head [[threadgroup_position_in_grid]],
                                          uint tid [[thread_index_in_threadgroup]],
                                          uint n_threads [[threads_per_threadgroup]]) {
+  // num_blocks <= LILY_ATTN_SPLIT_MAX_BLOCKS (the host's rule caps it there).
+  threadgroup float weight[LILY_ATTN_SPLIT_MAX_BLOCKS];
   device const float* stats = partial_stats + size_t(head) * args.num_blocks * 2;
   device const float* outs = partial_out + size_t(head) * args.num_blocks * D;
-  // Every thread derives the same block weights (num_blocks is small: 128 at 128K keys); no barrier needed.
+  // Every thread derives the same global max (the stats are a few hundred bytes); an empty block has max -inf and
+  // sum 0, and at least one block is not empty, so total_max is finite and the empty block's weight is 0.
   float total_max = -INFINITY;
   for (uint b = 0; b < args.num_blocks; ++b) {
     total_max = max(total_max, stats[2 * b]);
   }
+  for (uint b = tid; b < args.num_blocks; b += n_threads) {
+    weight[b] = stats[2 * b + 1] * precise::exp(stats[2 * b] - total_max);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
   float total_sum = 0.0f;
   for (uint b = 0; b < args.num_blocks; ++b) {
-    total_sum += stats[2 * b + 1] * precise::exp(stats[2 * b] - total_max);
+    total_sum += weight[b];
   }
   for (uint e = tid; e < D; e += n_threads) {
-    float value = 0.0f;
-    for (uint b = 0; b < args.num_blocks; ++b) {
-      value += stats[2 * b + 1] * precise::exp(stats[2 * b] - total_max) * outs[size_t(b) * D + e];
+    // Four independent sums, so the loads of four blocks are in flight at once; added in a fixed order.
+    float4 value = float4(0.0f);
+    uint b = 0;
+    for (; b + 4 <= args.num_blocks; b += 4) {
+      LILY_UNROLL
+      for (uint j = 0; j < 4; ++j) {
+        value[j] += weight[b + j] * outs[size_t(b + j) * D + e];
+      }
+    }
+    for (; b < args.num_blocks; ++b) {
+      value.x += weight[b] * outs[size_t(b) * D + e];
     }
     const size_t index = size_t(head) * D + e;
-    out[index] = T(value / total_sum * lily::sigmoid(float(gate[index])));
+    const float total = (value[0] + value[1]) + (value[2] + value[3]);
+    out[index] = T(total / total_sum * lily::sigmoid(float(gate[index])));
   }
 }
 

@@ -196,8 +196,9 @@ struct AttentionArgs {
   u32 num_kv_heads;    // Hkv
   u32 num_keys;        // cached keys including this call's: position of the last query + 1
   u32 cache_capacity;  // rows per KV head (row stride of the cache)
-  u32 block_size;      // split-KV decode: keys per block (attention_decode_partial / _combine only)
-  u32 num_blocks;      // split-KV decode: ceil(num_keys / block_size)
+  u32 reserved;        // 0 (was the split-KV block size: the partial kernel now derives its span from num_keys)
+  u32 num_blocks;      // split-KV decode: key blocks; block b holds keys [b * span, (b + 1) * span) of num_keys, with
+                       // span = ceil(num_keys / num_blocks) (trailing blocks may be empty)
   f32 scale;           // softmax scale, 1/sqrt(head_dim) = 0.0625 for the model
 };
 static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the host and tests");
@@ -313,12 +314,22 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 #define LILY_ATTN_HEADS_PER_GROUP 4
 // The same for the head-dim-64 instances (demo model, test fixtures): their GQA group is 2 (demo) or 4, so 2.
 #define LILY_ATTN_HEADS_PER_GROUP_D64 2
-// Decode switches from the single-pass kernel to split-KV (attention_decode_partial + attention_decode_combine) at
-// this many keys: below it the Hq/4 single-pass threadgroups stream the cache fast enough; above it they are too few
-// to keep the GPU's memory system busy (design report: +7.7 % at 32K, +40 % at 128K for head dim 256, GQA 8).
-#define LILY_ATTN_SPLIT_MIN_KEYS 32768
-// Keys per split-KV block (fixed, so the partial count grows with the context: 32 blocks at 32K).
-#define LILY_ATTN_SPLIT_BLOCK 1024
+// attention_decode*: keys one simdgroup takes per loop step. Its U K-row loads are independent and in flight
+// together, and one online-softmax update (one max, one rescale) covers U scores, so the dependent chain load ->
+// dot -> simd_sum -> exp -> V load runs once per U keys instead of once per key. 8 keeps the U rows' registers
+// (U x 2 float4 per lane at D = 256) next to the 4 heads' query and accumulator without spills (ptxas -v at sm_90).
+#define LILY_ATTN_DECODE_KEYS_PER_STEP 8
+// Decode runs split-KV (attention_decode_partial + attention_decode_combine) from this many keys on, with
+// num_blocks = 2^floor(log2(2 * keys / this)) blocks (tuning::attention_split_blocks): 2 blocks of 128 keys here,
+// doubling with the keys (32 blocks x 4 threadgroups at 4K keys: about one per SM of a 132-SM GPU), so one recorded
+// program serves a whole doubling of the context. Below it the single pass has at most 4 loop steps per simdgroup
+// (8 simdgroups x 8 keys per step): its Hq/4 threadgroups suffice. A design guess, not measured.
+#define LILY_ATTN_SPLIT_MIN_KEYS 256
+// Most split-KV blocks (reached at 64x the threshold = 16K keys; past that the blocks grow): 128 blocks x 4
+// threadgroups (the model's 16 heads), and the partials (Hq x blocks x D fp32, 2 MiB) stay small next to the cache
+// they summarise (67 MB at 32K keys). attention_decode_combine keeps one weight per block in threadgroup memory, so
+// this is also its limit.
+#define LILY_ATTN_SPLIT_MAX_BLOCKS 128
 // attention_prefill: bytes of one staged K (or V) tile in threadgroup memory; tile keys = this / (D * sizeof(cache
 // element)): 16 keys at D = 256 in bf16, 8 in f32. K and V tiles together stay at 16 KiB of the 32 KiB.
 #define LILY_ATTN_PREFILL_TILE_BYTES 8192

@@ -42,7 +42,9 @@ QMV_SHAPE = {"rows_per_simdgroup": 4, "simdgroups": 2, "batch": 4}
 QMM_BN, QMM_BM16 = 32, 16
 MOE_GEMV_ROWS, MOE_GEMV_THREADS = 8, 64
 MOE_DOWN_ROWS, MOE_DOWN_THREADS = 8, 128
-ATTN_HEADS_PER_GROUP, ATTN_THREADS, ATTN_SPLIT_BLOCK = 4, 256, 1024
+ATTN_HEADS_PER_GROUP, ATTN_THREADS = 4, 256
+# Split-KV decode (LILY_ATTN_SPLIT_MIN_KEYS, LILY_ATTN_SPLIT_MAX_BLOCKS; the rule is tuning::attention_split_blocks).
+ATTN_SPLIT_MIN_KEYS, ATTN_SPLIT_MAX_BLOCKS = 256, 128
 GDN_ROWS_PER_SIMDGROUP = 8
 ARGMAX_BLOCK, ARGMAX_THREADS, SAMPLE_THREADS = 4096, 256, 1024
 SAMPLE_BLOCK, SAMPLE_CANDIDATES, SAMPLE_PARTIAL_THREADS, SAMPLE_FINAL_THREADS = 4096, 64, 256, 256
@@ -205,27 +207,40 @@ def moe_cases() -> list[Case]:
     ]
 
 
+def attention_split_blocks(keys: int) -> int:
+    """Split-KV blocks the engine picks at `keys` keys (tuning::attention_split_blocks; 0 = single pass): 2 at
+    ATTN_SPLIT_MIN_KEYS, doubling with the keys, up to ATTN_SPLIT_MAX_BLOCKS."""
+    if keys < ATTN_SPLIT_MIN_KEYS:
+        return 0
+    blocks = 1
+    while blocks < ATTN_SPLIT_MAX_BLOCKS and blocks * ATTN_SPLIT_MIN_KEYS <= keys:
+        blocks *= 2
+    return blocks
+
+
 def attention_cases() -> list[Case]:
-    """Decode attention over a bf16 KV cache: single pass at 4K keys, split-KV (partials + combine) at 32K."""
+    """Decode attention over a bf16 KV cache, as the engine launches it: the split-KV pair (partials over the rule's
+    block count, then the combine) at 1K, 4K and 32K keys, and the single pass (the engine's path with split-KV off)
+    at 4K and 32K."""
     q = bf16(ATTN_HEADS * HEAD_DIM)
     packs = ceil_div(ATTN_HEADS, ATTN_HEADS_PER_GROUP)
     cases = []
-    keys = 4096
-    cache = bf16(ATTN_KV_HEADS * keys * HEAD_DIM)
-    cases.append(Case("attention decode 4K keys", "attention_decode_bf16_d256",
-                      [struct.pack("<7If", 1, ATTN_HEADS, ATTN_KV_HEADS, keys, keys, 0, 0, HEAD_DIM ** -0.5),
-                       q, q, cache, cache, q], (packs, 1, 1), (ATTN_THREADS, 1, 1), 2 * cache + 3 * q))
-    keys = 32768
-    cache = bf16(ATTN_KV_HEADS * keys * HEAD_DIM)
-    blocks = ceil_div(keys, ATTN_SPLIT_BLOCK)
-    args = struct.pack("<7If", 1, ATTN_HEADS, ATTN_KV_HEADS, keys, keys, ATTN_SPLIT_BLOCK, blocks, HEAD_DIM ** -0.5)
-    partial_out, partial_stats = f32(ATTN_HEADS * blocks * HEAD_DIM), f32(ATTN_HEADS * blocks * 2)
-    cases.append(Case("attention decode 32K keys: partials", "attention_decode_partial_bf16_d256",
-                      [args, q, cache, cache, partial_out, partial_stats], (packs, blocks, 1), (ATTN_THREADS, 1, 1),
-                      2 * cache + q + partial_out + partial_stats))
-    cases.append(Case("attention decode 32K keys: combine", "attention_decode_combine_bf16_d256",
-                      [args, q, partial_out, partial_stats, q], (ATTN_HEADS, 1, 1), (ATTN_THREADS, 1, 1),
-                      partial_out + partial_stats + 2 * q))
+    for keys, label, single in ((1024, "1K", False), (4096, "4K", True), (32768, "32K", True)):
+        cache = bf16(ATTN_KV_HEADS * keys * HEAD_DIM)
+        if single:
+            cases.append(Case(f"attention decode {label} keys: single pass", "attention_decode_bf16_d256",
+                              [struct.pack("<7If", 1, ATTN_HEADS, ATTN_KV_HEADS, keys, keys, 0, 0, HEAD_DIM ** -0.5),
+                               q, q, cache, cache, q], (packs, 1, 1), (ATTN_THREADS, 1, 1), 2 * cache + 3 * q))
+        blocks = attention_split_blocks(keys)
+        args = struct.pack("<7If", 1, ATTN_HEADS, ATTN_KV_HEADS, keys, keys, 0, blocks, HEAD_DIM ** -0.5)
+        partial_out, partial_stats = f32(ATTN_HEADS * blocks * HEAD_DIM), f32(ATTN_HEADS * blocks * 2)
+        cases.append(Case(f"attention decode {label} keys: partials ({blocks} blocks)",
+                          "attention_decode_partial_bf16_d256",
+                          [args, q, cache, cache, partial_out, partial_stats], (packs, blocks, 1), (ATTN_THREADS, 1, 1),
+                          2 * cache + q + partial_out + partial_stats))
+        cases.append(Case(f"attention decode {label} keys: combine ({blocks} blocks)",
+                          "attention_decode_combine_bf16_d256", [args, q, partial_out, partial_stats, q],
+                          (ATTN_HEADS, 1, 1), (ATTN_THREADS, 1, 1), partial_out + partial_stats + 2 * q))
     return cases
 
 

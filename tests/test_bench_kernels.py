@@ -59,3 +59,15 @@ def test_dry_run_checks_arguments_against_the_ptx(monkeypatch, tmp_path, capsys)
     del case.buffers[-1]
     with pytest.raises(ValueError, match=r"\[\[buffer\(5\)\]\] is not bound"):
         bench_kernels.check_case(case, tables[case.kernel])
+
+
+def test_attention_split_rule_matches_the_engine() -> None:
+    """The script's copy of the split-KV rule uses metal/lily.h's constants and picks the engine's block counts
+    (tuning::attention_split_blocks; the engine test test_split_kv_block_counts_change_over_a_decode checks the
+    engine's side)."""
+    header = (ROOT / "metal" / "lily.h").read_text()
+    for name in ("ATTN_SPLIT_MIN_KEYS", "ATTN_SPLIT_MAX_BLOCKS"):
+        assert f"#define LILY_{name} {getattr(bench_kernels, name)}\n" in header
+    blocks = {keys: bench_kernels.attention_split_blocks(keys) for keys in (255, 256, 511, 512, 1024, 4096, 16384,
+                                                                            32768)}
+    assert blocks == {255: 0, 256: 2, 511: 2, 512: 4, 1024: 8, 4096: 32, 16384: 128, 32768: 128}

@@ -99,7 +99,6 @@ struct DecodeStep {
   // Layer i's mixer when it is full attention: q (with its gate), k and v from one projection's slices, attention
   // over the cache (split over key blocks once the context is long enough), then o_proj.
   void attention_mixer(size_t i, const std::string& p, const Span& mixer_in, const WeightRef& input_norm) {
-    const size_t split_min = sw.split_kv_min_keys ? sw.split_kv_min_keys : tuning::kAttentionSplitMinKeys;
     const std::string s = p + "self_attn.";
     const size_t qg = 2 * c.num_heads * c.head_dim * a, kv = c.num_kv_heads * c.head_dim * a;
     projections(s + "in_proj", {s + "q_proj.weight", s + "k_proj.weight", s + "v_proj.weight"},
@@ -118,8 +117,7 @@ struct DecodeStep {
     at.q_norm = &weight(w, s + "q_norm.weight");
     at.k_norm = &weight(w, s + "k_norm.weight");
     at.capacity = b.kv_capacity;
-    bool split = sw.split_kv && position + 1 >= split_min;
-    ops::attention_decode(ctx, c, p + "attention", at, position, split);
+    ops::attention_decode(ctx, c, p + "attention", at, position, ops::attention_split_blocks(sw, position + 1));
     out_projection(s + "o_proj", at.out, weight(w, s + "o_proj.weight"));
   }
 

@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "layout_probe.h"
+#include "ops/ops.h"
 #include "plan.h"
 #include "tuning.h"
 
@@ -193,10 +194,7 @@ void Engine::ensure_capacity(size_t keys) {
 // ---- the decode step: built once per shape, re-encoded per token ----
 
 size_t Engine::split_blocks(size_t position) const {
-  const size_t split_min = switches_.split_kv_min_keys ? switches_.split_kv_min_keys : tuning::kAttentionSplitMinKeys;
-  const size_t keys = position + 1;
-  if (!switches_.split_kv || keys < split_min) return 0;
-  return (keys + tuning::kAttentionSplitBlock - 1) / tuning::kAttentionSplitBlock;
+  return ops::attention_split_blocks(switches_, position + 1);
 }
 
 // The step for this token slot, choice and shape (KV capacity, split-KV blocks at this position): found among the

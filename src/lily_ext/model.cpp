@@ -187,7 +187,8 @@ DecodeBuffers add_decode_buffers(const ModelConfig& c, Precision precision, size
   const size_t act = precision == Precision::Float32 ? 4 : 2, H = c.hidden_size;
   const size_t gdn_proj = c.conv_dim() + c.gdn_v_heads * c.gdn_v_dim + 2 * c.gdn_v_heads;
   const size_t attn_proj = (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
-  const size_t max_blocks = (max_keys + tuning::kAttentionSplitBlock - 1) / tuning::kAttentionSplitBlock;
+  // Split-KV partials for the most blocks any split_kv_min_keys (>= 1) picks up to max_keys.
+  const size_t max_blocks = std::max<size_t>(1, tuning::attention_split_blocks(max_keys, 1));
   const size_t partials = (c.vocab_size + LILY_ARGMAX_BLOCK - 1) / LILY_ARGMAX_BLOCK;
   DecodeBuffers b;
   b.kv_capacity = kv_capacity;

@@ -18,10 +18,20 @@ constexpr size_t kQmmBm16MaxRows = LILY_QMM_BM16_MAX_ROWS;
 constexpr size_t kMoeBm32MinRowsPerExpert = LILY_MOE_BM32_MIN_ROWS_PER_EXPERT;
 // Prefill attention: the matrix-unit kernel from this many queries (an 8-row fragment is mostly padding below).
 constexpr size_t kAttentionMmaMinQueries = LILY_ATTN_MMA_MIN_QUERIES;
-// Attention path by context: split-KV decode (partials + combine) from this many keys on.
+// Attention path by context: split-KV decode (partials + combine) from this many keys on, single pass below.
 constexpr size_t kAttentionSplitMinKeys = LILY_ATTN_SPLIT_MIN_KEYS;
-// Keys per split-KV block (fixed by the kernel's design).
-constexpr size_t kAttentionSplitBlock = LILY_ATTN_SPLIT_BLOCK;
+// Most split-KV blocks (the partial buffers are sized for it; the combine kernel's limit).
+constexpr size_t kAttentionSplitMaxBlocks = LILY_ATTN_SPLIT_MAX_BLOCKS;
+// Split-KV blocks at `keys` keys, splitting from `min_keys` (0 = single pass): 2 blocks at min_keys, doubling with
+// every doubling of the keys, up to kAttentionSplitMaxBlocks. The kernel derives the block span from the key count,
+// so the decode program changes only when this does: about log2(kAttentionSplitMaxBlocks) times over a long decode.
+constexpr size_t attention_split_blocks(size_t keys, size_t min_keys) {
+  if (keys < min_keys) return 0;
+  size_t blocks = 1;
+  // Double while the doubled count stays <= 2 * keys / min_keys.
+  while (blocks < kAttentionSplitMaxBlocks && blocks * min_keys <= keys) blocks *= 2;
+  return blocks;
+}
 
 // Threads per threadgroup.
 // qmv: 2 simdgroups x 4 rows = 8 output rows per threadgroup (the kernel's fixed shape).

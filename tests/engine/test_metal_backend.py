@@ -135,6 +135,28 @@ def test_each_switch_gives_the_same_logits(engine_backend, checkpoints, switch):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
 
 
+def test_split_kv_block_counts_change_over_a_decode(engine_backend, checkpoints):
+    """split_kv_min_keys = 2 scales the split-KV rule (tuning::attention_split_blocks: 2 blocks at the threshold,
+    doubling with the keys) down to the fixture: the decode steps at 10 .. 40 keys run 8, 16 and 32 blocks, with
+    spans ceil(keys / blocks) that leave short and empty last blocks. Every step agrees with split-KV off, and the
+    decode program is rebuilt only when the block count changes (one recorded program serves its whole bucket)."""
+    checkpoint = checkpoints["mlx"]
+    plain = engine_backend(checkpoint, precision="float32", switches={"split_kv": False})
+    split = engine_backend(checkpoint, precision="float32", switches={"split_kv_min_keys": 2})
+    want_state, got_state = plain.new_state(), split.new_state()
+    want, got = [plain.forward(PROMPT, want_state)], [split.forward(PROMPT, got_state)]
+    built = split._engine.programs_built
+    token = int(np.argmax(want[0][-1]))
+    for _ in range(31):  # positions 9 .. 39: keys 10 .. 40
+        want.append(plain.forward(np.array([token]), want_state))
+        got.append(split.forward(np.array([token]), got_state))
+        token = int(np.argmax(want[-1][-1]))
+    assert split.last_step_counts()["dispatches_by_kernel"].get("attention_decode_partial_f32_d256") == 1
+    assert split._engine.programs_built - built == 3  # 8 blocks at 10 keys, 16 at 16, 32 at 32
+    want, got = np.concatenate(want), np.concatenate(got)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
+
+
 def test_wide_and_narrow_gemm_tiles_agree(engine_backend, checkpoints):
     # 100 rows: 100*2/8 = 25 rows per expert selects 32-row grouped-GEMM tiles, and > 16 rows 32-row qmm tiles.
     checkpoint = checkpoints["mlx"]

@@ -81,16 +81,19 @@ def test_full_size_bytes_within_five_percent_of_the_minimum(context, switches):
 
 def test_full_size_dispatch_counts_follow_the_layer_structure():
     args = lily_plan.full_size_args()
-    fused = lily_plan.plan_decode(args, context=4096)
-    unfused = lily_plan.plan_decode(args, context=4096, switches={"fused_projections": False})
-    split = lily_plan.plan_decode(args, context=40000)
+    # Below LILY_ATTN_SPLIT_MIN_KEYS (256) keys the attention runs single pass.
+    fused = lily_plan.plan_decode(args, context=200)
+    unfused = lily_plan.plan_decode(args, context=200, switches={"fused_projections": False})
     assert fused["dispatches"] == expected_dispatches(args, fused=True)
     assert unfused["dispatches"] == expected_dispatches(args, fused=False)
-    no_fusion = lily_plan.plan_decode(args, context=4096, switches={"fusion": False})
+    no_fusion = lily_plan.plan_decode(args, context=200, switches={"fusion": False})
     assert no_fusion["dispatches"] == expected_dispatches(args, fused=True, fusion=False)
-    # From LILY_ATTN_SPLIT_MIN_KEYS (32K) keys the attention runs as partials + combine.
-    assert split["dispatches"] == expected_dispatches(args, fused=True, split=True)
-    assert split["dispatches_by_kernel"]["attention_decode_partial_bf16_d256"] == 10
+    # From there on as partials + combine (32 blocks at 4K keys, 128 at 40K), unless split-KV is off.
+    for context in (4096, 40000):
+        split = lily_plan.plan_decode(args, context=context)
+        assert split["dispatches"] == expected_dispatches(args, fused=True, split=True)
+        assert split["dispatches_by_kernel"]["attention_decode_partial_bf16_d256"] == 10
+    assert lily_plan.plan_decode(args, context=4096, switches={"split_kv": False})["dispatches"] == fused["dispatches"]
     # Fusing projections removes dispatches, never stages: the separate GEMVs share one stage.
     assert unfused["stages"] == fused["stages"]
     assert fused["stages"] <= fused["dispatches"]
@@ -213,11 +216,12 @@ def test_bad_input_names_the_parameter():
 def test_cli_plan_json_and_table(capsys, monkeypatch):
     assert cli_main(["plan", "--full-size", "--context", "4096", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["dispatches"] == expected_dispatches(lily_plan.full_size_args(), fused=True)
+    # 4096 keys (and the default context, 4096): split-KV attention, partials + combine.
+    assert plan["dispatches"] == expected_dispatches(lily_plan.full_size_args(), fused=True, split=True)
     monkeypatch.setenv("LILY_DISABLE_FUSED_PROJECTIONS", "1")
     assert cli_main(["plan", "--full-size"]) == 0
     table = capsys.readouterr().out
-    unfused = expected_dispatches(lily_plan.full_size_args(), fused=False)
+    unfused = expected_dispatches(lily_plan.full_size_args(), fused=False, split=True)
     assert "dispatches per token" in table and str(unfused) in table
     assert cli_main(["plan", "--model", "/nonexistent/dir"]) == 1
     assert "lily: error:" in capsys.readouterr().err

@@ -57,12 +57,15 @@ def test_attention(case, kernel_device) -> None:
     check(case, kernel_device)
 
 
-def test_attention_decode_split_matches_single_pass(kio, kernel_device) -> None:
-    """Both decode paths compute the same attention: they agree within fp32 rounding."""
+@pytest.mark.parametrize("keys,blocks", [(70, 3), (1, 2), (9, 4), (3, 8), (255, 2), (256, 2), (257, 4), (1025, 8)])
+def test_attention_decode_split_matches_single_pass(keys: int, blocks: int, kio, kernel_device) -> None:
+    """Both decode paths compute the same attention: they agree within fp32 rounding, with empty blocks (1 key in 2,
+    9 in 4 of span 3, 3 in 8), the engine's counts either side of its first bucket boundaries (2 blocks from 256 keys,
+    4 from 512, 8 at 1025: tuning::attention_split_blocks) and contexts that are not a multiple of 8 keys."""
     run = Run(kernel_device, np.random.default_rng(9))
-    inputs = DecodeInputs.random(run.rng, "f32", 8, 2, 70, D)
-    single = run_single(run, SINGLE["f32"], inputs, 4)
-    _, _, split = run_split(run, "attention_decode_partial_f32_d256", inputs, 24, 4)
+    inputs = DecodeInputs.random(run.rng, "f32", 8, 2, keys, D)
+    single = run_single(run, SINGLE["f32"], inputs, 8)
+    _, _, split = run_split(run, "attention_decode_partial_f32_d256", inputs, blocks, 8)
     assert_close(kio, split, single, "f32", "split vs single pass")
     assert_close(kio, split, inputs.expected(), "f32", "split vs reference")
 
@@ -97,8 +100,8 @@ def test_attention_decode_plain_matches_coalesced(kio, kernel_device) -> None:
     coalesced = run_single(run, SINGLE["f32"], inputs, 8)
     plain = run_single(run, "attention_decode_plain_f32_d256", inputs, 8)
     assert_close(kio, plain, coalesced, "f32", "plain vs coalesced")
-    coalesced_parts, coalesced_stats, _ = run_split(run, "attention_decode_partial_f32_d256", inputs, 32, 4)
-    plain_parts, plain_stats, plain_split = run_split(run, "attention_decode_partial_plain_f32_d256", inputs, 32, 4)
+    coalesced_parts, coalesced_stats, _ = run_split(run, "attention_decode_partial_f32_d256", inputs, 4, 4)
+    plain_parts, plain_stats, plain_split = run_split(run, "attention_decode_partial_plain_f32_d256", inputs, 4, 4)
     assert_close(kio, plain_parts, coalesced_parts, "f32", "plain partials")
     assert_close(kio, plain_stats, coalesced_stats, "f32", "plain stats")
     assert_close(kio, plain_split, inputs.expected(), "f32", "plain split vs reference")

@@ -4,8 +4,10 @@ attention ops' cases share.
 One query token over a KV cache [Hkv, capacity, D]. The single-pass kernel runs at contexts 1, 31, 32, 33, 45, 100
 and 300 with 1, 3, 4, 8 and 32 simdgroups (simdgroups that see no key), GQA groups of 4 and 8 (the model's: two
 threadgroups per KV head), and scores in the hundreds. The split-KV pair (attention_decode_partial +
-attention_decode_combine) runs with small blocks at contexts around block boundaries and with the model's block of
-1024 at 1025 keys; its partials are checked against a numpy per-block softmax. The head-dim-64 instances (2 heads
+attention_decode_combine) runs with block counts whose span ceil(keys / blocks) leaves a short last block, an empty
+last block, more blocks than keys, and the engine's counts at 1025 and 4096 keys; its partials are checked against a
+numpy per-block softmax. Every context that is not a multiple of 8 (LILY_ATTN_DECODE_KEYS_PER_STEP) ends in a masked
+step. The head-dim-64 instances (2 heads
 per threadgroup), the unpacked instances of the GQA-packing ablation (1 head per threadgroup; GQA groups of 2 and 1)
 and the plain-mapping instances of the coalesced-KV ablation run their own single-pass and split-KV cases. Outputs
 and partials start NaN-poisoned; the cache has spare rows past the context holding NaN, so reading a key past the
@@ -49,23 +51,31 @@ SINGLE_SHAPES = {
     ("plain", 256): [(16, 2, 45, 4), (8, 2, 1, 4), (16, 2, 33, 3), (8, 1, 32, 8)],
     ("plain", 64): [(4, 2, 45, 4), (4, 2, 33, 3), (8, 2, 31, 4)],
 }
-# Split-KV shapes (heads, kv_heads, keys, block, simdgroups): one partial block, one full, a second block of one key,
-# the last block one short, the model's heads and block size (LILY_ATTN_SPLIT_BLOCK).
+# Split-KV shapes (heads, kv_heads, keys, blocks, simdgroups); the kernel's block span is ceil(keys / blocks). 45 keys
+# in 3 blocks of 15 (no block a multiple of 8 keys), 1 key in 2 blocks (the second empty), 3 keys in 8 blocks (5 empty),
+# 65 keys in 4 blocks of 17 (the last one short: 14), 33 keys in 2 blocks, 9 keys in 4 blocks of 3 (the last empty),
+# 64 keys in 8 full blocks, the engine's 8 blocks at 1025 keys and
+# 32 blocks at 4096 keys (tuning::attention_split_blocks) with the model's heads.
 SPLIT_SHAPES = {
-    ("packed", 256): [(16, 2, 45, 16, 2), (8, 2, 15, 16, 2), (8, 2, 16, 16, 2), (8, 2, 17, 16, 2),
-                      (8, 2, 33, 16, 3), (16, 2, 47, 16, 2), (8, 2, 64, 32, 4), (16, 2, 1025, 1024, 8)],
-    ("packed", 64): [(4, 2, 45, 16, 2), (4, 2, 17, 16, 2), (8, 2, 33, 16, 3)],
-    ("unpacked", 256): [(16, 2, 45, 16, 2), (4, 2, 47, 16, 2), (16, 2, 1025, 1024, 8)],
-    ("unpacked", 64): [(4, 2, 45, 16, 2), (4, 2, 32, 16, 4)],
-    ("plain", 256): [(16, 2, 45, 16, 2), (16, 2, 47, 16, 2), (8, 2, 17, 16, 3)],
-    ("plain", 64): [(4, 2, 45, 16, 2), (4, 2, 33, 16, 2)],
+    ("packed", 256): [(16, 2, 45, 3, 2), (8, 2, 1, 2, 2), (8, 2, 3, 8, 2), (8, 2, 65, 4, 2), (8, 2, 33, 2, 3),
+                      (16, 2, 9, 4, 2), (8, 2, 64, 8, 4), (16, 2, 1025, 8, 8), (16, 2, 4096, 32, 8)],
+    ("packed", 64): [(4, 2, 45, 3, 2), (4, 2, 17, 4, 2), (8, 2, 33, 2, 3), (4, 2, 5, 8, 2)],
+    ("unpacked", 256): [(16, 2, 45, 3, 2), (4, 2, 47, 4, 2), (4, 2, 2, 4, 2), (16, 2, 1025, 8, 8)],
+    ("unpacked", 64): [(4, 2, 45, 3, 2), (4, 2, 32, 4, 4), (4, 2, 3, 8, 2)],
+    ("plain", 256): [(16, 2, 45, 3, 2), (16, 2, 47, 4, 2), (8, 2, 17, 2, 3), (8, 2, 3, 4, 2)],
+    ("plain", 64): [(4, 2, 45, 3, 2), (4, 2, 33, 2, 2), (4, 2, 1, 2, 2)],
 }
 
 
-def attention_args(queries: int, heads: int, kv_heads: int, keys: int, capacity: int, block_size: int = 0,
-                   num_blocks: int = 0, scale: float = 256**-0.5) -> bytes:
-    """lily::AttentionArgs (metal/lily.h)."""
-    return struct.pack("<IIIIIIIf", queries, heads, kv_heads, keys, capacity, block_size, num_blocks, scale)
+def attention_args(queries: int, heads: int, kv_heads: int, keys: int, capacity: int, num_blocks: int = 0,
+                   scale: float = 256**-0.5) -> bytes:
+    """lily::AttentionArgs (metal/lily.h); its `reserved` field is 0."""
+    return struct.pack("<IIIIIIIf", queries, heads, kv_heads, keys, capacity, 0, num_blocks, scale)
+
+
+def block_span(keys: int, num_blocks: int) -> int:
+    """Keys per split-KV block as attention_decode_partial derives it; blocks past the keys are empty."""
+    return -(-keys // num_blocks)
 
 
 def attention_layout(kernel: str) -> tuple[int, int, int]:
@@ -124,9 +134,8 @@ class DecodeInputs:
     def capacity(self) -> int:
         return self.k_cache.shape[1]
 
-    def args(self, block_size: int = 0, num_blocks: int = 0) -> bytes:
-        return attention_args(1, self.heads, self.kv_heads, self.keys, self.capacity, block_size, num_blocks,
-                              self.head_dim**-0.5)
+    def args(self, num_blocks: int = 0) -> bytes:
+        return attention_args(1, self.heads, self.kv_heads, self.keys, self.capacity, num_blocks, self.head_dim**-0.5)
 
     def keys_values(self) -> tuple[np.ndarray, np.ndarray]:
         cache_dtype = CACHE_DTYPE[self.dtype]
@@ -139,14 +148,19 @@ class DecodeInputs:
                                   offset=self.keys - 1)
         return round_to(out[0], self.dtype)
 
-    def block_partials(self, block_size: int):
-        """Per block of keys: the softmax-normalised output [Hq, blocks, D] and (max score, sum of exp)
-        [Hq, blocks, 2], in fp64."""
+    def block_partials(self, num_blocks: int):
+        """Per block of keys (span ceil(keys / num_blocks)): the softmax-normalised output [Hq, blocks, D] and
+        (max score, sum of exp) [Hq, blocks, 2], in fp64. An empty block has output 0, max -inf and sum 0."""
         k, v = self.keys_values()
         q, kv = to_f64(self.q, self.dtype), np.arange(self.heads) // (self.heads // self.kv_heads)
+        span = block_span(self.keys, num_blocks)
         outs, stats = [], []
-        for begin in range(0, self.keys, block_size):
-            kb, vb = k[begin : begin + block_size][:, kv], v[begin : begin + block_size][:, kv]  # [n, Hq, D]
+        for begin in range(0, num_blocks * span, span):
+            if begin >= self.keys:
+                outs.append(np.zeros((self.heads, self.head_dim)))
+                stats.append(np.stack([np.full(self.heads, -np.inf), np.zeros(self.heads)], axis=-1))
+                continue
+            kb, vb = k[begin : begin + span][:, kv], v[begin : begin + span][:, kv]  # [n, Hq, D]
             scores = np.einsum("hd,nhd->hn", q, kb) * self.head_dim**-0.5
             top = scores.max(axis=1, keepdims=True)
             weights = np.exp(scores - top)
@@ -163,10 +177,10 @@ def run_single(run: Run, kernel: str, inputs: DecodeInputs, simdgroups: int, **o
     return to_f64(out, inputs.dtype)
 
 
-def run_split(run: Run, partial_kernel: str, inputs: DecodeInputs, block_size: int, simdgroups: int):
-    """The split-KV pair: the partial kernel, then its head dim's combine kernel. (partials, stats, output)."""
-    num_blocks = -(-inputs.keys // block_size)
-    args = inputs.args(block_size, num_blocks)
+def run_split(run: Run, partial_kernel: str, inputs: DecodeInputs, num_blocks: int, simdgroups: int):
+    """The split-KV pair over `num_blocks` key blocks: the partial kernel, then its head dim's combine kernel.
+    (partials, stats, output)."""
+    args = inputs.args(num_blocks)
     partial_out = np.full((inputs.heads, num_blocks, inputs.head_dim), np.nan, np.float32)
     partial_stats = np.full((inputs.heads, num_blocks, 2), np.nan, np.float32)
     run.dispatch(partial_kernel, [args, inputs.q, inputs.k_cache, inputs.v_cache, partial_out, partial_stats],
@@ -184,25 +198,25 @@ def _single(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, simdgro
     run.compare("out", run_single(run, kernel, inputs, simdgroups), inputs.expected(), tolerance(dtype, widen))
 
 
-def _split(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, block: int, simdgroups: int) -> None:
+def _split(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, blocks: int, simdgroups: int) -> None:
     """The partial kernel's outputs and (max, sum) against numpy per block; the combined output against the
     reference."""
     dtype, head_dim = dtype_of(kernel), attention_layout(kernel)[0]
     inputs = DecodeInputs.random(run.rng, dtype, heads, kv_heads, keys, head_dim)
-    partial_out, partial_stats, out = run_split(run, kernel, inputs, block, simdgroups)
-    expected_out, expected_stats = inputs.block_partials(block)
+    partial_out, partial_stats, out = run_split(run, kernel, inputs, blocks, simdgroups)
+    expected_out, expected_stats = inputs.block_partials(blocks)
     run.compare("partial outputs", partial_out, expected_out, tolerance("f32"))
     run.compare("partial (max, sum)", partial_stats, expected_stats, tolerance("f32"))
     run.compare("combined out", out, inputs.expected(), tolerance(dtype))
 
 
-def _combine(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, block: int) -> None:
+def _combine(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, blocks: int) -> None:
     """The combine kernel alone, on exact (fp64, rounded to fp32) partials."""
     dtype, head_dim = dtype_of(kernel), attention_layout(kernel)[0]
     inputs = DecodeInputs.random(run.rng, dtype, heads, kv_heads, keys, head_dim)
-    part_out, part_stats = inputs.block_partials(block)
+    part_out, part_stats = inputs.block_partials(blocks)
     out = poisoned((heads, head_dim), dtype)
-    run.dispatch(kernel, [inputs.args(block, part_out.shape[1]), inputs.gate, part_out.astype(np.float32),
+    run.dispatch(kernel, [inputs.args(blocks), inputs.gate, part_out.astype(np.float32),
                           part_stats.astype(np.float32), out], heads, COMBINE_THREADS)
     run.compare("out", to_f64(out, dtype), inputs.expected(), tolerance(dtype))
 
@@ -211,12 +225,15 @@ def cases(kernel: str) -> list[Case]:
     """Every case of one decode attention kernel; the first is the self-test's."""
     head_dim, _, heads = attention_layout(kernel)
     if "_combine_" in kernel:
-        return [Case(kernel, f"Hq={heads} Hkv=2 S=45 block=16 D={head_dim}",
-                     partial(_combine, kernel=kernel, heads=heads, kv_heads=2, keys=45, block=16), quick=True)]
+        # 45 keys in 3 blocks; 130 keys in 128 blocks (LILY_ATTN_SPLIT_MAX_BLOCKS; span 2: blocks 65.. empty), a
+        # block count that is not a multiple of the combine's 4-way unrolled loop (7).
+        return [Case(kernel, f"Hq={heads} Hkv=2 S={s} blocks={b} D={head_dim}",
+                     partial(_combine, kernel=kernel, heads=heads, kv_heads=2, keys=s, blocks=b), quick=i == 0)
+                for i, (s, b) in enumerate([(45, 3), (130, 128), (50, 7)])]
     family = ("unpacked" if "_unpacked_" in kernel else "plain" if "_plain_" in kernel else "packed", head_dim)
     if "_partial" in kernel:
-        return [Case(kernel, f"Hq={h} Hkv={kv} S={s} block={b} simdgroups={sg} D={head_dim}",
-                     partial(_split, kernel=kernel, heads=h, kv_heads=kv, keys=s, block=b, simdgroups=sg),
+        return [Case(kernel, f"Hq={h} Hkv={kv} S={s} blocks={b} simdgroups={sg} D={head_dim}",
+                     partial(_split, kernel=kernel, heads=h, kv_heads=kv, keys=s, blocks=b, simdgroups=sg),
                      quick=i == 0) for i, (h, kv, s, b, sg) in enumerate(SPLIT_SHAPES[family])]
     found = [Case(kernel, f"Hq={h} Hkv={kv} S={s} simdgroups={sg} D={head_dim}",
                   partial(_single, kernel=kernel, heads=h, kv_heads=kv, keys=s, simdgroups=sg), quick=i == 0)

@@ -59,8 +59,14 @@ AttentionArgs attention_args(const ModelConfig& c, const AttentionSpans& s, size
   return a;
 }
 
+size_t attention_split_blocks(const Switches& sw, size_t keys) {
+  if (!sw.split_kv) return 0;
+  const size_t min_keys = sw.split_kv_min_keys ? sw.split_kv_min_keys : tuning::kAttentionSplitMinKeys;
+  return tuning::attention_split_blocks(keys, min_keys);
+}
+
 void attention_decode(Context& ctx, const ModelConfig& c, const std::string& label, const AttentionSpans& s,
-                      size_t position, bool split) {
+                      size_t position, size_t split_blocks) {
   const size_t D = c.head_dim, keys = position + 1;
   const std::string dt = dtype_name(ctx.act), suffix = "_d" + std::to_string(D);
   std::vector<Span> reads = attention_prep(ctx, c, label, s, position, 1);
@@ -72,15 +78,20 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   // Coalesced KV off (the ablation, packed kernels only): the *_plain_* kernels, the uncoalesced lane mapping.
   const std::string variant = heads_per_group == 1 ? "unpacked_" : ctx.coalesced_kv ? "" : "plain_";
   const PositionField num_keys{0, offsetof(AttentionArgs, num_keys), 1};  // keys = position + 1
-  if (!split) {
+  if (split_blocks == 0) {
     add_node(ctx, "attention_decode_" + variant + dt + suffix, label,
              {arg_value(a), arg(s.q), arg(s.gate), arg(s.k_cache), arg(s.v_cache), arg(s.out)}, {packs, 1, 1},
              {tuning::kAttentionDecodeThreads, 1, 1}, reads, {s.out})
         .per_position.push_back(num_keys);
     return;
   }
-  a.block_size = static_cast<u32>(tuning::kAttentionSplitBlock);
-  a.num_blocks = static_cast<u32>((keys + a.block_size - 1) / a.block_size);
+  // The partial kernel derives its block span from num_keys (patched per position) and num_blocks (fixed for the
+  // program), so the nodes stay valid for every position with this block count.
+  if (split_blocks > tuning::kAttentionSplitMaxBlocks) {
+    throw Error("[attention_decode] " + std::to_string(split_blocks) +
+                " split-KV blocks; the combine kernel takes up to " + std::to_string(tuning::kAttentionSplitMaxBlocks));
+  }
+  a.num_blocks = static_cast<u32>(split_blocks);
   Span partial_out = sub(s.partial_out, 0, c.num_heads * a.num_blocks * D * 4);
   Span partial_stats = sub(s.partial_stats, 0, c.num_heads * a.num_blocks * 2 * 4);
   reads.erase(reads.begin() + 1);  // the partial pass does not read the gate

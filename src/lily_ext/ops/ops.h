@@ -95,8 +95,13 @@ struct AttentionSpans {
   const WeightRef *q_norm, *k_norm;
   size_t capacity;
 };
+// split_blocks: 0 = the single-pass kernel; else the split-KV pair over that many key blocks
+// (attention_split_blocks).
 void attention_decode(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
-                      size_t position, bool split);
+                      size_t position, size_t split_blocks);
+// Split-KV blocks of the decode step at `keys` keys under the switches (0 = single pass):
+// tuning::attention_split_blocks from split_kv_min_keys (0 = tuning::kAttentionSplitMinKeys); 0 with split_kv off.
+size_t attention_split_blocks(const Switches& switches, size_t keys);
 // Throws Error naming the config field when no attention kernel is instantiated for its head dim.
 void check_attention_shapes(const ModelConfig& config);
 // Whether the head ratio splits into the groups the packed attention kernels take at the config's head dim.
