@@ -265,6 +265,10 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // M <= LILY_QMM_BM16_MAX_ROWS runs qmm_*_bm16 (16-row tiles, 2 simdgroups), larger M runs qmm_*_bm32 (32-row tiles,
 // 4 simdgroups: twice the reuse of each dequantized weight tile).
 #define LILY_QMV_MAX_ROWS 4
+// The staged one-row GEMVs (qmv_norm_staged, qmv_residual_staged, qmv_norm_seg_staged; chosen on CUDA): K up to this
+// many inputs, staged as fp32 in threadgroup memory (16 KiB at the most, plus the pack sums). The model's K are 2048
+// and 4096.
+#define LILY_QMV_STAGE_MAX_K 4096
 #define LILY_QMM_BM16_MAX_ROWS 16
 // qmm tile: LILY_QMM_BN output columns x LILY_QMM_BK of K per step (BK divides the group size 64, so one scale and
 // bias per tile row and step); each simdgroup owns a 16x16 block of 2x2 simdgroup_matrix 8x8 accumulators.

@@ -297,6 +297,153 @@ LILY_INLINE void qmv_batch(device const T* x, device const T* norm_weight, devic
   }
 }
 
+// ---- the staged one-row GEMVs ----
+// Each lane reads packs p = lane + 32 s of every row (qmv_accumulate); here the pack's x values come from threadgroup
+// memory instead of device memory, staged once per threadgroup in the order the lanes read them: float4 chunk c of pack
+// p at stage_x[((p / 32) * kChunks + c) * 32 + p % 32], so a simdgroup's 32 lanes read 32 consecutive float4 (no bank
+// conflict) where, from device memory, each lane loads its own pack's values 64 bytes from its neighbour's: on an
+// H200 those scattered loads kept the L1 95 % busy at 15 % of DRAM bandwidth (Nsight Compute, qmv_norm_q4 at the
+// lm_head shape: 128 L1 wavefronts per x load instruction against 4 for a weight word). Staging also applies
+// norm_weight once per threadgroup instead of once per simdgroup, and keeps each pack's sum for the bias fold. Apple
+// GPUs keep the unstaged kernels: 16 KiB of threadgroup memory per 64-thread group may cost them occupancy (not
+// measured), so the staged ones are a CUDA variant in the kernel-choice table (tuning::staged_gemv).
+template <int Bits>
+constexpr uint kStageChunks = LILY_QMV_PACK_WORDS * (32 / Bits) / 4;  // float4 chunks per pack: 8 (4-bit), 4 (8-bit)
+
+// Stages x' = x (⊙ norm_weight when Norm) of one input row; returns 1/rms of x (Norm) or 1. Every thread of the
+// threadgroup calls it (it ends with a barrier); threads per threadgroup a multiple of 32, K a multiple of 64 and at
+// most LILY_QMV_STAGE_MAX_K. Chunk q (values 4q .. 4q + 3) is thread q % n_threads's: the kChunks chunks of a pack lie
+// in consecutive lanes of one simdgroup, which add their pack's sum with shuffles (a fixed order).
+template <bool Norm, int Bits, typename T>
+LILY_INLINE float qmv_stage(device const T* x, device const T* norm_weight, uint K, float eps,
+                            threadgroup float4* stage_x, threadgroup float* pack_sum, threadgroup float* simd_sq,
+                            uint tid, uint n_threads, uint lane, uint simd_group) {
+  constexpr uint kChunks = kStageChunks<Bits>;
+  const uint chunks = K / 4;
+  float sq = 0.0f;
+  for (uint q0 = 0; q0 < chunks; q0 += n_threads) {  // a uniform trip count: the shuffles stay convergent
+    const uint q = min(q0 + tid, chunks - 1);
+    const bool in_row = q0 + tid < chunks;  // whole packs are in or out (chunks is a multiple of kChunks)
+    float4 v = lily::attn_load4(x + 4 * q);
+    if (Norm) {
+      sq += in_row ? dot(v, v) : 0.0f;
+      v *= lily::attn_load4(norm_weight + 4 * q);
+    }
+    float s = (v.x + v.y) + (v.z + v.w);
+    LILY_UNROLL
+    for (uint o = 1; o < kChunks; o *= 2) {
+      s += simd_shuffle_xor(s, ushort(o));
+    }
+    const uint p = q / kChunks, c = q % kChunks;
+    if (in_row) {
+      stage_x[((p / 32) * kChunks + c) * 32 + p % 32] = v;
+      if (c == 0) {
+        pack_sum[p] = s;
+      }
+    }
+  }
+  if (Norm) {
+    sq = simd_sum(sq);
+    if (lane == 0) {
+      simd_sq[simd_group] = sq;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (!Norm) {
+    return 1.0f;
+  }
+  float total = 0.0f;
+  for (uint g = 0; g < n_threads / 32; ++g) {
+    total += simd_sq[g];
+  }
+  return precise::rsqrt(total / float(K) + eps);
+}
+
+// qmv_accumulate for one input row with x' from qmv_stage: acc[r] = this lane's share of sum_k x'_k w[first_row + r, k]
+// (the caller does the simd_sum). Loads, packs and partial steps as qmv_accumulate.
+template <int Bits, typename S>
+LILY_INLINE void qmv_accumulate_staged(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const uint* weight,
+                                       device const S* scales, device const S* biases, uint K, uint N,
+                                       uint first_row, uint lane, threadgroup const float4* stage_x,
+                                       threadgroup const float* pack_sum) {
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  constexpr uint kPackWords = LILY_QMV_PACK_WORDS;
+  constexpr uint kPacks = LILY_QMV_PACKS_PER_LANE;
+  constexpr uint kPerWord = 32 / Bits;
+  constexpr uint kChunks = kStageChunks<Bits>;
+  constexpr uint kWordsPerGroup = kGroupSize / kPerWord;
+  const uint words_per_row = K / kPerWord;
+  const uint packs_per_row = words_per_row / kPackWords;
+  const uint groups_per_row = K / kGroupSize;
+  device const uint* w_row[kRows];
+  device const S* s_row[kRows];
+  device const S* b_row[kRows];
+  LILY_UNROLL
+  for (uint r = 0; r < kRows; ++r) {
+    const uint n = min(first_row + r, N - 1);
+    w_row[r] = weight + size_t(n) * words_per_row;
+    s_row[r] = scales + size_t(n) * groups_per_row;
+    b_row[r] = biases + size_t(n) * groups_per_row;
+    acc[r] = 0.0f;
+  }
+  uint magic[lily::kCodeMagicCount<Bits>];
+  lily::code_float_magic<Bits>(magic);
+  for (uint p0 = lane; p0 < packs_per_row; p0 += 32 * kPacks) {
+    uint words[kPacks][kRows][kPackWords];
+    float scale[kPacks][kRows], bias[kPacks][kRows];
+    LILY_UNROLL
+    for (uint i = 0; i < kPacks; ++i) {
+      const uint p = min(p0 + 32 * i, packs_per_row - 1);
+      const bool in_row = p0 + 32 * i < packs_per_row;
+      const uint g = p * kPackWords / kWordsPerGroup;
+      LILY_UNROLL
+      for (uint r = 0; r < kRows; ++r) {
+        LILY_UNROLL
+        for (uint j = 0; j < kPackWords; ++j) {
+          words[i][r][j] = w_row[r][p * kPackWords + j];
+        }
+        scale[i][r] = in_row ? float(s_row[r][g]) : 0.0f;
+        bias[i][r] = in_row ? float(b_row[r][g]) : 0.0f;
+      }
+    }
+    LILY_UNROLL
+    for (uint i = 0; i < kPacks; ++i) {
+      const uint p = min(p0 + 32 * i, packs_per_row - 1);
+      threadgroup const float4* chunk = stage_x + (p / 32) * kChunks * 32 + p % 32;
+      float d[kRows];
+      LILY_UNROLL
+      for (uint r = 0; r < kRows; ++r) {
+        d[r] = 0.0f;
+      }
+      LILY_UNROLL
+      for (uint j = 0; j < kPackWords; ++j) {
+        float xs[kPerWord];
+        LILY_UNROLL
+        for (uint c = 0; c < kPerWord; c += 4) {
+          const float4 v = chunk[((j * kPerWord + c) / 4) * 32];
+          LILY_UNROLL
+          for (uint e = 0; e < 4; ++e) {
+            xs[c + e] = v[e];
+          }
+        }
+        LILY_UNROLL
+        for (uint r = 0; r < kRows; ++r) {
+          const uint word_high = words[i][r][j] >> 16;
+          LILY_UNROLL
+          for (uint e = 0; e < kPerWord; ++e) {
+            d[r] = fma(xs[e], lily::code_float<Bits>(words[i][r][j], word_high, e, magic), d[r]);
+          }
+        }
+      }
+      const float x_sum = pack_sum[p];
+      LILY_UNROLL
+      for (uint r = 0; r < kRows; ++r) {
+        acc[r] = fma(scale[i][r], d[r], fma(bias[i][r], x_sum, acc[r]));
+      }
+    }
+  }
+}
+
 }  // namespace lily_qmatmul
 
 // O is the output type: T, or float for the router and shared-expert gate logits in bf16 mode (_of32).
@@ -427,6 +574,153 @@ template <bool Norm, typename T, typename S, int Bits, typename O>
   }
 }
 
+// The staged one-row GEMVs (CUDA's choice; see qmv_stage): the same results as qmv_norm, qmv_residual and
+// qmv_norm_seg with one input row per threadgroup row (grid y = M) and K <= LILY_QMV_STAGE_MAX_K (the host checks).
+// Threadgroups past the outputs leave before the staging (uniformly); simdgroups past them after it.
+template <typename T, typename S, int Bits, typename O>
+[[kernel]] void qmv_norm_staged(constant lily::QMatmulNormArgs& args [[buffer(0)]],
+                                device const T* x [[buffer(1)]],
+                                device const T* norm_weight [[buffer(2)]],
+                                device const uint* weight [[buffer(3)]],
+                                device const S* scales [[buffer(4)]],
+                                device const S* biases [[buffer(5)]],
+                                device O* y [[buffer(6)]],
+                                uint3 tg [[threadgroup_position_in_grid]],
+                                uint tid [[thread_index_in_threadgroup]],
+                                uint3 threads_per_group [[threads_per_threadgroup]],
+                                uint lane [[thread_index_in_simdgroup]],
+                                uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  using namespace lily_qmatmul;
+  threadgroup float4 stage_x[LILY_QMV_STAGE_MAX_K / 4];
+  threadgroup float pack_sum[LILY_QMV_STAGE_MAX_K / 16];  // 16 values per 8-bit pack, 32 per 4-bit one
+  threadgroup float simd_sq[32];
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  const uint K = args.in_features;
+  const uint N = args.out_features;
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
+  if (tg.x * (n_threads / 32) * kRows >= N || tg.y >= args.num_rows) {
+    return;  // the whole threadgroup leaves: the barrier in qmv_stage stays uniform
+  }
+  const float inv_rms = qmv_stage<true, Bits>(x + size_t(tg.y) * K, norm_weight, K, args.eps, stage_x, pack_sum,
+                                              simd_sq, tid, n_threads, lane, simd_group);
+  const uint first_row = (tg.x * (n_threads / 32) + simd_group) * kRows;
+  if (first_row >= N) {
+    return;  // the whole simdgroup leaves: the simd_sums below stay convergent
+  }
+  float acc[kRows];
+  qmv_accumulate_staged<Bits>(acc, weight, scales, biases, K, N, first_row, lane, stage_x, pack_sum);
+  LILY_UNROLL
+  for (uint r = 0; r < kRows; ++r) {
+    const float total = simd_sum(acc[r]);
+    if (lane == 0 && first_row + r < N) {
+      y[size_t(tg.y) * N + first_row + r] = O(total * inv_rms);
+    }
+  }
+}
+
+template <typename T, typename S, int Bits>
+[[kernel]] void qmv_residual_staged(constant lily::QMatmulArgs& args [[buffer(0)]],
+                                    device const T* x [[buffer(1)]],
+                                    device const uint* weight [[buffer(2)]],
+                                    device const S* scales [[buffer(3)]],
+                                    device const S* biases [[buffer(4)]],
+                                    device const T* residual [[buffer(5)]],
+                                    device T* out [[buffer(6)]],
+                                    uint3 tg [[threadgroup_position_in_grid]],
+                                    uint tid [[thread_index_in_threadgroup]],
+                                    uint3 threads_per_group [[threads_per_threadgroup]],
+                                    uint lane [[thread_index_in_simdgroup]],
+                                    uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  using namespace lily_qmatmul;
+  threadgroup float4 stage_x[LILY_QMV_STAGE_MAX_K / 4];
+  threadgroup float pack_sum[LILY_QMV_STAGE_MAX_K / 16];  // 16 values per 8-bit pack, 32 per 4-bit one
+  threadgroup float simd_sq[32];
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  const uint K = args.in_features;
+  const uint N = args.out_features;
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
+  if (tg.x * (n_threads / 32) * kRows >= N || tg.y >= args.num_rows) {
+    return;  // the whole threadgroup leaves: the barrier in qmv_stage stays uniform
+  }
+  qmv_stage<false, Bits>(x + size_t(tg.y) * K, x, K, 0.0f, stage_x, pack_sum, simd_sq, tid, n_threads, lane,
+                         simd_group);
+  const uint first_row = (tg.x * (n_threads / 32) + simd_group) * kRows;
+  if (first_row >= N) {
+    return;  // the whole simdgroup leaves: the simd_sums below stay convergent
+  }
+  float acc[kRows];
+  qmv_accumulate_staged<Bits>(acc, weight, scales, biases, K, N, first_row, lane, stage_x, pack_sum);
+  LILY_UNROLL
+  for (uint r = 0; r < kRows; ++r) {
+    const float total = simd_sum(acc[r]);
+    if (lane == 0 && first_row + r < N) {
+      // Read and written by the same thread: out may alias residual.
+      const size_t i = size_t(tg.y) * N + first_row + r;
+      out[i] = T(float(residual[i]) + total);
+    }
+  }
+}
+
+template <typename T, typename S, int Bits, typename O>
+[[kernel]] void qmv_norm_seg_staged(constant lily::QMatmulSegmentsArgs& args [[buffer(0)]],
+                                    device const T* x [[buffer(1)]],
+                                    device const T* norm_weight [[buffer(2)]],
+                                    device const uint* weight0 [[buffer(3)]],
+                                    device const S* scales0 [[buffer(4)]],
+                                    device const S* biases0 [[buffer(5)]],
+                                    device const uint* weight1 [[buffer(6)]],
+                                    device const S* scales1 [[buffer(7)]],
+                                    device const S* biases1 [[buffer(8)]],
+                                    device const uint* weight2 [[buffer(9)]],
+                                    device const S* scales2 [[buffer(10)]],
+                                    device const S* biases2 [[buffer(11)]],
+                                    device const uint* weight3 [[buffer(12)]],
+                                    device const S* scales3 [[buffer(13)]],
+                                    device const S* biases3 [[buffer(14)]],
+                                    device O* y [[buffer(15)]],
+                                    uint3 tg [[threadgroup_position_in_grid]],
+                                    uint tid [[thread_index_in_threadgroup]],
+                                    uint3 threads_per_group [[threads_per_threadgroup]],
+                                    uint lane [[thread_index_in_simdgroup]],
+                                    uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  using namespace lily_qmatmul;
+  threadgroup float4 stage_x[LILY_QMV_STAGE_MAX_K / 4];
+  threadgroup float pack_sum[LILY_QMV_STAGE_MAX_K / 16];  // 16 values per 8-bit pack, 32 per 4-bit one
+  threadgroup float simd_sq[32];
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  const uint K = args.in_features;
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
+  const uint rows_per_group = (n_threads / 32) * kRows;
+  uint segment = 0, block = tg.x, row_offset = 0;
+  while (segment + 1 < args.num_segments && block >= (args.rows[segment] + rows_per_group - 1) / rows_per_group) {
+    block -= (args.rows[segment] + rows_per_group - 1) / rows_per_group;
+    row_offset += args.rows[segment];
+    ++segment;
+  }
+  const uint N = args.rows[segment];
+  if (block * rows_per_group >= N) {
+    return;  // the whole threadgroup leaves (past the last segment): the barrier in qmv_stage stays uniform
+  }
+  const float inv_rms = qmv_stage<true, Bits>(x + size_t(tg.y) * K, norm_weight, K, args.eps, stage_x, pack_sum,
+                                              simd_sq, tid, n_threads, lane, simd_group);
+  const uint first_row = (block * (n_threads / 32) + simd_group) * kRows;
+  if (first_row >= N) {
+    return;  // the whole simdgroup leaves: the simd_sums below stay convergent
+  }
+  device const uint* weight = segment == 0 ? weight0 : segment == 1 ? weight1 : segment == 2 ? weight2 : weight3;
+  device const S* scales = segment == 0 ? scales0 : segment == 1 ? scales1 : segment == 2 ? scales2 : scales3;
+  device const S* biases = segment == 0 ? biases0 : segment == 1 ? biases1 : segment == 2 ? biases2 : biases3;
+  float acc[kRows];
+  qmv_accumulate_staged<Bits>(acc, weight, scales, biases, K, N, first_row, lane, stage_x, pack_sum);
+  LILY_UNROLL
+  for (uint r = 0; r < kRows; ++r) {
+    const float total = simd_sum(acc[r]);
+    if (lane == 0 && first_row + r < N) {
+      y[size_t(tg.y) * args.out_features + row_offset + first_row + r] = O(total * inv_rms);
+    }
+  }
+}
+
 template <typename T, typename S, int Bits, int BM>
 [[kernel]] void qmm(constant lily::QMatmulArgs& args [[buffer(0)]],
                     device const T* x [[buffer(1)]],
@@ -537,6 +831,15 @@ LILY_INSTANTIATE_KERNEL("qmv_norm_q8_g64_bf16_sf32_of32", qmv_norm, bfloat, floa
 LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16_of32", qmv_norm, bfloat, bfloat, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16_sf32_of32", qmv_norm, bfloat, float, 4, float)
 
+// The staged one-row GEMVs: CUDA's choice for the bf16 model's decode projections (tuning::staged_gemv); f32 for the
+// float32 mode and the tests' exact checks.
+LILY_INSTANTIATE_KERNEL("qmv_norm_staged_q4_g64_f32", qmv_norm_staged, float, bfloat, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_staged_q4_g64_bf16", qmv_norm_staged, bfloat, bfloat, 4, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_residual_staged_q4_g64_f32", qmv_residual_staged, float, bfloat, 4)
+LILY_INSTANTIATE_KERNEL("qmv_residual_staged_q4_g64_bf16", qmv_residual_staged, bfloat, bfloat, 4)
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_staged_q4_g64_f32", qmv_norm_seg_staged, float, bfloat, 4, float)
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_staged_q4_g64_bf16", qmv_norm_seg_staged, bfloat, bfloat, 4, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_norm_seg_staged_q8_g64_bf16_of32", qmv_norm_seg_staged, bfloat, bfloat, 8, float)
 LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_f32", qmv_segments, false, float, bfloat, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_f32_sf32", qmv_segments, false, float, float, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_bf16", qmv_segments, false, bfloat, bfloat, 4, bfloat)

@@ -108,25 +108,26 @@ def qmm_case(label: str, n: int, k: int, m: int) -> Case:
                 (ceil_div(n, QMM_BN), ceil_div(m, QMM_BM16), 1), (64, 1, 1), w + 2 * s + bf16(m * k) + bf16(m * n))
 
 
-def qmv_norm_case(label: str, n: int, k: int) -> Case:
-    """lm_head after the final RMSNorm (fusion on)."""
+def qmv_norm_case(label: str, n: int, k: int, staged: bool = False) -> Case:
+    """lm_head after the final RMSNorm (fusion on); `staged`: the CUDA variant (x staged in threadgroup memory)."""
     w, s = quantized(n, k)
     grid, threads = _qmv_grid(n, 1)
-    return Case(label, "qmv_norm_q4_g64_bf16",
+    return Case(label, f"qmv_norm{'_staged' if staged else ''}_q4_g64_bf16",
                 [struct.pack("<IIIf", k, n, 1, EPS), bf16(k), bf16(k), w, s, s, bf16(n)], grid, threads,
                 w + 2 * s + 2 * bf16(k) + bf16(n))
 
 
-def qmv_residual_case(label: str, n: int, k: int) -> Case:
+def qmv_residual_case(label: str, n: int, k: int, staged: bool = False) -> Case:
     """DeltaNet out_proj / attention o_proj: out = residual + W x, in place on the hidden stream."""
     w, s = quantized(n, k)
     grid, threads = _qmv_grid(n, 1)
-    return Case(label, "qmv_residual_q4_g64_bf16",
+    return Case(label, f"qmv_residual{'_staged' if staged else ''}_q4_g64_bf16",
                 [struct.pack("<IIII", k, n, 1, 0), bf16(k), w, s, s, bf16(n), Same(5)], grid, threads,
                 w + 2 * s + bf16(k) + 2 * bf16(n))
 
 
-def qmv_norm_seg_case(label: str, rows: list[int], k: int, bits: int = 4, f32_out: bool = False) -> Case:
+def qmv_norm_seg_case(label: str, rows: list[int], k: int, bits: int = 4, f32_out: bool = False,
+                      staged: bool = False) -> Case:
     """The fused projections of one input (FUSED_PROJECTIONS and FUSION on): up to 4 matrices, each its own buffers."""
     buffers: list = [struct.pack("<IIIf4I", k, sum(rows), len(rows), EPS, *(rows + [0] * (4 - len(rows)))),
                      bf16(k), bf16(k)]
@@ -143,7 +144,7 @@ def qmv_norm_seg_case(label: str, rows: list[int], k: int, bits: int = 4, f32_ou
     out = f32(sum(rows)) if f32_out else bf16(sum(rows))
     buffers.append(out)
     suffix = "_of32" if f32_out else ""
-    return Case(label, f"qmv_norm_seg_q{bits}_g64_bf16{suffix}", buffers, (groups, 1, 1),
+    return Case(label, f"qmv_norm_seg{'_staged' if staged else ''}_q{bits}_g64_bf16{suffix}", buffers, (groups, 1, 1),
                 (32 * QMV_SHAPE["simdgroups"], 1, 1), moved + out)
 
 
@@ -321,15 +322,21 @@ def qmv_cases() -> list[Case]:
     cases.append(qmv_case(f"qmv router 256x{HIDDEN} 8-bit, M=1", EXPERTS, HIDDEN, 1, bits=8))
     cases.append(qmm_case(f"qmm bm16 lm_head {VOCAB}x{HIDDEN}, M=8", VOCAB, HIDDEN, 8))
     cases.append(qmm_case(f"qmm bm16 2048x{HIDDEN}, M=8", 2048, HIDDEN, 8))
-    cases.append(qmv_norm_case(f"qmv_norm lm_head {VOCAB}x{HIDDEN} (final norm folded in)", VOCAB, HIDDEN))
-    cases.append(qmv_norm_seg_case("qmv_norm_seg DeltaNet in_proj qkv|z|b|a",
-                                   [GDN_CONV_CHANNELS, GDN_V_HEADS * GDN_V_DIM, GDN_V_HEADS, GDN_V_HEADS], HIDDEN))
-    cases.append(qmv_norm_seg_case("qmv_norm_seg attention q|k|v",
-                                   [2 * ATTN_HEADS * HEAD_DIM, ATTN_KV_HEADS * HEAD_DIM, ATTN_KV_HEADS * HEAD_DIM],
-                                   HIDDEN))
-    cases.append(qmv_norm_seg_case("qmv_norm_seg router|shared gate 8-bit, f32 out", [EXPERTS, 1], HIDDEN, bits=8,
-                                   f32_out=True))
-    cases.append(qmv_residual_case("qmv_residual out_proj / o_proj 2048x4096", HIDDEN, 4096))
+    # The fused variants the decode step dispatches: unstaged (Metal's) and staged (CUDA's, tuning::staged_gemv).
+    for staged in (False, True):
+        tag = " (staged)" if staged else ""
+        cases.append(qmv_norm_case(f"qmv_norm lm_head {VOCAB}x{HIDDEN} (final norm folded in){tag}", VOCAB, HIDDEN,
+                                   staged=staged))
+        cases.append(qmv_norm_seg_case(f"qmv_norm_seg DeltaNet in_proj qkv|z|b|a{tag}",
+                                       [GDN_CONV_CHANNELS, GDN_V_HEADS * GDN_V_DIM, GDN_V_HEADS, GDN_V_HEADS], HIDDEN,
+                                       staged=staged))
+        cases.append(qmv_norm_seg_case(f"qmv_norm_seg attention q|k|v{tag}",
+                                       [2 * ATTN_HEADS * HEAD_DIM, ATTN_KV_HEADS * HEAD_DIM,
+                                        ATTN_KV_HEADS * HEAD_DIM], HIDDEN, staged=staged))
+        cases.append(qmv_norm_seg_case(f"qmv_norm_seg router|shared gate 8-bit, f32 out{tag}", [EXPERTS, 1], HIDDEN,
+                                       bits=8, f32_out=True, staged=staged))
+        cases.append(qmv_residual_case(f"qmv_residual out_proj / o_proj 2048x4096{tag}", HIDDEN, 4096,
+                                       staged=staged))
     return cases
 
 

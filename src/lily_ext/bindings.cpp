@@ -74,6 +74,7 @@ lily::Switches switches_from_dict(const nb::dict& d) {
     else if (name == "coalesced_kv") s.coalesced_kv = nb::cast<bool>(value);
     else if (name == "tensor_ops") s.tensor_ops = nb::cast<bool>(value);
     else if (name == "mma_attention") s.mma_attention = nb::cast<bool>(value);
+    else if (name == "staged_gemv") s.staged_gemv = nb::cast<bool>(value);
     else throw nb::value_error(("unknown engine switch '" + name + "'").c_str());
   }
   return s;

@@ -43,6 +43,7 @@ struct DecodeStep {
         normed(whole(g, b.normed)), mixer_out(whole(g, b.mixer_out)), proj(whole(g, b.proj)) {
     ctx.gqa_packing = sw.gqa_packing;
     ctx.coalesced_kv = sw.coalesced_kv;
+    ctx.staged_gemv = sw.staged_gemv;
   }
 
   // `norm` (rms_norm(x) ⊙ norm, written to `normed`) in front of the GEMVs that read it: its own dispatch, or folded.

@@ -54,6 +54,8 @@ struct Switches {
   bool tensor_ops = true;          // TENSOR_OPS: prefill GEMMs on Metal 4 tensor ops (qmm_nax) where the GPU has them
   bool mma_attention = true;       // MMA_ATTENTION: off = prefill attention on vector ALUs only (also forced off when
                                    // the simdgroup_matrix lane-layout probe disagrees on this GPU)
+  bool staged_gemv = true;         // STAGED_GEMV: off = decode GEMVs read x from device memory per simdgroup (on only
+                                   // where the runtime prefers staging x in threadgroup memory: CUDA)
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
   size_t kv_growth_block() const;

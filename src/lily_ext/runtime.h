@@ -93,6 +93,9 @@ class Runtime {
   virtual bool supports_tensor_ops() const = 0;
   // RecordOptions::profiled (per-node device times).
   virtual bool supports_profiling() const { return false; }
+  // Decode GEMVs stage x in threadgroup memory (tuning::staged_gemv): where scattered per-lane loads of x cost more
+  // than the staging (NVIDIA's L1), not on Apple GPUs.
+  virtual bool prefers_staged_gemv() const { return false; }
 
   // ---- graphs ----
   // Nodes [begin, end) of `graph`, whose buffer i is buffers[i]. The buffers must outlive the recording; the

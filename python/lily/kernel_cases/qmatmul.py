@@ -22,7 +22,7 @@ from lily.kernel_cases.common import (Case, Run, dtype_of, poisoned, quantized_w
                                       to_device, to_f64, weight_buffers)
 from lily.quant import QuantizedTensor, pack, round_to_dtype
 
-PATTERN = re.compile(r"qmv(_norm|_residual)?(_seg)?_q(4|8)_g64_(f32|f16|bf16)(_sf32)?(_of32)?"
+PATTERN = re.compile(r"qmv(_norm|_residual)?(_seg)?(_staged)?_q(4|8)_g64_(f32|f16|bf16)(_sf32)?(_of32)?"
                      r"|qmm_q(4|8)_g64_(f32|f16|bf16)(_sf32)?_bm(16|32)|qmm_nax_q(4|8)_g64_(f16|bf16)")
 QMV_ROWS_PER_THREADGROUP = 8  # LILY_QMV_SIMDGROUPS * LILY_QMV_ROWS_PER_SIMDGROUP
 QMM_BN = 32  # LILY_QMM_BN
@@ -47,6 +47,10 @@ EXTRA_SHAPES = {
     # Partial last steps of the fused norm: 1/rms sums x^2 over K exactly once.
     "qmv_norm_q4_g64_f32": [(2, 11, 2112), (2, 11, 4160)],
     "qmv_norm_q8_g64_f32": [(2, 11, 1088)],
+    # The staged GEMVs: K up to LILY_QMV_STAGE_MAX_K = 4096 (the staging buffer full), a partial pack step (2112), two
+    # input rows (grid y), a partial simdgroup; the residual variant the same.
+    "qmv_norm_staged_q4_g64_f32": [(2, 11, 2112), (1, 11, 4096), (1, 20, 2048)],
+    "qmv_residual_staged_q4_g64_f32": [(2, 11, 2112), (1, 13, 4096)],
     "qmv_q8_g64_bf16": [(1, 1, k) for k in (64, 448, 512, 1088, 2048)] + [(1, 256, 2048)],
     "qmv_q4_g64_bf16": [(1, 40, 4096), (2, 600, 512)],
     "qmm_q4_g64_bf16_bm16": [(m, 33, 256) for m in (15, 16, 31, 32, 65)],
@@ -64,6 +68,8 @@ EXTRA_SEGMENTS = {
     "qmv_norm_seg_q8_g64_bf16_of32": SEGMENT_BOUNDARIES,
     "qmv_norm_seg_q4_g64_f32": [([3, 9], 64, 2), ([9, 3], 2112, 1), ([9, 3], 4160, 1)],  # one grid row per input row
     "qmv_norm_seg_q8_g64_f32": [([9, 3], 1088, 1)],
+    "qmv_norm_seg_staged_q4_g64_f32": [([3, 9], 64, 2), ([9, 3], 2112, 1), ([9, 3], 4096, 1)],
+    "qmv_norm_seg_staged_q8_g64_bf16_of32": SEGMENT_BOUNDARIES,
 }
 
 
@@ -217,7 +223,7 @@ def cases(kernel: str) -> list[Case]:
                            partial(_qmv_norm, kernel=kernel, m=1, n=20, k=2048, x_scale=s)) for s in (1e-4, 30.0)]
         return found
     if kernel.startswith("qmv_residual"):
-        return _shape_cases(kernel, _qmv_residual, FUSED_SHAPES)
+        return _shape_cases(kernel, _qmv_residual, FUSED_SHAPES + extra)
     if kernel.startswith("qmv"):
         found = _shape_cases(kernel, _qmv, (FUSED_SHAPES if kernel.endswith("_of32") else QMV_SHAPES) + extra)
         if kernel == "qmv_q4_g64_f32":

@@ -27,6 +27,7 @@ struct Context {
   bool coalesced_kv = true;  // decode attention lanes read consecutive chunks of a K/V row (COALESCED_KV)
   bool tensor_ops = false;   // bf16 prefill GEMMs with bf16 scales run qmm_nax (TENSOR_OPS, on M5-class GPUs)
   bool mma_attention = true;  // prefill attention on simdgroup matrices for 8+ tokens (MMA_ATTENTION, layout probe)
+  bool staged_gemv = false;   // decode GEMVs stage x in threadgroup memory (STAGED_GEMV, on CUDA: tuning::staged_gemv)
 };
 
 // Appends a node; traffic defaults to the declared ranges.

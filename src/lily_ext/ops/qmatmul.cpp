@@ -70,7 +70,10 @@ void qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const W
   a.out_features = static_cast<u32>(w.rows);
   a.num_rows = 1;
   a.eps = eps;
-  std::string name = "qmv_norm" + qmv_suffix(w, ctx.act) + (dtype != ctx.act ? "_of32" : "");
+  const bool staged = dtype == ctx.act &&
+                      tuning::staged_gemv(ctx.staged_gemv, w.bits, w.scale_dtype == DType::BF16, w.cols, false);
+  std::string name = std::string(staged ? "qmv_norm_staged" : "qmv_norm") + qmv_suffix(w, ctx.act) +
+                     (dtype != ctx.act ? "_of32" : "");
   add_node(ctx, name, label,
            {arg_value(a), arg(x), arg(norm_weight.data), arg(w.data), arg(w.scales), arg(w.biases), arg(y)},
            qmv_groups(w), {tuning::kQmvThreads, 1, 1}, {x, norm_weight.data, w.data, w.scales, w.biases}, {y});
@@ -83,7 +86,8 @@ void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, con
   a.in_features = static_cast<u32>(w.cols);
   a.out_features = static_cast<u32>(w.rows);
   a.num_rows = 1;
-  add_node(ctx, "qmv_residual" + qmv_suffix(w, ctx.act), label,
+  const bool staged = tuning::staged_gemv(ctx.staged_gemv, w.bits, w.scale_dtype == DType::BF16, w.cols, false);
+  add_node(ctx, std::string(staged ? "qmv_residual_staged" : "qmv_residual") + qmv_suffix(w, ctx.act), label,
            {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(residual_out), arg(residual_out)},
            qmv_groups(w), {tuning::kQmvThreads, 1, 1}, {x, w.data, w.scales, w.biases, residual_out}, {residual_out});
 }
@@ -133,8 +137,13 @@ void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, con
   }
   args[0] = arg_value(a);
   args.push_back(arg(y));
-  std::string name = std::string(norm_weight ? "qmv_norm_seg" : "qmv_seg") + qmv_suffix(first, ctx.act) +
-                     (dtype != ctx.act ? "_of32" : "");
+  // Staged: 4-bit with the activation dtype out, or 8-bit with f32 out in bf16 mode (the router | shared-expert gate).
+  const bool of32 = dtype != ctx.act;
+  const bool staged = norm_weight && (first.bits == 4) != of32 &&
+                      tuning::staged_gemv(ctx.staged_gemv, first.bits, first.scale_dtype == DType::BF16, first.cols,
+                                          ctx.act == DType::BF16);
+  std::string name = std::string(norm_weight ? (staged ? "qmv_norm_seg_staged" : "qmv_norm_seg") : "qmv_seg") +
+                     qmv_suffix(first, ctx.act) + (of32 ? "_of32" : "");
   add_node(ctx, name, label, args, {groups, 1, 1}, {tuning::kQmvThreads, 1, 1}, reads, {y});
 }
 

@@ -1,0 +1,54 @@
+"""The STAGED_GEMV switch: on the CUDA runtime the one-row decode GEMVs (qmv_norm, qmv_residual, qmv_norm_seg) stage
+x in threadgroup memory (the `*_staged_*` kernels: tuning::staged_gemv); off, or on the Metal runtime, they read x
+from device memory per simdgroup. Both must give the same logits, which follow lily.reference (the mlx checkpoint of
+the fusion tests: bf16 scales, the model's head shapes; the fake libcuda running the real kernels on the harness)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lily.backends.metal import MetalBackend, switches_from_env
+from lily.reference import ReferenceModel
+
+from tests.engine.test_fusion import DECODE_ONLY, PROMPT, checkpoints  # noqa: F401 (the fixture)
+from tests.engine.test_metal_backend import relative_error
+
+STAGED = {"qmv_norm_staged", "qmv_residual_staged", "qmv_norm_seg_staged"}
+
+
+def _staged_ops(kernels) -> set[str]:
+    return {name.split("_q")[0] for name in kernels if "_staged_" in name}
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_staged_and_unstaged_decode_gemvs_give_the_same_logits(checkpoints, cuda_engine_backend, precision):  # noqa: F811
+    checkpoint = checkpoints["mlx"]
+    runs = {}
+    for staged in (True, False):
+        backend = cuda_engine_backend(checkpoint, precision=precision, switches={**DECODE_ONLY, "staged_gemv": staged})
+        runs[staged] = backend.forward(PROMPT, backend.new_state())
+        kernels = backend.last_step_counts()["dispatches_by_kernel"]
+        assert _staged_ops(kernels) == (STAGED if staged else set()), sorted(kernels)
+        if staged and precision == "bfloat16":  # the 8-bit router | shared-gate GEMV with f32 out is staged too
+            assert "qmv_norm_seg_staged_q8_g64_bf16_of32" in kernels, sorted(kernels)
+    ref = ReferenceModel(checkpoint)
+    want = ref.forward(PROMPT, ref.new_state())
+    if precision == "float32":
+        # Same maths, another fp32 summation order (pack sums by shuffles, the norm weight applied once).
+        assert relative_error(runs[True], runs[False]) < 1e-5
+        assert relative_error(runs[True], want) < 1e-3
+    else:
+        for staged, logits in runs.items():  # bf16 rounding of the hidden stream, as test_fusion's bf16 bound
+            assert relative_error(logits, want) < 5e-2, staged
+    assert np.array_equal(np.argmax(runs[True], -1), np.argmax(runs[False], -1))
+
+
+def test_metal_runtime_never_stages(checkpoints):  # noqa: F811
+    backend = MetalBackend(checkpoints["mlx"], precision="float32", switches=DECODE_ONLY)
+    backend.forward(PROMPT, backend.new_state())
+    assert not _staged_ops(backend.last_step_counts()["dispatches_by_kernel"])
+
+
+def test_staged_gemv_switch_is_read_from_the_environment():
+    assert switches_from_env({"LILY_DISABLE_STAGED_GEMV": "1"}) == {"staged_gemv": False}
