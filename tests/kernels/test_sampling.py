@@ -117,9 +117,10 @@ def block_logits(vocab: int = 600) -> np.ndarray:
 
 
 @pytest.mark.parametrize("top_k,top_p,min_p", [(6, 0.9, 0.0), (0, 1.0, 0.0), (64, 0.95, 0.05)])
-def test_block_path_distribution(kernel_device, top_k, top_p, min_p) -> None:
-    """Chi-square of 3000 draws of the block path against lily.sampling's filtered distribution (the tail is kept by
-    plain temperature sampling: it holds ~1e-4 of the mass in 470 tokens, pooled into one bin)."""
+def test_sample_distribution_of_the_block_path(kernel_device, top_k, top_p, min_p) -> None:
+    """Chi-square of 2000 draws of the block path against lily.sampling's filtered distribution (the tail is kept by
+    plain temperature sampling: it holds ~4e-5 of the mass in ~470 tokens, pooled into one bin). Named like
+    test_sample_distribution, so tests/test_cuda_driver.py's subset skips it with that slow test."""
     logits = block_logits()
     temperature = 0.9
     x = logits.astype(np.float64) / temperature
@@ -127,7 +128,7 @@ def test_block_path_distribution(kernel_device, top_k, top_p, min_p) -> None:
     probs = np.exp(log_softmax(np.where(keep, x, -np.inf)))
     keep &= top_p_mask(probs, top_p) & (probs >= min_p * probs.max())
     expected = np.where(keep, probs, 0.0) / probs[keep].sum()
-    draws = 3000
+    draws = 2000
     run = Run(kernel_device, np.random.default_rng(0))
     got = [run_sample_blocks(run, "f32", logits, BLOCK, 32, 64, temperature, top_k, top_p, min_p, 2024, s)
            for s in range(draws)]
@@ -136,7 +137,10 @@ def test_block_path_distribution(kernel_device, top_k, top_p, min_p) -> None:
     head = expected * draws >= 5
     observed = np.append(counts[head], counts[~head].sum())
     e = np.append(expected[head] * draws, expected[~head].sum() * draws)
-    if e[-1] < 1e-9:
+    if e[-1] < 5:  # the pooled rare tokens join the least likely bin, so every bin expects >= 5 draws
+        least = int(np.argmin(e[:-1]))
+        observed[least] += observed[-1]
+        e[least] += e[-1]
         observed, e = observed[:-1], e[:-1]
     chi2 = float(((observed - e) ** 2 / e).sum())
     # 99.9th percentile of chi-square with <= 8 degrees of freedom is 26.1.
