@@ -39,6 +39,13 @@
 //                                          place: each element is read and written by the same lane). Chosen for the
 //                                          DeltaNet out_proj and the attention o_proj; saves the mixer-output write
 //                                          and re-read and, with qmv_norm, the rms_norm_residual stage.
+//   qmv_norm_staged_*, qmv_residual_staged_*, qmv_norm_seg_staged_*  (CUDA's choice: tuning::staged_gemv) the same
+//                                          three one-row GEMVs with x staged once per threadgroup in threadgroup memory
+//                                          in the lanes' read order (qmv_stage: norm weight applied once, pack sums by
+//                                          shuffles), and the first step's weights loaded before the staging
+//                                          barrier. K <= LILY_QMV_STAGE_MAX_K, bf16 scales; 4-bit (and the 8-bit
+//                                          router GEMV with f32 out). Apple GPUs keep the unstaged kernels
+//                                          (threadgroup memory and occupancy: not measured there).
 //   qmm_q<b>_g64_<dtype>[_sf32]_bm<BM>     prefill GEMM. Grid (ceil(N / 32), ceil(M / BM), 1); BM = 16 with 2
 //                                          simdgroups (64 threads) for M <= LILY_QMM_BM16_MAX_ROWS, BM = 32 with 4
 //                                          simdgroups (128 threads) above. Per K step of 32 the threadgroup copies a
@@ -359,52 +366,74 @@ LILY_INLINE float qmv_stage(device const T* x, device const T* norm_weight, uint
   return precise::rsqrt(total / float(K) + eps);
 }
 
-// qmv_accumulate for one input row with x' from qmv_stage: acc[r] = this lane's share of sum_k x'_k w[first_row + r, k]
-// (the caller does the simd_sum). Loads, packs and partial steps as qmv_accumulate.
+// Loads one step of a simdgroup's kRows rows: kPacks packs (lane + 32 i from p0) of LILY_QMV_PACK_WORDS words each,
+// and their scales and biases (0 past the row: a pack past the row re-reads the row's last pack). The words are 4-byte
+// loads: a mapped checkpoint guarantees no more alignment (one 16-byte load per pack is the next step where the host
+// can guarantee 16; tried, it faulted in the harness's engine path and is not understood yet).
+typedef uint4 QmvPack;  // one pack's words (a named type: `uint4 (` would call the harness's uint4 constructor macro)
+
 template <int Bits, typename S>
-LILY_INLINE void qmv_accumulate_staged(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const uint* weight,
-                                       device const S* scales, device const S* biases, uint K, uint N,
-                                       uint first_row, uint lane, threadgroup const float4* stage_x,
-                                       threadgroup const float* pack_sum) {
+LILY_INLINE void qmv_load_step(thread QmvPack (&words)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP],
+                               thread float (&scale)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP],
+                               thread float (&bias)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP],
+                               device const uint* weight, device const S* scales, device const S* biases, uint K,
+                               uint N, uint first_row, uint p0) {
+  static_assert(LILY_QMV_PACK_WORDS == 4, "a pack is one 16-byte load");
+  constexpr uint kPerWord = 32 / Bits;
+  constexpr uint kWordsPerGroup = kGroupSize / kPerWord;
+  const uint words_per_row = K / kPerWord;
+  const uint packs_per_row = words_per_row / LILY_QMV_PACK_WORDS;
+  const uint groups_per_row = K / kGroupSize;
+  LILY_UNROLL
+  for (uint i = 0; i < LILY_QMV_PACKS_PER_LANE; ++i) {
+    const uint p = min(p0 + 32 * i, packs_per_row - 1);
+    const bool in_row = p0 + 32 * i < packs_per_row;
+    const uint g = p * LILY_QMV_PACK_WORDS / kWordsPerGroup;
+    LILY_UNROLL
+    for (uint r = 0; r < LILY_QMV_ROWS_PER_SIMDGROUP; ++r) {
+      const size_t n = min(first_row + r, N - 1);  // rows past N read row N - 1 (never written)
+      device const uint* pack = weight + n * words_per_row + p * LILY_QMV_PACK_WORDS;
+      words[i][r] = uint4(pack[0], pack[1], pack[2], pack[3]);
+      scale[i][r] = in_row ? float(scales[n * groups_per_row + g]) : 0.0f;
+      bias[i][r] = in_row ? float(biases[n * groups_per_row + g]) : 0.0f;
+    }
+  }
+}
+
+// The staged GEMV of one input row for this simdgroup's rows: acc[r] = this lane's share of sum_k x'_k w[first_row + r,
+// k] (the caller does the simd_sum), returning 1/rms (Norm) or 1. The first step's weights are loaded before x is
+// staged, so their latency overlaps the staging and its barrier. Every thread of the threadgroup calls it; a
+// simdgroup with `active` false (rows past N) only takes part in the staging.
+template <bool Norm, int Bits, typename T, typename S>
+LILY_INLINE float qmv_staged_rows(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const T* x,
+                                  device const T* norm_weight, device const uint* weight, device const S* scales,
+                                  device const S* biases, uint K, uint N, float eps, uint first_row, bool active,
+                                  threadgroup float4* stage_x, threadgroup float* pack_sum, threadgroup float* simd_sq,
+                                  uint tid, uint n_threads, uint lane, uint simd_group) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
-  constexpr uint kPackWords = LILY_QMV_PACK_WORDS;
   constexpr uint kPacks = LILY_QMV_PACKS_PER_LANE;
   constexpr uint kPerWord = 32 / Bits;
   constexpr uint kChunks = kStageChunks<Bits>;
-  constexpr uint kWordsPerGroup = kGroupSize / kPerWord;
-  const uint words_per_row = K / kPerWord;
-  const uint packs_per_row = words_per_row / kPackWords;
-  const uint groups_per_row = K / kGroupSize;
-  device const uint* w_row[kRows];
-  device const S* s_row[kRows];
-  device const S* b_row[kRows];
+  const uint packs_per_row = K / kPerWord / LILY_QMV_PACK_WORDS;
   LILY_UNROLL
   for (uint r = 0; r < kRows; ++r) {
-    const uint n = min(first_row + r, N - 1);
-    w_row[r] = weight + size_t(n) * words_per_row;
-    s_row[r] = scales + size_t(n) * groups_per_row;
-    b_row[r] = biases + size_t(n) * groups_per_row;
     acc[r] = 0.0f;
+  }
+  QmvPack words[kPacks][kRows];
+  float scale[kPacks][kRows], bias[kPacks][kRows];
+  if (active) {
+    qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
+  }
+  const float inv_rms = qmv_stage<Norm, Bits>(x, norm_weight, K, eps, stage_x, pack_sum, simd_sq, tid, n_threads, lane,
+                                              simd_group);
+  if (!active) {
+    return inv_rms;
   }
   uint magic[lily::kCodeMagicCount<Bits>];
   lily::code_float_magic<Bits>(magic);
   for (uint p0 = lane; p0 < packs_per_row; p0 += 32 * kPacks) {
-    uint words[kPacks][kRows][kPackWords];
-    float scale[kPacks][kRows], bias[kPacks][kRows];
-    LILY_UNROLL
-    for (uint i = 0; i < kPacks; ++i) {
-      const uint p = min(p0 + 32 * i, packs_per_row - 1);
-      const bool in_row = p0 + 32 * i < packs_per_row;
-      const uint g = p * kPackWords / kWordsPerGroup;
-      LILY_UNROLL
-      for (uint r = 0; r < kRows; ++r) {
-        LILY_UNROLL
-        for (uint j = 0; j < kPackWords; ++j) {
-          words[i][r][j] = w_row[r][p * kPackWords + j];
-        }
-        scale[i][r] = in_row ? float(s_row[r][g]) : 0.0f;
-        bias[i][r] = in_row ? float(b_row[r][g]) : 0.0f;
-      }
+    if (p0 != lane) {
+      qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, p0);
     }
     LILY_UNROLL
     for (uint i = 0; i < kPacks; ++i) {
@@ -416,7 +445,7 @@ LILY_INLINE void qmv_accumulate_staged(thread float (&acc)[LILY_QMV_ROWS_PER_SIM
         d[r] = 0.0f;
       }
       LILY_UNROLL
-      for (uint j = 0; j < kPackWords; ++j) {
+      for (uint j = 0; j < LILY_QMV_PACK_WORDS; ++j) {
         float xs[kPerWord];
         LILY_UNROLL
         for (uint c = 0; c < kPerWord; c += 4) {
@@ -428,10 +457,11 @@ LILY_INLINE void qmv_accumulate_staged(thread float (&acc)[LILY_QMV_ROWS_PER_SIM
         }
         LILY_UNROLL
         for (uint r = 0; r < kRows; ++r) {
-          const uint word_high = words[i][r][j] >> 16;
+          const uint word = words[i][r][j];
+          const uint word_high = word >> 16;
           LILY_UNROLL
           for (uint e = 0; e < kPerWord; ++e) {
-            d[r] = fma(xs[e], lily::code_float<Bits>(words[i][r][j], word_high, e, magic), d[r]);
+            d[r] = fma(xs[e], lily::code_float<Bits>(word, word_high, e, magic), d[r]);
           }
         }
       }
@@ -442,6 +472,7 @@ LILY_INLINE void qmv_accumulate_staged(thread float (&acc)[LILY_QMV_ROWS_PER_SIM
       }
     }
   }
+  return inv_rms;
 }
 
 }  // namespace lily_qmatmul
@@ -601,14 +632,14 @@ template <typename T, typename S, int Bits, typename O>
   if (tg.x * (n_threads / 32) * kRows >= N || tg.y >= args.num_rows) {
     return;  // the whole threadgroup leaves: the barrier in qmv_stage stays uniform
   }
-  const float inv_rms = qmv_stage<true, Bits>(x + size_t(tg.y) * K, norm_weight, K, args.eps, stage_x, pack_sum,
-                                              simd_sq, tid, n_threads, lane, simd_group);
   const uint first_row = (tg.x * (n_threads / 32) + simd_group) * kRows;
-  if (first_row >= N) {
-    return;  // the whole simdgroup leaves: the simd_sums below stay convergent
-  }
   float acc[kRows];
-  qmv_accumulate_staged<Bits>(acc, weight, scales, biases, K, N, first_row, lane, stage_x, pack_sum);
+  const float inv_rms = qmv_staged_rows<true, Bits>(acc, x + size_t(tg.y) * K, norm_weight, weight, scales, biases, K,
+                                                    N, args.eps, first_row, first_row < N, stage_x, pack_sum, simd_sq,
+                                                    tid, n_threads, lane, simd_group);
+  if (first_row >= N) {
+    return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
+  }
   LILY_UNROLL
   for (uint r = 0; r < kRows; ++r) {
     const float total = simd_sum(acc[r]);
@@ -642,14 +673,13 @@ template <typename T, typename S, int Bits>
   if (tg.x * (n_threads / 32) * kRows >= N || tg.y >= args.num_rows) {
     return;  // the whole threadgroup leaves: the barrier in qmv_stage stays uniform
   }
-  qmv_stage<false, Bits>(x + size_t(tg.y) * K, x, K, 0.0f, stage_x, pack_sum, simd_sq, tid, n_threads, lane,
-                         simd_group);
   const uint first_row = (tg.x * (n_threads / 32) + simd_group) * kRows;
-  if (first_row >= N) {
-    return;  // the whole simdgroup leaves: the simd_sums below stay convergent
-  }
   float acc[kRows];
-  qmv_accumulate_staged<Bits>(acc, weight, scales, biases, K, N, first_row, lane, stage_x, pack_sum);
+  qmv_staged_rows<false, Bits>(acc, x + size_t(tg.y) * K, x, weight, scales, biases, K, N, 0.0f, first_row,
+                               first_row < N, stage_x, pack_sum, simd_sq, tid, n_threads, lane, simd_group);
+  if (first_row >= N) {
+    return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
+  }
   LILY_UNROLL
   for (uint r = 0; r < kRows; ++r) {
     const float total = simd_sum(acc[r]);
@@ -701,17 +731,17 @@ template <typename T, typename S, int Bits, typename O>
   if (block * rows_per_group >= N) {
     return;  // the whole threadgroup leaves (past the last segment): the barrier in qmv_stage stays uniform
   }
-  const float inv_rms = qmv_stage<true, Bits>(x + size_t(tg.y) * K, norm_weight, K, args.eps, stage_x, pack_sum,
-                                              simd_sq, tid, n_threads, lane, simd_group);
   const uint first_row = (block * (n_threads / 32) + simd_group) * kRows;
-  if (first_row >= N) {
-    return;  // the whole simdgroup leaves: the simd_sums below stay convergent
-  }
   device const uint* weight = segment == 0 ? weight0 : segment == 1 ? weight1 : segment == 2 ? weight2 : weight3;
   device const S* scales = segment == 0 ? scales0 : segment == 1 ? scales1 : segment == 2 ? scales2 : scales3;
   device const S* biases = segment == 0 ? biases0 : segment == 1 ? biases1 : segment == 2 ? biases2 : biases3;
   float acc[kRows];
-  qmv_accumulate_staged<Bits>(acc, weight, scales, biases, K, N, first_row, lane, stage_x, pack_sum);
+  const float inv_rms = qmv_staged_rows<true, Bits>(acc, x + size_t(tg.y) * K, norm_weight, weight, scales, biases, K,
+                                                    N, args.eps, first_row, first_row < N, stage_x, pack_sum, simd_sq,
+                                                    tid, n_threads, lane, simd_group);
+  if (first_row >= N) {
+    return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
+  }
   LILY_UNROLL
   for (uint r = 0; r < kRows; ++r) {
     const float total = simd_sum(acc[r]);

@@ -38,7 +38,8 @@ constexpr size_t attention_split_blocks(size_t keys, size_t min_keys) {
 // own pack of x from device memory kept the H200's L1 95 % busy; instantiated for bf16 scales, 4-bit weights (8-bit
 // for the segmented router GEMV with f32 output) and K <= LILY_QMV_STAGE_MAX_K. Apple GPUs keep the unstaged kernels.
 inline bool staged_gemv(bool switched_on, int bits, bool bf16_scales, size_t in_features, bool eight_bit_allowed) {
-  return switched_on && bf16_scales && in_features <= LILY_QMV_STAGE_MAX_K && (bits == 4 || (bits == 8 && eight_bit_allowed));
+  return switched_on && bf16_scales && in_features <= LILY_QMV_STAGE_MAX_K &&
+         (bits == 4 || (bits == 8 && eight_bit_allowed));
 }
 
 // Threads per threadgroup.

@@ -22,7 +22,8 @@ def _staged_ops(kernels) -> set[str]:
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_staged_and_unstaged_decode_gemvs_give_the_same_logits(checkpoints, cuda_engine_backend, precision):  # noqa: F811
+def test_staged_and_unstaged_decode_gemvs_give_the_same_logits(
+        checkpoints, cuda_engine_backend, precision):  # noqa: F811 (the fixture)
     checkpoint = checkpoints["mlx"]
     runs = {}
     for staged in (True, False):
