@@ -77,8 +77,18 @@ def _depth_session(model: Model, depth: int, rng: np.random.Generator) -> Sessio
     return session
 
 
+def _make_live(model: Model, session: Session) -> None:
+    """The GPU backends hold one sequence's state on the device: make the fork's the live one before a clock starts,
+    as llama-bench runs each test in a context of its own (at depth 32768 the swap moves over a gigabyte between
+    host and device, which is neither prefill nor decode: on an H200 it cut tg128 @ d32768 from 190 to 66 tok/s)."""
+    activate = getattr(model.backend, "_activate", None)
+    if activate is not None:
+        activate(session.state)
+
+
 def _time_prefill(model: Model, base: Session, ids: list[int]) -> float:
     session = base.fork()
+    _make_live(model, session)
     start = time.perf_counter()
     model.prefill(ids, session=session, use_cache=False)
     return time.perf_counter() - start
@@ -90,12 +100,7 @@ def _time_generate(model: Model, base: Session, n_gen: int, first: int) -> float
         model.prefill([first], session=session, use_cache=False)
     else:
         session._ensure_logits()
-    # The GPU backends hold one sequence's state on the device: make the fork's the live one before the clock, as
-    # llama-bench's tg runs in a context of its own (at depth 32768 the swap moves over a gigabyte between host and
-    # device, which is not decode: on an H200 it cut tg128 @ d32768 from 190 to 66 tok/s).
-    activate = getattr(model.backend, "_activate", None)
-    if activate is not None:
-        activate(session.state)
+    _make_live(model, session)
     # Plain greedy, as llama-bench: no generation_config penalty (decode applies it unless told otherwise).
     tokens = session.decode(max_tokens=n_gen, temperature=0.0, repetition_penalty=1.0, stop_token_ids=())
     start = time.perf_counter()
