@@ -42,6 +42,8 @@ def test_sources_and_registry_agree() -> None:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     assert not duplicates, f"host names instantiated twice: {duplicates}"
     registered = msl.kernel_names()
+    if os.environ.get("LILY_KERNEL_DEVICE") == "cuda":  # the Metal 4 tensor-op kernels have no CUDA build
+        names = [n for n in names if not n.startswith("qmm_nax_")]
     assert sorted(names) == registered, (
         f"only in metal/*.metal: {sorted(set(names) - set(registered))}; "
         f"only in the registry: {sorted(set(registered) - set(names))}"
