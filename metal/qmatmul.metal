@@ -370,15 +370,13 @@ LILY_INLINE float qmv_stage(device const T* x, device const T* norm_weight, uint
 // and their scales and biases (0 past the row: a pack past the row re-reads the row's last pack). The words are 4-byte
 // loads: a mapped checkpoint guarantees no more alignment (one 16-byte load per pack is the next step where the host
 // can guarantee 16; tried, it faulted in the harness's engine path and is not understood yet).
-typedef uint4 QmvPack;  // one pack's words (a named type: `uint4 (` would call the harness's uint4 constructor macro)
-
 template <int Bits, typename S>
-LILY_INLINE void qmv_load_step(thread QmvPack (&words)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP],
+LILY_INLINE void qmv_load_step(
+    thread uint (&words)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS],
                                thread float (&scale)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP],
                                thread float (&bias)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP],
                                device const uint* weight, device const S* scales, device const S* biases, uint K,
                                uint N, uint first_row, uint p0) {
-  static_assert(LILY_QMV_PACK_WORDS == 4, "a pack is one 16-byte load");
   constexpr uint kPerWord = 32 / Bits;
   constexpr uint kWordsPerGroup = kGroupSize / kPerWord;
   const uint words_per_row = K / kPerWord;
@@ -392,8 +390,10 @@ LILY_INLINE void qmv_load_step(thread QmvPack (&words)[LILY_QMV_PACKS_PER_LANE][
     LILY_UNROLL
     for (uint r = 0; r < LILY_QMV_ROWS_PER_SIMDGROUP; ++r) {
       const size_t n = min(first_row + r, N - 1);  // rows past N read row N - 1 (never written)
-      device const uint* pack = weight + n * words_per_row + p * LILY_QMV_PACK_WORDS;
-      words[i][r] = uint4(pack[0], pack[1], pack[2], pack[3]);
+      LILY_UNROLL
+      for (uint j = 0; j < LILY_QMV_PACK_WORDS; ++j) {
+        words[i][r][j] = weight[n * words_per_row + p * LILY_QMV_PACK_WORDS + j];
+      }
       scale[i][r] = in_row ? float(scales[n * groups_per_row + g]) : 0.0f;
       bias[i][r] = in_row ? float(biases[n * groups_per_row + g]) : 0.0f;
     }
@@ -419,7 +419,7 @@ LILY_INLINE float qmv_staged_rows(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROU
   for (uint r = 0; r < kRows; ++r) {
     acc[r] = 0.0f;
   }
-  QmvPack words[kPacks][kRows];
+  uint words[kPacks][kRows][LILY_QMV_PACK_WORDS];
   float scale[kPacks][kRows], bias[kPacks][kRows];
   if (active) {
     qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
