@@ -21,7 +21,10 @@ DECODE_KERNELS = {"qmv_q4_g64_bf16", "qmv_q8_g64_bf16", "qmv_norm_q4_g64_bf16", 
                   "moe_down_combine_bf16", "attention_decode_bf16_d256", "attention_decode_partial_bf16_d256",
                   "attention_decode_combine_bf16_d256", "gated_delta_step_bf16_dk128", "embedding_gather_q4_g64_bf16",
                   "rms_norm_bf16", "argmax_partial_bf16", "argmax_final_f32", "sample_bf16",
-                  "sample_partial_bf16", "sample_final_bf16"}
+                  "sample_partial_bf16", "sample_final_bf16",
+                  # CUDA's choice of the one-row decode GEMVs (tuning::staged_gemv)
+                  "qmv_norm_staged_q4_g64_bf16", "qmv_norm_seg_staged_q4_g64_bf16",
+                  "qmv_norm_seg_staged_q8_g64_bf16_of32", "qmv_residual_staged_q4_g64_bf16"}
 
 
 def test_cases_cover_every_decode_kernel_and_qmv_row_count() -> None:

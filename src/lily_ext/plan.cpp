@@ -60,7 +60,11 @@ DecodePlan plan_decode(const ModelConfig& config, Precision precision, const Swi
   plan.kv_capacity = (context + 1 + block - 1) / block * block;
   WeightTable weights = synthetic_weights(config, plan.graph);
   DecodeBuffers buffers = add_decode_buffers(config, precision, plan.kv_capacity, plan.kv_capacity, plan.graph);
-  build_decode_step(config, precision, switches, weights, buffers, context, 0, 1, plan.graph);
+  // The plan is the Metal engine's step: no runtime here to prefer staged GEMVs, as Apple GPUs never do (the engine
+  // turns the switch off the same way, Engine::Engine).
+  Switches metal = switches;
+  metal.staged_gemv = false;
+  build_decode_step(config, precision, metal, weights, buffers, context, 0, 1, plan.graph);
   plan.counts = count_graph(plan.graph);
   plan.minimum = minimum_bytes(config, precision, weights, context);
   plan.fast_paths_left_out = fast_paths_left_out(config);

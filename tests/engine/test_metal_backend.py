@@ -298,7 +298,7 @@ def test_weights_are_mapped_not_copied(engine_backend, checkpoints):
     assert backend.materialised_bytes == widened
 
 
-def test_bfloat16_mode_maps_an_mlx_checkpoint_without_copies(engine_backend, checkpoints):
+def test_bfloat16_mode_maps_an_mlx_checkpoint_without_copies(engine_runtime, engine_backend, checkpoints):
     """bf16 mode on an MLX 4-bit checkpoint: every quantized tensor (fused projections included: the segmented GEMVs
     bind each part's own bytes) and every bf16 dense tensor is a range of the mapped file; only dense tensors stored
     in another dtype than the kernels take (A_log, dt_bias: f32) are converted."""
@@ -318,7 +318,8 @@ def test_bfloat16_mode_maps_an_mlx_checkpoint_without_copies(engine_backend, che
     assert backend.materialised_bytes == converted
     assert backend.materialised_bytes < 0.01 * file_bytes
     backend.forward(PROMPT[:1], backend.new_state())  # one decode step: the fused projections are segmented GEMVs
-    assert backend.last_step_counts()["dispatches_by_kernel"].get("qmv_norm_seg_q4_g64_bf16", 0) > 0
+    segmented = "qmv_norm_seg_staged_q4_g64_bf16" if engine_runtime == "cuda" else "qmv_norm_seg_q4_g64_bf16"
+    assert backend.last_step_counts()["dispatches_by_kernel"].get(segmented, 0) > 0
 
 
 @pytest.mark.fake_metal
