@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import sys
+import tarfile
 from pathlib import Path
 
 import gguf  # llama.cpp's gguf-py, in the test extras (pyproject.toml)
@@ -147,3 +148,52 @@ def test_prune_keeps_what_a_cuda_llama_bench_build_needs(tmp_path):
                     "ggml/src/ggml.c", "gguf-py/gguf/gguf_writer.py", "src/llama-arch.cpp", "tools/CMakeLists.txt",
                     "tools/llama-bench/llama-bench.cpp", "vendor/stb/stb_image.h"]
     assert (dest / "tools" / "CMakeLists.txt").read_text().strip().endswith("add_subdirectory(llama-bench)")
+
+
+ISOLATED_ONLY_BACKEND = '''
+import importlib.util
+from pathlib import Path
+
+
+def _fail_unless_isolated():
+    # llama-cpp-python builds with scikit-build-core, which pip installs only into the isolated build environment:
+    # this backend likewise works only there, where the test's own packages (pytest) are not importable.
+    if importlib.util.find_spec("pytest") is not None:
+        raise RuntimeError("metadata prepared without build isolation")
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    return []
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+    _fail_unless_isolated()
+    info = Path(metadata_directory) / "llama_cpp_python-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\\nName: llama_cpp_python\\nVersion: {version}\\n")
+    return info.name
+'''
+
+
+def test_fetch_sdist_lets_pip_prepare_the_sdist_in_build_isolation(tmp_path, monkeypatch):
+    """pip downloads the source distribution from a local index whose build backend works only in the isolated
+    environment pip makes; a download without build isolation (the bug of issue 23) fails here."""
+    prepare = script("prepare")
+    package, version, _ = prepare.SDIST
+    project = tmp_path / "project" / f"llama_cpp_python-{version}"
+    (project / "vendor" / "llama.cpp" / "src").mkdir(parents=True)
+    (project / "vendor" / "llama.cpp" / "src" / "llama-arch.cpp").write_text("// LLM_ARCH_QWEN35MOE qwen35moe\n")
+    (project / "backend.py").write_text(ISOLATED_ONLY_BACKEND.replace("{version}", version))
+    (project / "pyproject.toml").write_text('[build-system]\nrequires = []\nbuild-backend = "backend"\n'
+                                            'backend-path = ["."]\n')
+    (project / "PKG-INFO").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
+    index = tmp_path / "index"
+    index.mkdir()
+    with tarfile.open(index / f"llama_cpp_python-{version}.tar.gz", "w:gz") as tar:
+        tar.add(project, arcname=project.name)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    work = tmp_path / "work"
+    work.mkdir()
+    tree = prepare.fetch_sdist(work)
+    assert "qwen35moe" in (tree / "src" / "llama-arch.cpp").read_text()

@@ -30,6 +30,8 @@ RULES = {
     "atomic-version": "atomic_float needs MSL 3.0 and 64-bit atomics (atomic_ulong: min/max only, Apple8+) MSL 3.1",
     "bfloat-version": "bfloat needs MSL 3.1",
     "memory-order": "Metal atomics take memory_order_relaxed only",
+    "no-double": "Metal has no double-precision type: `double` and `long double` are rejected by Apple's compiler "
+                 "(MSL §2.1); use float",
     "threadgroup-scope": "threadgroup variables may be declared only in a kernel function's body (or bound as "
                          "[[threadgroup(i)]] kernel parameters), not at program scope, in a struct or in a helper",
 }
@@ -99,6 +101,8 @@ class _Checker:
 
     def check_text_rules(self) -> None:
         code = self.code
+        for m in re.finditer(r"\b(?:long\s+)?double\b", code):
+            self.fail(m.start(), "no-double", m.group(0))
         for m in re.finditer(r"\bmemory_order_(\w+)", code):
             if m.group(1) != "relaxed":
                 self.fail(m.start(), "memory-order", f"memory_order_{m.group(1)}")
