@@ -79,11 +79,23 @@ void Encoder::issue_barrier() {
   stage_.clear();
 }
 
+namespace {
+
+void check_argument_count(const Pipeline& pipeline, const std::vector<Argument>& arguments) {
+  if (arguments.size() > mtl::kMaxBufferArguments) {
+    throw Error("[encoder] a dispatch of " + pipeline.name() + " binds " + std::to_string(arguments.size()) +
+                " arguments; Metal allows " + std::to_string(mtl::kMaxBufferArguments));
+  }
+}
+
+}  // namespace
+
 void Encoder::dispatch(const Pipeline& pipeline, const std::vector<Argument>& arguments,
                        mtl::Size threadgroups, mtl::Size threads_per_threadgroup,
                        const std::vector<BufferRange>& reads, const std::vector<BufferRange>& writes,
                        const std::vector<size_t>& threadgroup_memory) {
   require_not_committed("dispatch");
+  check_argument_count(pipeline, arguments);
   auto where = [&] { return "[encoder] dispatch of kernel '" + pipeline.name() + "': "; };
   size_t threads =
       threads_per_threadgroup.width * threads_per_threadgroup.height * threads_per_threadgroup.depth;
@@ -143,15 +155,29 @@ void Encoder::dispatch_planned(const Pipeline& pipeline, bool same_pipeline, con
   if (!dry_) {
     void* encoder = open_encoder();
     if (!same_pipeline) mtl::set_pipeline(encoder, pipeline.handle());
+    check_argument_count(pipeline, arguments);
+    // Consecutive buffers to rebind go down as one setBuffers message (a Metal call costs the host per message).
+    void* run_buffers[mtl::kMaxBufferArguments];
+    mtl::NSUInteger run_offsets[mtl::kMaxBufferArguments];
+    size_t run_first = 0, run_length = 0;
+    auto bind_run = [&] {
+      if (run_length == 1) mtl::set_buffer(encoder, run_buffers[0], run_offsets[0], run_first);
+      if (run_length > 1) mtl::set_buffers(encoder, run_buffers, run_offsets, run_first, run_length);
+      run_length = 0;
+    };
     for (size_t index = 0; index < arguments.size(); ++index) {
-      if (!rebind[index]) continue;
       const Argument& argument = arguments[index];
+      if (!rebind[index] || argument.buffer_ptr() == nullptr) bind_run();
+      if (!rebind[index]) continue;
       if (argument.buffer_ptr() != nullptr) {
-        mtl::set_buffer(encoder, argument.buffer_ptr()->handle(), argument.offset(), index);
+        if (run_length == 0) run_first = index;
+        run_buffers[run_length] = argument.buffer_ptr()->handle();
+        run_offsets[run_length++] = argument.offset();
       } else {
         mtl::set_bytes(encoder, argument.data().data(), argument.data().size(), index);
       }
     }
+    bind_run();
     mtl::dispatch_threadgroups(encoder, threadgroups, threads_per_threadgroup);
   }
   if (!stage_has_dispatches_ || policy_ == BarrierPolicy::Serial) ++counters_.stages;

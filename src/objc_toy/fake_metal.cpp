@@ -48,6 +48,7 @@ constexpr unsigned long kStatusError = 5;
 constexpr unsigned long kDispatchTypeConcurrent = 1;
 constexpr unsigned long kMaxThreadsPerThreadgroup = 1024;
 constexpr unsigned long kSetBytesLimit = 4096;
+constexpr unsigned long kMaxBufferArguments = 31;
 // Apple-silicon page size: newBufferWithBytesNoCopy needs this alignment on a Mac.
 constexpr unsigned long kPageSize = 16384;
 
@@ -544,9 +545,18 @@ Argument& argument_slot(EncoderObject* encoder, unsigned long index) {
   return encoder->arguments[index];
 }
 
+// Metal's argument table holds [[buffer(0)]] to [[buffer(30)]]; a binding past it fails the command buffer.
+bool buffer_index_fits(CommandBufferObject* command_buffer, const char* call, unsigned long end) {
+  if (end <= kMaxBufferArguments) return true;
+  fail(command_buffer, std::string(call) + " up to index " + std::to_string(end - 1) + " (buffer indices end at " +
+                           std::to_string(kMaxBufferArguments - 1) + ")");
+  return false;
+}
+
 void encoder_set_buffer(id self, SEL, id buffer, unsigned long offset, unsigned long index) {
   auto* encoder = self_as<EncoderObject>(self);
   auto* command_buffer = encoding_target(encoder);
+  if (!buffer_index_fits(command_buffer, "setBuffer", index + 1)) return;
   if (buffer != nullptr && offset > self_as<BufferObject>(buffer)->length) {
     fail(command_buffer, "setBuffer offset " + std::to_string(offset) + " beyond the buffer's " +
                              std::to_string(self_as<BufferObject>(buffer)->length) + " bytes");
@@ -560,9 +570,23 @@ void encoder_set_buffer(id self, SEL, id buffer, unsigned long offset, unsigned 
   slot.bound = buffer != nullptr;
 }
 
+struct NSRange {
+  unsigned long location;
+  unsigned long length;
+};
+
+void encoder_set_buffers(id self, SEL, const id* buffers, const unsigned long* offsets, NSRange range) {
+  auto* command_buffer = encoding_target(self_as<EncoderObject>(self));
+  if (!buffer_index_fits(command_buffer, "setBuffers", range.location + range.length)) return;
+  for (unsigned long i = 0; i < range.length; ++i) {
+    encoder_set_buffer(self, nullptr, buffers[i], offsets[i], range.location + i);
+  }
+}
+
 void encoder_set_bytes(id self, SEL, const void* bytes, unsigned long length, unsigned long index) {
   auto* encoder = self_as<EncoderObject>(self);
   auto* command_buffer = encoding_target(encoder);
+  if (!buffer_index_fits(command_buffer, "setBytes", index + 1)) return;
   if (length > kSetBytesLimit) {
     fail(command_buffer, "setBytes of " + std::to_string(length) + " bytes (limit 4096)");
     return;
@@ -895,6 +919,7 @@ void load_images() {
   Class encoder = define_class("FakeMTLComputeCommandEncoder", root);
   method(encoder, "setComputePipelineState:", encoder_set_pipeline);
   method(encoder, "setBuffer:offset:atIndex:", encoder_set_buffer);
+  method(encoder, "setBuffers:offsets:withRange:", encoder_set_buffers);
   method(encoder, "setBytes:length:atIndex:", encoder_set_bytes);
   method(encoder, "setThreadgroupMemoryLength:atIndex:", encoder_set_threadgroup_memory);
   method(encoder, "dispatchThreadgroups:threadsPerThreadgroup:", encoder_dispatch);

@@ -397,6 +397,8 @@ def test_bad_dispatches_raise_clear_errors(device):
         encoder.dispatch(pipeline, [x, x], (1, 1, 1), (32, 1, 1), reads=[(x, 200, 100)], writes=[])
     with pytest.raises(RuntimeError, match="bytes argument holds 1 to 4096 bytes; got 5000"):
         encoder.dispatch(pipeline, [bytes(5000)], (1, 1, 1), (32, 1, 1), reads=[], writes=[])
+    with pytest.raises(RuntimeError, match="a dispatch of engine_scale binds 32 arguments; Metal allows 31"):
+        encoder.dispatch(pipeline, [x] * 32, (1, 1, 1), (32, 1, 1), reads=[], writes=[])
     with pytest.raises(RuntimeError, match="offset 256 is not inside the buffer's 256 bytes"):
         encoder.dispatch(pipeline, [(x, 256)], (1, 1, 1), (32, 1, 1), reads=[], writes=[])
     with pytest.raises(RuntimeError, match="wait before commit"):

@@ -53,6 +53,7 @@ const SEL command_buffer = sel_registerName("commandBuffer");
 const SEL compute_encoder = sel_registerName("computeCommandEncoderWithDispatchType:");
 const SEL set_pipeline = sel_registerName("setComputePipelineState:");
 const SEL set_buffer = sel_registerName("setBuffer:offset:atIndex:");
+const SEL set_buffers = sel_registerName("setBuffers:offsets:withRange:");
 const SEL set_bytes = sel_registerName("setBytes:length:atIndex:");
 const SEL set_threadgroup_memory = sel_registerName("setThreadgroupMemoryLength:atIndex:");
 const SEL dispatch = sel_registerName("dispatchThreadgroups:threadsPerThreadgroup:");
@@ -316,6 +317,16 @@ void set_pipeline(void* encoder, void* pipeline) { send<void>(encoder, sel::set_
 void set_buffer(void* encoder, void* buffer, size_t offset, size_t index) {
   send<void>(encoder, sel::set_buffer, buffer, static_cast<NSUInteger>(offset),
              static_cast<NSUInteger>(index));
+}
+
+// NSRange: location and length, passed by value (two registers on arm64 and x86-64).
+struct Range {
+  NSUInteger location;
+  NSUInteger length;
+};
+
+void set_buffers(void* encoder, void* const* buffers, const NSUInteger* offsets, size_t first, size_t count) {
+  send<void>(encoder, sel::set_buffers, buffers, offsets, Range{first, count});
 }
 
 void set_bytes(void* encoder, const void* bytes, size_t length, size_t index) {

@@ -119,6 +119,11 @@ Object new_command_buffer(void* queue);
 Object new_compute_encoder(void* command_buffer, DispatchType type);
 void set_pipeline(void* encoder, void* pipeline);
 void set_buffer(void* encoder, void* buffer, size_t offset, size_t index);
+// Binds buffers[i] at offsets[i] to [[buffer(first + i)]] for i < count: one message for a run of indices
+// (setBuffers:offsets:withRange:), where setBuffer would send `count`.
+void set_buffers(void* encoder, void* const* buffers, const NSUInteger* offsets, size_t first, size_t count);
+// The most buffer argument indices a compute kernel has (MTLDevice's limit: [[buffer(0)]] to [[buffer(30)]]).
+constexpr size_t kMaxBufferArguments = 31;
 // Copies `length` bytes (at most 4 KB) into the command stream at encode time.
 void set_bytes(void* encoder, const void* bytes, size_t length, size_t index);
 // Threadgroup memory for a [[threadgroup(index)]] parameter; a multiple of 16 bytes.
