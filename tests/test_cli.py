@@ -79,11 +79,12 @@ def test_bench_json_and_markdown(chat_model_dir, capsys):
         n = row["n_prompt"] or row["n_gen"]
         assert row["samples_ts"] == pytest.approx([n / (ns / 1e9) for ns in row["samples_ns"]], rel=1e-6)
         assert row["avg_ts"] == pytest.approx(sum(row["samples_ts"]) / 2)
-        assert row["peak_memory"] > 0 and row["model_n_params"] > 0
+        # The reference backend holds no GPU memory: its peak is the process's, as the host figure.
+        assert row["peak_memory"] > 0 and row["model_n_params"] > 0 and row["host_memory"] == row["peak_memory"]
     code, out, _ = run_cli(base + ["-r", "1"], capsys)
     lines = out.splitlines()
     assert [c.strip() for c in lines[0].split("|")[1:-1]] == ["model", "size", "params", "backend", "test",
-                                                               "t/s", "peak GB"]
+                                                               "t/s", "peak GB", "host GB"]
     assert [line.split("|")[5].strip() for line in lines[2:6]] == ["pp6", "tg3", "pp6 @ d5", "tg3 @ d5"]
     assert all("±" in line for line in lines[2:6])
     # llama-bench's layout: every row the same width, columns padded to at least its widths, the

@@ -24,12 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from lily.model import Model, Session, peak_memory_gb
+from lily.model import Model, Session, host_memory_gb, peak_memory_gb
 
 
 @dataclass
 class BenchRow:
-    """One test's samples; keys follow llama-bench's JSON output, plus mlx-style peak_memory (GB)."""
+    """One test's samples; keys follow llama-bench's JSON output, plus mlx-style ``peak_memory`` (GB: on a GPU
+    backend the most the engine has held in GPU memory, else the process's peak RSS) and ``host_memory`` (GB, the
+    process's peak RSS)."""
 
     test: str
     n_prompt: int
@@ -38,6 +40,7 @@ class BenchRow:
     samples_ns: list[int] = field(default_factory=list)
     samples_ts: list[float] = field(default_factory=list)
     peak_memory: float = 0.0
+    host_memory: float = 0.0
 
     @property
     def avg_ts(self) -> float:
@@ -152,6 +155,7 @@ def run_bench(model: Model, *, prompts: Sequence[int] = (512,), gens: Sequence[i
                 row.samples_ns.append(int(seconds * 1e9))
                 row.samples_ts.append((n_prompt or n_gen) / seconds if seconds > 0 else math.inf)
             row.peak_memory = peak_memory_gb(model.backend)
+            row.host_memory = host_memory_gb()
             rows.append(row)
             if finished is not None:
                 finished(row)
@@ -289,14 +293,16 @@ def system_info() -> str:
 
 # llama-bench's minimum column widths; text columns are left-aligned, numbers right-aligned.
 _COLUMNS = (("model", 30, "<"), ("size", 10, ">"), ("params", 10, ">"), ("backend", 10, "<"),
-            ("test", 15, ">"), ("t/s", 20, ">"), ("peak GB", 7, ">"))
+            ("test", 15, ">"), ("t/s", 20, ">"), ("peak GB", 7, ">"),
+            ("host GB", 7, ">"))
 
 
 def format_markdown(rows: Sequence[BenchRow], info: dict[str, Any]) -> str:
-    """The llama-bench markdown table (padded columns), plus peak memory (GB), then the
+    """The llama-bench markdown table (padded columns), plus peak and host memory (GB), then the
     ``build:`` line and a system footer."""
     table = [[info["model_type"], f"{info['model_size'] / 2**30:.2f} GiB", f"{info['model_n_params'] / 1e9:.2f} B",
-              info["backends"], row.test, f"{row.avg_ts:.2f} ± {row.stddev_ts:.2f}", f"{row.peak_memory:.2f}"]
+              info["backends"], row.test, f"{row.avg_ts:.2f} ± {row.stddev_ts:.2f}", f"{row.peak_memory:.2f}",
+              f"{row.host_memory:.2f}"]
              for row in rows]
     widths = [max([minimum, len(name)] + [len(cells[i]) for cells in table])
               for i, (name, minimum, _) in enumerate(_COLUMNS)]
@@ -356,10 +362,11 @@ def host_cost(*, tokens: int = 256, precision: str = "bfloat16", warmup: int = 1
 
     The decode runs through ``Session.decode`` (greedy, the GPU token path) on a metal backend over synthetic
     weights, with the fake Metal recording every dispatch but running none. ``host_us_per_token``: time between
-    two tokens of the iterator, all host work included (also a second, timing-only encode of each step);
-    ``cpp_us_per_token``: the engine's own C++ (finding the built step, patching and encoding it into an encoder
-    that makes no Metal call); ``encode_us_per_token``: the same encode with its Metal calls, which here go to the
-    toy Objective-C runtime and fake Metal. Needs the Linux test runtime (on a Mac, kernels cannot be stubbed).
+    two tokens of the iterator, all host work included; ``encode_us_per_token``: finding the built step, encoding it
+    with its Metal calls (which here go to the toy Objective-C runtime and fake Metal) and committing it, timed in the
+    same steps; ``cpp_us_per_token``: the engine's own C++ (the same encode into an encoder that makes no Metal call),
+    timed in a second decode over the same contexts (each step is then encoded twice, which would slow the tokens).
+    Needs the Linux test runtime (on a Mac, kernels cannot be stubbed).
     """
     from lily import _ext
     from lily.backends.metal import MetalBackend
@@ -376,26 +383,34 @@ def host_cost(*, tokens: int = 256, precision: str = "bfloat16", warmup: int = 1
     try:
         backend = MetalBackend.synthetic(args, precision=precision, max_context=warmup + tokens + 8)
         model = Model(backend, args, None, backend_name="metal", fingerprint="synthetic")
-        session = model.prefill([0], use_cache=False)
-        stamps = []
-        backend.host_timing(True)
-        for _ in session.decode(max_tokens=warmup + tokens + 1, temperature=0.0, stop_token_ids=()):
-            stamps.append(time.perf_counter_ns())
-        steps = backend.host_timing(False)
+
+        def decode(timing: str) -> tuple[list[int], list[int]]:
+            """Token arrival times and the step times of ``timing`` ("encode" or "cpp") after the warm-up."""
+            stamps = []
+            session = model.prefill([0], use_cache=False)
+            backend.host_timing(encode=False)
+            for _ in session.decode(max_tokens=warmup + tokens + 1, temperature=0.0, stop_token_ids=()):
+                if len(stamps) == warmup:
+                    backend.host_timing(encode=timing == "encode", cpp=timing == "cpp")
+                stamps.append(time.perf_counter_ns())
+            return stamps, backend.host_timing(encode=False)[timing]
+
+        # Two decodes over the same contexts: the first times the tokens and their encodes, the second the dry
+        # encodes (each step is then encoded twice, which would slow the tokens).
+        stamps, encode_ns = decode("encode")
+        _, cpp_ns = decode("cpp")
         dispatches = backend.last_step_counts()["dispatches"]
     finally:
         stubs.set_kernel_execution(True)
     between = np.diff(np.asarray(stamps[warmup:], dtype=np.float64))
-    median_us = {key: float(np.median(np.asarray(ns[warmup + 1:], dtype=np.float64)) / 1e3)
-                 for key, ns in steps.items()}
     return {
         "model": "Qwen3.6-35B-A3B (synthetic weights, kernels stubbed)",
         "precision": precision,
         "tokens": int(between.size),
         "dispatches_per_token": int(dispatches),
         "host_us_per_token": float(np.median(between) / 1e3),
-        "cpp_us_per_token": median_us["cpp"],
-        "encode_us_per_token": median_us["encode"],
+        "cpp_us_per_token": float(np.median(cpp_ns) / 1e3),
+        "encode_us_per_token": float(np.median(encode_ns) / 1e3),
         "budget_us": HOST_BUDGET_US,
         "system": system_info(),
     }

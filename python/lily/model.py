@@ -53,7 +53,8 @@ class Cancelled(Exception):
 
 @dataclass
 class Stats:
-    """Counters of one prefill + decode; rates are tokens per second, ``peak_memory`` in GB."""
+    """Counters of one prefill + decode; rates are tokens per second. ``peak_memory`` (GB): the most the model has
+    held in GPU memory on a GPU backend, the process's peak RSS on the CPU ones."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -111,9 +112,15 @@ def _is_cancelled(cancel: CancelCheck) -> bool:
 
 
 def peak_memory_gb(backend: Any) -> float:
-    """Backend-reported peak memory if it has one, else this process's peak RSS."""
-    if hasattr(backend, "peak_memory"):
-        return float(backend.peak_memory())
+    """The most memory the model has held (GB): on a GPU backend the peak of what the engine holds in GPU memory
+    (weights, KV cache, states, scratch), else this process's peak RSS."""
+    if hasattr(backend, "device_memory"):
+        return backend.device_memory()["peak"] / 1e9
+    return host_memory_gb()
+
+
+def host_memory_gb() -> float:
+    """This process's peak resident set size (GB): host memory, whatever the backend holds on a GPU."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
 
@@ -330,6 +337,10 @@ class Session:
         stop_ids = set(params.stop_token_ids)
         limit = model.config.max_position_embeddings
         stats = dataclasses.replace(self.stats, generation_tokens=0, generation_tps=0.0)
+        # Each token carries its own Stats; built from the fields that do not change (replace() costs microseconds
+        # per token, a tenth of the host's budget for one).
+        fixed = {f.name: getattr(stats, f.name) for f in dataclasses.fields(Stats)
+                 if f.name not in ("generation_tokens", "generation_tps")}
         start = time.perf_counter()
         count = 0
         source = self._choose_on_gpu(params) if self._gpu_decode_possible(params) else self._choose_on_cpu(params)
@@ -351,8 +362,7 @@ class Session:
                         finish = "length"
                         text += matcher.feed(detok.flush() if detok else "") + matcher.flush()
                 elapsed = time.perf_counter() - start
-                stats = dataclasses.replace(stats, generation_tokens=count,
-                                            generation_tps=count / elapsed if elapsed > 0 else 0.0)
+                stats = Stats(**fixed, generation_tokens=count, generation_tps=count / elapsed if elapsed > 0 else 0.0)
                 if finish is not None:
                     source.close()  # a GPU decode waits here for the step that runs this last token
                     stats.peak_memory = peak_memory_gb(model.backend)

@@ -436,11 +436,21 @@ void bind_engine(nb::module_ m) {
            },
            nb::arg("out"))
       .def_prop_ro("host_read_bytes", &lily::Engine::host_read_bytes)
-      .def("set_host_timing", &lily::Engine::set_host_timing, nb::arg("on"))
+      .def("set_host_timing", &lily::Engine::set_host_timing, nb::arg("encode"), nb::arg("cpp"))
       .def_prop_ro("step_encode_ns", &lily::Engine::step_encode_ns)
       .def_prop_ro("step_cpp_ns", &lily::Engine::step_cpp_ns)
       .def("reset_host_timing", &lily::Engine::reset_host_timing)
       .def_prop_ro("programs_built", &lily::Engine::programs_built)
+      .def(
+          "device_memory",
+          [](const lily::Engine& e) {
+            const lily::Engine::DeviceMemory m = e.device_memory();
+            nb::dict out;
+            out["weights"] = m.weights, out["kv_cache"] = m.kv_cache, out["state"] = m.state;
+            out["scratch"] = m.scratch, out["total"] = m.total(), out["peak"] = m.peak;
+            return out;
+          },
+          "Bytes held in the runtime's memory: weights, kv_cache, state, scratch, total, and the peak since load.")
       .def("bind_synthetic_weights", &lily::Engine::bind_synthetic_weights)
       .def("generate_greedy", &lily::Engine::generate_greedy, nb::arg("first"), nb::arg("count"))
       .def("last_step_counts", [](const lily::Engine& e) { return counts_dict(e.last_graph()); })

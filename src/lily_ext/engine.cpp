@@ -60,7 +60,30 @@ Engine::~Engine() {
 int Engine::add_buffer(const std::string& name, BufferRole role, std::unique_ptr<DeviceBuffer> buffer) {
   int id = base_.add_buffer(name, buffer->length(), role);
   buffers_.push_back(std::move(buffer));
+  note_memory();
   return id;
+}
+
+Engine::DeviceMemory Engine::device_memory() const {
+  DeviceMemory m;
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    const int id = static_cast<int>(i);
+    if (std::find(reserved_buffers_.begin(), reserved_buffers_.end(), id) != reserved_buffers_.end()) continue;
+    const uint64_t bytes = buffers_[i]->length();
+    const bool kv = std::find(decode_.k_cache.begin(), decode_.k_cache.end(), id) != decode_.k_cache.end() ||
+                    std::find(decode_.v_cache.begin(), decode_.v_cache.end(), id) != decode_.v_cache.end();
+    const BufferRole role = base_.buffers[i].role;
+    (kv                          ? m.kv_cache
+     : role == BufferRole::Weights ? m.weights
+     : role == BufferRole::State   ? m.state
+                                   : m.scratch) += bytes;
+  }
+  m.peak = std::max(peak_bytes_, m.total());
+  return m;
+}
+
+void Engine::note_memory(uint64_t transient) {
+  peak_bytes_ = std::max(peak_bytes_, device_memory().total() + transient);
 }
 
 int Engine::add_file(const std::string& path) {
@@ -80,6 +103,7 @@ int Engine::add_owned(const void* data, size_t length) {
 }
 
 int Engine::add_reserved(size_t length) {
+  reserved_buffers_.push_back(static_cast<int>(buffers_.size()));
   return add_buffer("reserved weights", BufferRole::Weights, runtime_->reserve(length));
 }
 
@@ -144,6 +168,7 @@ void Engine::finish_loading() {
   decode_ = add_decode_buffers(config_, precision_, std::min(max_context_, switches_.kv_growth_block()), max_context_,
                                base_);
   for (size_t i = first_new; i < base_.buffers.size(); ++i) buffers_.push_back(allocate(base_.buffers[i]));
+  note_memory();
   // A dry build names any missing tensor now rather than at the first token.
   Graph probe;
   probe.buffers = base_.buffers;
@@ -177,6 +202,7 @@ void Engine::ensure_capacity(size_t keys) {
     for (int id : {decode_.k_cache[layer], decode_.v_cache[layer]}) {
       if (id < 0) continue;
       std::unique_ptr<DeviceBuffer> grown = runtime_->allocate(config_.num_kv_heads * capacity * row, Memory::Device);
+      note_memory(grown->length());
       for (size_t h = 0; h < config_.num_kv_heads; ++h) {
         runtime_->copy(*buffers_[id], h * old_capacity * row, *grown, h * capacity * row, position_ * row);
       }
@@ -185,6 +211,7 @@ void Engine::ensure_capacity(size_t keys) {
     }
   }
   decode_.kv_capacity = capacity;
+  note_memory();
   // Steps recorded over the old caches are not coming back (the capacity only grows).
   programs_.erase(std::remove_if(programs_.begin(), programs_.end(),
                                  [&](const Program& p) { return p.kv_capacity != capacity; }),
@@ -340,6 +367,7 @@ void Engine::ensure_prefill_rows(size_t rows) {
   for (size_t i = prefill_first_buffer_; i < base_.buffers.size(); ++i) {
     buffers_.push_back(allocate(base_.buffers[i]));
   }
+  note_memory();
   has_prefill_ = true;
   programs_.clear();  // the decode steps hold the buffer list they were built over
 }
@@ -469,7 +497,7 @@ void Engine::submit_step() {
   auto ns = [](Clock::time_point a, Clock::time_point b) {
     return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count());
   };
-  if (host_timing_ && step_cpp_ns_.size() < kHostTimingSteps) {
+  if (time_cpp_ && step_cpp_ns_.size() < kHostTimingSteps) {
     const auto start = Clock::now();
     Program& p = program(next_slot_, choice_);
     runtime_->submit_dry(*p.recorded, position_);
@@ -477,7 +505,7 @@ void Engine::submit_step() {
   }
   const auto start = Clock::now();
   std::unique_ptr<Submission> work = submit_program(program(next_slot_, choice_), -1);
-  if (host_timing_ && step_encode_ns_.size() < kHostTimingSteps) step_encode_ns_.push_back(ns(start, Clock::now()));
+  if (time_encode_ && step_encode_ns_.size() < kHostTimingSteps) step_encode_ns_.push_back(ns(start, Clock::now()));
   in_flight_.push_back({std::move(work), 1 - next_slot_});
   next_slot_ = 1 - next_slot_;
   ++position_;

@@ -304,16 +304,26 @@ class Engine {
 
   // Bytes copied from engine buffers to the host so far: logits rows and token ids.
   uint64_t host_read_bytes() const { return host_read_bytes_; }
-  // Host-cost runs: each decode step submitted is also submitted dry (Runtime::submit_dry: no driver call), timed.
-  // step_encode_ns: finding the recorded step and submitting it (Metal: patching, encoding and committing it);
-  // step_cpp_ns: the same without the driver calls (the engine's own C++). At most kHostTimingSteps entries each.
+  // Host-cost runs. step_encode_ns (`encode` on): finding the recorded step and submitting it (Metal: patching,
+  // encoding and committing it). step_cpp_ns (`cpp` on): each step is also submitted dry (Runtime::submit_dry: no
+  // driver call), timed: the engine's own C++. The dry submission costs the host time and cache, so a run that
+  // measures the whole token leaves `cpp` off. At most kHostTimingSteps entries each.
   static constexpr size_t kHostTimingSteps = 1 << 16;
-  void set_host_timing(bool on) { host_timing_ = on; }
+  void set_host_timing(bool encode, bool cpp) { time_encode_ = encode, time_cpp_ = cpp; }
   const std::vector<uint64_t>& step_encode_ns() const { return step_encode_ns_; }
   const std::vector<uint64_t>& step_cpp_ns() const { return step_cpp_ns_; }
   void reset_host_timing() { step_encode_ns_.clear(), step_cpp_ns_.clear(); }
   // Decode programs built so far (a step is built once per shape, not once per token).
   size_t programs_built() const { return programs_built_; }
+  // Bytes the engine holds in the runtime's memory, by what they hold: weights (files, copies, realigned tensors;
+  // reserved address space holds nothing), the KV cache (at its current capacity), the other per-sequence state
+  // (DeltaNet and conv states) and scratch (activations, the prefill chunk's buffers, logits, token ids); `peak`:
+  // the most held at once since loading began (a KV-cache growth holds the old and the new layer a moment).
+  struct DeviceMemory {
+    uint64_t weights = 0, kv_cache = 0, state = 0, scratch = 0, peak = 0;
+    uint64_t total() const { return weights + kv_cache + state + scratch; }
+  };
+  DeviceMemory device_memory() const;
   // The last command buffer's graph.
   const Graph& last_graph() const { return *last_graph_; }
   // Per-node device times of prefill chunks (lily bench --profile): while on, each chunk's graph runs node by node
@@ -352,6 +362,8 @@ class Engine {
   // Submits `graph` and waits, running its host steps in between (one submission per segment).
   void run_graph(Graph graph, long dropped_barrier);
   int add_buffer(const std::string& name, BufferRole role, std::unique_ptr<DeviceBuffer> buffer);
+  // Raises the peak to what is held now plus `transient` bytes about to be let go.
+  void note_memory(uint64_t transient = 0);
   std::unique_ptr<DeviceBuffer> allocate(const GraphBuffer& buffer) const;
   std::vector<DeviceBuffer*> buffer_list() const;
   void run_host_sort(const HostMoeSort& sort);
@@ -377,6 +389,8 @@ class Engine {
   bool loaded_ = false;
   size_t position_ = 0;
   size_t owned_bytes_ = 0;
+  std::vector<int> reserved_buffers_;  // address space only (synthetic weights): no memory held
+  uint64_t peak_bytes_ = 0;
   std::vector<Program> programs_;  // the decode steps built so far (a few shapes)
   size_t programs_built_ = 0;
   std::deque<InFlight> in_flight_;
@@ -384,7 +398,7 @@ class Engine {
   TokenChoice choice_{};
   int next_slot_ = 0;  // the token slot the next decode step reads
   uint64_t host_read_bytes_ = 0;
-  bool host_timing_ = false;
+  bool time_encode_ = false, time_cpp_ = false;
   bool profiling_ = false;
   std::vector<NodeTime> node_times_;
   std::vector<uint64_t> step_encode_ns_, step_cpp_ns_;

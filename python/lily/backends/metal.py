@@ -413,17 +413,23 @@ class MetalBackend:
         self._engine.read_logits(out)
         return out
 
-    def host_timing(self, on: bool) -> dict[str, list[int]]:
-        """Turn per-step host timing on or off; returns the times (ns) of the steps submitted since the last call.
+    def host_timing(self, encode: bool, cpp: bool = False) -> dict[str, list[int]]:
+        """Set per-step host timing; returns the times (ns) of the steps submitted since the last call.
 
         ``encode``: finding the built step and submitting it (Metal: patching, encoding with its Metal calls and
         committing; CUDA: patching the position fields, their upload and the graph launch); ``cpp``: the same without
-        the driver calls, the engine's own C++ (while timing is on, each step is submitted both ways).
+        the driver calls, the engine's own C++ (each step is then submitted both ways, which slows the token).
         """
         times = {"encode": list(self._engine.step_encode_ns), "cpp": list(self._engine.step_cpp_ns)}
         self._engine.reset_host_timing()
-        self._engine.set_host_timing(on)
+        self._engine.set_host_timing(encode, cpp)
         return times
+
+    def device_memory(self) -> dict[str, int]:
+        """Bytes the engine holds in GPU memory: ``weights``, ``kv_cache`` (at its current capacity), ``state``
+        (DeltaNet and conv states), ``scratch`` (activations, prefill buffers, logits), their ``total``, and the
+        ``peak`` total since loading began. Host memory (the process's RSS) is not in these figures."""
+        return {key: int(value) for key, value in self._engine.device_memory().items()}
 
     @property
     def host_read_bytes(self) -> int:
