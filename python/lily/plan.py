@@ -23,7 +23,10 @@ def plan_decode(
     """Build (not run) the decode step at ``context`` cached tokens; return its counts and the byte minimum.
 
     Keys: dispatches, stages, barriers, bytes_read, bytes_written, minimum_bytes {weights, recurrent_state,
-    conv_state, kv_cache, total}, dispatches_by_kernel, context, kv_capacity, fast_paths_left_out (one line per
+    conv_state, kv_cache, total}, memory {weights, kv_cache, state, scratch, total, peak} (bytes the engine holds for
+    this step: the KV cache at ``kv_capacity``, no prefill buffers), kv_bytes_per_token (what the KV cache grows by
+    per token of context), max_context (the model's position limit), dispatches_by_kernel, context, kv_capacity,
+    fast_paths_left_out (one line per
     fast path the shape does not fit, where the engine runs a general kernel instead); with ``with_graph`` also buffers
     [(name, bytes)] and nodes [{kernel, label, reads, writes, barrier_before}] with ranges (buffer, offset, length).
     """
@@ -37,9 +40,11 @@ def plan_decode(
     if unknown:
         raise ValueError(f"unknown engine switch {sorted(unknown)[0]!r}; known: {SWITCHES}")
     try:
-        return _ext.plan_decode(engine_config(args), context, precision, dict(switches or {}), with_graph)
+        plan = _ext.plan_decode(engine_config(args), context, precision, dict(switches or {}), with_graph)
     except RuntimeError as exc:  # the engine's config check names the field
         raise ValueError(str(exc)) from None
+    plan["max_context"] = args.max_position_embeddings
+    return plan
 
 
 def format_plan(plan: Mapping[str, Any], targets: Mapping[str, int]) -> str:
@@ -58,12 +63,32 @@ def format_plan(plan: Mapping[str, Any], targets: Mapping[str, int]) -> str:
         (f"  KV cache x {plan['context']} tokens", "", f"{minimum['kv_cache'] / 1e6:,.1f} MB"),
         ("over the minimum", f"{(moved / minimum['total'] - 1) * 100:+.2f} %", "<= +5 %"),
     ]
-    width = max(len(r[0]) for r in rows)
+    memory = plan["memory"]
+    per_token = plan["kv_bytes_per_token"]
+    contexts = sorted({c for c in KV_GROWTH_CONTEXTS if c < plan["max_context"]} | {plan["max_context"]})
+    growth = ", ".join(f"{_size(per_token * tokens)} at {tokens:,}" for tokens in contexts)
+    held = [
+        (f"memory held at {plan['context']} tokens", _size(memory["total"]), ""),
+        ("  weights", _size(memory["weights"]), ""),
+        (f"  KV cache ({plan['kv_capacity']:,} rows)", _size(memory["kv_cache"]),
+         f"{per_token / 1e3:,.1f} KB per token: {growth}" if per_token else ""),
+        ("  DeltaNet and conv state", _size(memory["state"]), ""),
+        ("  scratch (decode)", _size(memory["scratch"]), ""),
+    ]
+    width = max(len(r[0]) for r in rows + held)
     lines = [f"{'per decode token':<{width}}  {'plan':>14}  target / minimum"]
     lines += [f"{name:<{width}}  {value:>14}  {target}" for name, value, target in rows]
+    lines += [f"{name:<{width}}  {value:>14}  {note}".rstrip() for name, value, note in held]
     lines += [f"fast path left out: {line}" for line in plan.get("fast_paths_left_out", ())]
     return "\n".join(lines)
 
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
+
+
+# Contexts at which `lily plan` states the KV cache's size, below the model's own limit (stated last).
+KV_GROWTH_CONTEXTS = (32_768, 131_072)
 
 # What one decode token may cost: the dispatch and barrier-stage budgets `lily plan` reports against.
 PLAN_TARGETS = {"dispatches": 360, "stages": 300}

@@ -112,6 +112,13 @@ void add_graph(const lily::Graph& graph, nb::dict& out) {
   out["nodes"] = nodes;
 }
 
+nb::dict memory_dict(const lily::DeviceMemory& m) {
+  nb::dict out;
+  out["weights"] = m.weights, out["kv_cache"] = m.kv_cache, out["state"] = m.state, out["scratch"] = m.scratch;
+  out["total"] = m.total(), out["peak"] = m.peak;
+  return out;
+}
+
 nb::dict plan_decode(const nb::dict& config, size_t context, const std::string& precision, const nb::dict& switches,
                      bool with_graph) {
   lily::DecodePlan plan =
@@ -130,6 +137,8 @@ nb::dict plan_decode(const nb::dict& config, size_t context, const std::string& 
   minimum["kv_cache"] = plan.minimum.kv_cache;
   minimum["total"] = plan.minimum.total();
   out["minimum_bytes"] = minimum;
+  out["memory"] = memory_dict(plan.memory);
+  out["kv_bytes_per_token"] = plan.kv_bytes_per_token;
   for (const auto& [kernel, n] : plan.counts.dispatches_by_kernel) by_kernel[kernel.c_str()] = n;
   out["dispatches_by_kernel"] = by_kernel;
   out["fast_paths_left_out"] = plan.fast_paths_left_out;
@@ -443,13 +452,7 @@ void bind_engine(nb::module_ m) {
       .def_prop_ro("programs_built", &lily::Engine::programs_built)
       .def(
           "device_memory",
-          [](const lily::Engine& e) {
-            const lily::Engine::DeviceMemory m = e.device_memory();
-            nb::dict out;
-            out["weights"] = m.weights, out["kv_cache"] = m.kv_cache, out["state"] = m.state;
-            out["scratch"] = m.scratch, out["total"] = m.total(), out["peak"] = m.peak;
-            return out;
-          },
+          [](const lily::Engine& e) { return memory_dict(e.device_memory()); },
           "Bytes held in the runtime's memory: weights, kv_cache, state, scratch, total, and the peak since load.")
       .def("bind_synthetic_weights", &lily::Engine::bind_synthetic_weights)
       .def("generate_greedy", &lily::Engine::generate_greedy, nb::arg("first"), nb::arg("count"))

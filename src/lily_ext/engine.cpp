@@ -64,19 +64,12 @@ int Engine::add_buffer(const std::string& name, BufferRole role, std::unique_ptr
   return id;
 }
 
-Engine::DeviceMemory Engine::device_memory() const {
+DeviceMemory Engine::device_memory() const {
   DeviceMemory m;
   for (size_t i = 0; i < buffers_.size(); ++i) {
     const int id = static_cast<int>(i);
     if (std::find(reserved_buffers_.begin(), reserved_buffers_.end(), id) != reserved_buffers_.end()) continue;
-    const uint64_t bytes = buffers_[i]->length();
-    const bool kv = std::find(decode_.k_cache.begin(), decode_.k_cache.end(), id) != decode_.k_cache.end() ||
-                    std::find(decode_.v_cache.begin(), decode_.v_cache.end(), id) != decode_.v_cache.end();
-    const BufferRole role = base_.buffers[i].role;
-    (kv                          ? m.kv_cache
-     : role == BufferRole::Weights ? m.weights
-     : role == BufferRole::State   ? m.state
-                                   : m.scratch) += bytes;
+    m.add(decode_, id, base_.buffers[i].role, buffers_[i]->length());
   }
   m.peak = std::max(peak_bytes_, m.total());
   return m;

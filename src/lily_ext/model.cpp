@@ -230,4 +230,13 @@ DecodeBuffers add_decode_buffers(const ModelConfig& c, Precision precision, size
   return b;
 }
 
+void DeviceMemory::add(const DecodeBuffers& decode, int id, BufferRole role, uint64_t bytes) {
+  const auto holds = [id](const std::vector<int>& ids) { return std::find(ids.begin(), ids.end(), id) != ids.end(); };
+  const bool kv = holds(decode.k_cache) || holds(decode.v_cache);
+  (kv                            ? kv_cache
+   : role == BufferRole::Weights ? weights
+   : role == BufferRole::State   ? state
+                                 : scratch) += bytes;
+}
+
 }  // namespace lily

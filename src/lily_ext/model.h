@@ -168,6 +168,16 @@ struct DecodeBuffers {
 DecodeBuffers add_decode_buffers(const ModelConfig& config, Precision precision, size_t kv_capacity, size_t max_keys,
                                  Graph& graph);
 
+// Bytes held in a runtime's memory, by what they hold: weights (files, copies, realigned tensors), the KV cache (at
+// its capacity), the other per-sequence state (DeltaNet and conv states) and scratch (activations, the prefill
+// chunk's buffers, logits, token ids); `peak` is the engine's to keep.
+struct DeviceMemory {
+  uint64_t weights = 0, kv_cache = 0, state = 0, scratch = 0, peak = 0;
+  uint64_t total() const { return weights + kv_cache + state + scratch; }
+  // Counts buffer `id` of `bytes` and `role`; the decode's K and V caches count apart from the other state.
+  void add(const DecodeBuffers& decode, int id, BufferRole role, uint64_t bytes);
+};
+
 // How a decode step chooses its next token on the GPU (lily.sampling steps 1-6): temperature 0 is greedy (argmax),
 // otherwise sample_* with top-k, top-p, min-p and a Philox draw keyed by `seed`, counter = the chosen token's position.
 // With a logit bias or a penalty, penalize_logits runs first (steps 1-3) and count_token records each chosen token.
@@ -315,14 +325,8 @@ class Engine {
   void reset_host_timing() { step_encode_ns_.clear(), step_cpp_ns_.clear(); }
   // Decode programs built so far (a step is built once per shape, not once per token).
   size_t programs_built() const { return programs_built_; }
-  // Bytes the engine holds in the runtime's memory, by what they hold: weights (files, copies, realigned tensors;
-  // reserved address space holds nothing), the KV cache (at its current capacity), the other per-sequence state
-  // (DeltaNet and conv states) and scratch (activations, the prefill chunk's buffers, logits, token ids); `peak`:
-  // the most held at once since loading began (a KV-cache growth holds the old and the new layer a moment).
-  struct DeviceMemory {
-    uint64_t weights = 0, kv_cache = 0, state = 0, scratch = 0, peak = 0;
-    uint64_t total() const { return weights + kv_cache + state + scratch; }
-  };
+  // Bytes the engine holds in the runtime's memory (reserved address space holds nothing); `peak`: the most held at
+  // once since loading began (a KV-cache growth holds the old and the new layer a moment).
   DeviceMemory device_memory() const;
   // The last command buffer's graph.
   const Graph& last_graph() const { return *last_graph_; }

@@ -67,6 +67,12 @@ DecodePlan plan_decode(const ModelConfig& config, Precision precision, const Swi
   build_decode_step(config, precision, metal, weights, buffers, context, 0, 1, plan.graph);
   plan.counts = count_graph(plan.graph);
   plan.minimum = minimum_bytes(config, precision, weights, context);
+  for (size_t id = 0; id < plan.graph.buffers.size(); ++id) {
+    const GraphBuffer& buffer = plan.graph.buffers[id];
+    plan.memory.add(buffers, static_cast<int>(id), buffer.role, buffer.length);
+  }
+  plan.memory.peak = plan.memory.total();
+  plan.kv_bytes_per_token = plan.memory.kv_cache / plan.kv_capacity;
   plan.fast_paths_left_out = fast_paths_left_out(config);
   return plan;
 }

@@ -32,6 +32,10 @@ struct DecodePlan {
   GraphCounts counts;
   MinimumBytes minimum;
   size_t context = 0, kv_capacity = 0;
+  // What the engine holds for this step (its decode buffers: no prefill chunk's), and what the KV cache grows by
+  // per token of context.
+  DeviceMemory memory;
+  uint64_t kv_bytes_per_token = 0;
   Graph graph;
   std::vector<std::string> fast_paths_left_out;  // see fast_paths_left_out()
 };

@@ -5,10 +5,14 @@ growth when a layer's old and new cache are both held. Runs on each runtime (`en
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from safetensors import safe_open
 
 from lily import Model, bench
 from lily.checkpoint import load_checkpoint
+from lily.plan import plan_decode
 
 from tests.engine.test_metal_head_dims import DEMO
 
@@ -56,3 +60,30 @@ def test_bench_reports_the_device_peak_and_the_host_beside_it(engine_runtime):
     (row,) = bench.run_bench(model, prompts=(4,), gens=(), repetitions=1)
     assert row.peak_memory == pytest.approx(model.backend.device_memory()["peak"] / 1e9)
     assert row.host_memory > 0 and row.as_dict()["host_memory"] == row.host_memory
+
+
+def tensor_bytes(checkpoint) -> int:
+    """The bytes of every tensor in the checkpoint's files, from their safetensors headers."""
+    total = 0
+    for path in checkpoint.files:
+        with safe_open(path, framework="numpy") as f:
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                total += math.prod(tensor.get_shape()) * DTYPE_BYTES[tensor.get_dtype()]
+    return total
+
+
+DTYPE_BYTES = {"U32": 4, "F32": 4, "BF16": 2, "F16": 2, "U8": 1}
+
+
+def test_plan_states_what_the_loaded_engine_holds(engine_backend):
+    """`lily plan`'s memory is the engine's own accounting of the same decode buffers: equal to what a loaded engine
+    holds at the same KV capacity; its weights are the checkpoint's tensors."""
+    checkpoint = load_checkpoint(DEMO)
+    held = engine_backend(checkpoint, precision="bfloat16").device_memory()
+    plan = plan_decode(checkpoint.args, context=5)
+    assert plan["kv_capacity"] * plan["kv_bytes_per_token"] == held["kv_cache"]
+    assert {k: plan["memory"][k] for k in ("kv_cache", "state", "scratch")} == {
+        k: held[k] for k in ("kv_cache", "state", "scratch")}
+    # The plan's synthetic table holds a few per-head vectors (dt_bias) in f32 where this file has bf16.
+    assert plan["memory"]["weights"] == pytest.approx(tensor_bytes(checkpoint), rel=1e-4)

@@ -64,6 +64,18 @@ def performance_minimum(context: int) -> dict[str, float]:
     return {"weights": weights, "state": state, "conv": conv, "kv": kv, "total": weights + state + conv + kv}
 
 
+def full_size_weight_bytes() -> float:
+    """Every weight of the full-size model as the 4-bit checkpoint holds it (8-bit router and shared-expert gate)."""
+    H, L, NGDN, NATT, V, nq, nkv, hd = 2048, 40, 30, 10, 248320, 16, 2, 256
+    lk, lv, dk, dv, conv_k, E, Fi = 16, 32, 128, 128, 4, 256, 512
+    b4, b8 = 0.5625, 1.0625
+    att = H * nq * hd * 2 + 2 * H * nkv * hd + nq * hd * H
+    gdn = H * (2 * lk * dk + lv * dv) + H * lv * dv + 2 * H * lv + lv * dv * H
+    expert = 3 * H * Fi
+    return (NATT * att * b4 + NGDN * (gdn * b4 + (2 * lk * dk + lv * dv) * conv_k * 2)
+            + L * ((E + 1) * expert * b4 + (H * E + H) * b8) + 2 * V * H * b4)
+
+
 @pytest.mark.parametrize("switches", [{}, {"fusion": False}], ids=["fusion", "unfused"])
 @pytest.mark.parametrize("context", [4096, 40000])
 def test_full_size_bytes_within_five_percent_of_the_minimum(context, switches):
@@ -223,5 +235,11 @@ def test_cli_plan_json_and_table(capsys, monkeypatch):
     table = capsys.readouterr().out
     unfused = expected_dispatches(lily_plan.full_size_args(), fused=False, split=True)
     assert "dispatches per token" in table and str(unfused) in table
+    # Memory held: every weight of the model (all 256 experts, embedding and lm_head), and a KV cache of 10 layers x
+    # K and V x 2 heads x 256 x bf16 per token of context.
+    assert plan["memory"]["weights"] == pytest.approx(full_size_weight_bytes(), rel=1e-3)
+    assert plan["kv_bytes_per_token"] == 10 * 2 * 2 * 256 * 2
+    assert plan["memory"]["kv_cache"] == plan["kv_bytes_per_token"] * plan["kv_capacity"] >= 4097 * 20480
+    assert "20.5 KB per token" in table and "5.37 GB at 262,144" in table
     assert cli_main(["plan", "--model", "/nonexistent/dir"]) == 1
     assert "lily: error:" in capsys.readouterr().err
