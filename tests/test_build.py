@@ -12,6 +12,7 @@ import runpy
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,20 @@ def test_a_machine_without_clang_builds_installs_and_generates(tmp_path):
     version = subprocess.run([str(venv / "bin" / "lily"), "--version"], cwd=tmp_path, env=run_env,
                              capture_output=True, text=True, timeout=300)
     assert re.fullmatch(rf"lily \S+ \(build {head_commit()}\)\n", version.stdout), version.stdout + version.stderr
+    # The wheel carries the kernel sources and the CUDA build tool: --compile-only builds PTX outside any checkout,
+    # after saying what is missing where the toolchain is not.
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"lily/kernel_source/metal/{p.name}" for p in (ROOT / "metal").iterdir()} <= names
+    assert {f"lily/kernel_source/tools/{p.name}" for p in (ROOT / "tools").glob("*.py")} <= names
+    compile_only = [str(venv / "bin" / "python"), "-m", "lily.selftest", "--device", "cuda", "--compile-only",
+                    "--kernels", "^rms_norm", "--ptx-out", str(tmp_path / "ptx")]
+    no_clang = subprocess.run(compile_only, cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=600)
+    assert no_clang.returncode == 1 and "lily.selftest: no clang++" in no_clang.stderr, no_clang.stderr[-3000:]
+    built = subprocess.run(compile_only, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    assert f"from {venv}" in built.stdout and "/lily/kernel_source. No GPU was used." in built.stdout, built.stdout
+    assert "rms_norm" in built.stdout and (tmp_path / "ptx" / "rms_norm.ptx").is_file()
     # The CUDA driver layer is built with any compiler; without a driver it says so (LILY_LIBCUDA: no such file).
     no_driver = subprocess.run([str(venv / "bin" / "python"), "-c", "from lily import cuda\ntry:\n    cuda.Runner()\n"
                                 "except cuda.CudaError as e:\n    print(e)"],

@@ -59,12 +59,13 @@ class Toolchain:
 
 
 def _pip_nvidia_dirs() -> list[Path]:
-    """nvidia/* package folders of NVIDIA's pip wheels (nvidia-cuda-nvcc) on this interpreter's paths."""
+    """nvidia/* package folders of NVIDIA's pip wheels (nvidia-cuda-nvcc) wherever this interpreter imports from: its
+    site-packages, a user site, or the paths a venv inherits."""
     dirs = []
-    for key in ("purelib", "platlib"):
-        base = Path(sysconfig.get_paths()[key]) / "nvidia"
+    for entry in dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path]):
+        base = Path(entry or ".") / "nvidia"
         if base.is_dir():
-            dirs += sorted(p for p in base.iterdir() if p.is_dir())
+            dirs += sorted(p for p in base.iterdir() if p.is_dir() and p not in dirs)
     return dirs
 
 

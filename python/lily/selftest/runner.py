@@ -74,8 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                              "harness: the Linux CPU execution harness; cuda: an NVIDIA GPU through the CUDA driver "
                              "(docs/cuda.md); auto (default): metal-api on a Mac, harness elsewhere")
     parser.add_argument("--compile-only", action="store_true",
-                        help="with --device cuda: compile every kernel for the NVIDIA targets and check it with "
-                             "ptxas; no GPU needed")
+                        help="with --device cuda: compile every kernel (with --kernels, the files that instantiate "
+                             "a match) for the NVIDIA targets and check it with ptxas; no GPU needed")
     parser.add_argument("--ptx-out", metavar="DIR", help="with --compile-only: keep the PTX files in DIR")
     parser.add_argument("--kernels", metavar="REGEX", help="only the instantiated kernels whose name matches REGEX")
     parser.add_argument("--all", action="store_true",
@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         from lily.selftest.compile_cuda import compile_cuda
 
-        return compile_cuda(args.ptx_out)
+        return compile_cuda(args.ptx_out, args.kernels)
     device = _open(args.device)
     if device is None:
         return 2
