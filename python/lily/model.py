@@ -486,7 +486,8 @@ class Model:
         backend's default); the reference and cpu backends compute in float32 only. ``quantize=4``
         quantizes an HF bf16/fp32 checkpoint on load. The prompt cache keeps at most
         ``prompt_cache_entries`` snapshots and ``prompt_cache_bytes`` bytes. ``progress`` shows
-        download progress bars (on stderr).
+        download progress bars, and the engine backends' load phases, on stderr where it is a terminal (the phases'
+        times are logged at debug level).
         ``load_format="dummy"`` reads no weights: random 4-bit weights of the configuration's shapes, for
         benchmarks (``lily.dummy``); ``path_or_repo`` is then a checkpoint directory, a config.json path, a config
         dict or ``"full-size"`` (Qwen3.6-35B-A3B).
@@ -523,7 +524,7 @@ class Model:
         if max_context is not None and max_context > checkpoint.args.max_position_embeddings:
             raise ValueError(f"Model.load(): max_context={max_context} exceeds the model's context of "
                              f"{checkpoint.args.max_position_embeddings} tokens (max_position_embeddings)")
-        engine = backends.create(chosen, checkpoint, precision, max_context)
+        engine = backends.create(chosen, checkpoint, precision, max_context, progress)
         tokenizer = None
         tokenizer_dir = Path(checkpoint.tokenizer_dir or directory)
         if (tokenizer_dir / "tokenizer.json").is_file():

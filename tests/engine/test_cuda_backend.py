@@ -41,7 +41,8 @@ def test_backend_cuda_without_a_driver_or_kernels_is_one_clear_error(monkeypatch
         pytest.skip(cuda_absent())
     prepare_cuda(request)
     monkeypatch.setenv("LILY_CUDA_PTX_DIR", str(tmp_path))  # no .ptx there
-    with pytest.raises(RuntimeError, match=rf"no CUDA kernels: no \.ptx files in {tmp_path}"):
+    with pytest.raises(RuntimeError, match=rf"no CUDA kernels: no \.ptx files in {tmp_path} \(build them with "
+                       r"`python -m lily.selftest --device cuda --compile-only --ptx-out DIR`"):
         choose("cuda")
 
 

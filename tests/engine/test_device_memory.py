@@ -87,3 +87,4 @@ def test_plan_states_what_the_loaded_engine_holds(engine_backend):
         k: held[k] for k in ("kv_cache", "state", "scratch")}
     # The plan's synthetic table holds a few per-head vectors (dt_bias) in f32 where this file has bf16.
     assert plan["memory"]["weights"] == pytest.approx(tensor_bytes(checkpoint), rel=1e-4)
+

@@ -41,12 +41,14 @@ def choose(name: str) -> str:
     return name
 
 
-def create(name: str, checkpoint: Any, precision: str | None = None, max_context: int | None = None) -> Any:
-    """A backend of the chosen ``name`` ("reference", "metal", "cuda" or "cpu") over ``checkpoint``; ``precision`` and
-    ``max_context`` (the KV cache's limit) apply to the engine backends, metal and cuda, and None keeps their
-    defaults."""
+def create(name: str, checkpoint: Any, precision: str | None = None, max_context: int | None = None,
+           progress: bool = False) -> Any:
+    """A backend of the chosen ``name`` ("reference", "metal", "cuda" or "cpu") over ``checkpoint``; ``precision``,
+    ``max_context`` (the KV cache's limit) and ``progress`` (a load progress bar) apply to the engine backends, metal
+    and cuda, and None keeps their defaults."""
     options = {key: value for key, value in (("precision", precision), ("max_context", max_context))
                if value is not None}
+    options["progress"] = progress
     if name == "metal":
         from lily.backends.metal import MetalBackend
 

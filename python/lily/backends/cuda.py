@@ -38,7 +38,8 @@ def cuda_unavailable(*, system_driver: bool = False) -> str | None:
             return str(exc)
     folder = ptx_dir()
     if not any(folder.glob("*.ptx")):
-        return f"no CUDA kernels: no .ptx files in {folder} (build them with tools/cuda_kernels.py; docs/cuda.md)"
+        return (f"no CUDA kernels: no .ptx files in {folder} (build them with `python -m lily.selftest --device cuda "
+                "--compile-only --ptx-out DIR`, then set LILY_CUDA_PTX_DIR=DIR; docs/cuda.md)")
     return None
 
 

@@ -8,8 +8,10 @@ checkpoint file are bound in place (each file is mapped once and wrapped whole a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -142,6 +144,41 @@ def kernel_metallib() -> str | None:
     return str(path)
 
 
+class _LoadPhases:
+    """A load's phases: one step of a progress bar each (the weights one per tensor), and each phase's seconds at
+    debug level."""
+
+    def __init__(self, path: Any, tensors: int, progress: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self._path = path
+        # disable=None: drawn only where stderr is a terminal (logs and pipes get the debug lines alone).
+        self._bar = tqdm(total=tensors + 2, desc="lily: loading", unit="step", leave=False,
+                         disable=None if progress else True)
+        self._times: list[tuple[str, float]] = []
+
+    def __enter__(self) -> "_LoadPhases":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._bar.close()
+        if exc[0] is None:
+            _log.debug("%s: loaded in %.2f s (%s)", self._path, sum(t for _, t in self._times),
+                       ", ".join(f"{name} {t:.2f} s" for name, t in self._times))
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._bar.set_description(f"lily: {name}")
+        start = time.perf_counter()
+        yield
+        self._times.append((name, time.perf_counter() - start))
+        if name != "weights":  # the weights phase advances per tensor
+            self._bar.update(1)
+
+    def advance(self) -> None:
+        self._bar.update(1)
+
+
 class MetalBackend:
     """The ``metal`` backend: ``lily._ext.Engine`` behind the backend interface of docs/architecture.md.
 
@@ -149,6 +186,8 @@ class MetalBackend:
     f32 router logits) or "float32" (f32 activations and KV cache, weights as stored).
     ``switches``: engine options turned off (see ``SWITCHES``; also ``LILY_DISABLE_<NAME>``).
     ``max_context``: the KV cache's limit in tokens (it grows in blocks up to it).
+    ``progress``: a progress bar over the load's phases (kernels and device, each weight, buffers and graph) on stderr
+    where it is a terminal; each phase's time is logged at debug level either way.
     """
 
     def __init__(
@@ -158,6 +197,7 @@ class MetalBackend:
         precision: str = "bfloat16",
         switches: Mapping[str, Any] | None = None,
         max_context: int = DEFAULT_MAX_CONTEXT,
+        progress: bool = False,
     ) -> None:
         from lily import _ext
 
@@ -172,20 +212,26 @@ class MetalBackend:
             raise ValueError(f"max_context must be a positive integer; got {max_context!r}")
         self.args = checkpoint.args
         self.precision = precision
-        try:
-            self._engine = _ext.Engine(engine_config(self.args), precision, chosen, max_context,
-                                       **self._runtime_arguments())
-        except RuntimeError as exc:
-            raise ValueError(f"{checkpoint.path}: {exc}") from None
-        for line in _ext.fast_paths_left_out(engine_config(self.args)):
-            _log.debug("%s: fast path left out: %s", checkpoint.path, line)
-        self._files: dict[str, int] = {}
-        for name in checkpoint.weights:
-            self._bind(checkpoint, name)
-        try:
-            self._engine.finish_loading()
-        except RuntimeError as exc:
-            raise ValueError(f"{checkpoint.path}: {exc}") from None
+        names = list(checkpoint.weights)
+        with _LoadPhases(checkpoint.path, len(names), progress) as phases:
+            with phases.phase("kernels and device"):
+                try:
+                    self._engine = _ext.Engine(engine_config(self.args), precision, chosen, max_context,
+                                               **self._runtime_arguments())
+                except RuntimeError as exc:
+                    raise ValueError(f"{checkpoint.path}: {exc}") from None
+            for line in _ext.fast_paths_left_out(engine_config(self.args)):
+                _log.debug("%s: fast path left out: %s", checkpoint.path, line)
+            self._files: dict[str, int] = {}
+            with phases.phase("weights"):
+                for name in names:
+                    self._bind(checkpoint, name)
+                    phases.advance()
+            with phases.phase("buffers and graph"):
+                try:
+                    self._engine.finish_loading()
+                except RuntimeError as exc:
+                    raise ValueError(f"{checkpoint.path}: {exc}") from None
         self._live: MetalState | None = None
         self._decoded: MetalState | None = None  # the state whose decode logits the engine's buffer holds
         self._decoding = False  # a decode_tokens iterator is open (steps may be in flight)
