@@ -113,7 +113,7 @@ def mlx4(tiny_checkpoints):
 
 
 def test_chunked_prefill_equals_one_shot_across_kv_cache_growth(mlx4):
-    """A prompt longer than the KV cache's first capacity, fed in uneven chunks (1, 3 tokens: GEMV; more: GEMM),
+    """A prompt longer than the KV cache's first capacity, fed in uneven chunks (up to 8 tokens: GEMV; more: GEMM),
     gives the one-shot logits, and both match the reference."""
     backend = CpuBackend(mlx4)
     prompt = np.random.default_rng(3).integers(0, mlx4.args.vocab_size, KV_CACHE_MIN_CAPACITY + 49)
@@ -127,6 +127,20 @@ def test_chunked_prefill_equals_one_shot_across_kv_cache_growth(mlx4):
     assert relative_error(chunked, one_shot) < 1e-5
     want = ReferenceModel(mlx4).forward(prompt, ReferenceModel(mlx4).new_state())
     assert relative_error(one_shot, want) < LOGITS_TOLERANCE
+
+
+@pytest.mark.parametrize("tokens", [2, 3, 4, 5, 8])
+def test_a_few_tokens_equal_the_same_tokens_decoded_one_by_one(mlx4, tokens, isa):
+    """Up to 8 tokens run the GEMV (on AVX2 four tokens share each decoded weight row): the same sums, in the same
+    order, as one decode step per token, so the logits are bit-identical; and they match the reference."""
+    backend = CpuBackend(mlx4)
+    prompt = np.random.default_rng(tokens).integers(0, mlx4.args.vocab_size, tokens)
+    together = backend.forward(prompt, backend.new_state())
+    state = backend.new_state()
+    one_by_one = np.concatenate([backend.forward(prompt[t : t + 1], state) for t in range(tokens)])
+    np.testing.assert_array_equal(together, one_by_one)
+    want = ReferenceModel(mlx4).forward(prompt, ReferenceModel(mlx4).new_state())
+    assert relative_error(together, want) < LOGITS_TOLERANCE
 
 
 def test_last_only_returns_the_last_row(mlx4):

@@ -24,7 +24,7 @@ namespace lily::cpu {
 namespace {
 
 constexpr size_t kTileRows = 16;       // rows dequantized at once by the GEMM
-constexpr size_t kGemmMinTokens = 4;   // fewer tokens: one GEMV per token
+constexpr size_t kGemvMaxTokens = 8;   // up to this many tokens: the GEMV (each weight row decoded once per 4 tokens)
 constexpr size_t kParallelWork = 1 << 17;  // multiply-adds below which a range is not split (a wake-up costs ~10 us)
 
 bool g_avx2 = false;
@@ -254,11 +254,72 @@ __attribute__((target("avx2,fma"))) void gemv_chunked_avx2(const float* xc, cons
   }
 }
 
-void gemv_chunked(const float* xc, const float* xsum, const Matrix& w, size_t r0, size_t r1, float* out) {
+// Rows [r0, r1) of a chunked weight times four tokens (xc [4, cols] in chunk order, xsum [4, groups]): each row's
+// codes are decoded once for all four, so a few-token prefill decodes the weight about as often as a decode step
+// does. Per token, the same sums in the same order as gemv_chunked_avx2.
+template <DType D>
+__attribute__((target("avx2,fma"))) void gemv_chunked_4_tokens_avx2(const float* xc, const float* xsum,
+                                                                    const Matrix& w, size_t r0, size_t r1,
+                                                                    float* out) {
+  const size_t per_word = 32 / w.bits, chunk = 8 * per_word, groups = w.cols / w.group;
+  const size_t chunks_per_group = w.group / chunk, row_bytes = w.row_bytes();
+  const __m256i mask = _mm256_set1_epi32((1 << w.bits) - 1);
+  __m256i shifts[16];
+  for (size_t s = 0; s < per_word; ++s) shifts[s] = _mm256_set1_epi32(int(s * w.bits));
+  const float *x0 = xc, *x1 = xc + w.cols, *x2 = xc + 2 * w.cols, *x3 = xc + 3 * w.cols;
+  for (size_t row = r0; row < r1; ++row) {
+    const uint8_t* data = w.data + row * row_bytes;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    float bias_sum[4] = {0, 0, 0, 0};
+    for (size_t g = 0; g < groups; ++g) {
+      // Written out for four tokens: arrays indexed in a loop stay on the stack at -O2.
+      __m256 g0 = _mm256_setzero_ps(), g1 = g0, g2 = g0, g3 = g0;
+      for (size_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + c * 32));
+        for (size_t s = 0; s < per_word; ++s) {
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(words, shifts[s]), mask));
+          const size_t at = c * chunk + 8 * s;
+          g0 = _mm256_fmadd_ps(q, _mm256_loadu_ps(x0 + at), g0);
+          g1 = _mm256_fmadd_ps(q, _mm256_loadu_ps(x1 + at), g1);
+          g2 = _mm256_fmadd_ps(q, _mm256_loadu_ps(x2 + at), g2);
+          g3 = _mm256_fmadd_ps(q, _mm256_loadu_ps(x3 + at), g3);
+        }
+      }
+      const size_t index = row * groups + g;
+      const float bias = scale_at<D>(w.biases, index);
+      for (size_t i = 0; i < 4; ++i) bias_sum[i] += bias * xsum[i * groups + g];
+      const __m256 scale = _mm256_set1_ps(scale_at<D>(w.scales, index));
+      a0 = _mm256_fmadd_ps(scale, g0, a0);
+      a1 = _mm256_fmadd_ps(scale, g1, a1);
+      a2 = _mm256_fmadd_ps(scale, g2, a2);
+      a3 = _mm256_fmadd_ps(scale, g3, a3);
+    }
+    out[row] = hsum(a0) + bias_sum[0];
+    out[w.rows + row] = hsum(a1) + bias_sum[1];
+    out[2 * w.rows + row] = hsum(a2) + bias_sum[2];
+    out[3 * w.rows + row] = hsum(a3) + bias_sum[3];
+  }
+}
+
+// Rows [r0, r1) of a chunked weight times `tokens` tokens, out [tokens, w.rows]: four tokens at a time, the rest
+// one by one.
+template <DType D>
+void gemv_chunked_tokens(const float* xc, const float* xsum, size_t tokens, const Matrix& w, size_t r0, size_t r1,
+                         float* out) {
+  const size_t groups = w.cols / w.group;
+  size_t t = 0;
+  for (; t + 4 <= tokens; t += 4) {
+    gemv_chunked_4_tokens_avx2<D>(xc + t * w.cols, xsum + t * groups, w, r0, r1, out + t * w.rows);
+  }
+  for (; t < tokens; ++t) gemv_chunked_avx2<D>(xc + t * w.cols, xsum + t * groups, w, r0, r1, out + t * w.rows);
+}
+
+void gemv_chunked(const float* xc, const float* xsum, size_t tokens, const Matrix& w, size_t r0, size_t r1,
+                  float* out) {
   switch (w.dtype) {
-    case DType::F32: return gemv_chunked_avx2<DType::F32>(xc, xsum, w, r0, r1, out);
-    case DType::BF16: return gemv_chunked_avx2<DType::BF16>(xc, xsum, w, r0, r1, out);
-    case DType::F16: return gemv_chunked_avx2<DType::F16>(xc, xsum, w, r0, r1, out);
+    case DType::F32: return gemv_chunked_tokens<DType::F32>(xc, xsum, tokens, w, r0, r1, out);
+    case DType::BF16: return gemv_chunked_tokens<DType::BF16>(xc, xsum, tokens, w, r0, r1, out);
+    case DType::F16: return gemv_chunked_tokens<DType::F16>(xc, xsum, tokens, w, r0, r1, out);
   }
 }
 
@@ -483,22 +544,24 @@ void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPo
       permute_to_chunk_order(x + t0 * cols, t1 - t0, cols, w.bits, xc.data() + t0 * cols);
     });
   }
-  if (tokens < kGemmMinTokens) {
-    for (size_t t = 0; t < tokens; ++t) {
-      float* o = out + t * rows;
+  if (tokens <= kGemvMaxTokens) {
 #ifdef LILY_CPU_X86
-      if (in_chunks) {
-        std::vector<float> xsum(cols / w.group);
-        for (size_t g = 0; g < xsum.size(); ++g) {
+    if (in_chunks) {
+      const size_t groups = cols / w.group;
+      std::vector<float> xsum(tokens * groups);
+      for (size_t t = 0; t < tokens; ++t)
+        for (size_t g = 0; g < groups; ++g) {
           float s = 0;
           for (size_t k = 0; k < size_t(w.group); ++k) s += x[t * cols + g * w.group + k];
-          xsum[g] = s;
+          xsum[t * groups + g] = s;
         }
-        const float* xt = xc.data() + t * cols;
-        run(pool, rows, min_rows(w), [&](size_t r0, size_t r1) { gemv_chunked(xt, xsum.data(), w, r0, r1, o); });
-        continue;
-      }
+      run(pool, rows, std::max<size_t>(1, min_rows(w) / tokens),
+          [&](size_t r0, size_t r1) { gemv_chunked(xc.data(), xsum.data(), tokens, w, r0, r1, out); });
+      return;
+    }
 #endif
+    for (size_t t = 0; t < tokens; ++t) {
+      float* o = out + t * rows;
       run(pool, rows, min_rows(w), [&](size_t r0, size_t r1) { gemv_rows(x + t * cols, w, r0, r1, o); });
     }
     return;
