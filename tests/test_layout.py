@@ -161,8 +161,8 @@ def test_server_and_backends_are_packages() -> None:
 
 
 def test_switch_lists_name_the_same_switches() -> None:
-    """lily.backends.metal.SWITCHES is the list; docs/engine.md's table, model.h's Switches and bindings.cpp follow."""
-    from lily.backends.metal import SWITCHES
+    """lily.backends.engine.SWITCHES is the list; docs/engine.md's table, model.h's Switches and bindings.cpp follow."""
+    from lily.backends.engine import SWITCHES
 
     table = (ROOT / "docs" / "engine.md").read_text().split("| switch | off means |", 1)[1].split("\n\n", 1)[0]
     documented = re.findall(r"^\| `([A-Z_]+)` \|", table, re.M)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from lily import quant
-from lily.backends import metal
+from lily.backends import engine
 from lily.kernel_cases import common as kernel_case_io
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def test_bf16_rounding_is_written_once() -> None:
 # Every way Python code turns float32 into bf16 bits for a kernel or the engine.
 BF16_CONVERTERS = {
     "lily.quant": quant.float32_to_bfloat16_bits,
-    "metal backend weights": lambda x: metal._as_dtype(x, "bfloat16"),
+    "engine backend weights": lambda x: engine._as_dtype(x, "bfloat16"),
     "kernel case buffers": lambda x: kernel_case_io.to_device(x, "bf16"),
     "kernel test buffers": lambda x: kernel_io().to_device(x, "bf16"),
 }
@@ -74,7 +74,7 @@ def test_every_bf16_conversion_rounds_to_nearest_even_and_keeps_nan(where: str) 
 def test_token_id_check_is_written_once() -> None:
     """Backends validate token ids with lily.reference.check_token_ids; no other copy of its message exists."""
     assert files_matching(r"token_ids must (lie|be a non-empty)", "python/") == ["python/lily/reference.py"]
-    assert "check_token_ids(" in Path(metal.__file__).read_text()
+    assert "check_token_ids(" in Path(engine.__file__).read_text()
 
 
 def test_tool_call_arguments_are_normalised_by_lily_chat() -> None:

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from lily.model import Model, Session, host_memory_gb, peak_memory_gb
+from lily.backends import ExpertCounts, KernelProfiling, LiveSequence, host_memory_gb, peak_memory_gb
+from lily.model import Model, Session
 
 
 @dataclass
@@ -84,9 +85,8 @@ def _make_live(model: Model, session: Session) -> None:
     """The GPU backends hold one sequence's state on the device: make the fork's the live one before a clock starts,
     as llama-bench runs each test in a context of its own (at depth 32768 the swap moves over a gigabyte between
     host and device, which is neither prefill nor decode: on an H200 it cut tg128 @ d32768 from 190 to 66 tok/s)."""
-    activate = getattr(model.backend, "_activate", None)
-    if activate is not None:
-        activate(session.state)
+    if isinstance(model.backend, LiveSequence):
+        model.backend.activate(session.state)
 
 
 def _time_prefill(model: Model, base: Session, ids: list[int]) -> float:
@@ -117,7 +117,7 @@ def _time_generate(model: Model, base: Session, n_gen: int, first: int) -> float
 def context_needed(prompts: Sequence[int], gens: Sequence[int], depths: Sequence[int]) -> int | None:
     """The KV-cache limit the tests need (the deepest test: its depth, its prompt or generation, and the token after
     it), or None where the engine backends' default limit (32768) holds them."""
-    from lily.backends.metal import DEFAULT_MAX_CONTEXT
+    from lily.backends.engine import DEFAULT_MAX_CONTEXT
 
     needed = max(depths, default=0) + max([*prompts, *gens], default=0) + 1
     return needed if needed > DEFAULT_MAX_CONTEXT else None
@@ -191,7 +191,7 @@ def expert_load(model: Model, tokens: int, *, seed: int = 0) -> ExpertLoad | Non
     from lily.dummy import dummy_checkpoint
 
     backend = model.backend
-    if not hasattr(backend, "expert_tokens"):
+    if not isinstance(backend, ExpertCounts):
         if model.load_format != "dummy" or not hasattr(_ext, "cpu"):
             return None
         backend = CpuBackend(dummy_checkpoint(model.config))  # same config and seed: the same weights
@@ -228,7 +228,7 @@ def model_description(model: Model, n_params: int, weights: Any = None) -> str:
     """llama-bench's model column: architecture, total.Active parameter labels and quantization,
     e.g. "qwen3_5_moe 35B.A3B 4-bit" ("... 4-bit dummy" for dummy weights). ``weights``: the model's (default: its
     backend's)."""
-    weights = weights if weights is not None else getattr(model.backend, "weights", None)
+    weights = weights if weights is not None else model.backend.weights
     names = list(weights) if hasattr(weights, "shape") else []
     experts = sum(int(np.prod(weights.shape(n))) for n in names if ".switch_mlp." in n)
     config = model.config
@@ -245,7 +245,7 @@ def model_info(model: Model) -> dict[str, Any]:
     """Model description, file size and parameter count, as llama-bench's leading columns; for dummy weights the
     size is what a checkpoint of them would hold (no file exists)."""
     path = Path(model.path) if model.path is not None else None
-    weights = getattr(model.backend, "weights", {})
+    weights = model.backend.weights
     if model.load_format == "dummy":
         from lily.dummy import dummy_checkpoint
 
@@ -319,7 +319,7 @@ def format_markdown(rows: Sequence[BenchRow], info: dict[str, Any]) -> str:
 def require_profiling(model: Model, n_prompt: int) -> None:
     """ValueError, before any benchmark runs, where ``profile_prefill`` cannot: not the cuda backend, or a prompt
     too short to be a prefill."""
-    if not getattr(model.backend, "supports_profiling", False):
+    if not (isinstance(model.backend, KernelProfiling) and model.backend.supports_profiling):
         raise ValueError(f"--profile needs the cuda backend (per-node device times); this model runs on "
                          f"{model.backend_name!r}")
     if n_prompt < 2:
@@ -328,7 +328,7 @@ def require_profiling(model: Model, n_prompt: int) -> None:
 
 
 def profile_prefill(model: Model, n_prompt: int, seed: int = 0) -> list[tuple[str, str, float]]:
-    """Per-node device times of one prefill of ``n_prompt`` random tokens (``MetalBackend.profile_prefill``)."""
+    """Per-node device times of one prefill of ``n_prompt`` random tokens (``EngineBackend.profile_prefill``)."""
     require_profiling(model, n_prompt)
     return model.backend.profile_prefill(_random_ids(model, n_prompt, np.random.default_rng(seed)))
 

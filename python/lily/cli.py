@@ -313,7 +313,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from lily import hub
     from lily import plan as lily_plan
-    from lily.backends.metal import switches_from_env
+    from lily.backends.engine import switches_from_env
     from lily.config import ModelArgs
 
     model_args = lily_plan.full_size_args() if args.full_size else ModelArgs.from_file(hub.resolve(args.model))

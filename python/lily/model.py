@@ -18,8 +18,6 @@ import difflib
 import hashlib
 import json
 import os
-import resource
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -29,6 +27,7 @@ from typing import Any, Union
 
 import numpy as np
 
+from lily.backends import Backend, GpuDecoding, peak_memory_gb
 from lily.sampling import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
@@ -109,20 +108,6 @@ def _is_cancelled(cancel: CancelCheck) -> bool:
     if isinstance(cancel, threading.Event):
         return cancel.is_set()
     return bool(cancel())
-
-
-def peak_memory_gb(backend: Any) -> float:
-    """The most memory the model has held (GB): on a GPU backend the peak of what the engine holds in GPU memory
-    (weights, KV cache, states, scratch), else this process's peak RSS."""
-    if hasattr(backend, "device_memory"):
-        return backend.device_memory()["peak"] / 1e9
-    return host_memory_gb()
-
-
-def host_memory_gb() -> float:
-    """This process's peak resident set size (GB): host memory, whatever the backend holds on a GPU."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
 
 
 class Session:
@@ -376,10 +361,10 @@ class Session:
             source.close()
 
     def _gpu_decode_possible(self, params: SamplingParams) -> bool:
-        """Whether the backend chooses tokens itself for this request (see ``MetalBackend.gpu_decode_blockers``:
+        """Whether the backend chooses tokens itself for this request (see ``EngineBackend.gpu_decode_blockers``:
         logprobs and a windowed repetition penalty keep a request on the CPU sampler)."""
         backend = self.model.backend
-        return hasattr(backend, "decode_tokens") and not backend.gpu_decode_blockers(params)
+        return isinstance(backend, GpuDecoding) and not backend.gpu_decode_blockers(params)
 
     def _choose_on_cpu(self, params: SamplingParams) -> Iterator[tuple[int, float | None, Any]]:
         """The reference path: every step's logits to the host, ``lily.sampling.Sampler`` chooses; the chosen
@@ -414,7 +399,7 @@ class Session:
 
 
 def _check_precision(requested: str, backend: str, precision: str | None) -> None:
-    from lily.backends.metal import PRECISIONS
+    from lily.backends.engine import PRECISIONS
 
     if precision is None:
         return
@@ -447,7 +432,7 @@ def _fingerprint(checkpoint: Any, quantize: int | None) -> str:
 class Model:
     """A loaded checkpoint: ``config`` (ModelArgs), ``tokenizer``, a backend and a prompt cache."""
 
-    def __init__(self, backend: Any, config: Any, tokenizer: Any, *, backend_name: str,
+    def __init__(self, backend: Backend, config: Any, tokenizer: Any, *, backend_name: str,
                  fingerprint: str, path: Path | None = None, prompt_cache: PromptCache | None = None,
                  prefill_step_size: int = 512) -> None:
         self.backend = backend

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lily.backends.metal import PRECISIONS, SWITCHES, TEST_OPTIONS, engine_config
+from lily.backends.engine import PRECISIONS, SWITCHES, TEST_OPTIONS, engine_config
 from lily.config import FULL_SIZE_CONFIG, ModelArgs, full_size_args  # noqa: F401 (lily.plan's names)
 
 

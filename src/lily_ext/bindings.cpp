@@ -450,10 +450,7 @@ void bind_engine(nb::module_ m) {
       .def_prop_ro("step_cpp_ns", &lily::Engine::step_cpp_ns)
       .def("reset_host_timing", &lily::Engine::reset_host_timing)
       .def_prop_ro("programs_built", &lily::Engine::programs_built)
-      .def(
-          "device_memory",
-          [](const lily::Engine& e) { return memory_dict(e.device_memory()); },
-          "Bytes held in the runtime's memory: weights, kv_cache, state, scratch, total, and the peak since load.")
+      .def("device_memory", [](const lily::Engine& e) { return memory_dict(e.device_memory()); })
       .def("bind_synthetic_weights", &lily::Engine::bind_synthetic_weights)
       .def("generate_greedy", &lily::Engine::generate_greedy, nb::arg("first"), nb::arg("count"))
       .def("last_step_counts", [](const lily::Engine& e) { return counts_dict(e.last_graph()); })

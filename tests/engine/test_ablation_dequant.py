@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from lily.checkpoint import load_checkpoint
-from lily.backends.metal import MetalBackend, switches_from_env
+from lily.backends.engine import switches_from_env
+from lily.backends.metal import MetalBackend
 from lily.reference import ReferenceModel
 
 pytestmark = pytest.mark.metal  # runs the metal backend (tests/conftest.py)

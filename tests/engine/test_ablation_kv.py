@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from lily.checkpoint import load_checkpoint
-from lily.backends.metal import MetalBackend, switches_from_env
+from lily.backends.engine import switches_from_env
+from lily.backends.metal import MetalBackend
 
 from tests.engine.test_metal_head_dims import D256_CONFIG, DEMO, reference_logits, run_backend
 from tests.fixtures import build_hf_model, save_hf_checkpoint, save_mlx_checkpoint

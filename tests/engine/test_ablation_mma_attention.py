@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from lily.checkpoint import load_checkpoint
-from lily.backends.metal import MetalBackend, switches_from_env
+from lily.backends.engine import switches_from_env
+from lily.backends.metal import MetalBackend
 from lily.reference import ReferenceModel
 
 from tests.engine.test_metal_head_dims import DEMO

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from lily.checkpoint import load_checkpoint
-from lily.backends.metal import SWITCHES, MetalBackend, switches_from_env
+from lily.backends.engine import SWITCHES, switches_from_env
+from lily.backends.metal import MetalBackend
 from lily.reference import ReferenceModel
 
 from tests.fixtures import _KV64, build_hf_model, save_hf_checkpoint, save_mlx_checkpoint

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lily.backends.metal import MetalBackend, switches_from_env
+from lily.backends.engine import switches_from_env
+from lily.backends.metal import MetalBackend
 from lily.reference import ReferenceModel
 
 from tests.engine.test_fusion import DECODE_ONLY, PROMPT, checkpoints  # noqa: F401 (the fixture)

@@ -9,7 +9,7 @@ import pytest
 
 from lily import plan as lily_plan
 from lily._ext import _test_engine as te
-from lily.backends import metal as engine
+from lily.backends import engine
 from lily.backends.metal import MetalBackend
 from lily.checkpoint import load_checkpoint
 from lily.reference import ReferenceModel

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.metal  # runs the metal backend (tests/conftest.py)
 
 
 def test_load_phases_are_timed_at_debug_level_and_drawn_only_on_a_terminal(engine_runtime, caplog, capsys):
-    with caplog.at_level(logging.DEBUG, logger="lily.backends.metal"):
+    with caplog.at_level(logging.DEBUG, logger="lily.backends.engine"):
         model = Model.load("lily:demo", backend=engine_runtime, progress=True)
     (line,) = [r.getMessage() for r in caplog.records if ": loaded in " in r.getMessage()]
     match = re.fullmatch(r".*: loaded in ([\d.]+) s \(kernels and device ([\d.]+) s, weights ([\d.]+) s, "

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from lily.checkpoint import load_checkpoint
-from lily.backends.metal import MetalBackend, switches_from_env
+from lily.backends.engine import switches_from_env
+from lily.backends.metal import MetalBackend
 from lily.plan import PLAN_TARGETS, format_plan, full_size_args, plan_decode
 from lily.reference import ReferenceModel
 
@@ -170,7 +171,7 @@ def test_fast_paths_left_out_are_named_in_the_plan_and_the_debug_log(checkpoints
     # The plan counts the kernels the engine runs: unpacked decode attention, one threadgroup per query head.
     attention_layers = ratio3.args.layer_types.count("full_attention")
     assert plan["dispatches_by_kernel"].get("attention_decode_unpacked_f32_d64") == attention_layers
-    with caplog.at_level(logging.DEBUG, logger="lily.backends.metal"):
+    with caplog.at_level(logging.DEBUG, logger="lily.backends.engine"):
         MetalBackend(ratio3, precision="float32")
     assert any(line in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     # Shapes every fast path fits (the demo model, the packed fixtures, the full-size model) list nothing.

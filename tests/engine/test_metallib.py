@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lily.backends import metal as engine
+from lily.backends import metal
 from lily._ext import kernels, msl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,13 +92,13 @@ def test_a_missing_or_corrupt_metallib_is_one_clear_error(tmp_path: Path) -> Non
 def test_kernel_metallib_follows_the_build_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # This (Linux) build compiles the embedded source: no metallib is looked for.
     assert kernels.aot_metallib is False
-    assert engine.kernel_metallib() is None
+    assert metal.kernel_metallib() is None
     # An AOT build looks in one place only, next to _ext.
     monkeypatch.setattr(kernels, "aot_metallib", True)
     monkeypatch.setattr(importlib.resources, "files", lambda package: tmp_path if package == "lily" else None)
     with pytest.raises(FileNotFoundError, match=rf"LILY_AOT_METALLIB=ON .*{tmp_path / 'lily.metallib'} is missing"):
-        engine.kernel_metallib()
+        metal.kernel_metallib()
     write_stand_in_metallib(tmp_path / "lily.metallib", lily_kernel_source())
-    path = engine.kernel_metallib()
+    path = metal.kernel_metallib()
     assert path == str(tmp_path / "lily.metallib")
     assert kernels.Runner(metallib=path).kernel_names() == msl.kernel_names()

@@ -22,7 +22,7 @@ import pytest
 from lily import _ext
 from lily._ext import msl
 from lily.config import ModelArgs
-from lily.backends.metal import SWITCHES, engine_config
+from lily.backends.engine import SWITCHES, engine_config
 from lily.plan import FULL_SIZE_CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]

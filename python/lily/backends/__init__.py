@@ -1,14 +1,100 @@
 """The backends that run the forward pass under ``lily.Model`` (docs/architecture.md, "Backends").
 
 ``reference``: ``lily.reference.ReferenceModel``, the specification itself (numpy, float32, always available).
-``metal``: ``lily.backends.metal.MetalBackend``, the compiled engine (``lily._ext``).
+``metal``: ``lily.backends.metal.MetalBackend``, the compiled engine (``lily.backends.engine``) on Metal.
 ``cuda``: ``lily.backends.cuda.CudaBackend``, the same engine on its CUDA runtime (NVIDIA GPUs).
 ``cpu``: ``lily.backends.cpu.CpuBackend``, the extension's C++ forward pass on the packed weights (any machine).
+
+Every backend is a ``Backend``; what only some can do is a capability, a protocol of its own, that ``lily.Model`` and
+``lily bench`` test with ``isinstance``: ``GpuDecoding``, ``LiveSequence``, ``DeviceMemoryReport``, ``ExpertCounts``
+and ``KernelProfiling``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import resource
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from lily.config import ModelArgs
+    from lily.sampling import SamplingParams
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What ``lily.Model`` runs on: ``new_state()`` gives a sequence's state (``position``, ``copy()`` for an
+    independent snapshot), ``forward`` runs token ids through it and returns float32 logits [T, V] (the last row
+    only with ``last_only``). ``args`` is the model's configuration, ``weights`` the checkpoint's tensors (names,
+    shapes, quantization) or an empty mapping."""
+
+    args: ModelArgs
+    weights: Mapping[str, Any]
+
+    def new_state(self) -> Any: ...
+
+    def forward(self, token_ids: Any, state: Any, *, last_only: bool = False) -> np.ndarray: ...
+
+
+@runtime_checkable
+class GpuDecoding(Protocol):
+    """Chooses the next tokens itself, with steps in flight, for the requests it can sample
+    (``gpu_decode_blockers`` says why not for the others)."""
+
+    def gpu_decode_blockers(self, params: SamplingParams) -> list[str]: ...
+
+    def decode_tokens(self, state: Any, last_logits: np.ndarray, params: SamplingParams, max_tokens: int | None,
+                      context: Sequence[int] = ()) -> Iterator[int]: ...
+
+    def last_logits(self, state: Any) -> np.ndarray: ...
+
+
+@runtime_checkable
+class LiveSequence(Protocol):
+    """Holds one sequence's state on its device at a time; ``activate`` makes ``state`` that one."""
+
+    def activate(self, state: Any) -> None: ...
+
+
+@runtime_checkable
+class DeviceMemoryReport(Protocol):
+    """Reports the bytes it holds in GPU memory (``device_memory()``: weights, kv_cache, state, scratch, total,
+    peak)."""
+
+    def device_memory(self) -> dict[str, int]: ...
+
+
+@runtime_checkable
+class ExpertCounts(Protocol):
+    """Counts the tokens each expert of each layer received (``lily bench``'s expert-load figures)."""
+
+    def expert_tokens(self, *, reset: bool = False) -> Any: ...
+
+
+@runtime_checkable
+class KernelProfiling(Protocol):
+    """Can time each graph node of a prefill on the device, where ``supports_profiling`` is true."""
+
+    supports_profiling: bool
+
+    def profile_prefill(self, token_ids: Any) -> list[tuple[str, str, float]]: ...
+
+def peak_memory_gb(backend: Backend) -> float:
+    """The most memory the model has held (GB): on a GPU backend the peak of what the engine holds in GPU memory
+    (weights, KV cache, states, scratch), else this process's peak RSS."""
+    if isinstance(backend, DeviceMemoryReport):
+        return backend.device_memory()["peak"] / 1e9
+    return host_memory_gb()
+
+
+def host_memory_gb() -> float:
+    """This process's peak resident set size (GB): host memory, whatever the backend holds on a GPU."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
+
 
 NAMES = ("reference", "metal", "cuda", "cpu")
 
@@ -42,7 +128,7 @@ def choose(name: str) -> str:
 
 
 def create(name: str, checkpoint: Any, precision: str | None = None, max_context: int | None = None,
-           progress: bool = False) -> Any:
+           progress: bool = False) -> Backend:
     """A backend of the chosen ``name`` ("reference", "metal", "cuda" or "cpu") over ``checkpoint``; ``precision``,
     ``max_context`` (the KV cache's limit) and ``progress`` (a load progress bar) apply to the engine backends, metal
     and cuda, and None keeps their defaults."""

@@ -47,7 +47,7 @@ def default_threads(environ: Any = os.environ) -> int:
 def cpu_config(args: ModelArgs) -> dict[str, Any]:
     """The fields of ``args`` the CPU engine reads (the Metal engine's), with the RoPE frequencies formed as the
     reference forms them."""
-    from lily.backends.metal import engine_config
+    from lily.backends.engine import engine_config
 
     inv_freq = rope_inv_freq(args.rotary_dim, args.rope_theta)
     return {**engine_config(args), "inv_freq": [float(f) for f in inv_freq]}

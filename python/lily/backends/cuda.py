@@ -1,7 +1,7 @@
 """The ``cuda`` backend: the same compiled engine as ``metal`` (``lily._ext.Engine``), run by its CUDA runtime.
 
-The graphs, the switches, the precision modes, the states, snapshots and GPU token choice are the Metal backend's;
-only the runtime under the engine differs (docs/engine.md, "Runtimes"): weights streamed into device memory once, the
+The graphs, the switches, the precision modes, the states, snapshots and GPU token choice are the engine's
+(``lily.backends.engine``), as for the ``metal`` backend; only the runtime under the engine differs (docs/engine.md, "Runtimes"): weights streamed into device memory once, the
 Metal kernels as PTX (``$LILY_CUDA_PTX_DIR``, else the package's ``cuda_kernels``; docs/cuda.md), the decode step an
 explicit CUDA graph replayed per token.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from lily.backends.metal import MetalBackend
+from lily.backends.engine import EngineBackend
 from lily.cuda import ptx_dir
 
 
@@ -50,11 +50,12 @@ def require_cuda() -> None:
         raise RuntimeError(f"backend='cuda' is unavailable: {reason}")
 
 
-class CudaBackend(MetalBackend):
-    """The ``cuda`` backend: ``MetalBackend``'s Python over the engine's CUDA runtime (same arguments)."""
+class CudaBackend(EngineBackend):
+    """The ``cuda`` backend: ``EngineBackend`` over the engine's CUDA runtime (arguments as ``EngineBackend``'s)."""
 
     def _require_runtime(self) -> None:
         require_cuda()
 
     def _runtime_arguments(self) -> dict[str, Any]:
+        """The CUDA runtime and the folder of its PTX."""
         return {"runtime": "cuda", "ptx_dir": str(ptx_dir())}
