@@ -886,13 +886,8 @@ template <typename T>
 }
 
 LILY_INSTANTIATE_KERNEL("argmax_partial_f32", argmax_partial, float)
-LILY_INSTANTIATE_KERNEL("argmax_partial_bf16", argmax_partial, bfloat)
 LILY_INSTANTIATE_KERNEL("argmax_final_f32", argmax_final, float)
 LILY_INSTANTIATE_KERNEL("sample_f32", sample, float)
-LILY_INSTANTIATE_KERNEL("sample_bf16", sample, bfloat)
 LILY_INSTANTIATE_KERNEL("sample_partial_f32", sample_partial, float)
-LILY_INSTANTIATE_KERNEL("sample_partial_bf16", sample_partial, bfloat)
 LILY_INSTANTIATE_KERNEL("sample_final_f32", sample_final, float)
-LILY_INSTANTIATE_KERNEL("sample_final_bf16", sample_final, bfloat)
 LILY_INSTANTIATE_KERNEL("penalize_logits_f32", penalize_logits, float)
-LILY_INSTANTIATE_KERNEL("penalize_logits_bf16", penalize_logits, bfloat)

@@ -108,13 +108,13 @@ def qmm_case(label: str, n: int, k: int, m: int) -> Case:
                 (ceil_div(n, QMM_BN), ceil_div(m, QMM_BM16), 1), (64, 1, 1), w + 2 * s + bf16(m * k) + bf16(m * n))
 
 
-def qmv_norm_case(label: str, n: int, k: int, staged: bool = False) -> Case:
-    """lm_head after the final RMSNorm (fusion on); `staged`: the CUDA variant (x staged in threadgroup memory)."""
+def qmv_norm_case(label: str, n: int, k: int) -> Case:
+    """lm_head after the final RMSNorm (fusion on), writing f32 logits (the engine's in every precision)."""
     w, s = quantized(n, k)
     grid, threads = _qmv_grid(n, 1)
-    return Case(label, f"qmv_norm{'_staged' if staged else ''}_q4_g64_bf16",
-                [struct.pack("<IIIf", k, n, 1, EPS), bf16(k), bf16(k), w, s, s, bf16(n)], grid, threads,
-                w + 2 * s + 2 * bf16(k) + bf16(n))
+    return Case(label, "qmv_norm_q4_g64_bf16_of32",
+                [struct.pack("<IIIf", k, n, 1, EPS), bf16(k), bf16(k), w, s, s, f32(n)], grid, threads,
+                w + 2 * s + 2 * bf16(k) + f32(n))
 
 
 def qmv_residual_case(label: str, n: int, k: int, staged: bool = False) -> Case:
@@ -264,14 +264,14 @@ def sampling_cases() -> list[Case]:
     partials = ceil_div(VOCAB, ARGMAX_BLOCK)
     args = struct.pack("<IIII", VOCAB, ARGMAX_BLOCK, partials, 0)
     return [
-        Case("argmax over 248,320 logits: partials", "argmax_partial_bf16",
-             [args, bf16(VOCAB), f32(partials), f32(partials)], (partials, 1, 1), (ARGMAX_THREADS, 1, 1),
-             bf16(VOCAB) + 2 * f32(partials)),
+        Case("argmax over 248,320 logits: partials", "argmax_partial_f32",
+             [args, f32(VOCAB), f32(partials), f32(partials)], (partials, 1, 1), (ARGMAX_THREADS, 1, 1),
+             f32(VOCAB) + 2 * f32(partials)),
         Case("argmax over 248,320 logits: final", "argmax_final_f32",
              [args, f32(partials), f32(partials), f32(4)], (1, 1, 1), (ARGMAX_THREADS, 1, 1), 2 * f32(partials) + 4),
-        Case("sample over 248,320 logits (T 0.7, top-k 50, top-p 0.9)", "sample_bf16",
-             [struct.pack("<IIfffIIIIIII", VOCAB, 50, 0.7, 0.9, 0.0, 1234, 0, 0, 0, 0, 0, 0), bf16(VOCAB), f32(4)],
-             (1, 1, 1), (SAMPLE_THREADS, 1, 1), bf16(VOCAB) + 4),
+        Case("sample over 248,320 logits (T 0.7, top-k 50, top-p 0.9)", "sample_f32",
+             [struct.pack("<IIfffIIIIIII", VOCAB, 50, 0.7, 0.9, 0.0, 1234, 0, 0, 0, 0, 0, 0), f32(VOCAB), f32(4)],
+             (1, 1, 1), (SAMPLE_THREADS, 1, 1), f32(VOCAB) + 4),
         *sample_block_cases(),
     ]
 
@@ -297,13 +297,13 @@ def sample_block_cases() -> list[Case]:
     for what, top_k, top_p in (("T 0.7, top-k 50, top-p 0.9", 50, 0.9), ("T 0.7, top-k off, top-p 1", 0, 1.0)):
         args = struct.pack("<IIfffIIIIIII", VOCAB, top_k, 0.7, top_p, 0.0, 1234, 0, 0, 0, SAMPLE_BLOCK, blocks, 0)
         written = (2 * f32(blocks * SAMPLE_CANDIDATES) if top_k else 0) + 2 * f32(blocks * 2)
-        cases.append(Case(f"sample block path over 248,320 logits ({what}): partials", "sample_partial_bf16",
-                          [args, bf16(VOCAB), f32(blocks * SAMPLE_CANDIDATES), f32(blocks * SAMPLE_CANDIDATES),
+        cases.append(Case(f"sample block path over 248,320 logits ({what}): partials", "sample_partial_f32",
+                          [args, f32(VOCAB), f32(blocks * SAMPLE_CANDIDATES), f32(blocks * SAMPLE_CANDIDATES),
                            f32(blocks * 2), f32(blocks * 2)], (blocks, 1, 1), (SAMPLE_PARTIAL_THREADS, 1, 1),
-                          bf16(VOCAB) + written))
-        read = 2 * f32(blocks * SAMPLE_CANDIDATES) + f32(blocks * 2) if top_k else f32(blocks * 2) + bf16(SAMPLE_BLOCK)
-        cases.append(Case(f"sample block path over 248,320 logits ({what}): final", "sample_final_bf16",
-                          [args, bf16(VOCAB), cand_x.tobytes(), cand_id.tobytes(), stats.tobytes(), cuts, f32(4)],
+                          f32(VOCAB) + written))
+        read = 2 * f32(blocks * SAMPLE_CANDIDATES) + f32(blocks * 2) if top_k else f32(blocks * 2) + f32(SAMPLE_BLOCK)
+        cases.append(Case(f"sample block path over 248,320 logits ({what}): final", "sample_final_f32",
+                          [args, f32(VOCAB), cand_x.tobytes(), cand_id.tobytes(), stats.tobytes(), cuts, f32(4)],
                           (1, 1, 1), (SAMPLE_FINAL_THREADS, 1, 1), read + 4))
     return cases
 
@@ -322,11 +322,11 @@ def qmv_cases() -> list[Case]:
     cases.append(qmv_case(f"qmv router 256x{HIDDEN} 8-bit, M=1", EXPERTS, HIDDEN, 1, bits=8))
     cases.append(qmm_case(f"qmm bm16 lm_head {VOCAB}x{HIDDEN}, M=8", VOCAB, HIDDEN, 8))
     cases.append(qmm_case(f"qmm bm16 2048x{HIDDEN}, M=8", 2048, HIDDEN, 8))
-    # The fused variants the decode step dispatches: unstaged (Metal's) and staged (CUDA's, tuning::staged_gemv).
+    # The fused variants the decode step dispatches: unstaged (Metal's) and staged (CUDA's, tuning::staged_gemv);
+    # lm_head writes f32 logits, which only the unstaged GEMV does.
+    cases.append(qmv_norm_case(f"qmv_norm lm_head {VOCAB}x{HIDDEN} (final norm folded in, f32 logits)", VOCAB, HIDDEN))
     for staged in (False, True):
         tag = " (staged)" if staged else ""
-        cases.append(qmv_norm_case(f"qmv_norm lm_head {VOCAB}x{HIDDEN} (final norm folded in){tag}", VOCAB, HIDDEN,
-                                   staged=staged))
         cases.append(qmv_norm_seg_case(f"qmv_norm_seg DeltaNet in_proj qkv|z|b|a{tag}",
                                        [GDN_CONV_CHANNELS, GDN_V_HEADS * GDN_V_DIM, GDN_V_HEADS, GDN_V_HEADS], HIDDEN,
                                        staged=staged))

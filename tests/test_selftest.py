@@ -85,12 +85,12 @@ def test_families_with_cases_pass() -> None:
 
 @pytest.mark.parametrize("device", ["harness", "metal-api"])
 def test_a_wrong_case_fails(device: str) -> None:
-    proc = run_selftest("--json", "--device", device, "--kernels", r"^(rms_norm_f32|sample_bf16)$",
-                        "--corrupt", "rms_norm_f32", "--corrupt", "sample_bf16")
+    proc = run_selftest("--json", "--device", device, "--kernels", r"^(rms_norm_f32|sample_f32)$",
+                        "--corrupt", "rms_norm_f32", "--corrupt", "sample_f32")
     rows = {r["kernel"]: r for r in rows_of(proc)}
     assert proc.returncode == 1
     assert not rows["rms_norm_f32"]["passed"] and rows["rms_norm_f32"]["error"] > 1e-3
-    assert not rows["sample_bf16"]["passed"] and rows["sample_bf16"]["error"] == STEPS  # every draw wrong
+    assert not rows["sample_f32"]["passed"] and rows["sample_f32"]["error"] == STEPS  # every draw wrong
 
 
 def test_table_output_and_bad_arguments() -> None:

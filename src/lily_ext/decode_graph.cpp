@@ -194,15 +194,19 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
   }
   const WeightRef& final_norm = weight(w, "norm.weight");
   Span logits = whole(g, b.logits);
-  step.gemv("lm_head", step.normalise("norm", final_norm), weight(w, "lm_head.weight"), logits, step.act, final_norm);
+  // Logits in f32 in every precision: rounded to bf16 (8 bits of mantissa), near-equal logits tie and the argmax
+  // picks between them by index.
+  step.gemv("lm_head", step.normalise("norm", final_norm), weight(w, "lm_head.weight"), logits, DType::F32,
+            final_norm);
   if (sw.gpu_token && choice) {
-    build_token_choice(c, precision, *choice, b, position, 1, next_slot, g);  // the token at position + 1
+    build_token_choice(c, *choice, b, position, 1, next_slot, g);  // the token at position + 1
   }
 }
 
-void build_token_choice(const ModelConfig& c, Precision precision, const TokenChoice& choice, const DecodeBuffers& b,
-                        size_t position, int position_delta, int out_slot, Graph& g) {
-  ops::Context ctx{g, precision == Precision::Float32 ? DType::F32 : DType::BF16, false};
+void build_token_choice(const ModelConfig& c, const TokenChoice& choice, const DecodeBuffers& b, size_t position,
+                        int position_delta, int out_slot, Graph& g) {
+  // The logits are f32 in every precision, and so is every kernel of the choice.
+  ops::Context ctx{g, DType::F32, false};
   Span logits = whole(g, b.logits);
   const Span tokens = whole(g, b.tokens), seen = whole(g, b.seen_tokens), counts = whole(g, b.token_counts);
   if (choice.penalized()) {
@@ -210,13 +214,11 @@ void build_token_choice(const ModelConfig& c, Precision precision, const TokenCh
                          whole(g, b.penalized_logits));
     logits = whole(g, b.penalized_logits);
   }
-  // The choice reads the processed logits in fp32 when there are any.
-  ops::Context choice_ctx{g, choice.penalized() ? DType::F32 : ctx.act, false};
   if (choice.temperature == 0.0f) {
-    ops::argmax(choice_ctx, logits, c.vocab_size, whole(g, b.argmax_values), whole(g, b.argmax_ids), tokens,
+    ops::argmax(ctx, logits, c.vocab_size, whole(g, b.argmax_values), whole(g, b.argmax_ids), tokens,
                 static_cast<size_t>(out_slot));
   } else {
-    ops::sample(choice_ctx, logits, c.vocab_size, choice, whole(g, b.argmax_values), whole(g, b.argmax_ids), tokens,
+    ops::sample(ctx, logits, c.vocab_size, choice, whole(g, b.argmax_values), whole(g, b.argmax_ids), tokens,
                 static_cast<size_t>(out_slot), position, position_delta);
   }
   if (choice.penalized()) ops::count_token(ctx, c.vocab_size, tokens, static_cast<size_t>(out_slot), seen, counts);

@@ -313,38 +313,16 @@ void Engine::run_host_sort(const HostMoeSort& sort) {
   }
 }
 
+// Logits are f32 in every precision (lm_head writes them so: rounded to bf16, near-equal logits tie).
 void Engine::read_rows(int buffer_id, size_t rows, float* out) {
   const size_t n = rows * config_.vocab_size;
-  const DeviceBuffer& logits = *buffers_.at(static_cast<size_t>(buffer_id));
-  host_read_bytes_ += n * (precision_ == Precision::Float32 ? 4 : 2);
-  if (precision_ == Precision::Float32) {
-    runtime_->download(logits, 0, out, n * 4);
-    return;
-  }
-  std::vector<uint16_t> bf16(n);
-  runtime_->download(logits, 0, bf16.data(), n * 2);
-  for (size_t i = 0; i < n; ++i) {
-    uint32_t bits = static_cast<uint32_t>(bf16[i]) << 16;
-    std::memcpy(out + i, &bits, 4);
-  }
+  host_read_bytes_ += n * 4;
+  runtime_->download(*buffers_.at(static_cast<size_t>(buffer_id)), 0, out, n * 4);
 }
 
-// The decode logits buffer from host logits (the last row of a prefill): f32, or bf16 (exact for logits that came
-// from bf16, rounded to nearest even otherwise).
+// The decode logits buffer from host logits (the last row of a prefill).
 void Engine::write_logits(const float* logits) {
-  DeviceBuffer& out = *buffers_[decode_.logits];
-  if (precision_ == Precision::Float32) {
-    runtime_->upload(out, 0, logits, config_.vocab_size * 4);
-    return;
-  }
-  std::vector<uint16_t> bf16(config_.vocab_size);
-  for (size_t i = 0; i < config_.vocab_size; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, logits + i, 4);
-    bf16[i] = std::isnan(logits[i]) ? static_cast<uint16_t>((bits >> 16) | 0x40)
-                                    : static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-  }
-  runtime_->upload(out, 0, bf16.data(), bf16.size() * 2);
+  runtime_->upload(*buffers_[decode_.logits], 0, logits, config_.vocab_size * 4);
 }
 
 void Engine::ensure_prefill_rows(size_t rows) {
@@ -441,7 +419,7 @@ void Engine::begin_decode(const float* last_logits, const TokenChoice& choice, c
   // The first token: the choice alone, over the uploaded logits, into slot 0 (a graph of one or two nodes).
   auto graph = std::make_shared<Graph>();
   graph->buffers = base_.buffers;
-  build_token_choice(config_, precision_, choice, decode_, position_, 0, 0, *graph);
+  build_token_choice(config_, choice, decode_, position_, 0, 0, *graph);
   std::shared_ptr<RecordedGraph> recorded =
       runtime_->record(graph, 0, graph->nodes.size(), buffer_list(), {/*replayed=*/false, -1});
   in_flight_.push_back({runtime_->submit(recorded, position_), 0});

@@ -206,7 +206,7 @@ DecodeBuffers add_decode_buffers(const ModelConfig& c, Precision precision, size
   b.expert_ids = g.add_buffer("expert ids", c.top_k * 4, BufferRole::Scratch);
   b.expert_weights = g.add_buffer("expert weights", c.top_k * 4, BufferRole::Scratch);
   b.moe_hidden = g.add_buffer("moe hidden", (c.top_k * c.expert_size + c.shared_expert_size) * 4, BufferRole::Scratch);
-  b.logits = g.add_buffer("logits", c.vocab_size * act, BufferRole::Io);
+  b.logits = g.add_buffer("logits", c.vocab_size * 4, BufferRole::Io);  // f32 in every precision
   // The token choice's scratch: argmax partials, or the sampling block path's candidates and block statistics.
   const size_t choice_words = std::max(partials, ops::sample_scratch_words(c.vocab_size));
   b.argmax_values = g.add_buffer("argmax values", choice_words * 4, BufferRole::Scratch);

@@ -206,10 +206,11 @@ struct PenaltyInputs {
   std::vector<uint32_t> context;
 };
 
-// The dispatches that choose a token from `logits` into tokens[out_slot]: argmax or sample (see TokenChoice); the
-// token chosen sits at `position` (the sampler's counter, a PositionField of delta `position_delta`).
-void build_token_choice(const ModelConfig& config, Precision precision, const TokenChoice& choice,
-                        const DecodeBuffers& buffers, size_t position, int position_delta, int out_slot, Graph& graph);
+// The dispatches that choose a token from the f32 `logits` into tokens[out_slot]: argmax or sample (see
+// TokenChoice); the token chosen sits at `position` (the sampler's counter, a PositionField of delta
+// `position_delta`).
+void build_token_choice(const ModelConfig& config, const TokenChoice& choice, const DecodeBuffers& buffers,
+                        size_t position, int position_delta, int out_slot, Graph& graph);
 
 // One decode step at `position` (tokens already in the caches): embedding of tokens[token_slot], every layer, the
 // final norm, lm_head into `logits`, and (switches.gpu_token and a `choice`) the token choice into tokens[next_slot].

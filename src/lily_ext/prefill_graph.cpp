@@ -58,7 +58,7 @@ PrefillBuffers add_prefill_buffers(const ModelConfig& c, Precision precision, si
   p.ones = io("ones", T * 4);
   p.shared_hidden = scratch("shared hidden", T * c.shared_expert_size * a);
   p.shared_out = scratch("shared out", T * H * a);
-  p.logits = io("logits", T * c.vocab_size * a);
+  p.logits = io("logits", T * c.vocab_size * 4);  // f32 in every precision, as the decode step's
   return p;
 }
 
@@ -223,7 +223,7 @@ void build_prefill_chunk(const ModelConfig& c, Precision precision, const Switch
   const Span last_normed = ops::sub(chunk.normed, 0, logit_rows * H * a);
   ops::rms_norm(chunk.ctx, "norm", last_hidden, weight(w, "norm.weight"), last_normed, logit_rows, H, c.eps);
   ops::qmatmul(chunk.ctx, "lm_head", last_normed, weight(w, "lm_head.weight"),
-               Span{p.logits, 0, logit_rows * c.vocab_size * a}, logit_rows, chunk.act);
+               Span{p.logits, 0, logit_rows * c.vocab_size * 4}, logit_rows, DType::F32);
 }
 
 void host_moe_sort(const HostMoeSort& s, const uint32_t* ids, uint32_t* expert_offsets, uint32_t* tile_map,

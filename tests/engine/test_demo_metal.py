@@ -3,7 +3,7 @@
 `lily.reference` (numpy fp32) on held-out Shakespeare text.
 
 The Must-show check of the default mode (bf16 activations, fp32 accumulation and DeltaNet state, bf16 KV cache):
-teacher-forced top-1 agreement with the reference >= 98 % over 256 positions and perplexity within 0.5 %. The
+teacher-forced top-1 agreement with the reference >= 99 % over 256 positions and perplexity within 0.5 %. The
 first 216 positions run as one prefill chunk (T-row kernels), the last 40 as one decode step per token (the
 per-token chain generation uses), so both graphs are measured.
 """
@@ -59,7 +59,7 @@ def test_default_mode_agrees_with_the_reference_on_heldout_text(engine_runtime, 
 
     agreement = float(np.mean(got.argmax(-1) == want.argmax(-1)))
     want_ppl, got_ppl = perplexity(want, targets), perplexity(got, targets)
-    assert agreement >= 0.98, f"top-1 agreement {agreement:.4f}"
+    assert agreement >= 0.99, f"top-1 agreement {agreement:.4f}"  # 0.988 with bf16 logits; f32 logits: 0.996
     assert abs(got_ppl / want_ppl - 1) <= 0.005, f"perplexity {got_ppl:.4f} vs reference {want_ppl:.4f}"
     # Each part separately: neither graph may hide behind the other.
     for part in (slice(0, PREFILL_POSITIONS), slice(PREFILL_POSITIONS, POSITIONS)):

@@ -43,7 +43,7 @@ def test_bench_generation_chooses_tokens_on_the_gpu_and_each_step_reads_the_last
     rows = bench.run_bench(model, prompts=(), gens=(4,), repetitions=1)
     assert [r.test for r in rows] == ["tg4"]
     # Warm-up prefill (one logits row) and the depth-0 first token's prefill (one row); generation: token ids only.
-    assert recorder.host_read_bytes - before == 2 * model.config.vocab_size * 2 + 4 * 4
+    assert recorder.host_read_bytes - before == 2 * model.config.vocab_size * 4 + 4 * 4
     steps = recorder.steps
     assert len(steps) == 4
     for step, following in zip(steps, steps[1:]):

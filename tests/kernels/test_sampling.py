@@ -32,10 +32,10 @@ def test_philox_known_answers() -> None:
 
 def test_sample_is_reproducible_and_varies_with_step(kernel_device) -> None:
     run = Run(kernel_device, np.random.default_rng(4))
-    logits = to_device(run.rng.standard_normal(500), "bf16")
-    first = [run_sample(run, "sample_bf16", logits, 64, 1.0, 0, 1.0, 0.0, 77, step) for step in range(8)]
-    again = [run_sample(run, "sample_bf16", logits, 64, 1.0, 0, 1.0, 0.0, 77, step) for step in range(8)]
-    other_seed = [run_sample(run, "sample_bf16", logits, 64, 1.0, 0, 1.0, 0.0, 78, step) for step in range(8)]
+    logits = to_device(run.rng.standard_normal(500), "f32")
+    first = [run_sample(run, "sample_f32", logits, 64, 1.0, 0, 1.0, 0.0, 77, step) for step in range(8)]
+    again = [run_sample(run, "sample_f32", logits, 64, 1.0, 0, 1.0, 0.0, 77, step) for step in range(8)]
+    other_seed = [run_sample(run, "sample_f32", logits, 64, 1.0, 0, 1.0, 0.0, 78, step) for step in range(8)]
     assert first == again
     assert len(set(first)) > 1 and first != other_seed
 
@@ -150,20 +150,20 @@ def test_sample_distribution_of_the_block_path(kernel_device, top_k, top_p, min_
 
 @pytest.mark.parametrize("params", [(0.7, 50, 0.9, 0.0), (1.0, 0, 1.0, 0.0), (0.8, 1, 1.0, 0.0), (1.2, 64, 1.0, 0.1)])
 def test_block_path_agrees_with_the_general_path(kernel_device, params) -> None:
-    """Fresh random bf16 logits (a tenth -inf) over 5 blocks, 30 seeds x steps: the block path picks sample_bf16's token
+    """Fresh random logits (a tenth -inf) over 5 blocks, 30 seeds x steps: the block path picks sample_f32's token
     unless the draw is near a rounding boundary (then both must be among lily.sampling's nudged answers)."""
     temperature, top_k, top_p, min_p = params
     rng = np.random.default_rng(8)
     values = 3.0 * rng.standard_normal(4 * 512 + 300)
     values[rng.choice(values.size, values.size // 10, replace=False)] = -np.inf
-    logits = to_device(values, "bf16")
-    x32 = (to_f64(logits, "bf16").astype(np.float32) / np.float32(temperature)).astype(np.float32)
+    logits = to_device(values, "f32")
+    x32 = (to_f64(logits, "f32").astype(np.float32) / np.float32(temperature)).astype(np.float32)
     run = Run(kernel_device, np.random.default_rng(0))
     disagree = 0
     for step in range(30):
         seed = int(rng.integers(0, 2**63))
-        fast = run_sample_blocks(run, "bf16", logits, 512, 32, 128, temperature, top_k, top_p, min_p, seed, step)
-        general = run_sample(run, "sample_bf16", logits, 256, temperature, top_k, top_p, min_p, seed, step)
+        fast = run_sample_blocks(run, "f32", logits, 512, 32, 128, temperature, top_k, top_p, min_p, seed, step)
+        general = run_sample(run, "sample_f32", logits, 256, temperature, top_k, top_p, min_p, seed, step)
         allowed = acceptable_tokens(x32, top_k, top_p, min_p, philox_uniform(seed, step))
         assert fast in allowed and general in allowed, (step, fast, general, allowed)
         disagree += fast != general

@@ -15,16 +15,17 @@ void qmatmul(Context& ctx, const std::string& label, const Span& x, const Weight
   a.in_features = static_cast<u32>(w.cols);
   a.out_features = static_cast<u32>(w.rows);
   a.num_rows = static_cast<u32>(rows);
-  std::string name = rows <= tuning::kQmvMaxRows ? "qmv" : "qmm";
-  // qmv reads x in the activation dtype and may write f32 (router logits in bf16 mode: the _of32 variants).
-  const bool f32_out = rows <= tuning::kQmvMaxRows && dtype == DType::F32 && ctx.act != DType::F32;
+  // qmv reads x in the activation dtype and may write f32 (lm_head logits in bf16 mode: the _of32 variants); it
+  // takes any number of rows, four per threadgroup row (grid y), so f32 output stays on it above its row limit.
+  const bool f32_out = dtype == DType::F32 && ctx.act != DType::F32;
+  std::string name = rows <= tuning::kQmvMaxRows || f32_out ? "qmv" : "qmm";
   name += "_q" + std::to_string(w.bits) + "_g64_" + dtype_name(f32_out ? ctx.act : dtype);
   if (w.scale_dtype == DType::F32) name += "_sf32";
   if (f32_out) name += "_of32";
   Dim3 groups{(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup,
                    (rows + tuning::kQmvMaxRows - 1) / tuning::kQmvMaxRows, 1};  // each takes up to 4 input rows
   Dim3 threads{tuning::kQmvThreads, 1, 1};
-  if (rows > tuning::kQmvMaxRows && ctx.tensor_ops && ctx.in_gemm_dequant && dtype == DType::BF16 &&
+  if (rows > tuning::kQmvMaxRows && !f32_out && ctx.tensor_ops && ctx.in_gemm_dequant && dtype == DType::BF16 &&
       ctx.act == DType::BF16 && w.scale_dtype == DType::BF16) {
     // Metal 4 tensor ops (M5-class GPUs): a 32 x 64 tile per threadgroup of 4 simdgroups.
     add_node(ctx, "qmm_nax_q" + std::to_string(w.bits) + "_g64_bf16", label,
@@ -33,7 +34,7 @@ void qmatmul(Context& ctx, const std::string& label, const Span& x, const Weight
              {128, 1, 1}, {x, w.data, w.scales, w.biases}, {y});
     return;
   }
-  if (rows > tuning::kQmvMaxRows) {
+  if (rows > tuning::kQmvMaxRows && !f32_out) {
     size_t bm = rows <= tuning::kQmmBm16MaxRows || !ctx.wide_tiles ? 16 : 32;
     name += bm == 16 ? "_bm16" : "_bm32";
     groups = {(w.rows + LILY_QMM_BN - 1) / LILY_QMM_BN, (rows + bm - 1) / bm, 1};
