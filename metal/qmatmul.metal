@@ -864,6 +864,7 @@ LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16_sf32_of32", qmv_norm, bfloat, floa
 // float32 mode and the tests' exact checks.
 LILY_INSTANTIATE_KERNEL("qmv_norm_staged_q4_g64_f32", qmv_norm_staged, float, bfloat, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_norm_staged_q4_g64_bf16", qmv_norm_staged, bfloat, bfloat, 4, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_norm_staged_q4_g64_bf16_of32", qmv_norm_staged, bfloat, bfloat, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_residual_staged_q4_g64_f32", qmv_residual_staged, float, bfloat, 4)
 LILY_INSTANTIATE_KERNEL("qmv_residual_staged_q4_g64_bf16", qmv_residual_staged, bfloat, bfloat, 4)
 LILY_INSTANTIATE_KERNEL("qmv_norm_seg_staged_q4_g64_f32", qmv_norm_seg_staged, float, bfloat, 4, float)

@@ -108,11 +108,12 @@ def qmm_case(label: str, n: int, k: int, m: int) -> Case:
                 (ceil_div(n, QMM_BN), ceil_div(m, QMM_BM16), 1), (64, 1, 1), w + 2 * s + bf16(m * k) + bf16(m * n))
 
 
-def qmv_norm_case(label: str, n: int, k: int) -> Case:
-    """lm_head after the final RMSNorm (fusion on), writing f32 logits (the engine's in every precision)."""
+def qmv_norm_case(label: str, n: int, k: int, staged: bool = False) -> Case:
+    """lm_head after the final RMSNorm (fusion on), writing f32 logits (the engine's in every precision); `staged`:
+    the CUDA variant (x staged in threadgroup memory)."""
     w, s = quantized(n, k)
     grid, threads = _qmv_grid(n, 1)
-    return Case(label, "qmv_norm_q4_g64_bf16_of32",
+    return Case(label, f"qmv_norm{'_staged' if staged else ''}_q4_g64_bf16_of32",
                 [struct.pack("<IIIf", k, n, 1, EPS), bf16(k), bf16(k), w, s, s, f32(n)], grid, threads,
                 w + 2 * s + 2 * bf16(k) + f32(n))
 
@@ -322,11 +323,11 @@ def qmv_cases() -> list[Case]:
     cases.append(qmv_case(f"qmv router 256x{HIDDEN} 8-bit, M=1", EXPERTS, HIDDEN, 1, bits=8))
     cases.append(qmm_case(f"qmm bm16 lm_head {VOCAB}x{HIDDEN}, M=8", VOCAB, HIDDEN, 8))
     cases.append(qmm_case(f"qmm bm16 2048x{HIDDEN}, M=8", 2048, HIDDEN, 8))
-    # The fused variants the decode step dispatches: unstaged (Metal's) and staged (CUDA's, tuning::staged_gemv);
-    # lm_head writes f32 logits, which only the unstaged GEMV does.
-    cases.append(qmv_norm_case(f"qmv_norm lm_head {VOCAB}x{HIDDEN} (final norm folded in, f32 logits)", VOCAB, HIDDEN))
+    # The fused variants the decode step dispatches: unstaged (Metal's) and staged (CUDA's, tuning::staged_gemv).
     for staged in (False, True):
         tag = " (staged)" if staged else ""
+        cases.append(qmv_norm_case(f"qmv_norm lm_head {VOCAB}x{HIDDEN} (final norm folded in, f32 logits){tag}", VOCAB,
+                                   HIDDEN, staged=staged))
         cases.append(qmv_norm_seg_case(f"qmv_norm_seg DeltaNet in_proj qkv|z|b|a{tag}",
                                        [GDN_CONV_CHANNELS, GDN_V_HEADS * GDN_V_DIM, GDN_V_HEADS, GDN_V_HEADS], HIDDEN,
                                        staged=staged))

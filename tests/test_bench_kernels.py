@@ -23,7 +23,7 @@ DECODE_KERNELS = {"qmv_q4_g64_bf16", "qmv_q8_g64_bf16", "qmv_norm_q4_g64_bf16_of
                   "rms_norm_bf16", "argmax_partial_f32", "argmax_final_f32", "sample_f32",
                   "sample_partial_f32", "sample_final_f32",
                   # CUDA's choice of the one-row decode GEMVs (tuning::staged_gemv)
-                  "qmv_norm_seg_staged_q4_g64_bf16",
+                  "qmv_norm_staged_q4_g64_bf16_of32", "qmv_norm_seg_staged_q4_g64_bf16",
                   "qmv_norm_seg_staged_q8_g64_bf16_of32", "qmv_residual_staged_q4_g64_bf16"}
 
 
