@@ -1,6 +1,6 @@
 """scripts/peer_bench: the GGUF writer on a tiny shape read back by gguf-py (names, types and shapes as llama.cpp's
 qwen35moe loader creates them, zero-mean Q4_0 blocks, metadata), the table on canned llama-bench and lily bench
-JSON, and the pruning of a llama.cpp tree."""
+JSON, the pruning of a llama.cpp tree, and prepare.py's sdist download (pip as it is: build isolation on)."""
 
 from __future__ import annotations
 
