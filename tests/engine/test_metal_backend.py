@@ -445,9 +445,10 @@ def test_a_mixed_bit_router_runs_on_the_general_kernels(engine_backend, checkpoi
         assert int(np.argmax(step[-1])) == int(np.argmax(want_step[-1])), precision
         if precision == "bfloat16":
             layers = len(checkpoint.args.layer_types)
-            # Each layer's 4-bit router logits and the f32 logits (lm_head).
+            # Each layer's 4-bit router logits and the f32 logits (lm_head); in decode, staged on CUDA.
             assert prefill_kernels.get("qmv_q4_g64_bf16_of32") == layers + 1, sorted(prefill_kernels)
-            assert decode_kernels.get("qmv_norm_q4_g64_bf16_of32") == layers + 1, sorted(decode_kernels)
+            of32 = sum(decode_kernels.get(f"qmv_norm{staged}_q4_g64_bf16_of32", 0) for staged in ("", "_staged"))
+            assert of32 == layers + 1, sorted(decode_kernels)
             assert decode_kernels.get("qmv_norm_q8_g64_bf16_of32") == layers, sorted(decode_kernels)
 
 
