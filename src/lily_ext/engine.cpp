@@ -60,7 +60,6 @@ Engine::~Engine() {
 int Engine::add_buffer(const std::string& name, BufferRole role, std::unique_ptr<DeviceBuffer> buffer) {
   int id = base_.add_buffer(name, buffer->length(), role);
   buffers_.push_back(std::move(buffer));
-  note_memory();
   return id;
 }
 
@@ -161,7 +160,7 @@ void Engine::finish_loading() {
   decode_ = add_decode_buffers(config_, precision_, std::min(max_context_, switches_.kv_growth_block()), max_context_,
                                base_);
   for (size_t i = first_new; i < base_.buffers.size(); ++i) buffers_.push_back(allocate(base_.buffers[i]));
-  note_memory();
+  note_memory();  // loading only adds buffers: what is held now is the most held so far
   // A dry build names any missing tensor now rather than at the first token.
   Graph probe;
   probe.buffers = base_.buffers;
@@ -204,7 +203,6 @@ void Engine::ensure_capacity(size_t keys) {
     }
   }
   decode_.kv_capacity = capacity;
-  note_memory();
   // Steps recorded over the old caches are not coming back (the capacity only grows).
   programs_.erase(std::remove_if(programs_.begin(), programs_.end(),
                                  [&](const Program& p) { return p.kv_capacity != capacity; }),

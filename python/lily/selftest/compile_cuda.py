@@ -41,8 +41,8 @@ def compile_cuda(ptx_out: str | None = None, kernels: str | None = None) -> int:
     sys.modules[spec.name] = builder  # its dataclasses look their module up
     spec.loader.exec_module(builder)
     sources = builder.metal_sources()
+    pattern = re.compile(kernels or "")  # "" matches every kernel
     if kernels:
-        pattern = re.compile(kernels)
         sources = [s for s in sources if any(pattern.search(n) for n in builder.msl2cpu.host_names(s.read_text()))]
         if not sources:
             print(f"lily.selftest: --kernels {kernels!r} matches no kernel of {tool.parents[1] / 'metal'}",
@@ -56,7 +56,7 @@ def compile_cuda(ptx_out: str | None = None, kernels: str | None = None) -> int:
             return 1
     archs = " ".join(builder.CHECK_ARCHS)
     rows = [Result(k, f"{ptx} ptxas {archs}", 0.0, "compiles", True) for ptx, names in sorted(built.items())
-            for k in names if not kernels or re.search(kernels, k)]
+            for k in names if pattern.search(k)]
     print(table(rows))
     print(f"\n{len(rows)} kernels compiled for CUDA ({builder.DEFAULT_ARCH} PTX) and assembled by ptxas for {archs} "
           f"from {tool.parents[1]}. No GPU was used.")
