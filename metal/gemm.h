@@ -3,22 +3,32 @@
 // simdgroup_matrix 8x8 MMAs accumulating in fp32, one tile loop (gemm_tile_loop) fed by each kernel's tile loaders.
 // Tiles in T, as MLX's and llama.cpp's Metal GEMMs keep them: half the threadgroup memory and traffic of fp32 tiles,
 // and bf16/f16 MMAs, which NVIDIA's tensor cores run (the CUDA shim maps them to mma.sync); X is already in T, and
-// dequantized weights are rounded to T once (fp32 mode keeps fp32 tiles). Each simdgroup owns FragsM x FragsN
-// fragments; tiles are row-major with a padded stride.
+// dequantized weights are rounded to T once (fp32 mode keeps fp32 tiles).
+//
+// A threadgroup is LILY_GEMM_THREADS = 4 simdgroups and owns a BM x LILY_GEMM_BN output tile (BM = 16, 32 or 64);
+// the simdgroups split it 1 x 4 (BM = 16) or 2 x 2, so each holds up to 4 x 4 accumulator fragments and every
+// fragment of A it loads serves 2-4 MMAs. Both operand tiles are row-major in K ([BM][ld] rows of X, [BN][ld] rows
+// of W: the B fragments are transposed loads), so each thread writes its share of a tile as contiguous words. Per
+// 32-deep K step each thread first issues its global loads for the NEXT step into registers (the loaders' fetch),
+// then runs the MMAs of this step, then writes the registers into the other of two tile buffers (stage), then one
+// barrier: the loads are in flight during the MMAs and a step costs one barrier (fp32 tiles, too large to double,
+// use one buffer and two barriers). The loaders keep no division or modulo per step: each thread's rows and column
+// are fixed when the loader is made.
 #ifndef LILY_GEMM_H
 #define LILY_GEMM_H
 
 #include <metal_stdlib>
 #include "lily.h"
+#include "quantized.h"
 
 namespace lily {
 using namespace metal;
 
 // Copies rows [row0, row0 + rows) x columns [k0, k0 + cols) of X into a threadgroup tile (row stride `ld`),
-// converted to the tile type; rows past M are zero. Consecutive threads read consecutive k: coalesced.
+// converted to the tile type; rows past M are zero. Consecutive threads read consecutive k: coalesced. (qmm_nax)
 template <typename T, typename TileT>
-inline void load_x_tile(device const T* x, threadgroup TileT* tile, uint ld, uint rows, uint cols, uint row0, uint k0,
-                        uint M, uint K, uint tid, uint n_threads) {
+LILY_INLINE void load_x_tile(device const T* x, threadgroup TileT* tile, uint ld, uint rows, uint cols, uint row0,
+                             uint k0, uint M, uint K, uint tid, uint n_threads) {
   for (uint i = tid; i < rows * cols; i += n_threads) {
     uint r = i / cols, c = i % cols;
     uint m = row0 + r;
@@ -28,8 +38,8 @@ inline void load_x_tile(device const T* x, threadgroup TileT* tile, uint ld, uin
 
 // Writes the valid part of a rows x cols fp32 threadgroup tile to Y[row0 + r, n0 + c], rounded once to T.
 template <typename T>
-inline void store_y_tile(threadgroup const float* tile, uint ld, uint rows, uint cols, device T* y, uint row0, uint n0,
-                         uint M, uint N, uint tid, uint n_threads) {
+LILY_INLINE void store_y_tile(threadgroup const float* tile, uint ld, uint rows, uint cols, device T* y, uint row0,
+                              uint n0, uint M, uint N, uint tid, uint n_threads) {
   for (uint i = tid; i < rows * cols; i += n_threads) {
     uint r = i / cols, c = i % cols;
     uint m = row0 + r, n = n0 + c;
@@ -39,97 +49,294 @@ inline void store_y_tile(threadgroup const float* tile, uint ld, uint rows, uint
   }
 }
 
-// acc[fm · FragsN + fn] += a_tile(rows row0 + 8·fm ..) · bt_tile(columns col0 + 8·fn ..) over `depth` k: the A tile is
-// [rows][lda], the B tile k-major [depth][ldb] (W^T, as simdgroup_load wants it); fragments in the tile type.
-template <uint FragsM, uint FragsN, typename TileT>
-inline void mma_step(thread simdgroup_float8x8* acc, threadgroup const TileT* a_tile, uint lda,
-                     threadgroup const TileT* bt_tile, uint ldb, uint depth, uint row0, uint col0) {
-  for (uint kk = 0; kk < depth; kk += 8) {
-    simdgroup_matrix<TileT, 8, 8> a[FragsM];
-    simdgroup_matrix<TileT, 8, 8> b[FragsN];
-    for (uint fm = 0; fm < FragsM; ++fm) {
-      simdgroup_load(a[fm], a_tile + (row0 + 8 * fm) * lda + kk, lda);
+// Row stride, in elements, of an operand tile in T: LILY_GEMM_BK plus 16 bytes, so the 8 rows of a fragment load
+// fall in 8 different bank groups and every row starts 16-byte aligned.
+template <typename T>
+constexpr uint gemm_ld() {
+  return LILY_GEMM_BK + 16 / uint(sizeof(T));
+}
+// Operand tile buffers: two (loads of the next step overlap this step's MMAs) for 16-bit tiles, one for fp32.
+template <typename T>
+constexpr uint gemm_stages() {
+  return sizeof(T) == 2 ? 2 : 1;
+}
+// Threadgroup memory of a GEMM, in floats: the operand tiles (A, then NumB B tiles, per stage), which the fp32 output
+// tile [BM][BN + 4] reuses after the last step. (A member, not a function: the CPU harness's rewriter takes array
+// bounds without parentheses.)
+template <typename T, uint BM, uint NumB>
+struct GemmTileMemory {
+  static constant constexpr const uint OPERANDS =
+      gemm_stages<T>() * (BM + NumB * LILY_GEMM_BN) * gemm_ld<T>() * uint(sizeof(T)) / 4;
+  static constant constexpr const uint OUTPUT = BM * (LILY_GEMM_BN + 4);
+  static constant constexpr const uint FLOATS = OPERANDS > OUTPUT ? OPERANDS : OUTPUT;
+};
+
+// How the 4 simdgroups split a BM x BN tile: 1 x 4 for BM = 16, else 2 x 2; each owns FRAGS_M x FRAGS_N fragments
+// from (row0, col0).
+template <uint BM, uint BN>
+struct GemmLayout {
+  static constant constexpr const uint SG_ROWS = BM >= 32 ? 2 : 1;
+  static constant constexpr const uint SG_COLS = 4 / SG_ROWS;
+  static constant constexpr const uint FRAGS_M = BM / SG_ROWS / 8;
+  static constant constexpr const uint FRAGS_N = BN / SG_COLS / 8;
+  static_assert(BM == 16 || BM == 32 || BM == 64, "16, 32 or 64 rows");
+  static_assert(LILY_GEMM_THREADS == 128, "4 simdgroups");
+  LILY_INLINE static uint row0(uint simd_group) { return (simd_group / SG_COLS) * (BM / SG_ROWS); }
+  LILY_INLINE static uint col0(uint simd_group) { return (simd_group % SG_COLS) * (BN / SG_COLS); }
+};
+
+// A BM-row operand tile (rows of X, of the gathered MoE rows, or of a dense W) copied as 32-bit words: thread tid
+// holds words of tile rows tid / ROW_WORDS + i · ROW_STEP, all at word column tid % ROW_WORDS, so consecutive threads
+// read consecutive words of a row. `offset[i]` is the row's first word in device memory plus that column, or
+// NO_ROW for a zero row (past M, or a partial MoE tile's padding).
+template <typename T, uint BM>
+struct GemmRowWords {
+  static constant constexpr const uint PER_WORD = 4 / uint(sizeof(T));
+  static constant constexpr const uint ROW_WORDS = LILY_GEMM_BK / PER_WORD;
+  static constant constexpr const uint ROW_STEP = LILY_GEMM_THREADS / ROW_WORDS;
+  static constant constexpr const uint WORDS = BM / ROW_STEP;
+  static constant constexpr const uint NO_ROW = 0xFFFFFFFFu;
+  static_assert(LILY_GEMM_THREADS % ROW_WORDS == 0 && BM % ROW_STEP == 0, "whole rows per pass of the threads");
+
+  device const uint* source;  // the matrix as words
+  uint offset[WORDS];
+  uint words[WORDS];
+  uint tid;
+
+  // Tile row of this thread's i-th word.
+  LILY_INLINE uint row(uint i) const { return tid / ROW_WORDS + i * ROW_STEP; }
+  // Points word i at device row `device_row` of a matrix with `row_words` words per row (NO_ROW: zeros).
+  LILY_INLINE void set_row(uint i, uint device_row, uint row_words) {
+    offset[i] = device_row == NO_ROW ? NO_ROW : device_row * row_words + tid % ROW_WORDS;
+  }
+  LILY_INLINE void fetch(uint k0) {
+    LILY_UNROLL
+    for (uint i = 0; i < WORDS; ++i) {
+      words[i] = offset[i] == NO_ROW ? 0u : source[offset[i] + k0 / PER_WORD];
     }
-    for (uint fn = 0; fn < FragsN; ++fn) {
-      simdgroup_load(b[fn], bt_tile + kk * ldb + col0 + 8 * fn, ldb);
+  }
+  LILY_INLINE void stage(threadgroup T* tile) const {
+    threadgroup uint* tile_words = (threadgroup uint*)tile;
+    LILY_UNROLL
+    for (uint i = 0; i < WORDS; ++i) {
+      tile_words[row(i) * (gemm_ld<T>() / PER_WORD) + tid % ROW_WORDS] = words[i];
     }
-    for (uint fm = 0; fm < FragsM; ++fm) {
-      for (uint fn = 0; fn < FragsN; ++fn) {
-        thread simdgroup_float8x8& c = acc[fm * FragsN + fn];
-        simdgroup_multiply_accumulate(c, a[fm], b[fn], c);
+  }
+};
+
+// Rows [row0, row0 + BM) of a row-major [rows, K] matrix as a GemmRowWords tile; rows past `rows` are zero.
+template <typename T, uint BM>
+LILY_INLINE GemmRowWords<T, BM> gemm_row_words(device const T* matrix, uint row0, uint rows, uint K, uint tid) {
+  GemmRowWords<T, BM> tile;
+  tile.source = (device const uint*)matrix;
+  tile.tid = tid;
+  LILY_UNROLL
+  for (uint i = 0; i < GemmRowWords<T, BM>::WORDS; ++i) {
+    const uint m = row0 + tile.row(i);
+    tile.set_row(i, m < rows ? m : GemmRowWords<T, BM>::NO_ROW, K / GemmRowWords<T, BM>::PER_WORD);
+  }
+  return tile;
+}
+
+// NumB weight tiles of one K step, each LILY_GEMM_BN rows (output columns) of an MLX affine-quantized matrix
+// (group 64), dequantized (scale · q + bias) and rounded to T in stage(). Thread tid owns one tile row
+// r = tid / THREADS_PER_ROW (matrix r / BN: uniform per simdgroup) and CODES consecutive codes of the step, so its
+// words are contiguous in device memory and its tile writes contiguous in threadgroup memory; tile i is at
+// tiles + i · BN · ld, so row r is at tiles + r · ld. A step lies inside one group: one scale and bias per row. Rows
+// past N read row N - 1 with a zero scale and bias (zeros, no conditional load).
+template <int Bits, typename S, uint NumB>
+struct GemmQuantizedRows {
+  static constant constexpr const uint THREADS_PER_ROW = LILY_GEMM_THREADS / (NumB * LILY_GEMM_BN);
+  static constant constexpr const uint CODES = LILY_GEMM_BK / THREADS_PER_ROW;
+  static constant constexpr const uint WORDS = CODES / codes_per_word<Bits>();
+  static_assert(LILY_GEMM_THREADS % (NumB * LILY_GEMM_BN) == 0 && CODES % 4 == 0, "whole 4-code stores per thread");
+  static_assert(kQuantGroupSize % LILY_GEMM_BK == 0, "a K step inside one quantization group");
+
+  device const uint* row_words;  // this thread's row, at its first code of step 0
+  device const S* row_scales;    // this thread's row's groups
+  device const S* row_biases;
+  bool in_range;
+  uint tid;
+  uint words[WORDS];
+  float scale, bias;
+
+  // The matrix (0 .. NumB - 1) whose rows thread tid dequantizes.
+  LILY_INLINE static uint matrix(uint tid) { return tid / THREADS_PER_ROW / LILY_GEMM_BN; }
+
+  LILY_INLINE void fetch(uint k0) {
+    LILY_UNROLL
+    for (uint j = 0; j < WORDS; ++j) {
+      words[j] = row_words[k0 / codes_per_word<Bits>() + j];
+    }
+    scale = in_range ? float(row_scales[k0 / kQuantGroupSize]) : 0.0f;
+    bias = in_range ? float(row_biases[k0 / kQuantGroupSize]) : 0.0f;
+  }
+  template <typename T>
+  LILY_INLINE void stage(threadgroup T* tiles) const {
+    threadgroup T* dst = tiles + (tid / THREADS_PER_ROW) * gemm_ld<T>() + (tid % THREADS_PER_ROW) * CODES;
+    LILY_UNROLL
+    for (uint j = 0; j < CODES; j += 4) {
+      vec<T, 4> v;
+      LILY_UNROLL
+      for (uint e = 0; e < 4; ++e) {
+        const uint c = j + e;
+        v[e] = T(dequantize_code<Bits>(words[c / codes_per_word<Bits>()], c % codes_per_word<Bits>(), scale, bias));
       }
+      *((threadgroup vec<T, 4>*)(dst + j)) = v;
     }
+  }
+};
+
+// Thread tid's GemmQuantizedRows of rows [n0, n0 + BN) of the matrix it dequantizes (weight, scales, biases: that
+// matrix, [N, K]).
+template <int Bits, typename S, uint NumB>
+LILY_INLINE GemmQuantizedRows<Bits, S, NumB> gemm_quantized_rows(device const uint* weight, device const S* scales,
+                                                            device const S* biases, uint n0, uint N, uint K,
+                                                            uint tid) {
+  typedef GemmQuantizedRows<Bits, S, NumB> Q;
+  Q q;
+  const uint n = n0 + (tid / Q::THREADS_PER_ROW) % LILY_GEMM_BN;
+  const uint row = min(n, N - 1);
+  q.in_range = n < N;
+  q.tid = tid;
+  q.row_words = weight + size_t(row) * (K / codes_per_word<Bits>()) + (tid % Q::THREADS_PER_ROW) * Q::WORDS;
+  q.row_scales = scales + size_t(row) * (K / kQuantGroupSize);
+  q.row_biases = biases + size_t(row) * (K / kQuantGroupSize);
+  return q;
+}
+
+// acc[fm · FragsN + fn] += a[fm] · b[fn]. The CUDA shim runs two fragments of A against one of B as one m16n8k8
+// tensor-core MMA (simdgroup_multiply_accumulate_pairs); Apple's compiler and the CPU harness get the plain MMAs.
+// The same products and fp32 sums either way.
+template <uint FragsM, uint FragsN, typename TileT>
+LILY_INLINE void gemm_mma_block(thread simdgroup_float8x8* acc, thread const simdgroup_matrix<TileT, 8, 8>* a,
+                           thread const simdgroup_matrix<TileT, 8, 8>* b) {
+#if defined(MSL_CUDA)
+  simdgroup_multiply_accumulate_pairs<FragsM, FragsN>(acc, a, b);
+#else
+  LILY_UNROLL
+  for (uint fm = 0; fm < FragsM; ++fm) {
+    LILY_UNROLL
+    for (uint fn = 0; fn < FragsN; ++fn) {
+      thread simdgroup_float8x8& c = acc[fm * FragsN + fn];
+      simdgroup_multiply_accumulate(c, a[fm], b[fn], c);
+    }
+  }
+#endif
+}
+
+// One K step of this simdgroup's MMAs: A rows row0 + 8·fm of a_tile [BM][ld], against each of the NumB B tiles
+// [BN][ld] (rows = output columns col0 + 8·fn, loaded transposed), into acc[i · FRAGS_M · FRAGS_N ..].
+template <uint BM, uint BN, uint NumB, typename TileT>
+LILY_INLINE void gemm_mma_step(thread simdgroup_float8x8* acc, threadgroup const TileT* a_tile,
+                          threadgroup const TileT* b_tiles, uint row0, uint col0) {
+  typedef GemmLayout<BM, BN> L;
+  constexpr uint ld = gemm_ld<TileT>();
+  LILY_UNROLL
+  for (uint kk = 0; kk < LILY_GEMM_BK; kk += 8) {
+    simdgroup_matrix<TileT, 8, 8> a[L::FRAGS_M];
+    simdgroup_matrix<TileT, 8, 8> b[L::FRAGS_N];
+    LILY_UNROLL
+    for (uint fm = 0; fm < L::FRAGS_M; ++fm) {
+      simdgroup_load(a[fm], a_tile + (row0 + 8 * fm) * ld + kk, ld);
+    }
+    LILY_UNROLL
+    for (uint i = 0; i < NumB; ++i) {
+      threadgroup const TileT* b_tile = b_tiles + i * BN * ld;
+      LILY_UNROLL
+      for (uint fn = 0; fn < L::FRAGS_N; ++fn) {
+        simdgroup_load(b[fn], b_tile + (col0 + 8 * fn) * ld + kk, ld, ulong2(0, 0), true);
+      }
+      gemm_mma_block<L::FRAGS_M, L::FRAGS_N>(acc + i * L::FRAGS_M * L::FRAGS_N, a, b);
+    }
+  }
+}
+
+// The tile loop of every tiled GEMM (qmm, mm, the grouped MoE GEMM): NumB products A · B_i^T sharing one A, of which
+// this simdgroup owns the fragments GemmLayout<BM, BN> gives it, accumulated in acc[i · FRAGS_M · FRAGS_N ..]. `a`
+// and `b` are the loaders (fetch(k0): this thread's global loads for the step at k0 into registers; stage(tile): the
+// registers into a tile buffer, the B loader writing its NumB tiles [BN][ld] one after another). `tiles` is the
+// threadgroup memory of GemmTileMemory<TileT, BM, NumB>::FLOATS. The caller stores the fragments (store_fragments).
+template <uint BM, uint BN, uint NumB, typename TileT, typename ALoader, typename BLoader>
+LILY_INLINE void gemm_tile_loop(thread ALoader& a, thread BLoader& b, uint K, threadgroup TileT* tiles,
+                                uint simd_group, thread simdgroup_float8x8* acc) {
+  typedef GemmLayout<BM, BN> L;
+  constexpr uint ld = gemm_ld<TileT>();
+  constexpr uint kStages = gemm_stages<TileT>();
+  constexpr uint kStage = (BM + NumB * BN) * ld;  // elements of one buffer: A, then the B tiles
+  const uint row0 = L::row0(simd_group), col0 = L::col0(simd_group);
+  LILY_UNROLL
+  for (uint f = 0; f < NumB * L::FRAGS_M * L::FRAGS_N; ++f) {
+    acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  if (kStages == 1) {
+    for (uint k0 = 0; k0 < K; k0 += LILY_GEMM_BK) {
+      a.fetch(k0);
+      b.fetch(k0);
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done reading the previous step's tiles
+      a.stage(tiles);
+      b.stage(tiles + BM * ld);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      gemm_mma_step<BM, BN, NumB>(acc, tiles, tiles + BM * ld, row0, col0);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // as below: the caller may reuse the tiles
+    return;
+  }
+  a.fetch(0);
+  b.fetch(0);
+  a.stage(tiles);
+  b.stage(tiles + BM * ld);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  uint buffer = 0;
+  for (uint k0 = 0; k0 < K; k0 += LILY_GEMM_BK) {
+    const bool more = k0 + LILY_GEMM_BK < K;  // uniform: the barrier below stays convergent
+    if (more) {
+      a.fetch(k0 + LILY_GEMM_BK);
+      b.fetch(k0 + LILY_GEMM_BK);
+    }
+    threadgroup const TileT* current = tiles + buffer * kStage;
+    gemm_mma_step<BM, BN, NumB>(acc, current, current + BM * ld, row0, col0);
+    if (more) {
+      // The other buffer's last readers finished before the previous step's barrier.
+      threadgroup TileT* next = tiles + (1 - buffer) * kStage;
+      a.stage(next);
+      b.stage(next + BM * ld);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    buffer = 1 - buffer;
   }
 }
 
 // out_tile[row0 + 8·fm .., col0 + 8·fn ..] = the simdgroup's fragments (row stride ldo).
 template <uint FragsM, uint FragsN>
-inline void store_fragments(threadgroup float* out_tile, uint ldo, thread const simdgroup_float8x8* acc, uint row0,
+LILY_INLINE void store_fragments(threadgroup float* out_tile, uint ldo, thread const simdgroup_float8x8* acc, uint row0,
                             uint col0) {
+  LILY_UNROLL
   for (uint fm = 0; fm < FragsM; ++fm) {
+    LILY_UNROLL
     for (uint fn = 0; fn < FragsN; ++fn) {
       simdgroup_store(acc[fm * FragsN + fn], out_tile + (row0 + 8 * fm) * ldo + col0 + 8 * fn, ldo);
     }
   }
 }
 
-// The tile loop of every tiled GEMM (qmm, mm, the grouped MoE GEMM): NumB products A · B_i^T sharing one A, of which
-// this simdgroup owns FragsM x FragsN fragments at (row0, col0), accumulated in acc[i · FragsM · FragsN ..]. Per K
-// step of BK, the threads stage the A tile [rows][lda] through `a` and the NumB k-major B tiles [BK][ldb] (tile i at
-// b_tiles + i·BK·ldb) through `b` (structs with `void load(threadgroup TileT* tile, uint ld, uint k0) const`), then
-// each simdgroup runs its MMAs. The caller stores the fragments (store_fragments) where it wants them.
-template <uint FragsM, uint FragsN, uint BK, uint NumB, typename TileT, typename ATile, typename BTiles>
-inline void gemm_tile_loop(thread const ATile& a, thread const BTiles& b, uint K, threadgroup TileT* a_tile, uint lda,
-                           threadgroup TileT* b_tiles, uint ldb, uint row0, uint col0, thread simdgroup_float8x8* acc) {
-  constexpr uint kFrags = FragsM * FragsN;
-  for (uint f = 0; f < NumB * kFrags; ++f) {
-    acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-  }
-  for (uint k0 = 0; k0 < K; k0 += BK) {
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done reading the previous step's tiles
-    a.load(a_tile, lda, k0);
-    b.load(b_tiles, ldb, k0);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint i = 0; i < NumB; ++i) {
-      mma_step<FragsM, FragsN>(acc + i * kFrags, a_tile, lda, b_tiles + i * BK * ldb, ldb, BK, row0, col0);
-    }
-  }
-}
-
-// The qmm / mm A tile source for gemm_tile_loop: rows [row0, row0 + rows) of X[M, K], BK columns per step.
-template <typename T>
-struct RowsTile {
-  device const T* x;
-  uint rows, row0, M, K, tid, n_threads;
-
-  void load(threadgroup T* tile, uint ld, uint k0) const {
-    load_x_tile(x, tile, ld, rows, LILY_QMM_BK, row0, k0, M, K, tid, n_threads);
-  }
-};
-
-// The qmm / mm GEMM: a BM x LILY_QMM_BN output tile per threadgroup, (BM / 16) x 2 simdgroups of 16 x 16 each; `w_tile`
-// (bound to W rows tg.x · BN ..) fills the BK x BN k-major W^T tile in T, dequantized or copied, rows past N zero. The
-// store goes through the fp32 tile y_tile, so partial tiles are clipped and rounded once per element, independent of
-// the simdgroup_matrix lane layout. The caller declares the threadgroup tiles: x_tile [BM][BK + PAD] and wt_tile
-// [BK][BN + PAD] in T, y_tile [BM][BN + PAD] in fp32.
-template <int BM, typename T, typename WTile>
-inline void gemm_tiles(device const T* x, thread const WTile& w_tile, device T* y, threadgroup T* x_tile,
-                       threadgroup T* wt_tile, threadgroup float* y_tile, uint M, uint N, uint K, uint3 tg, uint tid,
-                       uint n_threads, uint simd_group) {
-  constexpr uint BN = LILY_QMM_BN;
-  constexpr uint kLdX = LILY_QMM_BK + LILY_QMM_PAD;
-  constexpr uint kLdW = LILY_QMM_BN + LILY_QMM_PAD;
-  static_assert(BN == 32 && (BM == 16 || BM == 32), "simdgroups own 16 x 16 blocks: (BM / 16) x 2 simdgroups");
+// The qmm / mm GEMM: a BM x LILY_GEMM_BN output tile per threadgroup (grid (ceil(N / BN), ceil(M / BM))); `w_tile`
+// loads W rows tg.x · BN .. (dequantized or copied; rows past N zero). The store goes through the fp32 tile in
+// `tiles` (after the last step), so partial tiles are clipped and rounded once per element, independent of the
+// simdgroup_matrix lane layout.
+template <uint BM, typename T, typename WTile>
+LILY_INLINE void gemm_tiles(device const T* x, thread WTile& w_tile, device T* y, threadgroup float* tiles, uint M,
+                            uint N, uint K, uint3 tg, uint tid, uint simd_group) {
+  typedef GemmLayout<BM, LILY_GEMM_BN> L;
+  constexpr uint ldy = LILY_GEMM_BN + 4;
   const uint row0 = tg.y * BM;
-  const uint n0 = tg.x * BN;
-  const uint frag_row = (simd_group / 2) * 16;
-  const uint frag_col = (simd_group % 2) * 16;
-  const RowsTile<T> x_rows{x, BM, row0, M, K, tid, n_threads};
-  simdgroup_float8x8 acc[4];
-  gemm_tile_loop<2, 2, LILY_QMM_BK, 1>(x_rows, w_tile, K, x_tile, kLdX, wt_tile, kLdW, frag_row, frag_col, acc);
-  store_fragments<2, 2>(y_tile, kLdW, acc, frag_row, frag_col);
+  GemmRowWords<T, BM> x_rows = gemm_row_words<T, BM>(x, row0, M, K, tid);
+  simdgroup_float8x8 acc[L::FRAGS_M * L::FRAGS_N];
+  gemm_tile_loop<BM, LILY_GEMM_BN, 1>(x_rows, w_tile, K, (threadgroup T*)tiles, simd_group, acc);
+  // The loop ends with a barrier: every simdgroup is done with the operand tiles the output tile reuses.
+  store_fragments<L::FRAGS_M, L::FRAGS_N>(tiles, ldy, acc, L::row0(simd_group), L::col0(simd_group));
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  store_y_tile(y_tile, kLdW, BM, BN, y, row0, n0, M, N, tid, n_threads);
+  store_y_tile(tiles, ldy, BM, LILY_GEMM_BN, y, row0, tg.x * LILY_GEMM_BN, M, N, tid, LILY_GEMM_THREADS);
 }
 
 }  // namespace lily

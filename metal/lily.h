@@ -262,20 +262,22 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 #define LILY_QMV_PACK_WORDS 4
 #define LILY_QMV_PACKS_PER_LANE 2
 // Host rule: M <= LILY_QMV_MAX_ROWS runs qmv (one threadgroup row for all M input rows: the weights are read once),
-// M <= LILY_QMM_BM16_MAX_ROWS runs qmm_*_bm16 (16-row tiles, 2 simdgroups), larger M runs qmm_*_bm32 (32-row tiles,
-// 4 simdgroups: twice the reuse of each dequantized weight tile).
+// larger M the tiled GEMM qmm_*_bm<16|32|64> (tuning::qmm_tile_rows: the widest tile that still launches enough
+// threadgroups; each dequantized weight tile serves BM rows).
 #define LILY_QMV_MAX_ROWS 4
 // The staged one-row GEMVs (qmv_norm_staged, qmv_residual_staged, qmv_norm_seg_staged; chosen on CUDA): K up to this
 // many inputs, staged as fp32 in threadgroup memory (16 KiB at the most, plus the pack sums). The model's K are 2048
 // and 4096.
 #define LILY_QMV_STAGE_MAX_K 4096
 #define LILY_QMM_BM16_MAX_ROWS 16
-// qmm tile: LILY_QMM_BN output columns x LILY_QMM_BK of K per step (BK divides the group size 64, so one scale and
-// bias per tile row and step); each simdgroup owns a 16x16 block of 2x2 simdgroup_matrix 8x8 accumulators.
-#define LILY_QMM_BN 32
-#define LILY_QMM_BK 32
-// Padding (floats) of each threadgroup tile row: staggers rows across memory banks.
-#define LILY_QMM_PAD 4
+// The tiled GEMMs (metal/gemm.h: qmm, mm and the grouped MoE GEMM): 4 simdgroups own a BM x LILY_GEMM_BN output tile
+// and step through K LILY_GEMM_BK at a time (BK divides the group size 64: one scale and bias per weight row and
+// step). 64-row tiles exist for 16-bit activations only (fp32 tiles would pass Metal's 32 KB of threadgroup memory).
+#define LILY_GEMM_BN 64
+#define LILY_GEMM_BK 32
+#define LILY_GEMM_THREADS 128
+// qmm_nax's K step (Metal 4 tensor ops).
+#define LILY_QMM_BK LILY_GEMM_BK
 // qmm_nax (Metal 4 tensor ops): 32 x 64 output tile, 4 simdgroups each running a 16x32x32 matmul2d.
 #define LILY_QMM_NAX_BM 32
 #define LILY_QMM_NAX_BN 64
@@ -302,15 +304,9 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 #define LILY_MOE_DOWN_PACKS_PER_LANE 5
 // Prefill sort: (token, slot) assignments per threadgroup of moe_sort_count / moe_sort_scatter (one per thread).
 #define LILY_MOE_SORT_BLOCK 256
-// Grouped GEMM: 4 simdgroups; tile = bm rows (16 or 32) x 64 output columns, 32-deep K steps dequantized into
-// threadgroup memory. The host picks bm = 32 when the chunk's mean rows per expert T*k/E is at least this threshold,
-// else bm = 16 (fewer padded rows for sparse experts). 16 matches MLX's non-NAX gather_qmm_rhs bm.
-#define LILY_MOE_GEMM_BN 64
-#define LILY_MOE_GEMM_BK 32
-#define LILY_MOE_GEMM_THREADS 128
-// fp32 elements of padding per threadgroup tile row (16 bytes, as MLX's tgp_padding): keeps the rows of an 8x8
-// fragment load in different banks.
-#define LILY_MOE_GEMM_PAD 4
+// Grouped GEMM: the tiled GEMM of metal/gemm.h (LILY_GEMM_*) on bm rows (16 or 32) of one expert. The host picks
+// bm = 32 when the chunk's mean rows per expert T*k/E is at least this threshold, else bm = 16 (fewer padded rows for
+// sparse experts). 16 matches MLX's non-NAX gather_qmm_rhs bm.
 #define LILY_MOE_BM32_MIN_ROWS_PER_EXPERT 24
 
 // Attention (metal/attention.metal, metal/attention_prefill.metal). Untuned: no Mac benchmark yet.

@@ -16,13 +16,14 @@
 //   moe_combine_<dtype>   out = residual + Σ_slot expert_out (slot order) + sigmoid(gate logit) · shared_out.
 // The shared expert is a dense SwiGLU over all T rows: it runs as ordinary qmm (qmatmul family) into shared_out, and
 // its gate logit comes from the router's GEMM; moe_combine adds both.
-// Grouped GEMM: one threadgroup (4 simdgroups) per (64 output columns, tile of bm rows of one expert); the grid's y
-// is max_tiles = ceil(T·k / bm) + min(E, T·k), a bound on Σ_e ceil(count_e / bm) known without reading the counts;
-// threadgroups past tile_count[0] exit at once. Per 32-deep K step, bm rows of the activations (gathered through
-// sorted_pairs for gate/up) and the 64 × 32 weight block(s) are staged in threadgroup memory in the activation dtype,
-// the weights dequantised there from 4-bit codes and rounded to it once (never a full dequantised matrix);
-// simdgroup_matrix 8×8 MMAs accumulate in fp32 (tensor cores on NVIDIA). Gate/up applies SwiGLU to its two fp32
-// accumulators in registers, so one fp32 output tile serves both kernels.
+// Grouped GEMM: one threadgroup (LILY_GEMM_THREADS) per (64 output columns, tile of bm rows of one expert); the grid's
+// y is max_tiles = ceil(T·k / bm) + min(E, T·k), a bound on Σ_e ceil(count_e / bm) known without reading the counts;
+// threadgroups past tile_count[0] exit at once. The tile loop is metal/gemm.h's: per 32-deep K step, bm rows of the
+// activations (gathered through sorted_pairs for gate/up) and the 64 × 32 weight block(s) are staged in threadgroup
+// memory in the activation dtype, the weights dequantised there from 4-bit codes and rounded to it once (never a full
+// dequantised matrix), the next step's loads in flight during this step's MMAs; simdgroup_matrix 8×8 MMAs accumulate
+// in fp32 (tensor cores on NVIDIA). Gate/up applies SwiGLU to its two fp32 accumulators in registers, so one fp32
+// output tile serves both kernels.
 // bm = 32 (2 × 2 simdgroups of 16 × 32) when the chunk's mean rows per expert T·k/E is at least
 // LILY_MOE_BM32_MIN_ROWS_PER_EXPERT, else bm = 16 (1 × 4 simdgroups of 16 × 16), so sparse experts pad fewer rows.
 // Each weight byte is read once per tile of its expert: with 64 rows per expert (2048-token chunk) that is 2 (bm 32)
@@ -39,12 +40,8 @@
 using namespace metal;
 
 constant constexpr uint MOE_NO_ROW = 0xFFFFFFFFu;  // row table entry of a padding row of a partial tile
-constant constexpr uint GEMM_BN = LILY_MOE_GEMM_BN;
-constant constexpr uint GEMM_BK = LILY_MOE_GEMM_BK;
-constant constexpr uint GEMM_THREADS = LILY_MOE_GEMM_THREADS;
-// Row strides of the threadgroup tiles: padded so that the 8 rows of a simdgroup_load fragment fall in different banks.
-constant constexpr uint A_STRIDE = LILY_MOE_GEMM_BK + LILY_MOE_GEMM_PAD;
-constant constexpr uint B_STRIDE = LILY_MOE_GEMM_BN + LILY_MOE_GEMM_PAD;
+constant constexpr uint GEMM_BN = LILY_GEMM_BN;
+constant constexpr uint OUT_STRIDE = LILY_GEMM_BN + 4;  // the fp32 output tile's row stride (as lily::gemm_tiles)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Routing: histogram, scan and block map, scatter
@@ -175,75 +172,22 @@ template <typename Id>
 // Grouped GEMM
 // ---------------------------------------------------------------------------------------------------------------
 
-// Simdgroup arrangement of a bm × 64 tile on 4 simdgroups: each computes 16 rows × (64 / SIMD_COLS) columns.
-template <int BM>
-struct MoeTile {
-  static constant constexpr const int SIMD_ROWS = BM / 16;          // 1 or 2
-  static constant constexpr const int SIMD_COLS = 4 / SIMD_ROWS;     // 4 or 2
-  static constant constexpr const int COLS = int(GEMM_BN) / SIMD_COLS;  // 16 or 32 columns per simdgroup
-  static constant constexpr const int FRAGS_N = COLS / 8;
-  static_assert(BM == 16 || BM == 32, "16 or 32 rows");
-  static_assert(GEMM_THREADS == 128 && GEMM_THREADS == 2 * GEMM_BN, "4 simdgroups; 2 threads per weight row");
-  // This simdgroup's first row and column in the tile.
-  static uint row0(uint simd_group) { return (simd_group / SIMD_COLS) * 16; }
-  static uint col0(uint simd_group) { return (simd_group % SIMD_COLS) * COLS; }
-};
-
-// The A tile source for lily::gemm_tile_loop: a_tile [BM][A_STRIDE] in T = rows row_src[m] of `a` (zero for padding
-// rows), columns k0 .. k0+BK. Consecutive threads read consecutive elements of a row.
-template <typename T, int BM>
-struct MoeRowsTile {
-  device const T* a;
-  threadgroup const uint* row_src;
-  uint row_stride, tid;
-
-  void load(threadgroup T* a_tile, uint ld, uint k0) const {
-    for (uint i = tid; i < uint(BM) * GEMM_BK; i += GEMM_THREADS) {
-      const uint m = i / GEMM_BK;
-      const uint c = i % GEMM_BK;
-      const uint src = row_src[m];
-      a_tile[m * ld + c] = src == MOE_NO_ROW ? T(0.0f) : a[size_t(src) * row_stride + k0 + c];
-    }
+// The A operand of a grouped-GEMM tile: rows row_src[m] of `a` ([rows, K] in T; MOE_NO_ROW: a zero padding row).
+template <typename T, uint BM>
+LILY_INLINE lily::GemmRowWords<T, BM> moe_rows(device const T* a, threadgroup const uint* row_src, uint K, uint tid) {
+  lily::GemmRowWords<T, BM> tile;
+  tile.source = (device const uint*)a;
+  tile.tid = tid;
+  LILY_UNROLL
+  for (uint i = 0; i < lily::GemmRowWords<T, BM>::WORDS; ++i) {
+    const uint src = row_src[tile.row(i)];
+    tile.set_row(i, src == MOE_NO_ROW ? lily::GemmRowWords<T, BM>::NO_ROW : src,
+                 K / lily::GemmRowWords<T, BM>::PER_WORD);
   }
-};
+  return tile;
+}
 
-// The expert's NumB weight tiles for lily::gemm_tile_loop, consecutive b_tile [BK][B_STRIDE] in T: column n = weight
-// row n0 + n over k0 .. k0+BK, dequantised (scale·q + bias) and rounded to T. Gate then up (NumB 2: simdgroups 0-1
-// dequantise the gate rows, 2-3 the up rows, one row per thread) or down (NumB 1: two threads per row, half of its
-// BK/8 words each).
-// Stored k-major so the MMA loads B fragments without a transposed load; the 32 lanes of a simdgroup own 32
-// consecutive columns, so each of their threadgroup writes is one conflict-free row segment. The BK-wide step lies
-// inside one group of 64: one scale and bias per row.
-template <typename S, uint NumB>
-struct MoeWeightTiles {
-  device const uint* weight[NumB];
-  device const S* scales[NumB];
-  device const S* biases[NumB];
-  uint in_size, n0, tid;
-
-  template <typename T>
-  void load(threadgroup T* b_tiles, uint, uint k0) const {
-    constexpr uint kThreadsPerRow = GEMM_THREADS / (NumB * GEMM_BN);
-    constexpr uint kWords = GEMM_BK / 8 / kThreadsPerRow;  // this thread's share of the row's BK/8 words
-    const uint b = tid / (GEMM_BN * kThreadsPerRow);        // the matrix: uniform per simdgroup
-    const uint n = tid % GEMM_BN;
-    const uint first_word = (tid / GEMM_BN) % kThreadsPerRow * kWords;
-    const size_t row = n0 + n;
-    const size_t group = row * (in_size / 64) + k0 / 64;
-    const float scale = float((b == 0 ? scales[0] : scales[NumB - 1])[group]);
-    const float bias = float((b == 0 ? biases[0] : biases[NumB - 1])[group]);
-    device const uint* words = (b == 0 ? weight[0] : weight[NumB - 1]) + row * (in_size / 8) + k0 / 8;
-    threadgroup T* b_tile = b_tiles + b * GEMM_BK * B_STRIDE;
-    for (uint w = first_word; w < first_word + kWords; ++w) {
-      const uint word = words[w];
-      for (uint j = 0; j < 8; ++j) {
-        b_tile[(w * 8 + j) * B_STRIDE + n] = T(lily::dequantize_code<4>(word, j, scale, bias));
-      }
-    }
-  }
-};
-
-// Grid: (I / 64, max_tiles) threadgroups of 128 threads.
+// Grid: (I / 64, max_tiles) threadgroups of LILY_GEMM_THREADS.
 template <typename T, typename S, int BM>
 [[kernel]] void moe_gemm_gate_up(constant lily::MoeArgs& args [[buffer(0)]],
                                  device const T* x [[buffer(1)]],
@@ -260,10 +204,9 @@ template <typename T, typename S, int BM>
                                  uint2 group [[threadgroup_position_in_grid]],
                                  uint tid [[thread_index_in_threadgroup]],
                                  uint simd_group [[simdgroup_index_in_threadgroup]]) {
-  threadgroup T a_tile[BM * LILY_MOE_GEMM_BK + BM * LILY_MOE_GEMM_PAD];
-  // gate then up, each [BK][B_STRIDE]
-  threadgroup T gate_up_tiles[2 * LILY_MOE_GEMM_BK * LILY_MOE_GEMM_BN + 2 * LILY_MOE_GEMM_BK * LILY_MOE_GEMM_PAD];
-  threadgroup float h_tile[BM * B_STRIDE];  // SiLU(gate) ⊙ up, [BM][B_STRIDE]
+  typedef lily::GemmLayout<BM, GEMM_BN> L;
+  // The operand tiles (the x rows, then the gate and up tiles), then h = SiLU(gate) ⊙ up in fp32 [BM][OUT_STRIDE].
+  threadgroup float tiles[lily::GemmTileMemory<T, BM, 2>::FLOATS];
   threadgroup uint row_src[BM];
   const uint tile = group.y;
   if (tile >= tile_count[0]) {
@@ -275,39 +218,39 @@ template <typename T, typename S, int BM>
   const uint n0 = group.x * GEMM_BN;
   const uint hidden_size = args.hidden_size;
   const uint expert_size = args.expert_size;
-  for (uint m = tid; m < uint(BM); m += GEMM_THREADS) {
+  for (uint m = tid; m < uint(BM); m += LILY_GEMM_THREADS) {
     row_src[m] = m < rows ? sorted_pairs[first + m] / args.top_k : MOE_NO_ROW;  // token row of the pair
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   const size_t w_offset = size_t(expert) * expert_size * (hidden_size / 8);
   const size_t s_offset = size_t(expert) * expert_size * (hidden_size / 64);
-  const MoeRowsTile<T, BM> x_rows{x, row_src, hidden_size, tid};
-  const MoeWeightTiles<S, 2> weights{{gate_weight + w_offset, up_weight + w_offset},
-                                     {gate_scales + s_offset, up_scales + s_offset},
-                                     {gate_biases + s_offset, up_biases + s_offset}, hidden_size, n0, tid};
-  constexpr uint kFrags = 2 * uint(MoeTile<BM>::FRAGS_N);
+  lily::GemmRowWords<T, BM> x_rows = moe_rows<T, BM>(x, row_src, hidden_size, tid);
+  // Threads 0-63 dequantize the gate rows, 64-127 the up rows.
+  const bool up = lily::GemmQuantizedRows<4, S, 2>::matrix(tid) == 1;
+  lily::GemmQuantizedRows<4, S, 2> weights = lily::gemm_quantized_rows<4, S, 2>(
+      (up ? up_weight : gate_weight) + w_offset, (up ? up_scales : gate_scales) + s_offset,
+      (up ? up_biases : gate_biases) + s_offset, n0, expert_size, hidden_size, tid);
+  constexpr uint kFrags = L::FRAGS_M * L::FRAGS_N;
   simdgroup_float8x8 acc[2 * kFrags];  // gate fragments, then up
-  lily::gemm_tile_loop<2, uint(MoeTile<BM>::FRAGS_N), GEMM_BK, 2>(
-      x_rows, weights, hidden_size, a_tile, A_STRIDE, gate_up_tiles, B_STRIDE, MoeTile<BM>::row0(simd_group),
-      MoeTile<BM>::col0(simd_group), acc);
+  lily::gemm_tile_loop<BM, GEMM_BN, 2>(x_rows, weights, hidden_size, (threadgroup T*)tiles, simd_group, acc);
+  LILY_UNROLL
   for (uint f = 0; f < kFrags; ++f) {
     // Element-wise on the lane's elements: a gate fragment and its up fragment share the lane layout.
     const float2 gate = acc[f].thread_elements();
     acc[f].thread_elements() = float2(lily::silu(gate[0]), lily::silu(gate[1])) * acc[kFrags + f].thread_elements();
   }
-  lily::store_fragments<2, uint(MoeTile<BM>::FRAGS_N)>(h_tile, B_STRIDE, acc, MoeTile<BM>::row0(simd_group),
-                                                      MoeTile<BM>::col0(simd_group));
+  lily::store_fragments<L::FRAGS_M, L::FRAGS_N>(tiles, OUT_STRIDE, acc, L::row0(simd_group), L::col0(simd_group));
   threadgroup_barrier(mem_flags::mem_threadgroup);
   // Only the tile's own rows: the rows after them in sorted order belong to the next tile or expert.
-  for (uint i = tid; i < rows * GEMM_BN; i += GEMM_THREADS) {
+  for (uint i = tid; i < rows * GEMM_BN; i += LILY_GEMM_THREADS) {
     const uint m = i / GEMM_BN;
     const uint n = i % GEMM_BN;
-    hidden[size_t(first + m) * expert_size + n0 + n] = T(h_tile[m * B_STRIDE + n]);
+    hidden[size_t(first + m) * expert_size + n0 + n] = T(tiles[m * OUT_STRIDE + n]);
   }
 }
 
-// Grid: (H / 64, max_tiles) threadgroups of 128 threads.
+// Grid: (H / 64, max_tiles) threadgroups of LILY_GEMM_THREADS.
 template <typename T, typename S, int BM>
 [[kernel]] void moe_gemm_down(constant lily::MoeArgs& args [[buffer(0)]],
                               device const T* hidden [[buffer(1)]],
@@ -322,9 +265,8 @@ template <typename T, typename S, int BM>
                               uint2 group [[threadgroup_position_in_grid]],
                               uint tid [[thread_index_in_threadgroup]],
                               uint simd_group [[simdgroup_index_in_threadgroup]]) {
-  threadgroup T a_tile[BM * LILY_MOE_GEMM_BK + BM * LILY_MOE_GEMM_PAD];
-  threadgroup T b_tile[LILY_MOE_GEMM_BK * LILY_MOE_GEMM_BN + LILY_MOE_GEMM_BK * LILY_MOE_GEMM_PAD];  // [BK][B_STRIDE]
-  threadgroup float out_tile[BM * B_STRIDE];
+  typedef lily::GemmLayout<BM, GEMM_BN> L;
+  threadgroup float tiles[lily::GemmTileMemory<T, BM, 1>::FLOATS];  // operand tiles, then the fp32 output tile
   threadgroup uint row_src[BM];
   const uint tile = group.y;
   if (tile >= tile_count[0]) {
@@ -336,28 +278,25 @@ template <typename T, typename S, int BM>
   const uint n0 = group.x * GEMM_BN;
   const uint hidden_size = args.hidden_size;
   const uint expert_size = args.expert_size;
-  for (uint m = tid; m < uint(BM); m += GEMM_THREADS) {
+  for (uint m = tid; m < uint(BM); m += LILY_GEMM_THREADS) {
     row_src[m] = m < rows ? first + m : MOE_NO_ROW;  // h is already in sorted order
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   const size_t w_offset = size_t(expert) * hidden_size * (expert_size / 8);
   const size_t s_offset = size_t(expert) * hidden_size * (expert_size / 64);
-  const MoeRowsTile<T, BM> h_rows{hidden, row_src, expert_size, tid};
-  const MoeWeightTiles<S, 1> weights{{down_weight + w_offset}, {down_scales + s_offset}, {down_biases + s_offset},
-                                     expert_size, n0, tid};
-  simdgroup_float8x8 acc[2 * uint(MoeTile<BM>::FRAGS_N)];
-  lily::gemm_tile_loop<2, uint(MoeTile<BM>::FRAGS_N), GEMM_BK, 1>(
-      h_rows, weights, expert_size, a_tile, A_STRIDE, b_tile, B_STRIDE, MoeTile<BM>::row0(simd_group),
-      MoeTile<BM>::col0(simd_group), acc);
-  lily::store_fragments<2, uint(MoeTile<BM>::FRAGS_N)>(out_tile, B_STRIDE, acc, MoeTile<BM>::row0(simd_group),
-                                                      MoeTile<BM>::col0(simd_group));
+  lily::GemmRowWords<T, BM> h_rows = moe_rows<T, BM>(hidden, row_src, expert_size, tid);
+  lily::GemmQuantizedRows<4, S, 1> weights = lily::gemm_quantized_rows<4, S, 1>(
+      down_weight + w_offset, down_scales + s_offset, down_biases + s_offset, n0, hidden_size, expert_size, tid);
+  simdgroup_float8x8 acc[L::FRAGS_M * L::FRAGS_N];
+  lily::gemm_tile_loop<BM, GEMM_BN, 1>(h_rows, weights, expert_size, (threadgroup T*)tiles, simd_group, acc);
+  lily::store_fragments<L::FRAGS_M, L::FRAGS_N>(tiles, OUT_STRIDE, acc, L::row0(simd_group), L::col0(simd_group));
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint i = tid; i < rows * GEMM_BN; i += GEMM_THREADS) {
+  for (uint i = tid; i < rows * GEMM_BN; i += LILY_GEMM_THREADS) {
     const uint m = i / GEMM_BN;
     const uint n = i % GEMM_BN;
     const uint pair = sorted_pairs[first + m];
-    expert_out[size_t(pair) * hidden_size + n0 + n] = T(out_tile[m * B_STRIDE + n] * expert_weights[pair]);
+    expert_out[size_t(pair) * hidden_size + n0 + n] = T(tiles[m * OUT_STRIDE + n] * expert_weights[pair]);
   }
 }
 

@@ -46,15 +46,16 @@
 //                                          barrier. K <= LILY_QMV_STAGE_MAX_K, bf16 scales; 4-bit (and the 8-bit
 //                                          router GEMV with f32 out). Apple GPUs keep the unstaged kernels
 //                                          (threadgroup memory and occupancy: not measured there).
-//   qmm_q<b>_g64_<dtype>[_sf32]_bm<BM>     prefill GEMM. Grid (ceil(N / 32), ceil(M / BM), 1); BM = 16 with 2
-//                                          simdgroups (64 threads) for M <= LILY_QMM_BM16_MAX_ROWS, BM = 32 with 4
-//                                          simdgroups (128 threads) above. Per K step of 32 the threadgroup copies a
-//                                          BM x 32 tile of X and dequantizes ONE 32 x 32 tile of W into threadgroup
-//                                          memory in the activation dtype (the weights rounded to it once, as MLX
-//                                          does), then each simdgroup accumulates a 16 x 16 block with
-//                                          simdgroup_matrix 8x8 MMAs in fp32 (tensor cores on NVIDIA). Each
-//                                          weight byte is read once per BM rows of X, each X element once per 32
-//                                          columns of W; no dequantized copy of W ever exists in device memory.
+//   qmm_q<b>_g64_<dtype>[_sf32]_bm<BM>     prefill GEMM on the tile loop of metal/gemm.h. Grid (ceil(N / 64),
+//                                          ceil(M / BM), 1) of 128 threads; BM = 16, 32 or 64 (64: bf16 only), the
+//                                          host's choice by M and N (tuning::qmm_tile_rows). Per K step of 32 the
+//                                          threadgroup copies a BM x 32 tile of X and dequantizes a 64 x 32 tile of W
+//                                          into threadgroup memory in the activation dtype (the weights rounded to
+//                                          it once, as MLX does; the next step's loads in flight during this step's
+//                                          MMAs), and each simdgroup accumulates its part of the BM x 64 output with
+//                                          simdgroup_matrix 8x8 MMAs in fp32 (tensor cores on NVIDIA). Each weight
+//                                          byte is read once per BM rows of X, each X element once per 64 columns of
+//                                          W; no dequantized copy of W ever exists in device memory.
 //   qmm_nax_q<b>_g64_<dtype>               the same GEMM on Metal 4 tensor ops (M5 "neural accelerators"): 32 x 64
 //                                          output tile, 4 simdgroups each running a 16x32x32 mpp matmul2d per K step
 //                                          on threadgroup tiles in the activation dtype (the dequantized weights are
@@ -85,11 +86,10 @@ namespace lily_qmatmul {
 
 enum : uint { kGroupSize = lily::kQuantGroupSize };
 
-// Dequantizes rows [n0, n0 + rows) x columns [k0, k0 + cols) of W into a threadgroup tile, one packed word (32 / Bits
-// codes) per thread and iteration. `cols` divides the group size and k0 is a multiple of it, so a tile row uses one
-// scale and one bias. Transposed: tile[k * ld + n] (k-major, as simdgroup_load wants W^T); else tile[n * ld + k].
-// Rows past N are zero.
-template <int Bits, bool Transposed, typename S, typename TileT>
+// Dequantizes rows [n0, n0 + rows) x columns [k0, k0 + cols) of W into a threadgroup tile[n * ld + k] (qmm_nax),
+// one packed word (32 / Bits codes) per thread and iteration. `cols` divides the group size and k0 is a multiple of
+// it, so a tile row uses one scale and one bias. Rows past N are zero.
+template <int Bits, typename S, typename TileT>
 inline void dequantize_w_tile(device const uint* weight, device const S* scales, device const S* biases,
                               threadgroup TileT* tile, uint ld, uint rows, uint cols, uint n0, uint k0, uint N, uint K,
                               uint tid, uint n_threads) {
@@ -109,30 +109,11 @@ inline void dequantize_w_tile(device const uint* weight, device const S* scales,
       bias = float(biases[g]);
     }
     for (uint e = 0; e < kPerWord; ++e) {
-      TileT w = TileT(lily::dequantize_code<Bits>(word, e, scale, bias));
-      if (Transposed) {
-        tile[(c0 + e) * ld + r] = w;
-      } else {
-        tile[r * ld + c0 + e] = w;
-      }
+      tile[r * ld + c0 + e] = TileT(lily::dequantize_code<Bits>(word, e, scale, bias));
     }
   }
 }
 
-// The qmm W^T tile source for lily::gemm_tiles: dequantizes W rows [n0, n0 + BN) from the packed weights.
-template <int Bits, typename S>
-struct QuantizedWTile {
-  device const uint* weight;
-  device const S* scales;
-  device const S* biases;
-  uint n0, N, K, tid, n_threads;
-
-  template <typename TileT>
-  void load(threadgroup TileT* tile, uint ld, uint k0) const {
-    dequantize_w_tile<Bits, true>(weight, scales, biases, tile, ld, LILY_QMM_BN, LILY_QMM_BK, n0, k0, N, K, tid,
-                                  n_threads);
-  }
-};
 
 }  // namespace lily_qmatmul
 
@@ -760,17 +741,11 @@ template <typename T, typename S, int Bits, int BM>
                     device T* y [[buffer(5)]],
                     uint3 tg [[threadgroup_position_in_grid]],
                     uint tid [[thread_index_in_threadgroup]],
-                    uint3 threads_per_group [[threads_per_threadgroup]],
                     uint simd_group [[simdgroup_index_in_threadgroup]]) {
-  const uint n_threads = threads_per_group.x;  // 1-D threadgroups: the attribute's width matches the position's
-  threadgroup T x_tile[BM][LILY_QMM_BK + LILY_QMM_PAD];
-  threadgroup T wt_tile[LILY_QMM_BK][LILY_QMM_BN + LILY_QMM_PAD];
-  threadgroup float y_tile[BM][LILY_QMM_BN + LILY_QMM_PAD];
-  static_assert(lily_qmatmul::kGroupSize % LILY_QMM_BK == 0, "a K step must stay inside one quantization group");
-  const lily_qmatmul::QuantizedWTile<Bits, S> w_tile{weight,    scales,           biases,          tg.x * LILY_QMM_BN,
-                                                      args.out_features, args.in_features, tid, n_threads};
-  lily::gemm_tiles<BM>(x, w_tile, y, &x_tile[0][0], &wt_tile[0][0], &y_tile[0][0], args.num_rows, args.out_features,
-                       args.in_features, tg, tid, n_threads, simd_group);
+  threadgroup float tiles[lily::GemmTileMemory<T, BM, 1>::FLOATS];
+  lily::GemmQuantizedRows<Bits, S, 1> w_tile = lily::gemm_quantized_rows<Bits, S, 1>(
+      weight, scales, biases, tg.x * LILY_GEMM_BN, args.out_features, args.in_features, tid);
+  lily::gemm_tiles<BM>(x, w_tile, y, tiles, args.num_rows, args.out_features, args.in_features, tg, tid, simd_group);
 }
 
 #if defined(LILY_QMATMUL_HAS_TENSOR_OPS)
@@ -820,7 +795,7 @@ template <typename T, typename S, int Bits>
   for (uint k0 = 0; k0 < K; k0 += BK) {
     threadgroup_barrier(mem_flags::mem_threadgroup);
     lily::load_x_tile(x, &x_tile[0][0], BK, BM, BK, row0, k0, M, K, tid, n_threads);
-    lily_qmatmul::dequantize_w_tile<Bits, false>(weight, scales, biases, &w_tile[0][0], BK, BN, BK, n0, k0, N, K, tid,
+    lily_qmatmul::dequantize_w_tile<Bits>(weight, scales, biases, &w_tile[0][0], BK, BN, BK, n0, k0, N, K, tid,
                                                  n_threads);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     op.run(left, right, acc);
@@ -922,6 +897,10 @@ LILY_INSTANTIATE_KERNEL("qmm_q8_g64_f32_bm32", qmm, float, bfloat, 8, 32)
 LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_bm32", qmm, bfloat, bfloat, 8, 32)
 LILY_INSTANTIATE_KERNEL("qmm_q8_g64_f32_sf32_bm32", qmm, float, float, 8, 32)
 LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_sf32_bm32", qmm, bfloat, float, 8, 32)
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_bf16_bm64", qmm, bfloat, bfloat, 4, 64)
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_bf16_sf32_bm64", qmm, bfloat, float, 4, 64)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_bm64", qmm, bfloat, bfloat, 8, 64)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_sf32_bm64", qmm, bfloat, float, 8, 64)
 
 #if defined(LILY_QMATMUL_HAS_TENSOR_OPS)
 LILY_INSTANTIATE_KERNEL("qmm_nax_q4_g64_bf16", qmm_nax, bfloat, bfloat, 4)

@@ -39,7 +39,8 @@ EPS = 1e-6
 # Kernel shapes the host uses (metal/lily.h, src/lily_ext/tuning.h); --qmv-shape overrides the qmv ones to time PTX
 # built with other LILY_QMV_* values.
 QMV_SHAPE = {"rows_per_simdgroup": 4, "simdgroups": 2, "batch": 4}
-QMM_BN, QMM_BM16 = 32, 16
+QMM_BN, QMM_BM16, QMM_THREADS = 64, 16, 128  # LILY_GEMM_BN, LILY_QMM_BM16_MAX_ROWS, LILY_GEMM_THREADS
+QMM_MIN_THREADGROUPS = 64 * 8  # tuning::kQmmMinThreadgroups
 MOE_GEMV_ROWS, MOE_GEMV_THREADS = 8, 64
 MOE_DOWN_ROWS, MOE_DOWN_THREADS = 8, 128
 ATTN_HEADS_PER_GROUP, ATTN_THREADS = 4, 256
@@ -68,6 +69,7 @@ class Case:
     threads: tuple[int, int, int]
     bytes_moved: int  # bytes the kernel must read and write at least
     note: str = field(default="")
+    flops: int = 0  # multiply-adds x 2 of a GEMM (prefill cases): the table adds TFLOP/s
 
 
 def bf16(n: int) -> int:
@@ -105,7 +107,7 @@ def qmm_case(label: str, n: int, k: int, m: int) -> Case:
     """What the host runs for LILY_QMV_MAX_ROWS < M <= 16: the 16-row GEMM tile."""
     w, s = quantized(n, k)
     return Case(label, "qmm_q4_g64_bf16_bm16", [struct.pack("<IIII", k, n, m, 0), bf16(m * k), w, s, s, bf16(m * n)],
-                (ceil_div(n, QMM_BN), ceil_div(m, QMM_BM16), 1), (64, 1, 1), w + 2 * s + bf16(m * k) + bf16(m * n))
+                (ceil_div(n, QMM_BN), ceil_div(m, QMM_BM16), 1), (QMM_THREADS, 1, 1), w + 2 * s + bf16(m * k) + bf16(m * n))
 
 
 def qmv_norm_case(label: str, n: int, k: int, staged: bool = False) -> Case:
@@ -341,9 +343,75 @@ def qmv_cases() -> list[Case]:
     return cases
 
 
+# ---- prefill GEMMs (the issue-20 shapes): dense qmm and the grouped MoE GEMM over a routed chunk ----
+
+MOE_GEMM_BN, MOE_GEMM_THREADS, MOE_BM32_MIN_ROWS_PER_EXPERT = 64, 128, 24
+
+
+def qmm_tile_rows(m: int, n: int) -> int:
+    """The host's bf16 rule (tuning::qmm_tile_rows)."""
+    if m <= QMM_BM16:
+        return 16
+    return 64 if ceil_div(n, QMM_BN) * ceil_div(m, 64) >= QMM_MIN_THREADGROUPS else 32
+
+
+def qmm_prefill_case(label: str, n: int, k: int, m: int) -> Case:
+    w, s = quantized(n, k)
+    bm = qmm_tile_rows(m, n)
+    return Case(label, f"qmm_q4_g64_bf16_bm{bm}", [struct.pack("<IIII", k, n, m, 0), bf16(m * k), w, s, s,
+                bf16(m * n)], (ceil_div(n, QMM_BN), ceil_div(m, bm), 1), (QMM_THREADS, 1, 1),
+                w + 2 * s + bf16(m * k) + bf16(m * n), flops=2 * m * n * k)
+
+
+def _routing(tokens: int, bm: int, seed: int = 5) -> tuple[bytes, bytes, bytes, int]:
+    """sorted_pairs, tile_map, tile_count and max_tiles of `tokens` rows routed to TOP_K distinct uniformly random
+    experts each: the block map moe_sort_scan builds (expert-contiguous pairs, ascending within an expert)."""
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((tokens, EXPERTS)), axis=1)[:, :TOP_K].reshape(-1)
+    pairs = np.argsort(ids, kind="stable").astype(np.uint32)
+    counts = np.bincount(ids, minlength=EXPERTS)
+    max_tiles = ceil_div(tokens * TOP_K, bm) + min(EXPERTS, tokens * TOP_K)
+    tiles, first = [], 0
+    for e, count in enumerate(counts):
+        for r in range(0, count, bm):
+            tiles.append((e, first + r, min(bm, count - r), 0))
+        first += count
+    tile_map = np.zeros((max_tiles, 4), np.uint32)
+    tile_map[:len(tiles)] = tiles
+    return pairs.tobytes(), tile_map.tobytes(), struct.pack("<4I", len(tiles), 0, 0, 0), max_tiles
+
+
+def moe_prefill_cases(tokens: int) -> list[Case]:
+    bm = 32 if tokens * TOP_K / EXPERTS >= MOE_BM32_MIN_ROWS_PER_EXPERT else 16
+    pairs, tile_map, tile_count, max_tiles = _routing(tokens, bm)
+    rows = tokens * TOP_K
+    args = struct.pack("<8I", tokens, EXPERTS, TOP_K, HIDDEN, EXPERT_SIZE, SHARED_SIZE, bm, max_tiles)
+    ew, es = quantized(EXPERTS * EXPERT_SIZE, HIDDEN)
+    dw, ds = quantized(EXPERTS * HIDDEN, EXPERT_SIZE)
+    gate_up = Case(f"moe_gemm gate/up+SwiGLU, T={tokens} (8 of 256 experts per row)", f"moe_gemm_gate_up_bf16_bm{bm}",
+                   [args, bf16(tokens * HIDDEN), pairs, tile_map, tile_count, ew, es, es, ew, es, es,
+                    bf16(rows * EXPERT_SIZE)], (ceil_div(EXPERT_SIZE, MOE_GEMM_BN), max_tiles, 1),
+                   (MOE_GEMM_THREADS, 1, 1), 2 * (ew + 2 * es) + bf16(tokens * HIDDEN) + bf16(rows * EXPERT_SIZE),
+                   flops=2 * rows * 2 * EXPERT_SIZE * HIDDEN)
+    down = Case(f"moe_gemm down, T={tokens}", f"moe_gemm_down_bf16_bm{bm}",
+                [args, bf16(rows * EXPERT_SIZE), pairs, tile_map, tile_count, f32(rows), dw, ds, ds,
+                 bf16(rows * HIDDEN)], (ceil_div(HIDDEN, MOE_GEMM_BN), max_tiles, 1), (MOE_GEMM_THREADS, 1, 1),
+                dw + 2 * ds + bf16(rows * EXPERT_SIZE) + bf16(rows * HIDDEN), flops=2 * rows * HIDDEN * EXPERT_SIZE)
+    return [gate_up, down]
+
+
+def prefill_cases() -> list[Case]:
+    cases = []
+    for m in (512, 4096):
+        cases.append(qmm_prefill_case(f"qmm DeltaNet in_proj_qkv 8192x{HIDDEN}, M={m}", 8192, HIDDEN, m))
+        cases.append(qmm_prefill_case(f"qmm out_proj 2048x4096, M={m}", HIDDEN, 4096, m))
+        cases.extend(moe_prefill_cases(m))
+    return cases
+
+
 def cases() -> list[Case]:
     return [rms_norm_case(), embedding_case(), *qmv_cases(), *moe_cases(), *attention_cases(), gated_delta_case(),
-            *sampling_cases()]
+            *sampling_cases(), *prefill_cases()]
 
 
 # ---- argument checks without a GPU: the <kernel>_msl_params tables of the PTX files ----
@@ -466,13 +534,16 @@ def run(args: argparse.Namespace, selected: list[Case]) -> list[dict]:
         gbs = c.bytes_moved / ms / 1e6
         rows.append({"case": c.label, "kernel": c.kernel, "us": ms * 1e3, "warm_us": warm_ms * 1e3, "gbs": gbs,
                      "fraction": gbs / copy_gbs, "bytes": c.bytes_moved, "note": c.note})
+        if c.flops:
+            rows[-1]["tflops"] = c.flops / ms / 1e9
     print(f"median of {args.repeats} CUDA-event timings, L2 flushed ({flush_bytes >> 20} MiB written) before each")
-    print("| case | kernel | µs (cold L2) | µs (warm) | bytes | GB/s | fraction of copy |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| case | kernel | µs (cold L2) | µs (warm) | bytes | GB/s | fraction of copy | TFLOP/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         warm = f"{r['warm_us']:.1f}" if "warm_us" in r else ""
+        tflops = f"{r['tflops']:.1f}" if "tflops" in r else ""
         print(f"| {r['case']} | `{r['kernel']}` | {r['us']:.1f} | {warm} | {r['bytes']:,} | {r['gbs']:,.0f} | "
-              f"{r['fraction']:.2f} |")
+              f"{r['fraction']:.2f} | {tflops} |")
     by_case = {r["case"]: r["us"] for r in rows}
     for name in (f"lm_head {VOCAB}x{HIDDEN}", f"square 2048x{HIDDEN}"):
         one, four = by_case.get(f"qmv {name}, M=1"), by_case.get(f"qmv {name}, M=4")

@@ -12,8 +12,19 @@ namespace lily::tuning {
 // GEMV vs GEMM by rows: at most this many rows run qmv (one threadgroup row reads the weights once for all of
 // them); more rows run qmm. The qmatmul kernels define the crossover with their tile shapes.
 constexpr size_t kQmvMaxRows = LILY_QMV_MAX_ROWS;
-// 16-row vs 32-row qmm tiles: up to this many rows the 16-row tile wastes fewer padded rows.
+// qmm tile rows (metal/gemm.h): 16 up to this many rows (fewer padded rows), else the widest of 32 and 64 that still
+// launches kQmmMinThreadgroups threadgroups (64 only for 16-bit activations: fp32 tiles would pass Metal's 32 KB of
+// threadgroup memory). A 64-row tile reads each dequantized weight tile for twice the rows of a 32-row one, but at
+// 512 rows an N = 2048 projection has only 256 of them: a few per GPU core, too few to hide the loads' latency (an
+// H200 has 132 SMs; Apple's large GPUs 60-80 cores).
 constexpr size_t kQmmBm16MaxRows = LILY_QMM_BM16_MAX_ROWS;
+constexpr size_t kQmmMinThreadgroups = 512;
+constexpr size_t qmm_tile_rows(size_t rows, size_t out_features, bool wide_tiles, bool f16_tiles) {
+  if (rows <= kQmmBm16MaxRows || !wide_tiles) return 16;
+  const size_t columns = (out_features + LILY_GEMM_BN - 1) / LILY_GEMM_BN;
+  if (f16_tiles && columns * ((rows + 63) / 64) >= kQmmMinThreadgroups) return 64;
+  return 32;
+}
 // MoE grouped GEMM tile by mean rows per expert (T*k/E): 32-row tiles from this value on.
 constexpr size_t kMoeBm32MinRowsPerExpert = LILY_MOE_BM32_MIN_ROWS_PER_EXPERT;
 // Prefill attention: the matrix-unit kernel from this many queries (an 8-row fragment is mostly padding below).
@@ -66,7 +77,7 @@ constexpr size_t kMoeDownRowsPerThreadgroup = LILY_MOE_DOWN_ROWS_PER_SIMDGROUP *
 constexpr size_t kGdnConvThreads = 256;
 // MoE prefill: one thread per (token, slot) pair in the sort kernels (the kernels' block), 256 per combine group.
 constexpr size_t kMoeSortThreads = LILY_MOE_SORT_BLOCK;
-constexpr size_t kMoeGemmThreads = LILY_MOE_GEMM_THREADS;
+constexpr size_t kGemmThreads = LILY_GEMM_THREADS;
 constexpr size_t kMoeCombineThreads = 256;
 // Argmax: LILY_ARGMAX_BLOCK logits per partial threadgroup, 256 threads each; the final reduce runs one group.
 constexpr size_t kArgmaxThreads = 256;

@@ -20,8 +20,8 @@ from lily.kernel_cases.common import Run
 
 DTYPES = ["f32", "bf16"]
 SORT_BLOCK = 256  # LILY_MOE_SORT_BLOCK
-GEMM_BN = 64  # LILY_MOE_GEMM_BN
-GEMM_THREADS = 128
+GEMM_BN = 64  # LILY_GEMM_BN
+GEMM_THREADS = 128  # LILY_GEMM_THREADS
 # (activation dtype, scale/bias dtype, bm) -> host name
 GATE_UP = {
     ("f32", "bf16", 16): "moe_gemm_gate_up_f32_bm16",

@@ -14,19 +14,19 @@ import numpy as np
 
 from lily.kernel_cases.common import Case, Run, dtype_of, poisoned, random_weight, to_device, to_f64
 from lily.kernel_cases.dequantize import run_dequantize
-from lily.kernel_cases.qmatmul import QMM_BN, check_matmul, qmatmul_args
+from lily.kernel_cases.qmatmul import QMM_BN, QMM_THREADS, check_matmul, qmatmul_args
 
-PATTERN = re.compile(r"mm_(f32|bf16)_bm(16|32)")
+PATTERN = re.compile(r"mm_(f32|bf16)_bm(16|32|64)")
 # (M, N, K): the self-test's (partial tiles in M and N); one row, partial and exact tiles, K of one and several groups.
 SHAPES = [(None, 37, 256), (1, 1, 64), (5, 31, 64), (16, 32, 128), (17, 33, 192), (33, 40, 64)]
 
 
 def run_mm(run: Run, kernel: str, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """y = x · wᵀ by `kernel` (tiles of bm rows by 32 columns)."""
+    """y = x · wᵀ by `kernel` (tiles of bm rows by 64 columns)."""
     dtype, bm = dtype_of(kernel), int(kernel[-2:])
     (m, k), n = x.shape, w.shape[0]
     y = poisoned((m, n), dtype)
-    run.dispatch(kernel, [qmatmul_args(k, n, m), x, w, y], (-(-n // QMM_BN), -(-m // bm), 1), 64 if bm == 16 else 128)
+    run.dispatch(kernel, [qmatmul_args(k, n, m), x, w, y], (-(-n // QMM_BN), -(-m // bm), 1), QMM_THREADS)
     return y
 
 

@@ -22,7 +22,7 @@ from lily.kernel_cases.moe import compare_dot, moe_args, quantized_weight, sigmo
 PATTERN = re.compile(r"moe_sort_(count|scan|scatter)_u32|moe_gemm_(gate_up|down)_(f32|f16|bf16)(_sf32)?_bm(16|32)"
                      r"|moe_combine_(f32|f16|bf16)")
 SORT_BLOCK = 256  # LILY_MOE_SORT_BLOCK
-GEMM_BN, GEMM_THREADS = 64, 128  # LILY_MOE_GEMM_BN, LILY_MOE_GEMM_THREADS
+GEMM_BN, GEMM_THREADS = 64, 128  # LILY_GEMM_BN, LILY_GEMM_THREADS
 # Rows per expert at every tile boundary; the remaining experts share what is left of T·k.
 BOUNDARY_COUNTS = [0, 1, 15, 16, 17, 31, 32, 33]
 # Routings of the sort cases: (name, T, E, k); "boundary" forces BOUNDARY_COUNTS, "same" puts every row on the same

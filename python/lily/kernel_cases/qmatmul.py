@@ -23,9 +23,9 @@ from lily.kernel_cases.common import (Case, Run, dtype_of, poisoned, quantized_w
 from lily.quant import QuantizedTensor, pack, round_to_dtype
 
 PATTERN = re.compile(r"qmv(_norm|_residual)?(_seg)?(_staged)?_q(4|8)_g64_(f32|f16|bf16)(_sf32)?(_of32)?"
-                     r"|qmm_q(4|8)_g64_(f32|f16|bf16)(_sf32)?_bm(16|32)|qmm_nax_q(4|8)_g64_(f16|bf16)")
+                     r"|qmm_q(4|8)_g64_(f32|f16|bf16)(_sf32)?_bm(16|32|64)|qmm_nax_q(4|8)_g64_(f16|bf16)")
 QMV_ROWS_PER_THREADGROUP = 8  # LILY_QMV_SIMDGROUPS * LILY_QMV_ROWS_PER_SIMDGROUP
-QMM_BN = 32  # LILY_QMM_BN
+QMM_BN, QMM_THREADS = 64, 128  # LILY_GEMM_BN, LILY_GEMM_THREADS
 NAX_BM, NAX_BN = 32, 64  # LILY_QMM_NAX_BM, LILY_QMM_NAX_BN
 MAX_SEGMENTS = 4  # LILY_QMV_MAX_SEGMENTS
 NORM_EPS = 1e-6
@@ -55,6 +55,9 @@ EXTRA_SHAPES = {
     "qmv_q4_g64_bf16": [(1, 40, 4096), (2, 600, 512)],
     "qmm_q4_g64_bf16_bm16": [(m, 33, 256) for m in (15, 16, 31, 32, 65)],
     "qmm_q4_g64_bf16_bm32": [(m, 33, 256) for m in (15, 16, 31, 32, 65)] + [(64, 96, 2048)],
+    # 64-row tiles: partial row and column tiles, one K step (32 of a 64-group), many steps with both tile buffers.
+    "qmm_q4_g64_bf16_bm64": [(m, n, 256) for m, n in ((63, 65), (64, 64), (65, 127), (130, 33))]
+    + [(64, 64, 64), (70, 96, 2048)],
     "qmm_q8_g64_f32_bm16": [(9, 70, 2048)],
     "qmm_nax_q4_g64_bf16": [(64, 128, 512)],
 }
@@ -135,8 +138,7 @@ def _qmm(run: Run, kernel: str, m: int, n: int, k: int) -> None:
     if "_nax_" in kernel:
         bm, bn, threads = NAX_BM, NAX_BN, 128
     else:
-        bm, bn = int(kernel[-2:]), QMM_BN
-        threads = bm // 16 * 64
+        bm, bn, threads = int(kernel[-2:]), QMM_BN, QMM_THREADS
     weight, buffers = quantized_weight(kernel, (n, k), run.rng)
     x = to_device(run.rng.standard_normal((m, k)), dtype)
     y = poisoned((m, n), dtype)

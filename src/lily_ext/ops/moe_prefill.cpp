@@ -51,7 +51,7 @@ void grouped_swiglu(Context& ctx, const std::string& label, const MoeArgs& a, co
   Node& gu = add_node(ctx, "moe_gemm_gate_up_" + suffix, label + " gate/up",
                       {arg_value(a), arg(x), arg(pairs), arg(tile_map), arg(tile_count), arg(gate.data),
                        arg(gate.scales), arg(gate.biases), arg(up.data), arg(up.scales), arg(up.biases), arg(hidden)},
-                      {expert_size / LILY_MOE_GEMM_BN, a.max_tiles, 1}, {tuning::kMoeGemmThreads, 1, 1},
+                      {expert_size / LILY_GEMM_BN, a.max_tiles, 1}, {tuning::kGemmThreads, 1, 1},
                       {x, pairs, tile_map, tile_count, gate.data, gate.scales, gate.biases, up.data, up.scales,
                        up.biases},
                       {hidden});
@@ -59,7 +59,7 @@ void grouped_swiglu(Context& ctx, const std::string& label, const MoeArgs& a, co
   Node& dn = add_node(ctx, "moe_gemm_down_" + suffix, label + " down",
                       {arg_value(a), arg(hidden), arg(pairs), arg(tile_map), arg(tile_count), arg(weights),
                        arg(down.data), arg(down.scales), arg(down.biases), arg(out)},
-                      {a.hidden_size / LILY_MOE_GEMM_BN, a.max_tiles, 1}, {tuning::kMoeGemmThreads, 1, 1},
+                      {a.hidden_size / LILY_GEMM_BN, a.max_tiles, 1}, {tuning::kGemmThreads, 1, 1},
                       {hidden, pairs, tile_map, tile_count, weights, down.data, down.scales, down.biases}, {out});
   dn.traffic_read = hidden.length + pairs.length + tile_map.length + tile_count.length + weights.length + traffic(down);
 }

@@ -35,10 +35,10 @@ void qmatmul(Context& ctx, const std::string& label, const Span& x, const Weight
     return;
   }
   if (rows > tuning::kQmvMaxRows && !f32_out) {
-    size_t bm = rows <= tuning::kQmmBm16MaxRows || !ctx.wide_tiles ? 16 : 32;
-    name += bm == 16 ? "_bm16" : "_bm32";
-    groups = {(w.rows + LILY_QMM_BN - 1) / LILY_QMM_BN, (rows + bm - 1) / bm, 1};
-    threads = {bm == 16 ? 64u : 128u, 1, 1};
+    const size_t bm = tuning::qmm_tile_rows(rows, w.rows, ctx.wide_tiles, dtype == DType::BF16);
+    name += "_bm" + std::to_string(bm);
+    groups = {(w.rows + LILY_GEMM_BN - 1) / LILY_GEMM_BN, (rows + bm - 1) / bm, 1};
+    threads = {tuning::kGemmThreads, 1, 1};
     if (!ctx.in_gemm_dequant) {
       // The ablation: the whole weight expanded into device memory first, then a dense GEMM with qmm's tiles.
       const Span dense = dequantize(ctx, label, w, ctx.dequant_scratch, dtype);

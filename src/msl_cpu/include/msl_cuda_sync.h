@@ -291,6 +291,27 @@ inline void mma_exact(float (&acc)[2], vec<TA, 2> a, vec<TB, 2> b) {
     acc[1] += ak * b1;
   }
 }
+// An 8x8 matrix of 16-bit elements from threadgroup memory in one ldmatrix: lanes 0-7 give the addresses of rows
+// 0-7, and every lane receives its two elements in the fragment layout above (with .trans, of the transpose: element
+// (r, c) = row c's element r, which is simdgroup_load's transposed load). Needs each row 16-byte aligned: the caller
+// checks that with ldmatrix_aligned (uniform over the simdgroup) and otherwise loads element by element.
+template <class S>
+inline bool ldmatrix_aligned(const __attribute__((address_space(3))) S* first, ulong elements_per_row) {
+  return ((reinterpret_cast<uintptr_t>(first) | (elements_per_row * sizeof(S))) & 15u) == 0;
+}
+template <class S>
+inline uint32_t ldmatrix(const __attribute__((address_space(3))) S* first, ulong elements_per_row, bool transpose) {
+  const uint32_t lane = __nvvm_read_ptx_sreg_laneid();
+  const uint32_t row = uint32_t(reinterpret_cast<uintptr_t>(first + (lane % 8) * elements_per_row));
+  uint32_t v;
+  if (transpose) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];" : "=r"(v) : "r"(row) : "memory");
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];" : "=r"(v) : "r"(row) : "memory");
+  }
+  return v;
+}
+
 template <class TD, class TA, class TB, class TC>
 inline void mma(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
                 const simdgroup_matrix<TB, 8, 8>& b, const simdgroup_matrix<TC, 8, 8>* c) {
@@ -312,10 +333,17 @@ inline simdgroup_matrix<T, R, C> make_filled_simdgroup_matrix(T value) {
   return m;
 }
 
-#define MSL_CUDA_MATRIX_AS(AS)                                                                        \
+#define MSL_CUDA_MATRIX_AS(AS, SHARED)                                                                \
   template <class T, class S>                                                                         \
   inline void simdgroup_load(simdgroup_matrix<T, 8, 8>& d, const AS S* src, ulong elements_per_row = 8, \
                              ulong2 matrix_origin = ulong2{0, 0}, bool transpose = false) {           \
+    if constexpr (SHARED && sizeof(S) == 2 && std::is_same_v<T, S>) {                                 \
+      const AS S* first = src + matrix_origin.y * elements_per_row + matrix_origin.x;                 \
+      if (matrix_detail::ldmatrix_aligned(first, elements_per_row)) {                                 \
+        d.elements = __builtin_bit_cast(vec<T, 2>, matrix_detail::ldmatrix(first, elements_per_row, transpose)); \
+        return;                                                                                       \
+      }                                                                                               \
+    }                                                                                                 \
     uint32_t lane = __nvvm_read_ptx_sreg_laneid();                                                    \
     int r = matrix_detail::lane_row(lane), c = matrix_detail::lane_col(lane);                         \
     for (int e = 0; e < 2; ++e) {                                                                     \
@@ -333,8 +361,8 @@ inline simdgroup_matrix<T, R, C> make_filled_simdgroup_matrix(T value) {
       dst[(matrix_origin.y + row) * elements_per_row + matrix_origin.x + col] = static_cast<S>(m.elements[e]); \
     }                                                                                                 \
   }
-MSL_CUDA_MATRIX_AS(__attribute__((address_space(1))))
-MSL_CUDA_MATRIX_AS(__attribute__((address_space(3))))
+MSL_CUDA_MATRIX_AS(__attribute__((address_space(1))), false)
+MSL_CUDA_MATRIX_AS(__attribute__((address_space(3))), true)
 #undef MSL_CUDA_MATRIX_AS
 
 template <class TD, class TA, class TB, class TC>
@@ -348,4 +376,47 @@ template <class TD, class TA, class TB>
 inline void simdgroup_multiply_at(const char*, simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
                                   const simdgroup_matrix<TB, 8, 8>& b) {
   matrix_detail::mma(d, a, b, static_cast<const simdgroup_matrix<TD, 8, 8>*>(nullptr));
+}
+
+// Not Metal: acc[fm · FN + fn] += a[fm] · b[fn] for a block of fragments (lily::gemm_mma_block calls it under
+// MSL_CUDA). With 16-bit A and B, each B fragment is transposed once (movmatrix) and two A fragments share one
+// m16n8k8 MMA as its rows 0-7 and 8-15: the same products and fp32 sums as one 8x8 MMA each, half the tensor-core
+// instructions and none half empty. Other types run the exact per-fragment MMA.
+template <uint32_t FM, uint32_t FN, class T>
+__attribute__((always_inline)) inline void simdgroup_multiply_accumulate_pairs(simdgroup_matrix<float, 8, 8>* acc,
+                                                const simdgroup_matrix<T, 8, 8>* a,
+                                                const simdgroup_matrix<T, 8, 8>* b) {
+  if constexpr (std::is_same_v<T, bfloat> || std::is_same_v<T, half>) {
+#pragma unroll
+    for (uint32_t fn = 0; fn < FN; ++fn) {
+      uint32_t bt;
+      asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(bt) : "r"(matrix_detail::pack_b16(b[fn].elements)));
+#pragma unroll
+      for (uint32_t fm = 0; fm < FM; fm += 2) {
+        const bool pair = fm + 1 < FM;
+        vec<float, 2>& top = acc[fm * FN + fn].elements;
+        const vec<float, 2> bottom = pair ? acc[(fm + 1) * FN + fn].elements : vec<float, 2>{0.0f, 0.0f};
+        const uint32_t a_top = matrix_detail::pack_b16(a[fm].elements);
+        const uint32_t a_bottom = pair ? matrix_detail::pack_b16(a[fm + 1].elements) : 0u;
+        float d0, d1, d2, d3;
+        if constexpr (std::is_same_v<T, bfloat>) {
+          asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};"
+              : "=f"(d0), "=f"(d1), "=f"(d2), "=f"(d3)
+              : "r"(a_top), "r"(a_bottom), "r"(bt), "f"(top[0]), "f"(top[1]), "f"(bottom[0]), "f"(bottom[1]));
+        } else {
+          asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};"
+              : "=f"(d0), "=f"(d1), "=f"(d2), "=f"(d3)
+              : "r"(a_top), "r"(a_bottom), "r"(bt), "f"(top[0]), "f"(top[1]), "f"(bottom[0]), "f"(bottom[1]));
+        }
+        top = vec<float, 2>{d0, d1};
+        if (pair) acc[(fm + 1) * FN + fn].elements = vec<float, 2>{d2, d3};
+      }
+    }
+  } else {
+    for (uint32_t fm = 0; fm < FM; ++fm) {
+      for (uint32_t fn = 0; fn < FN; ++fn) {
+        matrix_detail::mma(acc[fm * FN + fn], a[fm], b[fn], &acc[fm * FN + fn]);
+      }
+    }
+  }
 }
