@@ -1,5 +1,5 @@
-// gated_delta_conv_<dtype>_dk<Dk>, gated_delta_prefill[_blockwise]_<dtype>_dk<Dk> and gated_delta_prefill_norm_<dtype>
-// (metal/gated_delta_prefill.metal): conv into conv_out, the scan into core_out, the gated norm into out.
+// gated_delta_conv_*, gated_delta_prefill[_blockwise]_*, gated_delta_prefill_norm_* (metal/gated_delta_prefill.metal):
+// the conv into conv_out, the scan into core_out, the gated norm into out.
 #include <algorithm>
 
 #include "../../../metal/lily.h"
