@@ -1,6 +1,6 @@
 // Helpers shared by the Gated DeltaNet kernels (metal/gated_delta.metal: decode step; metal/gated_delta_prefill.metal:
-// conv and scan). Sharing every arithmetic helper is what makes T step dispatches and one conv + prefill of T tokens
-// give identical bits.
+// conv, scan and gated norm). Sharing every arithmetic helper is what makes T step dispatches and one conv + prefill of
+// T tokens give identical bits.
 #ifndef LILY_GATED_DELTA_H
 #define LILY_GATED_DELTA_H
 
@@ -100,9 +100,10 @@ inline float gdn_update_row(thread float* s, thread const float* q, thread const
 }
 
 // SiLU(z)-gated RMSNorm of one value head's o [dv] by one simdgroup (fixed order: lane-strided sums, simd_sum).
-template <typename T>
-inline void gdn_gated_norm(threadgroup const float* o, device const T* z, device const T* norm_weight,
-                           device T* out, uint dv, float eps, uint lane) {
+// `Rows` is o's fp32 pointer: threadgroup memory in the decode step, the device scratch in gated_delta_prefill_norm.
+template <typename T, typename Rows>
+inline void gdn_gated_norm(Rows o, device const T* z, device const T* norm_weight, device T* out, uint dv, float eps,
+                           uint lane) {
   float sq = 0.0f;
   for (uint d = lane; d < dv; d += 32) {
     sq = fma(o[d], o[d], sq);

@@ -3,7 +3,7 @@
 // SiLU(z)-gated RMSNorm. The projections around it (in_proj_*, out_proj) are qmatmul kernels.
 //   gated_delta_step_<dtype>_dk128     decode, one token, everything fused (conv state and recurrent state updated
 //                                      in place). Chosen for T = 1.
-//   gated_delta_conv_*, gated_delta_prefill[_blockwise]_*
+//   gated_delta_conv_*, gated_delta_prefill[_blockwise]_*, gated_delta_prefill_norm_*
 //                                      prefill of a chunk: metal/gated_delta_prefill.metal.
 //   *_dk64 (f32, bf16)                 the same kernels at Dk = 64 (two state elements per lane) for the embedded demo
 //                                      model and the test fixtures; the host picks by linear_key_head_dim.
@@ -14,8 +14,10 @@
 // so the in-place conv-state shift never races with another threadgroup still reading the old state), any multiple
 // of 32 threads up to 1024; state rows go round-robin over simdgroups, LILY_GDN_ROWS_PER_SIMDGROUP at a time through
 // registers (their loads issued together, one memory round trip per batch).
-// conv: one thread per channel, grid ceil(C / threads). prefill: one threadgroup per VALUE head, 32·n threads with
-// dv <= 8·n (512 threads for dv = 128); each simdgroup keeps its <= 8 rows in registers for the whole chunk.
+// conv: one thread per channel, grid ceil(C / threads). prefill scan: grid (Hv, ceil(dv / 32)), each threadgroup
+// owning 32 rows of one VALUE head (LILY_GDN_PREFILL_ROWS_PER_THREADGROUP), 32·n threads with rows <= 4·n (256
+// threads); each simdgroup keeps its <= 4 rows in registers for the whole chunk. prefill norm: one simdgroup per
+// (token, value head) row.
 // Numerics: fp32 everywhere inside (conv, norms, state, gated norm); one rounding of each output to the activation
 // dtype. Every reduction has a fixed order that does not depend on the threadgroup size (q/k norms and the gated
 // norm are reduced inside one simdgroup), and the kernels share every arithmetic helper, so T step dispatches and one

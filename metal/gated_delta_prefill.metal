@@ -1,13 +1,19 @@
 // Gated DeltaNet prefill of a chunk of T tokens (the decode step and the shared description: metal/gated_delta.metal):
 //   gated_delta_conv_<dtype>_dk<Dk>     part 1: the causal conv + SiLU of T tokens into an fp32 scratch [T, C],
 //                                      continuing from and updating the conv state. One thread per channel.
-//   gated_delta_prefill_<dtype>_dk<Dk>  part 2: the sequential scan over T tokens with the state rows held in
-//                                      registers for the whole chunk (LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP per
-//                                      simdgroup, one threadgroup per value head), one barrier per token.
+//   gated_delta_prefill_<dtype>_dk<Dk>  part 2: the sequential scan over T tokens into an fp32 scratch o [T, Hv·dv]
+//                                      (before the gated norm). Grid (Hv, ceil(dv / R)), R =
+//                                      LILY_GDN_PREFILL_ROWS_PER_THREADGROUP: a threadgroup owns R state rows of one
+//                                      value head and keeps them in registers for the whole chunk
+//                                      (LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP per simdgroup), one barrier per token.
 //                                      Chosen for T > 1 (after gated_delta_conv).
 //   gated_delta_prefill_blockwise_<dtype>_dk<Dk>
 //                                      the REGISTER_SCAN ablation (f32 and bf16): the state rows round-trip through
-//                                      device memory every LILY_GDN_SCAN_BLOCK tokens. Same arithmetic, same bits.
+//                                      device memory every LILY_GDN_SCAN_BLOCK tokens. Same grid, arithmetic and bits.
+//   gated_delta_prefill_norm_<dtype>   part 3: the SiLU(z)-gated RMSNorm of o into `out`, one simdgroup per
+//                                      (token, value head) row; it needs a head's whole row, which part 2 splits.
+// The rows of a head are independent given the token's q, k, v and gates, so the split changes no arithmetic: each
+// row's o and the norm are computed as in the decode step, and T steps give the same bits as parts 1 to 3.
 #include <metal_stdlib>
 #include "gated_delta.h"
 #include "lily.h"
@@ -48,25 +54,26 @@ template <typename T, uint Dk>
 }
 
 // Stages token t's scan inputs in one slot of the kernel's double-buffered threadgroup arrays: raw q and k of the key
-// head, v of the value head, beta and the decay.
+// head, v of this threadgroup's `rows` rows from `first_row` of the value head, beta and the decay.
 template <typename T, uint Dk>
 LILY_INLINE void gdn_stage_token(threadgroup float* q, threadgroup float* k, threadgroup float* v,
                                  threadgroup float* beta, threadgroup float* decay, uint t,
                                  device const float* conv_out, device const T* b, device const T* a,
                                  device const float* a_log, device const float* dt_bias,
-                                 constant lily::GatedDeltaArgs& args, uint v_head, uint tid, uint n_threads) {
+                                 constant lily::GatedDeltaArgs& args, uint v_head, uint first_row, uint rows, uint tid,
+                                 uint n_threads) {
   const uint dv = args.head_v_dim;
   const uint key_dim = args.num_k_heads * Dk;
   const uint channels = 2 * key_dim + args.num_v_heads * dv;
   const uint key_head = v_head / (args.num_v_heads / args.num_k_heads);
   device const float* x = conv_out + size_t(t) * channels;
-  for (uint i = tid; i < 2 * Dk + dv; i += n_threads) {
+  for (uint i = tid; i < 2 * Dk + rows; i += n_threads) {
     if (i < Dk) {
       q[i] = x[key_head * Dk + i];
     } else if (i < 2 * Dk) {
       k[i - Dk] = x[key_dim + key_head * Dk + (i - Dk)];
     } else {
-      v[i - 2 * Dk] = x[2 * key_dim + v_head * dv + (i - 2 * Dk)];
+      v[i - 2 * Dk] = x[2 * key_dim + v_head * dv + first_row + (i - 2 * Dk)];
     }
   }
   if (tid == 0) {
@@ -74,15 +81,15 @@ LILY_INLINE void gdn_stage_token(threadgroup float* q, threadgroup float* k, thr
   }
 }
 
-// This simdgroup's state rows r = sg + m·n_sg of one value head (`head_state`, [dv, Dk]) to (Store) or from its
-// registers: Dk/32 consecutive elements per lane.
+// This simdgroup's rows r = sg + m·n_sg < `rows` of the threadgroup's slice (`slice_state`, [rows, Dk]) to (Store) or
+// from its registers: Dk/32 consecutive elements per lane.
 template <uint Dk, bool Store>
 LILY_INLINE void gdn_move_rows(thread float (&s)[LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP][Dk / 32],
-                               device float* head_state, uint dv, uint sg, uint n_sg, uint lane) {
+                               device float* slice_state, uint rows, uint sg, uint n_sg, uint lane) {
   for (uint m = 0; m < LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; ++m) {
     const uint r = sg + m * n_sg;
-    for (uint e = 0; e < Dk / 32 && r < dv; ++e) {
-      device float& element = head_state[r * Dk + lane * (Dk / 32) + e];
+    for (uint e = 0; e < Dk / 32 && r < rows; ++e) {
+      device float& element = slice_state[r * Dk + lane * (Dk / 32) + e];
       if (Store) {
         element = s[m][e];
       } else {
@@ -94,62 +101,64 @@ LILY_INLINE void gdn_move_rows(thread float (&s)[LILY_GDN_PREFILL_ROWS_PER_SIMDG
 
 // Block = 0: the state rows stay in registers for the whole chunk. Block > 0 (blockwise): they are stored to and
 // reloaded from `state` every Block tokens.
-// One threadgroup barrier per token: after it, token t's staged inputs and token t - 1's outputs o are complete;
-// then token t + 1 is staged into the other slot (its last readers finished before this barrier), every simdgroup
-// updates its rows for token t into o slot t % 2, and simdgroup (t - 1) % n_sg applies the gated norm to token t - 1
-// (its o slot is next written after the following barrier), so the loads and the norm overlap the row updates.
+// One threadgroup barrier per token: after it, token t's staged inputs are complete; then token t + 1 is staged into
+// the other slot (its last readers finished before this barrier) while every simdgroup updates its rows for token t,
+// so the loads overlap the row updates. Lane 0 writes each row's o to `core_out`.
 template <typename T, uint Dk, uint Block>
 [[kernel]] void gated_delta_prefill(constant lily::GatedDeltaArgs& args [[buffer(0)]],
                                     device const float* conv_out [[buffer(1)]],  // [T, C] from gated_delta_conv
-                                    device const T* z [[buffer(2)]],             // [T, Hv·dv]
-                                    device const T* b [[buffer(3)]],             // [T, Hv]
-                                    device const T* a [[buffer(4)]],             // [T, Hv]
-                                    device const float* a_log [[buffer(5)]],     // [Hv]
-                                    device const float* dt_bias [[buffer(6)]],   // [Hv]
-                                    device const T* norm_weight [[buffer(7)]],   // [dv]
-                                    device float* state [[buffer(8)]],           // [Hv, dv, Dk] in/out
-                                    device T* out [[buffer(9)]],                 // [T, Hv·dv]
-                                    uint v_head [[threadgroup_position_in_grid]],
+                                    device const T* b [[buffer(2)]],             // [T, Hv]
+                                    device const T* a [[buffer(3)]],             // [T, Hv]
+                                    device const float* a_log [[buffer(4)]],     // [Hv]
+                                    device const float* dt_bias [[buffer(5)]],   // [Hv]
+                                    device float* state [[buffer(6)]],           // [Hv, dv, Dk] in/out
+                                    device float* core_out [[buffer(7)]],        // [T, Hv·dv] o, before the norm
+                                    uint2 group [[threadgroup_position_in_grid]],  // (value head, row slice)
                                     uint tid [[thread_index_in_threadgroup]],
-                                    uint n_threads [[threads_per_threadgroup]],
+                                    uint2 threads_per_group [[threads_per_threadgroup]],
                                     uint lane [[thread_index_in_simdgroup]],
                                     uint sg [[simdgroup_index_in_threadgroup]],
                                     uint n_sg [[simdgroups_per_threadgroup]]) {
   static_assert(Dk <= LILY_GDN_MAX_DK, "the staged q and k rows");
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups: the attribute's width matches the position's
   threadgroup float q_tg[2][LILY_GDN_MAX_DK];
   threadgroup float k_tg[2][LILY_GDN_MAX_DK];
-  threadgroup float v_tg[2][LILY_GDN_MAX_ROWS];
-  threadgroup float o_tg[2][LILY_GDN_MAX_ROWS];
+  threadgroup float v_tg[2][LILY_GDN_PREFILL_ROWS_PER_THREADGROUP];
   threadgroup float beta_tg[2];
   threadgroup float decay_tg[2];
 
   const uint dv = args.head_v_dim;
-  const size_t v_offset = size_t(v_head) * dv;
+  const uint v_head = group.x;
+  const uint first_row = group.y * LILY_GDN_PREFILL_ROWS_PER_THREADGROUP;
+  if (first_row >= dv) {
+    return;  // the whole threadgroup, before any barrier
+  }
+  const uint rows = min(uint(LILY_GDN_PREFILL_ROWS_PER_THREADGROUP), dv - first_row);
+  device float* slice_state = state + (size_t(v_head) * dv + first_row) * Dk;
+  device float* slice_out = core_out + size_t(v_head) * dv + first_row;
+  const size_t out_stride = size_t(args.num_v_heads) * dv;
   const uint num_tokens = args.num_tokens;
   const uint block = Block != 0 ? Block : num_tokens;
 
-  // This simdgroup's rows r = sg + m·n_sg stay in registers (host: dv <= LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP·n_sg).
+  // This simdgroup's rows r = sg + m·n_sg of the slice stay in registers (host: rows <=
+  // LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP·n_sg).
   float s[LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP][Dk / 32];
-  gdn_move_rows<Dk, false>(s, state + v_offset * Dk, dv, sg, n_sg, lane);
+  gdn_move_rows<Dk, false>(s, slice_state, rows, sg, n_sg, lane);
   gdn_stage_token<T, Dk>(q_tg[0], k_tg[0], v_tg[0], &beta_tg[0], &decay_tg[0], 0, conv_out, b, a, a_log, dt_bias, args,
-                         v_head, tid, n_threads);
+                         v_head, first_row, rows, tid, n_threads);
   for (uint t = 0; t < num_tokens; ++t) {
     const uint slot = t % 2;
     if (Block != 0 && t % block == 0 && t != 0) {
       // The ablation's round trip: a device-memory fence between the store and the reload, so the compiler may not
       // carry the rows in registers across it (each lane reloads its own writes).
-      gdn_move_rows<Dk, true>(s, state + v_offset * Dk, dv, sg, n_sg, lane);
+      gdn_move_rows<Dk, true>(s, slice_state, rows, sg, n_sg, lane);
       threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
-      gdn_move_rows<Dk, false>(s, state + v_offset * Dk, dv, sg, n_sg, lane);
+      gdn_move_rows<Dk, false>(s, slice_state, rows, sg, n_sg, lane);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (t + 1 < num_tokens) {
       gdn_stage_token<T, Dk>(q_tg[1 - slot], k_tg[1 - slot], v_tg[1 - slot], &beta_tg[1 - slot], &decay_tg[1 - slot],
-                             t + 1, conv_out, b, a, a_log, dt_bias, args, v_head, tid, n_threads);
-    }
-    if (t > 0 && sg == (t - 1) % n_sg) {
-      const size_t offset = size_t(t - 1) * args.num_v_heads * dv + v_offset;
-      gdn_gated_norm<T>(o_tg[1 - slot], z + offset, norm_weight, out + offset, dv, args.norm_eps, lane);
+                             t + 1, conv_out, b, a, a_log, dt_bias, args, v_head, first_row, rows, tid, n_threads);
     }
 
     float q[Dk / 32];
@@ -157,27 +166,44 @@ template <typename T, uint Dk, uint Block>
     gdn_normalized_qk<Dk>(q_tg[slot], k_tg[slot], args.l2_eps, q, k, lane);
     for (uint m = 0; m < LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; ++m) {
       const uint r = sg + m * n_sg;
-      if (r >= dv) {
+      if (r >= rows) {
         break;  // uniform over the simdgroup: the collectives stay convergent
       }
       const float o = gdn_update_row<Dk>(s[m], q, k, decay_tg[slot], beta_tg[slot], v_tg[slot][r]);
       if (lane == 0) {
-        o_tg[slot][r] = o;
+        slice_out[size_t(t) * out_stride + r] = o;
       }
     }
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (sg == (num_tokens - 1) % n_sg) {
-    const size_t offset = size_t(num_tokens - 1) * args.num_v_heads * dv + v_offset;
-    gdn_gated_norm<T>(o_tg[(num_tokens - 1) % 2], z + offset, norm_weight, out + offset, dv, args.norm_eps, lane);
+  gdn_move_rows<Dk, true>(s, slice_state, rows, sg, n_sg, lane);
+}
+
+// The gated RMSNorm of gated_delta_prefill's o: simdgroup sg of threadgroup g takes row g·n_sg + sg of the T·Hv
+// (token, value head) rows, the decode step's gdn_gated_norm on the same fp32 values.
+template <typename T>
+[[kernel]] void gated_delta_prefill_norm(constant lily::GatedDeltaArgs& args [[buffer(0)]],
+                                         device const float* core_out [[buffer(1)]],  // [T, Hv·dv] o
+                                         device const T* z [[buffer(2)]],             // [T, Hv·dv]
+                                         device const T* norm_weight [[buffer(3)]],   // [dv]
+                                         device T* out [[buffer(4)]],                 // [T, Hv·dv]
+                                         uint group [[threadgroup_position_in_grid]],
+                                         uint lane [[thread_index_in_simdgroup]],
+                                         uint sg [[simdgroup_index_in_threadgroup]],
+                                         uint n_sg [[simdgroups_per_threadgroup]]) {
+  const uint row = group * n_sg + sg;
+  if (row >= args.num_tokens * args.num_v_heads) {
+    return;  // whole simdgroups; no barrier follows
   }
-  gdn_move_rows<Dk, true>(s, state + v_offset * Dk, dv, sg, n_sg, lane);
+  const size_t offset = size_t(row) * args.head_v_dim;
+  gdn_gated_norm<T>(core_out + offset, z + offset, norm_weight, out + offset, args.head_v_dim, args.norm_eps, lane);
 }
 
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_f32_dk128", gated_delta_conv, float, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_bf16_dk128", gated_delta_conv, bfloat, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f32_dk128", gated_delta_prefill, float, 128, 0)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_bf16_dk128", gated_delta_prefill, bfloat, 128, 0)
+LILY_INSTANTIATE_KERNEL("gated_delta_prefill_norm_f32", gated_delta_prefill_norm, float)
+LILY_INSTANTIATE_KERNEL("gated_delta_prefill_norm_bf16", gated_delta_prefill_norm, bfloat)
 // Demo model and tiny fixtures (Dk = 64: two state elements per lane), float32 and bf16 modes.
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_f32_dk64", gated_delta_conv, float, 64)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_bf16_dk64", gated_delta_conv, bfloat, 64)

@@ -40,10 +40,11 @@ static_assert(sizeof(RmsNormArgs) == 16, "RmsNormArgs layout must match the host
 struct GatedDeltaArgs {
   u32 num_tokens;   // T: tokens in this call (1 for gated_delta_step)
   u32 num_k_heads;  // Hk; gated_delta_step runs one threadgroup per key head
-  u32 num_v_heads;  // Hv, a multiple of Hk; value head j uses key head j / (Hv/Hk); gated_delta_prefill: one
-                    // threadgroup per value head
-  u32 head_v_dim;   // dv; (Hv/Hk)*dv <= LILY_GDN_MAX_ROWS;
-                    // prefill: dv <= LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP * simdgroups
+  u32 num_v_heads;  // Hv, a multiple of Hk; value head j uses key head j / (Hv/Hk); gated_delta_prefill:
+                    // ceil(dv / LILY_GDN_PREFILL_ROWS_PER_THREADGROUP) threadgroups per value head
+  u32 head_v_dim;   // dv; (Hv/Hk)*dv <= LILY_GDN_MAX_ROWS (step); prefill: a threadgroup's rows,
+                    // min(dv, LILY_GDN_PREFILL_ROWS_PER_THREADGROUP), <= LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP x
+                    // its simdgroups
   f32 l2_eps;       // added to sum(q^2) and sum(k^2) before the rsqrt; 1e-6
   f32 norm_eps;     // added to mean(o^2) in the gated RMSNorm; 1e-6
   u32 _pad0;
@@ -225,6 +226,10 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // simdgroup shorten the per-token chain of the scan, which is serial over the chunk (8 rows took 5.5 us per token on
 // an H200; docs/performance.md).
 #define LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP 4
+// gated_delta_prefill: state rows of one value head per threadgroup (grid: Hv x ceil(dv / 32)): 8 simdgroups of 4
+// rows (256 threads) and 4 threadgroups per dv = 128 head, 128 threadgroups for the model's 32 value heads (one
+// threadgroup per head gave 32, at most 32 busy cores). Untuned: the split is not yet measured on a GPU.
+#define LILY_GDN_PREFILL_ROWS_PER_THREADGROUP 32
 // gated_delta_prefill: the largest key head dim (staged q and k rows).
 #define LILY_GDN_MAX_DK 128
 // gated_delta_step: value rows per key head, (Hv/Hk)*dv, sized for the threadgroup arrays (model: 2*128 = 256).

@@ -223,10 +223,10 @@ void build_decode_step(const ModelConfig& config, Precision precision, const Swi
 // (identity pairs, ones, tile map) are host-written: see `fill_shared_expert_routing`.
 struct PrefillBuffers {
   size_t max_tokens = 0;
-  int ids, hidden, normed, mixer_out, qkv, z, b, a, conv_out, gdn_out, q_and_gate, k, v, q, gate, attn_out, router,
-      shared_gate_logit, expert_ids, expert_weights, block_counts, expert_offsets, tile_map, tile_count,
-      sorted_pairs, moe_hidden, expert_out, shared_pairs, shared_tile_map, shared_tile_count, ones, shared_hidden,
-      shared_out, logits;
+  int ids, hidden, normed, mixer_out, qkv, z, b, a, conv_out, gdn_core_out, gdn_out, q_and_gate, k, v, q, gate,
+      attn_out, router, shared_gate_logit, expert_ids, expert_weights, block_counts, expert_offsets, tile_map,
+      tile_count, sorted_pairs, moe_hidden, expert_out, shared_pairs, shared_tile_map, shared_tile_count, ones,
+      shared_hidden, shared_out, logits;
   int dequant = -1;  // dense copy of one weight (IN_GEMM_DEQUANT off only): see add_dequant_scratch
 };
 PrefillBuffers add_prefill_buffers(const ModelConfig& config, Precision precision, size_t max_tokens, Graph& graph);

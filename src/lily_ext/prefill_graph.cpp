@@ -34,6 +34,7 @@ PrefillBuffers add_prefill_buffers(const ModelConfig& c, Precision precision, si
   p.b = scratch("b", T * c.gdn_v_heads * a);
   p.a = scratch("a", T * c.gdn_v_heads * a);
   p.conv_out = scratch("conv out", T * c.conv_dim() * 4);
+  p.gdn_core_out = scratch("deltanet core out", T * c.gdn_v_heads * c.gdn_v_dim * 4);  // f32 scan output
   p.gdn_out = scratch("deltanet out", T * vd * a);
   p.q_and_gate = scratch("q and gate", T * 2 * c.num_heads * c.head_dim * a);
   p.k = scratch("k", T * c.num_kv_heads * c.head_dim * a);
@@ -151,6 +152,7 @@ struct PrefillChunk {
     gd.b = rows(p.b, c.gdn_v_heads * a);
     gd.a = rows(p.a, c.gdn_v_heads * a);
     gd.conv_out = rows(p.conv_out, c.conv_dim() * 4);
+    gd.core_out = rows(p.gdn_core_out, c.gdn_v_heads * c.gdn_v_dim * 4);
     gd.out = rows(p.gdn_out, c.gdn_v_heads * c.gdn_v_dim * a);
     gd.conv_state = whole(g, state.conv_state[i]);
     gd.recurrent_state = whole(g, state.recurrent_state[i]);

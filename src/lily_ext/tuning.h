@@ -60,9 +60,11 @@ constexpr size_t kQmvRowsPerThreadgroup = LILY_QMV_ROWS_PER_SIMDGROUP * LILY_QMV
 // rms_norm: one threadgroup per row; 256 threads already cover H = 2048 with 8 elements per thread, and a smaller
 // group than the 1024 maximum leaves room for other dispatches of the same stage.
 constexpr size_t kRmsNormThreads = 256;
-// Gated DeltaNet: state rows per simdgroup; the host sizes the group from (Hv/Hk)*dv (step) or dv (prefill scan).
+// Gated DeltaNet: state rows per simdgroup; the host sizes the group from (Hv/Hk)*dv (step) or a threadgroup's slice
+// of a value head's dv rows (prefill scan, kGdnPrefillRowsPerThreadgroup at most).
 constexpr size_t kGdnRowsPerSimdgroup = LILY_GDN_ROWS_PER_SIMDGROUP;
 constexpr size_t kGdnPrefillRowsPerSimdgroup = LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP;
+constexpr size_t kGdnPrefillRowsPerThreadgroup = LILY_GDN_PREFILL_ROWS_PER_THREADGROUP;
 // attention_prep: 8 simdgroups (8 head rows) per threadgroup: the model's 18 rows per token fill 3 groups.
 constexpr size_t kAttentionPrepSimdgroups = 8;
 // attention_decode: 8 simdgroups split the keys; enough lanes to stream a KV head at 4K context, few enough that
@@ -75,6 +77,9 @@ constexpr size_t kMoeDownThreads = 32 * LILY_MOE_DOWN_SIMDGROUPS;
 constexpr size_t kMoeDownRowsPerThreadgroup = LILY_MOE_DOWN_ROWS_PER_SIMDGROUP * LILY_MOE_DOWN_SIMDGROUPS;
 // gated_delta_conv: one thread per channel; 256 per group keeps 32 groups busy on the model's 8192 channels.
 constexpr size_t kGdnConvThreads = 256;
+// gated_delta_prefill_norm: one simdgroup per (token, value head) row, 8 rows per group (2,048 groups for 512 tokens
+// of the model's 32 heads). Untuned.
+constexpr size_t kGdnPrefillNormThreads = 256;
 // MoE prefill: one thread per (token, slot) pair in the sort kernels (the kernels' block), 256 per combine group.
 constexpr size_t kMoeSortThreads = LILY_MOE_SORT_BLOCK;
 constexpr size_t kGemmThreads = LILY_GEMM_THREADS;

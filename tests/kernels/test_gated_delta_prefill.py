@@ -1,7 +1,7 @@
 """metal/gated_delta_prefill.metal: every case of lily.kernel_cases.gated_delta_prefill (the conv alone, the register
-and blockwise scans over chunks around the 16-token block, from random and empty states, Dk 128 and 64), then what
-the cases do not cover: one conv + prefill of T tokens gives the bits of T decode steps, in one chunk or (blockwise)
-in two.
+and blockwise scans, each followed by the gated norm, over chunks around the 16-token block and dv around the 32-row
+threadgroup, from random and empty states, Dk 128 and 64; the norm alone), then what the cases do not cover: one
+conv + prefill of T tokens gives the bits of T decode steps, in one chunk or (blockwise) in two.
 """
 
 from __future__ import annotations

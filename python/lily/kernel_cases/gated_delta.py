@@ -27,6 +27,8 @@ PATTERN = re.compile(r"gated_delta_step_(f32|f16|bf16)_dk(128|64)")
 K = 4  # the causal conv's kernel size
 EPS = 1e-6
 PREFILL_ROWS_PER_SIMDGROUP = 4  # LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP
+PREFILL_ROWS_PER_THREADGROUP = 32  # LILY_GDN_PREFILL_ROWS_PER_THREADGROUP: grid (Hv, ceil(dv / 32)) of the scan
+PREFILL_NORM_THREADS = 256  # tuning::kGdnPrefillNormThreads: 8 (token, head) rows per gated_delta_prefill_norm group
 # The kernels compute in fp32 from rounded inputs and round once: bf16/f16 outputs are within 1 ulp of the rounded
 # reference. fp32 outputs go through ~10 dependent fp32 operations per token, so they get a few ulp, not one.
 F32_CHAIN = Tolerance(rtol=3e-5, atol=3e-6, rel_rms=5e-6)
@@ -64,7 +66,10 @@ class Layer:
         return 2 * self.hk * self.dk + self.hv * self.dv
 
     def kernel(self, family: str) -> str:
-        """The instance of `family` ("step", "conv", "prefill" or "prefill_blockwise") for this layer."""
+        """The instance of `family` ("step", "conv", "prefill", "prefill_blockwise" or "prefill_norm", the one
+        family without a Dk) for this layer."""
+        if family == "prefill_norm":
+            return f"gated_delta_prefill_norm_{self.dtype}"
         return f"gated_delta_{family}_{self.dtype}_dk{self.dk}"
 
     def copy(self) -> Layer:
@@ -111,8 +116,27 @@ def reference_chain(layer: Layer, tokens: dict[str, np.ndarray]):
 
 
 def prefill_threads(layer: Layer, extra_simdgroups: int = 0) -> int:
-    """gated_delta_prefill keeps at most LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP (4) rows per simdgroup."""
-    return 32 * (-(-layer.dv // PREFILL_ROWS_PER_SIMDGROUP) + extra_simdgroups)
+    """gated_delta_prefill keeps at most LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP (4) of a threadgroup's
+    min(dv, LILY_GDN_PREFILL_ROWS_PER_THREADGROUP) rows per simdgroup."""
+    rows = min(layer.dv, PREFILL_ROWS_PER_THREADGROUP)
+    return 32 * (-(-rows // PREFILL_ROWS_PER_SIMDGROUP) + extra_simdgroups)
+
+
+def prefill_groups(layer: Layer) -> tuple[int, int, int]:
+    """gated_delta_prefill's grid: (value head, slice of LILY_GDN_PREFILL_ROWS_PER_THREADGROUP rows)."""
+    return layer.hv, -(-layer.dv // PREFILL_ROWS_PER_THREADGROUP), 1
+
+
+def run_prefill_norm(run: Run, layer: Layer, core_out: np.ndarray, z: np.ndarray,
+                     threads: int = PREFILL_NORM_THREADS, **options) -> np.ndarray:
+    """gated_delta_prefill_norm over the fp32 scan output `core_out` [T, Hv*dv]: one simdgroup per (token, value
+    head) row, threads // 32 rows per threadgroup."""
+    t = core_out.shape[0]
+    out = poisoned((t, layer.hv * layer.dv), layer.dtype)
+    run.dispatch(layer.kernel("prefill_norm"),
+                 [gated_delta_args(t, layer.hk, layer.hv, layer.dv), core_out, z, layer.norm_weight, out],
+                 -(-(t * layer.hv) // (threads // 32)), threads, **options)
+    return out
 
 
 def run_step(run: Run, layer: Layer, token: dict[str, np.ndarray], threads: int, **options) -> np.ndarray:
@@ -132,18 +156,19 @@ def run_steps(run: Run, layer: Layer, tokens: dict[str, np.ndarray], threads: in
 
 
 def run_prefill(run: Run, layer: Layer, tokens: dict[str, np.ndarray], threads: int, scan: str = "prefill",
-                **options) -> np.ndarray:
-    """gated_delta_conv then the `scan` kernel ("prefill" or "prefill_blockwise") over one chunk; updates the layer's
+                norm_threads: int = PREFILL_NORM_THREADS, **options) -> np.ndarray:
+    """gated_delta_conv, the `scan` kernel ("prefill" or "prefill_blockwise") into an fp32 scratch, then
+    gated_delta_prefill_norm over one chunk, as ops/gated_delta_prefill.cpp dispatches them; updates the layer's
     states in place."""
     t = tokens["qkv"].shape[0]
     conv_out = np.full((t, layer.channels), np.nan, np.float32)
     args = gated_delta_args(t, layer.hk, layer.hv, layer.dv)
     run.dispatch(layer.kernel("conv"), [args, tokens["qkv"], layer.conv_weight, layer.conv_state, conv_out],
                  -(-layer.channels // 64), 64, **options)
-    out = poisoned((t, layer.hv * layer.dv), layer.dtype)
-    run.dispatch(layer.kernel(scan), [args, conv_out, tokens["z"], tokens["b"], tokens["a"], layer.a_log,
-                                      layer.dt_bias, layer.norm_weight, layer.state, out], layer.hv, threads, **options)
-    return out
+    core_out = np.full((t, layer.hv * layer.dv), np.nan, np.float32)
+    run.dispatch(layer.kernel(scan), [args, conv_out, tokens["b"], tokens["a"], layer.a_log, layer.dt_bias,
+                                      layer.state, core_out], prefill_groups(layer), threads, **options)
+    return run_prefill_norm(run, layer, core_out, tokens["z"], norm_threads, **options)
 
 
 def check_layer(run: Run, layer: Layer, start: Layer, tokens, outputs: np.ndarray) -> None:

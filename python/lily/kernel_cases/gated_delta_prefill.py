@@ -1,11 +1,13 @@
 """Cases of metal/gated_delta_prefill.metal (the chunk's causal conv, the register-resident scan and its blockwise
-ablation) against ``lily.reference.gated_delta`` and ``causal_conv1d``.
+ablation, the gated norm) against ``lily.reference.gated_delta``, ``causal_conv1d`` and ``gated_rms_norm``.
 
-Chunks of 1, 2, 3, 4, 17 tokens continue from random conv and recurrent states, or start empty in chunks of 2 + 3;
-dv 33 leaves the last simdgroup's row slots partly empty; the Dk = 64 instances run the demo model's layout. The
-blockwise instances (the REGISTER_SCAN ablation: the state round-trips through memory every 16 tokens) run chunks
-shorter than, equal to and across the block, against the reference and bit for bit against the register-resident
-scan. Outputs start NaN-poisoned.
+A scan case runs conv, scan and norm as the engine does. Chunks of 1, 2, 3, 4, 17 tokens continue from random conv
+and recurrent states, or start empty in chunks of 2 + 3; dv 33 and 48 leave the last of a head's 32-row threadgroups
+(LILY_GDN_PREFILL_ROWS_PER_THREADGROUP) with 1 and 16 rows and its last simdgroup's row slots partly empty; the
+Dk = 64 instances run the demo model's layout. The blockwise instances (the REGISTER_SCAN ablation: the state
+round-trips through memory every 16 tokens) run chunks shorter than, equal to and across the block, against the
+reference and bit for bit against the register-resident scan. The norm kernel alone runs on random fp32 rows with
+a partial last threadgroup. Outputs and the fp32 scratches start NaN-poisoned.
 """
 
 from __future__ import annotations
@@ -16,19 +18,26 @@ from functools import partial
 import numpy as np
 
 from lily import reference
-from lily.kernel_cases.common import Case, Run, dtype_of, to_f64
-from lily.kernel_cases.gated_delta import (check_layer, gated_delta_args, make_layer, make_tokens, prefill_threads,
-                                           run_prefill, token_range)
+from lily.kernel_cases.common import Case, Run, dtype_of, round_to, to_f64
+from lily.kernel_cases.gated_delta import (EPS, F32_CHAIN, check_layer, gated_delta_args, make_layer, make_tokens,
+                                           prefill_threads, run_prefill, run_prefill_norm, token_range)
 
-PATTERN = re.compile(r"gated_delta_(conv|prefill|prefill_blockwise)_(f32|f16|bf16)_dk(128|64)")
-# (Hk, Hv, dv, tokens, extra simdgroups) of the register scan by Dk; the first is the self-test's.
-PREFILL_SHAPES = {128: [(1, 2, 128, 4, 0), (2, 4, 32, 1, 0), (2, 4, 33, 3, 1), (2, 4, 32, 17, 0), (2, 4, 128, 2, 0)],
-                  64: [(1, 2, 64, 4, 0), (2, 4, 64, 1, 0), (2, 4, 64, 5, 1), (2, 6, 64, 17, 0)]}
+PATTERN = re.compile(r"gated_delta_(conv|prefill|prefill_blockwise)_(f32|f16|bf16)_dk(128|64)"
+                     r"|gated_delta_prefill_norm_(f32|f16|bf16)")
+# (Hk, Hv, dv, tokens, extra simdgroups) of the register scan by Dk; the first is the self-test's. dv 48: a head's
+# second threadgroup holds 16 of its 32 rows, at T = 1 and 17.
+PREFILL_SHAPES = {128: [(1, 2, 128, 4, 0), (2, 4, 32, 1, 0), (2, 4, 33, 3, 1), (2, 4, 32, 17, 0), (2, 4, 128, 2, 0),
+                        (2, 4, 48, 1, 0), (2, 4, 48, 17, 1)],
+                  64: [(1, 2, 64, 4, 0), (2, 4, 64, 1, 0), (2, 4, 64, 5, 1), (2, 6, 64, 17, 0), (2, 4, 48, 17, 0)]}
 # (Hk, Hv, dv, tokens, extra simdgroups) of the blockwise scan: one token; a chunk shorter than the 16-token block;
-# exactly one block; one token past it; two blocks and a partial third; dv 33 rows over uneven simdgroups.
+# exactly one block; one token past it; two blocks and a partial third; dv 33 and 48 rows over uneven threadgroups
+# and simdgroups.
 BLOCKWISE_SHAPES = {128: [(1, 2, 128, 19, 0), (2, 4, 32, 1, 0), (2, 2, 33, 15, 1), (2, 4, 32, 16, 0),
-                          (2, 2, 32, 17, 0), (2, 2, 32, 33, 1)],
+                          (2, 2, 32, 17, 0), (2, 2, 32, 33, 1), (2, 4, 48, 17, 0)],
                     64: [(1, 2, 64, 19, 0), (2, 4, 64, 17, 0), (2, 6, 33, 32, 0)]}
+# (Hv, dv, tokens, threads) of the norm alone: the self-test's; one token; 17 tokens of dv 48 with a partial last
+# threadgroup (68 rows, 8 per group); one row per group; dv 33 at 3 rows per group; the model's head shape.
+NORM_SHAPES = [(2, 128, 4, 256), (4, 48, 1, 256), (4, 48, 17, 256), (2, 33, 3, 32), (2, 33, 5, 96), (32, 128, 2, 256)]
 
 
 def _chunk(run: Run, kernel: str, hk: int, hv: int, dv: int, num_tokens: int, extra: int) -> None:
@@ -70,8 +79,28 @@ def _conv(run: Run, kernel: str, hk: int, hv: int, dv: int, num_tokens: int, thr
     run.compare_exact("conv state", to_f64(layer.conv_state, dtype), new_state)
 
 
+def _norm(run: Run, kernel: str, hv: int, dv: int, num_tokens: int, threads: int) -> None:
+    """The gated norm alone: random fp32 o rows (spread over four decades of scale) against
+    reference.gated_rms_norm."""
+    dtype = dtype_of(kernel)
+    layer = make_layer(run.rng, 1, hv, dv, dtype, dk=64)
+    scale = 10.0 ** run.rng.uniform(-2, 2, (num_tokens, hv, 1))
+    core_out = np.ascontiguousarray((scale * run.rng.standard_normal((num_tokens, hv, dv))).reshape(num_tokens, -1),
+                                    dtype=np.float32)
+    z = make_tokens(run.rng, layer, num_tokens)["z"]
+    out = run_prefill_norm(run, layer, core_out, z, threads)
+    expected = reference.gated_rms_norm(core_out.reshape(num_tokens, hv, dv),
+                                        to_f64(z, dtype).reshape(num_tokens, hv, dv), to_f64(layer.norm_weight, dtype),
+                                        EPS).reshape(num_tokens, hv * dv)
+    run.compare("out", to_f64(out, dtype), round_to(expected, dtype), F32_CHAIN if dtype == "f32" else dtype)
+
+
 def cases(kernel: str) -> list[Case]:
     """Every case of one DeltaNet prefill kernel; the first is the self-test's."""
+    if "_norm_" in kernel:
+        return [Case(kernel, f"T={t} Hv={hv} dv={dv} threads={threads}",
+                     partial(_norm, kernel=kernel, hv=hv, dv=dv, num_tokens=t, threads=threads), quick=i == 0)
+                for i, (hv, dv, t, threads) in enumerate(NORM_SHAPES)]
     dk = int(kernel.rsplit("_dk", 1)[1])
     if "_conv_" in kernel:
         found = [Case(kernel, f"T=4 Hk=1 Hv=2 dv={dk} threads=256",

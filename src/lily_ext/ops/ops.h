@@ -83,9 +83,10 @@ struct GatedDeltaSpans {
 void gated_delta_step(Context& ctx, const ModelConfig& config, const std::string& label, const GatedDeltaSpans& s);
 // Throws Error naming the config field when no DeltaNet kernel is instantiated for its key head dim.
 void check_gated_delta_shapes(const ModelConfig& config);
-// gated_delta_prefill.cpp: T tokens of a DeltaNet layer's core (causal conv into an f32 scratch, then the scan).
+// gated_delta_prefill.cpp: T tokens of a DeltaNet layer's core (causal conv into an f32 scratch, the scan into the
+// f32 scratch core_out, then the gated norm into out).
 struct GatedDeltaPrefillSpans {
-  Span qkv, z, b, a, conv_out, out, conv_state, recurrent_state;
+  Span qkv, z, b, a, conv_out, core_out, out, conv_state, recurrent_state;
   const WeightRef *conv_weight, *a_log, *dt_bias, *norm_weight;
 };
 void gated_delta_prefill(Context& ctx, const ModelConfig& config, const std::string& label,
