@@ -59,10 +59,11 @@ inline void gdn_gates(uint j, uint token, constant lily::GatedDeltaArgs& args, d
 // Each lane's Dk/32 consecutive elements of the L2-normalised q (times dk^-0.5) and k. Every simdgroup reduces the
 // squares itself in the same order, so the result does not depend on the threadgroup size.
 template <uint Dk>
-inline void gdn_normalized_qk(threadgroup const float* q_raw, threadgroup const float* k_raw, float l2_eps,
-                              thread float* q, thread float* k, uint lane) {
+LILY_INLINE void gdn_normalized_qk(threadgroup const float* q_raw, threadgroup const float* k_raw, float l2_eps,
+                                   thread float* q, thread float* k, uint lane) {
   float q_sq = 0.0f;
   float k_sq = 0.0f;
+  LILY_UNROLL
   for (uint e = 0; e < Dk / 32; ++e) {
     q[e] = q_raw[lane * (Dk / 32) + e];
     k[e] = k_raw[lane * (Dk / 32) + e];
@@ -73,6 +74,7 @@ inline void gdn_normalized_qk(threadgroup const float* q_raw, threadgroup const 
   k_sq = simd_sum(k_sq);
   const float q_factor = precise::rsqrt(q_sq + l2_eps) * precise::rsqrt(float(Dk));
   const float k_factor = precise::rsqrt(k_sq + l2_eps);
+  LILY_UNROLL
   for (uint e = 0; e < Dk / 32; ++e) {
     q[e] *= q_factor;
     k[e] *= k_factor;
@@ -82,9 +84,10 @@ inline void gdn_normalized_qk(threadgroup const float* q_raw, threadgroup const 
 // The delta rule on one state row (this lane's Dk/32 elements): decay, error against the decayed state, rank-1
 // write, then the read-out o = S^T q AFTER the write. Returns o to every lane.
 template <uint Dk>
-inline float gdn_update_row(thread float* s, thread const float* q, thread const float* k, float alpha, float beta,
-                            float v) {
+LILY_INLINE float gdn_update_row(thread float* s, thread const float* q, thread const float* k, float alpha,
+                                 float beta, float v) {
   float kv = 0.0f;
+  LILY_UNROLL
   for (uint e = 0; e < Dk / 32; ++e) {
     s[e] *= alpha;
     kv = fma(s[e], k[e], kv);
@@ -92,6 +95,7 @@ inline float gdn_update_row(thread float* s, thread const float* q, thread const
   kv = simd_sum(kv);
   const float delta = beta * (v - kv);
   float o = 0.0f;
+  LILY_UNROLL
   for (uint e = 0; e < Dk / 32; ++e) {
     s[e] = fma(k[e], delta, s[e]);
     o = fma(s[e], q[e], o);

@@ -86,14 +86,18 @@ LILY_INLINE void gdn_stage_token(threadgroup float* q, threadgroup float* k, thr
 template <uint Dk, bool Store>
 LILY_INLINE void gdn_move_rows(thread float (&s)[LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP][Dk / 32],
                                device float* slice_state, uint rows, uint sg, uint n_sg, uint lane) {
+  LILY_UNROLL
   for (uint m = 0; m < LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; ++m) {
     const uint r = sg + m * n_sg;
-    for (uint e = 0; e < Dk / 32 && r < rows; ++e) {
-      device float& element = slice_state[r * Dk + lane * (Dk / 32) + e];
-      if (Store) {
-        element = s[m][e];
-      } else {
-        s[m][e] = element;
+    LILY_UNROLL
+    for (uint e = 0; e < Dk / 32; ++e) {
+      if (r < rows) {
+        device float& element = slice_state[r * Dk + lane * (Dk / 32) + e];
+        if (Store) {
+          element = s[m][e];
+        } else {
+          s[m][e] = element;
+        }
       }
     }
   }
@@ -164,14 +168,15 @@ template <typename T, uint Dk, uint Block>
     float q[Dk / 32];
     float k[Dk / 32];
     gdn_normalized_qk<Dk>(q_tg[slot], k_tg[slot], args.l2_eps, q, k, lane);
+    // Unrolled, so the state rows s[m] stay in registers (a loop with a break indexed them in local memory on CUDA).
+    LILY_UNROLL
     for (uint m = 0; m < LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; ++m) {
       const uint r = sg + m * n_sg;
-      if (r >= rows) {
-        break;  // uniform over the simdgroup: the collectives stay convergent
-      }
-      const float o = gdn_update_row<Dk>(s[m], q, k, decay_tg[slot], beta_tg[slot], v_tg[slot][r]);
-      if (lane == 0) {
-        slice_out[size_t(t) * out_stride + r] = o;
+      if (r < rows) {  // uniform over the simdgroup: the collectives stay convergent
+        const float o = gdn_update_row<Dk>(s[m], q, k, decay_tg[slot], beta_tg[slot], v_tg[slot][r]);
+        if (lane == 0) {
+          slice_out[size_t(t) * out_stride + r] = o;
+        }
       }
     }
   }

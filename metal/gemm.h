@@ -139,69 +139,88 @@ LILY_INLINE GemmRowWords<T, BM> gemm_row_words(device const T* matrix, uint row0
 }
 
 // NumB weight tiles of one K step, each LILY_GEMM_BN rows (output columns) of an MLX affine-quantized matrix
-// (group 64), dequantized (scale · q + bias) and rounded to T in stage(). Thread tid owns one tile row
-// r = tid / THREADS_PER_ROW (matrix r / BN: uniform per simdgroup) and CODES consecutive codes of the step, so its
-// words are contiguous in device memory and its tile writes contiguous in threadgroup memory; tile i is at
-// tiles + i · BN · ld, so row r is at tiles + r · ld. A step lies inside one group: one scale and bias per row. Rows
-// past N read row N - 1 with a zero scale and bias (zeros, no conditional load).
+// (group 64), dequantized (scale · q + bias) and rounded to T in stage(). A row's step is ROW_WORDS words (16 bytes
+// at 4 bits); ROW_WORDS consecutive threads read one row's words, so each load instruction of a simdgroup reads whole
+// 16-byte row segments (coalesced), and thread tid holds word tid % ROW_WORDS of the ROWS tile rows
+// r_j = tid / ROW_WORDS + j · ROW_STEP (of all NumB · BN rows: tile i at tiles + i · BN · ld, so row r at tiles + r · ld;
+// its matrix is known per j). A step lies inside one group: one scale and bias per row and step. Rows past N read
+// row N - 1 with a zero scale and bias (zeros, no conditional load).
 template <int Bits, typename S, uint NumB>
 struct GemmQuantizedRows {
-  static constant constexpr const uint THREADS_PER_ROW = LILY_GEMM_THREADS / (NumB * LILY_GEMM_BN);
-  static constant constexpr const uint CODES = LILY_GEMM_BK / THREADS_PER_ROW;
-  static constant constexpr const uint WORDS = CODES / codes_per_word<Bits>();
-  static_assert(LILY_GEMM_THREADS % (NumB * LILY_GEMM_BN) == 0 && CODES % 4 == 0, "whole 4-code stores per thread");
+  static constant constexpr const uint CODES = codes_per_word<Bits>();  // per word
+  static constant constexpr const uint ROW_WORDS = LILY_GEMM_BK / CODES;
+  static constant constexpr const uint ROW_STEP = LILY_GEMM_THREADS / ROW_WORDS;
+  static constant constexpr const uint ROWS = NumB * LILY_GEMM_BN / ROW_STEP;
+  static_assert(LILY_GEMM_BN % ROW_STEP == 0 && CODES % 4 == 0, "a thread's rows each in one matrix; 4-code stores");
   static_assert(kQuantGroupSize % LILY_GEMM_BK == 0, "a K step inside one quantization group");
 
-  device const uint* row_words;  // this thread's row, at its first code of step 0
-  device const S* row_scales;    // this thread's row's groups
-  device const S* row_biases;
-  bool in_range;
-  uint tid;
-  uint words[WORDS];
-  float scale, bias;
+  device const uint* weight[NumB];
+  device const S* scales[NumB];
+  device const S* biases[NumB];
+  uint row[ROWS];      // device row of r_j (clamped to N - 1)
+  uint in_range;       // bit j: r_j < N
+  uint tid, K;
+  uint words[ROWS];
+  float scale[ROWS], bias[ROWS];
 
-  // The matrix (0 .. NumB - 1) whose rows thread tid dequantizes.
-  LILY_INLINE static uint matrix(uint tid) { return tid / THREADS_PER_ROW / LILY_GEMM_BN; }
+  // The matrix of a thread's j-th row (the same for every thread).
+  LILY_INLINE static uint matrix_of(uint j) { return j * ROW_STEP / LILY_GEMM_BN; }
 
   LILY_INLINE void fetch(uint k0) {
+    const uint words_per_row = K / CODES, groups_per_row = K / kQuantGroupSize;
     LILY_UNROLL
-    for (uint j = 0; j < WORDS; ++j) {
-      words[j] = row_words[k0 / codes_per_word<Bits>() + j];
+    for (uint j = 0; j < ROWS; ++j) {
+      const uint m = matrix_of(j);
+      words[j] = weight[m][size_t(row[j]) * words_per_row + k0 / CODES + tid % ROW_WORDS];
+      const size_t group = size_t(row[j]) * groups_per_row + k0 / kQuantGroupSize;
+      const bool valid = (in_range >> j) & 1u;
+      scale[j] = valid ? float(scales[m][group]) : 0.0f;
+      bias[j] = valid ? float(biases[m][group]) : 0.0f;
     }
-    scale = in_range ? float(row_scales[k0 / kQuantGroupSize]) : 0.0f;
-    bias = in_range ? float(row_biases[k0 / kQuantGroupSize]) : 0.0f;
   }
   template <typename T>
   LILY_INLINE void stage(threadgroup T* tiles) const {
-    threadgroup T* dst = tiles + (tid / THREADS_PER_ROW) * gemm_ld<T>() + (tid % THREADS_PER_ROW) * CODES;
     LILY_UNROLL
-    for (uint j = 0; j < CODES; j += 4) {
-      vec<T, 4> v;
+    for (uint j = 0; j < ROWS; ++j) {
+      threadgroup T* dst = tiles + (tid / ROW_WORDS + j * ROW_STEP) * gemm_ld<T>() + (tid % ROW_WORDS) * CODES;
       LILY_UNROLL
-      for (uint e = 0; e < 4; ++e) {
-        const uint c = j + e;
-        v[e] = T(dequantize_code<Bits>(words[c / codes_per_word<Bits>()], c % codes_per_word<Bits>(), scale, bias));
+      for (uint c = 0; c < CODES; c += 4) {
+        vec<T, 4> v;
+        LILY_UNROLL
+        for (uint e = 0; e < 4; ++e) {
+          v[e] = T(dequantize_code<Bits>(words[j], c + e, scale[j], bias[j]));
+        }
+        *((threadgroup vec<T, 4>*)(dst + c)) = v;
       }
-      *((threadgroup vec<T, 4>*)(dst + j)) = v;
     }
   }
 };
 
-// Thread tid's GemmQuantizedRows of rows [n0, n0 + BN) of the matrix it dequantizes (weight, scales, biases: that
-// matrix, [N, K]).
+// Thread tid's GemmQuantizedRows of rows [n0, n0 + BN) of NumB (1 or 2) matrices [N, K]: matrix 0 (weight0, scales0,
+// biases0) and, for NumB = 2, matrix 1.
 template <int Bits, typename S, uint NumB>
-LILY_INLINE GemmQuantizedRows<Bits, S, NumB> gemm_quantized_rows(device const uint* weight, device const S* scales,
-                                                            device const S* biases, uint n0, uint N, uint K,
-                                                            uint tid) {
+LILY_INLINE GemmQuantizedRows<Bits, S, NumB> gemm_quantized_rows(device const uint* weight0, device const S* scales0,
+                                                                 device const S* biases0, device const uint* weight1,
+                                                                 device const S* scales1, device const S* biases1,
+                                                                 uint n0, uint N, uint K, uint tid) {
+  static_assert(NumB == 1 || NumB == 2, "one or two matrices");
   typedef GemmQuantizedRows<Bits, S, NumB> Q;
   Q q;
-  const uint n = n0 + (tid / Q::THREADS_PER_ROW) % LILY_GEMM_BN;
-  const uint row = min(n, N - 1);
-  q.in_range = n < N;
+  q.weight[0] = weight0;
+  q.scales[0] = scales0;
+  q.biases[0] = biases0;
+  q.weight[NumB - 1] = NumB == 2 ? weight1 : weight0;
+  q.scales[NumB - 1] = NumB == 2 ? scales1 : scales0;
+  q.biases[NumB - 1] = NumB == 2 ? biases1 : biases0;
   q.tid = tid;
-  q.row_words = weight + size_t(row) * (K / codes_per_word<Bits>()) + (tid % Q::THREADS_PER_ROW) * Q::WORDS;
-  q.row_scales = scales + size_t(row) * (K / kQuantGroupSize);
-  q.row_biases = biases + size_t(row) * (K / kQuantGroupSize);
+  q.K = K;
+  q.in_range = 0;
+  LILY_UNROLL
+  for (uint j = 0; j < Q::ROWS; ++j) {
+    const uint n = n0 + (tid / Q::ROW_WORDS + j * Q::ROW_STEP) % LILY_GEMM_BN;
+    q.row[j] = min(n, N - 1);
+    q.in_range |= uint(n < N) << j;
+  }
   return q;
 }
 

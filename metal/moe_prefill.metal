@@ -226,11 +226,9 @@ template <typename T, typename S, int BM>
   const size_t w_offset = size_t(expert) * expert_size * (hidden_size / 8);
   const size_t s_offset = size_t(expert) * expert_size * (hidden_size / 64);
   lily::GemmRowWords<T, BM> x_rows = moe_rows<T, BM>(x, row_src, hidden_size, tid);
-  // Threads 0-63 dequantize the gate rows, 64-127 the up rows.
-  const bool up = lily::GemmQuantizedRows<4, S, 2>::matrix(tid) == 1;
   lily::GemmQuantizedRows<4, S, 2> weights = lily::gemm_quantized_rows<4, S, 2>(
-      (up ? up_weight : gate_weight) + w_offset, (up ? up_scales : gate_scales) + s_offset,
-      (up ? up_biases : gate_biases) + s_offset, n0, expert_size, hidden_size, tid);
+      gate_weight + w_offset, gate_scales + s_offset, gate_biases + s_offset, up_weight + w_offset,
+      up_scales + s_offset, up_biases + s_offset, n0, expert_size, hidden_size, tid);
   constexpr uint kFrags = L::FRAGS_M * L::FRAGS_N;
   simdgroup_float8x8 acc[2 * kFrags];  // gate fragments, then up
   lily::gemm_tile_loop<BM, GEMM_BN, 2>(x_rows, weights, hidden_size, (threadgroup T*)tiles, simd_group, acc);
@@ -286,8 +284,11 @@ template <typename T, typename S, int BM>
   const size_t w_offset = size_t(expert) * hidden_size * (expert_size / 8);
   const size_t s_offset = size_t(expert) * hidden_size * (expert_size / 64);
   lily::GemmRowWords<T, BM> h_rows = moe_rows<T, BM>(hidden, row_src, expert_size, tid);
+  device const uint* const weight = down_weight + w_offset;
+  device const S* const scales = down_scales + s_offset;
+  device const S* const biases = down_biases + s_offset;
   lily::GemmQuantizedRows<4, S, 1> weights = lily::gemm_quantized_rows<4, S, 1>(
-      down_weight + w_offset, down_scales + s_offset, down_biases + s_offset, n0, hidden_size, expert_size, tid);
+      weight, scales, biases, weight, scales, biases, n0, hidden_size, expert_size, tid);
   simdgroup_float8x8 acc[L::FRAGS_M * L::FRAGS_N];
   lily::gemm_tile_loop<BM, GEMM_BN, 1>(h_rows, weights, expert_size, (threadgroup T*)tiles, simd_group, acc);
   lily::store_fragments<L::FRAGS_M, L::FRAGS_N>(tiles, OUT_STRIDE, acc, L::row0(simd_group), L::col0(simd_group));

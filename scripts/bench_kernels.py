@@ -381,23 +381,56 @@ def _routing(tokens: int, bm: int, seed: int = 5) -> tuple[bytes, bytes, bytes, 
     return pairs.tobytes(), tile_map.tobytes(), struct.pack("<4I", len(tiles), 0, 0, 0), max_tiles
 
 
-def moe_prefill_cases(tokens: int) -> list[Case]:
-    bm = 32 if tokens * TOP_K / EXPERTS >= MOE_BM32_MIN_ROWS_PER_EXPERT else 16
+def moe_prefill_cases(tokens: int, bm: int | None = None) -> list[Case]:
+    """The grouped gate/up and down GEMMs over a routed chunk, with the host's tile rows or `bm`."""
+    host_bm = 32 if tokens * TOP_K / EXPERTS >= MOE_BM32_MIN_ROWS_PER_EXPERT else 16
+    note = "" if bm in (None, host_bm) else f"bm{bm}: not the host's choice"
+    bm = bm or host_bm
     pairs, tile_map, tile_count, max_tiles = _routing(tokens, bm)
     rows = tokens * TOP_K
     args = struct.pack("<8I", tokens, EXPERTS, TOP_K, HIDDEN, EXPERT_SIZE, SHARED_SIZE, bm, max_tiles)
     ew, es = quantized(EXPERTS * EXPERT_SIZE, HIDDEN)
     dw, ds = quantized(EXPERTS * HIDDEN, EXPERT_SIZE)
-    gate_up = Case(f"moe_gemm gate/up+SwiGLU, T={tokens} (8 of 256 experts per row)", f"moe_gemm_gate_up_bf16_bm{bm}",
+    gate_up = Case(f"moe_gemm gate/up+SwiGLU, T={tokens} bm{bm} (8 of 256 experts per row)",
+                   f"moe_gemm_gate_up_bf16_bm{bm}",
                    [args, bf16(tokens * HIDDEN), pairs, tile_map, tile_count, ew, es, es, ew, es, es,
                     bf16(rows * EXPERT_SIZE)], (ceil_div(EXPERT_SIZE, MOE_GEMM_BN), max_tiles, 1),
                    (MOE_GEMM_THREADS, 1, 1), 2 * (ew + 2 * es) + bf16(tokens * HIDDEN) + bf16(rows * EXPERT_SIZE),
-                   flops=2 * rows * 2 * EXPERT_SIZE * HIDDEN)
-    down = Case(f"moe_gemm down, T={tokens}", f"moe_gemm_down_bf16_bm{bm}",
+                   note, flops=2 * rows * 2 * EXPERT_SIZE * HIDDEN)
+    down = Case(f"moe_gemm down, T={tokens} bm{bm}", f"moe_gemm_down_bf16_bm{bm}",
                 [args, bf16(rows * EXPERT_SIZE), pairs, tile_map, tile_count, f32(rows), dw, ds, ds,
                  bf16(rows * HIDDEN)], (ceil_div(HIDDEN, MOE_GEMM_BN), max_tiles, 1), (MOE_GEMM_THREADS, 1, 1),
-                dw + 2 * ds + bf16(rows * EXPERT_SIZE) + bf16(rows * HIDDEN), flops=2 * rows * HIDDEN * EXPERT_SIZE)
+                dw + 2 * ds + bf16(rows * EXPERT_SIZE) + bf16(rows * HIDDEN), note,
+                flops=2 * rows * HIDDEN * EXPERT_SIZE)
     return [gate_up, down]
+
+
+GDN_PREFILL_ROWS_PER_THREADGROUP, GDN_PREFILL_ROWS_PER_SIMDGROUP = 32, 4  # LILY_GDN_PREFILL_ROWS_PER_*
+GDN_CONV_THREADS, GDN_PREFILL_NORM_THREADS = 256, 256  # tuning::kGdnConvThreads, kGdnPrefillNormThreads
+
+
+def gated_delta_prefill_cases(tokens: int) -> list[Case]:
+    """One DeltaNet layer's prefill of a chunk: the conv, the scan (state rows split over threadgroups), the norm."""
+    c, v = GDN_CONV_CHANNELS, GDN_V_HEADS * GDN_V_DIM
+    args = struct.pack("<IIIIffII", tokens, GDN_K_HEADS, GDN_V_HEADS, GDN_V_DIM, EPS, EPS, 0, 0)
+    state = f32(GDN_V_HEADS * GDN_V_DIM * GDN_K_DIM)
+    slices = ceil_div(GDN_V_DIM, GDN_PREFILL_ROWS_PER_THREADGROUP)
+    scan_threads = 32 * GDN_PREFILL_ROWS_PER_THREADGROUP // GDN_PREFILL_ROWS_PER_SIMDGROUP
+    norm_rows = tokens * GDN_V_HEADS
+    return [
+        Case(f"gated_delta_conv, T={tokens}", "gated_delta_conv_bf16_dk128",
+             [args, bf16(tokens * c), bf16(c * CONV_K), bf16((CONV_K - 1) * c), f32(tokens * c)],
+             (ceil_div(c, GDN_CONV_THREADS), 1, 1), (GDN_CONV_THREADS, 1, 1),
+             bf16(tokens * c) + f32(tokens * c) + bf16(c * CONV_K) + 2 * bf16((CONV_K - 1) * c)),
+        Case(f"gated_delta_prefill scan, T={tokens}", "gated_delta_prefill_bf16_dk128",
+             [args, f32(tokens * c), bf16(tokens * GDN_V_HEADS), bf16(tokens * GDN_V_HEADS), f32(GDN_V_HEADS),
+              f32(GDN_V_HEADS), state, f32(tokens * v)], (GDN_V_HEADS, slices, 1), (scan_threads, 1, 1),
+             f32(tokens * c) + 2 * state + f32(tokens * v)),
+        Case(f"gated_delta_prefill_norm, T={tokens}", "gated_delta_prefill_norm_bf16",
+             [args, f32(tokens * v), bf16(tokens * v), bf16(GDN_V_DIM), bf16(tokens * v)],
+             (ceil_div(norm_rows, GDN_PREFILL_NORM_THREADS // 32), 1, 1), (GDN_PREFILL_NORM_THREADS, 1, 1),
+             f32(tokens * v) + 2 * bf16(tokens * v)),
+    ]
 
 
 def prefill_cases() -> list[Case]:
@@ -406,6 +439,8 @@ def prefill_cases() -> list[Case]:
         cases.append(qmm_prefill_case(f"qmm DeltaNet in_proj_qkv 8192x{HIDDEN}, M={m}", 8192, HIDDEN, m))
         cases.append(qmm_prefill_case(f"qmm out_proj 2048x4096, M={m}", HIDDEN, 4096, m))
         cases.extend(moe_prefill_cases(m))
+    cases.extend(moe_prefill_cases(512, bm=32))
+    cases.extend(gated_delta_prefill_cases(512))
     return cases
 
 
