@@ -58,7 +58,10 @@ cuda::Dim3 dim3(const Dim3& d) {
 
 }  // namespace
 
-// One graph recorded as a CUDA graph. The bytes arguments live in device memory: those that never change in
+// One graph recorded for the GPU: a CUDA graph when it is replayed (the decode step: one launch per token), else its
+// kernels launched one by one in stream order (a prefill chunk runs once: building and instantiating a CUDA graph of
+// its ~1,100 nodes cost more host time than the launches, and a graph whose launches the host issues while the GPU
+// runs the first ones hides their cost). The bytes arguments live in device memory: those that never change in
 // `constants` (uploaded once), those holding per-position fields in `positional`, uploaded from its pinned host copy
 // before each launch, in stream order, after the host patched the fields.
 struct CudaRuntime::Recording : RecordedGraph {
@@ -73,7 +76,8 @@ struct CudaRuntime::Recording : RecordedGraph {
   std::vector<Patch> patches;
   std::unique_ptr<cuda::Graph> cuda_graph;
   std::unique_ptr<cuda::GraphExec> exec;
-  std::vector<cuda::KernelLaunch> profiled_launches;  // RecordOptions::profiled: the nodes in order, no graph
+  std::vector<cuda::KernelLaunch> launches;  // no CUDA graph: the nodes in stream order
+  bool profiled = false;                      // a timing event before each of `launches` and after the last
   std::shared_ptr<cuda::Event> last;  // the last submission's completion (its upload read positional_host)
 };
 
@@ -240,10 +244,13 @@ std::shared_ptr<RecordedGraph> CudaRuntime::record(std::shared_ptr<const Graph> 
   r->positional_host = cuda::PinnedMemory(std::max<size_t>(positional.size(), 1));
   std::copy(positional.begin(), positional.end(), static_cast<unsigned char*>(r->positional_host.data()));
 
-  // Dependency edges by the barrier rule; a dropped barrier (tests) drops every edge into that node.
-  // A profiled recording runs its nodes one by one in stream order: no graph, no edges.
+  // Dependency edges by the barrier rule; a dropped barrier (tests) drops every edge into that node. A recording
+  // with a dropped barrier is a CUDA graph even when it runs once, so the edges of prefill graphs stay tested (and
+  // agree with the stream-ordered launches). A profiled recording runs its nodes one by one: no graph, no edges.
+  const bool as_graph = !options.profiled && (options.replayed || options.dropped_barrier >= 0);
+  r->profiled = options.profiled;
   std::vector<std::vector<size_t>> edges;
-  if (!options.profiled) {
+  if (as_graph) {
     edges = dependencies(*r->graph, begin, end);
     if (options.dropped_barrier >= static_cast<long>(begin) && options.dropped_barrier < static_cast<long>(end)) {
       edges[static_cast<size_t>(options.dropped_barrier) - begin].clear();
@@ -264,15 +271,15 @@ std::shared_ptr<RecordedGraph> CudaRuntime::record(std::shared_ptr<const Graph> 
       }
     }
     cuda::KernelLaunch launch = kernels_->prepare(node.kernel, pointers, dim3(node.groups), dim3(node.threads));
-    if (options.profiled) {
-      r->profiled_launches.push_back(std::move(launch));
+    if (!as_graph) {
+      r->launches.push_back(std::move(launch));
       continue;
     }
     std::vector<cuda::GraphNode> after;
     for (size_t j : edges[i - begin]) after.push_back(added[j - begin]);
     added.push_back(r->cuda_graph->add_kernel(launch, after));
   }
-  if (end > begin && !options.profiled) r->exec = std::make_unique<cuda::GraphExec>(*r->cuda_graph);
+  if (end > begin && as_graph) r->exec = std::make_unique<cuda::GraphExec>(*r->cuda_graph);
   return r;
 }
 
@@ -299,8 +306,8 @@ std::unique_ptr<Submission> CudaRuntime::submit(const std::shared_ptr<RecordedGr
     marks.push_back(std::make_unique<cuda::Event>(/*timing=*/true));
     marks.back()->record(stream_->handle());
   };
-  for (const cuda::KernelLaunch& launch : r.profiled_launches) {
-    mark();
+  for (const cuda::KernelLaunch& launch : r.launches) {
+    if (r.profiled) mark();
     kernels_->launch(launch, stream_->handle());
   }
   if (!marks.empty()) mark();
