@@ -178,17 +178,22 @@ struct GemmQuantizedRows {
       bias[j] = valid ? float(biases[m][group]) : 0.0f;
     }
   }
+  // Codes become floats by the decode GEMVs' mask-into-mantissa (lily::code_float: two operations per code, no shift
+  // or int-to-float conversion), then scale · q + bias as dequantize_code computes it: the same values.
   template <typename T>
   LILY_INLINE void stage(threadgroup T* tiles) const {
+    uint magic[kCodeMagicCount<Bits>];
+    code_float_magic<Bits>(magic);
     LILY_UNROLL
     for (uint j = 0; j < ROWS; ++j) {
       threadgroup T* dst = tiles + (tid / ROW_WORDS + j * ROW_STEP) * gemm_ld<T>() + (tid % ROW_WORDS) * CODES;
+      const uint word_high = words[j] >> 16;
       LILY_UNROLL
       for (uint c = 0; c < CODES; c += 4) {
         vec<T, 4> v;
         LILY_UNROLL
         for (uint e = 0; e < 4; ++e) {
-          v[e] = T(dequantize_code<Bits>(words[j], c + e, scale[j], bias[j]));
+          v[e] = T(scale[j] * code_float<Bits>(words[j], word_high, c + e, magic) + bias[j]);
         }
         *((threadgroup vec<T, 4>*)(dst + c)) = v;
       }

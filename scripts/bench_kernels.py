@@ -405,7 +405,7 @@ def moe_prefill_cases(tokens: int, bm: int | None = None) -> list[Case]:
     return [gate_up, down]
 
 
-GDN_PREFILL_ROWS_PER_THREADGROUP, GDN_PREFILL_ROWS_PER_SIMDGROUP = 32, 4  # LILY_GDN_PREFILL_ROWS_PER_*
+GDN_PREFILL_SHAPE = {"rows_per_threadgroup": 32, "rows_per_simdgroup": 4}  # LILY_GDN_PREFILL_ROWS_PER_*
 GDN_CONV_THREADS, GDN_PREFILL_NORM_THREADS = 256, 256  # tuning::kGdnConvThreads, kGdnPrefillNormThreads
 
 
@@ -414,8 +414,9 @@ def gated_delta_prefill_cases(tokens: int) -> list[Case]:
     c, v = GDN_CONV_CHANNELS, GDN_V_HEADS * GDN_V_DIM
     args = struct.pack("<IIIIffII", tokens, GDN_K_HEADS, GDN_V_HEADS, GDN_V_DIM, EPS, EPS, 0, 0)
     state = f32(GDN_V_HEADS * GDN_V_DIM * GDN_K_DIM)
-    slices = ceil_div(GDN_V_DIM, GDN_PREFILL_ROWS_PER_THREADGROUP)
-    scan_threads = 32 * GDN_PREFILL_ROWS_PER_THREADGROUP // GDN_PREFILL_ROWS_PER_SIMDGROUP
+    rows, rows_per_simdgroup = GDN_PREFILL_SHAPE["rows_per_threadgroup"], GDN_PREFILL_SHAPE["rows_per_simdgroup"]
+    slices = ceil_div(GDN_V_DIM, rows)
+    scan_threads = 32 * ceil_div(rows, rows_per_simdgroup)
     norm_rows = tokens * GDN_V_HEADS
     return [
         Case(f"gated_delta_conv, T={tokens}", "gated_delta_conv_bf16_dk128",
@@ -598,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="print the cases; with PTX files (LILY_CUDA_PTX_DIR), check every case's arguments "
                              "against its kernel's parameter table; no GPU needed")
+    parser.add_argument("--gdn-prefill-rows", nargs=2, type=int, metavar=("PER_THREADGROUP", "PER_SIMDGROUP"),
+                        help="the LILY_GDN_PREFILL_ROWS_PER_* values the PTX was built with (default 32 4)")
     parser.add_argument("--qmv-shape", nargs=3, type=int, metavar=("ROWS", "SIMDGROUPS", "BATCH"),
                         help="the LILY_QMV_* values the PTX was built with (default 4 2 4)")
     args = parser.parse_args(argv)
@@ -605,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be at least 1")
     if args.qmv_shape:
         QMV_SHAPE.update(zip(("rows_per_simdgroup", "simdgroups", "batch"), args.qmv_shape))
+    if args.gdn_prefill_rows:
+        GDN_PREFILL_SHAPE.update(zip(("rows_per_threadgroup", "rows_per_simdgroup"), args.gdn_prefill_rows))
     selected = [c for c in cases() if not args.kernels or re.search(args.kernels, c.label)
                 or re.search(args.kernels, c.kernel)]
     if not selected:
