@@ -1,4 +1,5 @@
-"""scripts/bench_kernels.py without a GPU: the case list covers every decode kernel, and --dry-run checks each case's
+"""scripts/bench_kernels.py without a GPU: the case list covers every decode kernel and the prefill GEMM and DeltaNet
+kernels (with a routing that is the block map the grouped GEMM expects), and --dry-run checks each case's
 bindings against its kernel's parameter table in the PTX (as lily.cuda does before a launch), so the one H200 run
 does not fail on an argument list."""
 
@@ -27,12 +28,33 @@ DECODE_KERNELS = {"qmv_q4_g64_bf16", "qmv_q8_g64_bf16", "qmv_norm_q4_g64_bf16_of
                   "qmv_norm_seg_staged_q8_g64_bf16_of32", "qmv_residual_staged_q4_g64_bf16"}
 
 
+# The prefill cases: the GEMMs with the tiles the host picks at 512 and 4096 rows (and 32-row MoE tiles at 512 for
+# comparison), the DeltaNet prefill kernels.
+PREFILL_KERNELS = {"qmm_q4_g64_bf16_bm32", "qmm_q4_g64_bf16_bm64", "moe_gemm_gate_up_bf16_bm16",
+                   "moe_gemm_down_bf16_bm16", "moe_gemm_gate_up_bf16_bm32", "moe_gemm_down_bf16_bm32",
+                   "gated_delta_conv_bf16_dk128", "gated_delta_prefill_bf16_dk128", "gated_delta_prefill_norm_bf16"}
+
+
 def test_cases_cover_every_decode_kernel_and_qmv_row_count() -> None:
     cases = bench_kernels.cases()
-    assert {c.kernel for c in cases} == DECODE_KERNELS
+    assert {c.kernel for c in cases} == DECODE_KERNELS | PREFILL_KERNELS
     lm_head = [c for c in cases if c.kernel == "qmv_q4_g64_bf16" and c.label.startswith("qmv lm_head")]
     assert [c.buffers[0][8] for c in lm_head] == [1, 2, 4, 8]  # QMatmulArgs.num_rows
     assert all(c.bytes_moved > 0 for c in cases)
+
+
+@pytest.mark.parametrize("tokens,bm", [(512, 16), (512, 32), (4096, 32)])
+def test_moe_routing_is_the_block_map_the_kernels_expect(tokens, bm) -> None:
+    """Every (token, slot) pair once, expert-contiguous; tiles of at most bm rows of one expert cover them in order."""
+    import numpy as np
+
+    pairs, tile_map, tile_count, max_tiles = bench_kernels._routing(tokens, bm)
+    pairs = np.frombuffer(pairs, np.uint32)
+    tiles = np.frombuffer(tile_map, np.uint32).reshape(max_tiles, 4)[:np.frombuffer(tile_count, np.uint32)[0]]
+    assert sorted(pairs) == list(range(tokens * bench_kernels.TOP_K))
+    assert tiles[:, 2].max() <= bm and tiles[:, 2].sum() == tokens * bench_kernels.TOP_K
+    assert list(tiles[:, 1]) == list(np.cumsum(tiles[:, 2]) - tiles[:, 2])  # consecutive sorted rows
+    assert all(np.diff(tiles[:, 0].astype(int)) >= 0)  # experts in order
 
 
 def test_dry_run_without_ptx_lists_the_cases(monkeypatch, tmp_path, capsys) -> None:
