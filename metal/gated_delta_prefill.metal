@@ -1,6 +1,9 @@
 // Gated DeltaNet prefill of a chunk of T tokens (the decode step and the shared description: metal/gated_delta.metal):
 //   gated_delta_conv_<dtype>_dk<Dk>     part 1: the causal conv + SiLU of T tokens into an fp32 scratch [T, C],
-//                                      continuing from and updating the conv state. One thread per channel.
+//                                      continuing from the conv state. One thread per channel and block of
+//                                      LILY_GDN_CONV_TOKENS tokens.
+//   gated_delta_conv_state_<dtype>_dk<Dk>
+//                                      then the conv state: the chunk's last K - 1 inputs. One thread per channel.
 //   gated_delta_prefill_<dtype>_dk<Dk>  part 2: the sequential scan over T tokens into an fp32 scratch o [T, Hv·dv]
 //                                      (before the gated norm). Grid (Hv, ceil(dv / R)), R =
 //                                      LILY_GDN_PREFILL_ROWS_PER_THREADGROUP: a threadgroup owns R state rows of one
@@ -21,15 +24,27 @@
 using namespace metal;
 using namespace lily;
 
+// The raw input of channel c at chunk position p (p < 0: the conv state's row K - 1 + p, the inputs before the chunk).
+template <typename T>
+LILY_INLINE float gdn_conv_input(device const T* qkv, device const T* conv_state, int p, uint c, uint channels) {
+  return p >= 0 ? float(qkv[size_t(p) * channels + c])
+                : float(conv_state[size_t(int(LILY_GDN_CONV_KERNEL) - 1 + p) * channels + c]);
+}
+
+// Grid (ceil(C / threads), ceil(T / LILY_GDN_CONV_TOKENS)): thread (c, block) convolves LILY_GDN_CONV_TOKENS tokens of
+// channel c, starting from the K - 1 inputs before its first token (from the chunk, or the conv state for the first
+// tokens). The conv state is not written here: gated_delta_conv_state does that after every block has read it.
 template <typename T, uint Dk>
 [[kernel]] void gated_delta_conv(constant lily::GatedDeltaArgs& args [[buffer(0)]],
                                  device const T* qkv [[buffer(1)]],          // [T, C] raw in_proj_qkv outputs
                                  device const T* conv_weight [[buffer(2)]],  // [C, K]
-                                 device T* conv_state [[buffer(3)]],         // [K-1, C] in/out
+                                 device const T* conv_state [[buffer(3)]],   // [K-1, C] the inputs before the chunk
                                  device float* conv_out [[buffer(4)]],       // [T, C] SiLU(conv), fp32 scratch
-                                 uint c [[thread_position_in_grid]]) {
+                                 uint2 position [[thread_position_in_grid]]) {
   const uint channels = 2 * args.num_k_heads * Dk + args.num_v_heads * args.head_v_dim;
-  if (c >= channels) {
+  const uint c = position.x;
+  const uint first = position.y * LILY_GDN_CONV_TOKENS;
+  if (c >= channels || first >= args.num_tokens) {
     return;
   }
   float weight[LILY_GDN_CONV_KERNEL];
@@ -38,18 +53,33 @@ template <typename T, uint Dk>
     weight[j] = float(conv_weight[size_t(c) * LILY_GDN_CONV_KERNEL + j]);
   }
   for (uint j = 0; j + 1 < LILY_GDN_CONV_KERNEL; ++j) {
-    history[j] = float(conv_state[size_t(j) * channels + c]);
+    history[j] = gdn_conv_input(qkv, conv_state, int(first) - int(LILY_GDN_CONV_KERNEL - 1) + int(j), c, channels);
   }
-  // A sliding window in registers: each raw input is read once.
-  for (uint t = 0; t < args.num_tokens; ++t) {
+  // A sliding window in registers: each raw input of the block is read once.
+  const uint end = min(first + LILY_GDN_CONV_TOKENS, args.num_tokens);
+  for (uint t = first; t < end; ++t) {
     history[LILY_GDN_CONV_KERNEL - 1] = float(qkv[size_t(t) * channels + c]);
     conv_out[size_t(t) * channels + c] = gdn_conv_silu(history, weight);
     for (uint j = 0; j + 1 < LILY_GDN_CONV_KERNEL; ++j) {
       history[j] = history[j + 1];
     }
   }
+}
+
+// The conv state after the chunk: its last K - 1 inputs (with fewer tokens than that, the older state's last rows
+// first). One thread per channel; row j reads row T + j of the old state (T >= 1) before any later row is written.
+template <typename T, uint Dk>
+[[kernel]] void gated_delta_conv_state(constant lily::GatedDeltaArgs& args [[buffer(0)]],
+                                       device const T* qkv [[buffer(1)]],  // [T, C]
+                                       device T* conv_state [[buffer(2)]],  // [K-1, C] in/out
+                                       uint c [[thread_position_in_grid]]) {
+  const uint channels = 2 * args.num_k_heads * Dk + args.num_v_heads * args.head_v_dim;
+  if (c >= channels) {
+    return;
+  }
   for (uint j = 0; j + 1 < LILY_GDN_CONV_KERNEL; ++j) {
-    conv_state[size_t(j) * channels + c] = T(history[j]);
+    const int p = int(args.num_tokens) - int(LILY_GDN_CONV_KERNEL - 1) + int(j);
+    conv_state[size_t(j) * channels + c] = T(gdn_conv_input(qkv, conv_state, p, c, channels));
   }
 }
 
@@ -205,6 +235,8 @@ template <typename T>
 
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_f32_dk128", gated_delta_conv, float, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_bf16_dk128", gated_delta_conv, bfloat, 128)
+LILY_INSTANTIATE_KERNEL("gated_delta_conv_state_f32_dk128", gated_delta_conv_state, float, 128)
+LILY_INSTANTIATE_KERNEL("gated_delta_conv_state_bf16_dk128", gated_delta_conv_state, bfloat, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f32_dk128", gated_delta_prefill, float, 128, 0)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_bf16_dk128", gated_delta_prefill, bfloat, 128, 0)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_norm_f32", gated_delta_prefill_norm, float)
@@ -212,6 +244,8 @@ LILY_INSTANTIATE_KERNEL("gated_delta_prefill_norm_bf16", gated_delta_prefill_nor
 // Demo model and tiny fixtures (Dk = 64: two state elements per lane), float32 and bf16 modes.
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_f32_dk64", gated_delta_conv, float, 64)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_bf16_dk64", gated_delta_conv, bfloat, 64)
+LILY_INSTANTIATE_KERNEL("gated_delta_conv_state_f32_dk64", gated_delta_conv_state, float, 64)
+LILY_INSTANTIATE_KERNEL("gated_delta_conv_state_bf16_dk64", gated_delta_conv_state, bfloat, 64)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f32_dk64", gated_delta_prefill, float, 64, 0)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_bf16_dk64", gated_delta_prefill, bfloat, 64, 0)
 // REGISTER_SCAN off (the ablation): the state round-trips through memory every LILY_GDN_SCAN_BLOCK tokens.

@@ -238,6 +238,9 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 #define LILY_GDN_MAX_HEADS_PER_GROUP 8
 // Causal conv taps (linear_conv_kernel_dim of the model).
 #define LILY_GDN_CONV_KERNEL 4
+// gated_delta_conv: tokens per thread (grid y = ceil(T / this)): at a 512-token chunk, 32 blocks of the model's 8,192
+// channels, where one thread per channel walking all T tokens gave 32 threadgroups.
+#define LILY_GDN_CONV_TOKENS 16
 // gated_delta_prefill_blockwise (the REGISTER_SCAN ablation): tokens between two state round trips through memory.
 // 16 as in the blockwise scans that preceded register residency; not a tuning point (the ablation's baseline).
 #define LILY_GDN_SCAN_BLOCK 16

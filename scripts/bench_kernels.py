@@ -407,6 +407,7 @@ def moe_prefill_cases(tokens: int, bm: int | None = None) -> list[Case]:
 
 GDN_PREFILL_SHAPE = {"rows_per_threadgroup": 32, "rows_per_simdgroup": 4}  # LILY_GDN_PREFILL_ROWS_PER_*
 GDN_CONV_THREADS, GDN_PREFILL_NORM_THREADS = 256, 256  # tuning::kGdnConvThreads, kGdnPrefillNormThreads
+GDN_CONV_TOKENS = 16  # LILY_GDN_CONV_TOKENS
 
 
 def gated_delta_prefill_cases(tokens: int) -> list[Case]:
@@ -421,8 +422,11 @@ def gated_delta_prefill_cases(tokens: int) -> list[Case]:
     return [
         Case(f"gated_delta_conv, T={tokens}", "gated_delta_conv_bf16_dk128",
              [args, bf16(tokens * c), bf16(c * CONV_K), bf16((CONV_K - 1) * c), f32(tokens * c)],
-             (ceil_div(c, GDN_CONV_THREADS), 1, 1), (GDN_CONV_THREADS, 1, 1),
-             bf16(tokens * c) + f32(tokens * c) + bf16(c * CONV_K) + 2 * bf16((CONV_K - 1) * c)),
+             (ceil_div(c, GDN_CONV_THREADS), ceil_div(tokens, GDN_CONV_TOKENS), 1), (GDN_CONV_THREADS, 1, 1),
+             bf16(tokens * c) + f32(tokens * c) + bf16(c * CONV_K) + bf16((CONV_K - 1) * c)),
+        Case(f"gated_delta_conv_state, T={tokens}", "gated_delta_conv_state_bf16_dk128",
+             [args, bf16(tokens * c), bf16((CONV_K - 1) * c)], (ceil_div(c, GDN_CONV_THREADS), 1, 1),
+             (GDN_CONV_THREADS, 1, 1), 3 * bf16((CONV_K - 1) * c)),
         Case(f"gated_delta_prefill scan, T={tokens}", "gated_delta_prefill_bf16_dk128",
              [args, f32(tokens * c), bf16(tokens * GDN_V_HEADS), bf16(tokens * GDN_V_HEADS), f32(GDN_V_HEADS),
               f32(GDN_V_HEADS), state, f32(tokens * v)], (GDN_V_HEADS, slices, 1), (scan_threads, 1, 1),

@@ -32,7 +32,8 @@ DECODE_KERNELS = {"qmv_q4_g64_bf16", "qmv_q8_g64_bf16", "qmv_norm_q4_g64_bf16_of
 # comparison), the DeltaNet prefill kernels.
 PREFILL_KERNELS = {"qmm_q4_g64_bf16_bm32", "qmm_q4_g64_bf16_bm64", "moe_gemm_gate_up_bf16_bm16",
                    "moe_gemm_down_bf16_bm16", "moe_gemm_gate_up_bf16_bm32", "moe_gemm_down_bf16_bm32",
-                   "gated_delta_conv_bf16_dk128", "gated_delta_prefill_bf16_dk128", "gated_delta_prefill_norm_bf16"}
+                   "gated_delta_conv_bf16_dk128", "gated_delta_conv_state_bf16_dk128", "gated_delta_prefill_bf16_dk128",
+                   "gated_delta_prefill_norm_bf16"}
 
 
 def test_cases_cover_every_decode_kernel_and_qmv_row_count() -> None:

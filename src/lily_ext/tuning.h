@@ -75,7 +75,8 @@ constexpr size_t kMoeGemvThreads = 32 * LILY_MOE_GEMV_SIMDGROUPS;
 constexpr size_t kMoeGemvRowsPerThreadgroup = LILY_MOE_GEMV_ROWS_PER_SIMDGROUP * LILY_MOE_GEMV_SIMDGROUPS;
 constexpr size_t kMoeDownThreads = 32 * LILY_MOE_DOWN_SIMDGROUPS;
 constexpr size_t kMoeDownRowsPerThreadgroup = LILY_MOE_DOWN_ROWS_PER_SIMDGROUP * LILY_MOE_DOWN_SIMDGROUPS;
-// gated_delta_conv: one thread per channel; 256 per group keeps 32 groups busy on the model's 8192 channels.
+// gated_delta_conv: one thread per channel and block of LILY_GDN_CONV_TOKENS tokens, 256 channels per group (32
+// groups along x on the model's 8192 channels); gated_delta_conv_state: one thread per channel.
 constexpr size_t kGdnConvThreads = 256;
 // gated_delta_prefill_norm: one simdgroup per (token, value head) row, 8 rows per group (2,048 groups for 512 tokens
 // of the model's 32 heads). Untuned.

@@ -29,6 +29,7 @@ EPS = 1e-6
 PREFILL_ROWS_PER_SIMDGROUP = 4  # LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP
 PREFILL_ROWS_PER_THREADGROUP = 32  # LILY_GDN_PREFILL_ROWS_PER_THREADGROUP: grid (Hv, ceil(dv / 32)) of the scan
 PREFILL_NORM_THREADS = 256  # tuning::kGdnPrefillNormThreads: 8 (token, head) rows per gated_delta_prefill_norm group
+CONV_TOKENS = 16  # LILY_GDN_CONV_TOKENS: tokens per thread of gated_delta_conv (its grid's y)
 # The kernels compute in fp32 from rounded inputs and round once: bf16/f16 outputs are within 1 ulp of the rounded
 # reference. fp32 outputs go through ~10 dependent fp32 operations per token, so they get a few ulp, not one.
 F32_CHAIN = Tolerance(rtol=3e-5, atol=3e-6, rel_rms=5e-6)
@@ -66,7 +67,7 @@ class Layer:
         return 2 * self.hk * self.dk + self.hv * self.dv
 
     def kernel(self, family: str) -> str:
-        """The instance of `family` ("step", "conv", "prefill", "prefill_blockwise" or "prefill_norm", the one
+        """The instance of `family` ("step", "conv", "conv_state", "prefill", "prefill_blockwise" or "prefill_norm", the one
         family without a Dk) for this layer."""
         if family == "prefill_norm":
             return f"gated_delta_prefill_norm_{self.dtype}"
@@ -155,16 +156,27 @@ def run_steps(run: Run, layer: Layer, tokens: dict[str, np.ndarray], threads: in
     return np.concatenate([run_step(run, layer, token_range(tokens, t, t + 1), threads, seed=t) for t in range(count)])
 
 
+def run_conv(run: Run, layer: Layer, qkv: np.ndarray, threads: int = 64, **options) -> np.ndarray:
+    """gated_delta_conv into a fresh fp32 scratch (one thread per channel and block of CONV_TOKENS tokens), then
+    gated_delta_conv_state, as ops/gated_delta_prefill.cpp dispatches them; updates layer.conv_state in place."""
+    t = qkv.shape[0]
+    conv_out = np.full((t, layer.channels), np.nan, np.float32)
+    args = gated_delta_args(t, layer.hk, layer.hv, layer.dv)
+    groups = -(-layer.channels // threads)
+    run.dispatch(layer.kernel("conv"), [args, qkv, layer.conv_weight, layer.conv_state, conv_out],
+                 (groups, -(-t // CONV_TOKENS), 1), threads, **options)
+    run.dispatch(layer.kernel("conv_state"), [args, qkv, layer.conv_state], groups, threads, **options)
+    return conv_out
+
+
 def run_prefill(run: Run, layer: Layer, tokens: dict[str, np.ndarray], threads: int, scan: str = "prefill",
                 norm_threads: int = PREFILL_NORM_THREADS, **options) -> np.ndarray:
-    """gated_delta_conv, the `scan` kernel ("prefill" or "prefill_blockwise") into an fp32 scratch, then
+    """The conv (run_conv), the `scan` kernel ("prefill" or "prefill_blockwise") into an fp32 scratch, then
     gated_delta_prefill_norm over one chunk, as ops/gated_delta_prefill.cpp dispatches them; updates the layer's
     states in place."""
     t = tokens["qkv"].shape[0]
-    conv_out = np.full((t, layer.channels), np.nan, np.float32)
+    conv_out = run_conv(run, layer, tokens["qkv"], **options)
     args = gated_delta_args(t, layer.hk, layer.hv, layer.dv)
-    run.dispatch(layer.kernel("conv"), [args, tokens["qkv"], layer.conv_weight, layer.conv_state, conv_out],
-                 -(-layer.channels // 64), 64, **options)
     core_out = np.full((t, layer.hv * layer.dv), np.nan, np.float32)
     run.dispatch(layer.kernel(scan), [args, conv_out, tokens["b"], tokens["a"], layer.a_log, layer.dt_bias,
                                       layer.state, core_out], prefill_groups(layer), threads, **options)

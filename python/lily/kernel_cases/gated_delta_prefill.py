@@ -19,10 +19,10 @@ import numpy as np
 
 from lily import reference
 from lily.kernel_cases.common import Case, Run, dtype_of, round_to, to_f64
-from lily.kernel_cases.gated_delta import (EPS, F32_CHAIN, check_layer, gated_delta_args, make_layer, make_tokens,
-                                           prefill_threads, run_prefill, run_prefill_norm, token_range)
+from lily.kernel_cases.gated_delta import (EPS, F32_CHAIN, check_layer, make_layer, make_tokens, prefill_threads,
+                                           run_conv, run_prefill, run_prefill_norm, token_range)
 
-PATTERN = re.compile(r"gated_delta_(conv|prefill|prefill_blockwise)_(f32|f16|bf16)_dk(128|64)"
+PATTERN = re.compile(r"gated_delta_(conv|conv_state|prefill|prefill_blockwise)_(f32|f16|bf16)_dk(128|64)"
                      r"|gated_delta_prefill_norm_(f32|f16|bf16)")
 # (Hk, Hv, dv, tokens, extra simdgroups) of the register scan by Dk; the first is the self-test's. dv 48: a head's
 # second threadgroup holds 16 of its 32 rows, at T = 1 and 17.
@@ -66,15 +66,14 @@ def _chunks_from_empty(run: Run, kernel: str) -> None:
 
 
 def _conv(run: Run, kernel: str, hk: int, hv: int, dv: int, num_tokens: int, threads: int) -> None:
-    """The conv kernel alone: its fp32 output and new conv state against reference.causal_conv1d."""
+    """The conv and conv-state kernels (run_conv): the fp32 output and the new conv state against
+    reference.causal_conv1d. `kernel` is either of the two; both run."""
     dtype, dk = dtype_of(kernel), int(kernel.rsplit("_dk", 1)[1])
     layer = make_layer(run.rng, hk, hv, dv, dtype, dk=dk)
     tokens = make_tokens(run.rng, layer, num_tokens)
     expected, new_state = reference.causal_conv1d(to_f64(tokens["qkv"], dtype), to_f64(layer.conv_weight, dtype),
                                                   to_f64(layer.conv_state, dtype))
-    conv_out = np.full((num_tokens, layer.channels), np.nan, np.float32)
-    run.dispatch(kernel, [gated_delta_args(num_tokens, hk, hv, dv), tokens["qkv"], layer.conv_weight,
-                          layer.conv_state, conv_out], -(-layer.channels // threads), threads)
+    conv_out = run_conv(run, layer, tokens["qkv"], threads)
     run.compare("conv + SiLU", conv_out, expected, "f32")
     run.compare_exact("conv state", to_f64(layer.conv_state, dtype), new_state)
 
@@ -103,8 +102,12 @@ def cases(kernel: str) -> list[Case]:
                 for i, (hv, dv, t, threads) in enumerate(NORM_SHAPES)]
     dk = int(kernel.rsplit("_dk", 1)[1])
     if "_conv_" in kernel:
+        # T below, at and above the K - 1 = 3 inputs the state keeps, and across token blocks of 16 (33: three).
         found = [Case(kernel, f"T=4 Hk=1 Hv=2 dv={dk} threads=256",
                       partial(_conv, kernel=kernel, hk=1, hv=2, dv=dk, num_tokens=4, threads=256), quick=True)]
+        found += [Case(kernel, f"T={t} Hk=1 Hv=2 dv={dk} threads=64",
+                       partial(_conv, kernel=kernel, hk=1, hv=2, dv=dk, num_tokens=t, threads=64))
+                  for t in (1, 2, 3, 17, 33)]
         if dk == 128:  # a partial last threadgroup
             found.append(Case(kernel, "T=6 Hk=1 Hv=2 dv=33 threads=96",
                               partial(_conv, kernel=kernel, hk=1, hv=2, dv=33, num_tokens=6, threads=96)))

@@ -1,5 +1,5 @@
-// gated_delta_conv_*, gated_delta_prefill[_blockwise]_*, gated_delta_prefill_norm_* (metal/gated_delta_prefill.metal):
-// the conv into conv_out, the scan into core_out, the gated norm into out.
+// Kernels of metal/gated_delta_prefill.metal: gated_delta_conv_* into conv_out, gated_delta_conv_state_*, the scan
+// gated_delta_prefill[_blockwise]_* into core_out, and gated_delta_prefill_norm_* into out.
 #include <algorithm>
 
 #include "../../../metal/lily.h"
@@ -19,10 +19,15 @@ void gated_delta_prefill(Context& ctx, const ModelConfig& c, const std::string& 
   a.norm_eps = c.eps;
   const std::string suffix = std::string(dtype_name(ctx.act)) + "_dk" + std::to_string(c.gdn_k_dim);
   const size_t channels = c.conv_dim();
+  const size_t channel_groups = (channels + tuning::kGdnConvThreads - 1) / tuning::kGdnConvThreads;
   add_node(ctx, "gated_delta_conv_" + suffix, label + " conv",
            {arg_value(a), arg(s.qkv), arg(s.conv_weight->data), arg(s.conv_state), arg(s.conv_out)},
-           {(channels + tuning::kGdnConvThreads - 1) / tuning::kGdnConvThreads, 1, 1}, {tuning::kGdnConvThreads, 1, 1},
-           {s.qkv, s.conv_weight->data, s.conv_state}, {s.conv_state, s.conv_out});
+           {channel_groups, (tokens + LILY_GDN_CONV_TOKENS - 1) / LILY_GDN_CONV_TOKENS, 1},
+           {tuning::kGdnConvThreads, 1, 1}, {s.qkv, s.conv_weight->data, s.conv_state}, {s.conv_out});
+  // After every block of the conv has read the state it replaces (the barrier rule's write after read).
+  add_node(ctx, "gated_delta_conv_state_" + suffix, label + " conv state",
+           {arg_value(a), arg(s.qkv), arg(s.conv_state)}, {channel_groups, 1, 1}, {tuning::kGdnConvThreads, 1, 1},
+           {s.qkv, s.conv_state}, {s.conv_state});
   // Threadgroups of kGdnPrefillRowsPerThreadgroup rows of one value head, each simdgroup keeping
   // LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP of them in registers for the whole chunk, or (REGISTER_SCAN off) for
   // LILY_GDN_SCAN_BLOCK tokens between round trips through memory.
