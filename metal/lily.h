@@ -221,14 +221,13 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // size, and ceil(rows / 8) simdgroups (1024 threads for the model's 256 rows per key head) give each simdgroup one
 // batch of 8 rows.
 #define LILY_GDN_ROWS_PER_SIMDGROUP 8
-// gated_delta_prefill: state rows of [Dk] fp32 one simdgroup keeps in registers for a whole chunk (Dk/32 per lane):
-// 4 rows x 4 = 16 floats per lane, so 32 simdgroups (1024 threads) hold a dv = 128 value head. Fewer rows per
-// simdgroup shorten the per-token chain of the scan, which is serial over the chunk (8 rows took 5.5 us per token on
-// an H200; docs/performance.md).
-#define LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP 4
-// gated_delta_prefill: state rows of one value head per threadgroup (grid: Hv x ceil(dv / 32)): 8 simdgroups of 4
-// rows (256 threads) and 4 threadgroups per dv = 128 head, 128 threadgroups for the model's 32 value heads (one
-// threadgroup per head gave 32, at most 32 busy cores). Untuned: the split is not yet measured on a GPU.
+// gated_delta_prefill: state rows of [Dk] fp32 one simdgroup keeps in registers for a whole chunk (Dk/32 per lane).
+// Fewer rows per simdgroup shorten the per-token chain of the scan, which is serial over the chunk.
+#define LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP 1
+// gated_delta_prefill: state rows of one value head per threadgroup (grid: Hv x ceil(dv / 32)): 32 simdgroups of one
+// row (1024 threads, as the decode step's) and 4 threadgroups per dv = 128 head, 128 threadgroups for the model's 32
+// value heads. Measured on the H200 at T = 512 (rows per threadgroup / per simdgroup, µs): 32/1 1,002, 16/2 1,247,
+// 8/1 1,159, 8/2 1,442, 32/4 1,500; one threadgroup of 4-row simdgroups per head 2,003 (docs/performance.md).
 #define LILY_GDN_PREFILL_ROWS_PER_THREADGROUP 32
 // gated_delta_prefill: the largest key head dim (staged q and k rows).
 #define LILY_GDN_MAX_DK 128

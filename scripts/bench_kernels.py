@@ -405,7 +405,7 @@ def moe_prefill_cases(tokens: int, bm: int | None = None) -> list[Case]:
     return [gate_up, down]
 
 
-GDN_PREFILL_SHAPE = {"rows_per_threadgroup": 32, "rows_per_simdgroup": 4}  # LILY_GDN_PREFILL_ROWS_PER_*
+GDN_PREFILL_SHAPE = {"rows_per_threadgroup": 32, "rows_per_simdgroup": 1}  # LILY_GDN_PREFILL_ROWS_PER_*
 GDN_CONV_THREADS, GDN_PREFILL_NORM_THREADS = 256, 256  # tuning::kGdnConvThreads, kGdnPrefillNormThreads
 GDN_CONV_TOKENS = 16  # LILY_GDN_CONV_TOKENS
 
@@ -604,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the cases; with PTX files (LILY_CUDA_PTX_DIR), check every case's arguments "
                              "against its kernel's parameter table; no GPU needed")
     parser.add_argument("--gdn-prefill-rows", nargs=2, type=int, metavar=("PER_THREADGROUP", "PER_SIMDGROUP"),
-                        help="the LILY_GDN_PREFILL_ROWS_PER_* values the PTX was built with (default 32 4)")
+                        help="the LILY_GDN_PREFILL_ROWS_PER_* values the PTX was built with (default 32 1)")
     parser.add_argument("--qmv-shape", nargs=3, type=int, metavar=("ROWS", "SIMDGROUPS", "BATCH"),
                         help="the LILY_QMV_* values the PTX was built with (default 4 2 4)")
     args = parser.parse_args(argv)

@@ -21,6 +21,7 @@ def test_load_phases_are_timed_at_debug_level_and_drawn_only_on_a_terminal(engin
                          r"buffers and graph ([\d.]+) s\)", line)
     assert match, line
     total, *phases = map(float, match.groups())
-    assert total == pytest.approx(sum(phases), abs=0.02) and total > 0
+    # Milliseconds printed: the demo can load in under 5 ms on the test runtime, so no phase need be above 0.
+    assert total == pytest.approx(sum(phases), abs=0.002) and min(phases) >= 0
     # The test's stderr is no terminal: the bar draws nothing there.
     assert capsys.readouterr().err == "" and model.backend.device_memory()["weights"] > 0

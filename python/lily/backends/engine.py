@@ -126,8 +126,8 @@ class _LoadPhases:
     def __exit__(self, *exc: Any) -> None:
         self._bar.close()
         if exc[0] is None:
-            _log.debug("%s: loaded in %.2f s (%s)", self._path, sum(t for _, t in self._times),
-                       ", ".join(f"{name} {t:.2f} s" for name, t in self._times))
+            _log.debug("%s: loaded in %.3f s (%s)", self._path, sum(t for _, t in self._times),
+                       ", ".join(f"{name} {t:.3f} s" for name, t in self._times))
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -26,7 +26,7 @@ from lily.kernel_cases.common import TOLERANCES, Case, Run, Tolerance, dtype_of,
 PATTERN = re.compile(r"gated_delta_step_(f32|f16|bf16)_dk(128|64)")
 K = 4  # the causal conv's kernel size
 EPS = 1e-6
-PREFILL_ROWS_PER_SIMDGROUP = 4  # LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP
+PREFILL_ROWS_PER_SIMDGROUP = 1  # LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP
 PREFILL_ROWS_PER_THREADGROUP = 32  # LILY_GDN_PREFILL_ROWS_PER_THREADGROUP: grid (Hv, ceil(dv / 32)) of the scan
 PREFILL_NORM_THREADS = 256  # tuning::kGdnPrefillNormThreads: 8 (token, head) rows per gated_delta_prefill_norm group
 CONV_TOKENS = 16  # LILY_GDN_CONV_TOKENS: tokens per thread of gated_delta_conv (its grid's y)
@@ -117,7 +117,7 @@ def reference_chain(layer: Layer, tokens: dict[str, np.ndarray]):
 
 
 def prefill_threads(layer: Layer, extra_simdgroups: int = 0) -> int:
-    """gated_delta_prefill keeps at most LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP (4) of a threadgroup's
+    """gated_delta_prefill keeps at most LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP (1) of a threadgroup's
     min(dv, LILY_GDN_PREFILL_ROWS_PER_THREADGROUP) rows per simdgroup."""
     rows = min(layer.dv, PREFILL_ROWS_PER_THREADGROUP)
     return 32 * (-(-rows // PREFILL_ROWS_PER_SIMDGROUP) + extra_simdgroups)

@@ -24,16 +24,17 @@ from lily.kernel_cases.gated_delta import (EPS, F32_CHAIN, check_layer, make_lay
 
 PATTERN = re.compile(r"gated_delta_(conv|conv_state|prefill|prefill_blockwise)_(f32|f16|bf16)_dk(128|64)"
                      r"|gated_delta_prefill_norm_(f32|f16|bf16)")
-# (Hk, Hv, dv, tokens, extra simdgroups) of the register scan by Dk; the first is the self-test's. dv 48: a head's
-# second threadgroup holds 16 of its 32 rows, at T = 1 and 17.
-PREFILL_SHAPES = {128: [(1, 2, 128, 4, 0), (2, 4, 32, 1, 0), (2, 4, 33, 3, 1), (2, 4, 32, 17, 0), (2, 4, 128, 2, 0),
-                        (2, 4, 48, 1, 0), (2, 4, 48, 17, 1)],
-                  64: [(1, 2, 64, 4, 0), (2, 4, 64, 1, 0), (2, 4, 64, 5, 1), (2, 6, 64, 17, 0), (2, 4, 48, 17, 0)]}
+# (Hk, Hv, dv, tokens, extra simdgroups) of the register scan by Dk; the first is the self-test's. dv 33 and 48: a
+# head's second threadgroup holds 1 and 16 of its 32 rows, at T = 1, 3 and 17. An extra simdgroup (one with no row)
+# fits only below 32 rows per threadgroup (one row per simdgroup: 1024 threads at 32 rows).
+PREFILL_SHAPES = {128: [(1, 2, 128, 4, 0), (2, 4, 32, 1, 0), (2, 4, 33, 3, 0), (2, 4, 24, 3, 1), (2, 4, 32, 17, 0),
+                        (2, 4, 128, 2, 0), (2, 4, 48, 1, 0), (2, 4, 48, 17, 0), (2, 4, 20, 17, 1)],
+                  64: [(1, 2, 64, 4, 0), (2, 4, 64, 1, 0), (2, 4, 24, 5, 1), (2, 6, 64, 17, 0), (2, 4, 48, 17, 0)]}
 # (Hk, Hv, dv, tokens, extra simdgroups) of the blockwise scan: one token; a chunk shorter than the 16-token block;
 # exactly one block; one token past it; two blocks and a partial third; dv 33 and 48 rows over uneven threadgroups
 # and simdgroups.
-BLOCKWISE_SHAPES = {128: [(1, 2, 128, 19, 0), (2, 4, 32, 1, 0), (2, 2, 33, 15, 1), (2, 4, 32, 16, 0),
-                          (2, 2, 32, 17, 0), (2, 2, 32, 33, 1), (2, 4, 48, 17, 0)],
+BLOCKWISE_SHAPES = {128: [(1, 2, 128, 19, 0), (2, 4, 32, 1, 0), (2, 2, 33, 15, 0), (2, 2, 20, 15, 1),
+                          (2, 4, 32, 16, 0), (2, 2, 32, 17, 0), (2, 2, 31, 33, 1), (2, 4, 48, 17, 0)],
                     64: [(1, 2, 64, 19, 0), (2, 4, 64, 17, 0), (2, 6, 33, 32, 0)]}
 # (Hv, dv, tokens, threads) of the norm alone: the self-test's; one token; 17 tokens of dv 48 with a partial last
 # threadgroup (68 rows, 8 per group); one row per group; dv 33 at 3 rows per group; the model's head shape.
