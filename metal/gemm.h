@@ -85,17 +85,19 @@ struct GemmLayout {
   LILY_INLINE static uint col0(uint simd_group) { return (simd_group % SG_COLS) * (BN / SG_COLS); }
 };
 
+// A row table entry meaning "no row": the tile row is zeros (rows past M, a partial MoE tile's padding).
+constant constexpr uint GEMM_NO_ROW = 0xFFFFFFFFu;
+
 // A BM-row operand tile (rows of X, of the gathered MoE rows, or of a dense W) copied as 32-bit words: thread tid
 // holds words of tile rows tid / ROW_WORDS + i · ROW_STEP, all at word column tid % ROW_WORDS, so consecutive threads
 // read consecutive words of a row. `offset[i]` is the row's first word in device memory plus that column, or
-// NO_ROW for a zero row (past M, or a partial MoE tile's padding).
+// GEMM_NO_ROW for a zero row.
 template <typename T, uint BM>
 struct GemmRowWords {
   static constant constexpr const uint PER_WORD = 4 / uint(sizeof(T));
   static constant constexpr const uint ROW_WORDS = LILY_GEMM_BK / PER_WORD;
   static constant constexpr const uint ROW_STEP = LILY_GEMM_THREADS / ROW_WORDS;
   static constant constexpr const uint WORDS = BM / ROW_STEP;
-  static constant constexpr const uint NO_ROW = 0xFFFFFFFFu;
   static_assert(LILY_GEMM_THREADS % ROW_WORDS == 0 && BM % ROW_STEP == 0, "whole rows per pass of the threads");
 
   device const uint* source;  // the matrix as words
@@ -105,14 +107,14 @@ struct GemmRowWords {
 
   // Tile row of this thread's i-th word.
   LILY_INLINE uint row(uint i) const { return tid / ROW_WORDS + i * ROW_STEP; }
-  // Points word i at device row `device_row` of a matrix with `row_words` words per row (NO_ROW: zeros).
+  // Points word i at device row `device_row` of a matrix with `row_words` words per row (GEMM_NO_ROW: zeros).
   LILY_INLINE void set_row(uint i, uint device_row, uint row_words) {
-    offset[i] = device_row == NO_ROW ? NO_ROW : device_row * row_words + tid % ROW_WORDS;
+    offset[i] = device_row == GEMM_NO_ROW ? GEMM_NO_ROW : device_row * row_words + tid % ROW_WORDS;
   }
   LILY_INLINE void fetch(uint k0) {
     LILY_UNROLL
     for (uint i = 0; i < WORDS; ++i) {
-      words[i] = offset[i] == NO_ROW ? 0u : source[offset[i] + k0 / PER_WORD];
+      words[i] = offset[i] == GEMM_NO_ROW ? 0u : source[offset[i] + k0 / PER_WORD];
     }
   }
   LILY_INLINE void stage(threadgroup T* tile) const {
@@ -124,16 +126,19 @@ struct GemmRowWords {
   }
 };
 
-// Rows [row0, row0 + BM) of a row-major [rows, K] matrix as a GemmRowWords tile; rows past `rows` are zero.
+// Rows of a row-major [rows, K] matrix as a GemmRowWords tile: rows [row0, row0 + BM), those past `rows` zero
+// (row_table null), or tile row m = device row row_table[m] (a gathered tile; GEMM_NO_ROW: zeros).
 template <typename T, uint BM>
-LILY_INLINE GemmRowWords<T, BM> gemm_row_words(device const T* matrix, uint row0, uint rows, uint K, uint tid) {
+LILY_INLINE GemmRowWords<T, BM> gemm_row_words(device const T* matrix, uint row0, uint rows, uint K, uint tid,
+                                               threadgroup const uint* row_table = nullptr) {
   GemmRowWords<T, BM> tile;
   tile.source = (device const uint*)matrix;
   tile.tid = tid;
   LILY_UNROLL
   for (uint i = 0; i < GemmRowWords<T, BM>::WORDS; ++i) {
     const uint m = row0 + tile.row(i);
-    tile.set_row(i, m < rows ? m : GemmRowWords<T, BM>::NO_ROW, K / GemmRowWords<T, BM>::PER_WORD);
+    const uint device_row = row_table ? row_table[tile.row(i)] : (m < rows ? m : GEMM_NO_ROW);
+    tile.set_row(i, device_row, K / GemmRowWords<T, BM>::PER_WORD);
   }
   return tile;
 }
@@ -204,19 +209,23 @@ struct GemmQuantizedRows {
 // Thread tid's GemmQuantizedRows of rows [n0, n0 + BN) of NumB (1 or 2) matrices [N, K]: matrix 0 (weight0, scales0,
 // biases0) and, for NumB = 2, matrix 1.
 template <int Bits, typename S, uint NumB>
-LILY_INLINE GemmQuantizedRows<Bits, S, NumB> gemm_quantized_rows(device const uint* weight0, device const S* scales0,
-                                                                 device const S* biases0, device const uint* weight1,
-                                                                 device const S* scales1, device const S* biases1,
-                                                                 uint n0, uint N, uint K, uint tid) {
+LILY_INLINE GemmQuantizedRows<Bits, S, NumB> gemm_quantized_rows(uint n0, uint N, uint K, uint tid,
+                                                                 device const uint* weight0, device const S* scales0,
+                                                                 device const S* biases0,
+                                                                 device const uint* weight1 = nullptr,
+                                                                 device const S* scales1 = nullptr,
+                                                                 device const S* biases1 = nullptr) {
   static_assert(NumB == 1 || NumB == 2, "one or two matrices");
   typedef GemmQuantizedRows<Bits, S, NumB> Q;
   Q q;
   q.weight[0] = weight0;
   q.scales[0] = scales0;
   q.biases[0] = biases0;
-  q.weight[NumB - 1] = NumB == 2 ? weight1 : weight0;
-  q.scales[NumB - 1] = NumB == 2 ? scales1 : scales0;
-  q.biases[NumB - 1] = NumB == 2 ? biases1 : biases0;
+  if (NumB == 2) {
+    q.weight[NumB - 1] = weight1;
+    q.scales[NumB - 1] = scales1;
+    q.biases[NumB - 1] = biases1;
+  }
   q.tid = tid;
   q.K = K;
   q.in_range = 0;
@@ -234,7 +243,7 @@ LILY_INLINE GemmQuantizedRows<Bits, S, NumB> gemm_quantized_rows(device const ui
 // The same products and fp32 sums either way.
 template <uint FragsM, uint FragsN, typename TileT>
 LILY_INLINE void gemm_mma_block(thread simdgroup_float8x8* acc, thread const simdgroup_matrix<TileT, 8, 8>* a,
-                           thread const simdgroup_matrix<TileT, 8, 8>* b) {
+                                thread const simdgroup_matrix<TileT, 8, 8>* b) {
 #if defined(MSL_CUDA)
   simdgroup_multiply_accumulate_pairs<FragsM, FragsN>(acc, a, b);
 #else
@@ -253,7 +262,7 @@ LILY_INLINE void gemm_mma_block(thread simdgroup_float8x8* acc, thread const sim
 // [BN][ld] (rows = output columns col0 + 8·fn, loaded transposed), into acc[i · FRAGS_M · FRAGS_N ..].
 template <uint BM, uint BN, uint NumB, typename TileT>
 LILY_INLINE void gemm_mma_step(thread simdgroup_float8x8* acc, threadgroup const TileT* a_tile,
-                          threadgroup const TileT* b_tiles, uint row0, uint col0) {
+                               threadgroup const TileT* b_tiles, uint row0, uint col0) {
   typedef GemmLayout<BM, BN> L;
   constexpr uint ld = gemm_ld<TileT>();
   LILY_UNROLL
@@ -333,8 +342,8 @@ LILY_INLINE void gemm_tile_loop(thread ALoader& a, thread BLoader& b, uint K, th
 
 // out_tile[row0 + 8·fm .., col0 + 8·fn ..] = the simdgroup's fragments (row stride ldo).
 template <uint FragsM, uint FragsN>
-LILY_INLINE void store_fragments(threadgroup float* out_tile, uint ldo, thread const simdgroup_float8x8* acc, uint row0,
-                            uint col0) {
+LILY_INLINE void store_fragments(threadgroup float* out_tile, uint ldo, thread const simdgroup_float8x8* acc,
+                                 uint row0, uint col0) {
   LILY_UNROLL
   for (uint fm = 0; fm < FragsM; ++fm) {
     LILY_UNROLL

@@ -39,7 +39,7 @@
 
 using namespace metal;
 
-constant constexpr uint MOE_NO_ROW = 0xFFFFFFFFu;  // row table entry of a padding row of a partial tile
+constant constexpr uint MOE_NO_EXPERT = 0xFFFFFFFFu;  // the expert id of a sort block's padding slots
 constant constexpr uint GEMM_BN = LILY_GEMM_BN;
 constant constexpr uint OUT_STRIDE = LILY_GEMM_BN + 4;  // the fp32 output tile's row stride (as lily::gemm_tiles)
 
@@ -153,7 +153,7 @@ template <typename Id>
   const uint first = block * LILY_MOE_SORT_BLOCK;
   const uint n = min(uint(LILY_MOE_SORT_BLOCK), total - first);
   for (uint i = tid; i < LILY_MOE_SORT_BLOCK; i += n_threads) {
-    block_ids[i] = i < n ? uint(expert_ids[first + i]) : MOE_NO_ROW;
+    block_ids[i] = i < n ? uint(expert_ids[first + i]) : MOE_NO_EXPERT;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint i = tid; i < n; i += n_threads) {
@@ -171,21 +171,6 @@ template <typename Id>
 // ---------------------------------------------------------------------------------------------------------------
 // Grouped GEMM
 // ---------------------------------------------------------------------------------------------------------------
-
-// The A operand of a grouped-GEMM tile: rows row_src[m] of `a` ([rows, K] in T; MOE_NO_ROW: a zero padding row).
-template <typename T, uint BM>
-LILY_INLINE lily::GemmRowWords<T, BM> moe_rows(device const T* a, threadgroup const uint* row_src, uint K, uint tid) {
-  lily::GemmRowWords<T, BM> tile;
-  tile.source = (device const uint*)a;
-  tile.tid = tid;
-  LILY_UNROLL
-  for (uint i = 0; i < lily::GemmRowWords<T, BM>::WORDS; ++i) {
-    const uint src = row_src[tile.row(i)];
-    tile.set_row(i, src == MOE_NO_ROW ? lily::GemmRowWords<T, BM>::NO_ROW : src,
-                 K / lily::GemmRowWords<T, BM>::PER_WORD);
-  }
-  return tile;
-}
 
 // Grid: (I / 64, max_tiles) threadgroups of LILY_GEMM_THREADS.
 template <typename T, typename S, int BM>
@@ -219,16 +204,17 @@ template <typename T, typename S, int BM>
   const uint hidden_size = args.hidden_size;
   const uint expert_size = args.expert_size;
   for (uint m = tid; m < uint(BM); m += LILY_GEMM_THREADS) {
-    row_src[m] = m < rows ? sorted_pairs[first + m] / args.top_k : MOE_NO_ROW;  // token row of the pair
+    row_src[m] = m < rows ? sorted_pairs[first + m] / args.top_k : lily::GEMM_NO_ROW;  // token row of the pair
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   const size_t w_offset = size_t(expert) * expert_size * (hidden_size / 8);
   const size_t s_offset = size_t(expert) * expert_size * (hidden_size / 64);
-  lily::GemmRowWords<T, BM> x_rows = moe_rows<T, BM>(x, row_src, hidden_size, tid);
+  // The x rows of the tile's pairs (row_src), the gate rows, then the up rows.
+  lily::GemmRowWords<T, BM> x_rows = lily::gemm_row_words<T, BM>(x, 0, 0, hidden_size, tid, row_src);
   lily::GemmQuantizedRows<4, S, 2> weights = lily::gemm_quantized_rows<4, S, 2>(
-      gate_weight + w_offset, gate_scales + s_offset, gate_biases + s_offset, up_weight + w_offset,
-      up_scales + s_offset, up_biases + s_offset, n0, expert_size, hidden_size, tid);
+      n0, expert_size, hidden_size, tid, gate_weight + w_offset, gate_scales + s_offset, gate_biases + s_offset,
+      up_weight + w_offset, up_scales + s_offset, up_biases + s_offset);
   constexpr uint kFrags = L::FRAGS_M * L::FRAGS_N;
   simdgroup_float8x8 acc[2 * kFrags];  // gate fragments, then up
   lily::gemm_tile_loop<BM, GEMM_BN, 2>(x_rows, weights, hidden_size, (threadgroup T*)tiles, simd_group, acc);
@@ -277,18 +263,16 @@ template <typename T, typename S, int BM>
   const uint hidden_size = args.hidden_size;
   const uint expert_size = args.expert_size;
   for (uint m = tid; m < uint(BM); m += LILY_GEMM_THREADS) {
-    row_src[m] = m < rows ? first + m : MOE_NO_ROW;  // h is already in sorted order
+    row_src[m] = m < rows ? first + m : lily::GEMM_NO_ROW;  // h is already in sorted order
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   const size_t w_offset = size_t(expert) * hidden_size * (expert_size / 8);
   const size_t s_offset = size_t(expert) * hidden_size * (expert_size / 64);
-  lily::GemmRowWords<T, BM> h_rows = moe_rows<T, BM>(hidden, row_src, expert_size, tid);
-  device const uint* const weight = down_weight + w_offset;
-  device const S* const scales = down_scales + s_offset;
-  device const S* const biases = down_biases + s_offset;
+  // The h rows of the tile (row_src), then the down rows.
+  lily::GemmRowWords<T, BM> h_rows = lily::gemm_row_words<T, BM>(hidden, 0, 0, expert_size, tid, row_src);
   lily::GemmQuantizedRows<4, S, 1> weights = lily::gemm_quantized_rows<4, S, 1>(
-      weight, scales, biases, weight, scales, biases, n0, hidden_size, expert_size, tid);
+      n0, hidden_size, expert_size, tid, down_weight + w_offset, down_scales + s_offset, down_biases + s_offset);
   simdgroup_float8x8 acc[L::FRAGS_M * L::FRAGS_N];
   lily::gemm_tile_loop<BM, GEMM_BN, 1>(h_rows, weights, expert_size, (threadgroup T*)tiles, simd_group, acc);
   lily::store_fragments<L::FRAGS_M, L::FRAGS_N>(tiles, OUT_STRIDE, acc, L::row0(simd_group), L::col0(simd_group));

@@ -744,7 +744,7 @@ template <typename T, typename S, int Bits, int BM>
                     uint simd_group [[simdgroup_index_in_threadgroup]]) {
   threadgroup float tiles[lily::GemmTileMemory<T, BM, 1>::FLOATS];
   lily::GemmQuantizedRows<Bits, S, 1> w_tile = lily::gemm_quantized_rows<Bits, S, 1>(
-      weight, scales, biases, weight, scales, biases, tg.x * LILY_GEMM_BN, args.out_features, args.in_features, tid);
+      tg.x * LILY_GEMM_BN, args.out_features, args.in_features, tid, weight, scales, biases);
   lily::gemm_tiles<BM>(x, w_tile, y, tiles, args.num_rows, args.out_features, args.in_features, tg, tid, simd_group);
 }
 

@@ -13,16 +13,16 @@ namespace lily::tuning {
 // them); more rows run qmm. The qmatmul kernels define the crossover with their tile shapes.
 constexpr size_t kQmvMaxRows = LILY_QMV_MAX_ROWS;
 // qmm tile rows (metal/gemm.h): 16 up to this many rows (fewer padded rows), else the widest of 32 and 64 that still
-// launches kQmmMinThreadgroups threadgroups (64 only for 16-bit activations: fp32 tiles would pass Metal's 32 KB of
+// launches kQmmMinThreadgroups threadgroups (64 only for bf16 activations: fp32 tiles would pass Metal's 32 KB of
 // threadgroup memory). A 64-row tile reads each dequantized weight tile for twice the rows of a 32-row one, but at
 // 512 rows an N = 2048 projection has only 256 of them: a few per GPU core, too few to hide the loads' latency (an
 // H200 has 132 SMs; Apple's large GPUs 60-80 cores).
 constexpr size_t kQmmBm16MaxRows = LILY_QMM_BM16_MAX_ROWS;
 constexpr size_t kQmmMinThreadgroups = 512;
-constexpr size_t qmm_tile_rows(size_t rows, size_t out_features, bool wide_tiles, bool f16_tiles) {
+constexpr size_t qmm_tile_rows(size_t rows, size_t out_features, bool wide_tiles, bool bf16_activations) {
   if (rows <= kQmmBm16MaxRows || !wide_tiles) return 16;
   const size_t columns = (out_features + LILY_GEMM_BN - 1) / LILY_GEMM_BN;
-  if (f16_tiles && columns * ((rows + 63) / 64) >= kQmmMinThreadgroups) return 64;
+  if (bf16_activations && columns * ((rows + 63) / 64) >= kQmmMinThreadgroups) return 64;
   return 32;
 }
 // MoE grouped GEMM tile by mean rows per expert (T*k/E): 32-row tiles from this value on.
