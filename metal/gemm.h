@@ -265,6 +265,43 @@ LILY_INLINE void gemm_mma_step(thread simdgroup_float8x8* acc, threadgroup const
                                threadgroup const TileT* b_tiles, uint row0, uint col0) {
   typedef GemmLayout<BM, BN> L;
   constexpr uint ld = gemm_ld<TileT>();
+#if defined(MSL_CUDA)
+  if constexpr (sizeof(TileT) == 2) {
+    // CUDA, 16-bit tiles: each fragment row of the step as one ldmatrix.x4 (the 4 K fragments of 8 rows; every tile
+    // row is 16-byte aligned: ld · 2 bytes is a multiple of 16 and the tiles start aligned), and the weight rows
+    // as stored are mma.sync's B operand. The same MMAs, products and sums as the portable loop below.
+    static_assert(LILY_GEMM_BK == 32 && (ld * sizeof(TileT)) % 16 == 0, "x4 loads of 16-byte aligned rows");
+    uint a[4][L::FRAGS_M];
+    LILY_UNROLL
+    for (uint fm = 0; fm < L::FRAGS_M; ++fm) {
+      uint rows[4];
+      simdgroup_fragment_rows_x4(rows, a_tile + (row0 + 8 * fm) * ld, ld);
+      LILY_UNROLL
+      for (uint kf = 0; kf < 4; ++kf) {
+        a[kf][fm] = rows[kf];
+      }
+    }
+    LILY_UNROLL
+    for (uint i = 0; i < NumB; ++i) {
+      uint bt[4][L::FRAGS_N];
+      LILY_UNROLL
+      for (uint fn = 0; fn < L::FRAGS_N; ++fn) {
+        uint rows[4];
+        simdgroup_fragment_rows_x4(rows, b_tiles + (i * BN + col0 + 8 * fn) * ld, ld);
+        LILY_UNROLL
+        for (uint kf = 0; kf < 4; ++kf) {
+          bt[kf][fn] = rows[kf];
+        }
+      }
+      LILY_UNROLL
+      for (uint kf = 0; kf < 4; ++kf) {
+        simdgroup_multiply_accumulate_rows<TileT, L::FRAGS_M, L::FRAGS_N>(acc + i * L::FRAGS_M * L::FRAGS_N, a[kf],
+                                                                         bt[kf]);
+      }
+    }
+    return;
+  }
+#endif
   LILY_UNROLL
   for (uint kk = 0; kk < LILY_GEMM_BK; kk += 8) {
     simdgroup_matrix<TileT, 8, 8> a[L::FRAGS_M];

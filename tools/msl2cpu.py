@@ -213,7 +213,7 @@ LOCAL_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)".*$', re.M)
 def cuda_threadgroup_array(indent: str, ctype: str, name: str, dims: str) -> str:
     """A function-scope `threadgroup T name[N];` as a __shared__ variable seen through a threadgroup reference (its
     type spelled by decltype: `float4(*)[N]` would call the shim's float4(...) constructor macro)."""
-    return (f"{indent}__shared__ {ctype} msl_tg_{name}{dims}; "
+    return (f"{indent}__shared__ __attribute__((aligned(16))) {ctype} msl_tg_{name}{dims}; "
             f"auto& {name} = *(threadgroup decltype(msl_tg_{name})*)&msl_tg_{name};")
 
 

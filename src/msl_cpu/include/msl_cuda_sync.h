@@ -420,3 +420,51 @@ __attribute__((always_inline)) inline void simdgroup_multiply_accumulate_pairs(s
     }
   }
 }
+
+// Not Metal: the fragment registers of 16-bit 8x8 tiles in threadgroup memory, for callers whose tile rows are
+// 16-byte aligned by construction (lily::gemm_mma_step's operand tiles; simdgroup_load tests the alignment at run
+// time and falls back to element loads). Lane l addresses row l % 8 of matrix l / 8: matrix j's rows start at
+// first + 8·j elements (four consecutive 8-wide column blocks of the same 8 rows, e.g. a 32-deep K step) and
+// regs[j] is its fragment, the rows as stored: an A operand, or, read from the rows of B^T (a [N][K] weight tile),
+// mma.sync's column-major B operand with no transpose.
+template <class S>
+__attribute__((always_inline)) inline void simdgroup_fragment_rows_x4(uint32_t (&regs)[4],
+                                                                      const __attribute__((address_space(3))) S* first,
+                                                                      uint32_t elements_per_row) {
+  static_assert(sizeof(S) == 2, "16-bit tiles");
+  const uint32_t lane = __nvvm_read_ptx_sreg_laneid();
+  const uint32_t row = uint32_t(reinterpret_cast<uintptr_t>(first + (lane % 8) * elements_per_row + 8 * (lane / 8)));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(regs[0]), "=r"(regs[1]), "=r"(regs[2]), "=r"(regs[3])
+               : "r"(row)
+               : "memory");
+}
+// Not Metal: acc[fm · FN + fn] += A_fm · B_fn for raw fragment registers (simdgroup_fragment_rows_x4): a[fm] of A's
+// rows, bt[fn] of B^T's rows, two A fragments per m16n8k8 MMA as in simdgroup_multiply_accumulate_pairs (the same
+// products and fp32 sums), without its movmatrix: B^T's rows are the B operand's layout.
+template <class T, uint32_t FM, uint32_t FN>
+__attribute__((always_inline)) inline void simdgroup_multiply_accumulate_rows(simdgroup_matrix<float, 8, 8>* acc,
+                                                                              const uint32_t* a, const uint32_t* bt) {
+  static_assert(FM % 2 == 0, "pairs of A fragments");
+#pragma unroll
+  for (uint32_t fn = 0; fn < FN; ++fn) {
+#pragma unroll
+    for (uint32_t fm = 0; fm < FM; fm += 2) {
+      vec<float, 2>& top = acc[fm * FN + fn].elements;
+      vec<float, 2>& bottom = acc[(fm + 1) * FN + fn].elements;
+      float d0, d1, d2, d3;
+      if constexpr (std::is_same_v<T, bfloat>) {
+        asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};"
+            : "=f"(d0), "=f"(d1), "=f"(d2), "=f"(d3)
+            : "r"(a[fm]), "r"(a[fm + 1]), "r"(bt[fn]), "f"(top[0]), "f"(top[1]), "f"(bottom[0]), "f"(bottom[1]));
+      } else {
+        static_assert(std::is_same_v<T, half>, "bf16 or f16 tiles");
+        asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};"
+            : "=f"(d0), "=f"(d1), "=f"(d2), "=f"(d3)
+            : "r"(a[fm]), "r"(a[fm + 1]), "r"(bt[fn]), "f"(top[0]), "f"(top[1]), "f"(bottom[0]), "f"(bottom[1]));
+      }
+      top = vec<float, 2>{d0, d1};
+      bottom = vec<float, 2>{d2, d3};
+    }
+  }
+}
