@@ -166,6 +166,23 @@ def test_max_context_is_checked_before_loading(chat_model_dir):
         lily.Model.load(chat_model_dir, backend="reference", max_context=limit + 1)
 
 
+def test_prefill_step_size_is_the_engine_chunk_unless_given(chat_model_dir):
+    """Prompts reach an engine backend in pieces of its own prefill chunk (the PrefillChunking capability), other
+    backends in 512s; a given step wins; a bad one is refused before anything loads."""
+    from lily import _ext
+    from lily.backends import PrefillChunking
+
+    for bad in (0, -1, 2.5, True, "512"):
+        with pytest.raises(ValueError, match="prefill_step_size must be a positive integer"):
+            lily.Model.load(chat_model_dir, backend="reference", prefill_step_size=bad)
+    reference = lily.Model.load(chat_model_dir, backend="reference")
+    assert not isinstance(reference.backend, PrefillChunking) and reference.prefill_step_size == 512
+    assert lily.Model.load(chat_model_dir, backend="reference", prefill_step_size=64).prefill_step_size == 64
+    engine = lily.Model.load(chat_model_dir, backend="metal", quantize=4, progress=False)  # Linux: the test runtime
+    assert isinstance(engine.backend, PrefillChunking)
+    assert engine.prefill_step_size == engine.backend.prefill_chunk == _ext.prefill_chunk > 512
+
+
 def test_bench_profile_table_sums_each_kernel(model):
     from lily import bench
 

@@ -458,7 +458,7 @@ class Model:
     @classmethod
     def load(cls, path_or_repo: str | Path | Mapping[str, Any], *, backend: str = "auto", precision: str | None = None,
              revision: str | None = None, quantize: int | None = None, prompt_cache_entries: int = 16,
-             prompt_cache_bytes: int = 4 << 30, prefill_step_size: int = 512,
+             prompt_cache_bytes: int = 4 << 30, prefill_step_size: int | None = None,
              progress: bool = True, load_format: str = "auto", max_context: int | None = None) -> Model:
         """Load a checkpoint from a directory, a Hugging Face repo id or ``"lily:demo"``.
 
@@ -478,6 +478,8 @@ class Model:
         dict or ``"full-size"`` (Qwen3.6-35B-A3B).
         ``max_context``: the metal and cuda backends' KV-cache limit in tokens (None: 32768; at most the model's
         ``max_position_embeddings``); the cache grows in blocks up to it. The other backends have no preset limit.
+        ``prefill_step_size``: prompts run through the backend in pieces of this many tokens, and a cancellation
+        acts between pieces (None: the engine backends' own prefill chunk, 2048 tokens; 512 for the others).
         """
         from lily import backends, hub
         from lily.checkpoint import load_checkpoint
@@ -495,8 +497,9 @@ class Model:
                              "weights are 4-bit already, and nothing is downloaded)")
         chosen = backends.choose(backend)
         _check_precision(backend, chosen, precision)
-        if prefill_step_size < 1:
-            raise ValueError(f"prefill_step_size must be >= 1; got {prefill_step_size}")
+        if prefill_step_size is not None and (isinstance(prefill_step_size, bool)
+                                              or not isinstance(prefill_step_size, int) or prefill_step_size < 1):
+            raise ValueError(f"Model.load(): prefill_step_size must be a positive integer; got {prefill_step_size!r}")
         if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
                                         or max_context < 1):
             raise ValueError(f"Model.load(): max_context must be a positive integer; got {max_context!r}")
@@ -510,6 +513,8 @@ class Model:
             raise ValueError(f"Model.load(): max_context={max_context} exceeds the model's context of "
                              f"{checkpoint.args.max_position_embeddings} tokens (max_position_embeddings)")
         engine = backends.create(chosen, checkpoint, precision, max_context, progress)
+        if prefill_step_size is None:
+            prefill_step_size = engine.prefill_chunk if isinstance(engine, backends.PrefillChunking) else 512
         tokenizer = None
         tokenizer_dir = Path(checkpoint.tokenizer_dir or directory)
         if (tokenizer_dir / "tokenizer.json").is_file():

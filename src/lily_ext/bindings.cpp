@@ -14,6 +14,7 @@
 #include "cuda/runtime.h"
 #include "metal_runtime.h"
 #include "plan.h"
+#include "tuning.h"
 // ---- end ----
 
 #if defined(LILY_METAL_TEST_RUNTIME)
@@ -340,6 +341,8 @@ NB_MODULE(_ext, m) {
   m.def("plan_decode", &plan_decode, nb::arg("config"), nb::arg("context"), nb::arg("precision") = "bfloat16",
         nb::arg("switches") = nb::dict(), nb::arg("with_graph") = false,
         "Build (not run) the decode graph of a config; counts and minimum bytes per token.");
+  // Tokens per prefill chunk (tuning::kPrefillChunk): the engine backends' PrefillChunking capability.
+  m.attr("prefill_chunk") = lily::tuning::kPrefillChunk;
   m.def("fast_paths_left_out", [](const nb::dict& config) { return lily::fast_paths_left_out(config_from_dict(config)); },
         nb::arg("config"), "The fast paths the config's shape does not fit, one line each (the engine runs general kernels).");
   m.def(

@@ -323,15 +323,18 @@ void Engine::write_logits(const float* logits) {
   runtime_->upload(*buffers_[decode_.logits], 0, logits, config_.vocab_size * 4);
 }
 
-void Engine::ensure_prefill_rows(size_t rows) {
-  if (has_prefill_ && prefill_.max_tokens >= rows) return;
+void Engine::ensure_prefill_rows(size_t rows, size_t logit_rows) {
+  if (has_prefill_ && prefill_.max_tokens >= rows && prefill_.max_logit_rows >= logit_rows) return;
   // The prefill scratch is the last group of buffers: a larger chunk replaces the group (same ids, new sizes).
   if (has_prefill_) {
     base_.buffers.erase(base_.buffers.begin() + static_cast<long>(prefill_first_buffer_), base_.buffers.end());
     buffers_.erase(buffers_.begin() + static_cast<long>(prefill_first_buffer_), buffers_.end());
   }
   prefill_first_buffer_ = base_.buffers.size();
-  prefill_ = add_prefill_buffers(config_, precision_, rows, base_);
+  const size_t keep_rows = has_prefill_ ? prefill_.max_tokens : 0;
+  const size_t keep_logit_rows = has_prefill_ ? prefill_.max_logit_rows : 0;
+  prefill_ = add_prefill_buffers(config_, precision_, std::max(rows, keep_rows),
+                                 std::max(logit_rows, keep_logit_rows), base_);
   if (!switches_.in_gemm_dequant) prefill_.dequant = add_dequant_scratch(precision_, weights_, base_);
   for (size_t i = prefill_first_buffer_; i < base_.buffers.size(); ++i) {
     buffers_.push_back(allocate(base_.buffers[i]));
@@ -344,7 +347,12 @@ void Engine::ensure_prefill_rows(size_t rows) {
 void Engine::prefill_chunk(const uint32_t* tokens, size_t count, float* logits, size_t logit_rows,
                            long dropped_barrier) {
   const size_t chunk = switches_.prefill_chunk ? switches_.prefill_chunk : tuning::kPrefillChunk;
-  ensure_prefill_rows(std::max(count, std::min(chunk, max_context_)));
+  const size_t rows = std::max(count, std::min(chunk, max_context_));
+  // Logits for the last row only, or (every row's) for a whole chunk of up to kPrefillLogitRows at once, so that
+  // later chunks of any length up to that reuse the buffers.
+  const size_t logit_capacity =
+      logit_rows <= 1 ? logit_rows : std::max(logit_rows, std::min(rows, tuning::kPrefillLogitRows));
+  ensure_prefill_rows(rows, logit_capacity);
   SharedExpertRouting routing = shared_expert_routing(count, switches_.wide_tiles);
   auto put = [&](int id, const void* data, size_t bytes) { runtime_->upload(*buffers_[id], 0, data, bytes); };
   put(prefill_.ids, tokens, count * 4);
@@ -377,9 +385,11 @@ void Engine::forward(const std::vector<uint32_t>& tokens, float* logits, long dr
   ensure_capacity(position_ + tokens.size());
   const size_t V = config_.vocab_size;
   if (switches_.batched_prefill && tokens.size() > 1) {
-    const size_t chunk = !switches_.chunked_prefill ? tokens.size()
-                         : std::min(switches_.prefill_chunk ? switches_.prefill_chunk : tuning::kPrefillChunk,
-                                    max_context_);
+    // Every row's logits (a prompt's log-probabilities): chunks of at most kPrefillLogitRows, so that their [T, V]
+    // f32 logits stay near 500 MB at full size.
+    const size_t limit = std::min(switches_.prefill_chunk ? switches_.prefill_chunk : tuning::kPrefillChunk,
+                                  last_only ? max_context_ : tuning::kPrefillLogitRows);
+    const size_t chunk = !switches_.chunked_prefill ? tokens.size() : std::min(limit, max_context_);
     for (size_t start = 0; start < tokens.size(); start += chunk) {
       const size_t count = std::min(chunk, tokens.size() - start);
       const bool last_chunk = start + count == tokens.size();

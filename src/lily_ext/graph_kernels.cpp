@@ -19,7 +19,7 @@ std::vector<std::string> graph_kernels(const ModelConfig& config, Precision prec
   size_t max_rows = 1;
   for (size_t rows : prefill_rows) max_rows = std::max(max_rows, rows);
   DecodeBuffers decode = add_decode_buffers(config, precision, max_rows + 1, max_rows + 1, graph);
-  PrefillBuffers prefill = add_prefill_buffers(config, precision, max_rows, graph);
+  PrefillBuffers prefill = add_prefill_buffers(config, precision, max_rows, max_rows, graph);
   if (!switches.in_gemm_dequant) prefill.dequant = add_dequant_scratch(precision, weights, graph);
   std::set<std::string> kernels;
   auto collect = [&](const Graph& g) {

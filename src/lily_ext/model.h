@@ -219,17 +219,20 @@ void build_decode_step(const ModelConfig& config, Precision precision, const Swi
                        const WeightTable& weights, const DecodeBuffers& buffers, size_t position, int token_slot,
                        int next_slot, Graph& graph, const std::optional<TokenChoice>& choice = TokenChoice{});
 
-// Scratch of a prefill chunk of up to `max_tokens` rows (buffer indices). The shared-expert routing tables
-// (identity pairs, ones, tile map) are host-written: see `fill_shared_expert_routing`.
+// Scratch of a prefill chunk of up to `max_tokens` rows, with logits for up to `max_logit_rows` of them (buffer
+// indices). The shared-expert routing tables (identity pairs, ones, tile map) are host-written: see
+// `fill_shared_expert_routing`.
 struct PrefillBuffers {
   size_t max_tokens = 0;
+  size_t max_logit_rows = 0;
   int ids, hidden, normed, mixer_out, qkv, z, b, a, conv_out, gdn_core_out, gdn_out, q_and_gate, k, v, q, gate,
       attn_out, router, shared_gate_logit, expert_ids, expert_weights, block_counts, expert_offsets, tile_map,
       tile_count, sorted_pairs, moe_hidden, expert_out, shared_pairs, shared_tile_map, shared_tile_count, ones,
       shared_hidden, shared_out, logits;
   int dequant = -1;  // dense copy of one weight (IN_GEMM_DEQUANT off only): see add_dequant_scratch
 };
-PrefillBuffers add_prefill_buffers(const ModelConfig& config, Precision precision, size_t max_tokens, Graph& graph);
+PrefillBuffers add_prefill_buffers(const ModelConfig& config, Precision precision, size_t max_tokens,
+                                   size_t max_logit_rows, Graph& graph);
 // IN_GEMM_DEQUANT off: the buffer prefill GEMMs dequantize into, sized by the largest non-expert quantized weight.
 int add_dequant_scratch(Precision precision, const WeightTable& weights, Graph& graph);
 
@@ -372,7 +375,7 @@ class Engine {
   std::unique_ptr<DeviceBuffer> allocate(const GraphBuffer& buffer) const;
   std::vector<DeviceBuffer*> buffer_list() const;
   void run_host_sort(const HostMoeSort& sort);
-  void ensure_prefill_rows(size_t rows);
+  void ensure_prefill_rows(size_t rows, size_t logit_rows);
   void read_rows(int buffer_id, size_t rows, float* out);
   void write_logits(const float* logits);
   void write_penalty_tables(const TokenChoice& choice, const PenaltyInputs& penalties);

@@ -17,12 +17,14 @@ using graph::layer_prefix;
 using graph::weight;
 using graph::whole;
 
-PrefillBuffers add_prefill_buffers(const ModelConfig& c, Precision precision, size_t max_tokens, Graph& g) {
+PrefillBuffers add_prefill_buffers(const ModelConfig& c, Precision precision, size_t max_tokens, size_t max_logit_rows,
+                                   Graph& g) {
   const size_t a = precision == Precision::Float32 ? 4 : 2, T = max_tokens, H = c.hidden_size;
   const size_t vd = c.gdn_v_heads * c.gdn_v_dim, pairs = T * c.top_k;
   const size_t blocks = (pairs + LILY_MOE_SORT_BLOCK - 1) / LILY_MOE_SORT_BLOCK;
   PrefillBuffers p;
   p.max_tokens = T;
+  p.max_logit_rows = std::max<size_t>(max_logit_rows, 1);
   auto scratch = [&](const char* name, size_t bytes) { return g.add_buffer(std::string("prefill ") + name, bytes, BufferRole::Scratch); };
   auto io = [&](const char* name, size_t bytes) { return g.add_buffer(std::string("prefill ") + name, bytes, BufferRole::Io); };
   p.ids = io("ids", T * 4);
@@ -59,7 +61,8 @@ PrefillBuffers add_prefill_buffers(const ModelConfig& c, Precision precision, si
   p.ones = io("ones", T * 4);
   p.shared_hidden = scratch("shared hidden", T * c.shared_expert_size * a);
   p.shared_out = scratch("shared out", T * H * a);
-  p.logits = io("logits", T * c.vocab_size * 4);  // f32 in every precision, as the decode step's
+  // f32 in every precision, as the decode step's; [V] f32 per row (1 MB at full size), so only the rows asked for.
+  p.logits = io("logits", p.max_logit_rows * c.vocab_size * 4);
   return p;
 }
 
@@ -219,7 +222,9 @@ void build_prefill_chunk(const ModelConfig& c, Precision precision, const Switch
     chunk.moe_block(pre);
   }
   if (logit_rows == 0) return;
-  if (logit_rows > T) throw std::logic_error("[graph] more logit rows than the chunk has");
+  if (logit_rows > T || logit_rows > p.max_logit_rows) {
+    throw std::logic_error("[graph] more logit rows than the chunk or its logits buffer has");
+  }
   // Only the rows whose logits are asked for (normally the last) go through the final norm and lm_head.
   const Span last_hidden = ops::sub(chunk.hidden, (T - logit_rows) * H * a, logit_rows * H * a);
   const Span last_normed = ops::sub(chunk.normed, 0, logit_rows * H * a);

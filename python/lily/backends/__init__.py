@@ -6,8 +6,8 @@
 ``cpu``: ``lily.backends.cpu.CpuBackend``, the extension's C++ forward pass on the packed weights (any machine).
 
 Every backend is a ``Backend``; what only some can do is a capability, a protocol of its own, that ``lily.Model`` and
-``lily bench`` test with ``isinstance``: ``GpuDecoding``, ``LiveSequence``, ``DeviceMemoryReport``, ``ExpertCounts``
-and ``KernelProfiling``.
+``lily bench`` test with ``isinstance``: ``GpuDecoding``, ``LiveSequence``, ``DeviceMemoryReport``, ``ExpertCounts``,
+``KernelProfiling`` and ``PrefillChunking``.
 """
 
 from __future__ import annotations
@@ -81,6 +81,14 @@ class KernelProfiling(Protocol):
     supports_profiling: bool
 
     def profile_prefill(self, token_ids: Any) -> list[tuple[str, str, float]]: ...
+
+@runtime_checkable
+class PrefillChunking(Protocol):
+    """Runs a prompt fastest in forward calls of ``prefill_chunk`` tokens (its own chunk: larger calls are split
+    into chunks of it, smaller ones run as they are); ``lily.Model`` feeds prompts in pieces of that size."""
+
+    prefill_chunk: int
+
 
 def peak_memory_gb(backend: Backend) -> float:
     """The most memory the model has held (GB): on a GPU backend the peak of what the engine holds in GPU memory

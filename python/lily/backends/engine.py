@@ -174,6 +174,7 @@ class EngineBackend:
             raise ValueError(f"unknown engine switch {sorted(unknown)[0]!r}; known: {SWITCHES}")
         if not isinstance(max_context, int) or max_context < 1:
             raise ValueError(f"max_context must be a positive integer; got {max_context!r}")
+        self.prefill_chunk: int = _ext.prefill_chunk  # tuning::kPrefillChunk: the PrefillChunking capability
         self.args = checkpoint.args
         self.weights = checkpoint.weights  # names, shapes and quantization (lily bench); the engine reads the files
         self.precision = precision
