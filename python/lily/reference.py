@@ -306,7 +306,7 @@ def gated_delta_rule(
     """
     num_v_heads = v.shape[1]
     k_head = np.arange(num_v_heads) // (num_v_heads // q.shape[1])
-    cast = lambda x: np.asarray(_f32(x), dtype=dtype)  # noqa: E731
+    cast = _f32 if dtype == np.float32 else (lambda x: np.asarray(x, dtype=dtype))
     q, k, v = cast(q)[:, k_head], cast(k)[:, k_head], cast(v)  # q, k now per value head
     decay, beta = np.exp(cast(g)), cast(beta)
     s = cast(state).copy()

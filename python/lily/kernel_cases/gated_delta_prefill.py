@@ -9,9 +9,9 @@ Dk = 64 instances run the demo model's layout. The blockwise instances (the REGI
 round-trips through memory every 16 tokens) run chunks shorter than, equal to and across the block, against the
 reference and bit for bit against the register-resident scan. The chunked scan (gated_delta_chunk_prepare, then
 gated_delta_chunk_scan, between the conv and the norm as the engine runs them; a case of either kernel runs both) runs
-T = 1, C - 1, C, C + 1 and 2C + 3 tokens (C = 32), from random and empty states, dv 16/24/48 (a threadgroup's
-second simdgroup without rows), mild decays that carry the state over several chunks, and extreme gates, against the
-reference and, within the same tolerance, against the plain scan. The norm kernel alone runs on random fp32 rows with
+T = 1, C - 1, C, C + 1 and 2C + 3 tokens (C = 32), from random and empty states (also in two prefills), dv
+16/24/48/64/128 (24: a threadgroup's second simdgroup without rows), mild decays that carry the state over 4C + 5
+tokens, and extreme gates, against the delta rule in float64 and, within twice its allowance, the plain scan. The norm kernel alone runs on random fp32 rows with
 a partial last threadgroup. Outputs and the fp32 scratches start NaN-poisoned.
 """
 
@@ -52,11 +52,11 @@ CHUNK_SHAPES = {128: [(1, 2, 16, 2 * CHUNK + 3), (2, 4, 16, 1), (1, 2, 24, CHUNK
                      (1, 2, 48, CHUNK + 1)]}
 # The chunked scan orders the arithmetic differently from the token rule (and from the fp32 reference, which the
 # plain scan follows step for step), so it is checked against the rule in float64 on the kernel's own conv output,
-# with allowances in units of fp32 rounding (u = 2^-24) of the head's state scale (the larger RMS of its state before
-# and after): o (before the norm) within O_ULPS u scale, the state within STATE_ULPS u scale. Measured on the harness
-# (worst case, dv 16 at Dk 64, 133 tokens of mild decays): o 88 u scale and the state 508, the plain scan's 90 and
-# 589 in the same case; the allowance goes through the gated norm as its first-order sensitivity.
-O_ULPS, STATE_ULPS = 256, 1024
+# with allowances in units of fp32 rounding (u = 2^-24) of the head's state scale (the largest RMS of its state over
+# the chunk): o (before the norm) within O_ULPS u scale, the state within STATE_ULPS u scale; the allowance goes
+# through the gated norm as its first-order sensitivity. Measured over these cases: o 30 u scale, the state 210; over
+# the same shapes the chunked and the plain scan were equally close (o 22 and 23, state 257 and 271).
+O_ULPS, STATE_ULPS = 128, 1024
 # (Hv, dv, tokens, threads) of the norm alone: the self-test's; one token; 17 tokens of dv 48 with a partial last
 # threadgroup (68 rows, 8 per group); one row per group; dv 33 at 3 rows per group; the model's head shape.
 NORM_SHAPES = [(2, 128, 4, 256), (4, 48, 1, 256), (4, 48, 17, 256), (2, 33, 3, 32), (2, 33, 5, 96), (32, 128, 2, 256)]
@@ -87,17 +87,25 @@ def _chunks_from_empty(run: Run, kernel: str) -> None:
     check_layer(run, layer, start, tokens, np.concatenate(outs))
 
 
-def _scan_reference(layer, start, conv_out: np.ndarray, tokens) -> tuple[np.ndarray, np.ndarray]:
+def _scan_reference(layer, start, conv_out: np.ndarray, tokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """lily.reference.gated_delta_rule in float64 over the inputs gated_delta does form from `conv_out` (the kernel's
-    fp32 conv output): o [T, Hv, dv] and the state [Hv, dv, Dk] (the kernel's layout)."""
+    fp32 conv output), one token at a time: o [T, Hv, dv], the state [Hv, dv, Dk] (the kernel's layout) and each
+    head's state scale, the largest RMS of its state over the chunk (start included) [Hv]."""
     t, key_dim, d = conv_out.shape[0], layer.hk * layer.dk, layer.dtype
     q = reference.l2_normalize(conv_out[:, :key_dim].reshape(t, layer.hk, layer.dk)) * np.float32(layer.dk**-0.5)
     k = reference.l2_normalize(conv_out[:, key_dim : 2 * key_dim].reshape(t, layer.hk, layer.dk))
     v = conv_out[:, 2 * key_dim :].reshape(t, layer.hv, layer.dv)
     beta = reference._sigmoid(to_f64(tokens["b"], d))
     g = -np.exp(layer.a_log) * reference._softplus(to_f64(tokens["a"], d).astype(np.float32) + layer.dt_bias)
-    o, state = reference.gated_delta_rule(q, k, v, g, beta, start.state.transpose(0, 2, 1), dtype=np.float64)
-    return o, state.transpose(0, 2, 1)
+    state = start.state.transpose(0, 2, 1).astype(np.float64)
+    rms = lambda x: np.sqrt(np.mean(np.square(x), axis=(1, 2)))  # noqa: E731 per head
+    scale, o = rms(state), []
+    for i in range(t):
+        o_i, state = reference.gated_delta_rule(q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1],
+                                                beta[i : i + 1], state, dtype=np.float64)
+        o.append(o_i)
+        scale = np.maximum(scale, rms(state))
+    return np.concatenate(o), state.transpose(0, 2, 1), scale
 
 
 def _check_chunked(run: Run, layer, start, tokens, conv_out: np.ndarray, core_out: np.ndarray, out: np.ndarray,
@@ -106,12 +114,10 @@ def _check_chunked(run: Run, layer, start, tokens, conv_out: np.ndarray, core_ou
     rule within the O_ULPS/STATE_ULPS allowances; with `plain` (the layer after the plain scan from `start`), the
     out and the state against the plain scan's within twice those; every element of the prepare scratch written."""
     t, hv, dv, d = conv_out.shape[0], layer.hv, layer.dv, layer.dtype
-    o, state = _scan_reference(layer, start, conv_out, tokens)
+    o, state, scale = _scan_reference(layer, start, conv_out, tokens)
     _, conv_state = reference.causal_conv1d(to_f64(tokens["qkv"], d), to_f64(start.conv_weight, d),
                                             to_f64(start.conv_state, d))
     run.compare_exact("conv state", to_f64(layer.conv_state, d), conv_state)
-    rms = lambda x: np.sqrt(np.mean(np.square(x.astype(np.float64)), axis=(1, 2)))  # noqa: E731 per head
-    scale = np.maximum(rms(start.state), rms(state))  # [Hv]
     o_allowance = np.broadcast_to((O_ULPS * 2.0**-24 * scale)[None, :, None], o.shape)
     run.compare("o", core_out.reshape(o.shape), o, TOLERANCES["f32"], o_allowance)
     # out = o r w SiLU(z), r = 1 / rms(o): |d out| <= |w SiLU(z)| r (|d o| + |o| r rms(d o)).
