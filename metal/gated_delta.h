@@ -45,15 +45,21 @@ inline uint gdn_channel(uint lc, uint key_head, constant lily::GatedDeltaArgs& a
   return 2 * key_dim + key_head * rows + (lc - 2 * Dk);
 }
 
+// The log-decay g <= 0 of value head j for one token.
+template <typename T>
+inline float gdn_log_decay(uint j, uint token, constant lily::GatedDeltaArgs& args, device const T* a,
+                           device const float* a_log, device const float* dt_bias) {
+  const size_t idx = size_t(token) * args.num_v_heads + j;
+  return -precise::exp(a_log[j]) * gdn_softplus(float(a[idx]) + dt_bias[j]);
+}
+
 // Beta and the decay exp(g) of value head j for one token.
 template <typename T>
 inline void gdn_gates(uint j, uint token, constant lily::GatedDeltaArgs& args, device const T* b, device const T* a,
                       device const float* a_log, device const float* dt_bias, threadgroup float* beta,
                       threadgroup float* decay) {
-  const size_t idx = size_t(token) * args.num_v_heads + j;
-  *beta = sigmoid(float(b[idx]));
-  const float g = -precise::exp(a_log[j]) * gdn_softplus(float(a[idx]) + dt_bias[j]);  // log-decay <= 0
-  *decay = precise::exp(g);
+  *beta = sigmoid(float(b[size_t(token) * args.num_v_heads + j]));
+  *decay = precise::exp(gdn_log_decay<T>(j, token, args, a, a_log, dt_bias));
 }
 
 // Each lane's Dk/32 consecutive elements of the L2-normalised q (times dk^-0.5) and k. Every simdgroup reduces the

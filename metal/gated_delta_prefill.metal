@@ -13,6 +13,13 @@
 //   gated_delta_prefill_blockwise_<dtype>_dk<Dk>
 //                                      the REGISTER_SCAN ablation (f32 and bf16): the state rows round-trip through
 //                                      device memory every LILY_GDN_SCAN_BLOCK tokens. Same grid, arithmetic and bits.
+//   gated_delta_chunk_prepare_<dtype>_dk<Dk>
+//   gated_delta_chunk_scan_<dtype>_dk<Dk>
+//                                      part 2 for chunks of tokens >= tuning::kGdnChunkedMinTokens (CHUNKED_SCAN on,
+//                                      dv a multiple of 8): the chunked (parallel-in-time) scan, same core_out.
+//                                      prepare: grid (Hv, ceil(T / LILY_GDN_CHUNK)), every chunk's matrices at once;
+//                                      scan: grid (Hv, ceil(dv / (8 * LILY_GDN_CHUNK_SCAN_SIMDGROUPS))), sequential
+//                                      over the chunks, matrix products only. Not the plain scan's bits.
 //   gated_delta_prefill_norm_<dtype>   part 3: the SiLU(z)-gated RMSNorm of o into `out`, one simdgroup per
 //                                      (token, value head) row; it needs a head's whole row, which part 2 splits.
 // The rows of a head are independent given the token's q, k, v and gates, so the split changes no arithmetic: each
@@ -213,6 +220,339 @@ template <typename T, uint Dk, uint Block>
   gdn_move_rows<Dk, true>(s, slice_state, rows, sg, n_sg, lane);
 }
 
+// ---- The chunked scan: gated_delta_chunk_prepare, then gated_delta_chunk_scan ----
+// Per value head and chunk of C = LILY_GDN_CHUNK tokens starting from the state S0 [dv, Dk], with q^, k^ the
+// normalised rows, D(i, j) = g_{j+1} + ... + g_i the log-decay from token j to token i (0 for i = j; every term <= 0)
+// and gamma_i = e^{D(i, -1)} the decay from the chunk's start:
+//   A_ij = beta_i e^{D(i, j)} k^_i·k^_j (j < i),  Tinv = (I + A)^{-1} (unit lower triangular)
+//   W = Tinv diag(beta * gamma) K^ [C, Dk],  U = Tinv diag(beta) V [C, dv]
+//   M_ij = e^{D(i, j)} q^_i·k^_j (j <= i),  Qg = diag(gamma) Q^ [C, Dk],  KdT = (diag(e^{D(last, j)}) K^)^T [Dk, C]
+// and per chunk, in order: V' = U - W S0^T (row j: the delta rule's rank-1 update vector of token j),
+//   o = Qg S0^T + M V',  S^T = gamma_last S0^T + KdT V'.
+// (Unrolling the token rule: delta_t + sum_{j<t} A_tj delta_j = beta_t (v_t - gamma_t S0 k^_t).) Every exponent is
+// <= 0; D is summed over its own tokens, not as a difference of cumulative sums, which would cancel. Rows past the
+// last token of a partial chunk have q^ = k^ = v = beta = g = 0, so every operand row of theirs is zero and they change
+// nothing.
+
+// gated_delta_chunk_prepare: one threadgroup per (value head, chunk), any number of whole simdgroups >= C threads.
+// Writes the chunk's operands of the scan (fp32, zero rows past the last token): W, U, Qg, KdT, M and gamma_last.
+// Threadgroup memory: two [C, LILY_GDN_CHUNK_SLAB] slabs (the staged operands: q^ and k^ columns for the Gram matrices,
+// then K^ or V columns for W and U) and two [C, C] matrices (Q^K^^T then Tinv; K^K^^T then A).
+template <typename T, uint Dk>
+[[kernel]] void gated_delta_chunk_prepare(constant lily::GatedDeltaArgs& args [[buffer(0)]],
+                                          device const float* conv_out [[buffer(1)]],  // [T, channels]
+                                          device const T* b [[buffer(2)]],             // [T, Hv]
+                                          device const T* a [[buffer(3)]],             // [T, Hv]
+                                          device const float* a_log [[buffer(4)]],     // [Hv]
+                                          device const float* dt_bias [[buffer(5)]],   // [Hv]
+                                          device float* w_out [[buffer(6)]],      // [Hv, chunks, C, Dk] W
+                                          device float* u_out [[buffer(7)]],      // [Hv, chunks, C, dv] U
+                                          device float* qg_out [[buffer(8)]],     // [Hv, chunks, C, Dk] Qg
+                                          device float* kdt_out [[buffer(9)]],    // [Hv, chunks, Dk, C] KdT
+                                          device float* m_out [[buffer(10)]],     // [Hv, chunks, C, C] M
+                                          device float* gamma_out [[buffer(11)]],  // [Hv, chunks] gamma_last
+                                          uint2 group [[threadgroup_position_in_grid]],  // (value head, chunk)
+                                          uint tid [[thread_index_in_threadgroup]],
+                                          uint2 threads_per_group [[threads_per_threadgroup]],
+                                          uint lane [[thread_index_in_simdgroup]],
+                                          uint sg [[simdgroup_index_in_threadgroup]],
+                                          uint n_sg [[simdgroups_per_threadgroup]]) {
+  constexpr uint C = LILY_GDN_CHUNK;
+  constexpr uint SLAB = LILY_GDN_CHUNK_SLAB;
+  constexpr uint NB = C / 8;                  // 8-token blocks of a chunk
+  constexpr uint LOWER = NB * (NB + 1) / 2;   // blocks on and below the diagonal of a [C, C] matrix
+  static_assert(C % 8 == 0 && C <= 32 && Dk % SLAB == 0 && SLAB % 8 == 0, "the chunk and slab shapes");
+  threadgroup float slab_a[LILY_GDN_CHUNK * LILY_GDN_CHUNK_SLAB];  // q^ columns; then the K^ or V columns of W, U
+  threadgroup float slab_b[LILY_GDN_CHUNK * LILY_GDN_CHUNK_SLAB];  // k^ columns
+  threadgroup float qk[LILY_GDN_CHUNK * LILY_GDN_CHUNK];  // Q^K^^T (lower blocks), then Tinv
+  threadgroup float kk[LILY_GDN_CHUNK * LILY_GDN_CHUNK];  // K^K^^T (lower blocks), then A
+  threadgroup float g_tg[LILY_GDN_CHUNK];       // log-decay g_i
+  threadgroup float beta_tg[LILY_GDN_CHUNK];
+  threadgroup float q_factor[LILY_GDN_CHUNK];   // q^ = q_factor · q (Dk^-0.5 included)
+  threadgroup float k_factor[LILY_GDN_CHUNK];
+  threadgroup float gamma_tg[LILY_GDN_CHUNK];   // e^{D(i, -1)}
+  threadgroup float to_end[LILY_GDN_CHUNK];     // e^{D(last, j)}
+
+  const uint n_threads = threads_per_group.x;
+  const uint dv = args.head_v_dim;
+  const uint v_head = group.x, chunk = group.y;
+  const uint key_dim = args.num_k_heads * Dk;
+  const uint channels = 2 * key_dim + args.num_v_heads * dv;
+  const uint key_head = v_head / (args.num_v_heads / args.num_k_heads);
+  const uint first = chunk * C;
+  const uint n = min(C, args.num_tokens - first);  // tokens of this chunk
+  const size_t hc = size_t(v_head) * ((args.num_tokens + C - 1) / C) + chunk;
+  device const float* q_raw = conv_out + size_t(first) * channels + key_head * Dk;
+  device const float* k_raw = q_raw + key_dim;
+  device const float* v_raw = conv_out + size_t(first) * channels + 2 * key_dim + v_head * dv;
+  device float* w_c = w_out + hc * C * Dk;
+  device float* u_c = u_out + hc * C * dv;
+  device float* qg_c = qg_out + hc * C * Dk;
+  device float* kdt_c = kdt_out + hc * Dk * C;
+  device float* m_c = m_out + hc * C * C;
+
+  // 1. Per token (one simdgroup each): the q and k norms as gdn_normalized_qk forms them, beta and g.
+  for (uint i = sg; i < C; i += n_sg) {  // uniform over the simdgroup
+    float q_sq = 0.0f;
+    float k_sq = 0.0f;
+    if (i < n) {
+      LILY_UNROLL
+      for (uint e = 0; e < Dk / 32; ++e) {
+        const float q = q_raw[size_t(i) * channels + lane * (Dk / 32) + e];
+        const float k = k_raw[size_t(i) * channels + lane * (Dk / 32) + e];
+        q_sq = fma(q, q, q_sq);
+        k_sq = fma(k, k, k_sq);
+      }
+    }
+    q_sq = simd_sum(q_sq);
+    k_sq = simd_sum(k_sq);
+    if (lane == 0) {
+      const bool valid = i < n;
+      q_factor[i] = valid ? precise::rsqrt(q_sq + args.l2_eps) * precise::rsqrt(float(Dk)) : 0.0f;
+      k_factor[i] = valid ? precise::rsqrt(k_sq + args.l2_eps) : 0.0f;
+      beta_tg[i] = valid ? sigmoid(float(b[size_t(first + i) * args.num_v_heads + v_head])) : 0.0f;
+      g_tg[i] = valid ? gdn_log_decay<T>(v_head, first + i, args, a, a_log, dt_bias) : 0.0f;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // 2. The decays from the chunk's start and to its end (g = 0 past the last token: the end is the last token).
+  if (tid < C) {
+    float from_start = 0.0f;
+    float until_end = 0.0f;
+    for (uint l = 0; l < C; ++l) {
+      if (l <= tid) {
+        from_start += g_tg[l];
+      } else {
+        until_end += g_tg[l];
+      }
+    }
+    gamma_tg[tid] = precise::exp(from_start);
+    to_end[tid] = precise::exp(until_end);
+    if (tid == C - 1) {
+      gamma_out[hc] = precise::exp(from_start);
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // 3. The Gram matrices Q^K^^T and K^K^^T (blocks on and below the diagonal), over slabs of SLAB key dims staged with
+  // zero rows past the last token; the staging also writes the scan's Qg and KdT columns.
+  for (uint d0 = 0; d0 < Dk; d0 += SLAB) {
+    for (uint e = tid; e < C * SLAB; e += n_threads) {
+      const uint i = e / SLAB, s = e % SLAB;
+      const float q = i < n ? q_raw[size_t(i) * channels + d0 + s] * q_factor[i] : 0.0f;
+      const float k = i < n ? k_raw[size_t(i) * channels + d0 + s] * k_factor[i] : 0.0f;
+      slab_a[e] = q;
+      slab_b[e] = k;
+      qg_c[i * Dk + d0 + s] = gamma_tg[i] * q;
+      kdt_c[(d0 + s) * C + i] = to_end[i] * k;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint f = sg; f < 2 * LOWER; f += n_sg) {  // uniform over the simdgroup
+      const bool keys = f >= LOWER;
+      uint bi = 0;
+      uint bj = keys ? f - LOWER : f;
+      while (bj > bi) {
+        bj -= bi + 1;
+        ++bi;
+      }
+      threadgroup float* block = (keys ? kk : qk) + bi * 8 * C + bj * 8;
+      threadgroup const float* left = (keys ? slab_b : slab_a) + bi * 8 * SLAB;
+      threadgroup const float* right = slab_b + bj * 8 * SLAB;
+      simdgroup_matrix<float, 8, 8> acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      if (d0 != 0) {
+        simdgroup_load(acc, block, C);
+      }
+      for (uint kd = 0; kd < SLAB / 8; ++kd) {
+        simdgroup_matrix<float, 8, 8> x;
+        simdgroup_matrix<float, 8, 8> y;
+        simdgroup_load(x, left + kd * 8, SLAB);
+        simdgroup_load(y, right + kd * 8, SLAB, ulong2(0, 0), true);  // rows bj as columns
+        simdgroup_multiply_accumulate(acc, x, y, acc);
+      }
+      simdgroup_store(acc, block, C);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  // 4. The decays of the pairs: M into the scratch, A in place of K^K^^T (upper blocks never read).
+  for (uint e = tid; e < C * C; e += n_threads) {
+    const uint i = e / C, j = e % C;
+    float decay = 0.0f;
+    if (j <= i) {
+      float d = 0.0f;
+      for (uint l = j + 1; l <= i; ++l) {
+        d += g_tg[l];
+      }
+      decay = precise::exp(d);
+    }
+    m_c[e] = j <= i ? decay * qk[e] : 0.0f;
+    kk[e] = j < i ? beta_tg[i] * decay * kk[e] : 0.0f;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // 5. Tinv = (I + A)^{-1} by forward substitution, thread c solving column c (in registers, zero above row c), into
+  // qk.
+  if (tid < C) {
+    float x[LILY_GDN_CHUNK];
+    LILY_UNROLL
+    for (uint i = 0; i < C; ++i) {
+      float acc = 0.0f;
+      LILY_UNROLL
+      for (uint j = 0; j < i; ++j) {
+        acc = fma(kk[i * C + j], x[j], acc);
+      }
+      x[i] = (i == tid ? 1.0f : 0.0f) - acc;
+      qk[i * C + tid] = x[i];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // 6. W = Tinv (diag(beta * gamma) K^) and U = Tinv (diag(beta) V), SLAB columns at a time (Dk is whole slabs; dv a
+  // multiple of 8).
+  for (uint c0 = 0; c0 < Dk + dv; c0 += SLAB) {
+    const bool keys = c0 < Dk;
+    const uint width = min(SLAB, Dk + dv - c0);
+    for (uint e = tid; e < C * SLAB; e += n_threads) {
+      const uint j = e / SLAB, s = e % SLAB;
+      float x = 0.0f;
+      if (j < n && s < width) {
+        x = keys ? k_raw[size_t(j) * channels + c0 + s] * k_factor[j] * (beta_tg[j] * gamma_tg[j])
+                 : v_raw[size_t(j) * channels + (c0 - Dk) + s] * beta_tg[j];
+      }
+      slab_a[e] = x;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const uint col_blocks = width / 8;
+    for (uint f = sg; f < NB * col_blocks; f += n_sg) {  // uniform over the simdgroup
+      const uint bi = f / col_blocks, bs = f % col_blocks;
+      simdgroup_matrix<float, 8, 8> acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (uint bj = 0; bj <= bi; ++bj) {
+        simdgroup_matrix<float, 8, 8> x;
+        simdgroup_matrix<float, 8, 8> y;
+        simdgroup_load(x, qk + bi * 8 * C + bj * 8, C);
+        simdgroup_load(y, slab_a + bj * 8 * SLAB + bs * 8, SLAB);
+        simdgroup_multiply_accumulate(acc, x, y, acc);
+      }
+      if (keys) {
+        simdgroup_store(acc, w_c + bi * 8 * Dk + c0 + bs * 8, Dk);
+      } else {
+        simdgroup_store(acc, u_c + bi * 8 * dv + (c0 - Dk) + bs * 8, dv);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
+// gated_delta_chunk_scan: simdgroup sg of threadgroup (value head, y) owns the 8 state rows from (y·n_sg + sg)·8 (n_sg
+// <= LILY_GDN_CHUNK_SCAN_SIMDGROUPS) and keeps their transpose, S^T [Dk, 8], in registers as Dk/8 matrices for the
+// whole prefill; per chunk, matrix products only (no threadgroup barrier: the simdgroups are independent), reading
+// gated_delta_chunk_prepare's operands from device memory. Writes o [T, Hv·dv] (fp32, before the norm) as
+// gated_delta_prefill does.
+template <typename T, uint Dk>
+[[kernel]] void gated_delta_chunk_scan(constant lily::GatedDeltaArgs& args [[buffer(0)]],
+                                       device const float* w [[buffer(1)]],      // [Hv, chunks, C, Dk]
+                                       device const float* u [[buffer(2)]],      // [Hv, chunks, C, dv]
+                                       device const float* qg [[buffer(3)]],     // [Hv, chunks, C, Dk]
+                                       device const float* kdt [[buffer(4)]],    // [Hv, chunks, Dk, C]
+                                       device const float* m [[buffer(5)]],      // [Hv, chunks, C, C]
+                                       device const float* gamma [[buffer(6)]],  // [Hv, chunks]
+                                       device float* state [[buffer(7)]],        // [Hv, dv, Dk] in/out
+                                       device float* core_out [[buffer(8)]],     // [T, Hv·dv] o, before the norm
+                                       uint2 group [[threadgroup_position_in_grid]],  // (value head, row slice)
+                                       uint lane [[thread_index_in_simdgroup]],
+                                       uint sg [[simdgroup_index_in_threadgroup]],
+                                       uint n_sg [[simdgroups_per_threadgroup]]) {
+  constexpr uint C = LILY_GDN_CHUNK;
+  constexpr uint NB = C / 8;   // 8-token blocks of a chunk
+  constexpr uint KB = Dk / 8;  // 8-dim blocks of a key
+  threadgroup float tail[LILY_GDN_CHUNK_SCAN_SIMDGROUPS * 64];  // o of a block past the last token, per simdgroup
+
+  const uint dv = args.head_v_dim;
+  const uint v_head = group.x;
+  const uint first_row = (group.y * n_sg + sg) * 8;
+  if (first_row >= dv) {
+    return;  // whole simdgroups; nothing below waits for the threadgroup
+  }
+  const uint num_tokens = args.num_tokens;
+  const uint chunks = (num_tokens + C - 1) / C;
+  const size_t out_stride = size_t(args.num_v_heads) * dv;
+  device float* rows = state + (size_t(v_head) * dv + first_row) * Dk;
+  device float* out = core_out + size_t(v_head) * dv + first_row;
+
+  simdgroup_matrix<float, 8, 8> st[KB];  // S^T: key dims 8kd.. x this simdgroup's 8 rows
+  LILY_UNROLL
+  for (uint kd = 0; kd < KB; ++kd) {
+    simdgroup_load(st[kd], rows + kd * 8, Dk, ulong2(0, 0), true);
+  }
+  for (uint c = 0; c < chunks; ++c) {
+    const size_t hc = size_t(v_head) * chunks + c;
+    device const float* w_c = w + hc * C * Dk;
+    device const float* u_c = u + hc * C * dv + first_row;
+    device const float* qg_c = qg + hc * C * Dk;
+    device const float* kdt_c = kdt + hc * Dk * C;
+    device const float* m_c = m + hc * C * C;
+
+    // V' = U - W S0^T, one [8, 8] block per 8 tokens.
+    simdgroup_matrix<float, 8, 8> vp[NB];
+    LILY_UNROLL
+    for (uint bi = 0; bi < NB; ++bi) {
+      simdgroup_matrix<float, 8, 8> acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      LILY_UNROLL
+      for (uint kd = 0; kd < KB; ++kd) {
+        simdgroup_matrix<float, 8, 8> x;
+        simdgroup_load(x, w_c + bi * 8 * Dk + kd * 8, Dk);
+        simdgroup_multiply_accumulate(acc, x, st[kd], acc);
+      }
+      simdgroup_load(vp[bi], u_c + bi * 8 * dv, dv);
+      vp[bi].thread_elements() -= acc.thread_elements();  // element-wise: the same lane layout
+    }
+    // o = Qg S0^T + M V'.
+    LILY_UNROLL
+    for (uint bi = 0; bi < NB; ++bi) {
+      simdgroup_matrix<float, 8, 8> acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      LILY_UNROLL
+      for (uint kd = 0; kd < KB; ++kd) {
+        simdgroup_matrix<float, 8, 8> x;
+        simdgroup_load(x, qg_c + bi * 8 * Dk + kd * 8, Dk);
+        simdgroup_multiply_accumulate(acc, x, st[kd], acc);
+      }
+      LILY_UNROLL
+      for (uint bj = 0; bj <= bi; ++bj) {
+        simdgroup_matrix<float, 8, 8> x;
+        simdgroup_load(x, m_c + bi * 8 * C + bj * 8, C);
+        simdgroup_multiply_accumulate(acc, x, vp[bj], acc);
+      }
+      const uint token = c * C + bi * 8;
+      if (token + 8 <= num_tokens) {
+        simdgroup_store(acc, out + size_t(token) * out_stride, out_stride);
+      } else if (token < num_tokens) {  // the last chunk's partial block: only its tokens' rows
+        threadgroup float* block = tail + sg * 64;
+        simdgroup_store(acc, block, 8);
+        simdgroup_barrier(mem_flags::mem_threadgroup);
+        for (uint e = lane; e < (num_tokens - token) * 8; e += 32) {
+          out[size_t(token + e / 8) * out_stride + e % 8] = block[e];
+        }
+      }
+    }
+    // S^T = gamma_last S0^T + KdT V'.
+    const float decay = gamma[hc];
+    LILY_UNROLL
+    for (uint kd = 0; kd < KB; ++kd) {
+      st[kd].thread_elements() *= decay;
+      LILY_UNROLL
+      for (uint bi = 0; bi < NB; ++bi) {
+        simdgroup_matrix<float, 8, 8> x;
+        simdgroup_load(x, kdt_c + kd * 8 * C + bi * 8, C);
+        simdgroup_multiply_accumulate(st[kd], x, vp[bi], st[kd]);
+      }
+    }
+  }
+  LILY_UNROLL
+  for (uint kd = 0; kd < KB; ++kd) {
+    simdgroup_store(st[kd], rows + kd * 8, Dk, ulong2(0, 0), true);
+  }
+}
+
 // The gated RMSNorm of gated_delta_prefill's o: simdgroup sg of threadgroup g takes row g·n_sg + sg of the T·Hv
 // (token, value head) rows, the decode step's gdn_gated_norm on the same fp32 values.
 template <typename T>
@@ -248,6 +588,15 @@ LILY_INSTANTIATE_KERNEL("gated_delta_conv_state_f32_dk64", gated_delta_conv_stat
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_state_bf16_dk64", gated_delta_conv_state, bfloat, 64)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f32_dk64", gated_delta_prefill, float, 64, 0)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_bf16_dk64", gated_delta_prefill, bfloat, 64, 0)
+// The chunked scan (CHUNKED_SCAN on, chunks of tuning::kGdnChunkedMinTokens tokens or more).
+LILY_INSTANTIATE_KERNEL("gated_delta_chunk_prepare_f32_dk128", gated_delta_chunk_prepare, float, 128)
+LILY_INSTANTIATE_KERNEL("gated_delta_chunk_prepare_bf16_dk128", gated_delta_chunk_prepare, bfloat, 128)
+LILY_INSTANTIATE_KERNEL("gated_delta_chunk_scan_f32_dk128", gated_delta_chunk_scan, float, 128)
+LILY_INSTANTIATE_KERNEL("gated_delta_chunk_scan_bf16_dk128", gated_delta_chunk_scan, bfloat, 128)
+LILY_INSTANTIATE_KERNEL("gated_delta_chunk_prepare_f32_dk64", gated_delta_chunk_prepare, float, 64)
+LILY_INSTANTIATE_KERNEL("gated_delta_chunk_prepare_bf16_dk64", gated_delta_chunk_prepare, bfloat, 64)
+LILY_INSTANTIATE_KERNEL("gated_delta_chunk_scan_f32_dk64", gated_delta_chunk_scan, float, 64)
+LILY_INSTANTIATE_KERNEL("gated_delta_chunk_scan_bf16_dk64", gated_delta_chunk_scan, bfloat, 64)
 // REGISTER_SCAN off (the ablation): the state round-trips through memory every LILY_GDN_SCAN_BLOCK tokens.
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_blockwise_f32_dk128", gated_delta_prefill, float, 128, LILY_GDN_SCAN_BLOCK)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_blockwise_bf16_dk128", gated_delta_prefill, bfloat, 128, LILY_GDN_SCAN_BLOCK)

@@ -243,6 +243,17 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // gated_delta_prefill_blockwise (the REGISTER_SCAN ablation): tokens between two state round trips through memory.
 // 16 as in the blockwise scans that preceded register residency; not a tuning point (the ablation's baseline).
 #define LILY_GDN_SCAN_BLOCK 16
+// gated_delta_chunk_prepare/_scan (the chunked prefill scan): tokens per chunk. 32, not FLA's 64: the prepare
+// kernel's threadgroup arrays (two [C, 64] slabs and two [C, C] matrices, 25 KB at 32) exceed Apple's 32 KB at 64,
+// and per token the intra-chunk work grows with C (C·(Dk + dv) of the solve, 2·C·Dk of the Gram matrices) while the
+// scan's (3·Dk·dv + C·dv/2) barely changes. Untuned: chosen on those counts, not timed.
+#define LILY_GDN_CHUNK 32
+// gated_delta_chunk_prepare: columns of the [C, Dk] and [C, dv] operands staged in threadgroup memory at a time.
+#define LILY_GDN_CHUNK_SLAB 64
+// gated_delta_chunk_scan: simdgroups per threadgroup, each owning 8 value rows of one head (the slice of S^T it keeps
+// in registers for the whole prefill): 16 rows per threadgroup, grid Hv x ceil(dv / 16), 256 threadgroups of 64
+// threads for the model (the 512 simdgroups spread evenly over the GPU's cores). Untuned.
+#define LILY_GDN_CHUNK_SCAN_SIMDGROUPS 2
 
 // Sampling (metal/sampling.metal). Untuned: no Mac benchmark yet.
 // argmax_partial: logits per threadgroup; 248320 / 4096 = 61 threadgroups, few enough for one argmax_final group.

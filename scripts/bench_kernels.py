@@ -438,6 +438,40 @@ def gated_delta_prefill_cases(tokens: int) -> list[Case]:
     ]
 
 
+GDN_CHUNK, GDN_CHUNK_SCAN_SIMDGROUPS = 32, 2  # LILY_GDN_CHUNK, LILY_GDN_CHUNK_SCAN_SIMDGROUPS
+GDN_CHUNK_PREPARE_THREADS = 256  # tuning::kGdnChunkPrepareThreads
+
+
+def gated_delta_chunk_cases(tokens: int) -> list[Case]:
+    """The chunked DeltaNet scan of one layer's chunk (what the host runs for 64+ tokens with CHUNKED_SCAN on):
+    gated_delta_chunk_prepare (one threadgroup per value head and 32-token chunk) and gated_delta_chunk_scan (8 state
+    rows per simdgroup, sequential over the chunks); with the token scan at 4096 tokens for comparison (the 512-token
+    one is in gated_delta_prefill_cases)."""
+    c, v = GDN_CONV_CHANNELS, GDN_V_HEADS * GDN_V_DIM
+    args = struct.pack("<IIIIffII", tokens, GDN_K_HEADS, GDN_V_HEADS, GDN_V_DIM, EPS, EPS, 0, 0)
+    state = f32(GDN_V_HEADS * GDN_V_DIM * GDN_K_DIM)
+    blocks, nb, dk, dv = GDN_V_HEADS * ceil_div(tokens, GDN_CHUNK), GDN_CHUNK // 8, GDN_K_DIM, GDN_V_DIM
+    keys, values, pairs = f32(blocks * GDN_CHUNK * dk), f32(blocks * GDN_CHUNK * dv), f32(blocks * GDN_CHUNK**2)
+    operands = [keys, values, keys, keys, pairs, f32(blocks)]  # W, U, Qg, KdT, M, gamma_last
+    scratch = sum(operands)
+    lower = nb * (nb + 1) // 2 * 8 * 8  # elements of the 8x8 blocks on and below a chunk's diagonal
+    prepare_macs = blocks * (2 * lower * dk + lower * (dk + dv))  # Gram matrices; Tinv x [K | V]
+    scan_macs = blocks * (2 * GDN_CHUNK * dk * dv + lower * dv + dk * GDN_CHUNK * dv)  # W S^T, Qg S^T; M V'; KdT V'
+    rows = 8 * GDN_CHUNK_SCAN_SIMDGROUPS
+    cases = [
+        Case(f"gated_delta_chunk_prepare, T={tokens}", "gated_delta_chunk_prepare_bf16_dk128",
+             [args, f32(tokens * c), bf16(tokens * GDN_V_HEADS), bf16(tokens * GDN_V_HEADS), f32(GDN_V_HEADS),
+              f32(GDN_V_HEADS), *operands], (GDN_V_HEADS, ceil_div(tokens, GDN_CHUNK), 1),
+             (GDN_CHUNK_PREPARE_THREADS, 1, 1), f32(tokens * c) + scratch, flops=2 * prepare_macs),
+        Case(f"gated_delta_chunk_scan, T={tokens}", "gated_delta_chunk_scan_bf16_dk128",
+             [args, *operands, state, f32(tokens * v)], (GDN_V_HEADS, ceil_div(GDN_V_DIM, rows), 1),
+             (32 * GDN_CHUNK_SCAN_SIMDGROUPS, 1, 1), scratch + 2 * state + f32(tokens * v), flops=2 * scan_macs),
+    ]
+    if tokens != 512:
+        cases.append(gated_delta_prefill_cases(tokens)[2])  # the token scan at the same length
+    return cases
+
+
 def prefill_cases() -> list[Case]:
     cases = []
     for m in (512, 4096):
@@ -446,6 +480,8 @@ def prefill_cases() -> list[Case]:
         cases.extend(moe_prefill_cases(m))
     cases.extend(moe_prefill_cases(512, bm=32))
     cases.extend(gated_delta_prefill_cases(512))
+    for tokens in (512, 4096):
+        cases.extend(gated_delta_chunk_cases(tokens))
     return cases
 
 

@@ -29,11 +29,12 @@ DECODE_KERNELS = {"qmv_q4_g64_bf16", "qmv_q8_g64_bf16", "qmv_norm_q4_g64_bf16_of
 
 
 # The prefill cases: the GEMMs with the tiles the host picks at 512 and 4096 rows (and 32-row MoE tiles at 512 for
-# comparison), the DeltaNet prefill kernels.
+# comparison), the DeltaNet prefill kernels (the token scan and the chunked scan at 512 and 4096 tokens).
 PREFILL_KERNELS = {"qmm_q4_g64_bf16_bm32", "qmm_q4_g64_bf16_bm64", "moe_gemm_gate_up_bf16_bm16",
                    "moe_gemm_down_bf16_bm16", "moe_gemm_gate_up_bf16_bm32", "moe_gemm_down_bf16_bm32",
                    "gated_delta_conv_bf16_dk128", "gated_delta_conv_state_bf16_dk128", "gated_delta_prefill_bf16_dk128",
-                   "gated_delta_prefill_norm_bf16"}
+                   "gated_delta_prefill_norm_bf16", "gated_delta_chunk_prepare_bf16_dk128",
+                   "gated_delta_chunk_scan_bf16_dk128"}
 
 
 def test_cases_cover_every_decode_kernel_and_qmv_row_count() -> None:
@@ -97,3 +98,13 @@ def test_attention_split_rule_matches_the_engine() -> None:
     blocks = {keys: bench_kernels.attention_split_blocks(keys) for keys in (255, 256, 511, 512, 1024, 4096, 16384,
                                                                             32768)}
     assert blocks == {255: 0, 256: 2, 511: 2, 512: 4, 1024: 8, 4096: 32, 16384: 128, 32768: 128}
+
+
+def test_deltanet_scan_cases_at_512_and_4096_tokens() -> None:
+    """The chunked scan's two kernels at both lengths, the token scan beside them, all at the model's head shapes."""
+    labels = {c.label for c in bench_kernels.cases() if "gated_delta" in c.kernel}
+    for tokens in (512, 4096):
+        assert {f"gated_delta_chunk_prepare, T={tokens}", f"gated_delta_chunk_scan, T={tokens}",
+                f"gated_delta_prefill scan, T={tokens}"} <= labels
+    scan = next(c for c in bench_kernels.cases() if c.label == "gated_delta_chunk_scan, T=4096")
+    assert scan.grid == (32, 8, 1) and scan.threads == (64, 1, 1) and scan.buffers[0][:4] == (4096).to_bytes(4, "little")

@@ -78,8 +78,9 @@ def test_greedy_decode_matches_hf_cached_decode(tiny_checkpoints, variant: str) 
 
 @pytest.mark.parametrize("num_tokens", [1, 63, 64, 65, 130])
 @pytest.mark.parametrize("num_k_heads,num_v_heads,head_k_dim,head_v_dim", [(2, 4, 32, 64), (3, 3, 64, 64)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])  # float64: the chunked kernel tests' reference
 def test_gated_delta_rule_matches_hf_chunked_and_recurrent(
-    num_tokens: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int
+    num_tokens: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, dtype: type
 ) -> None:
     rng = np.random.default_rng(1000 + num_tokens + num_v_heads)
     q = rng.standard_normal((num_tokens, num_k_heads, head_k_dim), dtype=np.float32)
@@ -90,8 +91,10 @@ def test_gated_delta_rule_matches_hf_chunked_and_recurrent(
     state = rng.standard_normal((num_v_heads, head_k_dim, head_v_dim), dtype=np.float32) * 0.1
 
     out, new_state = reference.gated_delta_rule(
-        reference.l2_normalize(q) * np.float32(head_k_dim**-0.5), reference.l2_normalize(k), v, g, beta, state
+        reference.l2_normalize(q) * np.float32(head_k_dim**-0.5), reference.l2_normalize(k), v, g, beta, state,
+        dtype=dtype,
     )
+    assert out.dtype == dtype and new_state.dtype == dtype
 
     def torch_args():
         tensors = [torch.from_numpy(a)[None] for a in (q, k, v, g, beta)]

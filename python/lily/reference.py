@@ -291,21 +291,25 @@ def causal_conv1d(x: np.ndarray, w: np.ndarray, conv_state: np.ndarray) -> tuple
 
 
 def gated_delta_rule(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray,
+    *, dtype: type = np.float32
 ) -> tuple[np.ndarray, np.ndarray]:
     """The gated delta rule, token by token, from ``state``.
 
     Value head j uses query/key head ``j // (Hv / Hk)``. For each token, per value head:
     decay ``S *= exp(g)``; error ``e = v - S^T k``; rank-1 write ``S += k (beta e)^T``; read
     ``o = S^T q`` AFTER the write. q and k come in already L2-normalised (q also scaled).
+    ``dtype`` is the arithmetic's precision: float32 as the models run it, float64 for a reference free of rounding
+    for kernels that order the arithmetic differently (the chunked prefill scan).
     q, k: [T, Hk, dk]; v: [T, Hv, dv]; g (log-decay <= 0), beta: [T, Hv]; state: [Hv, dk, dv] fp32
-    ->  o [T, Hv, dv], new state [Hv, dk, dv]
+    ->  o [T, Hv, dv], new state [Hv, dk, dv] (in ``dtype``)
     """
     num_v_heads = v.shape[1]
     k_head = np.arange(num_v_heads) // (num_v_heads // q.shape[1])
-    q, k, v = _f32(q)[:, k_head], _f32(k)[:, k_head], _f32(v)  # q, k now per value head
-    decay, beta = np.exp(_f32(g)), _f32(beta)
-    s = _f32(state).copy()
+    cast = _f32 if dtype == np.float32 else (lambda x: np.asarray(x, dtype=dtype))
+    q, k, v = cast(q)[:, k_head], cast(k)[:, k_head], cast(v)  # q, k now per value head
+    decay, beta = np.exp(cast(g)), cast(beta)
+    s = cast(state).copy()
     out = np.empty_like(v)
     for t in range(v.shape[0]):
         s *= decay[t][:, None, None]

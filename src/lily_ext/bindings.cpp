@@ -71,6 +71,7 @@ lily::Switches switches_from_dict(const nb::dict& d) {
     else if (name == "chunked_prefill") s.chunked_prefill = nb::cast<bool>(value);
     else if (name == "gqa_packing") s.gqa_packing = nb::cast<bool>(value);
     else if (name == "register_scan") s.register_scan = nb::cast<bool>(value);
+    else if (name == "chunked_scan") s.chunked_scan = nb::cast<bool>(value);
     else if (name == "in_gemm_dequant") s.in_gemm_dequant = nb::cast<bool>(value);
     else if (name == "coalesced_kv") s.coalesced_kv = nb::cast<bool>(value);
     else if (name == "tensor_ops") s.tensor_ops = nb::cast<bool>(value);

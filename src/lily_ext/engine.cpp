@@ -336,6 +336,7 @@ void Engine::ensure_prefill_rows(size_t rows, size_t logit_rows) {
   prefill_ = add_prefill_buffers(config_, precision_, std::max(rows, keep_rows),
                                  std::max(logit_rows, keep_logit_rows), base_);
   if (!switches_.in_gemm_dequant) prefill_.dequant = add_dequant_scratch(precision_, weights_, base_);
+  if (switches_.chunked_scan) prefill_.gdn_chunks = add_gdn_chunk_scratch(config_, rows, base_);
   for (size_t i = prefill_first_buffer_; i < base_.buffers.size(); ++i) {
     buffers_.push_back(allocate(base_.buffers[i]));
   }

@@ -21,6 +21,7 @@ std::vector<std::string> graph_kernels(const ModelConfig& config, Precision prec
   DecodeBuffers decode = add_decode_buffers(config, precision, max_rows + 1, max_rows + 1, graph);
   PrefillBuffers prefill = add_prefill_buffers(config, precision, max_rows, max_rows, graph);
   if (!switches.in_gemm_dequant) prefill.dequant = add_dequant_scratch(precision, weights, graph);
+  if (switches.chunked_scan) prefill.gdn_chunks = add_gdn_chunk_scratch(config, max_rows, graph);
   std::set<std::string> kernels;
   auto collect = [&](const Graph& g) {
     for (const Node& node : g.nodes) kernels.insert(node.kernel);

@@ -49,6 +49,7 @@ struct Switches {
   bool chunked_prefill = true;     // CHUNKED_PREFILL: off = a prompt runs as one chunk, however long
   bool gqa_packing = true;         // GQA_PACKING: off = decode attention runs one query head per threadgroup
   bool register_scan = true;       // REGISTER_SCAN: off = the prefill DeltaNet state round-trips memory per block
+  bool chunked_scan = true;        // CHUNKED_SCAN: off = the prefill DeltaNet scan walks every chunk token by token
   bool in_gemm_dequant = true;     // IN_GEMM_DEQUANT: off = prefill qmm as a dequantize pass + a dense GEMM
   bool coalesced_kv = true;        // COALESCED_KV: off = decode attention reads K/V rows with the plain lane mapping
   bool tensor_ops = true;          // TENSOR_OPS: prefill GEMMs on Metal 4 tensor ops (qmm_nax) where the GPU has them
@@ -230,11 +231,15 @@ struct PrefillBuffers {
       tile_count, sorted_pairs, moe_hidden, expert_out, shared_pairs, shared_tile_map, shared_tile_count, ones,
       shared_hidden, shared_out, logits;
   int dequant = -1;  // dense copy of one weight (IN_GEMM_DEQUANT off only): see add_dequant_scratch
+  int gdn_chunks = -1;  // the chunked DeltaNet scan's operands (CHUNKED_SCAN on only): see add_gdn_chunk_scratch
 };
 PrefillBuffers add_prefill_buffers(const ModelConfig& config, Precision precision, size_t max_tokens,
                                    size_t max_logit_rows, Graph& graph);
 // IN_GEMM_DEQUANT off: the buffer prefill GEMMs dequantize into, sized by the largest non-expert quantized weight.
 int add_dequant_scratch(Precision precision, const WeightTable& weights, Graph& graph);
+// CHUNKED_SCAN on: the chunked DeltaNet scan's fp32 operands for chunks of up to `max_tokens` rows; -1 (no buffer)
+// when no chunk that long takes the chunked scan (ops::gated_delta_chunk_scratch_bytes).
+int add_gdn_chunk_scratch(const ModelConfig& config, size_t max_tokens, Graph& graph);
 
 // One prefill chunk: `tokens` ids from p.ids at `position`, every layer with T-row kernels, then the final norm and
 // lm_head for the last `logit_rows` rows only (0: none), logits [logit_rows, V] into p.logits. Projections run

@@ -46,9 +46,17 @@ MinimumBytes minimum_bytes(const ModelConfig& c, Precision precision, const Weig
 }
 
 std::vector<std::string> fast_paths_left_out(const ModelConfig& config) {
-  bool any_attention = false;
-  for (bool a : config.attention_layers) any_attention |= a;
-  return any_attention ? ops::attention_fast_paths_left_out(config) : std::vector<std::string>{};
+  bool any_attention = false, any_deltanet = false;
+  for (bool a : config.attention_layers) {
+    any_attention |= a;
+    any_deltanet |= !a;
+  }
+  std::vector<std::string> lines;
+  if (any_attention) lines = ops::attention_fast_paths_left_out(config);
+  if (any_deltanet) {
+    for (std::string& line : ops::gated_delta_fast_paths_left_out(config)) lines.push_back(std::move(line));
+  }
+  return lines;
 }
 
 DecodePlan plan_decode(const ModelConfig& config, Precision precision, const Switches& switches, size_t context) {

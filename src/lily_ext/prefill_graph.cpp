@@ -75,6 +75,11 @@ int add_dequant_scratch(Precision precision, const WeightTable& weights, Graph& 
   return g.add_buffer("prefill dequantized weight", std::max<size_t>(largest * a, 4), BufferRole::Scratch);
 }
 
+int add_gdn_chunk_scratch(const ModelConfig& c, size_t max_tokens, Graph& g) {
+  const size_t bytes = ops::gated_delta_chunk_scratch_bytes(c, max_tokens);
+  return bytes != 0 ? g.add_buffer("prefill deltanet chunks", bytes, BufferRole::Scratch) : -1;
+}
+
 SharedExpertRouting shared_expert_routing(size_t tokens, bool wide_tiles) {
   SharedExpertRouting r;
   const size_t bm = ops::moe_tile_rows(static_cast<double>(tokens), wide_tiles);
@@ -115,6 +120,8 @@ struct PrefillChunk {
     ctx.in_gemm_dequant = sw.in_gemm_dequant;
     if (p.dequant >= 0) ctx.dequant_scratch = whole(g, p.dequant);
     ctx.register_scan = sw.register_scan;
+    ctx.chunked_scan = sw.chunked_scan;
+    if (p.gdn_chunks >= 0) ctx.gdn_chunks = whole(g, p.gdn_chunks);
     ctx.tensor_ops = sw.tensor_ops;
     ctx.mma_attention = sw.mma_attention;
   }

@@ -78,6 +78,13 @@ constexpr size_t kMoeDownRowsPerThreadgroup = LILY_MOE_DOWN_ROWS_PER_SIMDGROUP *
 // gated_delta_conv: one thread per channel and block of LILY_GDN_CONV_TOKENS tokens, 256 channels per group (32
 // groups along x on the model's 8192 channels); gated_delta_conv_state: one thread per channel.
 constexpr size_t kGdnConvThreads = 256;
+// The chunked DeltaNet scan (CHUNKED_SCAN): chunks of at least this many tokens take it, shorter ones the plain scan.
+// Two chunks of LILY_GDN_CHUNK: below that the plain scan's per-token chain is short. Untuned: not timed yet.
+constexpr size_t kGdnChunkedMinTokens = 2 * LILY_GDN_CHUNK;
+// gated_delta_chunk_prepare: 8 simdgroups per (value head, chunk) threadgroup (its products are 20 and 4x(Dk+dv)/8
+// 8x8 blocks; the solve takes one simdgroup). gated_delta_chunk_scan: LILY_GDN_CHUNK_SCAN_SIMDGROUPS (metal/lily.h).
+constexpr size_t kGdnChunkPrepareThreads = 256;
+constexpr size_t kGdnChunkScanSimdgroups = LILY_GDN_CHUNK_SCAN_SIMDGROUPS;
 // gated_delta_prefill_norm: one simdgroup per (token, value head) row, 8 rows per group (2,048 groups for 512 tokens
 // of the model's 32 heads). Untuned.
 constexpr size_t kGdnPrefillNormThreads = 256;

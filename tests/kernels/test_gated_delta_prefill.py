@@ -1,7 +1,9 @@
 """metal/gated_delta_prefill.metal: every case of lily.kernel_cases.gated_delta_prefill (the conv alone, the register
 and blockwise scans, each followed by the gated norm, over chunks around the 16-token block and dv around the 32-row
-threadgroup, from random and empty states, Dk 128 and 64; the norm alone), then what the cases do not cover: one
-conv + prefill of T tokens gives the bits of T decode steps, in one chunk or (blockwise) in two.
+threadgroup, from random and empty states, Dk 128 and 64; the chunked scan around its 32-token chunk, against the
+float64 rule and the plain scan; the norm alone), then what the cases do not cover: one conv + prefill of T tokens
+gives the bits of T decode steps, in one chunk or (blockwise) in two; the chunked scan's bits do not depend on its
+threadgroup sizes or the fiber schedule.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import pytest
 from cases import check, op_cases
 
 from lily.kernel_cases.common import Run
-from lily.kernel_cases.gated_delta import make_layer, make_tokens, prefill_threads, run_prefill, run_steps, token_range
+from lily.kernel_cases.gated_delta import (CHUNK, make_layer, make_tokens, prefill_threads, run_chunk_scan, run_conv,
+                                           run_prefill, run_steps, token_range)
 
 SCAN_BLOCK = 16  # LILY_GDN_SCAN_BLOCK (metal/lily.h): tokens between the blockwise kernel's state round trips
 
@@ -53,3 +56,20 @@ def test_gated_delta_prefill_blockwise_in_chunks_equals_steps(dtype: str, kernel
     assert np.array_equal(outs, np.concatenate([first, second]))
     assert np.array_equal(stepped.conv_state, chunked.conv_state)
     assert np.array_equal(stepped.state, chunked.state)
+
+
+@pytest.mark.parametrize("dtype,dk", [("f32", 128), ("bf16", 64)])
+def test_chunked_scan_bits_do_not_depend_on_threadgroup_sizes(dtype: str, dk: int, kernel_device) -> None:
+    """gated_delta_chunk_prepare with one simdgroup instead of eight and gated_delta_chunk_scan with one 8-row
+    simdgroup per threadgroup instead of two (each element is computed by one thread or simdgroup whatever the split),
+    under another fiber schedule: the same o and state bits."""
+    run = Run(kernel_device, np.random.default_rng(7 + dk))
+    layer = make_layer(run.rng, 1, 2, 24, dtype, dk=dk)
+    other = layer.copy()
+    tokens = make_tokens(run.rng, layer, 2 * CHUNK + 3)
+    conv_out = run_conv(run, layer, tokens["qkv"])
+    out = run_chunk_scan(run, layer, conv_out, tokens)
+    other_out = run_chunk_scan(run, other, conv_out, tokens, prepare_threads=32, scan_simdgroups=1, seed=11)
+    assert not np.isnan(out).any()
+    assert np.array_equal(out, other_out)
+    assert np.array_equal(layer.state, other.state)

@@ -30,6 +30,9 @@ PREFILL_ROWS_PER_SIMDGROUP = 1  # LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP
 PREFILL_ROWS_PER_THREADGROUP = 32  # LILY_GDN_PREFILL_ROWS_PER_THREADGROUP: grid (Hv, ceil(dv / 32)) of the scan
 PREFILL_NORM_THREADS = 256  # tuning::kGdnPrefillNormThreads: 8 (token, head) rows per gated_delta_prefill_norm group
 CONV_TOKENS = 16  # LILY_GDN_CONV_TOKENS: tokens per thread of gated_delta_conv (its grid's y)
+CHUNK = 32  # LILY_GDN_CHUNK: tokens per chunk of gated_delta_chunk_prepare/_scan
+CHUNK_SCAN_SIMDGROUPS = 2  # LILY_GDN_CHUNK_SCAN_SIMDGROUPS: 8 state rows each, grid (Hv, ceil(dv / 16))
+CHUNK_PREPARE_THREADS = 256  # tuning::kGdnChunkPrepareThreads
 # The kernels compute in fp32 from rounded inputs and round once: bf16/f16 outputs are within 1 ulp of the rounded
 # reference. fp32 outputs go through ~10 dependent fp32 operations per token, so they get a few ulp, not one.
 F32_CHAIN = Tolerance(rtol=3e-5, atol=3e-6, rel_rms=5e-6)
@@ -67,8 +70,8 @@ class Layer:
         return 2 * self.hk * self.dk + self.hv * self.dv
 
     def kernel(self, family: str) -> str:
-        """The instance of `family` ("step", "conv", "conv_state", "prefill", "prefill_blockwise" or "prefill_norm", the one
-        family without a Dk) for this layer."""
+        """The instance of `family` ("step", "conv", "conv_state", "prefill", "prefill_blockwise", "chunk_prepare",
+        "chunk_scan" or "prefill_norm", the one family without a Dk) for this layer."""
         if family == "prefill_norm":
             return f"gated_delta_prefill_norm_{self.dtype}"
         return f"gated_delta_{family}_{self.dtype}_dk{self.dk}"
@@ -180,6 +183,42 @@ def run_prefill(run: Run, layer: Layer, tokens: dict[str, np.ndarray], threads: 
     core_out = np.full((t, layer.hv * layer.dv), np.nan, np.float32)
     run.dispatch(layer.kernel(scan), [args, conv_out, tokens["b"], tokens["a"], layer.a_log, layer.dt_bias,
                                       layer.state, core_out], prefill_groups(layer), threads, **options)
+    return run_prefill_norm(run, layer, core_out, tokens["z"], norm_threads, **options)
+
+
+def chunk_scratch(layer: Layer, num_tokens: int) -> dict[str, np.ndarray]:
+    """gated_delta_chunk_prepare's outputs for `num_tokens` tokens, NaN-poisoned: W, U, Qg, KdT, M, gamma_last."""
+    shape = (layer.hv, -(-num_tokens // CHUNK))
+    sizes = {"w": (CHUNK, layer.dk), "u": (CHUNK, layer.dv), "qg": (CHUNK, layer.dk), "kdt": (layer.dk, CHUNK),
+             "m": (CHUNK, CHUNK), "gamma": ()}
+    return {name: np.full(shape + size, np.nan, np.float32) for name, size in sizes.items()}
+
+
+def run_chunk_scan(run: Run, layer: Layer, conv_out: np.ndarray, tokens: dict[str, np.ndarray],
+                   prepare_threads: int = CHUNK_PREPARE_THREADS, scan_simdgroups: int = CHUNK_SCAN_SIMDGROUPS,
+                   scratch: dict[str, np.ndarray] | None = None, **options) -> np.ndarray:
+    """gated_delta_chunk_prepare then gated_delta_chunk_scan over a chunk's conv output, as ops/gated_delta_prefill.cpp
+    dispatches them: the fp32 o [T, Hv*dv] (NaN-poisoned before); updates layer.state in place. `scratch`
+    (chunk_scratch) receives the prepare kernel's outputs."""
+    t = conv_out.shape[0]
+    args = gated_delta_args(t, layer.hk, layer.hv, layer.dv)
+    scratch = chunk_scratch(layer, t) if scratch is None else scratch
+    operands = [scratch[name] for name in ("w", "u", "qg", "kdt", "m", "gamma")]
+    run.dispatch(layer.kernel("chunk_prepare"), [args, conv_out, tokens["b"], tokens["a"], layer.a_log,
+                                                 layer.dt_bias, *operands],
+                 (layer.hv, -(-t // CHUNK), 1), prepare_threads, **options)
+    core_out = np.full((t, layer.hv * layer.dv), np.nan, np.float32)
+    run.dispatch(layer.kernel("chunk_scan"), [args, *operands, layer.state, core_out],
+                 (layer.hv, -(-layer.dv // (8 * scan_simdgroups)), 1), 32 * scan_simdgroups, **options)
+    return core_out
+
+
+def run_chunked_prefill(run: Run, layer: Layer, tokens: dict[str, np.ndarray],
+                        norm_threads: int = PREFILL_NORM_THREADS, **options) -> np.ndarray:
+    """The conv (run_conv), the chunked scan (run_chunk_scan) and gated_delta_prefill_norm over one chunk, as the
+    engine runs a prefill chunk with CHUNKED_SCAN on; updates the layer's states in place."""
+    conv_out = run_conv(run, layer, tokens["qkv"], **options)
+    core_out = run_chunk_scan(run, layer, conv_out, tokens, **options)
     return run_prefill_norm(run, layer, core_out, tokens["z"], norm_threads, **options)
 
 

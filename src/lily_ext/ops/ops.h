@@ -22,6 +22,8 @@ struct Context {
   bool gpu_routing = true;  // prefill MoE pairs sorted on the GPU; off = a HostMoeSort step (the GPU_ROUTING switch)
   bool gqa_packing = true;  // decode attention packs query heads of one KV head per threadgroup (GQA_PACKING)
   bool register_scan = true;  // prefill DeltaNet scan keeps the state in registers per chunk (REGISTER_SCAN)
+  bool chunked_scan = true;   // long prefill chunks run the chunked DeltaNet scan (CHUNKED_SCAN)
+  Span gdn_chunks{};          // its operands' scratch (add_gdn_chunk_scratch; unused and empty when absent)
   bool in_gemm_dequant = true;  // prefill GEMMs dequantize W tiles inside the GEMM (IN_GEMM_DEQUANT)
   Span dequant_scratch{};   // IN_GEMM_DEQUANT off: prefill GEMMs dequantize W here, then run mm_* (else unused)
   bool coalesced_kv = true;  // decode attention lanes read consecutive chunks of a K/V row (COALESCED_KV)
@@ -91,6 +93,12 @@ struct GatedDeltaPrefillSpans {
 };
 void gated_delta_prefill(Context& ctx, const ModelConfig& config, const std::string& label,
                          const GatedDeltaPrefillSpans& s, size_t tokens);
+// Bytes of the chunked scan's scratch for a chunk of `tokens` rows (W, U, Qg, KdT, M and gamma_last of every value
+// head and LILY_GDN_CHUNK-token chunk, fp32); 0 when such a chunk keeps the plain scan (fewer than
+// tuning::kGdnChunkedMinTokens rows, or dv not a multiple of 8).
+size_t gated_delta_chunk_scratch_bytes(const ModelConfig& config, size_t tokens);
+// The chunked scan's line for `lily plan` when the shape does not fit it (see fast_paths_left_out), else none.
+std::vector<std::string> gated_delta_fast_paths_left_out(const ModelConfig& config);
 // attention.cpp: preparation (norms, rope, KV write) and decode attention for one token at `position`.
 struct AttentionSpans {
   Span q_and_gate, k, v, q, gate, out, k_cache, v_cache, partial_out, partial_stats;
