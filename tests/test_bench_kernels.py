@@ -29,11 +29,11 @@ DECODE_KERNELS = {"qmv_q4_g64_bf16", "qmv_q8_g64_bf16", "qmv_norm_q4_g64_bf16_of
 
 
 # The prefill cases: the GEMMs with the tiles the host picks at 512 and 4096 rows (and 32-row MoE tiles at 512 for
-# comparison), the DeltaNet prefill kernels.
+# comparison), the DeltaNet prefill kernels, prefill attention at 512 and 4608 keys.
 PREFILL_KERNELS = {"qmm_q4_g64_bf16_bm32", "qmm_q4_g64_bf16_bm64", "moe_gemm_gate_up_bf16_bm16",
                    "moe_gemm_down_bf16_bm16", "moe_gemm_gate_up_bf16_bm32", "moe_gemm_down_bf16_bm32",
                    "gated_delta_conv_bf16_dk128", "gated_delta_conv_state_bf16_dk128", "gated_delta_prefill_bf16_dk128",
-                   "gated_delta_prefill_norm_bf16"}
+                   "gated_delta_prefill_norm_bf16", "attention_prefill_mma_bf16_d256"}
 
 
 def test_cases_cover_every_decode_kernel_and_qmv_row_count() -> None:
@@ -97,3 +97,19 @@ def test_attention_split_rule_matches_the_engine() -> None:
     blocks = {keys: bench_kernels.attention_split_blocks(keys) for keys in (255, 256, 511, 512, 1024, 4096, 16384,
                                                                             32768)}
     assert blocks == {255: 0, 256: 2, 511: 2, 512: 4, 1024: 8, 4096: 32, 16384: 128, 32768: 128}
+
+
+def test_prefill_attention_cases_are_the_engines_launches() -> None:
+    """A 512-token chunk first and after 4096 tokens of context, with the grid the engine uses
+    (ops/attention_prefill.cpp: 8 queries x the model's 8 heads of one KV head per threadgroup, metal/lily.h's
+    constants) and the causal FLOPs."""
+    header = (ROOT / "metal" / "lily.h").read_text()
+    assert f"#define LILY_ATTN_MMA_QUERIES {bench_kernels.ATTN_MMA_QUERIES}\n" in header
+    assert f"#define LILY_ATTN_MMA_HEADS_PER_GROUP {bench_kernels.ATTN_MMA_HEADS_PER_GROUP}\n" in header
+    cases = bench_kernels.attention_prefill_cases()
+    assert [c.label for c in cases] == ["attention_prefill_mma T=512, 512 keys",
+                                        "attention_prefill_mma T=512, 4608 keys"]
+    for c, keys in zip(cases, (512, 4608)):
+        assert c.grid == (64, 2, 1) and c.threads == (256, 1, 1)
+        assert c.buffers[0][12:16] == keys.to_bytes(4, "little")  # AttentionArgs.num_keys
+        assert c.flops == 4 * 256 * 16 * sum(keys - 512 + t + 1 for t in range(512))
