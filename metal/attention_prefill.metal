@@ -2,18 +2,20 @@
 // holds the keys of earlier chunks (rows 0 .. num_keys - T - 1) and of this chunk (written by attention_prep).
 // out = softmax(q k^T * scale + causal mask) v ⊙ sigmoid(gate), fp32 online softmax, the gate fused.
 //   attention_prefill_mma_<dtype>_d<D> matrix units: one threadgroup of G simdgroups per (8 query tokens, G query
-//                                       heads of one KV head; G = 4 at D = 256, 2 at D = 64); simdgroup s owns head
-//                                       head0 + s. Scores S = Q K^T and the update O += P V are simdgroup_matrix
-//                                       products in the cache dtype (fp32 accumulators) over key tiles of
-//                                       LILY_ATTN_MMA_TILE_KEYS (8) keys staged in threadgroup memory (K transposed,
-//                                       so no transposed load is needed). Q (32 fragments) and O (32 fragments)
-//                                       stay in registers for the whole chunk.
-//                                       Chosen for T >= LILY_ATTN_MMA_MIN_QUERIES (8).
+//                                       heads of one KV head; G = LILY_ATTN_MMA_HEADS_PER_GROUP = 8 at D = 256, the
+//                                       model's whole GQA group, 2 at D = 64); simdgroup s owns head head0 + s. Per
+//                                       key tile of BK = lily::attn_mma_tile_keys keys (32 in bf16, 16 in f32 at
+//                                       D = 256; 32 at D = 64) staged in threadgroup memory, the transposed products
+//                                       S^T = K Q^T and O^T += V^T P^T are simdgroup_matrix MMAs in the cache dtype
+//                                       (fp32 accumulators), so that two 8-key (or 8-dim) fragments of A share one
+//                                       fragment of B: one full m16n8k8 tensor-core MMA on NVIDIA. Q^T (D/8
+//                                       fragments) and O^T (D/8 fp32 fragments) stay in registers for the whole
+//                                       chunk; one online-softmax rescale per tile. Chosen for T >= 8.
 //   attention_prefill_<dtype>_d<D>      vector ALUs: one threadgroup per (n consecutive queries, G query heads);
 //                                       simdgroup s owns query q0 + s for the G heads, one float4 simd_sum of the G
 //                                       heads' dot products per key (at D = 64 lanes 16..31 hold zeros); K and V
 //                                       staged in tiles of LILY_ATTN_PREFILL_TILE_BYTES / (D * sizeof(C)) keys (16
-//                                       in bf16, 8 in f32 at D = 256; 64 and 32 at D = 64).
+//                                       in bf16, 8 in f32 at D = 256; 64 and 32 at D = 64); G = 4 at D = 256.
 //                                       Chosen for 1 < T < 8, where an 8-row fragment would be mostly padding.
 //   attention_prefill[_mma]_unpacked_<dtype>_d<D>  the same with G = 1 (one query head per threadgroup): the general
 //                                       kernels for head ratios Hq / Hkv that are not a multiple of G (f32, bf16).
@@ -22,13 +24,16 @@
 // Layout: q, gate, out [T, Hq, D]; k_cache, v_cache [Hkv, capacity, D]. Head dims 256 (the model's; f32, bf16, f16)
 // and 64 (demo model and test fixtures, whose GQA group is 2 or 4; f32, bf16).
 // Dispatch: mma: grid (ceil(T / 8), Hq / G), 32*G threads. vector: grid (ceil(T / n), Hq / G), 32*n threads (n <= 32).
-// Reuse: each staged K/V element is read from device memory once per threadgroup and serves 8 queries x G heads (mma)
-// or n queries x G heads (vector); tiles past the causal limit of the threadgroup's last query are never loaded. Loads
-// are coalesced (consecutive threads read consecutive 4-element chunks of a row).
+// Reuse: each staged K/V element is read from device memory once per threadgroup and serves 8 queries x G heads (mma:
+// 64 query rows at D = 256) or n queries x G heads (vector); tiles past the causal limit of the threadgroup's last
+// query are never loaded. Loads are coalesced (vector: consecutive threads read consecutive 4-element chunks of a row;
+// mma: 16-byte units, AttnKvTileCopy).
+// mma per tile of 32 keys at D = 256 in bf16, per simdgroup: 256 fragment loads from threadgroup memory (K and V, 32 KiB
+// read), 256 8x8 MMAs (128 m16n8k8 on NVIDIA), 10 exps per lane, one rescale of the 32 O^T fragments; per threadgroup
+// 32 KiB loaded from device memory into registers while the MMAs run, and two barriers.
 // Verified here: the maths, causality, KV offsets, boundaries and races (CPU harness, which emulates
-// simdgroup_matrix with MLX's lane layout). Mac only: compiler acceptance, the lane layout
-// the mma kernel's softmax relies on, register pressure (128 fp32 fragment elements per lane), speed; the key tile
-// (8) is small because the fp32 tiles of float32 mode must fit 32 KiB (bf16 mode stages bf16 tiles).
+// simdgroup_matrix with MLX's lane layout). Mac only: compiler acceptance, the lane layout the mma kernel's softmax
+// relies on, register pressure (the mma kernel holds 96 fragment registers per lane at D = 256, 256 threads), speed.
 #include <metal_stdlib>
 #include "activations.h"
 #include "lily.h"
@@ -137,9 +142,10 @@ template <typename T, typename C, uint D, uint G>
   }
 }
 
-// Row and first column of the two elements a lane holds in an 8x8 simdgroup matrix: (row, col) and (row, col + 1),
-// and the sum or max over the four lanes holding one row. Apple leaves this mapping implementation-defined; on Apple
-// GPUs it is the one MLX's steel kernels rely on; the CUDA shim stores fragments in NVIDIA's mma layout.
+// Row and first column of the two elements a lane holds in an 8x8 simdgroup matrix: (row, col) and (row, col + 1).
+// Apple leaves this mapping implementation-defined; on Apple GPUs it is the one MLX's steel kernels rely on; the CUDA
+// shim stores fragments in NVIDIA's mma layout. The eight lanes holding one column (the same attn_mma_col) differ in
+// the three bits ATTN_MMA_COL_XOR_*: the bits attn_mma_row reads.
 #if defined(MSL_CUDA)
 inline uint attn_mma_row(uint lane) {
   return lane / 4;
@@ -147,8 +153,9 @@ inline uint attn_mma_row(uint lane) {
 inline uint attn_mma_col(uint lane) {
   return (lane % 4) * 2;
 }
-constant constexpr ushort ATTN_MMA_ROW_XOR_NEAR = 1;  // the lanes of a row differ in these two bits
-constant constexpr ushort ATTN_MMA_ROW_XOR_FAR = 2;
+constant constexpr ushort ATTN_MMA_COL_XOR_0 = 4;
+constant constexpr ushort ATTN_MMA_COL_XOR_1 = 8;
+constant constexpr ushort ATTN_MMA_COL_XOR_2 = 16;
 #else
 inline uint attn_mma_row(uint lane) {
   return ((lane / 4) & 4) + ((lane / 2) % 4);
@@ -156,16 +163,20 @@ inline uint attn_mma_row(uint lane) {
 inline uint attn_mma_col(uint lane) {
   return ((lane / 4) & 2) * 2 + (lane % 2) * 2;
 }
-constant constexpr ushort ATTN_MMA_ROW_XOR_NEAR = 1;
-constant constexpr ushort ATTN_MMA_ROW_XOR_FAR = 8;
+constant constexpr ushort ATTN_MMA_COL_XOR_0 = 2;
+constant constexpr ushort ATTN_MMA_COL_XOR_1 = 4;
+constant constexpr ushort ATTN_MMA_COL_XOR_2 = 16;
 #endif
-inline float attn_mma_row_max(float x) {
-  x = max(x, simd_shuffle_xor(x, ATTN_MMA_ROW_XOR_NEAR));
-  return max(x, simd_shuffle_xor(x, ATTN_MMA_ROW_XOR_FAR));
+// Max and sum over the 8 rows of each of the lane's two columns (three butterflies).
+inline float2 attn_mma_col_max(float2 x) {
+  x = max(x, simd_shuffle_xor(x, ATTN_MMA_COL_XOR_0));
+  x = max(x, simd_shuffle_xor(x, ATTN_MMA_COL_XOR_1));
+  return max(x, simd_shuffle_xor(x, ATTN_MMA_COL_XOR_2));
 }
-inline float attn_mma_row_sum(float x) {
-  x += simd_shuffle_xor(x, ATTN_MMA_ROW_XOR_NEAR);
-  return x + simd_shuffle_xor(x, ATTN_MMA_ROW_XOR_FAR);
+inline float2 attn_mma_col_sum(float2 x) {
+  x += simd_shuffle_xor(x, ATTN_MMA_COL_XOR_0);
+  x += simd_shuffle_xor(x, ATTN_MMA_COL_XOR_1);
+  return x + simd_shuffle_xor(x, ATTN_MMA_COL_XOR_2);
 }
 
 // The lane layout check attention_prefill_mma depends on: lane l writes the two element indices 8r + c its
@@ -184,6 +195,83 @@ inline float attn_mma_row_sum(float x) {
   out[32 + lane] = float2(first, first + 1.0f);
 }
 
+// acc[i] += a[i] · b for FM fragments of A sharing one B. The CUDA shim runs two of them as the rows 0-7 and 8-15 of
+// one m16n8k8 tensor-core MMA (simdgroup_multiply_accumulate_pairs, B transposed once); Apple's compiler, the CPU
+// harness and fp32 operands get the plain 8x8 MMAs. The same products and fp32 sums either way.
+template <uint FM, typename C>
+LILY_INLINE void attn_mma_column(thread simdgroup_float8x8* acc, thread const simdgroup_matrix<C, 8, 8>* a,
+                                 thread const simdgroup_matrix<C, 8, 8>& b) {
+#if defined(MSL_CUDA)
+  if constexpr (sizeof(C) == 2) {
+    simdgroup_multiply_accumulate_pairs<FM, 1>(acc, a, &b);
+    return;
+  }
+#endif
+  LILY_UNROLL
+  for (uint i = 0; i < FM; ++i) {
+    simdgroup_multiply_accumulate(acc[i], a[i], b, acc[i]);
+  }
+}
+
+// The cooperative copy of one key tile of K and V ([BK keys, D] rows of the cache) into threadgroup memory, in
+// 16-byte units. A tile is stored block-major: the 8x8 block (keys 8kb.., dims 8f..) is 64 consecutive elements at
+// element (kb · D/8 + f) · 64, row-major (8 elements per key). A fragment load then reads 8 rows of 16 bytes that lie
+// next to each other (one ldmatrix with no bank conflict on NVIDIA; no padding needed), and unit u of the tile,
+// copied by thread u % THREADS, is stored at element u · UNIT: consecutive threads write consecutive 16 bytes and read
+// 64 contiguous bytes of each of 8 key rows. Keys from key_end on (the causal limit, or the end of the cache) are
+// zeros: a masked key's probability is exactly 0, and 0 · 0 adds nothing. ROUNDS passes of N units of K and V per
+// thread: one pass (N <= 4) is the whole tile, held in registers from before this tile's MMAs until the barrier after
+// them, so the loads of the next tile are in flight during the MMAs; more passes (one query head per threadgroup) copy
+// the tile after the barrier instead.
+template <typename C, uint D, uint THREADS>
+struct AttnKvTileCopy {
+  static constant constexpr const uint BK = lily::attn_mma_tile_keys(D, sizeof(C));
+  static constant constexpr const uint UNIT = 16 / sizeof(C);       // elements per 16-byte unit
+  static constant constexpr const uint TILE_UNITS = BK * D / UNIT;  // units of one K (or V) tile
+  static constant constexpr const uint PER_THREAD = TILE_UNITS / THREADS;
+  // Units of K (and of V) per pass: 4 (128 bytes of registers with V's), 2 for fp32 tiles, whose Q^T fragments
+  // already take twice the registers of 16-bit ones.
+  static constant constexpr const uint MAX_N = 8 / sizeof(C);
+  static constant constexpr const uint N = PER_THREAD < MAX_N ? PER_THREAD : MAX_N;
+  static constant constexpr const uint ROUNDS = PER_THREAD / N;
+  static_assert(TILE_UNITS % THREADS == 0 && PER_THREAD % N == 0, "whole passes of the threads over a tile");
+  static_assert(BK % 8 == 0 && D % 8 == 0, "whole 8x8 blocks");
+
+  device const uint4* k_rows;  // the KV head's rows as 16-byte units
+  device const uint4* v_rows;
+  uint tid;
+  uint4 k[N];
+  uint4 v[N];
+
+  // Key (within the tile) and 16-byte unit (within the key's row) of this thread's unit i of pass r.
+  LILY_INLINE uint unit(uint r, uint i) const { return (r * N + i) * THREADS + tid; }
+  LILY_INLINE static uint unit_key(uint u) { return 8 * (u / (8 * D / UNIT)) + (u * UNIT / 8) % 8; }
+  LILY_INLINE static uint unit_column(uint u) { return (u / (64 / UNIT)) % (D / 8) * (8 / UNIT) + u % (8 / UNIT); }
+
+  LILY_INLINE void fetch(uint r, uint tile_start, uint key_end) {
+    LILY_UNROLL
+    for (uint i = 0; i < N; ++i) {
+      const uint u = unit(r, i), key = tile_start + unit_key(u);
+      const size_t src = size_t(key) * (D / UNIT) + unit_column(u);
+      k[i] = key < key_end ? k_rows[src] : uint4(0);
+      v[i] = key < key_end ? v_rows[src] : uint4(0);
+    }
+  }
+  LILY_INLINE void stage(uint r, threadgroup uint4* k_tile, threadgroup uint4* v_tile) const {
+    LILY_UNROLL
+    for (uint i = 0; i < N; ++i) {
+      k_tile[unit(r, i)] = k[i];
+      v_tile[unit(r, i)] = v[i];
+    }
+  }
+  LILY_INLINE void copy(uint tile_start, uint key_end, threadgroup uint4* k_tile, threadgroup uint4* v_tile) {
+    for (uint r = 0; r < ROUNDS; ++r) {
+      fetch(r, tile_start, key_end);
+      stage(r, k_tile, v_tile);
+    }
+  }
+};
+
 template <typename T, typename C, uint D, uint G>
 [[kernel]] void attention_prefill_mma(constant lily::AttentionArgs& args [[buffer(0)]],
                                       device const T* q [[buffer(1)]],
@@ -195,117 +283,172 @@ template <typename T, typename C, uint D, uint G>
                                       uint tid [[thread_index_in_threadgroup]],
                                       uint simd_lane [[thread_index_in_simdgroup]],
                                       uint simd_group [[simdgroup_index_in_threadgroup]]) {
-  // K^T (dims x keys) and V (keys x dims) of one key tile in the cache dtype C, which is also the MMA operand type:
-  // bf16 MMAs with fp32 accumulators in bf16 mode (tensor cores on NVIDIA; the probabilities are rounded to bf16 for
-  // P·V, as FlashAttention does), fp32 in float32 mode.
-  threadgroup C kt_tile[LILY_ATTN_MMA_TILE_KEYS * D];
-  threadgroup C v_tile[LILY_ATTN_MMA_TILE_KEYS * D];
-  static_assert(LILY_ATTN_MMA_TILE_KEYS == 8, "one 8x8 fragment of scores per simdgroup and tile");
-  static_assert(D % 8 == 0, "head_dim is a whole number of 8-wide fragments");
-  constexpr uint BK = LILY_ATTN_MMA_TILE_KEYS;
-  constexpr uint FRAGS = D / 8;   // 8x8 fragments across the head dim
-  constexpr uint THREADS = 32 * G;  // one simdgroup per head
+  // K and V of one key tile in the cache dtype C, which is also the MMA operand type: bf16 MMAs with fp32
+  // accumulators in bf16 mode (tensor cores on NVIDIA; the probabilities are rounded to bf16 for P·V, as
+  // FlashAttention does), fp32 in float32 mode.
+  typedef AttnKvTileCopy<C, D, 32 * G> Copy;
+  constexpr uint BK = Copy::BK;           // keys per tile
+  constexpr uint KB = BK / 8;             // 8-key blocks per tile
+  constexpr uint FRAGS = D / 8;           // 8-wide blocks across the head dim
+  constexpr uint TILE_UNITS = Copy::TILE_UNITS;
+  constexpr uint QUERIES = LILY_ATTN_MMA_QUERIES;
+  static_assert(QUERIES == 8, "one 8-column fragment of queries per simdgroup");
+  threadgroup uint4 k_tile[TILE_UNITS];
+  threadgroup uint4 v_tile[TILE_UNITS];
+  threadgroup const C* k_blocks = (threadgroup const C*)k_tile;
+  threadgroup const C* v_blocks = (threadgroup const C*)v_tile;
 
   const uint head = group.y * G + simd_group;  // simdgroup s owns query head head0 + s
   const uint kv_head = head / (args.num_heads / args.num_kv_heads);
   const uint first_position = args.num_keys - args.num_queries;
-  const uint q0 = group.x * 8;  // the threadgroup's 8 query tokens
+  const uint q0 = group.x * QUERIES;  // the threadgroup's 8 query tokens
   const uint row = attn_mma_row(simd_lane);
   const uint col = attn_mma_col(simd_lane);
-  const uint t = q0 + row;  // this lane's query token (rows past num_queries compute but are not written)
-  const uint position = first_position + t;
+  // This lane's two query columns, col and col + 1 (columns past num_queries compute but are not written).
+  const uint2 t = uint2(q0 + col, q0 + col + 1);
+  const uint2 position = first_position + t;
 
-  // Q fragments (8 tokens x 8 dims each), scaled, straight from device memory into the lane's two elements.
-  simdgroup_matrix<C, 8, 8> query[FRAGS];
-  simdgroup_float8x8 acc[FRAGS];
+  // Transposed products, so that on NVIDIA each MMA is a full m16n8k8 (two 8-row fragments of A against one B):
+  // S^T = K Q^T (keys x queries) and O^T += V^T P^T (dims x queries). Q^T (FRAGS fragments of 8 dims x 8 queries,
+  // scaled) and O^T stay in registers for the whole chunk; each lane holds two query columns.
+  simdgroup_matrix<C, 8, 8> query_t[FRAGS];
+  simdgroup_float8x8 acc_t[FRAGS];
+  LILY_UNROLL
   for (uint f = 0; f < FRAGS; ++f) {
-    float2 elements = float2(0.0f);
-    if (t < args.num_queries) {
-      device const T* src = q + (size_t(t) * args.num_heads + head) * D + 8 * f + col;
-      elements = float2(float(src[0]), float(src[1])) * args.scale;  // 1/sqrt(D): a power of 2 for D = 64, 256
-    }
-    query[f].thread_elements()[0] = C(elements[0]);
-    query[f].thread_elements()[1] = C(elements[1]);
-    acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-  }
-  float run_max = -INFINITY;  // of this lane's row (the four lanes of a row hold the same values)
-  float run_sum = 0.0f;
-
-  device const C* k_head = k_cache + size_t(kv_head) * args.cache_capacity * D;
-  device const C* v_head = v_cache + size_t(kv_head) * args.cache_capacity * D;
-  const uint key_end = min(args.num_keys, first_position + q0 + 8);  // one past the last key the 8 queries see
-  for (uint tile_start = 0; tile_start < key_end; tile_start += BK) {
-    // Coalesced load of BK rows; rows past key_end are zero so that masked keys add 0 * 0, never NaN.
-    for (uint i = tid; i < BK * D / 4; i += THREADS) {
-      const uint key = i / (D / 4);
-      const uint d = 4 * (i % (D / 4));
-      float4 k4 = float4(0.0f);
-      float4 v4 = float4(0.0f);
-      if (tile_start + key < key_end) {
-        k4 = lily::attn_load4(k_head + size_t(tile_start + key) * D + d);
-        v4 = lily::attn_load4(v_head + size_t(tile_start + key) * D + d);
-      }
-      for (uint j = 0; j < 4; ++j) {
-        kt_tile[(d + j) * BK + key] = C(k4[j]);  // exact: the values came from C
-        v_tile[key * D + d + j] = C(v4[j]);
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-
-    simdgroup_float8x8 scores = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    for (uint f = 0; f < FRAGS; ++f) {
-      simdgroup_matrix<C, 8, 8> key_frag;
-      simdgroup_load(key_frag, kt_tile + 8 * f * BK, BK);  // dims 8f..8f+7 x the tile's keys
-      simdgroup_multiply_accumulate(scores, query[f], key_frag, scores);
-    }
-    // Causal mask and online softmax on the lane's two scores (keys tile_start + col, + col + 1).
-    float2 s = scores.thread_elements();
+    LILY_UNROLL
     for (uint e = 0; e < 2; ++e) {
-      if (tile_start + col + e > position || tile_start + col + e >= key_end) {
-        s[e] = -INFINITY;
+      float x = 0.0f;
+      if (t[e] < args.num_queries) {
+        x = float(q[(size_t(t[e]) * args.num_heads + head) * D + 8 * f + row]) * args.scale;  // 1/sqrt(D): 2^-k
       }
+      query_t[f].thread_elements()[e] = C(x);
+    }
+    acc_t[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  float2 run_max = float2(-INFINITY);  // of the lane's two query columns
+  float2 run_sum = float2(0.0f);       // this lane's share of the columns' sums (the 8 row lanes add up at the end)
+
+  Copy copy;
+  copy.k_rows = (device const uint4*)(k_cache + size_t(kv_head) * args.cache_capacity * D);
+  copy.v_rows = (device const uint4*)(v_cache + size_t(kv_head) * args.cache_capacity * D);
+  copy.tid = tid;
+  const uint key_end = min(args.num_keys, first_position + q0 + QUERIES);  // one past the last key the 8 queries see
+  copy.copy(0, key_end, k_tile, v_tile);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint tile_start = 0; tile_start < key_end; tile_start += BK) {
+    const bool more = tile_start + BK < key_end;  // uniform: the barriers below stay convergent
+    if (Copy::ROUNDS == 1 && more) {
+      copy.fetch(0, tile_start + BK, key_end);  // in flight during this tile's MMAs
+    }
+
+    // S^T = K Q^T: per 8 dims, the tile's KB key blocks against one Q^T fragment.
+    simdgroup_float8x8 scores_t[KB];
+    LILY_UNROLL
+    for (uint kb = 0; kb < KB; ++kb) {
+      scores_t[kb] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+    LILY_UNROLL
+    for (uint f = 0; f < FRAGS; ++f) {
+      simdgroup_matrix<C, 8, 8> key_frag[KB];
+      LILY_UNROLL
+      for (uint kb = 0; kb < KB; ++kb) {
+        simdgroup_load(key_frag[kb], k_blocks + (kb * FRAGS + f) * 64, 8);
+      }
+      attn_mma_column<KB>(scores_t, key_frag, query_t[f]);
+    }
+
+    // Causal mask (only in tiles that reach past the first query's position; zero-filled keys past key_end are
+    // masked there too) and one online-softmax step per tile on the lane's 2 x KB scores.
+    const bool diagonal = tile_start + BK > first_position + q0 + 1;
+    float2 tile_max = float2(-INFINITY);
+    LILY_UNROLL
+    for (uint kb = 0; kb < KB; ++kb) {
+      if (diagonal) {
+        const uint key = tile_start + 8 * kb + row;
+        LILY_UNROLL
+        for (uint e = 0; e < 2; ++e) {
+          if (key > position[e]) {
+            scores_t[kb].thread_elements()[e] = -INFINITY;
+          }
+        }
+      }
+      tile_max = max(tile_max, scores_t[kb].thread_elements());
     }
     // Key 0 is in the first tile and visible to every query, so new_max is finite from the first tile on.
-    const float new_max = max(run_max, attn_mma_row_max(max(s[0], s[1])));
-    const float rescale = precise::exp(run_max - new_max);
-    const float2 p = float2(precise::exp(s[0] - new_max), precise::exp(s[1] - new_max));
-    run_sum = run_sum * rescale + attn_mma_row_sum(p[0] + p[1]);
+    const float2 new_max = max(run_max, attn_mma_col_max(tile_max));
+    const float2 rescale = float2(precise::exp(run_max.x - new_max.x), precise::exp(run_max.y - new_max.y));
     run_max = new_max;
-    simdgroup_matrix<C, 8, 8> probs;
-    probs.thread_elements()[0] = C(p[0]);
-    probs.thread_elements()[1] = C(p[1]);
-    for (uint f = 0; f < FRAGS; ++f) {
-      acc[f].thread_elements() *= rescale;  // the lane's elements are all in its row
-      simdgroup_matrix<C, 8, 8> value_frag;
-      simdgroup_load(value_frag, v_tile + 8 * f, D);  // the tile's keys x dims 8f..8f+7
-      simdgroup_multiply_accumulate(acc[f], probs, value_frag, acc[f]);
+    simdgroup_matrix<C, 8, 8> probs_t[KB];
+    float2 tile_sum = float2(0.0f);
+    LILY_UNROLL
+    for (uint kb = 0; kb < KB; ++kb) {
+      const float2 s = scores_t[kb].thread_elements();
+      const float2 p = float2(precise::exp(s.x - new_max.x), precise::exp(s.y - new_max.y));
+      tile_sum += p;
+      probs_t[kb].thread_elements()[0] = C(p.x);
+      probs_t[kb].thread_elements()[1] = C(p.y);
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // the tile is consumed before the next load overwrites it
+    run_sum = run_sum * rescale + tile_sum;
+
+    // O^T = O^T · rescale + V^T P^T: per key block, the head dim's V^T fragments (transposed loads) against P^T.
+    LILY_UNROLL
+    for (uint f = 0; f < FRAGS; ++f) {
+      acc_t[f].thread_elements() *= rescale;  // the lane's two elements are in its two query columns
+    }
+    LILY_UNROLL
+    for (uint kb = 0; kb < KB; ++kb) {
+      LILY_UNROLL
+      for (uint f = 0; f < FRAGS; f += 4) {
+        simdgroup_matrix<C, 8, 8> value_t[4];
+        LILY_UNROLL
+        for (uint i = 0; i < 4; ++i) {
+          simdgroup_load(value_t[i], v_blocks + (kb * FRAGS + f + i) * 64, 8, ulong2(0, 0), true);
+        }
+        attn_mma_column<4>(acc_t + f, value_t, probs_t[kb]);
+      }
+    }
+
+    if (more) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the tile is consumed before the next one overwrites it
+      if (Copy::ROUNDS == 1) {
+        copy.stage(0, k_tile, v_tile);
+      } else {
+        copy.copy(tile_start + BK, key_end, k_tile, v_tile);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
   }
 
-  if (t < args.num_queries) {
-    const size_t out_row = (size_t(t) * args.num_heads + head) * D;
-    for (uint f = 0; f < FRAGS; ++f) {
-      const float2 o = acc[f].thread_elements() / run_sum;
-      for (uint e = 0; e < 2; ++e) {
-        const size_t index = out_row + 8 * f + col + e;
-        out[index] = T(o[e] * lily::sigmoid(float(gate[index])));
+  const float2 total = attn_mma_col_sum(run_sum);
+  LILY_UNROLL
+  for (uint e = 0; e < 2; ++e) {
+    if (t[e] < args.num_queries) {
+      const size_t out_row = (size_t(t[e]) * args.num_heads + head) * D;
+      LILY_UNROLL
+      for (uint f = 0; f < FRAGS; ++f) {
+        const size_t index = out_row + 8 * f + row;
+        out[index] = T(acc_t[f].thread_elements()[e] / total[e] * lily::sigmoid(float(gate[index])));
       }
     }
   }
 }
 
-// Model (head dim 256, GQA group 8): 4 heads per threadgroup.
+// Model (head dim 256, GQA group 8): the vector kernel packs 4 heads per threadgroup, the mma kernel the whole group.
 LILY_INSTANTIATE_KERNEL("attention_prefill_f32_d256", attention_prefill, float, float, 256, 4)
 LILY_INSTANTIATE_KERNEL("attention_prefill_bf16_d256", attention_prefill, bfloat, bfloat, 256, 4)
-LILY_INSTANTIATE_KERNEL("attention_prefill_mma_f32_d256", attention_prefill_mma, float, float, 256, 4)
-LILY_INSTANTIATE_KERNEL("attention_prefill_mma_bf16_d256", attention_prefill_mma, bfloat, bfloat, 256, 4)
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_f32_d256", attention_prefill_mma, float, float, 256,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP)
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_bf16_d256", attention_prefill_mma, bfloat, bfloat, 256,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP)
 // Demo model and tiny fixtures (head dim 64, GQA group 2 or 4): 2 heads per threadgroup, float32 and bf16 modes.
 LILY_INSTANTIATE_KERNEL("attention_prefill_f32_d64", attention_prefill, float, float, 64, 2)
 LILY_INSTANTIATE_KERNEL("attention_prefill_bf16_d64", attention_prefill, bfloat, bfloat, 64, 2)
-LILY_INSTANTIATE_KERNEL("attention_prefill_mma_f32_d64", attention_prefill_mma, float, float, 64, 2)
-LILY_INSTANTIATE_KERNEL("attention_prefill_mma_bf16_d64", attention_prefill_mma, bfloat, bfloat, 64, 2)
-// Head ratios the packing cannot split (e.g. 3 query heads per KV head at D = 64, or 1): one head per threadgroup.
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_f32_d64", attention_prefill_mma, float, float, 64,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_bf16_d64", attention_prefill_mma, bfloat, bfloat, 64,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
+// Head ratios the packing cannot split (e.g. 3 query heads per KV head at D = 64, 1, or 4 for the mma kernel at
+// D = 256): one head per threadgroup.
 LILY_INSTANTIATE_KERNEL("attention_prefill_unpacked_f32_d256", attention_prefill, float, float, 256, 1)
 LILY_INSTANTIATE_KERNEL("attention_prefill_unpacked_bf16_d256", attention_prefill, bfloat, bfloat, 256, 1)
 LILY_INSTANTIATE_KERNEL("attention_prefill_mma_unpacked_f32_d256", attention_prefill_mma, float, float, 256, 1)

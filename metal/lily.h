@@ -351,11 +351,29 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // attention_prefill: bytes of one staged K (or V) tile in threadgroup memory; tile keys = this / (D * sizeof(cache
 // element)): 16 keys at D = 256 in bf16, 8 in f32. K and V tiles together stay at 16 KiB of the 32 KiB.
 #define LILY_ATTN_PREFILL_TILE_BYTES 8192
-// attention_prefill_mma: keys per staged tile (one 8x8 score fragment per simdgroup; K^T and V tiles in fp32 take
-// 2 x 8 KiB at D = 256), and the chunk length from which the host picks it over attention_prefill (below it most
-// of the 8 query rows of a fragment would be padding).
-#define LILY_ATTN_MMA_TILE_KEYS 8
+// attention_prefill_mma: the chunk length from which the host picks it over attention_prefill (below it most of the 8
+// query columns of a fragment would be padding), and the query tokens of one threadgroup (one 8-column fragment per
+// simdgroup).
 #define LILY_ATTN_MMA_MIN_QUERIES 8
+#define LILY_ATTN_MMA_QUERIES 8
+// attention_prefill_mma: query heads per threadgroup, one simdgroup each, all reading the same staged K/V tiles. At
+// D = 256 the model's whole GQA group (16 / 2 = 8 heads: each K/V tile serves 64 query rows); at D = 64 the demo
+// model's group of 2. Head ratios that are not a multiple run the *_unpacked_* kernels (one head per threadgroup).
+#define LILY_ATTN_MMA_HEADS_PER_GROUP 8
+#define LILY_ATTN_MMA_HEADS_PER_GROUP_D64 2
+// attention_prefill_mma key tiles: at most LILY_ATTN_MMA_TILE_KEYS keys and LILY_ATTN_MMA_TILE_BYTES bytes per K (and
+// per V) tile, so the two stay within Metal's 32 KiB of threadgroup memory (attn_mma_tile_keys below: 32 keys in
+// bf16 and 16 in f32 at D = 256, 32 at D = 64). A tile costs two barriers and one online-softmax rescale of the 32
+// O fragments, so wider is better up to the threadgroup-memory limit.
+#define LILY_ATTN_MMA_TILE_KEYS 32
+#define LILY_ATTN_MMA_TILE_BYTES 16384
+
+// Keys per attention_prefill_mma tile at head dim `head_dim` with `element_bytes`-byte cache elements.
+constexpr u32 attn_mma_tile_keys(u32 head_dim, u32 element_bytes) {
+  return LILY_ATTN_MMA_TILE_BYTES / (head_dim * element_bytes) < LILY_ATTN_MMA_TILE_KEYS
+             ? LILY_ATTN_MMA_TILE_BYTES / (head_dim * element_bytes)
+             : LILY_ATTN_MMA_TILE_KEYS;
+}
 
 #if defined(LILY_KERNEL_SIDE)
 // LILY_UNROLL fully unrolls the loop that follows (constant trip count), so the small arrays it indexes stay in

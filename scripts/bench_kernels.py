@@ -44,6 +44,8 @@ QMM_MIN_THREADGROUPS = 64 * 8  # tuning::kQmmMinThreadgroups
 MOE_GEMV_ROWS, MOE_GEMV_THREADS = 8, 64
 MOE_DOWN_ROWS, MOE_DOWN_THREADS = 8, 128
 ATTN_HEADS_PER_GROUP, ATTN_THREADS = 4, 256
+# attention_prefill_mma: LILY_ATTN_MMA_QUERIES query tokens x LILY_ATTN_MMA_HEADS_PER_GROUP heads per threadgroup.
+ATTN_MMA_QUERIES, ATTN_MMA_HEADS_PER_GROUP = 8, 8
 # Split-KV decode (LILY_ATTN_SPLIT_MIN_KEYS, LILY_ATTN_SPLIT_MAX_BLOCKS; the rule is tuning::attention_split_blocks).
 ATTN_SPLIT_MIN_KEYS, ATTN_SPLIT_MAX_BLOCKS = 256, 128
 GDN_ROWS_PER_SIMDGROUP = 8
@@ -472,8 +474,27 @@ def gated_delta_chunk_cases(tokens: int) -> list[Case]:
     return cases
 
 
-def prefill_cases() -> list[Case]:
+def attention_prefill_cases(tokens: int = 512) -> list[Case]:
+    """Prefill attention of one chunk of `tokens` queries (the engine's chunk) over a bf16 KV cache: the first chunk
+    (as many keys as queries) and one after 4096 tokens of context. FLOPs count the causal pairs only (query t at
+    position keys - T + t sees position + 1 keys; 2·D each for Q·K^T and for P·V), not the masked ones the kernel
+    also multiplies on the diagonal."""
+    q = bf16(tokens * ATTN_HEADS * HEAD_DIM)
+    grid = (ceil_div(tokens, ATTN_MMA_QUERIES), ATTN_HEADS // ATTN_MMA_HEADS_PER_GROUP, 1)
     cases = []
+    for context in (0, 4096):
+        keys = context + tokens
+        cache = bf16(ATTN_KV_HEADS * keys * HEAD_DIM)
+        pairs = tokens * context + tokens * (tokens + 1) // 2
+        args = struct.pack("<7If", tokens, ATTN_HEADS, ATTN_KV_HEADS, keys, keys, 0, 0, HEAD_DIM ** -0.5)
+        cases.append(Case(f"attention_prefill_mma T={tokens}, {keys} keys", "attention_prefill_mma_bf16_d256",
+                          [args, q, q, cache, cache, q], grid, (32 * ATTN_MMA_HEADS_PER_GROUP, 1, 1),
+                          2 * cache + 3 * q, flops=4 * HEAD_DIM * pairs * ATTN_HEADS))
+    return cases
+
+
+def prefill_cases() -> list[Case]:
+    cases = attention_prefill_cases()
     for m in (512, 4096):
         cases.append(qmm_prefill_case(f"qmm DeltaNet in_proj_qkv 8192x{HIDDEN}, M={m}", 8192, HIDDEN, m))
         cases.append(qmm_prefill_case(f"qmm out_proj 2048x4096, M={m}", HIDDEN, 4096, m))

@@ -29,12 +29,13 @@ DECODE_KERNELS = {"qmv_q4_g64_bf16", "qmv_q8_g64_bf16", "qmv_norm_q4_g64_bf16_of
 
 
 # The prefill cases: the GEMMs with the tiles the host picks at 512 and 4096 rows (and 32-row MoE tiles at 512 for
-# comparison), the DeltaNet prefill kernels (the token scan and the chunked scan at 512 and 4096 tokens).
+# comparison), the DeltaNet prefill kernels (the token scan and the chunked scan at 512 and 4096 tokens), prefill
+# attention at 512 and 4608 keys.
 PREFILL_KERNELS = {"qmm_q4_g64_bf16_bm32", "qmm_q4_g64_bf16_bm64", "moe_gemm_gate_up_bf16_bm16",
                    "moe_gemm_down_bf16_bm16", "moe_gemm_gate_up_bf16_bm32", "moe_gemm_down_bf16_bm32",
                    "gated_delta_conv_bf16_dk128", "gated_delta_conv_state_bf16_dk128", "gated_delta_prefill_bf16_dk128",
                    "gated_delta_prefill_norm_bf16", "gated_delta_chunk_prepare_bf16_dk128",
-                   "gated_delta_chunk_scan_bf16_dk128"}
+                   "gated_delta_chunk_scan_bf16_dk128", "attention_prefill_mma_bf16_d256"}
 
 
 def test_cases_cover_every_decode_kernel_and_qmv_row_count() -> None:
@@ -108,3 +109,19 @@ def test_deltanet_scan_cases_at_512_and_4096_tokens() -> None:
                 f"gated_delta_prefill scan, T={tokens}"} <= labels
     scan = next(c for c in bench_kernels.cases() if c.label == "gated_delta_chunk_scan, T=4096")
     assert scan.grid == (32, 8, 1) and scan.threads == (64, 1, 1) and scan.buffers[0][:4] == (4096).to_bytes(4, "little")
+
+
+def test_prefill_attention_cases_are_the_engines_launches() -> None:
+    """A 512-token chunk first and after 4096 tokens of context, with the grid the engine uses
+    (ops/attention_prefill.cpp: 8 queries x the model's 8 heads of one KV head per threadgroup, metal/lily.h's
+    constants) and the causal FLOPs."""
+    header = (ROOT / "metal" / "lily.h").read_text()
+    assert f"#define LILY_ATTN_MMA_QUERIES {bench_kernels.ATTN_MMA_QUERIES}\n" in header
+    assert f"#define LILY_ATTN_MMA_HEADS_PER_GROUP {bench_kernels.ATTN_MMA_HEADS_PER_GROUP}\n" in header
+    cases = bench_kernels.attention_prefill_cases()
+    assert [c.label for c in cases] == ["attention_prefill_mma T=512, 512 keys",
+                                        "attention_prefill_mma T=512, 4608 keys"]
+    for c, keys in zip(cases, (512, 4608)):
+        assert c.grid == (64, 2, 1) and c.threads == (256, 1, 1)
+        assert c.buffers[0][12:16] == keys.to_bytes(4, "little")  # AttentionArgs.num_keys
+        assert c.flops == 4 * 256 * 16 * sum(keys - 512 + t + 1 for t in range(512))

@@ -29,6 +29,10 @@ constexpr size_t qmm_tile_rows(size_t rows, size_t out_features, bool wide_tiles
 constexpr size_t kMoeBm32MinRowsPerExpert = LILY_MOE_BM32_MIN_ROWS_PER_EXPERT;
 // Prefill attention: the matrix-unit kernel from this many queries (an 8-row fragment is mostly padding below).
 constexpr size_t kAttentionMmaMinQueries = LILY_ATTN_MMA_MIN_QUERIES;
+// ... whose threadgroups each take this many query tokens (one 8-column fragment per simdgroup) of G heads
+// (ops::attention_mma_heads_per_group: LILY_ATTN_MMA_HEADS_PER_GROUP*), over key tiles of lily::attn_mma_tile_keys
+// keys (32 in bf16, 16 in f32 at head dim 256: two tiles fill Metal's 32 KiB of threadgroup memory).
+constexpr size_t kAttentionMmaQueries = LILY_ATTN_MMA_QUERIES;
 // Attention path by context: split-KV decode (partials + combine) from this many keys on, single pass below.
 constexpr size_t kAttentionSplitMinKeys = LILY_ATTN_SPLIT_MIN_KEYS;
 // Most split-KV blocks (the partial buffers are sized for it; the combine kernel's limit).

@@ -12,6 +12,7 @@ kernels are refused naming the config field, the value and the supported values.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -29,15 +30,16 @@ from tests.fixtures import _KV64, build_hf_model, save_hf_checkpoint, save_mlx_c
 pytestmark = pytest.mark.metal  # runs the metal backend (tests/conftest.py)
 
 DEMO = Path(__file__).resolve().parents[2] / "python" / "lily" / "demo"
-# The model's head shapes (head dim 256, dk = dv = 128) at a tiny width, GQA 4 (one packed threadgroup per KV head).
+# The model's head shapes (head dim 256, dk = dv = 128) at a tiny width, and its GQA 8 (one prefill mma threadgroup per
+# KV head and 8 queries; two decode threadgroups of 4 heads).
 D256_CONFIG = copy.deepcopy(_KV64)
 D256_CONFIG.update(
-    vocab_size=640, hidden_size=128, head_dim=256, num_attention_heads=4, num_key_value_heads=1,
+    vocab_size=640, hidden_size=128, head_dim=256, num_attention_heads=8, num_key_value_heads=1,
     linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2,
     moe_intermediate_size=64, shared_expert_intermediate_size=64,
 )
-# Head ratios the packed kernels (2 heads per threadgroup at head dim 64, 4 at 256) cannot split: the engine falls
-# back to the *_unpacked_* kernels for prefill and decode, and names the fast path it left out.
+# Head ratios the packed kernels (2 heads per threadgroup at head dim 64; 4, and 8 for prefill mma, at 256) cannot
+# split: the engine falls back to the *_unpacked_* kernels for prefill and decode, and names the fast path it left out.
 RATIO3_CONFIG = {**_KV64, "num_attention_heads": 6, "num_key_value_heads": 2}
 RATIO1_CONFIG = {**_KV64, "num_attention_heads": 2, "num_key_value_heads": 2}
 D256_RATIO3_CONFIG = {**D256_CONFIG, "num_attention_heads": 3, "num_key_value_heads": 1}
@@ -177,6 +179,10 @@ def test_fast_paths_left_out_are_named_in_the_plan_and_the_debug_log(checkpoints
     # Shapes every fast path fits (the demo model, the packed fixtures, the full-size model) list nothing.
     for args in (checkpoints["demo"].args, checkpoints["gqa4"].args, checkpoints["d256"].args, full_size_args()):
         assert plan_decode(args, context=16)["fast_paths_left_out"] == []
+    # Head ratio 4 at head dim 256: decode packs 4 heads, prefill's mma kernel (8) runs unpacked, and says so.
+    ratio4 = dataclasses.replace(full_size_args(), num_key_value_heads=4)
+    [line] = plan_decode(ratio4, context=16)["fast_paths_left_out"]
+    assert "prefill attention" in line and "16 / 4" in line and "multiple of 8" in line and "unpacked" in line, line
 
 
 def test_packing_switch_is_read_from_the_environment():

@@ -5,10 +5,13 @@ A chunk of T queries over a KV cache [Hkv, capacity, D] that holds `offset` keys
 T keys; query t sits at position offset + t (causal). attention_prefill (vector ALUs): first chunks of 31/32/33
 queries (query tiles with a partial last one), chunks continuing a cache (offsets 17 and 40: partial key tiles, tiles
 only some queries see), the model's GQA 8, 1, 3, 4 and 8 simdgroups per threadgroup. attention_prefill_mma (8x8
-simdgroup matrices): chunks of 3 to 33 queries (partial 8-query tiles), offsets 0, 5, 21 and 40 (partial 8-key
-tiles). The head-dim-64 instances run the demo model's 4/2 heads and the gqa4 fixture's 8/2; the *_unpacked_*
-instances (one head per threadgroup, the engine's fallback) run head ratios 3 and 1. Outputs start NaN-poisoned and
-the cache's spare rows hold NaN, so a key read past the causal limit is caught.
+simdgroup matrices, key tiles of `mma_tile_keys` keys): chunks of 3 to 33 queries (partial 8-query fragments), key
+counts one below, at and one above the tile width, chunks whose first tiles lie wholly before the causal diagonal
+(offsets past a tile) and chunks over three or more tiles (the register prefetch of the next tile), the model's GQA
+8 and a group of 16 (two threadgroups per KV head). The head-dim-64 instances run the demo model's 4/2 heads and the
+gqa4 fixture's 8/2; the *_unpacked_* instances (one head per threadgroup, the engine's fallback) run head ratios 3
+and 1, and ratio 4 at head dim 256 (which the mma kernel's packing of 8 cannot split), around their tile width too.
+Outputs start NaN-poisoned and the cache's spare rows hold NaN, so a key read past the causal limit is caught.
 """
 
 from __future__ import annotations
@@ -23,25 +26,55 @@ from lily.kernel_cases.attention import CACHE_DTYPE, attention_args, attention_l
 from lily.kernel_cases.common import Case, Run, dtype_of, poisoned, round_to, to_device, to_f64
 
 PATTERN = re.compile(r"attention_prefill(_mma)?_(unpacked_)?(f32|f16|bf16)_d(256|64)|simdgroup_layout_probe")
-MMA_QUERIES = 8  # query tokens per attention_prefill_mma threadgroup (one 8-row fragment)
+MMA_QUERIES = 8  # query tokens per attention_prefill_mma threadgroup (LILY_ATTN_MMA_QUERIES)
+# Query heads per attention_prefill_mma threadgroup by head dim (LILY_ATTN_MMA_HEADS_PER_GROUP, ..._D64); the vector
+# kernel packs attention.HEADS_PER_GROUP.
+MMA_HEADS_PER_GROUP = {256: 8, 64: 2}
+# Most keys and bytes of one K (or V) tile of attention_prefill_mma (LILY_ATTN_MMA_TILE_KEYS, ..._TILE_BYTES).
+MMA_TILE_KEYS, MMA_TILE_BYTES = 32, 16384
+CACHE_BYTES = {"f32": 4, "bf16": 2}
 ROUNDING_UNIT = {"bf16": 2.0**-8, "f16": 2.0**-11}  # one rounding (2^-p, twice the half-ulp bound) of a 16-bit dtype
-# (heads, kv_heads, queries, offset, simdgroups) by (mma, packed, head dim); the first is the self-test's. The mma
-# kernels take one simdgroup per packed head: their simdgroup count is not a parameter.
+# (heads, kv_heads, queries, offset, simdgroups) of the packed vector kernel by head dim; the first is the self-test's.
 SHAPES = {
-    (False, True, 256): [(16, 2, 12, 21, 4), (8, 2, 31, 0, 8), (8, 2, 32, 0, 8), (8, 2, 33, 0, 8),
-                         (8, 2, 5, 17, 3),  # a short chunk after an earlier one; key tiles end mid-chunk
-                         (16, 2, 12, 40, 8),  # the model's GQA 8; offset 40 is not a multiple of either tile size
-                         (4, 1, 3, 0, 1),  # one simdgroup per threadgroup
-                         (8, 2, 1, 9, 8)],  # a one-token chunk: seven spare simdgroups only load and meet barriers
-    (True, True, 256): [(16, 2, 12, 21, 0), (8, 2, 7, 0, 0), (8, 2, 8, 0, 0), (8, 2, 9, 0, 0), (8, 2, 33, 0, 0),
-                        (4, 1, 16, 40, 0), (8, 2, 3, 5, 0)],  # a chunk shorter than the fragment continuing a cache
-    (False, True, 64): [(4, 2, 12, 21, 4), (4, 2, 33, 0, 8),
-                        (4, 2, 5, 40, 3),  # continuing a cache: the f32 key tile ends before the chunk
-                        (8, 2, 7, 17, 8), (2, 1, 2, 0, 1)],
-    (True, True, 64): [(4, 2, 12, 21, 0), (4, 2, 7, 0, 0), (4, 2, 9, 21, 0), (8, 2, 16, 5, 0), (2, 1, 33, 0, 0)],
+    256: [(16, 2, 12, 21, 4), (8, 2, 31, 0, 8), (8, 2, 32, 0, 8), (8, 2, 33, 0, 8),
+          (8, 2, 5, 17, 3),  # a short chunk after an earlier one; key tiles end mid-chunk
+          (16, 2, 12, 40, 8),  # the model's GQA 8; offset 40 is not a multiple of either tile size
+          (4, 1, 3, 0, 1),  # one simdgroup per threadgroup
+          (8, 2, 1, 9, 8)],  # a one-token chunk: seven spare simdgroups only load and meet barriers
+    64: [(4, 2, 12, 21, 4), (4, 2, 33, 0, 8),
+         (4, 2, 5, 40, 3),  # continuing a cache: the f32 key tile ends before the chunk
+         (8, 2, 7, 17, 8), (2, 1, 2, 0, 1)],
 }
 # Head ratios 3 and 1, which no packed group of 2 or 4 splits, for every unpacked instance.
 UNPACKED_SHAPES = [(6, 2, 9, 0, 4), (6, 2, 5, 17, 3), (3, 3, 12, 5, 8), (2, 2, 2, 0, 1)]
+
+
+def mma_tile_keys(head_dim: int, cache_dtype: str) -> int:
+    """Keys per attention_prefill_mma tile (lily::attn_mma_tile_keys): 32 in bf16 and 16 in f32 at D = 256."""
+    return min(MMA_TILE_KEYS, MMA_TILE_BYTES // (head_dim * CACHE_BYTES[cache_dtype]))
+
+
+def mma_shapes(head_dim: int, cache_dtype: str, packed: bool) -> list[tuple[int, int, int, int, int]]:
+    """(heads, kv_heads, queries, offset, 0) of an mma kernel, around its tile width `bk`; the first is the
+    self-test's. The mma kernels take one simdgroup per packed head: their simdgroup count is not a parameter."""
+    bk = mma_tile_keys(head_dim, cache_dtype)
+    if not packed:
+        ratio3, ratio1, last = (6, 2), (3, 3), ((8, 2) if head_dim == 256 else (2, 2))  # ratio 4 at D = 256
+        return [(*ratio3, 12, 21, 0), (*ratio3, 9, 0, 0),
+                (*ratio1, 9, bk - 10, 0), (*ratio3, 5, bk - 5, 0), (*last, 9, bk - 8, 0),  # bk - 1, bk, bk + 1 keys
+                (*last, 9, 2 * bk - 8, 0),  # three tiles, copied after each tile's barrier
+                (*ratio3, 7, 40, 0)]
+    h, kv = (16, 2) if head_dim == 256 else (4, 2)  # the model's GQA 8; the demo model's 2
+    # One KV head (D = 64: the gqa4 fixture's ratio), and more heads than one threadgroup packs per KV head.
+    other_ratios = [(8, 1, 11, 3, 0), (32, 2, 10, 6, 0)] if head_dim == 256 else [(8, 2, 11, 3, 0), (8, 1, 10, 6, 0)]
+    return [(h, kv, 12, 21, 0),
+            (h, kv, 7, 0, 0), (h, kv, 8, 0, 0), (h, kv, 9, 0, 0),  # a partial fragment, a full one, one more query
+            (h, kv, 9, bk - 10, 0), (h, kv, 9, bk - 9, 0), (h, kv, 9, bk - 8, 0),  # bk - 1, bk and bk + 1 keys
+            (h, kv, 33, 0, 0),  # a first chunk over two tiles: every threadgroup's last tile is on the diagonal
+            (h, kv, 12, bk + 8, 0),  # continuing a cache: whole tiles before the diagonal, no mask there
+            (h, kv, 16, 3 * bk - 8, 0),  # four tiles: the next tile's K/V fetched during this tile's MMAs
+            (h, kv, 3, 5, 0),  # a chunk shorter than the fragment continuing a cache
+            *other_ratios]
 
 
 def _layout_probe(run: Run, kernel: str) -> None:
@@ -60,6 +93,8 @@ def _prefill(run: Run, kernel: str, heads: int, kv_heads: int, queries: int, off
     dtype = dtype_of(kernel)
     d, per_group, _ = attention_layout(kernel)
     mma = "_mma_" in kernel
+    if mma and "_unpacked_" not in kernel:
+        per_group = MMA_HEADS_PER_GROUP[d]
     cache_dtype, keys = CACHE_DTYPE[dtype], offset + queries
     capacity = keys + 4
     q = to_device(2.0 * run.rng.standard_normal((queries, heads, d)), dtype)
@@ -89,7 +124,10 @@ def cases(kernel: str) -> list[Case]:
         return [Case(kernel, "32 lanes x 2 elements", partial(_layout_probe, kernel=kernel), quick=True)]
     d, _, heads = attention_layout(kernel)
     mma, packed = "_mma_" in kernel, "_unpacked_" not in kernel
-    shapes = SHAPES[(mma, True, d)] if packed else [(heads, 2, 12, 21, 4)] + UNPACKED_SHAPES
+    if mma:
+        shapes = mma_shapes(d, CACHE_DTYPE[dtype_of(kernel)], packed)
+    else:
+        shapes = SHAPES[d] if packed else [(heads, 2, 12, 21, 4)] + UNPACKED_SHAPES
     return [Case(kernel, f"Hq={h} Hkv={kv} T={t} offset={o}" + ("" if mma else f" simdgroups={sg}") + f" D={d}",
                  partial(_prefill, kernel=kernel, heads=h, kv_heads=kv, queries=t, offset=o, simdgroups=sg),
                  quick=i == 0) for i, (h, kv, t, o, sg) in enumerate(shapes)]

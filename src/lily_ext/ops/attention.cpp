@@ -17,6 +17,18 @@ size_t packed_heads(size_t head_dim) {
   if (head_dim == 64) return LILY_ATTN_HEADS_PER_GROUP_D64;
   return 0;
 }
+// The same for attention_prefill_mma, which packs the whole GQA group of the model at head dim 256.
+size_t mma_packed_heads(size_t head_dim) {
+  if (head_dim == 256) return LILY_ATTN_MMA_HEADS_PER_GROUP;
+  if (head_dim == 64) return LILY_ATTN_MMA_HEADS_PER_GROUP_D64;
+  return 0;
+}
+static_assert(LILY_ATTN_MMA_HEADS_PER_GROUP % LILY_ATTN_HEADS_PER_GROUP == 0 &&
+                  LILY_ATTN_MMA_HEADS_PER_GROUP_D64 % LILY_ATTN_HEADS_PER_GROUP_D64 == 0,
+              "a head ratio the mma packing splits, the decode packing splits too");
+bool ratio_splits(const ModelConfig& c, size_t packed) {
+  return packed && c.num_kv_heads && (c.num_heads / c.num_kv_heads) % packed == 0;
+}
 
 }  // namespace
 
@@ -28,24 +40,38 @@ void check_attention_shapes(const ModelConfig& c) {
 }
 
 bool gqa_packing_fits(const ModelConfig& c) {
-  const size_t packed = packed_heads(c.head_dim);
-  return packed && c.num_kv_heads && (c.num_heads / c.num_kv_heads) % packed == 0;
+  return ratio_splits(c, packed_heads(c.head_dim));
 }
 
 std::vector<std::string> attention_fast_paths_left_out(const ModelConfig& c) {
   // A head dim without kernels is refused by check_attention_shapes; `lily plan` counts it as unpacked.
-  const size_t packed = packed_heads(c.head_dim);
-  if (packed == 0 || gqa_packing_fits(c)) return {};
-  return {"GQA packing: the head ratio num_attention_heads / num_key_value_heads = " + std::to_string(c.num_heads) +
-          " / " + std::to_string(c.num_kv_heads) + " is not a multiple of " + std::to_string(packed) +
-          " (the query heads one threadgroup packs at head_dim " + std::to_string(c.head_dim) +
-          "); attention runs the *_unpacked_* kernels, one query head per threadgroup"};
+  const size_t packed = packed_heads(c.head_dim), mma_packed = mma_packed_heads(c.head_dim);
+  const std::string ratio = "the head ratio num_attention_heads / num_key_value_heads = " +
+                            std::to_string(c.num_heads) + " / " + std::to_string(c.num_kv_heads) +
+                            " is not a multiple of ";
+  if (packed == 0) return {};
+  // A ratio the decode packing cannot split, the mma packing (a multiple of it) cannot either: one line.
+  if (!gqa_packing_fits(c)) {
+    return {"GQA packing: " + ratio + std::to_string(packed) + " (the query heads one threadgroup packs at head_dim " +
+            std::to_string(c.head_dim) + "); attention runs the *_unpacked_* kernels, one query head per threadgroup"};
+  }
+  if (!ratio_splits(c, mma_packed)) {
+    return {"GQA packing of prefill attention: " + ratio + std::to_string(mma_packed) +
+            " (the query heads one attention_prefill_mma threadgroup packs at head_dim " + std::to_string(c.head_dim) +
+            "); prefill chunks of " + std::to_string(LILY_ATTN_MMA_MIN_QUERIES) +
+            "+ tokens run attention_prefill_mma_unpacked_*, one query head per threadgroup"};
+  }
+  return {};
 }
 
 size_t attention_heads_per_group(const ModelConfig& c, bool packing) {
   // A head ratio the packed kernels cannot split falls back to one head per threadgroup, as packing off does.
   if (!packing || !gqa_packing_fits(c)) return 1;
   return packed_heads(c.head_dim);
+}
+
+size_t attention_mma_heads_per_group(const ModelConfig& c) {
+  return ratio_splits(c, mma_packed_heads(c.head_dim)) ? mma_packed_heads(c.head_dim) : 1;
 }
 
 AttentionArgs attention_args(const ModelConfig& c, const AttentionSpans& s, size_t queries, size_t keys) {

@@ -121,6 +121,9 @@ std::vector<std::string> attention_fast_paths_left_out(const ModelConfig& config
 // Query heads one attention threadgroup packs (the kernels' G) at the config's head dim; 1 when `packing` is off
 // or the head ratio does not split into groups of G (the general *_unpacked_* kernels).
 size_t attention_heads_per_group(const ModelConfig& config, bool packing);
+// Query heads one attention_prefill_mma threadgroup packs (LILY_ATTN_MMA_HEADS_PER_GROUP*), or 1 (its *_unpacked_*
+// kernel) when the head ratio is not a multiple of them.
+size_t attention_mma_heads_per_group(const ModelConfig& config);
 // attention_prep.cpp: the attention_prep_* node for `tokens` new tokens at `position` (decode: 1; prefill: T);
 // returns the spans the attention kernels then read: q, gate and the K/V cache prefix of every KV head.
 std::vector<Span> attention_prep(Context& ctx, const ModelConfig& config, const std::string& label,
