@@ -324,8 +324,10 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 #define LILY_MOE_SORT_BLOCK 256
 // Grouped GEMM: the tiled GEMM of metal/gemm.h (LILY_GEMM_*) on bm rows (16 or 32) of one expert. The host picks
 // bm = 32 when the chunk's mean rows per expert T*k/E is at least this threshold, else bm = 16 (fewer padded rows for
-// sparse experts). 16 matches MLX's non-NAX gather_qmm_rhs bm.
-#define LILY_MOE_BM32_MIN_ROWS_PER_EXPERT 24
+// sparse experts). 16: on the H200 at a mean of 16 (a 512-token chunk, uniform random routing) bm = 32 took 446 and
+// 231 us for gate/up and down against 472 and 235 for bm = 16 (docs/results/h200/2026-12-03-5e46470); below a mean
+// of 16 not timed. Not timed on a Mac.
+#define LILY_MOE_BM32_MIN_ROWS_PER_EXPERT 16
 
 // Attention (metal/attention.metal, metal/attention_prefill.metal). Untuned: no Mac benchmark yet.
 // Query heads per threadgroup sharing one KV head (GQA packing): each K/V row read serves this many heads.

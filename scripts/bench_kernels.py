@@ -347,7 +347,7 @@ def qmv_cases() -> list[Case]:
 
 # ---- prefill GEMMs (the issue-20 shapes): dense qmm and the grouped MoE GEMM over a routed chunk ----
 
-MOE_GEMM_BN, MOE_GEMM_THREADS, MOE_BM32_MIN_ROWS_PER_EXPERT = 64, 128, 24
+MOE_GEMM_BN, MOE_GEMM_THREADS, MOE_BM32_MIN_ROWS_PER_EXPERT = 64, 128, 16
 
 
 def qmm_tile_rows(m: int, n: int) -> int:
@@ -499,7 +499,7 @@ def prefill_cases() -> list[Case]:
         cases.append(qmm_prefill_case(f"qmm DeltaNet in_proj_qkv 8192x{HIDDEN}, M={m}", 8192, HIDDEN, m))
         cases.append(qmm_prefill_case(f"qmm out_proj 2048x4096, M={m}", HIDDEN, 4096, m))
         cases.extend(moe_prefill_cases(m))
-    cases.extend(moe_prefill_cases(512, bm=32))
+    cases.extend(moe_prefill_cases(512, bm=16))
     cases.extend(gated_delta_prefill_cases(512))
     for tokens in (512, 4096):
         cases.extend(gated_delta_chunk_cases(tokens))

@@ -28,7 +28,7 @@ DECODE_KERNELS = {"qmv_q4_g64_bf16", "qmv_q8_g64_bf16", "qmv_norm_q4_g64_bf16_of
                   "qmv_norm_seg_staged_q8_g64_bf16_of32", "qmv_residual_staged_q4_g64_bf16"}
 
 
-# The prefill cases: the GEMMs with the tiles the host picks at 512 and 4096 rows (and 32-row MoE tiles at 512 for
+# The prefill cases: the GEMMs with the tiles the host picks at 512 and 4096 rows (and 16-row MoE tiles at 512 for
 # comparison), the DeltaNet prefill kernels (the token scan and the chunked scan at 512 and 4096 tokens), prefill
 # attention at 512 and 4608 keys.
 PREFILL_KERNELS = {"qmm_q4_g64_bf16_bm32", "qmm_q4_g64_bf16_bm64", "moe_gemm_gate_up_bf16_bm16",
