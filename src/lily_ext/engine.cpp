@@ -325,16 +325,16 @@ void Engine::write_logits(const float* logits) {
 
 void Engine::ensure_prefill_rows(size_t rows, size_t logit_rows) {
   if (has_prefill_ && prefill_.max_tokens >= rows && prefill_.max_logit_rows >= logit_rows) return;
-  // The prefill scratch is the last group of buffers: a larger chunk replaces the group (same ids, new sizes).
+  // The prefill scratch is the last group of buffers: a larger chunk (or logits for more rows) replaces the group
+  // (same ids, new sizes), which never shrinks in either.
   if (has_prefill_) {
+    rows = std::max(rows, prefill_.max_tokens);
+    logit_rows = std::max(logit_rows, prefill_.max_logit_rows);
     base_.buffers.erase(base_.buffers.begin() + static_cast<long>(prefill_first_buffer_), base_.buffers.end());
     buffers_.erase(buffers_.begin() + static_cast<long>(prefill_first_buffer_), buffers_.end());
   }
   prefill_first_buffer_ = base_.buffers.size();
-  const size_t keep_rows = has_prefill_ ? prefill_.max_tokens : 0;
-  const size_t keep_logit_rows = has_prefill_ ? prefill_.max_logit_rows : 0;
-  prefill_ = add_prefill_buffers(config_, precision_, std::max(rows, keep_rows),
-                                 std::max(logit_rows, keep_logit_rows), base_);
+  prefill_ = add_prefill_buffers(config_, precision_, rows, logit_rows, base_);
   if (!switches_.in_gemm_dequant) prefill_.dequant = add_dequant_scratch(precision_, weights_, base_);
   if (switches_.chunked_scan) prefill_.gdn_chunks = add_gdn_chunk_scratch(config_, rows, base_);
   for (size_t i = prefill_first_buffer_; i < base_.buffers.size(); ++i) {

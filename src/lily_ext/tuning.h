@@ -122,7 +122,8 @@ constexpr size_t kEmbeddingThreads = LILY_EMBEDDING_THREADS;
 // Prefill: tokens per chunk (one command buffer each). 2048 tokens route 2048*8/256 = 64 rows to an expert on
 // average, where the grouped GEMMs run 32-row tiles and read each expert's weights a few times per chunk instead of
 // once per 16 rows (H200: MoE time per token about 1.7x lower than at 512); the chunk's temporaries (MoE gather
-// buffers, [T, 8192] projections, fp32 DeltaNet scratch) are about 185 KB a token, 380 MB at full size.
+// buffers, [T, 8192] projections, fp32 DeltaNet scratch) are about 185 KB a token, plus 70 KB for the chunked
+// DeltaNet scan's operands (CHUNKED_SCAN): about 520 MB at full size.
 constexpr size_t kPrefillChunk = 2048;
 // Chunks that return every row's logits ([T, V] f32, 1 MB a row at full size) stop at this many rows.
 constexpr size_t kPrefillLogitRows = 512;
