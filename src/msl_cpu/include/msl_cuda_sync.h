@@ -259,22 +259,33 @@ template <class T>
 inline uint32_t pack_b16(vec<T, 2> v) {
   return __builtin_bit_cast(uint32_t, v);
 }
+// One m16n8k8 tensor-core MMA of 16-bit (bf16 or f16) operands with fp32 accumulation, d = a·b + c: A's rows 0-7
+// in a_top and 8-15 in a_bottom (fragment registers), B column-major in bt; d and c hold rows 0-7 (elements 0, 1)
+// and 8-15 (2, 3) of the lane's accumulator fragment.
+template <class T>
+__attribute__((always_inline)) inline void mma_m16n8k8(float (&d)[4], uint32_t a_top, uint32_t a_bottom, uint32_t bt,
+                                                       const float (&c)[4]) {
+  if constexpr (std::is_same_v<T, bfloat>) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a_top), "r"(a_bottom), "r"(bt), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+  } else {
+    static_assert(std::is_same_v<T, half>, "bf16 or f16 operands");
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a_top), "r"(a_bottom), "r"(bt), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+  }
+}
 // D = A·B + C for 16-bit A and B on tensor cores: the upper half of one m16n8k8 MMA (rows 8..15 of A are zero), fp32
 // accumulation. A's fragment is its storage; B's is the transpose of its storage layout (movmatrix).
 template <class T>
 inline void mma_b16(float (&acc)[2], vec<T, 2> a, vec<T, 2> b) {
   uint32_t bt;
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(bt) : "r"(pack_b16(b)));
-  float unused0, unused1;
-  if constexpr (std::is_same_v<T, bfloat>) {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};"
-        : "=f"(acc[0]), "=f"(acc[1]), "=f"(unused0), "=f"(unused1)
-        : "r"(pack_b16(a)), "r"(0u), "r"(bt), "f"(acc[0]), "f"(acc[1]), "f"(0.0f), "f"(0.0f));
-  } else {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};"
-        : "=f"(acc[0]), "=f"(acc[1]), "=f"(unused0), "=f"(unused1)
-        : "r"(pack_b16(a)), "r"(0u), "r"(bt), "f"(acc[0]), "f"(acc[1]), "f"(0.0f), "f"(0.0f));
-  }
+  float d[4];
+  mma_m16n8k8<T>(d, pack_b16(a), 0u, bt, {acc[0], acc[1], 0.0f, 0.0f});
+  acc[0] = d[0];
+  acc[1] = d[1];
 }
 // Any other element types (fp32 tiles: exact checks): fp32 products and sums, k in order, as the CPU harness; 24
 // shuffles per MMA.
@@ -398,18 +409,10 @@ __attribute__((always_inline)) inline void simdgroup_multiply_accumulate_pairs(s
         const vec<float, 2> bottom = pair ? acc[(fm + 1) * FN + fn].elements : vec<float, 2>{0.0f, 0.0f};
         const uint32_t a_top = matrix_detail::pack_b16(a[fm].elements);
         const uint32_t a_bottom = pair ? matrix_detail::pack_b16(a[fm + 1].elements) : 0u;
-        float d0, d1, d2, d3;
-        if constexpr (std::is_same_v<T, bfloat>) {
-          asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};"
-              : "=f"(d0), "=f"(d1), "=f"(d2), "=f"(d3)
-              : "r"(a_top), "r"(a_bottom), "r"(bt), "f"(top[0]), "f"(top[1]), "f"(bottom[0]), "f"(bottom[1]));
-        } else {
-          asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};"
-              : "=f"(d0), "=f"(d1), "=f"(d2), "=f"(d3)
-              : "r"(a_top), "r"(a_bottom), "r"(bt), "f"(top[0]), "f"(top[1]), "f"(bottom[0]), "f"(bottom[1]));
-        }
-        top = vec<float, 2>{d0, d1};
-        if (pair) acc[(fm + 1) * FN + fn].elements = vec<float, 2>{d2, d3};
+        float d[4];
+        matrix_detail::mma_m16n8k8<T>(d, a_top, a_bottom, bt, {top[0], top[1], bottom[0], bottom[1]});
+        top = vec<float, 2>{d[0], d[1]};
+        if (pair) acc[(fm + 1) * FN + fn].elements = vec<float, 2>{d[2], d[3]};
       }
     }
   } else {
@@ -452,19 +455,10 @@ __attribute__((always_inline)) inline void simdgroup_multiply_accumulate_rows(si
     for (uint32_t fm = 0; fm < FM; fm += 2) {
       vec<float, 2>& top = acc[fm * FN + fn].elements;
       vec<float, 2>& bottom = acc[(fm + 1) * FN + fn].elements;
-      float d0, d1, d2, d3;
-      if constexpr (std::is_same_v<T, bfloat>) {
-        asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};"
-            : "=f"(d0), "=f"(d1), "=f"(d2), "=f"(d3)
-            : "r"(a[fm]), "r"(a[fm + 1]), "r"(bt[fn]), "f"(top[0]), "f"(top[1]), "f"(bottom[0]), "f"(bottom[1]));
-      } else {
-        static_assert(std::is_same_v<T, half>, "bf16 or f16 tiles");
-        asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};"
-            : "=f"(d0), "=f"(d1), "=f"(d2), "=f"(d3)
-            : "r"(a[fm]), "r"(a[fm + 1]), "r"(bt[fn]), "f"(top[0]), "f"(top[1]), "f"(bottom[0]), "f"(bottom[1]));
-      }
-      top = vec<float, 2>{d0, d1};
-      bottom = vec<float, 2>{d2, d3};
+      float d[4];
+      matrix_detail::mma_m16n8k8<T>(d, a[fm], a[fm + 1], bt[fn], {top[0], top[1], bottom[0], bottom[1]});
+      top = vec<float, 2>{d[0], d[1]};
+      bottom = vec<float, 2>{d[2], d[3]};
     }
   }
 }
