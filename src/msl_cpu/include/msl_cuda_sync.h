@@ -287,8 +287,43 @@ inline void mma_b16(float (&acc)[2], vec<T, 2> a, vec<T, 2> b) {
   acc[0] = d[0];
   acc[1] = d[1];
 }
-// Any other element types (fp32 tiles: exact checks): fp32 products and sums, k in order, as the CPU harness; 24
-// shuffles per MMA.
+// fp32 A and B on tensor cores, split in two TF32 halves (x = hi + lo, each rounded to TF32's 11 significant bits):
+// one m16n8k8 TF32 MMA takes A's hi in rows 0-7 and A's lo in rows 8-15 against B's hi, a second against B's lo, and
+// the two row halves are summed, so d = c + a·b keeps about fp32's 24 bits (the products are exact; only the
+// tensor core's fp32 sums round) for 4 shuffles instead of mma_exact's 24. A's fragment is its storage under a
+// permutation of k (MMA position p < 4 is k = 2p, p + 4 is k = 2p + 1, the same on both sides of the product);
+// B's lanes gather rows 2t and 2t + 1 of their column g. LILY_CUDA_EXACT_F32_MMA selects mma_exact instead.
+inline uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+inline void mma_tf32x2(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+inline void mma_f32(float (&acc)[2], vec<float, 2> a, vec<float, 2> b) {
+  const uint32_t full = 0xFFFFFFFFu, me = __nvvm_read_ptx_sreg_laneid();
+  const uint32_t g = me / 4, t = me % 4;
+  const uint32_t even_row = 8 * t + g / 2, odd_row = even_row + 4;  // the lanes holding B(2t, g) and B(2t + 1, g)
+  const float e0 = cuda_detail::shuffle_idx(full, b[0], even_row), e1 = cuda_detail::shuffle_idx(full, b[1], even_row);
+  const float o0 = cuda_detail::shuffle_idx(full, b[0], odd_row), o1 = cuda_detail::shuffle_idx(full, b[1], odd_row);
+  const float b_even = (g & 1u) ? e1 : e0, b_odd = (g & 1u) ? o1 : o0;
+  const uint32_t a_hi0 = to_tf32(a[0]), a_hi1 = to_tf32(a[1]);
+  const uint32_t b_hi0 = to_tf32(b_even), b_hi1 = to_tf32(b_odd);
+  const uint32_t a_frag[4] = {a_hi0, to_tf32(a[0] - __builtin_bit_cast(float, a_hi0)), a_hi1,
+                              to_tf32(a[1] - __builtin_bit_cast(float, a_hi1))};
+  float d[4] = {acc[0], acc[1], 0.0f, 0.0f};
+  mma_tf32x2(d, a_frag, to_tf32(b_even - __builtin_bit_cast(float, b_hi0)),
+             to_tf32(b_odd - __builtin_bit_cast(float, b_hi1)));
+  mma_tf32x2(d, a_frag, b_hi0, b_hi1);
+  acc[0] = d[0] + d[2];
+  acc[1] = d[1] + d[3];
+}
+// Mixed element types, and fp32 with LILY_CUDA_EXACT_F32_MMA: fp32 products and sums, k in order, as the CPU
+// harness; 24 shuffles per MMA.
 template <class TA, class TB>
 inline void mma_exact(float (&acc)[2], vec<TA, 2> a, vec<TB, 2> b) {
   const uint32_t full = 0xFFFFFFFFu, me = __nvvm_read_ptx_sreg_laneid();
@@ -328,8 +363,13 @@ inline void mma(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>&
                 const simdgroup_matrix<TB, 8, 8>& b, const simdgroup_matrix<TC, 8, 8>* c) {
   float acc[2] = {c ? float(c->elements[0]) : 0.0f, c ? float(c->elements[1]) : 0.0f};
   constexpr bool kB16 = (std::is_same_v<TA, bfloat> || std::is_same_v<TA, half>) && std::is_same_v<TA, TB>;
+  constexpr bool kF32 = std::is_same_v<TA, float> && std::is_same_v<TB, float>;
   if constexpr (kB16) {
     mma_b16<TA>(acc, a.elements, b.elements);
+#ifndef LILY_CUDA_EXACT_F32_MMA
+  } else if constexpr (kF32) {
+    mma_f32(acc, a.elements, b.elements);
+#endif
   } else {
     mma_exact(acc, a.elements, b.elements);
   }
