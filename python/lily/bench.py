@@ -323,8 +323,8 @@ def require_profiling(model: Model, n_prompt: int) -> None:
         raise ValueError(f"--profile needs the cuda backend (per-node device times); this model runs on "
                          f"{model.backend_name!r}")
     if n_prompt < 2:
-        raise ValueError(f"--profile times a prefill of the largest -p, which must be at least 2 tokens; "
-                         f"got {n_prompt}")
+        raise ValueError(f"--profile times one prefill, which must be at least 2 tokens (--profile N, or the "
+                         f"largest -p without N); got {n_prompt}")
 
 
 def profile_prefill(model: Model, n_prompt: int, seed: int = 0) -> list[tuple[str, str, float]]:

@@ -260,6 +260,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench.host_cost(precision=args.precision or "bfloat16")
         print(json.dumps(result, indent=2) if args.output == "json" else bench.format_host_cost(result))
         return 0
+    profile_tokens = args.profile or max(args.p)  # --profile without N: the largest -p
     if args.dummy_weights:
         from lily import Model
         from lily.dummy import FULL_SIZE
@@ -267,13 +268,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         source = FULL_SIZE if args.full_size else args.model
         print(f"Loading {source} with dummy weights ...", file=sys.stderr, flush=True)
         model = Model.load(source, backend=args.backend, precision=args.precision, load_format="dummy",
-                           max_context=bench.context_needed(args.p, args.n, args.d))
+                           max_context=bench.context_needed(args.p + [profile_tokens], args.n, args.d))
     elif args.full_size:
         raise ValueError("--full-size needs --dummy-weights (random weights of the full-size shapes) or --host-only")
     else:
-        model = _load(args, bench.context_needed(args.p, args.n, args.d))
-    if args.profile:
-        bench.require_profiling(model, max(args.p))
+        model = _load(args, bench.context_needed(args.p + [profile_tokens], args.n, args.d))
+    if args.profile is not None:
+        bench.require_profiling(model, profile_tokens)
     def report(row: "bench.BenchRow") -> None:
         print(f"  {row.test}: {row.avg_ts:.2f} ± {row.stddev_ts:.2f} t/s", file=sys.stderr, flush=True)
 
@@ -289,10 +290,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(bench.format_json(rows, info) if args.output == "json" else bench.format_markdown(rows, info))
     if load is not None and args.output != "json":
         print(bench.format_expert_load(load))
-    if args.profile:
-        n_prompt = max(args.p)
-        times = bench.profile_prefill(model, n_prompt)
-        print(bench.format_profile(times, n_prompt), file=sys.stderr if args.output == "json" else sys.stdout)
+    if args.profile is not None:
+        times = bench.profile_prefill(model, profile_tokens)
+        print(bench.format_profile(times, profile_tokens), file=sys.stderr if args.output == "json" else sys.stdout)
     return 0
 
 
@@ -383,8 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "--dummy-weights, or with --host-only (synthetic weights)")
     p.add_argument("--host-only", action="store_true", help="host cost per decode token with kernels stubbed out "
                    "(Linux test runtime): host_us_per_token, cpp_us_per_token")
-    p.add_argument("--profile", action="store_true", help="also the device time of each kernel of one prefill of the "
-                   "largest -p (cuda backend: every node run alone between CUDA events); on stderr with -o json")
+    p.add_argument("--profile", nargs="?", type=int, const=0, default=None, metavar="N",
+                   help="also the device time of each kernel of one prefill of N tokens (default: the largest -p; "
+                   "cuda backend: every node run alone between CUDA events); on stderr with -o json")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("download", help="download a model repository (with progress bars)")

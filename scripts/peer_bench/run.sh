@@ -3,7 +3,8 @@
 # flash attention on) on the same full-size Qwen3.6-35B-A3B shapes, in one run, then one table (table.py).
 #
 #   scripts/peer_bench/run.sh [STAGE ...]      stages: build gguf bandwidth plan llama lily table (default: all)
-#   (REPS and DEPTHS override the repetitions, 5, and the depths, 0,4096,32768)
+#   (REPS and DEPTHS override the repetitions, 5, and the depths, 0,4096,32768; PROFILE the prompt length of the
+#   per-kernel prefill profile at the end of lily-bench.log, 512)
 #
 # Needs .dev/peer/llama.cpp.tar.gz (scripts/peer_bench/prepare.py, run where there is network; carried to the GPU
 # machine: it is git-ignored), gcc, nvcc, cmake, ninja, python3 with numpy and torch, and Lily installed with its
@@ -68,7 +69,7 @@ EOF
     lily)
       # EXPERT_LOAD=0 skips the expert-load count (a cpu backend over the same weights, host time only)
       lily bench --dummy-weights --full-size --backend cuda -p "$LILY_PROMPTS" -n "$GENS" -d "$DEPTHS" -r "$REPS" \
-        $([ "${EXPERT_LOAD:-1}" = 0 ] && echo --no-expert-load) -o json \
+        $([ "${EXPERT_LOAD:-1}" = 0 ] && echo --no-expert-load) --profile "${PROFILE:-512}" -o json \
         >"$OUT/lily-bench.json" 2>"$OUT/lily-bench.log" ;;
     table)
       python3 "$HERE/table.py" "$OUT" | tee "$OUT/table.md" ;;
