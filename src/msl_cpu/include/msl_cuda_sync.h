@@ -289,8 +289,9 @@ inline void mma_b16(float (&acc)[2], vec<T, 2> a, vec<T, 2> b) {
 }
 // fp32 A and B on tensor cores, split in two TF32 halves (x = hi + lo, each rounded to TF32's 11 significant bits):
 // one m16n8k8 TF32 MMA takes A's hi in rows 0-7 and A's lo in rows 8-15 against B's hi, a second against B's lo, and
-// the two row halves are summed, so d = c + a·b keeps about fp32's 24 bits (the products are exact; only the
-// tensor core's fp32 sums round) for 4 shuffles instead of mma_exact's 24. A's fragment is its storage under a
+// the two row halves are added to c, so d = c + a·b keeps about fp32's 24 bits for 4 shuffles instead of
+// mma_exact's 24. The products are exact, but the tensor core's fp32 sums truncate: c is added outside the MMAs, in
+// rounded fp32 (with c inside, the truncation of a long accumulation failed the f32 kernels' tolerances on an H200). A's fragment is its storage under a
 // permutation of k (MMA position p < 4 is k = 2p, p + 4 is k = 2p + 1, the same on both sides of the product);
 // B's lanes gather rows 2t and 2t + 1 of their column g. LILY_CUDA_EXACT_F32_MMA selects mma_exact instead.
 inline uint32_t to_tf32(float x) {
@@ -315,12 +316,12 @@ inline void mma_f32(float (&acc)[2], vec<float, 2> a, vec<float, 2> b) {
   const uint32_t b_hi0 = to_tf32(b_even), b_hi1 = to_tf32(b_odd);
   const uint32_t a_frag[4] = {a_hi0, to_tf32(a[0] - __builtin_bit_cast(float, a_hi0)), a_hi1,
                               to_tf32(a[1] - __builtin_bit_cast(float, a_hi1))};
-  float d[4] = {acc[0], acc[1], 0.0f, 0.0f};
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   mma_tf32x2(d, a_frag, to_tf32(b_even - __builtin_bit_cast(float, b_hi0)),
              to_tf32(b_odd - __builtin_bit_cast(float, b_hi1)));
   mma_tf32x2(d, a_frag, b_hi0, b_hi1);
-  acc[0] = d[0] + d[2];
-  acc[1] = d[1] + d[3];
+  acc[0] += d[0] + d[2];
+  acc[1] += d[1] + d[3];
 }
 // Mixed element types, and fp32 with LILY_CUDA_EXACT_F32_MMA: fp32 products and sums, k in order, as the CPU
 // harness; 24 shuffles per MMA.
