@@ -394,8 +394,8 @@ LILY_INLINE void store_fragments(threadgroup float* out_tile, uint ldo, thread c
 // loads W rows tg.x · BN .. (dequantized or copied; rows past N zero). The store goes through the fp32 tile in
 // `tiles` (after the last step), so partial tiles are clipped and rounded once per element, independent of the
 // simdgroup_matrix lane layout.
-template <uint BM, typename T, typename WTile>
-LILY_INLINE void gemm_tiles(device const T* x, thread WTile& w_tile, device T* y, threadgroup float* tiles, uint M,
+template <uint BM, typename T, typename WTile, typename O>
+LILY_INLINE void gemm_tiles(device const T* x, thread WTile& w_tile, device O* y, threadgroup float* tiles, uint M,
                             uint N, uint K, uint3 tg, uint tid, uint simd_group) {
   typedef GemmLayout<BM, LILY_GEMM_BN> L;
   constexpr uint ldy = LILY_GEMM_BN + 4;

@@ -46,7 +46,9 @@
 //                                          barrier. K <= LILY_QMV_STAGE_MAX_K, bf16 scales; 4-bit (and the 8-bit
 //                                          router GEMV with f32 out). Apple GPUs keep the unstaged kernels
 //                                          (threadgroup memory and occupancy: not measured there).
-//   qmm_q<b>_g64_<dtype>[_sf32]_bm<BM>     prefill GEMM on the tile loop of metal/gemm.h. Grid (ceil(N / 64),
+//   qmm_q<b>_g64_<dtype>[_sf32][_of32]_bm<BM>
+//                                          prefill GEMM on the tile loop of metal/gemm.h (_of32: bf16 in, fp32 out,
+//                                          BM 16 or 32: router logits and every-row lm_head logits). Grid (ceil(N / 64),
 //                                          ceil(M / BM), 1) of 128 threads; BM = 16, 32 or 64 (64: bf16 only), the
 //                                          host's choice by M and N (tuning::qmm_tile_rows). Per K step of 32 the
 //                                          threadgroup copies a BM x 32 tile of X and dequantizes a 64 x 32 tile of W
@@ -732,13 +734,13 @@ template <typename T, typename S, int Bits, typename O>
   }
 }
 
-template <typename T, typename S, int Bits, int BM>
+template <typename T, typename S, int Bits, int BM, typename O = T>
 [[kernel]] void qmm(constant lily::QMatmulArgs& args [[buffer(0)]],
                     device const T* x [[buffer(1)]],
                     device const uint* weight [[buffer(2)]],
                     device const S* scales [[buffer(3)]],
                     device const S* biases [[buffer(4)]],
-                    device T* y [[buffer(5)]],
+                    device O* y [[buffer(5)]],
                     uint3 tg [[threadgroup_position_in_grid]],
                     uint tid [[thread_index_in_threadgroup]],
                     uint simd_group [[simdgroup_index_in_threadgroup]]) {
@@ -901,6 +903,16 @@ LILY_INSTANTIATE_KERNEL("qmm_q4_g64_bf16_bm64", qmm, bfloat, bfloat, 4, 64)
 LILY_INSTANTIATE_KERNEL("qmm_q4_g64_bf16_sf32_bm64", qmm, bfloat, float, 4, 64)
 LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_bm64", qmm, bfloat, bfloat, 8, 64)
 LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_sf32_bm64", qmm, bfloat, float, 8, 64)
+// bf16 in, fp32 out (the _of32 suffix, as qmv's): the router | shared-expert gate logits and every-row lm_head
+// logits of a prefill chunk, above qmv's row limit.
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_bf16_of32_bm16", qmm, bfloat, bfloat, 4, 16, float)
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_bf16_of32_bm32", qmm, bfloat, bfloat, 4, 32, float)
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_bf16_sf32_of32_bm16", qmm, bfloat, float, 4, 16, float)
+LILY_INSTANTIATE_KERNEL("qmm_q4_g64_bf16_sf32_of32_bm32", qmm, bfloat, float, 4, 32, float)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_of32_bm16", qmm, bfloat, bfloat, 8, 16, float)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_of32_bm32", qmm, bfloat, bfloat, 8, 32, float)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_sf32_of32_bm16", qmm, bfloat, float, 8, 16, float)
+LILY_INSTANTIATE_KERNEL("qmm_q8_g64_bf16_sf32_of32_bm32", qmm, bfloat, float, 8, 32, float)
 
 #if defined(LILY_QMATMUL_HAS_TENSOR_OPS)
 LILY_INSTANTIATE_KERNEL("qmm_nax_q4_g64_bf16", qmm_nax, bfloat, bfloat, 4)

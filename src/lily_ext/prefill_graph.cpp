@@ -183,9 +183,10 @@ struct PrefillChunk {
     mo.x = normed;
     mo.router_logits = rows(p.router, c.num_experts * 4);
     mo.shared_gate_logit = rows(p.shared_gate_logit, 4);
-    ops::moe_router_logits(ctx, m + "gate", normed, weight(w, m + "gate.weight"), mo.router_logits, T);
-    ops::moe_router_logits(ctx, m + "shared_expert_gate", normed, weight(w, m + "shared_expert_gate.weight"),
-                           mo.shared_gate_logit, T);
+    // The router and shared-expert gate logits in f32 whatever the activation dtype.
+    ops::qmatmul(ctx, m + "gate", normed, weight(w, m + "gate.weight"), mo.router_logits, T, DType::F32);
+    ops::qmatmul(ctx, m + "shared_expert_gate", normed, weight(w, m + "shared_expert_gate.weight"),
+                 mo.shared_gate_logit, T, DType::F32);
     mo.expert_ids = whole(g, p.expert_ids);
     mo.expert_weights = whole(g, p.expert_weights);
     mo.block_counts = whole(g, p.block_counts);

@@ -23,7 +23,7 @@ from lily.kernel_cases.common import (Case, Run, dtype_of, poisoned, quantized_w
 from lily.quant import QuantizedTensor, pack, round_to_dtype
 
 PATTERN = re.compile(r"qmv(_norm|_residual)?(_seg)?(_staged)?_q(4|8)_g64_(f32|f16|bf16)(_sf32)?(_of32)?"
-                     r"|qmm_q(4|8)_g64_(f32|f16|bf16)(_sf32)?_bm(16|32|64)|qmm_nax_q(4|8)_g64_(f16|bf16)")
+                     r"|qmm_q(4|8)_g64_(f32|f16|bf16)(_sf32)?(_of32)?_bm(16|32|64)|qmm_nax_q(4|8)_g64_(f16|bf16)")
 QMV_ROWS_PER_THREADGROUP = 8  # LILY_QMV_SIMDGROUPS * LILY_QMV_ROWS_PER_SIMDGROUP
 QMM_BN, QMM_THREADS = 64, 128  # LILY_GEMM_BN, LILY_GEMM_THREADS
 NAX_BM, NAX_BN = 32, 64  # LILY_QMM_NAX_BM, LILY_QMM_NAX_BN
@@ -59,6 +59,7 @@ EXTRA_SHAPES = {
     "qmm_q4_g64_bf16_bm64": [(m, n, 256) for m, n in ((63, 65), (64, 64), (65, 127), (130, 33))]
     + [(64, 64, 64), (70, 96, 2048)],
     "qmm_q8_g64_f32_bm16": [(9, 70, 2048)],
+    "qmm_q8_g64_bf16_of32_bm32": [(70, 257, 2048)],  # the full-size router | shared-expert gate
     "qmm_nax_q4_g64_bf16": [(64, 128, 512)],
 }
 # Segment row counts and K of the segmented GEMVs: the DeltaNet-like 4 segments, one row, 31/32/33 rows (around the
@@ -82,7 +83,7 @@ def qmatmul_args(k: int, n: int, m: int) -> bytes:
 
 
 def out_dtype_of(kernel: str) -> str:
-    return "f32" if kernel.endswith("_of32") else dtype_of(kernel)
+    return "f32" if "_of32" in kernel else dtype_of(kernel)
 
 
 def accumulation_magnitude(x: np.ndarray, weight) -> np.ndarray:
@@ -134,18 +135,18 @@ def _qmv_extreme_codes(run: Run, kernel: str) -> None:
 
 def _qmm(run: Run, kernel: str, m: int, n: int, k: int) -> None:
     """qmm's tiles hold the dequantized weights in the activation dtype (as MLX's): the reference rounds them too."""
-    dtype = dtype_of(kernel)
+    dtype, out_dtype = dtype_of(kernel), out_dtype_of(kernel)
     if "_nax_" in kernel:
         bm, bn, threads = NAX_BM, NAX_BN, 128
     else:
         bm, bn, threads = int(kernel[-2:]), QMM_BN, QMM_THREADS
     weight, buffers = quantized_weight(kernel, (n, k), run.rng)
     x = to_device(run.rng.standard_normal((m, k)), dtype)
-    y = poisoned((m, n), dtype)
+    y = poisoned((m, n), out_dtype)
     run.dispatch(kernel, [qmatmul_args(k, n, m), x, *buffers, y], (-(-n // bn), -(-m // bm), 1), threads)
     if dtype != "f32":
         weight = round_to(weight.dequantize(), dtype).astype(np.float32)
-    check_matmul(run, y, dtype, to_f64(x, dtype), weight)
+    check_matmul(run, y, out_dtype, to_f64(x, dtype), weight)
 
 
 def _qmv_norm(run: Run, kernel: str, m: int, n: int, k: int, x_scale: float = 1.0) -> None:

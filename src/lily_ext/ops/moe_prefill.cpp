@@ -1,5 +1,5 @@
 // moe_route_f32 (metal/moe.metal) and moe_sort_*, moe_gemm_*, moe_combine_* (metal/moe_prefill.metal): T rows;
-// the router GEMMs in front of them (qmm, or qmv_*_of32 in bf16 mode: metal/qmatmul.metal).
+// the router GEMMs in front of them (ops::qmatmul with f32 output: qmm or qmv, _of32 in bf16 mode).
 #include <algorithm>
 
 #include "../../../metal/lily.h"
@@ -7,27 +7,6 @@
 #include "ops.h"
 
 namespace lily::ops {
-
-void moe_router_logits(Context& ctx, const std::string& label, const Span& x, const WeightRef& w, const Span& y,
-                       size_t rows) {
-  if (ctx.act == DType::F32) {
-    qmatmul(ctx, label, x, w, y, rows, DType::F32);
-    return;
-  }
-  // bf16 in, f32 out: only the qmv "_of32" variants exist (no qmm writes f32 from bf16), for 8-bit routers (as MLX
-  // stores them) and 4-bit ones. qmv takes any number of rows (grid y, up to LILY_QMV_MAX_ROWS per threadgroup); it
-  // re-reads the router per 4 rows, from cache: it is E x H at 8 bits (0.5 MB at full size).
-  QMatmulArgs a{};
-  a.in_features = static_cast<u32>(w.cols);
-  a.out_features = static_cast<u32>(w.rows);
-  a.num_rows = static_cast<u32>(rows);
-  std::string name = "qmv_q" + std::to_string(w.bits) + "_g64_" + dtype_name(ctx.act) +
-                     (w.scale_dtype == DType::F32 ? "_sf32" : "") + "_of32";
-  add_node(ctx, name, label, {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(y)},
-           {(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup,
-            (rows + tuning::kQmvMaxRows - 1) / tuning::kQmvMaxRows, 1},
-           {tuning::kQmvThreads, 1, 1}, {x, w.data, w.scales, w.biases}, {y});
-}
 
 size_t moe_tile_rows(double rows_per_expert, bool wide_tiles) {
   return wide_tiles && rows_per_expert >= static_cast<double>(tuning::kMoeBm32MinRowsPerExpert) ? 32 : 16;

@@ -51,8 +51,8 @@ void rms_norm(Context& ctx, const std::string& label, const Span& x, const Weigh
 void rms_norm_residual(Context& ctx, const std::string& label, const Span& x, const Span& residual,
                        const WeightRef& weight, const Span& out, const Span& sum, size_t rows, size_t row_length,
                        float eps);
-// qmatmul.cpp: y[rows, w.rows] = x[rows, w.cols] * W^T (qmv for few rows, qmm otherwise). y may be an f32 buffer
-// only when x is (the kernels share one dtype for x and y).
+// qmatmul.cpp: y[rows, w.rows] = x[rows, w.cols] * W^T (qmv for few rows, qmm otherwise), y in `dtype`: the
+// activation dtype, or f32 (router and lm_head logits: the _of32 kernels in bf16 mode).
 void qmatmul(Context& ctx, const std::string& label, const Span& x, const WeightRef& w, const Span& y, size_t rows,
              DType dtype);
 // dequantize.cpp: the whole of `w` written densely in `dtype` at the start of `scratch`, returned (the IN_GEMM_DEQUANT
@@ -153,9 +153,6 @@ struct MoePrefillSpans {
 };
 void moe_prefill(Context& ctx, const ModelConfig& config, const std::string& label, const MoePrefillSpans& s,
                  size_t tokens);
-// The router (and shared-expert gate) logits of T rows, f32 whatever the activation dtype.
-void moe_router_logits(Context& ctx, const std::string& label, const Span& x, const WeightRef& w, const Span& y,
-                       size_t rows);
 // Rows per grouped-GEMM tile for `rows_per_expert` mean rows (16 or 32), and the tile-map bound for T*k pairs.
 size_t moe_tile_rows(double rows_per_expert, bool wide_tiles);
 size_t moe_max_tiles(size_t pairs, size_t experts, size_t tile_rows);

@@ -15,17 +15,19 @@ void qmatmul(Context& ctx, const std::string& label, const Span& x, const Weight
   a.in_features = static_cast<u32>(w.cols);
   a.out_features = static_cast<u32>(w.rows);
   a.num_rows = static_cast<u32>(rows);
-  // qmv reads x in the activation dtype and may write f32 (lm_head logits in bf16 mode: the _of32 variants); it
-  // takes any number of rows, four per threadgroup row (grid y), so f32 output stays on it above its row limit.
+  // qmv and qmm read x in the activation dtype and may write f32 in bf16 mode (the _of32 variants: router and lm_head
+  // logits). The dequantize + mm ablation has no f32 output: there, f32 output stays on qmv, which takes any number
+  // of rows, four per threadgroup row (grid y).
   const bool f32_out = dtype == DType::F32 && ctx.act != DType::F32;
-  std::string name = rows <= tuning::kQmvMaxRows || f32_out ? "qmv" : "qmm";
+  const bool gemm = rows > tuning::kQmvMaxRows && (!f32_out || (ctx.in_gemm_dequant && ctx.act == DType::BF16));
+  std::string name = gemm ? "qmm" : "qmv";
   name += "_q" + std::to_string(w.bits) + "_g64_" + dtype_name(f32_out ? ctx.act : dtype);
   if (w.scale_dtype == DType::F32) name += "_sf32";
   if (f32_out) name += "_of32";
   Dim3 groups{(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup,
                    (rows + tuning::kQmvMaxRows - 1) / tuning::kQmvMaxRows, 1};  // each takes up to 4 input rows
   Dim3 threads{tuning::kQmvThreads, 1, 1};
-  if (rows > tuning::kQmvMaxRows && !f32_out && ctx.tensor_ops && ctx.in_gemm_dequant && dtype == DType::BF16 &&
+  if (gemm && !f32_out && ctx.tensor_ops && ctx.in_gemm_dequant && dtype == DType::BF16 &&
       ctx.act == DType::BF16 && w.scale_dtype == DType::BF16) {
     // Metal 4 tensor ops (M5-class GPUs): a 32 x 64 tile per threadgroup of 4 simdgroups.
     add_node(ctx, "qmm_nax_q" + std::to_string(w.bits) + "_g64_bf16", label,
@@ -34,7 +36,8 @@ void qmatmul(Context& ctx, const std::string& label, const Span& x, const Weight
              {128, 1, 1}, {x, w.data, w.scales, w.biases}, {y});
     return;
   }
-  if (rows > tuning::kQmvMaxRows && !f32_out) {
+  if (gemm) {
+    // f32 output: 16- or 32-row tiles (qmm_tile_rows's 64 is for bf16 output only).
     const size_t bm = tuning::qmm_tile_rows(rows, w.rows, ctx.wide_tiles, dtype == DType::BF16);
     name += "_bm" + std::to_string(bm);
     groups = {(w.rows + LILY_GEMM_BN - 1) / LILY_GEMM_BN, (rows + bm - 1) / bm, 1};
