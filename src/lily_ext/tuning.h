@@ -12,6 +12,11 @@ namespace lily::tuning {
 // GEMV vs GEMM by rows: at most this many rows run qmv (one threadgroup row reads the weights once for all of
 // them); more rows run qmm. The qmatmul kernels define the crossover with their tile shapes.
 constexpr size_t kQmvMaxRows = LILY_QMV_MAX_ROWS;
+// ... and an f32-output GEMM with fewer output features than one 8-column MMA fragment (the shared-expert gate's
+// logit, N = 1) stays on qmv at any number of rows: qmm's tile would be almost all padding, and re-reading so small
+// a weight per 4 rows costs little (on the H200 a 512-row qmm_of32 of N = 1 took 36 us, the router's N = 256 the
+// same). Only there: at full size every bf16-output projection has N >= 32.
+constexpr size_t kQmmOf32MinOutFeatures = 8;
 // qmm tile rows (metal/gemm.h): 16 up to this many rows (fewer padded rows), else the widest of 32 and 64 that still
 // launches kQmmMinThreadgroups threadgroups (64 only for bf16 activations: fp32 tiles would pass Metal's 32 KB of
 // threadgroup memory). A 64-row tile reads each dequantized weight tile for twice the rows of a 32-row one, but at

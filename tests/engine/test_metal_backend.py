@@ -401,8 +401,10 @@ def test_bfloat16_mode_follows_the_reference(engine_backend, checkpoints, refere
     state = backend.new_state()
     logits = backend.forward(PROMPT, state)
     kernels = backend.last_step_counts()["dispatches_by_kernel"]
-    # f32 outputs: the router logits (8-bit) and the logits (lm_head, 4-bit), 9 rows: the GEMMs of 16-row tiles.
-    assert {name for name in kernels if "_of32" in name} == {"qmm_q8_g64_bf16_of32_bm16", "qmm_q4_g64_bf16_of32_bm16"}
+    # f32 outputs: the router logits (8-bit) and the logits (lm_head, 4-bit), 9 rows: the GEMMs of 16-row tiles; the
+    # shared-expert gate (N = 1) on the GEMV.
+    assert {name for name in kernels if "_of32" in name} == {"qmm_q8_g64_bf16_of32_bm16", "qmm_q4_g64_bf16_of32_bm16",
+                                                             "qmv_q8_g64_bf16_of32"}
     assert relative_error(logits, want_logits) < 5e-2  # measured 2.2e-2
     assert np.mean(logits.argmax(-1) == want_logits.argmax(-1)) >= 8 / 9
     ref = ReferenceModel(checkpoints["mlx"])
@@ -458,7 +460,7 @@ def test_a_mixed_bit_router_runs_on_the_general_kernels(engine_backend, checkpoi
             layers = len(checkpoint.args.layer_types)
             # Each layer's 4-bit router logits and the f32 logits (lm_head); in decode, staged on CUDA.
             assert prefill_kernels.get("qmm_q4_g64_bf16_of32_bm16") == layers + 1, sorted(prefill_kernels)
-            assert prefill_kernels.get("qmm_q8_g64_bf16_of32_bm16") == layers, sorted(prefill_kernels)
+            assert prefill_kernels.get("qmv_q8_g64_bf16_of32") == layers, sorted(prefill_kernels)  # N = 1
             of32 = sum(decode_kernels.get(f"qmv_norm{staged}_q4_g64_bf16_of32", 0) for staged in ("", "_staged"))
             assert of32 == layers + 1, sorted(decode_kernels)
             assert decode_kernels.get("qmv_norm_q8_g64_bf16_of32") == layers, sorted(decode_kernels)
