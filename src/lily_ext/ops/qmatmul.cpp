@@ -39,7 +39,7 @@ void qmatmul(Context& ctx, const std::string& label, const Span& x, const Weight
     return;
   }
   if (gemm) {
-    // f32 output: 16- or 32-row tiles (qmm_tile_rows's 64 is for bf16 output only).
+    // With f32 output (dtype F32) qmm_tile_rows picks 16 or 32 rows: the _of32 kernels have no 64-row tiles.
     const size_t bm = tuning::qmm_tile_rows(rows, w.rows, ctx.wide_tiles, dtype == DType::BF16);
     name += "_bm" + std::to_string(bm);
     groups = {(w.rows + LILY_GEMM_BN - 1) / LILY_GEMM_BN, (rows + bm - 1) / bm, 1};
