@@ -39,8 +39,10 @@ of them.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +127,17 @@ _TINY_VISION_CONFIG = dict(
     temporal_patch_size=2,
     num_position_embeddings=64,
 )
+
+
+def load_script(relative_path: str):
+    """A script of the repository (``scripts/...``, not a package module) imported as a module, registered in
+    ``sys.modules`` under ``script_<stem>`` (dataclasses and pickling look it up there)."""
+    path = Path(__file__).resolve().parents[1] / relative_path
+    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def relative_error(got, expected) -> float:

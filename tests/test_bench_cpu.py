@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -12,20 +11,11 @@ import lily
 from lily import hub
 from lily.checkpoint import load_checkpoint
 
-from fixtures import relative_error
-
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_cpu.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_cpu", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from fixtures import load_script, relative_error
 
 
 def test_the_hf_conversion_of_the_demo_model_matches_the_reference():
-    bench = load_script()
+    bench = load_script("scripts/bench_cpu.py")
     directory = Path(hub.resolve("lily:demo"))
     hf_model = bench.build_hf_model(directory, load_checkpoint(directory))
     ids = np.random.default_rng(8).integers(0, 2000, 24).tolist()

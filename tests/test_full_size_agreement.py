@@ -3,26 +3,15 @@ reference backend's logits (fp32, a tiny config), and its comparison counts what
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 
-from fixtures import relative_error, text_config
-
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "full_size_agreement.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("full_size_agreement", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from fixtures import load_script, relative_error, text_config
 
 
 def test_hf_with_lilys_dummy_weights_computes_the_reference_logits(tmp_path):
-    agreement = load_script()
+    agreement = load_script("scripts/full_size_agreement.py")
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**text_config("gqa4"), "model_type": "qwen3_5_moe_text"}))
     ids = np.random.default_rng(3).integers(0, 1024, 20)
@@ -34,7 +23,7 @@ def test_hf_with_lilys_dummy_weights_computes_the_reference_logits(tmp_path):
 
 
 def test_compare_counts_disagreements_and_cosines():
-    agreement = load_script()
+    agreement = load_script("scripts/full_size_agreement.py")
     rng = np.random.default_rng(0)
     a = rng.standard_normal((4, 50)).astype(np.float32)
     b = a.copy()

@@ -4,28 +4,19 @@ JSON, the pruning of a llama.cpp tree, and prepare.py's sdist download (pip as i
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 import tarfile
-from pathlib import Path
 
 import gguf  # llama.cpp's gguf-py, in the test extras (pyproject.toml)
 import numpy as np
 import pytest
 
-from fixtures import text_config
-
-ROOT = Path(__file__).resolve().parents[1]
+from fixtures import load_script, text_config
 
 
 def script(name: str):
-    spec = importlib.util.spec_from_file_location(f"peer_{name}", ROOT / "scripts" / "peer_bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"scripts/peer_bench/{name}.py")
 
 
 def expected_tensors(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
