@@ -291,9 +291,10 @@ inline void mma_b16(float (&acc)[2], vec<T, 2> a, vec<T, 2> b) {
 // one m16n8k8 TF32 MMA takes A's hi in rows 0-7 and A's lo in rows 8-15 against B's hi, a second against B's lo, and
 // the two row halves are added to c, so d = c + a·b keeps about fp32's 24 bits for 4 shuffles instead of
 // mma_exact's 24. The products are exact, but the tensor core's fp32 sums truncate: c is added outside the MMAs, in
-// rounded fp32 (with c inside, the truncation of a long accumulation failed the f32 kernels' tolerances on an H200). A's fragment is its storage under a
-// permutation of k (MMA position p < 4 is k = 2p, p + 4 is k = 2p + 1, the same on both sides of the product);
-// B's lanes gather rows 2t and 2t + 1 of their column g. LILY_CUDA_EXACT_F32_MMA selects mma_exact instead.
+// rounded fp32 (with c inside, the truncation of a long accumulation failed the f32 kernels' tolerances on an
+// H200). A's fragment is its storage under a permutation of k (MMA position p < 4 is k = 2p, p + 4 is k = 2p + 1,
+// the same on both sides of the product); B's lanes gather rows 2t and 2t + 1 of their column g.
+// LILY_CUDA_EXACT_F32_MMA selects mma_exact instead.
 inline uint32_t to_tf32(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
