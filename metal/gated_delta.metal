@@ -33,6 +33,21 @@
 using namespace metal;
 using namespace lily;
 
+// A simdgroup's batch of LILY_GDN_ROWS_PER_SIMDGROUP state rows r0 + i * n_sg (this lane's Dk / 32 values of each),
+// every load issued before the first is used; a row past n_rows re-reads the last row (never written back).
+template <uint Dk>
+LILY_INLINE void gdn_load_state_rows(thread float (&s)[LILY_GDN_ROWS_PER_SIMDGROUP][Dk / 32],
+                                     device const float* head_state, uint r0, uint n_sg, uint n_rows) {
+  LILY_UNROLL
+  for (uint i = 0; i < LILY_GDN_ROWS_PER_SIMDGROUP; ++i) {
+    device const float* row = head_state + size_t(min(r0 + i * n_sg, n_rows - 1)) * Dk;
+    LILY_UNROLL
+    for (uint e = 0; e < Dk / 32; ++e) {
+      s[i][e] = row[e];
+    }
+  }
+}
+
 template <typename T, uint Dk>
 [[kernel]] void gated_delta_step(constant lily::GatedDeltaArgs& args [[buffer(0)]],
                                  device const T* qkv [[buffer(1)]],           // [C] raw in_proj_qkv output
@@ -63,6 +78,20 @@ template <typename T, uint Dk>
   const uint dv = args.head_v_dim;
   const uint n_rows = heads * dv;
   const uint channels = 2 * args.num_k_heads * Dk + args.num_v_heads * dv;
+
+  // State rows round-robin over simdgroups (row r0 + i * n_sg), LILY_GDN_ROWS_PER_SIMDGROUP at a time: all of a
+  // batch's loads are issued before its first update (one memory round trip per batch, not per row), and the state
+  // passes through registers once (read, update, write). A row past n_rows re-reads the last row and is never
+  // written. The first batch is loaded before lily::grid_dependency_wait: only this layer's step writes the state, and
+  // the host never starts this kernel early behind a dispatch that does (Node::early_reads), so on CUDA the state's
+  // loads overlap the in_proj GEMV before it.
+  constexpr uint kRows = LILY_GDN_ROWS_PER_SIMDGROUP;
+  device const float* head_state = state + size_t(key_head) * n_rows * Dk + lane * (Dk / 32);
+  float s[kRows][Dk / 32];
+  if (sg < n_rows) {
+    gdn_load_state_rows<Dk>(s, head_state, sg, n_sg, n_rows);
+  }
+  lily::grid_dependency_wait();  // qkv, z, b and a come from the dispatch before
 
   // Conv + SiLU of the key head's channels; each channel's conv state is shifted by the one thread that owns it.
   for (uint lc = tid; lc < 2 * Dk + n_rows; lc += n_threads) {
@@ -96,20 +125,9 @@ template <typename T, uint Dk>
   float q[Dk / 32];
   float k[Dk / 32];
   gdn_normalized_qk<Dk>(q_tg, k_tg, args.l2_eps, q, k, lane);
-  // Rows round-robin over simdgroups (row r0 + i * n_sg), LILY_GDN_ROWS_PER_SIMDGROUP at a time: all of their loads
-  // are issued before the first update (one memory round trip per batch, not per row), and the state passes through
-  // registers once (read, update, write). A row past n_rows re-reads the last row and is never written.
-  constexpr uint kRows = LILY_GDN_ROWS_PER_SIMDGROUP;
   for (uint r0 = sg; r0 < n_rows; r0 += n_sg * kRows) {
-    float s[kRows][Dk / 32];
-    LILY_UNROLL
-    for (uint i = 0; i < kRows; ++i) {
-      const uint r = min(r0 + i * n_sg, n_rows - 1);
-      device const float* row = state + (size_t(key_head) * n_rows + r) * Dk + lane * (Dk / 32);
-      LILY_UNROLL
-      for (uint e = 0; e < Dk / 32; ++e) {
-        s[i][e] = row[e];
-      }
+    if (r0 != sg) {
+      gdn_load_state_rows<Dk>(s, head_state, r0, n_sg, n_rows);
     }
     LILY_UNROLL
     for (uint i = 0; i < kRows; ++i) {
@@ -137,7 +155,7 @@ template <typename T, uint Dk>
   }
 }
 
-LILY_INSTANTIATE_KERNEL("gated_delta_step_f32_dk128", gated_delta_step, float, 128)
-LILY_INSTANTIATE_KERNEL("gated_delta_step_bf16_dk128", gated_delta_step, bfloat, 128)
-LILY_INSTANTIATE_KERNEL("gated_delta_step_f32_dk64", gated_delta_step, float, 64)
-LILY_INSTANTIATE_KERNEL("gated_delta_step_bf16_dk64", gated_delta_step, bfloat, 64)
+LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_step_f32_dk128", gated_delta_step, float, 128)
+LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_step_bf16_dk128", gated_delta_step, bfloat, 128)
+LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_step_f32_dk64", gated_delta_step, float, 64)
+LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_step_bf16_dk64", gated_delta_step, bfloat, 64)

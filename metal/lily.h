@@ -385,6 +385,18 @@ constexpr u32 attn_mma_tile_keys(u32 head_dim, u32 element_bytes) {
 // A helper inlined into its kernel whatever its size (MSL and clang alike): as a real call on CUDA, its arrays
 // passed by reference live in local memory.
 #define LILY_INLINE inline __attribute__((always_inline))
+
+// Programmatic dependent launch (CUDA on sm_90, the runtime's PDL edges: docs/cuda.md): a kernel may start while the
+// dispatch before it in the graph is still running, and must wait here before it reads anything an earlier dispatch
+// wrote or writes anything at all; only model weights may be read before. Waiting also lets the next kernel start
+// (its own loads of weights then overlap this kernel). Once every earlier dispatch has finished, or where a GPU has no
+// such launch (Metal, the CPU harness), it returns at once. Kernels instantiated with LILY_INSTANTIATE_KERNEL wait
+// before their first instruction; LILY_INSTANTIATE_EARLY_KERNEL ones call this themselves.
+LILY_INLINE void grid_dependency_wait() {
+#if defined(MSL_CUDA) && __CUDA_ARCH__ >= 900  // griddepcontrol: Hopper on (sm_80 PTX has no early start)
+  asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 #endif
 
 #if defined(LILY_KERNEL_SIDE)
@@ -410,9 +422,14 @@ inline void attn_store4(device T* p, float4 v) {
 }  // namespace lily
 
 // ---- instantiation: LILY_INSTANTIATE_KERNEL("host_name", kernel_template, template args...) ----
+// LILY_INSTANTIATE_EARLY_KERNEL instantiates a kernel that calls lily::grid_dependency_wait() itself, after loading
+// only what no earlier dispatch of its graph writes (model weights); every other kernel waits before its first
+// instruction. The same kernel everywhere but on CUDA (see grid_dependency_wait).
 #if defined(MSL_CPU)
 #define LILY_INSTANTIATE_KERNEL(name_, fn_, ...) MSL_CPU_INSTANTIATE(name_, fn_, __VA_ARGS__)
+#define LILY_INSTANTIATE_EARLY_KERNEL(name_, fn_, ...) MSL_CPU_INSTANTIATE_EARLY(name_, fn_, __VA_ARGS__)
 #elif defined(__METAL_VERSION__)
 #define LILY_INSTANTIATE_KERNEL(name_, fn_, ...) \
   template [[host_name(name_)]] [[kernel]] decltype(fn_<__VA_ARGS__>) fn_<__VA_ARGS__>;
+#define LILY_INSTANTIATE_EARLY_KERNEL(name_, fn_, ...) LILY_INSTANTIATE_KERNEL(name_, fn_, __VA_ARGS__)
 #endif

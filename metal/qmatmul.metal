@@ -385,8 +385,9 @@ LILY_INLINE void qmv_load_step(
 
 // The staged GEMV of one input row for this simdgroup's rows: acc[r] = this lane's share of sum_k x'_k w[first_row + r,
 // k] (the caller does the simd_sum), returning 1/rms (Norm) or 1. The first step's weights are loaded before x is
-// staged, so their latency overlaps the staging and its barrier. Every thread of the threadgroup calls it; a
-// simdgroup with `active` false (rows past N) only takes part in the staging.
+// staged, so their latency overlaps the staging and its barrier, and before lily::grid_dependency_wait: on CUDA they
+// overlap the dispatch that writes x (the kernels calling this are LILY_INSTANTIATE_EARLY_KERNEL). Every thread of the
+// threadgroup calls it; a simdgroup with `active` false (rows past N) only takes part in the staging.
 template <bool Norm, int Bits, typename T, typename S>
 LILY_INLINE float qmv_staged_rows(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const T* x,
                                   device const T* norm_weight, device const uint* weight, device const S* scales,
@@ -407,6 +408,7 @@ LILY_INLINE float qmv_staged_rows(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROU
   if (active) {
     qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
   }
+  lily::grid_dependency_wait();  // x comes from the dispatch before
   const float inv_rms = qmv_stage<Norm, Bits>(x, norm_weight, K, eps, stage_x, pack_sum, simd_sq, tid, n_threads, lane,
                                               simd_group);
   if (!active) {
@@ -839,14 +841,14 @@ LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16_sf32_of32", qmv_norm, bfloat, floa
 
 // The staged one-row GEMVs: CUDA's choice for the bf16 model's decode projections (tuning::staged_gemv); f32 for the
 // float32 mode and the tests' exact checks.
-LILY_INSTANTIATE_KERNEL("qmv_norm_staged_q4_g64_f32", qmv_norm_staged, float, bfloat, 4, float)
-LILY_INSTANTIATE_KERNEL("qmv_norm_staged_q4_g64_bf16", qmv_norm_staged, bfloat, bfloat, 4, bfloat)
-LILY_INSTANTIATE_KERNEL("qmv_norm_staged_q4_g64_bf16_of32", qmv_norm_staged, bfloat, bfloat, 4, float)
-LILY_INSTANTIATE_KERNEL("qmv_residual_staged_q4_g64_f32", qmv_residual_staged, float, bfloat, 4)
-LILY_INSTANTIATE_KERNEL("qmv_residual_staged_q4_g64_bf16", qmv_residual_staged, bfloat, bfloat, 4)
-LILY_INSTANTIATE_KERNEL("qmv_norm_seg_staged_q4_g64_f32", qmv_norm_seg_staged, float, bfloat, 4, float)
-LILY_INSTANTIATE_KERNEL("qmv_norm_seg_staged_q4_g64_bf16", qmv_norm_seg_staged, bfloat, bfloat, 4, bfloat)
-LILY_INSTANTIATE_KERNEL("qmv_norm_seg_staged_q8_g64_bf16_of32", qmv_norm_seg_staged, bfloat, bfloat, 8, float)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_f32", qmv_norm_staged, float, bfloat, 4, float)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_bf16", qmv_norm_staged, bfloat, bfloat, 4, bfloat)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_bf16_of32", qmv_norm_staged, bfloat, bfloat, 4, float)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_residual_staged_q4_g64_f32", qmv_residual_staged, float, bfloat, 4)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_residual_staged_q4_g64_bf16", qmv_residual_staged, bfloat, bfloat, 4)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_staged_q4_g64_f32", qmv_norm_seg_staged, float, bfloat, 4, float)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_staged_q4_g64_bf16", qmv_norm_seg_staged, bfloat, bfloat, 4, bfloat)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_staged_q8_g64_bf16_of32", qmv_norm_seg_staged, bfloat, bfloat, 8, float)
 LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_f32", qmv_segments, false, float, bfloat, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_f32_sf32", qmv_segments, false, float, float, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_bf16", qmv_segments, false, bfloat, bfloat, 4, bfloat)

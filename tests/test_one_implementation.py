@@ -101,7 +101,8 @@ def test_tool_call_arguments_are_normalised_by_lily_chat() -> None:
 
 # What a reader of kernel host names matches, as written in a Python or C++ regular expression: the `[[host_name("x")]]`
 # attribute, metal/lily.h's LILY_INSTANTIATE_KERNEL("x", ...) or the `[[kernel]]` attribute of a plain kernel.
-HOST_NAME_READER = re.compile(r"host_name\)?\\s\*\\\(|LILY_INSTANTIATE_KERNEL\)?\\s\*\\\(|\\\[\\\[\\s\*kernel")
+HOST_NAME_READER = re.compile(r"host_name\)?\\s\*\\\(|LILY_INSTANTIATE(\(\?:_EARLY\)\?)?_KERNEL\)?\\s\*\\\(|"
+                              r"\\\[\\\[\\s\*kernel")
 
 
 def test_kernel_host_names_are_read_once() -> None:

@@ -19,7 +19,8 @@ INSTANTIATION_RE = re.compile(
     r"decltype\s*\(\s*(\w+)\s*<(.*?)>\s*\)\s*(\w+)\s*<(.*?)>\s*;",
     re.S,
 )
-MACRO_INSTANTIATION_RE = re.compile(r"\bLILY_INSTANTIATE_KERNEL\s*\(\s*\"([^\"]+)\"")
+# LILY_INSTANTIATE_EARLY_KERNEL: the same, for a kernel that waits for its producers itself (metal/lily.h).
+MACRO_INSTANTIATION_RE = re.compile(r"\bLILY_INSTANTIATE(?:_EARLY)?_KERNEL\s*\(\s*\"([^\"]+)\"")
 
 
 def blank_comments(text: str) -> str:

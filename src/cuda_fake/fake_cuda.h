@@ -22,6 +22,7 @@ using namespace lily::cuda;  // the driver ABI's names, as cuda.h spells them
 #define LILY_CUDA_FAKE_DECLARE(member, symbol, fallback, result, params) \
   extern "C" __attribute__((visibility("default"))) result fake_##member params __asm__(symbol);
 LILY_CUDA_DRIVER_FUNCTIONS(LILY_CUDA_FAKE_DECLARE)
+LILY_CUDA_OPTIONAL_DRIVER_FUNCTIONS(LILY_CUDA_FAKE_DECLARE)
 #undef LILY_CUDA_FAKE_DECLARE
 
 // Records `detail` as the explanation of `code` (cuGetErrorString appends it) and returns `code`.

@@ -149,6 +149,32 @@ CUresult fake_GraphAddEmptyNode(CUgraphNode* node, CUgraph graph, const CUgraphN
   return add(node, graph, dependencies, count, Node{});
 }
 
+// Programmatic edges between two kernels (what Lily adds), run as full dependencies: the fake cannot start a kernel
+// part-way, so it checks the edge and orders the two nodes. Anything else is refused.
+CUresult fake_GraphAddDependencies(CUgraph graph, const CUgraphNode* from, const CUgraphNode* to,
+                                   const CUgraphEdgeData* edges, size_t count) {
+  if (!graph || !from || !to || !edges) return fail(CUDA_ERROR_INVALID_VALUE, "cuGraphAddDependencies_v2 arguments");
+  Graph& g = *reinterpret_cast<Graph*>(graph);
+  const auto find = [&](CUgraphNode n) {
+    return std::find_if(g.nodes.begin(), g.nodes.end(), [&](const auto& p) { return p.get() == reinterpret_cast<Node*>(n); });
+  };
+  for (size_t i = 0; i < count; ++i) {
+    const CUgraphEdgeData& e = edges[i];
+    const bool zero_reserved = std::all_of(e.reserved, e.reserved + 5, [](unsigned char c) { return c == 0; });
+    if (e.from_port != CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC || e.to_port != 0 ||
+        e.type != CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC || !zero_reserved) {
+      return fail(CUDA_ERROR_INVALID_VALUE, "the fake's typed edges are programmatic ones from a kernel's port");
+    }
+    const auto upstream = find(from[i]), downstream = find(to[i]);
+    if (upstream == g.nodes.end() || downstream == g.nodes.end() || upstream >= downstream ||
+        (*upstream)->kind != NodeKind::kernel || (*downstream)->kind != NodeKind::kernel) {
+      return fail(CUDA_ERROR_INVALID_VALUE, "a programmatic edge joins an earlier kernel node to a later one");
+    }
+    (*downstream)->dependencies.push_back(size_t(upstream - g.nodes.begin()));
+  }
+  return CUDA_SUCCESS;
+}
+
 CUresult fake_GraphInstantiateWithFlags(CUgraphExec* exec, CUgraph graph, unsigned long long flags) {
   if (!graph || flags != 0) return fail(CUDA_ERROR_INVALID_VALUE, "cuGraphInstantiateWithFlags: flags must be 0");
   const Graph& g = *reinterpret_cast<Graph*>(graph);

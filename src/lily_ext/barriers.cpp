@@ -86,4 +86,15 @@ std::vector<std::vector<size_t>> dependencies(const Graph& graph, size_t begin, 
   return edges;
 }
 
+std::vector<bool> early_starts(const Graph& graph, size_t begin, size_t end,
+                               const std::vector<std::vector<size_t>>& edges) {
+  std::vector<bool> early(end - begin, false);
+  for (size_t i = begin; i < end; ++i) {
+    const std::vector<size_t>& into = edges[i - begin];
+    early[i - begin] = into.size() == 1 && !overlap(byte_ranges(graph.nodes[into[0]].writes),
+                                                    byte_ranges(graph.nodes[i].early_reads));
+  }
+  return early;
+}
+
 }  // namespace lily

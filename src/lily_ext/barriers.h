@@ -56,4 +56,11 @@ std::vector<bool> stage_starts(const Graph& graph);
 // are the dependency edges of a CUDA graph.
 std::vector<std::vector<size_t>> dependencies(const Graph& graph, size_t begin, size_t end);
 
+// Per node of [begin, end) with those `edges`: whether it may start while the node it depends on still runs (a
+// programmatic edge on CUDA: docs/cuda.md). Only a node with exactly one edge into it, from a node that writes none
+// of its `early_reads`: every other node it depends on has then finished (the one it waits for started only when its
+// own were done), and what it reads before lily::grid_dependency_wait is final.
+std::vector<bool> early_starts(const Graph& graph, size_t begin, size_t end,
+                               const std::vector<std::vector<size_t>>& edges);
+
 }  // namespace lily

@@ -94,14 +94,17 @@ nb::list spans_list(const std::vector<lily::Span>& spans) {
   return out;
 }
 
-// buffers [(name, bytes)] and nodes [{kernel, label, reads, writes, barrier_before, depends_on}] of a graph, into
-// `out`.
+// buffers [(name, bytes)] and nodes [{kernel, label, reads, writes, barrier_before, depends_on, early_reads,
+// early_start}] of a graph, into `out`.
 void add_graph(const lily::Graph& graph, nb::dict& out) {
   nb::list buffers, nodes;
   for (const lily::GraphBuffer& b : graph.buffers) buffers.append(nb::make_tuple(b.name, b.length));
   const std::vector<std::vector<size_t>> edges = lily::dependencies(graph, 0, graph.nodes.size());
+  const std::vector<bool> early = lily::early_starts(graph, 0, graph.nodes.size(), edges);
   for (const lily::Node& n : graph.nodes) {
     nb::dict node;
+    node["early_start"] = bool(early[nodes.size()]);  // its CUDA graph edge is programmatic (with PDL on)
+    node["early_reads"] = spans_list(n.early_reads);
     node["depends_on"] = edges[nodes.size()];  // the CUDA graph's edges into this node
     node["kernel"] = n.kernel;
     node["label"] = n.label;

@@ -117,6 +117,10 @@ struct Node {
   uint64_t traffic_read = 0, traffic_written = 0;
   bool barrier_before = false;  // forced (serial mode)
   std::vector<PositionField> per_position;  // decode: the fields that change from token to token
+  // What the kernel reads before lily::grid_dependency_wait (a LILY_INSTANTIATE_EARLY_KERNEL: metal/lily.h), a part
+  // of `reads`. A runtime may start such a node while the one node it depends on still runs (CUDA's programmatic
+  // edges) only if that node writes none of these.
+  std::vector<Span> early_reads;
 };
 
 // A step the CPU runs inside a forward pass (the GPU_ROUTING switch off): the nodes before `before_node` are

@@ -60,6 +60,10 @@ void Driver::open() {
   fn_.member = reinterpret_cast<result(*) params>(resolve(symbol, fallback));
   LILY_CUDA_DRIVER_FUNCTIONS(LILY_CUDA_RESOLVE)
 #undef LILY_CUDA_RESOLVE
+#define LILY_CUDA_RESOLVE_OPTIONAL(member, symbol, fallback, result, params) \
+  fn_.member = reinterpret_cast<result(*) params>(dlsym(handle_, symbol));
+  LILY_CUDA_OPTIONAL_DRIVER_FUNCTIONS(LILY_CUDA_RESOLVE_OPTIONAL)
+#undef LILY_CUDA_RESOLVE_OPTIONAL
   if (!missing.empty()) {
     std::string names;
     for (const std::string& m : missing) names += (names.empty() ? "" : ", ") + m;
@@ -475,6 +479,16 @@ GraphNode Graph::add_kernel(const KernelLaunch& launch, const std::vector<GraphN
       context_.driver().fn().GraphAddKernelNode(&node, graph_, dependencies.data(), dependencies.size(), &p),
       "cuGraphAddKernelNode", launch.kernel);
   ++nodes_;
+  return node;
+}
+
+GraphNode Graph::add_kernel_after_start(const KernelLaunch& launch, GraphNode upstream) {
+  const GraphNode node = add_kernel(launch, {});
+  CUgraphEdgeData edge{};
+  edge.from_port = CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC;
+  edge.type = CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC;
+  context_.driver().check(context_.driver().fn().GraphAddDependencies(graph_, &upstream, &node, &edge, 1),
+                          "cuGraphAddDependencies_v2 (programmatic)", launch.kernel);
   return node;
 }
 

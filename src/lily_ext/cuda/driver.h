@@ -42,6 +42,7 @@ class DriverError : public Error {
 struct DriverFunctions {
 #define LILY_CUDA_MEMBER(member, symbol, fallback, result, params) result(*member) params = nullptr;
   LILY_CUDA_DRIVER_FUNCTIONS(LILY_CUDA_MEMBER)
+  LILY_CUDA_OPTIONAL_DRIVER_FUNCTIONS(LILY_CUDA_MEMBER)
 #undef LILY_CUDA_MEMBER
 };
 
@@ -267,6 +268,9 @@ class Graph {
   size_t node_count() const { return nodes_; }
 
   GraphNode add_kernel(const KernelLaunch& launch, const std::vector<GraphNode>& dependencies);
+  // A kernel released by `upstream`'s programmatic port (it waits for the rest itself: lily::grid_dependency_wait).
+  // Needs Driver::fn().GraphAddDependencies.
+  GraphNode add_kernel_after_start(const KernelLaunch& launch, GraphNode upstream);
   GraphNode add_copy(CUdeviceptr dst, CUdeviceptr src, size_t bytes, const std::vector<GraphNode>& dependencies);
   GraphNode add_fill(CUdeviceptr dst, uint8_t value, size_t bytes, const std::vector<GraphNode>& dependencies);
   GraphNode add_empty(const std::vector<GraphNode>& dependencies);  // a join point

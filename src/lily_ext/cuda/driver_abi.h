@@ -90,6 +90,16 @@ struct CUDA_MEMCPY3D {
   size_t WidthInBytes, Height, Depth;
 };
 
+// CUgraphEdgeData (CUDA 12.3): the edge of a graph dependency. Lily adds the programmatic kind only: the upstream
+// kernel's programmatic port (all of its blocks have run griddepcontrol.launch_dependents, or exited) releases the
+// downstream kernel, which waits for the rest with griddepcontrol.wait.
+struct CUgraphEdgeData {
+  unsigned char from_port, to_port, type;
+  unsigned char reserved[5];
+};
+constexpr unsigned char CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC = 1;
+constexpr unsigned char CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC = 1;
+
 // CUDA_MEMSET_NODE_PARAMS_v1.
 struct CUDA_MEMSET_NODE_PARAMS {
   CUdeviceptr dst;
@@ -188,6 +198,11 @@ static_assert(sizeof(KernelParams) == 31 * 8 + 8 * 4, "Params layout of msl_cuda
     CUresult, (CUgraphExec exec, CUgraphNode node, const CUDA_KERNEL_NODE_PARAMS* params))                      \
   X(GraphLaunch, "cuGraphLaunch", nullptr, CUresult, (CUgraphExec exec, CUstream stream))                       \
   X(GraphExecDestroy, "cuGraphExecDestroy", nullptr, CUresult, (CUgraphExec exec))
+
+// The same for functions Lily uses when the driver has them (null otherwise): typed graph edges (CUDA 12.3).
+#define LILY_CUDA_OPTIONAL_DRIVER_FUNCTIONS(X)                                                                   \
+  X(GraphAddDependencies, "cuGraphAddDependencies_v2", nullptr, CUresult,                                       \
+    (CUgraph graph, const CUgraphNode* from, const CUgraphNode* to, const CUgraphEdgeData* edges, size_t count))
 
 // The kernel names of a PTX module: lines `[.visible|.weak] .entry NAME(`. A plain scan, not std::regex: libstdc++'s
 // regex compiler crashed (SIGSEGV) in an extension built with g++ 13 and loaded by the GPU machine's Python.

@@ -2,6 +2,7 @@
 #include "runtime.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "../barriers.h"
@@ -112,6 +113,12 @@ CudaRuntime::CudaRuntime(int ordinal, const std::string& ptx_dir) {
   context_ = std::make_unique<cuda::Context>(ordinal);
   kernels_ = std::make_unique<cuda::KernelSet>(*context_, ptx_dir);
   stream_ = std::make_unique<cuda::Stream>();
+  // Programmatic dependent launch in CUDA graphs, unless $LILY_CUDA_PDL is 0 (the switch back: every edge waits for
+  // the whole upstream kernel), the driver predates typed graph edges or the GPU predates Hopper (the kernels' waits
+  // are compiled for sm_90 on: metal/lily.h).
+  const char* pdl = std::getenv("LILY_CUDA_PDL");
+  early_start_ = !(pdl && std::string(pdl) == "0") && cuda::Driver::get().fn().GraphAddDependencies != nullptr &&
+                 context_->compute_capability().first >= 9;
 }
 
 CudaRuntime::~CudaRuntime() {
@@ -250,11 +257,13 @@ std::shared_ptr<RecordedGraph> CudaRuntime::record(std::shared_ptr<const Graph> 
   const bool as_graph = !options.profiled && (options.replayed || options.dropped_barrier >= 0);
   r->profiled = options.profiled;
   std::vector<std::vector<size_t>> edges;
+  std::vector<bool> early;  // per node: a programmatic edge from its one upstream node (early_starts)
   if (as_graph) {
     edges = dependencies(*r->graph, begin, end);
     if (options.dropped_barrier >= static_cast<long>(begin) && options.dropped_barrier < static_cast<long>(end)) {
       edges[static_cast<size_t>(options.dropped_barrier) - begin].clear();
     }
+    if (early_start_) early = early_starts(*r->graph, begin, end, edges);
     r->cuda_graph = std::make_unique<cuda::Graph>(*context_);
   }
   std::vector<cuda::GraphNode> added;
@@ -273,6 +282,10 @@ std::shared_ptr<RecordedGraph> CudaRuntime::record(std::shared_ptr<const Graph> 
     cuda::KernelLaunch launch = kernels_->prepare(node.kernel, pointers, dim3(node.groups), dim3(node.threads));
     if (!as_graph) {
       r->launches.push_back(std::move(launch));
+      continue;
+    }
+    if (!early.empty() && early[i - begin]) {
+      added.push_back(r->cuda_graph->add_kernel_after_start(launch, added[edges[i - begin][0] - begin]));
       continue;
     }
     std::vector<cuda::GraphNode> after;

@@ -52,6 +52,7 @@ class CudaRuntime : public Runtime {
   std::unique_ptr<cuda::Context> context_;
   std::unique_ptr<cuda::KernelSet> kernels_;
   std::unique_ptr<cuda::Stream> stream_;
+  bool early_start_ = false;  // programmatic edges where barriers.h's early_starts allows them
 };
 
 }  // namespace lily

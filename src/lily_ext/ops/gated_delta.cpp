@@ -25,13 +25,15 @@ void gated_delta_step(Context& ctx, const ModelConfig& c, const std::string& lab
   size_t rows = (c.gdn_v_heads / c.gdn_k_heads) * c.gdn_v_dim;
   size_t simdgroups = (rows + tuning::kGdnRowsPerSimdgroup - 1) / tuning::kGdnRowsPerSimdgroup;
   std::string name = std::string("gated_delta_step_") + dtype_name(ctx.act) + "_dk" + std::to_string(c.gdn_k_dim);
-  add_node(ctx, name, label,
-           {arg_value(a), arg(s.qkv), arg(s.z), arg(s.b), arg(s.a), arg(s.conv_weight->data), arg(s.a_log->data),
-            arg(s.dt_bias->data), arg(s.norm_weight->data), arg(s.conv_state), arg(s.recurrent_state), arg(s.out)},
-           {c.gdn_k_heads, 1, 1}, {32 * simdgroups, 1, 1},
-           {s.qkv, s.z, s.b, s.a, s.conv_weight->data, s.a_log->data, s.dt_bias->data, s.norm_weight->data,
-            s.conv_state, s.recurrent_state},
-           {s.conv_state, s.recurrent_state, s.out});
+  Node& node =
+      add_node(ctx, name, label,
+               {arg_value(a), arg(s.qkv), arg(s.z), arg(s.b), arg(s.a), arg(s.conv_weight->data), arg(s.a_log->data),
+                arg(s.dt_bias->data), arg(s.norm_weight->data), arg(s.conv_state), arg(s.recurrent_state), arg(s.out)},
+               {c.gdn_k_heads, 1, 1}, {32 * simdgroups, 1, 1},
+               {s.qkv, s.z, s.b, s.a, s.conv_weight->data, s.a_log->data, s.dt_bias->data, s.norm_weight->data,
+                s.conv_state, s.recurrent_state},
+               {s.conv_state, s.recurrent_state, s.out});
+  node.early_reads = {s.recurrent_state};  // its first batch of state rows (metal/gated_delta.metal)
 }
 
 }  // namespace lily::ops

@@ -79,9 +79,12 @@ void qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const W
   const bool staged = tuning::staged_gemv(ctx.staged_gemv, w.bits, w.scale_dtype == DType::BF16, w.cols, false);
   std::string name = std::string(staged ? "qmv_norm_staged" : "qmv_norm") + qmv_suffix(w, ctx.act) +
                      (dtype != ctx.act ? "_of32" : "");
-  add_node(ctx, name, label,
-           {arg_value(a), arg(x), arg(norm_weight.data), arg(w.data), arg(w.scales), arg(w.biases), arg(y)},
-           qmv_groups(w), {tuning::kQmvThreads, 1, 1}, {x, norm_weight.data, w.data, w.scales, w.biases}, {y});
+  Node& node = add_node(ctx, name, label,
+                        {arg_value(a), arg(x), arg(norm_weight.data), arg(w.data), arg(w.scales), arg(w.biases),
+                         arg(y)},
+                        qmv_groups(w), {tuning::kQmvThreads, 1, 1}, {x, norm_weight.data, w.data, w.scales, w.biases},
+                        {y});
+  if (staged) node.early_reads = {w.data, w.scales, w.biases};
 }
 
 void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, const WeightRef& w,
@@ -92,9 +95,12 @@ void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, con
   a.out_features = static_cast<u32>(w.rows);
   a.num_rows = 1;
   const bool staged = tuning::staged_gemv(ctx.staged_gemv, w.bits, w.scale_dtype == DType::BF16, w.cols, false);
-  add_node(ctx, std::string(staged ? "qmv_residual_staged" : "qmv_residual") + qmv_suffix(w, ctx.act), label,
-           {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(residual_out), arg(residual_out)},
-           qmv_groups(w), {tuning::kQmvThreads, 1, 1}, {x, w.data, w.scales, w.biases, residual_out}, {residual_out});
+  Node& node =
+      add_node(ctx, std::string(staged ? "qmv_residual_staged" : "qmv_residual") + qmv_suffix(w, ctx.act), label,
+               {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(residual_out), arg(residual_out)},
+               qmv_groups(w), {tuning::kQmvThreads, 1, 1}, {x, w.data, w.scales, w.biases, residual_out},
+               {residual_out});
+  if (staged) node.early_reads = {w.data, w.scales, w.biases};
 }
 
 bool quantized_alike(const std::vector<const WeightRef*>& parts) {
@@ -121,7 +127,7 @@ void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, con
   a.num_segments = static_cast<u32>(parts.size());
   a.eps = eps;
   std::vector<NodeArg> args{arg_value(a), arg(x), arg(norm_weight ? norm_weight->data : x)};
-  std::vector<Span> reads{x};
+  std::vector<Span> reads{x}, weights;
   if (norm_weight) reads.push_back(norm_weight->data);
   size_t groups = 0;
   for (size_t s = 0; s < LILY_QMV_MAX_SEGMENTS; ++s) {
@@ -136,10 +142,11 @@ void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, con
       a.rows[s] = static_cast<u32>(w.rows);
       a.out_features += static_cast<u32>(w.rows);
       groups += (w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup;
-      reads.insert(reads.end(), {w.data, w.scales, w.biases});
+      weights.insert(weights.end(), {w.data, w.scales, w.biases});
     }
     args.insert(args.end(), {arg(w.data), arg(w.scales), arg(w.biases)});
   }
+  reads.insert(reads.end(), weights.begin(), weights.end());
   args[0] = arg_value(a);
   args.push_back(arg(y));
   // Staged: 4-bit with the activation dtype out, or 8-bit with f32 out in bf16 mode (the router | shared-expert gate).
@@ -149,7 +156,8 @@ void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, con
                                           ctx.act == DType::BF16);
   std::string name = std::string(norm_weight ? (staged ? "qmv_norm_seg_staged" : "qmv_norm_seg") : "qmv_seg") +
                      qmv_suffix(first, ctx.act) + (of32 ? "_of32" : "");
-  add_node(ctx, name, label, args, {groups, 1, 1}, {tuning::kQmvThreads, 1, 1}, reads, {y});
+  Node& node = add_node(ctx, name, label, args, {groups, 1, 1}, {tuning::kQmvThreads, 1, 1}, reads, {y});
+  if (staged) node.early_reads = weights;
 }
 
 }  // namespace lily::ops

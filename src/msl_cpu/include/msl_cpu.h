@@ -898,6 +898,8 @@ constexpr int param_count(void (*)(P...)) {
       host_name, msl_registry_id, &::msl_cpu_detail::launch_kernel<&fn<__VA_ARGS__>>, msl_param_attrs_##fn, \
       int(sizeof(msl_param_attrs_##fn) / sizeof(msl_param_attrs_##fn[0])),                             \
       ::msl_cpu_detail::param_infos(&fn<__VA_ARGS__>), msl_variant_fcs, msl_variant_fc_count, msl_source_file);
+// The harness has no programmatic dependent launch: a kernel that waits itself is instantiated as any other.
+#define MSL_CPU_INSTANTIATE_EARLY(host_name, fn, ...) MSL_CPU_INSTANTIATE(host_name, fn, __VA_ARGS__)
 #define MSL_CPU_INSTANTIATE_PLAIN(host_name, fn)                                                         \
   static ::msl_rt::KernelRegistrar MSL_CPU_CAT(msl_registrar_, __LINE__)(                              \
       host_name, msl_registry_id, &::msl_cpu_detail::launch_kernel<&fn>, msl_param_attrs_##fn,         \

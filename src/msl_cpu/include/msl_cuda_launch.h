@@ -126,6 +126,14 @@ template <auto F, const ::msl_rt::ParamAttr* A>
 [[clang::always_inline]] inline void launch(const Params& p) {
   call<A>(F, p, std::make_index_sequence<param_count(F)>{});
 }
+
+// Programmatic dependent launch: wait for the dispatches this one depends on (and let the next one start), as
+// lily::grid_dependency_wait (metal/lily.h) does for the kernels that call it themselves.
+[[clang::always_inline]] inline void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900  // griddepcontrol: Hopper on (sm_80 PTX has no early start)
+  asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 }  // namespace msl_cuda_detail
 
 // The entry point is outside the implicit host-device region (a __global__ function cannot be __host__ __device__).
@@ -140,11 +148,17 @@ template <auto F, const ::msl_rt::ParamAttr* A>
 #define MSL_CPU_CAT2(a, b) a##b
 #define MSL_CPU_CAT(a, b) MSL_CPU_CAT2(a, b)
 // `fn<targs...>` as the __global__ function `host_name`; msl_param_attrs_<fn> comes from the generated code.
-#define MSL_CPU_INSTANTIATE(host_name, fn, ...)                                                          \
+// Every entry point but an early one (MSL_CPU_INSTANTIATE_EARLY) waits for its producers before the kernel runs.
+#define MSL_CUDA_INSTANTIATE(host_name, wait, fn, ...)                                                   \
   static_assert(::msl_cuda_detail::param_count(&fn<__VA_ARGS__>) ==                                     \
                     int(sizeof(msl_param_attrs_##fn) / sizeof(msl_param_attrs_##fn[0])),                \
                 "kernel parameter count and attribute table disagree");                                 \
-  MSL_CUDA_ENTRY(host_name, (::msl_cuda_detail::launch<&fn<__VA_ARGS__>, msl_param_attrs_##fn>(p)), (&fn<__VA_ARGS__>), \
-                 msl_param_attrs_##fn)
+  MSL_CUDA_ENTRY(host_name, (wait, ::msl_cuda_detail::launch<&fn<__VA_ARGS__>, msl_param_attrs_##fn>(p)),     \
+                 (&fn<__VA_ARGS__>), msl_param_attrs_##fn)
+#define MSL_CPU_INSTANTIATE(host_name, fn, ...) \
+  MSL_CUDA_INSTANTIATE(host_name, ::msl_cuda_detail::grid_dependency_wait(), fn, __VA_ARGS__)
+#define MSL_CPU_INSTANTIATE_EARLY(host_name, fn, ...) MSL_CUDA_INSTANTIATE(host_name, (void)0, fn, __VA_ARGS__)
 #define MSL_CPU_INSTANTIATE_PLAIN(host_name, fn)                                                         \
-  MSL_CUDA_ENTRY(host_name, (::msl_cuda_detail::launch<&fn, msl_param_attrs_##fn>(p)), &fn, msl_param_attrs_##fn)
+  MSL_CUDA_ENTRY(host_name, (::msl_cuda_detail::grid_dependency_wait(),                                  \
+                             ::msl_cuda_detail::launch<&fn, msl_param_attrs_##fn>(p)),                  \
+                 &fn, msl_param_attrs_##fn)

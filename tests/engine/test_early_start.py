@@ -1,0 +1,68 @@
+"""Early start (programmatic dependent launch, docs/cuda.md): in the CUDA runtime's graphs a node may start while the
+one node it depends on still runs, and waits for it inside (lily::grid_dependency_wait, metal/lily.h), having read
+only what that node cannot be writing (Node::early_reads). The rule is barriers.cpp's `early_starts`, written again
+here from its definition and checked on the engine's decode graph; the logits with early start on and off (the
+LILY_CUDA_PDL=0 switch) are the same. The fake libcuda orders programmatic edges as full ones, so the timing itself
+is the H200's to check (docs/verification.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.engine.test_fusion import DECODE_ONLY, PROMPT, checkpoints  # noqa: F401 (the fixture)
+from tests.engine.test_plan import small_full_shape_args
+from lily import plan as lily_plan
+
+EARLY_KERNELS = ("qmv_norm_staged_", "qmv_residual_staged_", "qmv_norm_seg_staged_", "gated_delta_step_")
+
+
+def overlap(a, b) -> bool:
+    return any(x[0] == y[0] and x[2] and y[2] and x[1] < y[1] + y[2] and y[1] < x[1] + x[2] for x in a for y in b)
+
+
+def expected_early_start(nodes: list[dict], i: int) -> bool:
+    """One edge into node i, from a node writing none of what i reads before its wait."""
+    edges = nodes[i]["depends_on"]
+    return len(edges) == 1 and not overlap(nodes[edges[0]]["writes"], nodes[i]["early_reads"])
+
+
+def check_graph(graph: dict) -> list[dict]:
+    nodes = graph["nodes"]
+    for i, node in enumerate(nodes):
+        assert node["early_start"] == expected_early_start(nodes, i), (i, node["label"])
+        # What a kernel reads before its wait is among what it declares it reads (so the barrier rule orders it).
+        assert all(any(r == e for r in node["reads"]) for e in node["early_reads"]), node["label"]
+        assert bool(node["early_reads"]) == node["kernel"].startswith(EARLY_KERNELS), node["kernel"]
+    return nodes
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_decode_graph_starts_its_gemvs_and_deltanet_steps_early(checkpoints, cuda_engine_backend, monkeypatch,
+                                                                precision):  # noqa: F811 (the fixture)
+    runs = {}
+    for pdl in ("1", "0"):
+        monkeypatch.setenv("LILY_CUDA_PDL", pdl)  # read when the runtime opens
+        backend = cuda_engine_backend(checkpoints["mlx"], precision=precision, switches=DECODE_ONLY)
+        runs[pdl] = backend.forward(PROMPT, backend.new_state())
+        nodes = check_graph(backend.last_step_graph())
+    early = [n for n in nodes if n["kernel"].startswith(EARLY_KERNELS)]
+    # Every staged GEMV and DeltaNet step of a decode token follows the one dispatch that writes its input.
+    assert {n["kernel"].split("_q")[0].split("_bf16")[0].split("_f32")[0] for n in early} == {
+        "qmv_norm_staged", "qmv_residual_staged", "qmv_norm_seg_staged", "gated_delta_step"}
+    assert all(n["early_start"] for n in early)
+    # Both runtimes (programmatic edges, and full ones only) give the same bits.
+    assert np.array_equal(runs["1"], runs["0"])
+
+
+@pytest.mark.parametrize("switches", [{}, {"concurrent": False}, {"fusion": False, "fused_projections": False}])
+def test_early_start_rule_on_planned_graphs(switches):
+    """The planned (Metal-shaped) decode graph: its DeltaNet steps read their state early; they start early behind
+    the one fused in_proj GEMV, not behind four separate projections."""
+    plan = lily_plan.plan_decode(small_full_shape_args(8), context=37, precision="float32", switches=switches,
+                                 with_graph=True)
+    nodes = check_graph(plan)
+    steps = [n for n in nodes if n["kernel"].startswith("gated_delta_step_")]
+    assert steps and all(n["early_reads"] for n in steps)
+    fused = switches.get("fused_projections", True)
+    assert all(n["early_start"] == fused and len(n["depends_on"]) == (1 if fused else 4) for n in steps)
