@@ -299,6 +299,8 @@ LILY_INLINE void qmv_batch(device const T* x, device const T* norm_weight, devic
 // measured), so the staged ones are a CUDA variant in the kernel-choice table (tuning::staged_gemv).
 template <int Bits>
 constexpr uint kStageChunks = LILY_QMV_PACK_WORDS * (32 / Bits) / 4;  // float4 chunks per pack: 8 (4-bit), 4 (8-bit)
+// Chunks each thread loads per staging round: K = 2048 (the model's hidden size) in one round on 64 threads.
+constant constexpr uint kStageBatch = 8;
 
 // Stages x' = x (⊙ norm_weight when Norm) of one input row; returns 1/rms of x (Norm) or 1. Every thread of the
 // threadgroup calls it (it ends with a barrier); threads per threadgroup a multiple of 32, K a multiple of 64 and at
@@ -311,24 +313,35 @@ LILY_INLINE float qmv_stage(device const T* x, device const T* norm_weight, uint
   constexpr uint kChunks = kStageChunks<Bits>;
   const uint chunks = K / 4;
   float sq = 0.0f;
-  for (uint q0 = 0; q0 < chunks; q0 += n_threads) {  // a uniform trip count: the shuffles stay convergent
-    const uint q = min(q0 + tid, chunks - 1);
-    const bool in_row = q0 + tid < chunks;  // whole packs are in or out (chunks is a multiple of kChunks)
-    float4 v = lily::attn_load4(x + 4 * q);
-    if (Norm) {
-      sq += in_row ? dot(v, v) : 0.0f;
-      v *= lily::attn_load4(norm_weight + 4 * q);
-    }
-    float s = (v.x + v.y) + (v.z + v.w);
+  // kStageBatch chunks per thread and round, every load of a round issued before the first is used: one memory
+  // round trip per round (K = 2048 on 64 threads: one) where a chunk at a time took one per chunk.
+  for (uint q0 = 0; q0 < chunks; q0 += kStageBatch * n_threads) {  // uniform trip counts: convergent shuffles
+    float4 v[kStageBatch], w[kStageBatch];
     LILY_UNROLL
-    for (uint o = 1; o < kChunks; o *= 2) {
-      s += simd_shuffle_xor(s, ushort(o));
+    for (uint u = 0; u < kStageBatch; ++u) {
+      const uint q = min(q0 + u * n_threads + tid, chunks - 1);
+      v[u] = lily::attn_load4(x + 4 * q);
+      w[u] = Norm ? lily::attn_load4(norm_weight + 4 * q) : float4(1.0f);
     }
-    const uint p = q / kChunks, c = q % kChunks;
-    if (in_row) {
-      stage_x[((p / 32) * kChunks + c) * 32 + p % 32] = v;
-      if (c == 0) {
-        pack_sum[p] = s;
+    LILY_UNROLL
+    for (uint u = 0; u < kStageBatch; ++u) {
+      const uint q = min(q0 + u * n_threads + tid, chunks - 1);
+      const bool in_row = q0 + u * n_threads + tid < chunks;  // whole packs in or out (chunks: a multiple of kChunks)
+      if (Norm) {
+        sq += in_row ? dot(v[u], v[u]) : 0.0f;
+        v[u] *= w[u];
+      }
+      float s = (v[u].x + v[u].y) + (v[u].z + v[u].w);
+      LILY_UNROLL
+      for (uint o = 1; o < kChunks; o *= 2) {
+        s += simd_shuffle_xor(s, ushort(o));
+      }
+      const uint p = q / kChunks, c = q % kChunks;
+      if (in_row) {
+        stage_x[((p / 32) * kChunks + c) * 32 + p % 32] = v[u];
+        if (c == 0) {
+          pack_sum[p] = s;
+        }
       }
     }
   }

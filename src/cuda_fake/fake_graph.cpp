@@ -156,7 +156,8 @@ CUresult fake_GraphAddDependencies(CUgraph graph, const CUgraphNode* from, const
   if (!graph || !from || !to || !edges) return fail(CUDA_ERROR_INVALID_VALUE, "cuGraphAddDependencies_v2 arguments");
   Graph& g = *reinterpret_cast<Graph*>(graph);
   const auto find = [&](CUgraphNode n) {
-    return std::find_if(g.nodes.begin(), g.nodes.end(), [&](const auto& p) { return p.get() == reinterpret_cast<Node*>(n); });
+    return std::find_if(g.nodes.begin(), g.nodes.end(),
+                        [&](const auto& p) { return p.get() == reinterpret_cast<Node*>(n); });
   };
   for (size_t i = 0; i < count; ++i) {
     const CUgraphEdgeData& e = edges[i];
