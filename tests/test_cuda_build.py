@@ -43,6 +43,44 @@ def test_selftest_compile_only_builds_every_kernel_for_cuda(cuda_compile_only) -
     assert kept == expected
 
 
+PTX_FUNCTION = re.compile(r"^(?:\.visible |\.weak )?\.(entry|func)\s+(?:\([^)]*\)\s*)?(\w+)\s*\(", re.M)
+PTX_CALL = re.compile(r"call\.uni\s*(?:\([^)]*\),\s*)?(\w+)")
+
+
+def ptx_bodies(ptx: str) -> dict[str, tuple[str, str]]:
+    """name -> (entry or func, body) for every function defined (not only declared) in a PTX module."""
+    bodies = {}
+    for m in PTX_FUNCTION.finditer(ptx):
+        start, semicolon = ptx.find("{", m.end()), ptx.find(";", m.end())
+        if semicolon != -1 and semicolon < start:
+            continue  # a declaration
+        bodies[m.group(2)] = (m.group(1), ptx[start:ptx.find("\n}\n", start)])
+    return bodies
+
+
+def test_every_cuda_kernel_waits_for_its_producers(cuda_compile_only) -> None:
+    """Early start (docs/cuda.md): a kernel of a graph may start before the one it depends on has finished, so every
+    sm_90 entry point runs griddepcontrol.wait, in the entry (the shim, before the kernel) or in what it calls (a
+    LILY_INSTANTIATE_EARLY_KERNEL's own lily::grid_dependency_wait); the sm_80 PTX has none (no such launch there)."""
+    _, _, ptx_dir = cuda_compile_only
+    checked = 0
+    for path in sorted(ptx_dir.glob("*.ptx")):
+        bodies = ptx_bodies(path.read_text())
+
+        def waits(name: str, seen: frozenset = frozenset()) -> bool:
+            body = bodies.get(name, ("", ""))[1]
+            return "griddepcontrol.wait" in body or any(
+                callee not in seen and waits(callee, seen | {name}) for callee in PTX_CALL.findall(body))
+
+        entries = [name for name, (kind, _) in bodies.items() if kind == "entry"]
+        assert entries, path.name
+        assert [name for name in entries if not waits(name)] == [], path.name
+        checked += len(entries)
+    assert checked > 150
+    for path in ptx_dir.glob("check_sm_80/*.ptx"):
+        assert "griddepcontrol" not in path.read_text(), path.name
+
+
 def test_cuda_source_is_the_metal_file(tmp_path) -> None:
     """The generated .cu points its #line at metal/<file> and holds the file's lines, except the constructs the
     rewriter replaces in place (includes, threadgroup arrays, the kernel keyword, half literals; a comment line just
