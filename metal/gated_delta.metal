@@ -86,7 +86,7 @@ template <typename T, uint Dk>
   // the host never starts this kernel early behind a dispatch that does (Node::early_reads), so on CUDA the state's
   // loads overlap the in_proj GEMV before it.
   constexpr uint kRows = LILY_GDN_ROWS_PER_SIMDGROUP;
-  device const float* head_state = state + size_t(key_head) * n_rows * Dk + lane * (Dk / 32);
+  device float* head_state = state + size_t(key_head) * n_rows * Dk + lane * (Dk / 32);  // this lane's values
   float s[kRows][Dk / 32];
   if (sg < n_rows) {
     gdn_load_state_rows<Dk>(s, head_state, sg, n_sg, n_rows);
@@ -137,7 +137,7 @@ template <typename T, uint Dk>
       }
       const uint h = r / dv;
       const float o = gdn_update_row<Dk>(s[i], q, k, decay_tg[h], beta_tg[h], v_tg[r]);
-      device float* row = state + (size_t(key_head) * n_rows + r) * Dk + lane * (Dk / 32);
+      device float* row = head_state + size_t(r) * Dk;
       LILY_UNROLL
       for (uint e = 0; e < Dk / 32; ++e) {
         row[e] = s[i][e];

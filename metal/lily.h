@@ -393,8 +393,8 @@ constexpr u32 attn_mma_tile_keys(u32 head_dim, u32 element_bytes) {
 // such launch (Metal, the CPU harness), it returns at once. Kernels instantiated with LILY_INSTANTIATE_KERNEL wait
 // before their first instruction; LILY_INSTANTIATE_EARLY_KERNEL ones call this themselves.
 LILY_INLINE void grid_dependency_wait() {
-#if defined(MSL_CUDA) && __CUDA_ARCH__ >= 900  // griddepcontrol: Hopper on (sm_80 PTX has no early start)
-  asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory");
+#if defined(MSL_CUDA)
+  ::msl_cuda_detail::grid_dependency_wait();  // the wait the shim's entry points run (msl_cuda_launch.h)
 #endif
 }
 #endif

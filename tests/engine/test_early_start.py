@@ -11,14 +11,10 @@ import numpy as np
 import pytest
 
 from tests.engine.test_fusion import DECODE_ONLY, PROMPT, checkpoints  # noqa: F401 (the fixture)
-from tests.engine.test_plan import small_full_shape_args
+from tests.engine.test_plan import overlap, small_full_shape_args
 from lily import plan as lily_plan
 
 EARLY_KERNELS = ("qmv_norm_staged_", "qmv_residual_staged_", "qmv_norm_seg_staged_", "gated_delta_step_")
-
-
-def overlap(a, b) -> bool:
-    return any(x[0] == y[0] and x[2] and y[2] and x[1] < y[1] + y[2] and y[1] < x[1] + x[2] for x in a for y in b)
 
 
 def expected_early_start(nodes: list[dict], i: int) -> bool:

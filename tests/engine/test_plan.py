@@ -142,10 +142,13 @@ def test_stages_equal_the_encoders_automatic_barriers(switches):
         assert plan["stages"] == plan["dispatches"]
 
 
+def overlap(a, b) -> bool:
+    """Two lists of (buffer, offset, length) spans share a byte."""
+    return any(x[0] == y[0] and x[2] and y[2] and x[1] < y[1] + y[2] and y[1] < x[1] + x[2] for x in a for y in b)
+
+
 def must_wait(earlier: dict, later: dict) -> bool:
     """The barrier rule, written again from its definition: RAW, WAR or WAW on overlapping spans of one buffer."""
-    def overlap(a, b):
-        return any(x[0] == y[0] and x[2] and y[2] and x[1] < y[1] + y[2] and y[1] < x[1] + x[2] for x in a for y in b)
     return (overlap(later["reads"], earlier["writes"]) or overlap(later["writes"], earlier["reads"])
             or overlap(later["writes"], earlier["writes"]))
 

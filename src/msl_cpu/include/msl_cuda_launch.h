@@ -127,8 +127,9 @@ template <auto F, const ::msl_rt::ParamAttr* A>
   call<A>(F, p, std::make_index_sequence<param_count(F)>{});
 }
 
-// Programmatic dependent launch: wait for the dispatches this one depends on (and let the next one start), as
-// lily::grid_dependency_wait (metal/lily.h) does for the kernels that call it themselves.
+// Programmatic dependent launch: wait for the dispatches this one depends on (and let the next one start). Run by
+// every entry point before its kernel, and by lily::grid_dependency_wait (metal/lily.h) in the kernels that wait
+// themselves.
 [[clang::always_inline]] inline void grid_dependency_wait() {
 #if __CUDA_ARCH__ >= 900  // griddepcontrol: Hopper on (sm_80 PTX has no early start)
   asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory");
