@@ -68,7 +68,7 @@ DeviceMemory Engine::device_memory() const {
   for (size_t i = 0; i < buffers_.size(); ++i) {
     const int id = static_cast<int>(i);
     if (std::find(reserved_buffers_.begin(), reserved_buffers_.end(), id) != reserved_buffers_.end()) continue;
-    m.add(decode_, id, base_.buffers[i].role, buffers_[i]->length());
+    m.add(state_, id, base_.buffers[i].role, buffers_[i]->length());
   }
   m.peak = std::max(peak_bytes_, m.total());
   return m;
@@ -157,14 +157,14 @@ void Engine::finish_loading() {
     }
   }
   size_t first_new = base_.buffers.size();
-  decode_ = add_decode_buffers(config_, precision_, std::min(max_context_, switches_.kv_growth_block()), max_context_,
-                               base_);
+  state_ = add_state_buffers(config_, precision_, std::min(max_context_, switches_.kv_growth_block()), base_);
+  step_ = add_pass_buffers(config_, precision_, 1, 1, max_context_, "", base_);
   for (size_t i = first_new; i < base_.buffers.size(); ++i) buffers_.push_back(allocate(base_.buffers[i]));
   note_memory();  // loading only adds buffers: what is held now is the most held so far
   // A dry build names any missing tensor now rather than at the first token.
   Graph probe;
   probe.buffers = base_.buffers;
-  build_decode_step(config_, precision_, switches_, weights_, decode_, 0, 0, 1, probe);
+  build_decode_step(config_, precision_, switches_, weights_, state_, step_, 0, 0, 1, probe);
   // Every decode pipeline is built now: a kernel missing for this checkpoint's quantization is named at load, and
   // the first token does not pay for compilation.
   for (const Node& node : probe.nodes) runtime_->require_kernel(node.kernel);
@@ -186,12 +186,12 @@ void Engine::ensure_capacity(size_t keys) {
     throw Error("[engine] the context limit is " + std::to_string(max_context_) + " tokens; this call needs " +
                      std::to_string(keys));
   }
-  const size_t old_capacity = decode_.kv_capacity;
+  const size_t old_capacity = state_.kv_capacity;
   if (keys <= old_capacity) return;
   const size_t capacity = std::min(round_up(keys, switches_.kv_growth_block()), max_context_);
   const size_t row = state_layout(config_, precision_).kv_bytes_per_row / config_.num_kv_heads;  // one head
   for (size_t layer = 0; layer < config_.num_layers(); ++layer) {
-    for (int id : {decode_.k_cache[layer], decode_.v_cache[layer]}) {
+    for (int id : {state_.k_cache[layer], state_.v_cache[layer]}) {
       if (id < 0) continue;
       std::unique_ptr<DeviceBuffer> grown = runtime_->allocate(config_.num_kv_heads * capacity * row, Memory::Device);
       note_memory(grown->length());
@@ -202,7 +202,7 @@ void Engine::ensure_capacity(size_t keys) {
       base_.buffers[id].length = buffers_[id]->length();
     }
   }
-  decode_.kv_capacity = capacity;
+  state_.kv_capacity = capacity;
   // Steps recorded over the old caches are not coming back (the capacity only grows).
   programs_.erase(std::remove_if(programs_.begin(), programs_.end(),
                                  [&](const Program& p) { return p.kv_capacity != capacity; }),
@@ -221,16 +221,16 @@ size_t Engine::split_blocks(size_t position) const {
 Engine::Program& Engine::program(int token_slot, const std::optional<TokenChoice>& choice) {
   const size_t blocks = split_blocks(position_);
   for (Program& p : programs_) {
-    if (p.token_slot == token_slot && p.kv_capacity == decode_.kv_capacity && p.split_blocks == blocks &&
+    if (p.token_slot == token_slot && p.kv_capacity == state_.kv_capacity && p.split_blocks == blocks &&
         p.choice == choice) {
       return p;
     }
   }
   auto graph = std::make_shared<Graph>();
   graph->buffers = base_.buffers;
-  build_decode_step(config_, precision_, switches_, weights_, decode_, position_, token_slot, 1 - token_slot, *graph,
-                    choice);
-  Program built{token_slot, decode_.kv_capacity, blocks, choice, graph,
+  build_decode_step(config_, precision_, switches_, weights_, state_, step_, position_, token_slot, 1 - token_slot,
+                    *graph, choice);
+  Program built{token_slot, state_.kv_capacity, blocks, choice, graph,
                 runtime_->record(graph, 0, graph->nodes.size(), buffer_list(), {/*replayed=*/true, -1})};
   ++programs_built_;
   // A few shapes live at once (two token slots, with and without a choice); older shapes are not coming back.
@@ -320,28 +320,28 @@ void Engine::read_rows(int buffer_id, size_t rows, float* out) {
 
 // The decode logits buffer from host logits (the last row of a prefill).
 void Engine::write_logits(const float* logits) {
-  runtime_->upload(*buffers_[decode_.logits], 0, logits, config_.vocab_size * 4);
+  runtime_->upload(*buffers_[step_.logits], 0, logits, config_.vocab_size * 4);
 }
 
-void Engine::ensure_prefill_rows(size_t rows, size_t logit_rows) {
-  if (has_prefill_ && prefill_.max_tokens >= rows && prefill_.max_logit_rows >= logit_rows) return;
-  // The prefill scratch is the last group of buffers: a larger chunk (or logits for more rows) replaces the group
+void Engine::ensure_chunk_rows(size_t rows, size_t logit_rows) {
+  if (has_chunk_ && chunk_.rows >= rows && chunk_.logit_rows >= logit_rows) return;
+  // The chunk scratch is the last group of buffers: a larger chunk (or logits for more rows) replaces the group
   // (same ids, new sizes), which never shrinks in either.
-  if (has_prefill_) {
-    rows = std::max(rows, prefill_.max_tokens);
-    logit_rows = std::max(logit_rows, prefill_.max_logit_rows);
-    base_.buffers.erase(base_.buffers.begin() + static_cast<long>(prefill_first_buffer_), base_.buffers.end());
-    buffers_.erase(buffers_.begin() + static_cast<long>(prefill_first_buffer_), buffers_.end());
+  if (has_chunk_) {
+    rows = std::max(rows, chunk_.rows);
+    logit_rows = std::max(logit_rows, chunk_.logit_rows);
+    base_.buffers.erase(base_.buffers.begin() + static_cast<long>(chunk_first_buffer_), base_.buffers.end());
+    buffers_.erase(buffers_.begin() + static_cast<long>(chunk_first_buffer_), buffers_.end());
   }
-  prefill_first_buffer_ = base_.buffers.size();
-  prefill_ = add_prefill_buffers(config_, precision_, rows, logit_rows, base_);
-  if (!switches_.in_gemm_dequant) prefill_.dequant = add_dequant_scratch(precision_, weights_, base_);
-  if (switches_.chunked_scan) prefill_.gdn_chunks = add_gdn_chunk_scratch(config_, rows, base_);
-  for (size_t i = prefill_first_buffer_; i < base_.buffers.size(); ++i) {
+  chunk_first_buffer_ = base_.buffers.size();
+  chunk_ = add_pass_buffers(config_, precision_, rows, logit_rows, max_context_, "prefill", base_);
+  if (!switches_.in_gemm_dequant) chunk_.dequant = add_dequant_scratch(precision_, weights_, base_);
+  if (switches_.chunked_scan) chunk_.gdn_chunks = add_gdn_chunk_scratch(config_, rows, base_);
+  for (size_t i = chunk_first_buffer_; i < base_.buffers.size(); ++i) {
     buffers_.push_back(allocate(base_.buffers[i]));
   }
   note_memory();
-  has_prefill_ = true;
+  has_chunk_ = true;
   programs_.clear();  // the decode steps hold the buffer list they were built over
 }
 
@@ -353,20 +353,26 @@ void Engine::prefill_chunk(const uint32_t* tokens, size_t count, float* logits, 
   // later chunks of any length up to that reuse the buffers.
   const size_t logit_capacity =
       logit_rows <= 1 ? logit_rows : std::max(logit_rows, std::min(rows, tuning::kPrefillLogitRows));
-  ensure_prefill_rows(rows, logit_capacity);
-  SharedExpertRouting routing = shared_expert_routing(count, switches_.wide_tiles);
+  ensure_chunk_rows(rows, logit_capacity);
   auto put = [&](int id, const void* data, size_t bytes) { runtime_->upload(*buffers_[id], 0, data, bytes); };
-  put(prefill_.ids, tokens, count * 4);
-  put(prefill_.shared_pairs, routing.pairs.data(), routing.pairs.size() * 4);
-  put(prefill_.ones, routing.ones.data(), routing.ones.size() * 4);
-  put(prefill_.shared_tile_map, routing.tile_map.data(), routing.tile_map.size() * 4);
-  put(prefill_.shared_tile_count, &routing.tile_count, 4);
+  put(chunk_.ids, tokens, count * 4);
+  if (count > 1) {
+    SharedExpertRouting routing = shared_expert_routing(count, switches_.wide_tiles);
+    put(chunk_.shared_pairs, routing.pairs.data(), routing.pairs.size() * 4);
+    put(chunk_.ones, routing.ones.data(), routing.ones.size() * 4);
+    put(chunk_.shared_tile_map, routing.tile_map.data(), routing.tile_map.size() * 4);
+    put(chunk_.shared_tile_count, &routing.tile_count, 4);
+  }
   Graph graph;
   graph.buffers = base_.buffers;
-  build_prefill_chunk(config_, precision_, switches_, weights_, decode_, prefill_, position_, count, logit_rows,
-                      graph);
+  PassInput in;
+  in.position = position_;
+  in.tokens = count;
+  in.logit_rows = logit_rows;
+  in.ids = Span{chunk_.ids, 0, count * 4};
+  build_forward(config_, precision_, switches_, weights_, state_, chunk_, in, graph);
   run_graph(std::move(graph), dropped_barrier);
-  if (logit_rows) read_rows(prefill_.logits, logit_rows, logits);
+  if (logit_rows) read_rows(chunk_.logits, logit_rows, logits);
   position_ += count;
 }
 
@@ -401,13 +407,13 @@ void Engine::forward(const std::vector<uint32_t>& tokens, float* logits, long dr
   }
   // One decode step per token, no token choice (the caller reads logits).
   for (size_t t = 0; t < tokens.size(); ++t) {
-    runtime_->upload(*buffers_[decode_.tokens], 0, &tokens[t], 4);
+    runtime_->upload(*buffers_[state_.tokens], 0, &tokens[t], 4);
     submit_program(program(0, std::nullopt), dropped_barrier)->wait();
     ++position_;
     if (!last_only) {
-      read_rows(decode_.logits, 1, logits + t * V);
+      read_rows(step_.logits, 1, logits + t * V);
     } else if (t + 1 == tokens.size()) {
-      read_rows(decode_.logits, 1, logits);
+      read_rows(step_.logits, 1, logits);
     }
   }
 }
@@ -428,7 +434,7 @@ void Engine::begin_decode(const float* last_logits, const TokenChoice& choice, c
   // The first token: the choice alone, over the uploaded logits, into slot 0 (a graph of one or two nodes).
   auto graph = std::make_shared<Graph>();
   graph->buffers = base_.buffers;
-  build_token_choice(config_, choice, decode_, position_, 0, 0, *graph);
+  build_token_choice(config_, choice, state_, Span{step_.logits, 0, config_.vocab_size * 4}, position_, 0, 0, *graph);
   std::shared_ptr<RecordedGraph> recorded =
       runtime_->record(graph, 0, graph->nodes.size(), buffer_list(), {/*replayed=*/false, -1});
   in_flight_.push_back({runtime_->submit(recorded, position_), 0});
@@ -455,21 +461,21 @@ void Engine::write_penalty_tables(const TokenChoice& choice, const PenaltyInputs
   if (choice.logit_bias) {
     std::vector<float> bias(V, 0.0f);
     for (size_t i = 0; i < penalties.bias_ids.size(); ++i) bias[penalties.bias_ids[i]] += penalties.bias_values[i];
-    runtime_->upload(*buffers_[decode_.logit_bias], 0, bias.data(), V * 4);
+    runtime_->upload(*buffers_[state_.logit_bias], 0, bias.data(), V * 4);
   }
   std::vector<uint32_t> seen(V, 0);
   if (choice.repetition_penalty != 1.0f) {
     for (uint32_t id : penalties.context) seen[id] = 1;
   }
-  runtime_->upload(*buffers_[decode_.seen_tokens], 0, seen.data(), V * 4);
-  runtime_->fill_zero(*buffers_[decode_.token_counts]);
+  runtime_->upload(*buffers_[state_.seen_tokens], 0, seen.data(), V * 4);
+  runtime_->fill_zero(*buffers_[state_.token_counts]);
 }
 
 void Engine::submit_step() {
   if (!decoding_) throw Error("[engine] submit_step before begin_decode");
   // Two slots: the step committed now overwrites the slot of the choice two back, which the host must have read.
   if (in_flight_.size() >= 2) throw std::logic_error("[engine] submit_step with two command buffers in flight");
-  if (position_ + 1 > decode_.kv_capacity) {
+  if (position_ + 1 > state_.kv_capacity) {
     wait_in_flight();  // a growth re-allocates the caches the steps in flight use
     ensure_capacity(position_ + 1);
   }
@@ -498,7 +504,7 @@ uint32_t Engine::next_token() {
   done.work->wait();
   host_read_bytes_ += 4;
   uint32_t token = 0;
-  runtime_->download(*buffers_[decode_.tokens], static_cast<size_t>(done.slot) * 4, &token, 4);
+  runtime_->download(*buffers_[state_.tokens], static_cast<size_t>(done.slot) * 4, &token, 4);
   return token;
 }
 
@@ -514,7 +520,7 @@ void Engine::end_decode() {
 
 void Engine::read_logits(float* out) {
   require_idle("read_logits");
-  read_rows(decode_.logits, 1, out);
+  read_rows(step_.logits, 1, out);
 }
 
 std::vector<uint32_t> Engine::generate_greedy(uint32_t first, size_t count) {
@@ -554,18 +560,18 @@ std::vector<unsigned char> Engine::snapshot() const {
   const size_t row = state_layout(config_, precision_).kv_bytes_per_row / config_.num_kv_heads;
   for (size_t layer = 0; layer < config_.num_layers(); ++layer) {
     if (!config_.attention_layers[layer]) {
-      for (int id : {decode_.conv_state[layer], decode_.recurrent_state[layer]}) {
+      for (int id : {state_.conv_state[layer], state_.recurrent_state[layer]}) {
         const size_t at = out.size();
         out.resize(at + base_.buffers[id].length);
         runtime_->download(*buffers_[id], 0, out.data() + at, base_.buffers[id].length);
       }
       continue;
     }
-    for (int id : {decode_.k_cache[layer], decode_.v_cache[layer]}) {
+    for (int id : {state_.k_cache[layer], state_.v_cache[layer]}) {
       for (size_t h = 0; h < config_.num_kv_heads; ++h) {
         const size_t at = out.size();
         out.resize(at + position_ * row);
-        runtime_->download(*buffers_[id], h * decode_.kv_capacity * row, out.data() + at, position_ * row);
+        runtime_->download(*buffers_[id], h * state_.kv_capacity * row, out.data() + at, position_ * row);
       }
     }
   }
@@ -583,15 +589,15 @@ void Engine::restore(const unsigned char* snapshot, size_t length, size_t positi
   const unsigned char* p = snapshot;
   for (size_t layer = 0; layer < config_.num_layers(); ++layer) {
     if (!config_.attention_layers[layer]) {
-      for (int id : {decode_.conv_state[layer], decode_.recurrent_state[layer]}) {
+      for (int id : {state_.conv_state[layer], state_.recurrent_state[layer]}) {
         runtime_->upload(*buffers_[id], 0, p, base_.buffers[id].length);
         p += base_.buffers[id].length;
       }
       continue;
     }
-    for (int id : {decode_.k_cache[layer], decode_.v_cache[layer]}) {
+    for (int id : {state_.k_cache[layer], state_.v_cache[layer]}) {
       for (size_t h = 0; h < config_.num_kv_heads; ++h) {
-        runtime_->upload(*buffers_[id], h * decode_.kv_capacity * row, p, position * row);
+        runtime_->upload(*buffers_[id], h * state_.kv_capacity * row, p, position * row);
         p += position * row;
       }
     }

@@ -18,10 +18,11 @@ std::vector<std::string> graph_kernels(const ModelConfig& config, Precision prec
   }
   size_t max_rows = 1;
   for (size_t rows : prefill_rows) max_rows = std::max(max_rows, rows);
-  DecodeBuffers decode = add_decode_buffers(config, precision, max_rows + 1, max_rows + 1, graph);
-  PrefillBuffers prefill = add_prefill_buffers(config, precision, max_rows, max_rows, graph);
-  if (!switches.in_gemm_dequant) prefill.dequant = add_dequant_scratch(precision, weights, graph);
-  if (switches.chunked_scan) prefill.gdn_chunks = add_gdn_chunk_scratch(config, max_rows, graph);
+  StateBuffers state = add_state_buffers(config, precision, max_rows + 1, graph);
+  PassBuffers step = add_pass_buffers(config, precision, 1, 1, max_rows + 1, "", graph);
+  PassBuffers chunk = add_pass_buffers(config, precision, max_rows, max_rows, max_rows + 1, "prefill", graph);
+  if (!switches.in_gemm_dequant) chunk.dequant = add_dequant_scratch(precision, weights, graph);
+  if (switches.chunked_scan) chunk.gdn_chunks = add_gdn_chunk_scratch(config, max_rows, graph);
   std::set<std::string> kernels;
   auto collect = [&](const Graph& g) {
     for (const Node& node : g.nodes) kernels.insert(node.kernel);
@@ -33,19 +34,24 @@ std::vector<std::string> graph_kernels(const ModelConfig& config, Precision prec
   penalized_greedy.presence_penalty = penalized_sampled.presence_penalty = 1.5f;
   for (const TokenChoice& choice : {TokenChoice{}, sampled, nucleus, penalized_greedy, penalized_sampled}) {
     for (size_t position : {size_t{0}, max_rows}) {
-      Graph step;
-      step.buffers = graph.buffers;
-      build_decode_step(config, precision, switches, weights, decode, position, 0, 1, step, choice);
-      collect(step);
+      Graph step_graph;
+      step_graph.buffers = graph.buffers;
+      build_decode_step(config, precision, switches, weights, state, step, position, 0, 1, step_graph, choice);
+      collect(step_graph);
     }
   }
-  // Prefill chunks: lm_head for the last row (what a session asks for) and for every row (model.logits()).
+  // Passes of more rows (prefill chunks): lm_head for the last row (what a session asks for) and for every row
+  // (model.logits()).
   for (size_t rows : prefill_rows) {
     for (size_t logit_rows : {size_t{1}, rows}) {
-      Graph chunk;
-      chunk.buffers = graph.buffers;
-      build_prefill_chunk(config, precision, switches, weights, decode, prefill, 0, rows, logit_rows, chunk);
-      collect(chunk);
+      Graph pass;
+      pass.buffers = graph.buffers;
+      PassInput in;
+      in.tokens = rows;
+      in.logit_rows = logit_rows;
+      in.ids = Span{chunk.ids, 0, rows * 4};
+      build_forward(config, precision, switches, weights, state, chunk, in, pass);
+      collect(pass);
     }
   }
   return {kernels.begin(), kernels.end()};

@@ -149,6 +149,8 @@ void host_moe_sort(const HostMoeSort& sort, const uint32_t* ids, uint32_t* exper
 // Weights by canonical name (lily.checkpoint).
 using WeightTable = std::map<std::string, WeightRef>;
 
+// ---- the model (models/qwen3_5_moe.cpp): its tensors, its buffers and its forward pass, written once ----
+
 // A weight table for a configuration with no checkpoint behind it (`lily plan --full-size`): every tensor laid
 // out in one virtual buffer as an MLX 4-bit checkpoint stores it (routers 8-bit, norms and conv bf16, A_log and
 // dt_bias f32). Returns the table and adds the buffer to `graph`.
@@ -161,17 +163,48 @@ struct StateLayout {
 };
 StateLayout state_layout(const ModelConfig& config, Precision precision);
 
-// Buffer indices of the state and scratch buffers of one decode step (created by `add_decode_buffers`).
-struct DecodeBuffers {
-  int hidden, normed, mixer_out, proj, gdn_out, q, gate, attn_out, attn_partial_out,
-      attn_partial_stats, router, expert_ids, expert_weights, moe_hidden, logits, argmax_values, argmax_ids,
-      tokens, logit_bias, seen_tokens, token_counts, penalized_logits;
-  std::vector<int> conv_state, recurrent_state, k_cache, v_cache;  // per layer; -1 where the layer has none
+// What a sequence keeps between forward passes (buffer ids): per layer the conv and recurrent state or the K/V caches
+// (-1 where the layer has none), and what the GPU's token choice reads and writes: two token slots (alternating), the
+// host-written logit bias and seen-token tables, the counts count_token keeps, the penalized logits and the choice's
+// scratch (argmax partials, or the sampling block path's candidates and block statistics).
+struct StateBuffers {
+  std::vector<int> conv_state, recurrent_state, k_cache, v_cache;
   size_t kv_capacity = 0;
+  int tokens, logit_bias, seen_tokens, token_counts, penalized_logits, choice_values, choice_ids;
 };
-// `max_keys` sizes the split-KV partials (the context limit); `kv_capacity` the caches.
-DecodeBuffers add_decode_buffers(const ModelConfig& config, Precision precision, size_t kv_capacity, size_t max_keys,
-                                 Graph& graph);
+StateBuffers add_state_buffers(const ModelConfig& config, Precision precision, size_t kv_capacity, Graph& graph);
+
+// The scratch of forward passes of up to `rows` tokens, with logits (f32) for up to `logit_rows` of them (buffer
+// ids, named "<name> <what it holds>"). Any row count up to `rows` finds what its kernels need: the one-row (decode)
+// kernels' and the T-row kernels'. Projections of one input share a buffer, each matrix's T output rows a block after
+// the previous matrix's (for one row: one concatenated row, what a segmented GEMV writes); likewise the router's T x E
+// logits, then the T shared-expert gate logits. The shared-expert routing tables (shared_pairs, ones,
+// shared_tile_map, shared_tile_count) are host-written: see shared_expert_routing.
+struct PassBuffers {
+  size_t rows = 0, logit_rows = 0;
+  int ids, hidden, normed, mixer_out, projections, conv_out, core_out, gdn_out, q, gate, attn_out, attn_partial_out,
+      attn_partial_stats, router, expert_ids, expert_weights, block_counts, expert_offsets, tile_map, tile_count,
+      sorted_pairs, moe_hidden, expert_out, shared_pairs, shared_tile_map, shared_tile_count, ones, shared_hidden,
+      shared_out, logits;
+  int dequant = -1;     // dense copy of one weight (IN_GEMM_DEQUANT off only): see add_dequant_scratch
+  int gdn_chunks = -1;  // the chunked DeltaNet scan's operands (CHUNKED_SCAN on only): see add_gdn_chunk_scratch
+};
+// `max_keys` sizes the split-KV partials (the context limit).
+PassBuffers add_pass_buffers(const ModelConfig& config, Precision precision, size_t rows, size_t logit_rows,
+                             size_t max_keys, const std::string& name, Graph& graph);
+// IN_GEMM_DEQUANT off: the buffer T-row GEMMs dequantize into, sized by the largest non-expert quantized weight.
+int add_dequant_scratch(Precision precision, const WeightTable& weights, Graph& graph);
+// CHUNKED_SCAN on: the chunked DeltaNet scan's fp32 operands for passes of up to `rows` rows; -1 (no buffer) when no
+// pass that long takes the chunked scan (ops::gated_delta_chunk_scratch_bytes).
+int add_gdn_chunk_scratch(const ModelConfig& config, size_t rows, Graph& graph);
+
+// The shared expert's static routing for `tokens` rows: (pairs, ones, tile map, tile count) as the host writes them.
+struct SharedExpertRouting {
+  std::vector<uint32_t> pairs, tile_map;
+  std::vector<float> ones;
+  uint32_t tile_count = 0;
+};
+SharedExpertRouting shared_expert_routing(size_t tokens, bool wide_tiles);
 
 // Bytes held in a runtime's memory, by what they hold: weights (files, copies, realigned tensors), the KV cache (at
 // its capacity), the other per-sequence state (DeltaNet and conv states) and scratch (activations, the prefill
@@ -180,7 +213,7 @@ struct DeviceMemory {
   uint64_t weights = 0, kv_cache = 0, state = 0, scratch = 0, peak = 0;
   uint64_t total() const { return weights + kv_cache + state + scratch; }
   // Counts buffer `id` of `bytes` and `role`; the decode's K and V caches count apart from the other state.
-  void add(const DecodeBuffers& decode, int id, BufferRole role, uint64_t bytes);
+  void add(const StateBuffers& held, int id, BufferRole role, uint64_t bytes);
 };
 
 // How a decode step chooses its next token on the GPU (lily.sampling steps 1-6): temperature 0 is greedy (argmax),
@@ -211,61 +244,40 @@ struct PenaltyInputs {
   std::vector<uint32_t> context;
 };
 
-// The dispatches that choose a token from the f32 `logits` into tokens[out_slot]: argmax or sample (see
+// One forward pass: `tokens` token ids from ids[ids_offset ..] at `position` (the state holds the tokens before it)
+// through every layer, then the final norm and lm_head for the last `logit_rows` rows (0: none) into pass.logits.
+// Each op picks its kernels by the row count: one row runs the decode kernels, with the RMSNorms, residual adds and
+// routing folded into the GEMVs next to them (switches.fusion) and each input's projections as one segmented GEMV
+// (switches.fused_projections); more rows run the T-row kernels (ops::qmatmul: qmv up to its row limit, then qmm).
+// Per-token argument fields are PositionFields (the engine builds a one-row pass once and re-encodes it per token).
+struct PassInput {
+  size_t position = 0, tokens = 1, logit_rows = 1;
+  Span ids;
+  size_t ids_offset = 0;
+};
+void build_forward(const ModelConfig& config, Precision precision, const Switches& switches,
+                   const WeightTable& weights, const StateBuffers& state, const PassBuffers& pass,
+                   const PassInput& input, Graph& graph);
+
+// The dispatches that choose a token from the f32 `logits` (one row) into tokens[out_slot]: argmax or sample (see
 // TokenChoice); the token chosen sits at `position` (the sampler's counter, a PositionField of delta
 // `position_delta`).
-void build_token_choice(const ModelConfig& config, const TokenChoice& choice, const DecodeBuffers& buffers,
-                        size_t position, int position_delta, int out_slot, Graph& graph);
+void build_token_choice(const ModelConfig& config, const TokenChoice& choice, const StateBuffers& state,
+                        const Span& logits, size_t position, int position_delta, int out_slot, Graph& graph);
 
-// One decode step at `position` (tokens already in the caches): embedding of tokens[token_slot], every layer, the
-// final norm, lm_head into `logits`, and (switches.gpu_token and a `choice`) the token choice into tokens[next_slot].
-// Per-token argument fields are marked as PositionFields (the engine builds a step once and re-encodes it).
+// One decode step at `position`: the one-row pass of tokens[token_slot] with its logits, then (switches.gpu_token and
+// a `choice`) the token choice into tokens[next_slot].
 void build_decode_step(const ModelConfig& config, Precision precision, const Switches& switches,
-                       const WeightTable& weights, const DecodeBuffers& buffers, size_t position, int token_slot,
-                       int next_slot, Graph& graph, const std::optional<TokenChoice>& choice = TokenChoice{});
+                       const WeightTable& weights, const StateBuffers& state, const PassBuffers& step,
+                       size_t position, int token_slot, int next_slot, Graph& graph,
+                       const std::optional<TokenChoice>& choice = TokenChoice{});
 
-// Scratch of a prefill chunk of up to `max_tokens` rows, with logits for up to `max_logit_rows` of them (buffer
-// indices). The shared-expert routing tables (identity pairs, ones, tile map) are host-written: see
-// `fill_shared_expert_routing`.
-struct PrefillBuffers {
-  size_t max_tokens = 0;
-  size_t max_logit_rows = 0;
-  int ids, hidden, normed, mixer_out, qkv, z, b, a, conv_out, gdn_core_out, gdn_out, q_and_gate, k, v, q, gate,
-      attn_out, router, shared_gate_logit, expert_ids, expert_weights, block_counts, expert_offsets, tile_map,
-      tile_count, sorted_pairs, moe_hidden, expert_out, shared_pairs, shared_tile_map, shared_tile_count, ones,
-      shared_hidden, shared_out, logits;
-  int dequant = -1;  // dense copy of one weight (IN_GEMM_DEQUANT off only): see add_dequant_scratch
-  int gdn_chunks = -1;  // the chunked DeltaNet scan's operands (CHUNKED_SCAN on only): see add_gdn_chunk_scratch
-};
-PrefillBuffers add_prefill_buffers(const ModelConfig& config, Precision precision, size_t max_tokens,
-                                   size_t max_logit_rows, Graph& graph);
-// IN_GEMM_DEQUANT off: the buffer prefill GEMMs dequantize into, sized by the largest non-expert quantized weight.
-int add_dequant_scratch(Precision precision, const WeightTable& weights, Graph& graph);
-// CHUNKED_SCAN on: the chunked DeltaNet scan's fp32 operands for chunks of up to `max_tokens` rows; -1 (no buffer)
-// when no chunk that long takes the chunked scan (ops::gated_delta_chunk_scratch_bytes).
-int add_gdn_chunk_scratch(const ModelConfig& config, size_t max_tokens, Graph& graph);
-
-// One prefill chunk: `tokens` ids from p.ids at `position`, every layer with T-row kernels, then the final norm and
-// lm_head for the last `logit_rows` rows only (0: none), logits [logit_rows, V] into p.logits. Projections run
-// unfused (the T-row kernels read [T, n] blocks, not interleaved rows).
-void build_prefill_chunk(const ModelConfig& config, Precision precision, const Switches& switches,
-                         const WeightTable& weights, const DecodeBuffers& state, const PrefillBuffers& p,
-                         size_t position, size_t tokens, size_t logit_rows, Graph& graph);
-
-// The kernels the decode steps (greedy and sampled, first position and `max(prefill_rows)`) and the prefill chunks of
+// The kernels the decode steps (greedy and sampled, first position and `max(prefill_rows)`) and the passes of
 // `prefill_rows` tokens dispatch for this configuration, with every quantized weight at `bits` (0: as MLX stores the
 // model, 8-bit routers and 4-bit others) and scales and biases in `scale_dtype` (graph_kernels.cpp; the registry
 // test's engine paths).
 std::vector<std::string> graph_kernels(const ModelConfig& config, Precision precision, const Switches& switches,
                                        int bits, DType scale_dtype, const std::vector<size_t>& prefill_rows);
-
-// The shared expert's static routing for `tokens` rows: (pairs, ones, tile map, tile count) as the host writes them.
-struct SharedExpertRouting {
-  std::vector<uint32_t> pairs, tile_map;
-  std::vector<float> ones;
-  uint32_t tile_count = 0;
-};
-SharedExpertRouting shared_expert_routing(size_t tokens, bool wide_tiles);
 
 // The engine: weights bound to checkpoint files (or materialised once), state buffers, the prefill chunk graph and
 // the decode step, built once per shape and recorded once, then submitted per token, all through a Runtime (Metal or
@@ -384,7 +396,7 @@ class Engine {
   std::unique_ptr<DeviceBuffer> allocate(const GraphBuffer& buffer) const;
   std::vector<DeviceBuffer*> buffer_list() const;
   void run_host_sort(const HostMoeSort& sort);
-  void ensure_prefill_rows(size_t rows, size_t logit_rows);
+  void ensure_chunk_rows(size_t rows, size_t logit_rows);
   void read_rows(int buffer_id, size_t rows, float* out);
   void write_logits(const float* logits);
   void write_penalty_tables(const TokenChoice& choice, const PenaltyInputs& penalties);
@@ -399,10 +411,11 @@ class Engine {
   Graph base_;                                         // buffers only
   std::vector<std::unique_ptr<DeviceBuffer>> buffers_;  // one per graph buffer
   WeightTable weights_;
-  DecodeBuffers decode_{};
-  PrefillBuffers prefill_{};
-  bool has_prefill_ = false;
-  size_t prefill_first_buffer_ = 0;  // the prefill scratch buffers are the last ones, from this id on
+  StateBuffers state_{};
+  PassBuffers step_{};   // the decode step's scratch (one row)
+  PassBuffers chunk_{};  // the prefill chunks' scratch (allocated at the first chunk, grown with longer ones)
+  bool has_chunk_ = false;
+  size_t chunk_first_buffer_ = 0;  // the chunk scratch buffers are the last ones, from this id on
   bool loaded_ = false;
   size_t position_ = 0;
   size_t owned_bytes_ = 0;

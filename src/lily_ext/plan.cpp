@@ -67,17 +67,18 @@ DecodePlan plan_decode(const ModelConfig& config, Precision precision, const Swi
   const size_t block = switches.kv_growth_block();
   plan.kv_capacity = (context + 1 + block - 1) / block * block;
   WeightTable weights = synthetic_weights(config, plan.graph);
-  DecodeBuffers buffers = add_decode_buffers(config, precision, plan.kv_capacity, plan.kv_capacity, plan.graph);
+  StateBuffers state = add_state_buffers(config, precision, plan.kv_capacity, plan.graph);
+  PassBuffers step = add_pass_buffers(config, precision, 1, 1, plan.kv_capacity, "", plan.graph);
   // The plan is the Metal engine's step: no runtime here to prefer staged GEMVs, as Apple GPUs never do (the engine
   // turns the switch off the same way, Engine::Engine).
   Switches metal = switches;
   metal.staged_gemv = false;
-  build_decode_step(config, precision, metal, weights, buffers, context, 0, 1, plan.graph);
+  build_decode_step(config, precision, metal, weights, state, step, context, 0, 1, plan.graph);
   plan.counts = count_graph(plan.graph);
   plan.minimum = minimum_bytes(config, precision, weights, context);
   for (size_t id = 0; id < plan.graph.buffers.size(); ++id) {
     const GraphBuffer& buffer = plan.graph.buffers[id];
-    plan.memory.add(buffers, static_cast<int>(id), buffer.role, buffer.length);
+    plan.memory.add(state, static_cast<int>(id), buffer.role, buffer.length);
   }
   plan.memory.peak = plan.memory.total();
   plan.kv_bytes_per_token = plan.memory.kv_cache / plan.kv_capacity;

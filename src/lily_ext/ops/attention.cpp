@@ -1,4 +1,5 @@
-// attention_decode* (metal/attention.metal): one decode token, after attention_prep (attention_prep.cpp).
+// attention_decode* (metal/attention.metal): one decode token, after attention_prep (attention_prep.cpp); and the
+// family's choice by token count (more tokens: attention_prefill.cpp).
 #include <cmath>
 #include <cstddef>
 
@@ -89,6 +90,15 @@ size_t attention_split_blocks(const Switches& sw, size_t keys) {
   if (!sw.split_kv) return 0;
   const size_t min_keys = sw.split_kv_min_keys ? sw.split_kv_min_keys : tuning::kAttentionSplitMinKeys;
   return tuning::attention_split_blocks(keys, min_keys);
+}
+
+void attention(Context& ctx, const ModelConfig& c, const std::string& label, const AttentionSpans& s,
+               size_t position, size_t tokens, size_t split_blocks) {
+  if (tokens == 1) {
+    attention_decode(ctx, c, label, s, position, split_blocks);
+  } else {
+    attention_prefill(ctx, c, label, s, position, tokens);
+  }
 }
 
 void attention_decode(Context& ctx, const ModelConfig& c, const std::string& label, const AttentionSpans& s,

@@ -1,4 +1,5 @@
-// gated_delta_step_<dtype>_dk<Dk> (metal/gated_delta.metal): one decode token of a DeltaNet layer, fused.
+// gated_delta_step_<dtype>_dk<Dk> (metal/gated_delta.metal): one decode token of a DeltaNet layer, fused; and the
+// family's choice by token count (more tokens: gated_delta_prefill.cpp).
 #include "../../../metal/lily.h"
 #include "../tuning.h"
 #include "ops.h"
@@ -10,6 +11,15 @@ void check_gated_delta_shapes(const ModelConfig& c) {
   if (c.gdn_k_dim != 128 && c.gdn_k_dim != 64) {
     throw Error("[engine] config field linear_key_head_dim: the DeltaNet kernels are built for 128 and 64; got " +
                      std::to_string(c.gdn_k_dim));
+  }
+}
+
+void gated_delta(Context& ctx, const ModelConfig& c, const std::string& label, const GatedDeltaSpans& s,
+                 size_t tokens) {
+  if (tokens == 1) {
+    gated_delta_step(ctx, c, label, s);
+  } else {
+    gated_delta_prefill(ctx, c, label, s, tokens);
   }
 }
 

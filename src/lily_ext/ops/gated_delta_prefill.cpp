@@ -41,7 +41,7 @@ ChunkSpans chunk_spans(const ModelConfig& c, const Span& scratch, size_t tokens)
 
 // The chunked scan: every chunk's operands at once (one threadgroup per value head and chunk), then the scan over the
 // chunks (one simdgroup per 8 state rows, sequential over the chunks) into core_out.
-void chunked_scan(Context& ctx, const ModelConfig& c, const std::string& label, const GatedDeltaPrefillSpans& s,
+void chunked_scan(Context& ctx, const ModelConfig& c, const std::string& label, const GatedDeltaSpans& s,
                   const GatedDeltaArgs& a, const std::string& suffix, size_t tokens) {
   const ChunkSpans k = chunk_spans(c, ctx.gdn_chunks, tokens);
   add_node(ctx, "gated_delta_chunk_prepare_" + suffix, label + " chunks",
@@ -60,7 +60,7 @@ void chunked_scan(Context& ctx, const ModelConfig& c, const std::string& label, 
 // The plain scan: threadgroups of kGdnPrefillRowsPerThreadgroup rows of one value head, each simdgroup keeping
 // LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP of them in registers for the whole chunk, or (REGISTER_SCAN off) for
 // LILY_GDN_SCAN_BLOCK tokens between round trips through memory.
-void token_scan(Context& ctx, const ModelConfig& c, const std::string& label, const GatedDeltaPrefillSpans& s,
+void token_scan(Context& ctx, const ModelConfig& c, const std::string& label, const GatedDeltaSpans& s,
                 const GatedDeltaArgs& a, const std::string& suffix, size_t tokens) {
   const size_t slice_rows = std::min(c.gdn_v_dim, tuning::kGdnPrefillRowsPerThreadgroup);
   const size_t slices = (c.gdn_v_dim + slice_rows - 1) / slice_rows;
@@ -97,7 +97,7 @@ std::vector<std::string> gated_delta_fast_paths_left_out(const ModelConfig& c) {
 }
 
 void gated_delta_prefill(Context& ctx, const ModelConfig& c, const std::string& label,
-                         const GatedDeltaPrefillSpans& s, size_t tokens) {
+                         const GatedDeltaSpans& s, size_t tokens) {
   GatedDeltaArgs a{};
   a.num_tokens = static_cast<u32>(tokens);
   a.num_k_heads = static_cast<u32>(c.gdn_k_heads);

@@ -1,4 +1,5 @@
-// moe_route_f32, moe_gate_up_swiglu[_routed]_<dtype>, moe_down_combine_<dtype> (metal/moe.metal): one decode token.
+// moe_route_f32, moe_gate_up_swiglu[_routed]_<dtype>, moe_down_combine_<dtype> (metal/moe.metal): one decode token;
+// and the MoE block's choice by row count (more rows: moe_prefill.cpp).
 #include <algorithm>
 
 #include "../../../metal/lily.h"
@@ -69,9 +70,20 @@ void down_combine(Context& ctx, const ModelConfig& c, const std::string& label, 
 
 }  // namespace
 
+void moe(Context& ctx, const ModelConfig& c, const std::string& label, const MoeSpans& s, size_t tokens,
+         const WeightRef* norm_weight, float eps) {
+  if (tokens > 1) {
+    moe_prefill(ctx, c, label, s, tokens);
+  } else if (norm_weight) {
+    moe_decode_routed(ctx, c, label, s, *norm_weight, eps);
+  } else {
+    moe_decode(ctx, c, label, s);
+  }
+}
+
 void moe_decode(Context& ctx, const ModelConfig& c, const std::string& label, const MoeSpans& s) {
   const MoeArgs a = decode_args(c);
-  Span logits = sub(s.router_logits, 0, c.num_experts * 4), gate_logit = sub(s.router_logits, c.num_experts * 4, 4);
+  Span logits = sub(s.router, 0, c.num_experts * 4), gate_logit = sub(s.router, c.num_experts * 4, 4);
   Span ids = sub(s.expert_ids, 0, c.top_k * 4), weights = sub(s.expert_weights, 0, c.top_k * 4);
   add_node(ctx, "moe_route_f32", label + " route", {arg_value(a), arg(logits), arg(ids), arg(weights)}, {1, 1, 1},
            {32, 1, 1}, {logits}, {ids, weights});
@@ -95,7 +107,7 @@ void moe_decode_routed(Context& ctx, const ModelConfig& c, const std::string& la
   a.moe = decode_args(c);
   a.eps = eps;
   // gate/up routes on the E router logits; moe_down_combine reads the shared-expert gate logit after them.
-  Span logits = sub(s.router_logits, 0, c.num_experts * 4), gate_logit = sub(s.router_logits, c.num_experts * 4, 4);
+  Span logits = sub(s.router, 0, c.num_experts * 4), gate_logit = sub(s.router, c.num_experts * 4, 4);
   Span ids = sub(s.expert_ids, 0, c.top_k * 4), weights = sub(s.expert_weights, 0, c.top_k * 4);
   Span hidden = sub(s.hidden, 0, (c.top_k * c.expert_size + c.shared_expert_size) * 4);
   std::vector<NodeArg> args = {arg_value(a), arg(s.x), arg(norm_weight.data), arg(logits), arg(ids), arg(weights)};

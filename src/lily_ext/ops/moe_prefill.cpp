@@ -45,7 +45,7 @@ void grouped_swiglu(Context& ctx, const std::string& label, const MoeArgs& a, co
 
 }  // namespace
 
-void moe_prefill(Context& ctx, const ModelConfig& c, const std::string& label, const MoePrefillSpans& s,
+void moe_prefill(Context& ctx, const ModelConfig& c, const std::string& label, const MoeSpans& s,
                  size_t tokens) {
   const size_t pairs = tokens * c.top_k, act = dtype_size(ctx.act);
   MoeArgs a{};
@@ -58,7 +58,7 @@ void moe_prefill(Context& ctx, const ModelConfig& c, const std::string& label, c
   a.tile_rows = static_cast<u32>(moe_tile_rows(static_cast<double>(pairs) / c.num_experts, ctx.wide_tiles));
   a.max_tiles = static_cast<u32>(moe_max_tiles(pairs, c.num_experts, a.tile_rows));
 
-  Span logits = sub(s.router_logits, 0, tokens * c.num_experts * 4);
+  Span logits = sub(s.router, 0, tokens * c.num_experts * 4);
   Span ids = sub(s.expert_ids, 0, pairs * 4), weights = sub(s.expert_weights, 0, pairs * 4);
   add_node(ctx, "moe_route_f32", label + " route", {arg_value(a), arg(logits), arg(ids), arg(weights)},
            {tokens, 1, 1}, {32, 1, 1}, {logits}, {ids, weights});
@@ -110,7 +110,7 @@ void moe_prefill(Context& ctx, const ModelConfig& c, const std::string& label, c
                  sub(s.shared_tile_map, 0, shared.max_tiles * 4 * 4), s.shared_tile_count, sub(s.ones, 0, tokens * 4),
                  *s.shared_gate, *s.shared_up, *s.shared_down, shared_hidden, shared_out, c.shared_expert_size, 1.0);
 
-  Span gate_logit = sub(s.shared_gate_logit, 0, tokens * 4);
+  Span gate_logit = sub(s.router, tokens * c.num_experts * 4, tokens * 4);
   add_node(ctx, std::string("moe_combine_") + dtype_name(ctx.act), label + " combine",
            {arg_value(a), arg(expert_out), arg(shared_out), arg(gate_logit), arg(s.residual_out), arg(s.residual_out)},
            {(c.hidden_size + tuning::kMoeCombineThreads - 1) / tuning::kMoeCombineThreads, tokens, 1},

@@ -77,22 +77,20 @@ void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, con
 // embedding.cpp: out[t] = table row ids[ids_offset + t].
 void embedding(Context& ctx, const Span& ids, size_t ids_offset, const WeightRef& table, const Span& out,
                size_t tokens);
-// gated_delta.cpp: one decode token of a DeltaNet layer's core.
+// gated_delta.cpp, gated_delta_prefill.cpp: a DeltaNet layer's core over T tokens, conv and recurrent state in place:
+// one token runs the decode step (gated_delta_step: conv, recurrence and gated norm in one kernel); more run the causal
+// conv into the f32 scratch conv_out, the scan into the f32 scratch core_out, then the gated norm into out.
 struct GatedDeltaSpans {
-  Span qkv, z, b, a, out, conv_state, recurrent_state;
-  const WeightRef *conv_weight, *a_log, *dt_bias, *norm_weight;
-};
-void gated_delta_step(Context& ctx, const ModelConfig& config, const std::string& label, const GatedDeltaSpans& s);
-// Throws Error naming the config field when no DeltaNet kernel is instantiated for its key head dim.
-void check_gated_delta_shapes(const ModelConfig& config);
-// gated_delta_prefill.cpp: T tokens of a DeltaNet layer's core (causal conv into an f32 scratch, the scan into the
-// f32 scratch core_out, then the gated norm into out).
-struct GatedDeltaPrefillSpans {
   Span qkv, z, b, a, conv_out, core_out, out, conv_state, recurrent_state;
   const WeightRef *conv_weight, *a_log, *dt_bias, *norm_weight;
 };
-void gated_delta_prefill(Context& ctx, const ModelConfig& config, const std::string& label,
-                         const GatedDeltaPrefillSpans& s, size_t tokens);
+void gated_delta(Context& ctx, const ModelConfig& config, const std::string& label, const GatedDeltaSpans& s,
+                 size_t tokens);
+void gated_delta_step(Context& ctx, const ModelConfig& config, const std::string& label, const GatedDeltaSpans& s);
+void gated_delta_prefill(Context& ctx, const ModelConfig& config, const std::string& label, const GatedDeltaSpans& s,
+                         size_t tokens);
+// Throws Error naming the config field when no DeltaNet kernel is instantiated for its key head dim.
+void check_gated_delta_shapes(const ModelConfig& config);
 // Bytes of the chunked scan's scratch for a chunk of `tokens` rows (W, U, Qg, KdT, M and gamma_last of every value
 // head and LILY_GDN_CHUNK-token chunk, fp32); 0 when such a chunk keeps the plain scan (fewer than
 // tuning::kGdnChunkedMinTokens rows, or dv not a multiple of 8).
@@ -105,8 +103,11 @@ struct AttentionSpans {
   const WeightRef *q_norm, *k_norm;
   size_t capacity;
 };
-// split_blocks: 0 = the single-pass kernel; else the split-KV pair over that many key blocks
-// (attention_split_blocks).
+// attention over the cache for T tokens at positions position .. position + T - 1 (attention_prep writes their K/V
+// rows first): one token runs attention_decode (split_blocks: 0 = the single-pass kernel, else the split-KV pair over
+// that many key blocks, attention_split_blocks), more run attention_prefill.
+void attention(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
+               size_t position, size_t tokens, size_t split_blocks);
 void attention_decode(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
                       size_t position, size_t split_blocks);
 // Split-KV blocks of the decode step at `keys` keys under the switches (0 = single pass):
@@ -130,29 +131,27 @@ std::vector<Span> attention_prep(Context& ctx, const ModelConfig& config, const 
                                  const AttentionSpans& s, size_t position, size_t tokens);
 // The attention kernels' arguments for `queries` query tokens over `keys` cached keys (no split blocks).
 AttentionArgs attention_args(const ModelConfig& config, const AttentionSpans& s, size_t queries, size_t keys);
-// attention_prefill.cpp: T tokens at positions position .. position+T-1 (prep writes their KV rows first).
 void attention_prefill(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
                        size_t position, size_t tokens);
-// moe.cpp: routing and the fused expert GEMVs of one decode token.
+// moe.cpp, moe_prefill.cpp: the MoE block of T rows adding into residual_out (the hidden stream, in place). `router`
+// holds the T x E router logits, then the T shared-expert gate logits (f32). One row runs the decode kernels: routing
+// and the fused expert GEMVs into the f32 `hidden` scratch, then moe_down_combine; with `norm_weight`, routing and
+// the post-attention RMSNorm fold into the gate/up kernel (x is then the un-normalised hidden stream, which is also
+// the residual). More rows are routed on the GPU (route, count, scan, scatter) into grouped GEMMs and a combine; the
+// shared expert runs through the same grouped GEMMs as one expert that every row uses (a static identity routing the
+// host fills: shared_pairs, shared_tile_map, shared_tile_count, ones).
 struct MoeSpans {
-  Span x, router_logits, expert_ids, expert_weights, hidden, residual_out;
+  Span x, router, expert_ids, expert_weights, hidden, residual_out;
+  Span block_counts, expert_offsets, tile_map, tile_count, sorted_pairs, expert_out, shared_pairs, shared_tile_map,
+      shared_tile_count, ones, shared_hidden, shared_out;  // more than one row
   const WeightRef *gate, *up, *down, *shared_gate, *shared_up, *shared_down;
 };
+void moe(Context& ctx, const ModelConfig& config, const std::string& label, const MoeSpans& s, size_t tokens,
+         const WeightRef* norm_weight, float eps);
 void moe_decode(Context& ctx, const ModelConfig& config, const std::string& label, const MoeSpans& s);
-// moe.cpp, fused: routing and the post-attention RMSNorm folded into the gate/up kernel (s.x is the un-normalised
-// hidden stream, which is also the residual); then moe_down_combine.
 void moe_decode_routed(Context& ctx, const ModelConfig& config, const std::string& label, const MoeSpans& s,
                        const WeightRef& norm_weight, float eps);
-// moe_prefill.cpp: T rows, routed on the GPU (route, count, scan, scatter), grouped GEMMs, combine; the shared expert
-// runs through the same grouped GEMMs as one expert that every row uses (a static identity routing the host fills).
-struct MoePrefillSpans {
-  Span x, router_logits, shared_gate_logit, expert_ids, expert_weights, block_counts, expert_offsets, tile_map,
-      tile_count, sorted_pairs, hidden, expert_out, shared_pairs, shared_tile_map, shared_tile_count, ones,
-      shared_hidden, shared_out, residual_out;
-  const WeightRef *gate, *up, *down, *shared_gate, *shared_up, *shared_down;
-};
-void moe_prefill(Context& ctx, const ModelConfig& config, const std::string& label, const MoePrefillSpans& s,
-                 size_t tokens);
+void moe_prefill(Context& ctx, const ModelConfig& config, const std::string& label, const MoeSpans& s, size_t tokens);
 // Rows per grouped-GEMM tile for `rows_per_expert` mean rows (16 or 32), and the tile-map bound for T*k pairs.
 size_t moe_tile_rows(double rows_per_expert, bool wide_tiles);
 size_t moe_max_tiles(size_t pairs, size_t experts, size_t tile_rows);
