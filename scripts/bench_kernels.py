@@ -98,18 +98,21 @@ def _qmv_grid(n: int, m: int) -> tuple[tuple[int, int, int], tuple[int, int, int
     return (ceil_div(n, rows_per_tg), ceil_div(m, QMV_SHAPE["batch"]), 1), (32 * QMV_SHAPE["simdgroups"], 1, 1)
 
 
-def qmv_case(label: str, n: int, k: int, m: int = 1, bits: int = 4) -> Case:
+def qmv_case(label: str, n: int, k: int, m: int = 1, bits: int = 4, f32_out: bool = False) -> Case:
     w, s = quantized(n, k, bits)
     grid, threads = _qmv_grid(n, m)
-    return Case(label, f"qmv_q{bits}_g64_bf16", [struct.pack("<IIII", k, n, m, 0), bf16(m * k), w, s, s, bf16(m * n)],
-                grid, threads, w + 2 * s + bf16(m * k) + bf16(m * n))
+    y = f32(m * n) if f32_out else bf16(m * n)
+    return Case(label, f"qmv_q{bits}_g64_bf16" + ("_of32" if f32_out else ""),
+                [struct.pack("<IIII", k, n, m, 0), bf16(m * k), w, s, s, y], grid, threads, w + 2 * s + bf16(m * k) + y)
 
 
-def qmm_case(label: str, n: int, k: int, m: int) -> Case:
-    """What the host runs for LILY_QMV_MAX_ROWS < M <= 16: the 16-row GEMM tile."""
-    w, s = quantized(n, k)
-    return Case(label, "qmm_q4_g64_bf16_bm16", [struct.pack("<IIII", k, n, m, 0), bf16(m * k), w, s, s, bf16(m * n)],
-                (ceil_div(n, QMM_BN), ceil_div(m, QMM_BM16), 1), (QMM_THREADS, 1, 1), w + 2 * s + bf16(m * k) + bf16(m * n))
+def qmm_case(label: str, n: int, k: int, m: int, bits: int = 4, f32_out: bool = False) -> Case:
+    """What the host runs for M <= 16 where qmv does not take M (tuning::qmv_takes): the 16-row GEMM tile."""
+    w, s = quantized(n, k, bits)
+    y = f32(m * n) if f32_out else bf16(m * n)
+    return Case(label, f"qmm_q{bits}_g64_bf16" + ("_of32" if f32_out else "") + "_bm16",
+                [struct.pack("<IIII", k, n, m, 0), bf16(m * k), w, s, s, y],
+                (ceil_div(n, QMM_BN), ceil_div(m, QMM_BM16), 1), (QMM_THREADS, 1, 1), w + 2 * s + bf16(m * k) + y)
 
 
 def qmv_norm_case(label: str, n: int, k: int, staged: bool = False) -> Case:
@@ -315,7 +318,7 @@ def sample_block_cases() -> list[Case]:
 
 def qmv_cases() -> list[Case]:
     """qmv at every decode projection shape and lm_head (plain qmv at M = 1, 2, 4, 8: the 8-row case runs as two
-    4-row threadgroup rows, and as the 16-row qmm tile the host picks for M > 4), then the fused variants the decode
+    4-row threadgroup rows, and as the 16-row qmm tile the host picks for M > 4 at N >= 8192), then the fused variants the decode
     step dispatches."""
     shapes = [("lm_head", VOCAB, HIDDEN), ("square", 2048, HIDDEN),
               ("DeltaNet in_proj_qkv / attention q_proj", 8192, HIDDEN), ("DeltaNet in_proj_z", 4096, HIDDEN),
@@ -493,6 +496,23 @@ def attention_prefill_cases(tokens: int = 512) -> list[Case]:
     return cases
 
 
+def short_prompt_cases() -> list[Case]:
+    """The projections of a short prompt (5 to 8 rows, above qmv's one-pass row limit) as qmv (weights read once per
+    4 rows) and as the 16-row qmm tile: which one the kernel choice should take at each shape."""
+    shapes = [("DeltaNet in_proj_qkv / attention q_proj", 8192, HIDDEN, 4, False),
+              ("DeltaNet in_proj_z", 4096, HIDDEN, 4, False), ("DeltaNet in_proj_b / in_proj_a", GDN_V_HEADS, HIDDEN, 4, False),
+              ("DeltaNet out_proj / attention o_proj", HIDDEN, 4096, 4, False),
+              ("attention k_proj / v_proj", 512, HIDDEN, 4, False),
+              ("router 8-bit, f32 out", EXPERTS, HIDDEN, 8, True), ("shared-expert gate 8-bit, f32 out", 1, HIDDEN, 8, True)]
+    cases = []
+    for name, n, k, bits, f32_out in shapes:
+        for m in (5, 8):
+            cases.append(qmv_case(f"short prompt qmv {name} {n}x{k}, M={m}", n, k, m, bits, f32_out))
+            cases.append(qmm_case(f"short prompt qmm bm16 {name} {n}x{k}, M={m}", n, k, m, bits, f32_out))
+    cases.extend(moe_prefill_cases(8, bm=16))
+    return cases
+
+
 def prefill_cases() -> list[Case]:
     cases = attention_prefill_cases()
     for m in (512, 4096):
@@ -508,7 +528,7 @@ def prefill_cases() -> list[Case]:
 
 def cases() -> list[Case]:
     return [rms_norm_case(), embedding_case(), *qmv_cases(), *moe_cases(), *attention_cases(), gated_delta_case(),
-            *sampling_cases(), *prefill_cases()]
+            *sampling_cases(), *short_prompt_cases(), *prefill_cases()]
 
 
 # ---- argument checks without a GPU: the <kernel>_msl_params tables of the PTX files ----

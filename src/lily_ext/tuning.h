@@ -12,6 +12,17 @@ namespace lily::tuning {
 // GEMV vs GEMM by rows: at most this many rows run qmv (one threadgroup row reads the weights once for all of
 // them); more rows run qmm. The qmatmul kernels define the crossover with their tile shapes.
 constexpr size_t kQmvMaxRows = LILY_QMV_MAX_ROWS;
+// ... and a short prompt's projections of up to twice that many rows keep qmv below kQmmShortMinOutFeatures output
+// features: qmv reads the weights once per 4 rows (twice at 8) but launches N / 8 threadgroups, where qmm's N / 64
+// tiles of 16 rows leave most of the GPU idle. On the H200 at 8 rows (scripts/bench_kernels.py "short prompt", cold
+// L2, qmv vs qmm_bm16, µs): out_proj 2048 x 4096 29 vs 89, in_proj_z 4096 36 vs 45, k/v_proj 512 12 vs 48, in_proj_b/a
+// 32 11 vs 46, the 8-bit router 256 12 vs 50; from N = 8192 qmm's tiles win (in_proj_qkv, q_proj: 46 vs 58 at 8 rows,
+// lm_head's 3,880 tiles 329 vs 1,376). Not measured on a Mac.
+constexpr size_t kQmvShortMaxRows = 2 * LILY_QMV_MAX_ROWS;
+constexpr size_t kQmmShortMinOutFeatures = 8192;
+constexpr bool qmv_takes(size_t rows, size_t out_features) {
+  return rows <= kQmvMaxRows || (rows <= kQmvShortMaxRows && out_features < kQmmShortMinOutFeatures);
+}
 // ... and an f32-output GEMM with fewer output features than one 8-column MMA fragment (the shared-expert gate's
 // logit, N = 1) stays on qmv at any number of rows: qmm's tile would be almost all padding, and re-reading so small
 // a weight per 4 rows costs little (on the H200 a 512-row qmm_of32 of N = 1 took 36 us, the router's N = 256 the

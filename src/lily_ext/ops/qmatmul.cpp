@@ -19,7 +19,7 @@ void qmatmul(Context& ctx, const std::string& label, const Span& x, const Weight
   // logits). The dequantize + mm ablation has no f32 output: there, f32 output stays on qmv, which takes any number
   // of rows, four per threadgroup row (grid y).
   const bool f32_out = dtype == DType::F32 && ctx.act != DType::F32;
-  const bool gemm = rows > tuning::kQmvMaxRows &&
+  const bool gemm = !tuning::qmv_takes(rows, w.rows) &&
                     (!f32_out || (ctx.in_gemm_dequant && ctx.act == DType::BF16 &&
                                   w.rows >= tuning::kQmmOf32MinOutFeatures));
   std::string name = gemm ? "qmm" : "qmv";
