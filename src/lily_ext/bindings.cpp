@@ -70,6 +70,7 @@ lily::Switches switches_from_dict(const nb::dict& d) {
     else if (name == "gpu_routing") s.gpu_routing = nb::cast<bool>(value);
     else if (name == "chunked_prefill") s.chunked_prefill = nb::cast<bool>(value);
     else if (name == "gqa_packing") s.gqa_packing = nb::cast<bool>(value);
+    else if (name == "replayed_prompts") s.replayed_prompts = nb::cast<bool>(value);
     else if (name == "register_scan") s.register_scan = nb::cast<bool>(value);
     else if (name == "chunked_scan") s.chunked_scan = nb::cast<bool>(value);
     else if (name == "in_gemm_dequant") s.in_gemm_dequant = nb::cast<bool>(value);

@@ -221,7 +221,7 @@ size_t Engine::split_blocks(size_t position) const {
 Engine::Program& Engine::program(int token_slot, const std::optional<TokenChoice>& choice) {
   const size_t blocks = split_blocks(position_);
   for (Program& p : programs_) {
-    if (p.token_slot == token_slot && p.kv_capacity == state_.kv_capacity && p.split_blocks == blocks &&
+    if (p.rows == 1 && p.token_slot == token_slot && p.kv_capacity == state_.kv_capacity && p.split_blocks == blocks &&
         p.choice == choice) {
       return p;
     }
@@ -230,11 +230,43 @@ Engine::Program& Engine::program(int token_slot, const std::optional<TokenChoice
   graph->buffers = base_.buffers;
   build_decode_step(config_, precision_, switches_, weights_, state_, step_, position_, token_slot, 1 - token_slot,
                     *graph, choice);
-  Program built{token_slot, state_.kv_capacity, blocks, choice, graph,
-                runtime_->record(graph, 0, graph->nodes.size(), buffer_list(), {/*replayed=*/true, -1})};
+  Program built;
+  built.token_slot = token_slot;
+  built.kv_capacity = state_.kv_capacity;
+  built.split_blocks = blocks;
+  built.choice = choice;
+  built.graph = graph;
+  return keep(std::move(built));
+}
+
+// The pass of a short prompt chunk of `rows` tokens from chunk_.ids with logits for its last `logit_rows` rows, at
+// any position with this KV capacity: found among the programs built so far, else built now.
+Engine::Program& Engine::short_pass(size_t rows, size_t logit_rows) {
+  for (Program& p : programs_) {
+    if (p.rows == rows && p.logit_rows == logit_rows && p.kv_capacity == state_.kv_capacity) return p;
+  }
+  auto graph = std::make_shared<Graph>();
+  graph->buffers = base_.buffers;
+  PassInput in;
+  in.position = position_;
+  in.tokens = rows;
+  in.logit_rows = logit_rows;
+  in.ids = Span{chunk_.ids, 0, rows * 4};
+  build_forward(config_, precision_, switches_, weights_, state_, chunk_, in, *graph);
+  Program built;
+  built.rows = rows;
+  built.logit_rows = logit_rows;
+  built.kv_capacity = state_.kv_capacity;
+  built.graph = graph;
+  return keep(std::move(built));
+}
+
+// Records a program built now and keeps it among the few shapes that live at once (two token slots, with and
+// without a choice, a few prompt lengths); older shapes are not coming back.
+Engine::Program& Engine::keep(Program built) {
+  built.recorded = runtime_->record(built.graph, 0, built.graph->nodes.size(), buffer_list(), {/*replayed=*/true, -1});
   ++programs_built_;
-  // A few shapes live at once (two token slots, with and without a choice); older shapes are not coming back.
-  if (programs_.size() >= 8) programs_.erase(programs_.begin());
+  if (programs_.size() >= 16) programs_.erase(programs_.begin());
   programs_.push_back(std::move(built));
   return programs_.back();
 }
@@ -363,15 +395,23 @@ void Engine::prefill_chunk(const uint32_t* tokens, size_t count, float* logits, 
     put(chunk_.shared_tile_map, routing.tile_map.data(), routing.tile_map.size() * 4);
     put(chunk_.shared_tile_count, &routing.tile_count, 4);
   }
-  Graph graph;
-  graph.buffers = base_.buffers;
-  PassInput in;
-  in.position = position_;
-  in.tokens = count;
-  in.logit_rows = logit_rows;
-  in.ids = Span{chunk_.ids, 0, count * 4};
-  build_forward(config_, precision_, switches_, weights_, state_, chunk_, in, graph);
-  run_graph(std::move(graph), dropped_barrier);
+  // A short chunk (a chat turn's prompt, a tool result) runs a pass recorded once per length and replayed, as a
+  // decode step is: building and launching it node by node cost the host as much as the GPU's work at 8 rows. Not
+  // with the CPU's MoE sort (a round trip inside the pass) or per-node profiling.
+  if (switches_.replayed_prompts && count > 1 && count <= tuning::kReplayedPromptMaxRows && switches_.gpu_routing &&
+      !profiling_) {
+    submit_program(short_pass(count, logit_rows), dropped_barrier)->wait();
+  } else {
+    Graph graph;
+    graph.buffers = base_.buffers;
+    PassInput in;
+    in.position = position_;
+    in.tokens = count;
+    in.logit_rows = logit_rows;
+    in.ids = Span{chunk_.ids, 0, count * 4};
+    build_forward(config_, precision_, switches_, weights_, state_, chunk_, in, graph);
+    run_graph(std::move(graph), dropped_barrier);
+  }
   if (logit_rows) read_rows(chunk_.logits, logit_rows, logits);
   position_ += count;
 }

@@ -55,6 +55,8 @@ struct Switches {
   bool tensor_ops = true;          // TENSOR_OPS: prefill GEMMs on Metal 4 tensor ops (qmm_nax) where the GPU has them
   bool mma_attention = true;       // MMA_ATTENTION: off = prefill attention on vector ALUs only (also forced off when
                                    // the simdgroup_matrix lane-layout probe disagrees on this GPU)
+  bool replayed_prompts = true;    // REPLAYED_PROMPTS: off = a prompt chunk of 2 to tuning::kReplayedPromptMaxRows
+                                   // tokens is built and launched node by node on every call, as longer chunks are
   bool staged_gemv = true;         // STAGED_GEMV: off = decode GEMVs read x from device memory per simdgroup (on only
                                    // where the runtime prefers staging x in threadgroup memory: CUDA)
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
@@ -369,9 +371,11 @@ class Engine {
   const ModelConfig& config() const { return config_; }
 
  private:
-  // A decode step built once per shape (token slot, choice, KV capacity, split-KV blocks at this position) and
-  // recorded once for the runtime; submitted per token with the position written into its per-position fields.
+  // A pass built once per shape and recorded once for the runtime, submitted with the position written into its
+  // per-position fields: a decode step (one row: token slot, choice, KV capacity, split-KV blocks at this position),
+  // or a short prompt's pass (rows, logit rows, KV capacity; REPLAYED_PROMPTS).
   struct Program {
+    size_t rows = 1, logit_rows = 1;
     int token_slot = 0;
     size_t kv_capacity = 0, split_blocks = 0;
     std::optional<TokenChoice> choice;
@@ -387,6 +391,8 @@ class Engine {
   void prefill_chunk(const uint32_t* tokens, size_t count, float* logits, size_t logit_rows, long dropped_barrier);
   size_t split_blocks(size_t position) const;
   Program& program(int token_slot, const std::optional<TokenChoice>& choice);
+  Program& short_pass(size_t rows, size_t logit_rows);
+  Program& keep(Program built);
   std::unique_ptr<Submission> submit_program(const Program& program, long dropped_barrier);
   // Submits `graph` and waits, running its host steps in between (one submission per segment).
   void run_graph(Graph graph, long dropped_barrier);

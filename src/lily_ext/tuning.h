@@ -19,6 +19,10 @@ constexpr size_t kQmvMaxRows = LILY_QMV_MAX_ROWS;
 // 32 11 vs 46, the 8-bit router 256 12 vs 50; from N = 8192 qmm's tiles win (in_proj_qkv, q_proj: 46 vs 58 at 8 rows,
 // lm_head's 3,880 tiles 329 vs 1,376). Not measured on a Mac.
 constexpr size_t kQmvShortMaxRows = 2 * LILY_QMV_MAX_ROWS;
+// Prompt chunks of up to this many tokens run a pass recorded once per length and replayed (REPLAYED_PROMPTS), as the
+// decode step does; longer ones are built and launched per chunk (a recording of ~850 nodes would then be made for
+// every chunk length, and their GPU time dwarfs the launches).
+constexpr size_t kReplayedPromptMaxRows = kQmvShortMaxRows;
 constexpr size_t kQmmShortMinOutFeatures = 8192;
 constexpr bool qmv_takes(size_t rows, size_t out_features) {
   return rows <= kQmvMaxRows || (rows <= kQmvShortMaxRows && out_features < kQmmShortMinOutFeatures);

@@ -1,5 +1,6 @@
 // attention_prefill[_mma]_* (metal/attention_prefill.metal): T tokens (after attention_prep, attention_prep.cpp).
 #include <algorithm>
+#include <cstddef>
 
 #include "../../../metal/lily.h"
 #include "../tuning.h"
@@ -14,6 +15,8 @@ void attention_prefill(Context& ctx, const ModelConfig& c, const std::string& la
   const AttentionArgs a = attention_args(c, s, tokens, position + tokens);
   const std::vector<NodeArg> args = {arg_value(a), arg(s.q), arg(s.gate), arg(s.k_cache), arg(s.v_cache),
                                      arg(s.out)};
+  // keys = position + T: a pass recorded once (a short prompt's, REPLAYED_PROMPTS) runs at any position.
+  const PositionField num_keys{0, offsetof(AttentionArgs, num_keys), static_cast<int32_t>(tokens)};
   if (tokens >= tuning::kAttentionMmaMinQueries && ctx.mma_attention) {
     // Matrix units: LILY_ATTN_MMA_QUERIES queries x G heads per threadgroup, one simdgroup per head; G is the whole
     // GQA group at head dim 256 (8 for the model) when the head ratio splits into it, else 1 (*_unpacked_*).
@@ -22,7 +25,8 @@ void attention_prefill(Context& ctx, const ModelConfig& c, const std::string& la
     add_node(ctx, "attention_prefill_mma_" + variant + dt + suffix, label, args,
              {(tokens + tuning::kAttentionMmaQueries - 1) / tuning::kAttentionMmaQueries,
               c.num_heads / heads_per_group, 1},
-             {32 * heads_per_group, 1, 1}, prefix, {s.out});
+             {32 * heads_per_group, 1, 1}, prefix, {s.out})
+        .per_position.push_back(num_keys);
   } else {
     // Few queries (or MMA_ATTENTION off): one simdgroup per query, up to 8 queries per threadgroup; G heads of one
     // KV head (the GQA_PACKING switch is a decode ablation) unless the head ratio cannot be split into groups of G:
@@ -32,7 +36,8 @@ void attention_prefill(Context& ctx, const ModelConfig& c, const std::string& la
     const size_t queries = std::min(tokens, tuning::kAttentionMmaMinQueries);
     add_node(ctx, "attention_prefill_" + variant + dt + suffix, label, args,
              {(tokens + queries - 1) / queries, c.num_heads / heads_per_group, 1}, {32 * queries, 1, 1}, prefix,
-             {s.out});
+             {s.out})
+        .per_position.push_back(num_keys);
   }
 }
 
