@@ -318,8 +318,8 @@ def sample_block_cases() -> list[Case]:
 
 def qmv_cases() -> list[Case]:
     """qmv at every decode projection shape and lm_head (plain qmv at M = 1, 2, 4, 8: the 8-row case runs as two
-    4-row threadgroup rows, and as the 16-row qmm tile the host picks for M > 4 at N >= 8192), then the fused variants the decode
-    step dispatches."""
+    4-row threadgroup rows, and as the 16-row qmm tile the host picks for M > 4 at N >= 8192), then the fused variants
+    the decode step dispatches."""
     shapes = [("lm_head", VOCAB, HIDDEN), ("square", 2048, HIDDEN),
               ("DeltaNet in_proj_qkv / attention q_proj", 8192, HIDDEN), ("DeltaNet in_proj_z", 4096, HIDDEN),
               ("DeltaNet out_proj / attention o_proj", HIDDEN, 4096), ("attention k_proj / v_proj", 512, HIDDEN)]
@@ -500,10 +500,12 @@ def short_prompt_cases() -> list[Case]:
     """The projections of a short prompt (5 to 8 rows, above qmv's one-pass row limit) as qmv (weights read once per
     4 rows) and as the 16-row qmm tile: which one the kernel choice should take at each shape."""
     shapes = [("DeltaNet in_proj_qkv / attention q_proj", 8192, HIDDEN, 4, False),
-              ("DeltaNet in_proj_z", 4096, HIDDEN, 4, False), ("DeltaNet in_proj_b / in_proj_a", GDN_V_HEADS, HIDDEN, 4, False),
+              ("DeltaNet in_proj_z", 4096, HIDDEN, 4, False),
+              ("DeltaNet in_proj_b / in_proj_a", GDN_V_HEADS, HIDDEN, 4, False),
               ("DeltaNet out_proj / attention o_proj", HIDDEN, 4096, 4, False),
               ("attention k_proj / v_proj", 512, HIDDEN, 4, False),
-              ("router 8-bit, f32 out", EXPERTS, HIDDEN, 8, True), ("shared-expert gate 8-bit, f32 out", 1, HIDDEN, 8, True)]
+              ("router 8-bit, f32 out", EXPERTS, HIDDEN, 8, True),
+              ("shared-expert gate 8-bit, f32 out", 1, HIDDEN, 8, True)]
     cases = []
     for name, n, k, bits, f32_out in shapes:
         for m in (5, 8):
