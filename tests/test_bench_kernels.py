@@ -36,11 +36,14 @@ PREFILL_KERNELS = {"qmm_q4_g64_bf16_bm32", "qmm_q4_g64_bf16_bm64", "moe_gemm_gat
                    "gated_delta_conv_bf16_dk128", "gated_delta_conv_state_bf16_dk128", "gated_delta_prefill_bf16_dk128",
                    "gated_delta_prefill_norm_bf16", "gated_delta_chunk_prepare_bf16_dk128",
                    "gated_delta_chunk_scan_bf16_dk128", "attention_prefill_mma_bf16_d256"}
+# The short-prompt cases add the f32-output 8-bit router and shared-expert gate as qmv and as the 16-row GEMM (the
+# kernel choice at 5-8 rows, tuning::qmv_takes).
+SHORT_PROMPT_KERNELS = {"qmv_q8_g64_bf16_of32", "qmm_q8_g64_bf16_of32_bm16"}
 
 
 def test_cases_cover_every_decode_kernel_and_qmv_row_count() -> None:
     cases = bench_kernels.cases()
-    assert {c.kernel for c in cases} == DECODE_KERNELS | PREFILL_KERNELS
+    assert {c.kernel for c in cases} == DECODE_KERNELS | PREFILL_KERNELS | SHORT_PROMPT_KERNELS
     lm_head = [c for c in cases if c.kernel == "qmv_q4_g64_bf16" and c.label.startswith("qmv lm_head")]
     assert [c.buffers[0][8] for c in lm_head] == [1, 2, 4, 8]  # QMatmulArgs.num_rows
     assert all(c.bytes_moved > 0 for c in cases)
