@@ -75,6 +75,7 @@ class ThreadPool {
   struct Shared;
   Shared* shared_;
   std::vector<std::thread> workers_;
+  uint64_t job_ = 0;  // the last job's id
 };
 
 // Instruction set of the hot loops: "avx2" (AVX2 + FMA, when the CPU has them) or "portable".
