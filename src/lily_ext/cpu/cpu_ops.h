@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <thread>
@@ -87,6 +88,14 @@ bool avx2_enabled();
 // ---- qmatmul.cpp: linear (x @ W^T) and embed ----
 // out[t, n] = sum_k x[t, k] W[n, k] for t < T, n < W.rows. Serial when pool is null.
 void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPool* pool);
+// One weight of a linear_many call, and its output [tokens, w->rows].
+struct LinearTarget {
+  const Matrix* w;
+  float* out;
+};
+// linear of several weights with the same columns on the same x. Up to 8 tokens, x is put in chunk order once per
+// weight format and the rows of all the weights run as one parallel job; more tokens run linear per weight.
+void linear_many(const float* x, size_t tokens, std::initializer_list<LinearTarget> targets, ThreadPool* pool);
 // Rows `ids` of W, dequantized: out [count, cols].
 void embed(const int64_t* ids, size_t count, const Matrix& w, float* out);
 // sum_k a[k] b[k] and y += alpha x, on the chosen instruction set (fp32 accumulation).

@@ -52,8 +52,8 @@ void swiglu_experts(const float* x, size_t tokens, size_t hidden, const Matrix& 
       gate.resize(n * width);
       up.resize(n * width);
       ys.resize(n * hidden);
-      linear(xs.data(), n, gate_proj.expert(e), gate.data(), nullptr);
-      linear(xs.data(), n, up_proj.expert(e), up.data(), nullptr);
+      const Matrix gate_e = gate_proj.expert(e), up_e = up_proj.expert(e);
+      linear_many(xs.data(), n, {{&gate_e, gate.data()}, {&up_e, up.data()}}, nullptr);
       for (size_t j = 0; j < n * width; ++j) gate[j] = silu(gate[j]) * up[j];
       linear(gate.data(), n, down_proj.expert(e), ys.data(), nullptr);
       for (size_t j = 0; j < n; ++j) std::copy_n(ys.begin() + j * hidden, hidden, y.data() + slots[e][j] * hidden);
