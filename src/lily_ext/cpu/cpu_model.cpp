@@ -287,9 +287,7 @@ void CpuModel::moe_layer(const Layer& layer, const float* x, size_t tokens, floa
   for (const int32_t expert : indices) ++load[expert];
   swiglu_experts(x, tokens, H, *w.gate_proj, *w.up_proj, *w.down_proj, indices.data(), routing_weights.data(), k,
                  out, &pool_);
-  pool_.for_items(gate.size(), 8, [&](size_t i0, size_t i1) {
-    for (size_t i = i0; i < i1; ++i) gate[i] = silu(gate[i]) * up[i];
-  });
+  pool_.for_items(gate.size(), 8, [&](size_t i0, size_t i1) { silu(gate.data() + i0, up.data() + i0, i1 - i0); });
   linear(gate.data(), tokens, *w.shared_down_proj, shared.data(), &pool_);
   for (size_t t = 0; t < tokens; ++t) {
     const float g = sigmoid(shared_gate[t]);

@@ -67,9 +67,11 @@ class ThreadPool {
   size_t size() const { return workers_.size() + 1; }
   // fn(begin, end) over `n` items; items are split in up to size() ranges, each at least `min_items` long.
   void parallel_for(size_t n, size_t min_items, const std::function<void(size_t, size_t)>& fn);
-  // parallel_for with ranges of at least about 2^15 operations, given the operations per item.
+  // Operations below which a range is not split off: a job costs about a microsecond when the workers spin.
+  static constexpr size_t kMinOps = size_t(1) << 13;
+  // parallel_for with ranges of at least about kMinOps operations, given the operations per item.
   void for_items(size_t n, size_t work_per_item, const std::function<void(size_t, size_t)>& fn) {
-    parallel_for(n, std::max<size_t>(1, (size_t(1) << 15) / std::max<size_t>(work_per_item, 1)), fn);
+    parallel_for(n, std::max<size_t>(1, kMinOps / std::max<size_t>(work_per_item, 1)), fn);
   }
 
  private:
@@ -103,6 +105,8 @@ float dot(const float* a, const float* b, size_t n);
 void axpy(float alpha, const float* x, float* y, size_t n);
 // out[0..n) = sum_j weights[j] rows[j * stride + 0..n), j ascending (what count axpy calls into zeros would give).
 void weighted_sum(const float* weights, const float* rows, size_t count, size_t stride, size_t n, float* out);
+// x[i] = SiLU(x[i]) * y[i] (y null: SiLU(x[i])), on the chosen instruction set (AVX2: a polynomial exp).
+void silu(float* x, const float* y, size_t n);
 
 // ---- rms_norm.cpp ----
 void rms_norm(const float* x, size_t rows, size_t n, const float* w, float eps, float* out);

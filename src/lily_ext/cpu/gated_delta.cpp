@@ -34,7 +34,8 @@ void causal_conv1d(float* x, size_t tokens, size_t channels, size_t taps, const 
         const float* in = history.data() + (t + j) * channels;
         for (size_t c = 0; c < channels; ++c) sum[c] += tap[c] * in[c];
       }
-      for (size_t c = 0; c < channels; ++c) x[t * channels + c] = silu(sum[c]);
+      std::copy(sum.begin(), sum.end(), x + t * channels);
+      silu(x + t * channels, nullptr, channels);
     }
   };
   if (pool) pool->for_items(tokens, channels * (taps + 8), rows);
@@ -147,7 +148,7 @@ void gated_delta_rule(const float* mixed, const float* g, const float* beta, con
     }
   };
   const size_t per_task = tokens * dk * kSlabColumns * 4;
-  if (pool) pool->parallel_for(s.v_heads * slabs, std::max<size_t>(1, (size_t(1) << 15) / per_task), tasks);
+  if (pool) pool->parallel_for(s.v_heads * slabs, std::max<size_t>(1, ThreadPool::kMinOps / per_task), tasks);
   else tasks(0, s.v_heads * slabs);
 }
 

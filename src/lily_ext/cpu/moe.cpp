@@ -54,13 +54,13 @@ void swiglu_experts(const float* x, size_t tokens, size_t hidden, const Matrix& 
       ys.resize(n * hidden);
       const Matrix gate_e = gate_proj.expert(e), up_e = up_proj.expert(e);
       linear_many(xs.data(), n, {{&gate_e, gate.data()}, {&up_e, up.data()}}, nullptr);
-      for (size_t j = 0; j < n * width; ++j) gate[j] = silu(gate[j]) * up[j];
+      silu(gate.data(), up.data(), n * width);
       linear(gate.data(), n, down_proj.expert(e), ys.data(), nullptr);
       for (size_t j = 0; j < n; ++j) std::copy_n(ys.begin() + j * hidden, hidden, y.data() + slots[e][j] * hidden);
     }
   };
   const size_t per_expert = (tokens * k / std::max<size_t>(used.size(), 1) + 1) * 3 * width * hidden;
-  if (pool) pool->parallel_for(used.size(), std::max<size_t>(1, (size_t(1) << 15) / per_expert), run_experts);
+  if (pool) pool->parallel_for(used.size(), std::max<size_t>(1, ThreadPool::kMinOps / per_expert), run_experts);
   else run_experts(0, used.size());
   // Weighted sum in rank order.
   auto combine = [&](size_t begin, size_t end) {

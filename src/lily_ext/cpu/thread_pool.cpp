@@ -41,7 +41,8 @@ inline void cpu_relax() {
 struct ThreadPool::Shared {
   std::atomic<uint64_t> claim{kClosed};  // job id << kRangeBits | next range (kClosed: being set up)
   std::atomic<const std::function<void(size_t, size_t)>*> fn{nullptr};
-  std::atomic<size_t> n{0}, ranges{0}, finished{0}, sleepers{0};
+  std::atomic<size_t> n{0}, ranges{0}, sleepers{0};
+  alignas(64) std::atomic<size_t> finished{0};  // apart from the words the spinning workers read
   std::atomic<bool> stopping{false};
   std::mutex mutex;
   std::condition_variable wake;
@@ -108,9 +109,10 @@ ThreadPool::~ThreadPool() {
 
 void ThreadPool::parallel_for(size_t n, size_t min_items, const std::function<void(size_t, size_t)>& fn) {
   if (n == 0) return;
-  // Up to 4 ranges per thread, taken in turn, so uneven ranges (experts with more tokens) even out.
+  // Up to 2 ranges per thread, taken in turn, so uneven ranges (experts with more tokens) even out; each range
+  // moves the job's cache lines between cores twice.
   const size_t most = (n + std::max<size_t>(min_items, 1) - 1) / std::max<size_t>(min_items, 1);
-  const size_t ranges = std::min({4 * size(), most, size_t(kClosed - 1)});
+  const size_t ranges = std::min({2 * size(), most, size_t(kClosed - 1)});
   if (workers_.empty() || ranges <= 1) {
     fn(0, n);
     return;
