@@ -26,7 +26,7 @@ namespace {
 constexpr uint64_t kRangeBits = 16, kClosed = (uint64_t(1) << kRangeBits) - 1;
 // How long an idle worker spins before it sleeps: longer than the serial gaps inside a forward pass, short
 // enough that a worker does not hold a CPU for long between decode steps.
-constexpr auto kSpin = std::chrono::microseconds(50);
+constexpr auto kSpin = std::chrono::microseconds(20);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -131,7 +131,7 @@ void ThreadPool::parallel_for(size_t n, size_t min_items, const std::function<vo
   }
   s.run_ranges(job);
   for (size_t i = 1; s.finished.load(std::memory_order_acquire) != ranges; ++i) {
-    if (i % 256 == 0) std::this_thread::yield();  // the worker may have lost its CPU
+    if (i % 64 == 0) std::this_thread::yield();  // the worker may have lost its CPU
     else cpu_relax();
   }
 }
