@@ -65,8 +65,9 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
   size_t size() const { return workers_.size() + 1; }
-  // fn(begin, end) over `n` items; items are split in up to size() ranges, each at least `min_items` long.
-  void parallel_for(size_t n, size_t min_items, const std::function<void(size_t, size_t)>& fn);
+  // fn(begin, end) over `n` items; items are split in up to per_thread * size() ranges, each at least `min_items`
+  // long, taken in turn by the threads.
+  void parallel_for(size_t n, size_t min_items, const std::function<void(size_t, size_t)>& fn, size_t per_thread = 2);
   // Operations below which a range is not split off: a job costs about a microsecond when the workers spin.
   static constexpr size_t kMinOps = size_t(1) << 13;
   // parallel_for with ranges of at least about kMinOps operations, given the operations per item.

@@ -107,12 +107,13 @@ ThreadPool::~ThreadPool() {
   delete shared_;
 }
 
-void ThreadPool::parallel_for(size_t n, size_t min_items, const std::function<void(size_t, size_t)>& fn) {
+void ThreadPool::parallel_for(size_t n, size_t min_items, const std::function<void(size_t, size_t)>& fn,
+                              size_t per_thread) {
   if (n == 0) return;
-  // Up to 2 ranges per thread, taken in turn, so uneven ranges (experts with more tokens) even out; each range
-  // moves the job's cache lines between cores twice.
+  // More ranges than threads, taken in turn, even out uneven ranges; each range moves the job's cache lines between
+  // cores twice.
   const size_t most = (n + std::max<size_t>(min_items, 1) - 1) / std::max<size_t>(min_items, 1);
-  const size_t ranges = std::min({2 * size(), most, size_t(kClosed - 1)});
+  const size_t ranges = std::min({std::max<size_t>(per_thread, 1) * size(), most, size_t(kClosed - 1)});
   if (workers_.empty() || ranges <= 1) {
     fn(0, n);
     return;
