@@ -254,3 +254,16 @@ def test_demo_greedy_text_matches_the_reference():
     ref = lily.Model.load("lily:demo", backend="reference")
     opts = dict(max_tokens=24, temperature=0)
     assert cpu.generate("ROMEO:", **opts).token_ids == ref.generate("ROMEO:", **opts).token_ids
+
+
+def test_the_short_prompt_benchmark_prints_every_row_with_its_bar(capsys, monkeypatch):
+    """scripts/bench_short_prompts.py (issue 22's measurement) runs on the cpu backend and prints its table."""
+    from fixtures import load_script
+
+    monkeypatch.setenv("LILY_NUM_THREADS", "2")
+    assert load_script("scripts/bench_short_prompts.py").main(["--rounds", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "backend cpu, 2 threads" in out
+    for row in ("decode step (tg1)", "decode step (tg32 / 32)", "| pp1 |", "| pp2 |", "| pp4 |", "| pp8 |"):
+        assert row in out, out
+    assert "<= 1.2" in out and "<= 2.0" in out
