@@ -129,10 +129,11 @@ def test_chunked_prefill_equals_one_shot_across_kv_cache_growth(mlx4):
     assert relative_error(one_shot, want) < LOGITS_TOLERANCE
 
 
-@pytest.mark.parametrize("tokens", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("tokens", [2, 3, 4, 5, 6, 7, 8])
 def test_a_few_tokens_equal_the_same_tokens_decoded_one_by_one(mlx4, tokens, isa):
-    """Up to 8 tokens run the GEMV (on AVX2 four tokens share each decoded weight row): the same sums, in the same
-    order, as one decode step per token, so the logits are bit-identical; and they match the reference."""
+    """Up to 8 tokens run the GEMV (on AVX2 every token shares each decoded weight row, in blocks of R rows x T
+    tokens chosen by T): the same sums, in the same order, as one decode step per token, so the logits are
+    bit-identical; and they match the reference."""
     backend = CpuBackend(mlx4)
     prompt = np.random.default_rng(tokens).integers(0, mlx4.args.vocab_size, tokens)
     together = backend.forward(prompt, backend.new_state())
@@ -161,6 +162,24 @@ def test_one_and_two_threads_give_identical_logits(mlx4):
     s1, s2 = one.new_state(), two.new_state()
     np.testing.assert_array_equal(one.forward(prompt, s1), two.forward(prompt, s2))
     np.testing.assert_array_equal(one.forward(prompt[:1], s1), two.forward(prompt[:1], s2))
+
+
+@pytest.mark.parametrize("layout", ["mlx4", "mlx8", "hf_f32"])
+def test_short_prompts_and_decode_steps_do_not_depend_on_the_thread_count(tiny_checkpoints, layout, isa):
+    """Prompts of 1 to 8 tokens (the GEMV; the projections of one input as one job; experts with 1 to 8 tokens each)
+    then decode steps, on 1, 2 and 3 threads: the pool splits rows, experts and heads, never a sum."""
+    checkpoint = checkpoint_of(tiny_checkpoints, layout)
+    backends = [CpuBackend(checkpoint, threads=n) for n in (1, 2, 3)]
+    rng = np.random.default_rng(9)
+    for tokens in range(1, 9):
+        prompt = rng.integers(0, checkpoint.args.vocab_size, tokens)
+        states = [b.new_state() for b in backends]
+        outs = [b.forward(prompt, s) for b, s in zip(backends, states)]
+        outs += [b.forward(prompt[:1], s) for b, s in zip(backends, states)]
+        for got in outs[1:3]:
+            np.testing.assert_array_equal(got, outs[0])
+        for got in outs[4:]:
+            np.testing.assert_array_equal(got, outs[3])
 
 
 def test_thread_count_comes_from_the_environment():
@@ -235,3 +254,16 @@ def test_demo_greedy_text_matches_the_reference():
     ref = lily.Model.load("lily:demo", backend="reference")
     opts = dict(max_tokens=24, temperature=0)
     assert cpu.generate("ROMEO:", **opts).token_ids == ref.generate("ROMEO:", **opts).token_ids
+
+
+def test_the_short_prompt_benchmark_prints_every_row_with_its_bar(capsys, monkeypatch):
+    """scripts/bench_short_prompts.py (issue 22's measurement) runs on the cpu backend and prints its table."""
+    from fixtures import load_script
+
+    monkeypatch.setenv("LILY_NUM_THREADS", "2")
+    assert load_script("scripts/bench_short_prompts.py").main(["--rounds", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "backend cpu, 2 threads" in out
+    for row in ("decode step (tg1)", "decode step (tg32 / 32)", "| pp1 |", "| pp2 |", "| pp4 |", "| pp8 |"):
+        assert row in out, out
+    assert "<= 1.2" in out and "<= 2.0" in out

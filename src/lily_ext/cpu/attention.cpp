@@ -67,9 +67,9 @@ void attention(const float* q, const float* keys, const float* values, const flo
       for (size_t i = 0; i < d; ++i) o[i] = o[i] * inverse_sum * sigmoid(g[i]);
     }
   };
-  // Split only when each thread gets enough work to pay for waking it (about 2^15 multiply-adds).
+  // Split only when each thread gets enough work to pay for handing it over.
   const size_t per_item = (offset + tokens) * d * 2;
-  if (pool) pool->parallel_for(tokens * s.heads, std::max<size_t>(1, (size_t(1) << 15) / per_item), rows);
+  if (pool) pool->parallel_for(tokens * s.heads, std::max<size_t>(1, ThreadPool::kMinOps / per_item), rows);
   else rows(0, tokens * s.heads);
 }
 

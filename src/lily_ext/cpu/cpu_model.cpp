@@ -219,9 +219,10 @@ void CpuModel::attention_layer(const Layer& layer, const float* x, size_t tokens
   Scratch q_and_gate(tokens * 2 * s.heads * d), q(tokens * s.heads * d), gate(q.size()), att(q.size());
   float* keys = state.first;
   float* values = state.second;
-  linear(x, tokens, *w.q_proj, q_and_gate.data(), &pool_);
-  linear(x, tokens, *w.k_proj, keys + position * kv_row, &pool_);
-  linear(x, tokens, *w.v_proj, values + position * kv_row, &pool_);
+  linear_many(x, tokens,
+              {{w.q_proj, q_and_gate.data()}, {w.k_proj, keys + position * kv_row},
+               {w.v_proj, values + position * kv_row}},
+              &pool_);
   pool_.for_items(tokens, (2 * s.heads + s.kv_heads) * d * 4, [&](size_t t0, size_t t1) {
     const size_t q_row = s.heads * d;
     attention_prep(q_and_gate.data() + t0 * 2 * q_row, keys + (position + t0) * kv_row, s, t1 - t0,
@@ -239,10 +240,10 @@ void CpuModel::delta_net_layer(const Layer& layer, const float* x, size_t tokens
   if (state.first_size != (s.conv_kernel - 1) * channels || state.second_size != s.v_heads * s.k_dim * s.v_dim)
     throw std::invalid_argument("DeltaNet state has the wrong size for this model");
   Scratch mixed(tokens * channels), z(tokens * s.value_dim()), b(tokens * s.v_heads), a(b.size());
-  linear(x, tokens, *w.in_proj_qkv, mixed.data(), &pool_);
-  linear(x, tokens, *w.in_proj_z, z.data(), &pool_);
-  linear(x, tokens, *w.in_proj_b, b.data(), &pool_);
-  linear(x, tokens, *w.in_proj_a, a.data(), &pool_);
+  linear_many(x, tokens,
+              {{w.in_proj_qkv, mixed.data()}, {w.in_proj_z, z.data()}, {w.in_proj_b, b.data()},
+               {w.in_proj_a, a.data()}},
+              &pool_);
   causal_conv1d(mixed.data(), tokens, channels, s.conv_kernel, w.conv->data(), state.first, &pool_);
   const float q_scale = float(1.0 / std::sqrt(double(s.k_dim)));
   pool_.for_items(tokens, 4 * s.key_dim(), [&](size_t t0, size_t t1) {
@@ -274,21 +275,20 @@ void CpuModel::moe_layer(const Layer& layer, const float* x, size_t tokens, floa
   const MoeWeights& w = layer.moe;
   const size_t H = c.hidden_size, k = c.top_k, width = c.shared_expert_size;
   Scratch router(tokens * c.num_experts), routing_weights(tokens * k);
+  Scratch gate(tokens * width), up(gate.size()), shared(tokens * H), shared_gate(tokens);
   std::vector<int32_t> indices(tokens * k);
-  linear(x, tokens, *w.router, router.data(), &pool_);
+  // Every projection of x at once; the shared expert's are used after the routed experts.
+  linear_many(x, tokens,
+              {{w.router, router.data()}, {w.shared_expert_gate, shared_gate.data()},
+               {w.shared_gate_proj, gate.data()}, {w.shared_up_proj, up.data()}},
+              &pool_);
   moe_route(router.data(), tokens, c.num_experts, k, indices.data(), routing_weights.data());
   uint64_t* load = expert_tokens_.data() + size_t(&layer - layers_.data()) * c.num_experts;
   for (const int32_t expert : indices) ++load[expert];
   swiglu_experts(x, tokens, H, *w.gate_proj, *w.up_proj, *w.down_proj, indices.data(), routing_weights.data(), k,
                  out, &pool_);
-  Scratch gate(tokens * width), up(gate.size()), shared(tokens * H), shared_gate(tokens);
-  linear(x, tokens, *w.shared_gate_proj, gate.data(), &pool_);
-  linear(x, tokens, *w.shared_up_proj, up.data(), &pool_);
-  pool_.for_items(gate.size(), 8, [&](size_t i0, size_t i1) {
-    for (size_t i = i0; i < i1; ++i) gate[i] = silu(gate[i]) * up[i];
-  });
+  pool_.for_items(gate.size(), 8, [&](size_t i0, size_t i1) { silu(gate.data() + i0, up.data() + i0, i1 - i0); });
   linear(gate.data(), tokens, *w.shared_down_proj, shared.data(), &pool_);
-  linear(x, tokens, *w.shared_expert_gate, shared_gate.data(), &pool_);
   for (size_t t = 0; t < tokens; ++t) {
     const float g = sigmoid(shared_gate[t]);
     for (size_t i = 0; i < H; ++i) out[t * H + i] += g * shared[t * H + i];

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <thread>
@@ -64,17 +65,21 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
   size_t size() const { return workers_.size() + 1; }
-  // fn(begin, end) over `n` items; items are split in up to size() ranges, each at least `min_items` long.
-  void parallel_for(size_t n, size_t min_items, const std::function<void(size_t, size_t)>& fn);
-  // parallel_for with ranges of at least about 2^15 operations, given the operations per item.
+  // fn(begin, end) over `n` items; items are split in up to per_thread * size() ranges, each at least `min_items`
+  // long, taken in turn by the threads.
+  void parallel_for(size_t n, size_t min_items, const std::function<void(size_t, size_t)>& fn, size_t per_thread = 2);
+  // Operations below which a range is not split off: a job costs about a microsecond when the workers spin.
+  static constexpr size_t kMinOps = size_t(1) << 13;
+  // parallel_for with ranges of at least about kMinOps operations, given the operations per item.
   void for_items(size_t n, size_t work_per_item, const std::function<void(size_t, size_t)>& fn) {
-    parallel_for(n, std::max<size_t>(1, (size_t(1) << 15) / std::max<size_t>(work_per_item, 1)), fn);
+    parallel_for(n, std::max<size_t>(1, kMinOps / std::max<size_t>(work_per_item, 1)), fn);
   }
 
  private:
   struct Shared;
   Shared* shared_;
   std::vector<std::thread> workers_;
+  uint64_t job_ = 0;  // the last job's id
 };
 
 // Instruction set of the hot loops: "avx2" (AVX2 + FMA, when the CPU has them) or "portable".
@@ -86,6 +91,14 @@ bool avx2_enabled();
 // ---- qmatmul.cpp: linear (x @ W^T) and embed ----
 // out[t, n] = sum_k x[t, k] W[n, k] for t < T, n < W.rows. Serial when pool is null.
 void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPool* pool);
+// One weight of a linear_many call, and its output [tokens, w->rows].
+struct LinearTarget {
+  const Matrix* w;
+  float* out;
+};
+// linear of several weights with the same columns on the same x. Up to 8 tokens, x is put in chunk order once per
+// weight format and the rows of all the weights run as one parallel job; more tokens run linear per weight.
+void linear_many(const float* x, size_t tokens, std::initializer_list<LinearTarget> targets, ThreadPool* pool);
 // Rows `ids` of W, dequantized: out [count, cols].
 void embed(const int64_t* ids, size_t count, const Matrix& w, float* out);
 // sum_k a[k] b[k] and y += alpha x, on the chosen instruction set (fp32 accumulation).
@@ -93,6 +106,8 @@ float dot(const float* a, const float* b, size_t n);
 void axpy(float alpha, const float* x, float* y, size_t n);
 // out[0..n) = sum_j weights[j] rows[j * stride + 0..n), j ascending (what count axpy calls into zeros would give).
 void weighted_sum(const float* weights, const float* rows, size_t count, size_t stride, size_t n, float* out);
+// x[i] = SiLU(x[i]) * y[i] (y null: SiLU(x[i])), on the chosen instruction set (AVX2: a polynomial exp).
+void silu(float* x, const float* y, size_t n);
 
 // ---- rms_norm.cpp ----
 void rms_norm(const float* x, size_t rows, size_t n, const float* w, float eps, float* out);

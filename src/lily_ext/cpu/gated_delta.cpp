@@ -34,7 +34,8 @@ void causal_conv1d(float* x, size_t tokens, size_t channels, size_t taps, const 
         const float* in = history.data() + (t + j) * channels;
         for (size_t c = 0; c < channels; ++c) sum[c] += tap[c] * in[c];
       }
-      for (size_t c = 0; c < channels; ++c) x[t * channels + c] = silu(sum[c]);
+      std::copy(sum.begin(), sum.end(), x + t * channels);
+      silu(x + t * channels, nullptr, channels);
     }
   };
   if (pool) pool->for_items(tokens, channels * (taps + 8), rows);
@@ -46,7 +47,9 @@ namespace {
 
 // Columns are independent in the recurrence (column c of S, v, e and o only meet column c), so the state is worked
 // on in slabs of this many columns: heads x slabs tasks instead of heads alone (4 value heads in the demo model).
-constexpr size_t kSlabColumns = 8;
+// A slab holds up to 4 vectors of 8 columns, whose sums are independent FMA chains (one chain waits on the FMA
+// latency); each column's operations are the same whatever the slab width.
+constexpr size_t kSlabColumns = 32;
 
 // One token of one value head on columns [c0, c1) of its state S [dk, dv]: S *= decay; e = beta (v - S^T k);
 // S += k e^T; o = S^T q.
@@ -75,27 +78,48 @@ void delta_step_portable(float* S, const float* q, const float* k, const float* 
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-// The same step on one slab of 8 columns (dv is a multiple of 8; the caller checks).
+// The same step on NV vectors of 8 columns from c0.
+template <size_t NV>
 __attribute__((target("avx2,fma"))) void delta_step_avx2(float* S, const float* q, const float* k, const float* v,
                                                          float decay, float beta, size_t dk, size_t dv, size_t c0,
-                                                         size_t, float* out) {
+                                                         float* out) {
   const __m256 d = _mm256_set1_ps(decay), b = _mm256_set1_ps(beta);
-  __m256 e = _mm256_loadu_ps(v + c0);
+  __m256 e[NV], o[NV];
+  for (size_t i = 0; i < NV; ++i) e[i] = _mm256_loadu_ps(v + c0 + 8 * i);
   for (size_t a = 0; a < dk; ++a) {
     float* row = S + a * dv + c0;
-    const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row), d);
-    _mm256_storeu_ps(row, s);
-    e = _mm256_fnmadd_ps(_mm256_set1_ps(k[a]), s, e);
+    const __m256 ka = _mm256_set1_ps(k[a]);
+    for (size_t i = 0; i < NV; ++i) {
+      const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + 8 * i), d);
+      _mm256_storeu_ps(row + 8 * i, s);
+      e[i] = _mm256_fnmadd_ps(ka, s, e[i]);
+    }
   }
-  e = _mm256_mul_ps(e, b);
-  __m256 o = _mm256_setzero_ps();
+  for (size_t i = 0; i < NV; ++i) {
+    e[i] = _mm256_mul_ps(e[i], b);
+    o[i] = _mm256_setzero_ps();
+  }
   for (size_t a = 0; a < dk; ++a) {
     float* row = S + a * dv + c0;
-    const __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(k[a]), e, _mm256_loadu_ps(row));
-    _mm256_storeu_ps(row, s);
-    o = _mm256_fmadd_ps(_mm256_set1_ps(q[a]), s, o);
+    const __m256 ka = _mm256_set1_ps(k[a]), qa = _mm256_set1_ps(q[a]);
+    for (size_t i = 0; i < NV; ++i) {
+      const __m256 s = _mm256_fmadd_ps(ka, e[i], _mm256_loadu_ps(row + 8 * i));
+      _mm256_storeu_ps(row + 8 * i, s);
+      o[i] = _mm256_fmadd_ps(qa, s, o[i]);
+    }
   }
-  _mm256_storeu_ps(out + c0, o);
+  for (size_t i = 0; i < NV; ++i) _mm256_storeu_ps(out + c0 + 8 * i, o[i]);
+}
+
+// Columns [c0, c1), a multiple of 8 columns (dv is; the caller checks).
+void delta_step_avx2_slab(float* S, const float* q, const float* k, const float* v, float decay, float beta,
+                          size_t dk, size_t dv, size_t c0, size_t c1, float* out) {
+  switch ((c1 - c0) / 8) {
+    case 1: return delta_step_avx2<1>(S, q, k, v, decay, beta, dk, dv, c0, out);
+    case 2: return delta_step_avx2<2>(S, q, k, v, decay, beta, dk, dv, c0, out);
+    case 3: return delta_step_avx2<3>(S, q, k, v, decay, beta, dk, dv, c0, out);
+    default: return delta_step_avx2<4>(S, q, k, v, decay, beta, dk, dv, c0, out);
+  }
 }
 #endif
 
@@ -106,7 +130,7 @@ void gated_delta_rule(const float* mixed, const float* g, const float* beta, con
   const size_t dk = s.k_dim, dv = s.v_dim, channels = s.conv_dim(), heads_per_key = s.v_heads / s.k_heads;
   auto step = delta_step_portable;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  if (avx2_enabled() && dv % 8 == 0) step = delta_step_avx2;
+  if (avx2_enabled() && dv % 8 == 0) step = delta_step_avx2_slab;
 #endif
   const size_t slabs = (dv + kSlabColumns - 1) / kSlabColumns;
   std::vector<float> decay(tokens * s.v_heads);  // exp(g) once, not once per slab
@@ -124,7 +148,7 @@ void gated_delta_rule(const float* mixed, const float* g, const float* beta, con
     }
   };
   const size_t per_task = tokens * dk * kSlabColumns * 4;
-  if (pool) pool->parallel_for(s.v_heads * slabs, std::max<size_t>(1, (size_t(1) << 15) / per_task), tasks);
+  if (pool) pool->parallel_for(s.v_heads * slabs, std::max<size_t>(1, ThreadPool::kMinOps / per_task), tasks);
   else tasks(0, s.v_heads * slabs);
 }
 

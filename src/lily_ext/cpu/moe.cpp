@@ -38,12 +38,15 @@ void swiglu_experts(const float* x, size_t tokens, size_t hidden, const Matrix& 
   // Slots (token * k + rank) grouped by expert.
   std::vector<std::vector<size_t>> slots(gate_proj.experts);
   for (size_t slot = 0; slot < tokens * k; ++slot) slots[size_t(indices[slot])].push_back(slot);
+  // The experts with the most tokens first, one range each (at few tokens per expert their costs differ by
+  // multiples), so the threads end together.
   std::vector<size_t> used;
   for (size_t e = 0; e < slots.size(); ++e)
     if (!slots[e].empty()) used.push_back(e);
+  std::stable_sort(used.begin(), used.end(), [&](size_t a, size_t b) { return slots[a].size() > slots[b].size(); });
   Scratch y(tokens * k * hidden);  // each slot's expert output (every slot has one expert, which writes it)
   auto run_experts = [&](size_t begin, size_t end) {
-    std::vector<float> xs, gate, up, ys;
+    thread_local std::vector<float> xs, gate, up, ys;  // grown once per thread, not once per expert
     for (size_t i = begin; i < end; ++i) {
       const size_t e = used[i], n = slots[e].size();
       xs.resize(n * hidden);
@@ -52,15 +55,16 @@ void swiglu_experts(const float* x, size_t tokens, size_t hidden, const Matrix& 
       gate.resize(n * width);
       up.resize(n * width);
       ys.resize(n * hidden);
-      linear(xs.data(), n, gate_proj.expert(e), gate.data(), nullptr);
-      linear(xs.data(), n, up_proj.expert(e), up.data(), nullptr);
-      for (size_t j = 0; j < n * width; ++j) gate[j] = silu(gate[j]) * up[j];
+      const Matrix gate_e = gate_proj.expert(e), up_e = up_proj.expert(e);
+      linear_many(xs.data(), n, {{&gate_e, gate.data()}, {&up_e, up.data()}}, nullptr);
+      silu(gate.data(), up.data(), n * width);
       linear(gate.data(), n, down_proj.expert(e), ys.data(), nullptr);
       for (size_t j = 0; j < n; ++j) std::copy_n(ys.begin() + j * hidden, hidden, y.data() + slots[e][j] * hidden);
     }
   };
   const size_t per_expert = (tokens * k / std::max<size_t>(used.size(), 1) + 1) * 3 * width * hidden;
-  if (pool) pool->parallel_for(used.size(), std::max<size_t>(1, (size_t(1) << 15) / per_expert), run_experts);
+  if (pool)
+    pool->parallel_for(used.size(), std::max<size_t>(1, ThreadPool::kMinOps / per_expert), run_experts, used.size());
   else run_experts(0, used.size());
   // Weighted sum in rank order.
   auto combine = [&](size_t begin, size_t end) {

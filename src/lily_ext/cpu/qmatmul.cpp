@@ -1,9 +1,9 @@
 // linear (x @ W^T) and embed on the packed weights, the CPU twin of metal/qmatmul.metal and reference.linear.
 //
-// Decode (few tokens): a GEMV straight from the packed codes, sum_g scale_g * (q . x)_g + bias_g * sum(x)_g, so a
-// weight is read once and never written out as floats. Prefill: a blocked GEMM that dequantizes 16 rows at a time
-// into a small per-thread tile (L2-sized), transposed so that the AVX2 kernel needs no horizontal sums, and
-// multiplies every token by it. The AVX2 loops read a chunk of 8 uint32
+// Decode (up to 8 tokens): a GEMV straight from the packed codes, sum_g scale_g * (q . x)_g + bias_g * sum(x)_g,
+// so a weight is read once and never written out as floats; each decoded row serves every token. Prefill: a
+// blocked GEMM that dequantizes 16 rows at a time into a small per-thread tile (L2-sized), transposed so that the
+// AVX2 kernel needs no horizontal sums, and multiplies every token by it. The AVX2 loops read a chunk of 8 uint32
 // words per load and shift out one code per word: lane w of shift s is element (32/bits)*w + s, so they use x in
 // that "chunk order" (permuted once per call) and the dot products are unchanged.
 #include <algorithm>
@@ -17,6 +17,8 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define LILY_CPU_X86 1
+// Loops over a template's rows and tokens are unrolled so that their accumulator arrays live in registers.
+#define LILY_UNROLL _Pragma("GCC unroll 16")
 #endif
 
 namespace lily::cpu {
@@ -24,7 +26,7 @@ namespace lily::cpu {
 namespace {
 
 constexpr size_t kTileRows = 16;       // rows dequantized at once by the GEMM
-constexpr size_t kGemvMaxTokens = 8;   // up to this many tokens: the GEMV (each weight row decoded once per 4 tokens)
+constexpr size_t kGemvMaxTokens = 8;   // up to this many tokens: the GEMV (each weight row decoded once for all)
 constexpr size_t kParallelWork = 1 << 17;  // multiply-adds below which a range is not split (a wake-up costs ~10 us)
 
 bool g_avx2 = false;
@@ -191,6 +193,48 @@ __attribute__((target("avx2,fma"))) void weighted_sum_avx2(const float* weights,
   }
 }
 
+// out[t * groups + g] = the sum of group g of x[t] (a multiple of 8 long), as 8 lanes then one horizontal sum.
+__attribute__((target("avx2,fma"))) void group_sums_avx2(const float* x, size_t tokens, size_t cols, size_t group,
+                                                         float* out) {
+  for (size_t i = 0; i < tokens * cols; i += group) {
+    __m256 sum = _mm256_loadu_ps(x + i);
+    for (size_t k = 8; k < group; k += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(x + i + k));
+    out[i / group] = hsum(sum);
+  }
+}
+
+// exp(x) for 8 floats: 2^n times a degree-5 polynomial on [-ln2/2, ln2/2] (Cephes expf), at most 1.26 ulp from
+// double exp (every float in [-87, 88] checked); inputs clamped to where float exp is finite and normal.
+__attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// x = SiLU(x) * (y or 1), 8 lanes at a time; the tail as the portable loop.
+__attribute__((target("avx2,fma"))) void silu_avx2(float* x, const float* y, size_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    __m256 r = _mm256_div_ps(v, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(zero, v))));
+    if (y) r = _mm256_mul_ps(r, _mm256_loadu_ps(y + i));
+    _mm256_storeu_ps(x + i, r);
+  }
+  for (; i < n; ++i) x[i] = y ? silu(x[i]) * y[i] : silu(x[i]);
+}
+
 template <DType D>
 inline float scale_at(const uint8_t* values, size_t index) {
   if (D == DType::F32) {
@@ -203,123 +247,103 @@ inline float scale_at(const uint8_t* values, size_t index) {
   return D == DType::BF16 ? bits_to_float(uint32_t(v) << 16) : half_to_float(v);
 }
 
-// Rows [r0, r1) of a chunked weight times one token: xc in chunk order, xsum the per-group sums of x. Four rows at
-// a time, so four independent FMA chains hide the FMA latency and share each load of x.
-template <DType D>
+// Rows [r0, r1) of a chunked weight times NT tokens (xc [NT, cols] in chunk order, xsum [NT, groups] the per-group
+// sums of x; out[t * ldo + row]), R rows at a time. Each row's codes are decoded once for all NT tokens, and the
+// R x NT accumulator chains are independent, so up to 8 of them hide the FMA latency. Every (row, token) gets the
+// same sums in the same order whatever R and NT are, so a few-token forward equals one decode step per token.
+template <DType D, size_t R, size_t NT>
 __attribute__((target("avx2,fma"))) void gemv_chunked_avx2(const float* xc, const float* xsum, const Matrix& w,
-                                                           size_t r0, size_t r1, float* out) {
-  constexpr size_t R = 4;
+                                                           size_t r0, size_t r1, float* out, size_t ldo) {
   const size_t per_word = 32 / w.bits, chunk = 8 * per_word, groups = w.cols / w.group;
   const size_t chunks_per_group = w.group / chunk, row_bytes = w.row_bytes();
   const __m256i mask = _mm256_set1_epi32((1 << w.bits) - 1);
   __m256i shifts[16];
   for (size_t s = 0; s < per_word; ++s) shifts[s] = _mm256_set1_epi32(int(s * w.bits));
-  size_t row = r0;
-  for (; row < r1; row += R) {
+  for (size_t row = r0; row < r1; row += R) {
     const size_t n = std::min(R, r1 - row);  // rows past the end repeat the last row and are not stored
     const uint8_t* data[R];
-    for (size_t r = 0; r < R; ++r) data[r] = w.data + (row + std::min(r, n - 1)) * row_bytes;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    float bias_sum[R] = {0, 0, 0, 0};
+    size_t index[R];
+    LILY_UNROLL
+    for (size_t r = 0; r < R; ++r) {
+      data[r] = w.data + (row + std::min(r, n - 1)) * row_bytes;
+      index[r] = (row + std::min(r, n - 1)) * groups;
+    }
+    __m256 acc[R][NT];
+    float bias_sum[R][NT];
+    LILY_UNROLL
+    for (size_t r = 0; r < R; ++r)
+      LILY_UNROLL
+      for (size_t t = 0; t < NT; ++t) {
+        acc[r][t] = _mm256_setzero_ps();
+        bias_sum[r][t] = 0;
+      }
     for (size_t g = 0; g < groups; ++g) {
-      // Written out for four rows: arrays indexed in a loop stay on the stack at -O2.
-      __m256 g0 = _mm256_setzero_ps(), g1 = g0, g2 = g0, g3 = g0;
+      __m256 sums[R][NT];
+      LILY_UNROLL
+      for (size_t r = 0; r < R; ++r)
+        LILY_UNROLL
+        for (size_t t = 0; t < NT; ++t) sums[r][t] = _mm256_setzero_ps();
       for (size_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data[0] + c * 32));
-        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data[1] + c * 32));
-        const __m256i w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data[2] + c * 32));
-        const __m256i w3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data[3] + c * 32));
+        __m256i words[R];
+        LILY_UNROLL
+        for (size_t r = 0; r < R; ++r)
+          words[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data[r] + c * 32));
         const float* xp = xc + c * chunk;
         for (size_t s = 0; s < per_word; ++s) {
-          const __m256 xv = _mm256_loadu_ps(xp + 8 * s);
-          const __m256i shift = shifts[s];
-          g0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w0, shift), mask)), xv, g0);
-          g1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w1, shift), mask)), xv, g1);
-          g2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w2, shift), mask)), xv, g2);
-          g3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w3, shift), mask)), xv, g3);
+          __m256 q[R];
+          LILY_UNROLL
+          for (size_t r = 0; r < R; ++r)
+            q[r] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(words[r], shifts[s]), mask));
+          LILY_UNROLL
+          for (size_t t = 0; t < NT; ++t) {
+            const __m256 xv = _mm256_loadu_ps(xp + t * w.cols + 8 * s);
+            LILY_UNROLL
+            for (size_t r = 0; r < R; ++r) sums[r][t] = _mm256_fmadd_ps(q[r], xv, sums[r][t]);
+          }
         }
       }
-      size_t index[R];
+      LILY_UNROLL
       for (size_t r = 0; r < R; ++r) {
-        index[r] = (row + std::min(r, n - 1)) * groups + g;
-        bias_sum[r] += scale_at<D>(w.biases, index[r]) * xsum[g];
-      }
-      a0 = _mm256_fmadd_ps(_mm256_set1_ps(scale_at<D>(w.scales, index[0])), g0, a0);
-      a1 = _mm256_fmadd_ps(_mm256_set1_ps(scale_at<D>(w.scales, index[1])), g1, a1);
-      a2 = _mm256_fmadd_ps(_mm256_set1_ps(scale_at<D>(w.scales, index[2])), g2, a2);
-      a3 = _mm256_fmadd_ps(_mm256_set1_ps(scale_at<D>(w.scales, index[3])), g3, a3);
-    }
-    const __m256 acc[R] = {a0, a1, a2, a3};
-    for (size_t r = 0; r < n; ++r) out[row + r] = hsum(acc[r]) + bias_sum[r];
-  }
-}
-
-// Rows [r0, r1) of a chunked weight times four tokens (xc [4, cols] in chunk order, xsum [4, groups]): each row's
-// codes are decoded once for all four, so a few-token prefill decodes the weight about as often as a decode step
-// does. Per token, the same sums in the same order as gemv_chunked_avx2.
-template <DType D>
-__attribute__((target("avx2,fma"))) void gemv_chunked_4_tokens_avx2(const float* xc, const float* xsum,
-                                                                    const Matrix& w, size_t r0, size_t r1,
-                                                                    float* out) {
-  const size_t per_word = 32 / w.bits, chunk = 8 * per_word, groups = w.cols / w.group;
-  const size_t chunks_per_group = w.group / chunk, row_bytes = w.row_bytes();
-  const __m256i mask = _mm256_set1_epi32((1 << w.bits) - 1);
-  __m256i shifts[16];
-  for (size_t s = 0; s < per_word; ++s) shifts[s] = _mm256_set1_epi32(int(s * w.bits));
-  const float *x0 = xc, *x1 = xc + w.cols, *x2 = xc + 2 * w.cols, *x3 = xc + 3 * w.cols;
-  for (size_t row = r0; row < r1; ++row) {
-    const uint8_t* data = w.data + row * row_bytes;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    float bias_sum[4] = {0, 0, 0, 0};
-    for (size_t g = 0; g < groups; ++g) {
-      // Written out for four tokens: arrays indexed in a loop stay on the stack at -O2.
-      __m256 g0 = _mm256_setzero_ps(), g1 = g0, g2 = g0, g3 = g0;
-      for (size_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + c * 32));
-        for (size_t s = 0; s < per_word; ++s) {
-          const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(words, shifts[s]), mask));
-          const size_t at = c * chunk + 8 * s;
-          g0 = _mm256_fmadd_ps(q, _mm256_loadu_ps(x0 + at), g0);
-          g1 = _mm256_fmadd_ps(q, _mm256_loadu_ps(x1 + at), g1);
-          g2 = _mm256_fmadd_ps(q, _mm256_loadu_ps(x2 + at), g2);
-          g3 = _mm256_fmadd_ps(q, _mm256_loadu_ps(x3 + at), g3);
+        const float bias = scale_at<D>(w.biases, index[r] + g);
+        const __m256 scale = _mm256_set1_ps(scale_at<D>(w.scales, index[r] + g));
+        LILY_UNROLL
+        for (size_t t = 0; t < NT; ++t) {
+          bias_sum[r][t] += bias * xsum[t * groups + g];
+          acc[r][t] = _mm256_fmadd_ps(scale, sums[r][t], acc[r][t]);
         }
       }
-      const size_t index = row * groups + g;
-      const float bias = scale_at<D>(w.biases, index);
-      for (size_t i = 0; i < 4; ++i) bias_sum[i] += bias * xsum[i * groups + g];
-      const __m256 scale = _mm256_set1_ps(scale_at<D>(w.scales, index));
-      a0 = _mm256_fmadd_ps(scale, g0, a0);
-      a1 = _mm256_fmadd_ps(scale, g1, a1);
-      a2 = _mm256_fmadd_ps(scale, g2, a2);
-      a3 = _mm256_fmadd_ps(scale, g3, a3);
     }
-    out[row] = hsum(a0) + bias_sum[0];
-    out[w.rows + row] = hsum(a1) + bias_sum[1];
-    out[2 * w.rows + row] = hsum(a2) + bias_sum[2];
-    out[3 * w.rows + row] = hsum(a3) + bias_sum[3];
+    LILY_UNROLL
+    for (size_t r = 0; r < R; ++r)
+      LILY_UNROLL
+      for (size_t t = 0; t < NT; ++t)
+        if (r < n) out[t * ldo + row + r] = hsum(acc[r][t]) + bias_sum[r][t];
   }
 }
 
-// Rows [r0, r1) of a chunked weight times `tokens` tokens, out [tokens, w.rows]: four tokens at a time, the rest
-// one by one.
+// Rows per block for NT tokens: at least 4 accumulator chains (8 where registers allow).
 template <DType D>
 void gemv_chunked_tokens(const float* xc, const float* xsum, size_t tokens, const Matrix& w, size_t r0, size_t r1,
-                         float* out) {
-  const size_t groups = w.cols / w.group;
-  size_t t = 0;
-  for (; t + 4 <= tokens; t += 4) {
-    gemv_chunked_4_tokens_avx2<D>(xc + t * w.cols, xsum + t * groups, w, r0, r1, out + t * w.rows);
+                         float* out, size_t ldo) {
+  switch (tokens) {
+    case 1: return gemv_chunked_avx2<D, 4, 1>(xc, xsum, w, r0, r1, out, ldo);
+    case 2: return gemv_chunked_avx2<D, 4, 2>(xc, xsum, w, r0, r1, out, ldo);
+    case 3: return gemv_chunked_avx2<D, 2, 3>(xc, xsum, w, r0, r1, out, ldo);
+    case 4: return gemv_chunked_avx2<D, 2, 4>(xc, xsum, w, r0, r1, out, ldo);
+    case 5: return gemv_chunked_avx2<D, 1, 5>(xc, xsum, w, r0, r1, out, ldo);
+    case 6: return gemv_chunked_avx2<D, 1, 6>(xc, xsum, w, r0, r1, out, ldo);
+    case 7: return gemv_chunked_avx2<D, 1, 7>(xc, xsum, w, r0, r1, out, ldo);
+    case 8: return gemv_chunked_avx2<D, 1, 8>(xc, xsum, w, r0, r1, out, ldo);
   }
-  for (; t < tokens; ++t) gemv_chunked_avx2<D>(xc + t * w.cols, xsum + t * groups, w, r0, r1, out + t * w.rows);
+  throw std::logic_error("the GEMV takes 1 to 8 tokens");
 }
 
 void gemv_chunked(const float* xc, const float* xsum, size_t tokens, const Matrix& w, size_t r0, size_t r1,
-                  float* out) {
+                  float* out, size_t ldo) {
   switch (w.dtype) {
-    case DType::F32: return gemv_chunked_tokens<DType::F32>(xc, xsum, tokens, w, r0, r1, out);
-    case DType::BF16: return gemv_chunked_tokens<DType::BF16>(xc, xsum, tokens, w, r0, r1, out);
-    case DType::F16: return gemv_chunked_tokens<DType::F16>(xc, xsum, tokens, w, r0, r1, out);
+    case DType::F32: return gemv_chunked_tokens<DType::F32>(xc, xsum, tokens, w, r0, r1, out, ldo);
+    case DType::BF16: return gemv_chunked_tokens<DType::BF16>(xc, xsum, tokens, w, r0, r1, out, ldo);
+    case DType::F16: return gemv_chunked_tokens<DType::F16>(xc, xsum, tokens, w, r0, r1, out, ldo);
   }
 }
 
@@ -434,6 +458,13 @@ void weighted_sum(const float* weights, const float* rows, size_t count, size_t 
     for (size_t i = 0; i < n; ++i) out[i] += weights[j] * rows[j * stride + i];
 }
 
+void silu(float* x, const float* y, size_t n) {
+#ifdef LILY_CPU_X86
+  if (g_avx2) return silu_avx2(x, y, n);
+#endif
+  for (size_t i = 0; i < n; ++i) x[i] = y ? silu(x[i]) * y[i] : silu(x[i]);
+}
+
 namespace {
 
 // The portable GEMM of a tile: out[t, r] = x[t] . tile[r].
@@ -457,8 +488,6 @@ void gemv_rows(const float* x, const Matrix& w, size_t r0, size_t r1, float* out
     out[r] = dot(x, row.data(), w.cols);
   }
 }
-
-size_t min_rows(const Matrix& w) { return std::max<size_t>(1, kParallelWork / std::max<size_t>(w.cols, 1)); }
 
 void run(ThreadPool* pool, size_t n, size_t min_items, const std::function<void(size_t, size_t)>& fn) {
   if (pool) pool->parallel_for(n, min_items, fn);
@@ -535,7 +564,72 @@ const bool g_isa_chosen = [] {
 }();
 }  // namespace
 
+void linear_many(const float* x, size_t tokens, std::initializer_list<LinearTarget> targets, ThreadPool* pool) {
+  if (tokens > kGemvMaxTokens) {
+    for (const LinearTarget& t : targets) linear(x, tokens, *t.w, t.out, pool);
+    return;
+  }
+  // x in chunk order and its per-group sums (groups of at least 32), once per weight format among the targets, in a
+  // buffer of this thread's that is only ever grown.
+  struct Input {
+    int bits, group;
+    const float *xc, *xsum;
+  };
+  constexpr size_t kMaxTargets = 4;
+  if (targets.size() > kMaxTargets) throw std::invalid_argument("linear_many: at most 4 weights");
+  Input inputs[kMaxTargets];
+  const Input* input_of[kMaxTargets];
+  size_t formats = 0;
+  const size_t cols = targets.begin()->w->cols, per_format = tokens * (cols + cols / 32);
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < targets.size() * per_format) buffer.resize(targets.size() * per_format);
+  size_t total_rows = 0, work = 0, i = 0;
+  for (const LinearTarget& t : targets) {
+    const Matrix& w = *t.w;
+    if (w.cols != cols) throw std::invalid_argument("linear_many: every weight must have the same columns");
+    total_rows += w.rows;
+    work += w.rows * cols * tokens;
+    const Input* input = nullptr;
+    if (chunked(w)) {
+      for (size_t f = 0; f < formats; ++f)
+        if (inputs[f].bits == w.bits && inputs[f].group == w.group) input = &inputs[f];
+      if (!input) {
+        float* xc = buffer.data() + formats * per_format;
+        float* xsum = xc + tokens * cols;
+        permute_to_chunk_order(x, tokens, cols, w.bits, xc);
+#ifdef LILY_CPU_X86
+        group_sums_avx2(x, tokens, cols, size_t(w.group), xsum);
+#endif
+        inputs[formats] = {w.bits, w.group, xc, xsum};
+        input = &inputs[formats++];
+      }
+    }
+    input_of[i++] = input;
+  }
+  // The rows of all targets, one after another, as one parallel job.
+  const size_t min_rows = std::max<size_t>(1, kParallelWork * total_rows / std::max<size_t>(work, 1));
+  run(pool, total_rows, min_rows, [&](size_t begin, size_t end) {
+    size_t first = 0, j = 0;
+    for (const LinearTarget& t : targets) {
+      const Matrix& w = *t.w;
+      const size_t lo = std::max(begin, first), hi = std::min(end, first + w.rows);
+      [[maybe_unused]] const Input* input = input_of[j++];
+      const size_t r0 = lo - first, r1 = hi - first;
+      first += w.rows;
+      if (lo >= hi) continue;
+#ifdef LILY_CPU_X86
+      if (input) {
+        gemv_chunked(input->xc, input->xsum, tokens, w, r0, r1, t.out, w.rows);
+        continue;
+      }
+#endif
+      for (size_t k = 0; k < tokens; ++k) gemv_rows(x + k * cols, w, r0, r1, t.out + k * w.rows);
+    }
+  });
+}
+
 void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPool* pool) {
+  if (tokens <= kGemvMaxTokens) return linear_many(x, tokens, {{&w, out}}, pool);
   const size_t rows = w.rows, cols = w.cols;
   const bool in_chunks = chunked(w);
   Scratch xc(in_chunks ? tokens * cols : 0);
@@ -543,28 +637,6 @@ void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPo
     run(pool, tokens, std::max<size_t>(1, kParallelWork / cols), [&](size_t t0, size_t t1) {
       permute_to_chunk_order(x + t0 * cols, t1 - t0, cols, w.bits, xc.data() + t0 * cols);
     });
-  }
-  if (tokens <= kGemvMaxTokens) {
-#ifdef LILY_CPU_X86
-    if (in_chunks) {
-      const size_t groups = cols / w.group;
-      std::vector<float> xsum(tokens * groups);
-      for (size_t t = 0; t < tokens; ++t)
-        for (size_t g = 0; g < groups; ++g) {
-          float s = 0;
-          for (size_t k = 0; k < size_t(w.group); ++k) s += x[t * cols + g * w.group + k];
-          xsum[t * groups + g] = s;
-        }
-      run(pool, rows, std::max<size_t>(1, min_rows(w) / tokens),
-          [&](size_t r0, size_t r1) { gemv_chunked(xc.data(), xsum.data(), tokens, w, r0, r1, out); });
-      return;
-    }
-#endif
-    for (size_t t = 0; t < tokens; ++t) {
-      float* o = out + t * rows;
-      run(pool, rows, min_rows(w), [&](size_t r0, size_t r1) { gemv_rows(x + t * cols, w, r0, r1, o); });
-    }
-    return;
   }
   const float* xs = in_chunks ? xc.data() : x;
   const size_t blocks = (rows + kTileRows - 1) / kTileRows;
