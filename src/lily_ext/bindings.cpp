@@ -23,7 +23,8 @@
 
 namespace nb = nanobind;
 
-// ---- model graph and plan (docs/engine.md, "The model graph"): conversion only ----
+// ---- what crosses into the engines typed (config, switches, token choice; docs/architecture.md), model graph and
+// plan (docs/engine.md, "The model graph"): conversion only ----
 namespace {
 
 // lily::ModelConfig under the field names of lily.config.ModelArgs, which lily.backends.engine_config fills.
