@@ -419,7 +419,7 @@ def test_chat_without_thinking_is_all_content(model):
     (lambda m: m.generate("abc", repeat_penalty=1.1), TypeError, r"Model\.generate\(\).*'repetition_penalty'"),
     (lambda m: m.generate("abc", temperature=-1), ValueError, r"Model\.generate\(\): temperature"),
     (lambda m: m.generate("abc", stop=5), ValueError, r"Model\.generate\(\): stop must be a string or a list"),
-    (lambda m: m.generate("abc", logit_bias={"a": 1}), ValueError, r"logit_bias keys must be token ids.*'a'"),
+    (lambda m: m.generate("abc", logit_bias={"a": 1}), ValueError, r"Model\.generate\(\): logit_bias must be a mapping whose keys are token ids.*'a'"),
     (lambda m: m.generate("abc", max_tokens=0), ValueError, r"Model\.generate\(\): max_tokens"),
     (lambda m: m.chat([{"role": "user", "content": "hi"}], top_k=-1), ValueError, r"Model\.chat\(\): top_k"),
     (lambda m: m.chat([{"role": "user", "content": "hi"}], temprature=0), TypeError, r"Model\.chat\(\).*'temperature'"),

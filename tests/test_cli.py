@@ -208,8 +208,8 @@ def test_chat_reports_an_impossible_max_tokens_once(chat_model_dir, monkeypatch,
                               "--max-tokens", "10000000000"], capsys)
     lines = [line for line in err.splitlines() if not line.startswith("Loading ")]
     assert code == 1 and out == "" and lines == [
-        "lily: error: Model.chat(): max_tokens must be at most the model's context of 4096 tokens (prompt and answer "
-        "share it); got 10000000000"]
+        "lily: error: Model.sampling_params(): max_tokens must be at most the model's context of 4096 tokens (prompt "
+        "and answer share it); got 10000000000"]
 
 
 def test_generate_defaults_to_the_demo_model(capsys):

@@ -161,17 +161,18 @@ def test_server_and_backends_are_packages() -> None:
 
 
 def test_switch_lists_name_the_same_switches() -> None:
-    """lily.backends.engine.SWITCHES is the list; docs/engine.md's table, model.h's Switches and bindings.cpp follow."""
-    from lily.backends.engine import SWITCHES
+    """lily.backends.engine.SWITCHES is the list; docs/engine.md's table, model.h's Switches and bindings.cpp follow
+    (bindings.cpp binds each switch and each of TEST_OPTIONS onto lily::Switches under its own name)."""
+    from lily.backends.engine import SWITCHES, TEST_OPTIONS
 
     table = (ROOT / "docs" / "engine.md").read_text().split("| switch | off means |", 1)[1].split("\n\n", 1)[0]
     documented = re.findall(r"^\| `([A-Z_]+)` \|", table, re.M)
     model_h = (ROOT / "src" / "lily_ext" / "model.h").read_text()
     members = re.findall(r"^\s*bool (\w+) = true;\s*// ([A-Z_]+):", model_h.split("struct Switches", 1)[1], re.M)
-    parsed = re.findall(r'name == "(\w+)"\) s\.\1 = nb::cast<bool>', (ROOT / "src/lily_ext/bindings.cpp").read_text())
+    bound = re.findall(r'\.def_rw\("(\w+)", &S::\1\)', (ROOT / "src/lily_ext/bindings.cpp").read_text())
     assert sorted(name.upper() for name in SWITCHES) == sorted(documented)
     assert sorted(SWITCHES) == sorted(m for m, _ in members) and all(m.upper() == c for m, c in members)
-    assert sorted(SWITCHES) == sorted(parsed)
+    assert sorted(SWITCHES + TEST_OPTIONS) == sorted(bound)
 
 
 # ---- size: no file over 800 lines, no function over 80, in python/ and src/lily_ext/ ----

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from lily.sampling import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS
+from lily.sampling import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS, SamplingParams
 from lily.server.scheduler import DEFAULT_MAX_QUEUE  # lily.server loads Starlette lazily: `lily --help` stays light
 
 DEFAULT_MODEL = "lily:demo"
@@ -50,12 +50,13 @@ def _add_thinking_flag(p: argparse.ArgumentParser, scope: str) -> None:
                         "Qwen3.6, off for lily:demo)")
 
 
-def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    """Sampling keyword arguments of the flags given; the model supplies the rest (its
-    generation_config.json, then Lily's defaults: see ``lily.sampling``), as it does for Python."""
+def _sampling(model: Any, args: argparse.Namespace, *, chat: bool) -> SamplingParams:
+    """The one ``SamplingParams`` of the flags given, built by the model as for Python (``Model.sampling_params``:
+    its generation_config.json, then Lily's defaults, supply the rest; see ``lily.sampling``) and checked once."""
     names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "seed", "stop")
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    return model.sampling_params(chat=chat, **{name: getattr(args, name) for name in names
+                                               if getattr(args, name) is not None})
 
 
 def _load(args: argparse.Namespace, max_context: int | None = None) -> Any:
@@ -80,18 +81,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt:
         raise ValueError("the prompt is empty")
     model = _load(args)
-    sampling = _sampling(args)
+    sampling = _sampling(model, args, chat=args.chat)
     last = None
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}]
         printer = _ChatPrinter(sys.stdout)
-        for last in model.chat(messages, enable_thinking=args.thinking, stream=True, **sampling):
+        for last in model.chat(messages, sampling=sampling, enable_thinking=args.thinking, stream=True):
             printer.write("reasoning", last.reasoning)
             printer.write("content", last.content)
         printer.finish()
     else:
-        for last in model.generate(prompt, stream=True, **sampling):
+        for last in model.generate(prompt, sampling=sampling, stream=True):
             sys.stdout.write(last.text)
             sys.stdout.flush()
     sys.stdout.write("\n")
@@ -151,12 +152,12 @@ def _line_editing() -> None:
 
 
 def _chat_turn(model: Any, messages: list[dict[str, Any]], args: argparse.Namespace,
-               sampling: dict[str, Any]) -> dict[str, Any] | None:
+               sampling: SamplingParams) -> dict[str, Any] | None:
     """Prefill and stream one answer; the assistant message to keep, or None when there is none
     (Ctrl-C during the prefill, or a prompt the model cannot take)."""
     try:
-        tokens = model.chat(messages, enable_thinking=args.thinking,
-                            preserve_thinking=args.preserve_thinking, stream=True, **sampling)
+        tokens = model.chat(messages, sampling=sampling, enable_thinking=args.thinking,
+                            preserve_thinking=args.preserve_thinking, stream=True)
     except KeyboardInterrupt:
         print("\n[interrupted before the answer: the message was not added; the conversation is kept]",
               file=sys.stderr)
@@ -185,8 +186,8 @@ def _chat_turn(model: Any, messages: list[dict[str, Any]], args: argparse.Namesp
             print(f"[stopped at the end of the model's context ({model.config.max_position_embeddings} tokens)"
                   f"{where}; /reset starts a new conversation]", file=sys.stderr)
         else:
-            limit = sampling.get("max_tokens", "the default")
-            print(f"[cut off by --max-tokens ({limit}){where}; raise --max-tokens for more]", file=sys.stderr)
+            print(f"[cut off by --max-tokens ({sampling.max_tokens}){where}; raise --max-tokens for more]",
+                  file=sys.stderr)
     if last is not None and args.verbose:
         _print_stats(last.stats, sys.stderr)
     reply: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
@@ -201,8 +202,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     """An interactive chat; /reset clears the history, /quit or Ctrl-D leaves. Ctrl-C stops the
     current answer (or clears the line) and keeps the conversation."""
     model = _load(args)
-    sampling = _sampling(args)
-    model._sampling_params("Model.chat", sampling)  # a bad flag is reported once, not at every turn
+    sampling = _sampling(model, args, chat=True)  # a bad flag is reported once, not at every turn
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, Any]] = []
     _line_editing()

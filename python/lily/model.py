@@ -14,7 +14,6 @@ prefills only the rest.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import os
@@ -31,11 +30,11 @@ from lily.backends import Backend, GpuDecoding, peak_memory_gb
 from lily.sampling import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
-    GENERATION_CONFIG_KEYS,
     Sampler,
     SamplingParams,
     StopStringMatcher,
     generation_defaults,
+    sampling_params,
 )
 from lily.snapshot import PromptCache, Snapshot, flatten_state, unflatten_state
 from lily.tokenizer import check_text
@@ -270,44 +269,25 @@ class Session:
 
     # -- decoding --------------------------------------------------------------------------------
 
-    def decode(
-        self,
-        *,
-        max_tokens: int | None = DEFAULT_MAX_TOKENS,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logit_bias: Mapping[int, float] | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        repetition_context_size: int | None = None,
-        cancel: CancelCheck = None,
-    ) -> Iterator[Token]:
+    def decode(self, sampling: SamplingParams | None = None, *, cancel: CancelCheck = None,
+               **options: Any) -> Iterator[Token]:
         """Generate tokens that extend this session; an iterator of ``Token``.
 
-        Sampling parameters follow OpenAI names (see ``lily.sampling`` for their exact meaning,
-        order and defaults); ``temperature=0`` is greedy; None (the default) for ``temperature``,
-        ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` takes the checkpoint's
-        generation_config.json, else the neutral value. ``max_tokens=None`` decodes to the end of
-        the context. ``stop_token_ids=None`` stops on the checkpoint's end tokens. ``cancel`` (an
-        Event or a callable) is checked before every token and raises ``Cancelled``. Closing the
-        iterator stops the work; the session keeps what was generated.
+        ``sampling`` is a ``SamplingParams`` (e.g. from ``Model.sampling_params``), or ``options`` are its fields
+        as keyword arguments, OpenAI names (see ``lily.sampling`` for their exact meaning, order and defaults):
+        ``max_tokens`` (default ``DEFAULT_MAX_TOKENS``; None decodes to the end of the context), ``temperature``
+        (0 is greedy), ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` (None or left out for these five:
+        the checkpoint's generation_config.json, else the neutral value), ``repetition_context_size``,
+        ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``seed``, ``stop``, ``stop_token_ids``
+        (None: the checkpoint's end tokens), ``logprobs``, ``top_logprobs``. ``cancel`` (an Event or a callable)
+        is checked before every token and raises ``Cancelled``. Closing the iterator stops the work; the session
+        keeps what was generated.
         """
-        params = self.model._sampling_params("Session.decode", dict(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            logit_bias=logit_bias, seed=seed, stop=stop,
-            stop_token_ids=self.model.eos_token_ids if stop_token_ids is None else stop_token_ids,
-            logprobs=logprobs, top_logprobs=top_logprobs,
-        ))
+        params = self.model._sampling("Session.decode", sampling, options, DEFAULT_MAX_TOKENS)
+        return self._start_decode(params, cancel)
+
+    def _start_decode(self, params: SamplingParams, cancel: CancelCheck) -> Iterator[Token]:
+        """``_decode`` once the session can take a token (``params`` checked against the model already)."""
         if len(self) == 0:
             raise ValueError("the session is empty: prefill a prompt before decoding")
         if len(self) >= self.model.config.max_position_embeddings:
@@ -319,7 +299,7 @@ class Session:
         model = self.model
         detok = model._detokenizer()
         matcher = StopStringMatcher(params.stop)
-        stop_ids = set(params.stop_token_ids)
+        stop_ids = set(model.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
         limit = model.config.max_position_embeddings
         stats = dataclasses.replace(self.stats, generation_tokens=0, generation_tps=0.0)
         # Each token carries its own Stats; built from the fields that do not change (replace() costs microseconds
@@ -536,33 +516,31 @@ class Model:
         """The sampling values the checkpoint's generation_config.json sets (see ``lily.sampling``)."""
         return generation_defaults(self.generation_config)
 
-    def _sampling_params(self, method: str, options: Mapping[str, Any]) -> SamplingParams:
-        """Check decoding keyword arguments before any work, naming ``method`` in the error; None
-        for a generation_config key takes the checkpoint's default."""
-        unknown = sorted(set(options) - _DECODE_OPTIONS)
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], sorted(_DECODE_OPTIONS), n=1, cutoff=0.5)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TypeError(f"{method}() got an unexpected keyword argument {unknown[0]!r}{hint}")
-        values = dict(options)
-        for name, value in self.sampling_defaults.items():
-            if values.get(name) is None:
-                values[name] = value
-        for name in GENERATION_CONFIG_KEYS:
-            if values.get(name) is None:
-                values.pop(name, None)
+    def sampling_params(self, *, chat: bool = False, **options: Any) -> SamplingParams:
+        """The ``SamplingParams`` that ``generate`` (``chat=True``: ``chat``) builds from these keyword arguments
+        (``Session.decode`` lists them), checked against this model: to build once and pass as ``sampling=``."""
+        max_tokens = min(DEFAULT_CHAT_MAX_TOKENS, self.config.max_position_embeddings) if chat else DEFAULT_MAX_TOKENS
+        return self._sampling("Model.sampling_params", None, options, max_tokens)
+
+    def _sampling(self, method: str, sampling: SamplingParams | None, options: Mapping[str, Any],
+                  max_tokens: int) -> SamplingParams:
+        """A decode's one ``SamplingParams``: ``sampling`` as given, or built from the keyword ``options`` by
+        ``lily.sampling.sampling_params`` with this model's defaults (generation_config.json, ``max_tokens``);
+        either way checked against the model before any work. Errors name ``method``."""
         try:
-            params = SamplingParams(**values)
-            params.validate(self.config.vocab_size, self.config.max_position_embeddings)
+            if sampling is None:
+                sampling = sampling_params(options, {**self.sampling_defaults, "max_tokens": max_tokens})
+            elif options:
+                raise TypeError(f"takes sampling= or sampling keyword arguments, not both; got sampling= and "
+                                f"{sorted(options)[0]!r}")
+            elif not isinstance(sampling, SamplingParams):
+                raise TypeError(f"sampling must be a lily.sampling.SamplingParams; got {type(sampling).__name__}")
+            sampling.validate(self.config.vocab_size, self.config.max_position_embeddings)
+        except TypeError as exc:
+            raise TypeError(f"{method}() {exc}") from None
         except ValueError as exc:
             raise ValueError(f"{method}(): {exc}") from None
-        return params
-
-    def _decode_options(self, method: str, options: Mapping[str, Any], **defaults: Any) -> dict[str, Any]:
-        """``options`` checked as by ``_sampling_params``, with ``defaults`` for omitted ones."""
-        options = {**defaults, **options}
-        self._sampling_params(method, options)
-        return options
+        return sampling
 
     # -- tokens ----------------------------------------------------------------------------------
 
@@ -682,40 +660,39 @@ class Model:
                               peak_memory=peak_memory_gb(self.backend))
         return session
 
-    def generate(self, prompt: Prompt, *, session: Session | None = None, use_cache: bool = True,
-                 stream: bool = False, cancel: CancelCheck = None, **sampling: Any) -> Result | Iterator[Token]:
-        """Prefill ``prompt`` and decode; ``sampling`` takes the ``Session.decode`` parameters
-        (``max_tokens`` defaults to ``DEFAULT_MAX_TOKENS``). ``stream=True`` returns an iterator of
-        ``Token``; otherwise a ``Result``."""
-        options = self._decode_options("Model.generate", sampling)
+    def generate(self, prompt: Prompt, *, sampling: SamplingParams | None = None, session: Session | None = None,
+                 use_cache: bool = True, stream: bool = False, cancel: CancelCheck = None,
+                 **options: Any) -> Result | Iterator[Token]:
+        """Prefill ``prompt`` and decode with ``sampling`` (a ``SamplingParams``) or ``options``, its fields as the
+        ``Session.decode`` keyword arguments (``max_tokens`` defaults to ``DEFAULT_MAX_TOKENS``).
+        ``stream=True`` returns an iterator of ``Token``; otherwise a ``Result``."""
+        params = self._sampling("Model.generate", sampling, options, DEFAULT_MAX_TOKENS)
         s = self.prefill(prompt, session=session, use_cache=use_cache, cancel=cancel)
-        tokens = s.decode(cancel=cancel, **options)
+        tokens = s._start_decode(params, cancel)
         return tokens if stream else _collect(tokens, parse=None)
 
-    def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
-             enable_thinking: bool | None = None, preserve_thinking: bool = False, stream: bool = False,
-             use_cache: bool = True, cancel: CancelCheck = None, **sampling: Any) -> Result | Iterator[Token]:
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, sampling: SamplingParams | None = None,
+             tools: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool | None = None,
+             preserve_thinking: bool = False, stream: bool = False, use_cache: bool = True,
+             cancel: CancelCheck = None, **options: Any) -> Result | Iterator[Token]:
         """Answer a conversation; the output is split into reasoning, content and tool calls.
 
         ``enable_thinking=None`` thinks if the chat template does by default (Qwen3.6 does, the
         demo model does not: ``Tokenizer.thinks_by_default``). ``stream=True`` returns an iterator of ``Token`` whose ``reasoning``/``content``/
         ``tool_calls`` hold each token's share; otherwise a ``Result``. The finish reason is
-        "tool_calls" when the answer ends in tool calls. ``max_tokens`` defaults to
-        ``DEFAULT_CHAT_MAX_TOKENS`` or the model's context, whichever is smaller; without ``tools``
-        tool-call markup stays in the content.
+        "tool_calls" when the answer ends in tool calls. ``sampling`` or ``options`` as for ``generate``, but
+        ``max_tokens`` defaults to ``DEFAULT_CHAT_MAX_TOKENS`` or the model's context, whichever is smaller; without
+        ``tools`` tool-call markup stays in the content.
         """
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise ValueError("Model.chat(): messages must be a non-empty list of chat messages")
-        sampling = self._decode_options("Model.chat", sampling, max_tokens=min(
-            DEFAULT_CHAT_MAX_TOKENS, self.config.max_position_embeddings))
+        params = self._sampling("Model.chat", sampling, options,
+                                min(DEFAULT_CHAT_MAX_TOKENS, self.config.max_position_embeddings))
         thinking = self._require_tokenizer().thinks_by_default if enable_thinking is None else enable_thinking
         session = self.prefill(messages, tools=tools, enable_thinking=thinking,
                                preserve_thinking=preserve_thinking, use_cache=use_cache, cancel=cancel)
-        tokens = chat_stream(session.decode(cancel=cancel, **sampling), tools, thinking)
+        tokens = chat_stream(session._start_decode(params, cancel), tools, thinking)
         return tokens if stream else _collect(tokens, parse=True)
-
-
-_DECODE_OPTIONS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def _is_chat(prompt: Any) -> bool:

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lily.backends.engine import PRECISIONS, SWITCHES, TEST_OPTIONS, engine_config
+from lily.backends import engine_config
+from lily.backends.engine import PRECISIONS, engine_switches
 from lily.config import FULL_SIZE_CONFIG, ModelArgs, full_size_args  # noqa: F401 (lily.plan's names)
 
 
@@ -36,11 +37,9 @@ def plan_decode(
         raise ValueError(f"context must be a non-negative integer; got {context!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
-    unknown = set(switches or {}) - set(SWITCHES) - set(TEST_OPTIONS)
-    if unknown:
-        raise ValueError(f"unknown engine switch {sorted(unknown)[0]!r}; known: {SWITCHES}")
+    chosen = engine_switches(dict(switches or {}))
     try:
-        plan = _ext.plan_decode(engine_config(args), context, precision, dict(switches or {}), with_graph)
+        plan = _ext.plan_decode(engine_config(args), context, precision, chosen, with_graph)
     except RuntimeError as exc:  # the engine's config check names the field
         raise ValueError(str(exc)) from None
     plan["max_context"] = args.max_position_embeddings

@@ -21,10 +21,13 @@ every knob means:
 6. A token is drawn from the softmax of what is left with the decode call's own
    ``numpy.random.Generator``, so the same seed gives the same tokens.
 
-Defaults, the same for every entry point (Python API, ``lily generate``/``lily chat``, the server):
+Every entry point (``Model.generate``/``Model.chat``/``Session.decode``, ``lily generate``/``lily chat``, the
+server) builds one ``SamplingParams`` per request with ``sampling_params`` and hands that object down; its
+``__post_init__`` checks each field with one rule and one message (``SamplingParamError`` names the field).
+Defaults, the same for every entry point:
 ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` come from the checkpoint's
 ``generation_config.json`` when it sets them (``generation_defaults``), else from ``SamplingParams``
-(1.0, 1.0, 0, 0.0, 1.0). ``max_tokens`` is ``DEFAULT_MAX_TOKENS`` (256, as mlx_lm) for text
+(1.0, 1.0, 0, 0.0, 1.0). ``stop_token_ids=None`` stops on the model's end tokens. ``max_tokens`` is ``DEFAULT_MAX_TOKENS`` (256, as mlx_lm) for text
 continuations and ``DEFAULT_CHAT_MAX_TOKENS`` (or the model's context, if smaller) for chats, whose
 reasoning comes first; the server follows the OpenAI API instead: an omitted ``max_tokens`` means up
 to the end of the context. A ``max_tokens`` above the model's context is an error everywhere; one
@@ -33,9 +36,12 @@ that does not fit after the prompt ends the generation at the context's end (fin
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +50,8 @@ __all__ = [
     "DEFAULT_CHAT_MAX_TOKENS",
     "GENERATION_CONFIG_KEYS",
     "SamplingParams",
+    "SamplingParamError",
+    "sampling_params",
     "generation_defaults",
     "Sampler",
     "StopStringMatcher",
@@ -79,13 +87,25 @@ def generation_defaults(generation_config: Mapping[str, object] | None) -> dict[
     return defaults
 
 
+class SamplingParamError(ValueError):
+    """A sampling parameter out of range: ``field`` names it, ``expected`` says what it takes, ``value`` is what
+    it got; the message is "<field> must be <expected>; got <value>", the same from every entry point."""
+
+    def __init__(self, name: str, expected: str, value: object) -> None:
+        super().__init__(f"{name} must be {expected}; got {value!r}")
+        self.field = name
+        self.expected = expected
+        self.value = value
+
+
 @dataclass
 class SamplingParams:
-    """Every per-request generation knob, with OpenAI names and validation.
+    """Every per-request generation knob, with OpenAI names; each field is checked when the object is made
+    (``SamplingParamError`` names the first one out of range), and ``validate`` checks it against a model.
 
     ``max_tokens=None`` means "until a stop token, a stop string or the end of the context".
     ``top_k=0``, ``top_p=1``, ``min_p=0``, ``repetition_penalty=1`` and zero presence/frequency
-    penalties switch the corresponding step off.
+    penalties switch the corresponding step off. ``stop_token_ids=None`` stops on the model's end tokens.
     """
 
     max_tokens: int | None = None
@@ -100,7 +120,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None
     seed: int | None = None
     stop: Sequence[str] = field(default_factory=tuple)
-    stop_token_ids: Sequence[int] = field(default_factory=tuple)
+    stop_token_ids: Sequence[int] | None = None
     logprobs: bool = False
     top_logprobs: int = 0
 
@@ -113,15 +133,16 @@ class SamplingParams:
         _check(self.stop_token_ids is None or (isinstance(self.stop_token_ids, Sequence)
                                                and all(_is_int(t) for t in self.stop_token_ids)),
                "stop_token_ids", "a list of token ids", self.stop_token_ids)
-        self.stop_token_ids = tuple(int(t) for t in (self.stop_token_ids or ()))
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         _check(self.logit_bias is None or isinstance(self.logit_bias, Mapping), "logit_bias",
                "a mapping of token ids to biases", self.logit_bias)
         self.logit_bias = {_token_key(k): v for k, v in (self.logit_bias or {}).items()}
         self.validate()
 
     def validate(self, vocab_size: int | None = None, context: int | None = None) -> None:
-        """Raise ``ValueError`` naming the first parameter that is out of range; ``context`` is the
-        model's (prompt and answer share it, so no answer can be longer)."""
+        """Raise ``SamplingParamError`` naming the first field out of range, checked against a model's
+        ``vocab_size`` and ``context`` where given (prompt and answer share it, so no answer can be longer)."""
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", "an integer >= 1 or None", self.max_tokens)
         _check(self.max_tokens is None or context is None or self.max_tokens <= context, "max_tokens",
@@ -144,6 +165,7 @@ class SamplingParams:
         _check(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                "non-empty strings", self.stop)
+        _check(isinstance(self.logprobs, bool), "logprobs", "a boolean", self.logprobs)
         _check(_is_int(self.top_logprobs) and self.top_logprobs >= 0, "top_logprobs",
                "an integer >= 0", self.top_logprobs)
         for token, bias in self.logit_bias.items():
@@ -155,13 +177,34 @@ class SamplingParams:
                    f"at most the vocabulary size {vocab_size}", self.top_logprobs)
 
 
+_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+def sampling_params(options: Mapping[str, Any], defaults: Mapping[str, Any] = MappingProxyType({})) -> SamplingParams:
+    """The one place sampling options become a ``SamplingParams`` and defaults apply: an option left out (or None,
+    for a ``GENERATION_CONFIG_KEYS`` field) takes ``defaults``' value (an entry point's: the checkpoint's
+    generation_config.json values, its own ``max_tokens``), else the field's own. Raises TypeError for an unknown
+    option (naming the closest field) and ``SamplingParamError`` for a value out of range."""
+    unknown = sorted(set(options) - set(_FIELDS))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], _FIELDS, n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise TypeError(f"got an unexpected keyword argument {unknown[0]!r}{hint}")
+    given = {name: value for name, value in options.items()
+             if not (value is None and name in GENERATION_CONFIG_KEYS)}
+    return SamplingParams(**{**defaults, **given})
+
+
 def _token_key(key: object) -> int:
     """A logit_bias key: a token id, or its decimal string (as JSON objects send it)."""
     if _is_int(key):
         return int(key)  # type: ignore[arg-type]
     if isinstance(key, str) and key.strip().lstrip("-").isdigit():
-        return int(key)
-    raise ValueError(f"logit_bias keys must be token ids (integers); got {key!r}")
+        try:
+            return int(key)
+        except ValueError:  # more than one sign, or more digits than int() reads
+            pass
+    raise SamplingParamError("logit_bias", "a mapping whose keys are token ids (integers)", key)
 
 
 def _is_int(x: object) -> bool:
@@ -169,12 +212,17 @@ def _is_int(x: object) -> bool:
 
 
 def _is_finite(x: object) -> bool:
-    return isinstance(x, (int, float, np.number)) and not isinstance(x, bool) and math.isfinite(x)
+    if not isinstance(x, (int, float, np.number)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _check(ok: bool, name: str, expected: str, got: object) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {expected}; got {got!r}")
+        raise SamplingParamError(name, expected, got)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

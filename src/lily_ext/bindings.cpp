@@ -23,64 +23,108 @@
 
 namespace nb = nanobind;
 
-// ---- model graph and plan (docs/engine.md, "The model graph"): conversion only ----
+// ---- what crosses into the engines typed (config, switches, token choice; docs/architecture.md), model graph and
+// plan (docs/engine.md, "The model graph"): conversion only ----
 namespace {
 
-lily::ModelConfig config_from_dict(const nb::dict& d) {
-  auto get = [&](const char* key) -> nb::handle {
-    if (!d.contains(key)) throw nb::key_error((std::string("engine config is missing '") + key + "'").c_str());
-    return d[key];
-  };
-  lily::ModelConfig c;
-  c.vocab_size = nb::cast<size_t>(get("vocab_size"));
-  c.hidden_size = nb::cast<size_t>(get("hidden_size"));
-  for (nb::handle kind : nb::iter(get("layer_types"))) c.attention_layers.push_back(nb::cast<std::string>(kind) == "full_attention");
-  c.num_heads = nb::cast<size_t>(get("num_attention_heads"));
-  c.num_kv_heads = nb::cast<size_t>(get("num_key_value_heads"));
-  c.head_dim = nb::cast<size_t>(get("head_dim"));
-  c.rotary_dim = nb::cast<size_t>(get("rotary_dim"));
-  c.gdn_k_heads = nb::cast<size_t>(get("linear_num_key_heads"));
-  c.gdn_v_heads = nb::cast<size_t>(get("linear_num_value_heads"));
-  c.gdn_k_dim = nb::cast<size_t>(get("linear_key_head_dim"));
-  c.gdn_v_dim = nb::cast<size_t>(get("linear_value_head_dim"));
-  c.conv_kernel = nb::cast<size_t>(get("linear_conv_kernel_dim"));
-  c.num_experts = nb::cast<size_t>(get("num_experts"));
-  c.top_k = nb::cast<size_t>(get("num_experts_per_tok"));
-  c.expert_size = nb::cast<size_t>(get("moe_intermediate_size"));
-  c.shared_expert_size = nb::cast<size_t>(get("shared_expert_intermediate_size"));
-  c.eps = nb::cast<float>(get("rms_norm_eps"));
-  c.rope_theta = nb::cast<float>(get("rope_theta"));
-  return c;
+// lily::ModelConfig under the field names of lily.config.ModelArgs, which lily.backends.engine_config fills.
+void bind_model_config(nb::module_ m) {
+  using C = lily::ModelConfig;
+  nb::class_<C>(m, "ModelConfig",
+                "The text configuration the compiled engines read (metal, cuda and cpu), named as in "
+                "lily.config.ModelArgs; build it with lily.backends.engine_config(args).")
+      .def(nb::init<>())
+      .def_rw("vocab_size", &C::vocab_size)
+      .def_rw("hidden_size", &C::hidden_size)
+      .def_prop_rw(
+          "layer_types",
+          [](const C& c) {
+            std::vector<std::string> out;
+            for (bool attention : c.attention_layers) out.push_back(attention ? "full_attention" : "linear_attention");
+            return out;
+          },
+          [](C& c, const std::vector<std::string>& types) {
+            std::vector<bool> layers;
+            for (const std::string& t : types) {
+              if (t != "full_attention" && t != "linear_attention") {
+                throw nb::value_error(("layer_types: unknown layer type '" + t +
+                                       "'; expected 'full_attention' or 'linear_attention'").c_str());
+              }
+              layers.push_back(t == "full_attention");
+            }
+            c.attention_layers = std::move(layers);
+          },
+          "Per layer: 'full_attention' (gated attention) or 'linear_attention' (Gated DeltaNet).")
+      .def_rw("num_attention_heads", &C::num_heads)
+      .def_rw("num_key_value_heads", &C::num_kv_heads)
+      .def_rw("head_dim", &C::head_dim)
+      .def_rw("rotary_dim", &C::rotary_dim)
+      .def_rw("linear_num_key_heads", &C::gdn_k_heads)
+      .def_rw("linear_num_value_heads", &C::gdn_v_heads)
+      .def_rw("linear_key_head_dim", &C::gdn_k_dim)
+      .def_rw("linear_value_head_dim", &C::gdn_v_dim)
+      .def_rw("linear_conv_kernel_dim", &C::conv_kernel)
+      .def_rw("num_experts", &C::num_experts)
+      .def_rw("num_experts_per_tok", &C::top_k)
+      .def_rw("moe_intermediate_size", &C::expert_size)
+      .def_rw("shared_expert_intermediate_size", &C::shared_expert_size)
+      .def_rw("rms_norm_eps", &C::eps)
+      .def_rw("rope_theta", &C::rope_theta);
 }
 
-lily::Switches switches_from_dict(const nb::dict& d) {
-  lily::Switches s;
-  for (auto [key, value] : d) {
-    std::string name = nb::cast<std::string>(key);
-    if (name == "concurrent") s.concurrent = nb::cast<bool>(value);
-    else if (name == "fused_projections") s.fused_projections = nb::cast<bool>(value);
-    else if (name == "fusion") s.fusion = nb::cast<bool>(value);
-    else if (name == "split_kv") s.split_kv = nb::cast<bool>(value);
-    else if (name == "split_kv_min_keys") s.split_kv_min_keys = nb::cast<size_t>(value);
-    else if (name == "gpu_token") s.gpu_token = nb::cast<bool>(value);
-    else if (name == "kv_block") s.kv_block = nb::cast<size_t>(value);
-    else if (name == "batched_prefill") s.batched_prefill = nb::cast<bool>(value);
-    else if (name == "wide_tiles") s.wide_tiles = nb::cast<bool>(value);
-    else if (name == "prefill_chunk") s.prefill_chunk = nb::cast<size_t>(value);
-    else if (name == "gpu_routing") s.gpu_routing = nb::cast<bool>(value);
-    else if (name == "chunked_prefill") s.chunked_prefill = nb::cast<bool>(value);
-    else if (name == "gqa_packing") s.gqa_packing = nb::cast<bool>(value);
-    else if (name == "replayed_prompts") s.replayed_prompts = nb::cast<bool>(value);
-    else if (name == "register_scan") s.register_scan = nb::cast<bool>(value);
-    else if (name == "chunked_scan") s.chunked_scan = nb::cast<bool>(value);
-    else if (name == "in_gemm_dequant") s.in_gemm_dequant = nb::cast<bool>(value);
-    else if (name == "coalesced_kv") s.coalesced_kv = nb::cast<bool>(value);
-    else if (name == "tensor_ops") s.tensor_ops = nb::cast<bool>(value);
-    else if (name == "mma_attention") s.mma_attention = nb::cast<bool>(value);
-    else if (name == "staged_gemv") s.staged_gemv = nb::cast<bool>(value);
-    else throw nb::value_error(("unknown engine switch '" + name + "'").c_str());
-  }
-  return s;
+// lily::Switches: the engine switches (lily.backends.engine.SWITCHES) and the sizes tests lower (TEST_OPTIONS),
+// which lily.backends.engine.engine_switches sets.
+void bind_switches(nb::module_ m) {
+  using S = lily::Switches;
+  nb::class_<S>(m, "Switches", "Engine options, every one on by default; build it with "
+                               "lily.backends.engine.engine_switches(mapping).")
+      .def(nb::init<>())
+      .def_rw("concurrent", &S::concurrent)
+      .def_rw("fused_projections", &S::fused_projections)
+      .def_rw("fusion", &S::fusion)
+      .def_rw("split_kv", &S::split_kv)
+      .def_rw("gpu_token", &S::gpu_token)
+      .def_rw("batched_prefill", &S::batched_prefill)
+      .def_rw("wide_tiles", &S::wide_tiles)
+      .def_rw("gpu_routing", &S::gpu_routing)
+      .def_rw("chunked_prefill", &S::chunked_prefill)
+      .def_rw("gqa_packing", &S::gqa_packing)
+      .def_rw("replayed_prompts", &S::replayed_prompts)
+      .def_rw("register_scan", &S::register_scan)
+      .def_rw("chunked_scan", &S::chunked_scan)
+      .def_rw("in_gemm_dequant", &S::in_gemm_dequant)
+      .def_rw("coalesced_kv", &S::coalesced_kv)
+      .def_rw("tensor_ops", &S::tensor_ops)
+      .def_rw("mma_attention", &S::mma_attention)
+      .def_rw("staged_gemv", &S::staged_gemv)
+      .def_rw("split_kv_min_keys", &S::split_kv_min_keys)
+      .def_rw("prefill_chunk", &S::prefill_chunk)
+      .def_rw("kv_block", &S::kv_block);
+}
+
+// lily::TokenChoice: how the GPU chooses a token, built from lily.sampling.SamplingParams by
+// lily.backends.engine.token_choice (the logit bias flag follows the bias ids begin_decode receives).
+void bind_token_choice(nb::module_ m) {
+  using T = lily::TokenChoice;
+  nb::class_<T>(m, "TokenChoice", "The GPU's token choice (lily.sampling steps 1-6).")
+      .def(
+          "__init__",
+          [](T* t, float temperature, uint32_t top_k, float top_p, float min_p, uint64_t seed,
+             float repetition_penalty, float presence_penalty, float frequency_penalty) {
+            new (t) T{temperature, top_k, top_p, min_p, seed, repetition_penalty, presence_penalty, frequency_penalty,
+                      /*logit_bias=*/false};
+          },
+          nb::kw_only(), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
+          nb::arg("seed"), nb::arg("repetition_penalty"), nb::arg("presence_penalty"),
+          nb::arg("frequency_penalty"))
+      .def_ro("temperature", &T::temperature)
+      .def_ro("top_k", &T::top_k)
+      .def_ro("top_p", &T::top_p)
+      .def_ro("min_p", &T::min_p)
+      .def_ro("seed", &T::seed)
+      .def_ro("repetition_penalty", &T::repetition_penalty)
+      .def_ro("presence_penalty", &T::presence_penalty)
+      .def_ro("frequency_penalty", &T::frequency_penalty);
 }
 
 lily::Precision precision_from(const std::string& name) {
@@ -125,10 +169,9 @@ nb::dict memory_dict(const lily::DeviceMemory& m) {
   return out;
 }
 
-nb::dict plan_decode(const nb::dict& config, size_t context, const std::string& precision, const nb::dict& switches,
-                     bool with_graph) {
-  lily::DecodePlan plan =
-      lily::plan_decode(config_from_dict(config), precision_from(precision), switches_from_dict(switches), context);
+nb::dict plan_decode(const lily::ModelConfig& config, size_t context, const std::string& precision,
+                     const lily::Switches& switches, bool with_graph) {
+  lily::DecodePlan plan = lily::plan_decode(config, precision_from(precision), switches, context);
   nb::dict out, minimum, by_kernel;
   out["dispatches"] = plan.counts.dispatches;
   out["stages"] = plan.counts.stages;
@@ -337,6 +380,10 @@ NB_MODULE(_ext, m) {
   lily::bind_test_engine(m.def_submodule("_test_engine"));
   // Kernel runner: one kernel at a time through the Metal API (lily.selftest --device metal-api).
   bind_kernel_runner(m.def_submodule("kernels"));
+  // What crosses into the engines typed: the model's configuration, the engine switches, the GPU token choice.
+  bind_model_config(m);
+  bind_switches(m);
+  bind_token_choice(m);
   // The CPU backend (backend="cpu").
   nb::module_ cpu = m.def_submodule("cpu");
   lily::cpu::bind(cpu);
@@ -344,18 +391,18 @@ NB_MODULE(_ext, m) {
   lily::cuda::bind(cuda);
   // Model graph and plan.
   m.def("plan_decode", &plan_decode, nb::arg("config"), nb::arg("context"), nb::arg("precision") = "bfloat16",
-        nb::arg("switches") = nb::dict(), nb::arg("with_graph") = false,
+        nb::arg("switches") = lily::Switches(), nb::arg("with_graph") = false,
         "Build (not run) the decode graph of a config; counts and minimum bytes per token.");
   // Tokens per prefill chunk (tuning::kPrefillChunk): the engine backends' PrefillChunking capability.
   m.attr("prefill_chunk") = lily::tuning::kPrefillChunk;
-  m.def("fast_paths_left_out", [](const nb::dict& config) { return lily::fast_paths_left_out(config_from_dict(config)); },
-        nb::arg("config"), "The fast paths the config's shape does not fit, one line each (the engine runs general kernels).");
+  m.def("fast_paths_left_out", &lily::fast_paths_left_out, nb::arg("config"),
+        "The fast paths the config's shape does not fit, one line each (the engine runs general kernels).");
   m.def(
       "graph_kernels",
-      [](const nb::dict& config, const std::string& precision, const nb::dict& switches, int bits, bool f32_scales,
-         const std::vector<size_t>& prefill_rows) {
-        return lily::graph_kernels(config_from_dict(config), precision_from(precision), switches_from_dict(switches),
-                                   bits, f32_scales ? lily::DType::F32 : lily::DType::BF16, prefill_rows);
+      [](const lily::ModelConfig& config, const std::string& precision, const lily::Switches& switches, int bits,
+         bool f32_scales, const std::vector<size_t>& prefill_rows) {
+        return lily::graph_kernels(config, precision_from(precision), switches, bits,
+                                   f32_scales ? lily::DType::F32 : lily::DType::BF16, prefill_rows);
       },
       nb::arg("config"), nb::arg("precision"), nb::arg("switches"), nb::arg("bits"), nb::arg("f32_scales"),
       nb::arg("prefill_rows"), "The kernels the engine's decode and prefill graphs dispatch for this configuration.");
@@ -364,7 +411,8 @@ NB_MODULE(_ext, m) {
 }
 
 namespace {
-void new_engine(lily::Engine* e, const nb::dict& config, const std::string& precision, const nb::dict& switches,
+void new_engine(lily::Engine* e, const lily::ModelConfig& config, const std::string& precision,
+                const lily::Switches& switches,
                 size_t max_context, const std::optional<std::string>& metallib,
                 const std::map<std::string, std::string>& family_sources, const std::string& runtime_name,
                 const std::string& ptx_dir) {
@@ -378,17 +426,14 @@ void new_engine(lily::Engine* e, const nb::dict& config, const std::string& prec
   } else {
     throw nb::value_error(("runtime must be 'metal' or 'cuda'; got '" + runtime_name + "'").c_str());
   }
-  new (e) lily::Engine(config_from_dict(config), precision_from(precision), switches_from_dict(switches), max_context,
-                       std::move(runtime));
+  new (e) lily::Engine(config, precision_from(precision), switches, max_context, std::move(runtime));
 }
 
 void begin_decode(lily::Engine& e, nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> logits,
-                  float temperature, uint32_t top_k, float top_p, float min_p, uint64_t seed, float repetition_penalty,
-                  float presence_penalty, float frequency_penalty, std::vector<uint32_t> bias_ids,
-                  std::vector<float> bias_values, std::vector<uint32_t> context) {
+                  lily::TokenChoice choice, std::vector<uint32_t> bias_ids, std::vector<float> bias_values,
+                  std::vector<uint32_t> context) {
   if (logits.shape(0) != e.config().vocab_size) throw nb::value_error("logits must be float32 [vocab_size]");
-  const lily::TokenChoice choice{temperature, top_k, top_p, min_p, seed, repetition_penalty, presence_penalty,
-                                 frequency_penalty, !bias_ids.empty()};
+  choice.logit_bias = !bias_ids.empty();
   e.begin_decode(logits.data(), choice,
                  lily::PenaltyInputs{std::move(bias_ids), std::move(bias_values), std::move(context)});
 }
@@ -436,12 +481,11 @@ void bind_engine(nb::module_ m) {
            },
            nb::arg("tokens"), nb::arg("out"), nb::arg("dropped_barrier") = -1, nb::arg("last_only") = false)
       .def("begin_decode", &begin_decode,
-           nb::arg("logits"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
-           nb::arg("seed"), nb::arg("repetition_penalty") = 1.0f, nb::arg("presence_penalty") = 0.0f,
-           nb::arg("frequency_penalty") = 0.0f, nb::arg("bias_ids") = std::vector<uint32_t>{},
+           nb::arg("logits"), nb::arg("choice"), nb::arg("bias_ids") = std::vector<uint32_t>{},
            nb::arg("bias_values") = std::vector<float>{}, nb::arg("context") = std::vector<uint32_t>{},
-           "Commits the first token's choice over `logits` (lily.sampling steps 1-6: a logit bias given as ids and "
-           "values, penalties over `context` and the tokens chosen)")
+           "Commits the first token's choice (a TokenChoice: lily.backends.engine.token_choice) over `logits` "
+           "(lily.sampling steps 1-6: a logit bias given as ids and values, penalties over `context` and the tokens "
+           "chosen)")
       .def("submit_step", &lily::Engine::submit_step)
       .def("next_token", &lily::Engine::next_token, nb::call_guard<nb::gil_scoped_release>())
       .def("end_decode", &lily::Engine::end_decode, nb::call_guard<nb::gil_scoped_release>())

@@ -463,9 +463,11 @@ void Engine::forward(const std::vector<uint32_t>& tokens, float* logits, long dr
 void Engine::begin_decode(const float* last_logits, const TokenChoice& choice, const PenaltyInputs& penalties) {
   require_idle("begin_decode");
   if (!switches_.gpu_token) throw Error("[engine] decoding on the GPU needs the GPU_TOKEN switch on");
+  // lily.sampling.SamplingParams checks every field for the user; this guards C++ callers only.
   if (!(choice.temperature >= 0.0f) || !(choice.top_p > 0.0f && choice.top_p <= 1.0f) ||
       !(choice.min_p >= 0.0f && choice.min_p <= 1.0f)) {
-    throw Error("[engine] token choice out of range: temperature >= 0, top_p in (0, 1], min_p in [0, 1]");
+    throw std::logic_error("[engine] begin_decode: token choice out of range (temperature >= 0, top_p in (0, 1], "
+                           "min_p in [0, 1])");
   }
   if (choice.penalized()) write_penalty_tables(choice, penalties);
   write_logits(last_logits);

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from lily import _ext
-from lily.backends.engine import SWITCHES, engine_config, switches_from_env
+from lily.backends import engine_config
+from lily.backends.engine import SWITCHES, engine_switches, switches_from_env
 from lily.backends.metal import MetalBackend
 from lily.checkpoint import load_checkpoint
 from lily.reference import ReferenceModel
@@ -104,12 +105,15 @@ def test_chunked_scan_switch_is_read_from_the_environment():
 def test_a_shape_the_chunked_scan_does_not_fit_keeps_the_token_scan_and_says_so():
     """dv not a multiple of 8 (the chunked scan's 8-row state blocks): long chunks keep the token scan, and `lily plan`
     names the fast path left out; the demo's own shape fits."""
-    demo = engine_config(load_checkpoint(DEMO).args)
+    args = load_checkpoint(DEMO).args
+    demo = engine_config(args)
     assert _ext.fast_paths_left_out(demo) == []
-    odd = {**demo, "linear_value_head_dim": 20}
+    odd = engine_config(args)
+    odd.linear_value_head_dim = 20
     lines = _ext.fast_paths_left_out(odd)
     assert len(lines) == 1 and "chunked DeltaNet scan" in lines[0] and "linear_value_head_dim = 20" in lines[0], lines
-    kernels = set(_ext.graph_kernels(odd, "float32", {}, 4, False, [2 * MIN_TOKENS]))
+    on = engine_switches({})
+    kernels = set(_ext.graph_kernels(odd, "float32", on, 4, False, [2 * MIN_TOKENS]))
     assert "gated_delta_prefill_f32_dk64" in kernels and not any("_chunk_" in k for k in kernels), sorted(kernels)
-    assert "gated_delta_chunk_scan_f32_dk64" in set(_ext.graph_kernels(demo, "float32", {}, 4, False, [MIN_TOKENS]))
-    assert not any("_chunk_" in k for k in _ext.graph_kernels(demo, "float32", {}, 4, False, [MIN_TOKENS - 1]))
+    assert "gated_delta_chunk_scan_f32_dk64" in set(_ext.graph_kernels(demo, "float32", on, 4, False, [MIN_TOKENS]))
+    assert not any("_chunk_" in k for k in _ext.graph_kernels(demo, "float32", on, 4, False, [MIN_TOKENS - 1]))

@@ -17,6 +17,7 @@ import pytest
 from scipy.stats import chisquare
 
 from lily import Model
+from lily.backends.engine import token_choice
 from lily.sampling import Sampler, SamplingParams, min_p_mask, top_k_mask, top_p_mask
 
 DRAWS = 400
@@ -56,9 +57,8 @@ def gpu_draws(engine, x: np.ndarray, params: SamplingParams, draws: int = DRAWS,
     counts = np.zeros(vocab, dtype=np.int64)
     bias = params.logit_bias or {}
     for seed in range(draws):
-        e.begin_decode(x, params.temperature, params.top_k, params.top_p, params.min_p, seed,
-                       repetition_penalty=params.repetition_penalty, bias_ids=list(bias),
-                       bias_values=list(bias.values()), context=list(context))
+        e.begin_decode(x, token_choice(params, seed), bias_ids=list(bias), bias_values=list(bias.values()),
+                       context=list(context))
         counts[e.next_token()] += 1
         e.end_decode()
     return counts
@@ -120,7 +120,7 @@ def test_the_fit_rejects_a_wrong_distribution(engine, logits):
 
 def test_greedy_choice_and_a_fixed_seed(engine, logits):
     e, _ = engine
-    e.begin_decode(logits, 0.0, 0, 1.0, 0.0, 0)
+    e.begin_decode(logits, token_choice(SamplingParams(temperature=0.0), seed=0))
     assert e.next_token() == int(np.argmax(logits))
     e.end_decode()
     params = FEATURES["all"]

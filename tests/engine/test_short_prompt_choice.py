@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from lily import _ext
-from lily.backends.engine import engine_config
+from lily.backends import engine_config
+from lily.backends.engine import engine_switches
 from lily.checkpoint import load_checkpoint
 from lily.config import ModelArgs
 from lily.plan import FULL_SIZE_CONFIG
@@ -21,7 +22,7 @@ FULL_SIZE = engine_config(ModelArgs.from_dict(FULL_SIZE_CONFIG, source="full siz
 def pass_kernels(config, rows: int) -> set[str]:
     """The GEMV and GEMM kernels of passes of `rows` rows (the decode step's, which graph_kernels adds, left out), as
     a GPU without Metal 4 tensor ops runs them."""
-    switches = {"tensor_ops": False}
+    switches = engine_switches({"tensor_ops": False})
     step = set(_ext.graph_kernels(config, "bfloat16", switches, 0, False, []))
     return {k for k in set(_ext.graph_kernels(config, "bfloat16", switches, 0, False, [rows])) - step
             if k.startswith(("qmv_", "qmm_"))}

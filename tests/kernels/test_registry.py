@@ -22,7 +22,8 @@ import pytest
 from lily import _ext
 from lily._ext import msl
 from lily.config import ModelArgs
-from lily.backends.engine import SWITCHES, engine_config
+from lily.backends import engine_config
+from lily.backends.engine import SWITCHES, engine_switches
 from lily.plan import FULL_SIZE_CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +57,7 @@ def test_sources_and_registry_agree() -> None:
     assert not set(registered) & set(msl.test_kernel_names()), "harness self-test kernels leaked into the registry"
 
 
-def engine_configs() -> list[dict]:
+def engine_configs() -> list:
     """The model's shapes (head dim 256, DeltaNet dk 128) and the demo model's (64, 64), at a small width."""
     small = copy.deepcopy(FULL_SIZE_CONFIG)
     small.update(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], head_dim=64,
@@ -83,8 +84,8 @@ def engine_kernels() -> set[str]:
                 for f32_scales in (False, True):
                     for switches in switch_sets:
                         try:
-                            found |= set(_ext.graph_kernels(config, precision, switches, bits, f32_scales,
-                                                            PREFILL_ROWS))
+                            found |= set(_ext.graph_kernels(config, precision, engine_switches(switches), bits,
+                                                            f32_scales, PREFILL_ROWS))
                         except RuntimeError as exc:
                             assert "needs 8-bit router weights" in str(exc), exc  # the one refusal expected
     return found

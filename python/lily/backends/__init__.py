@@ -104,6 +104,34 @@ def host_memory_gb() -> float:
     return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
 
 
+# The fields of ModelArgs the compiled engines read (metal, cuda and cpu), under the same names in
+# lily._ext.ModelConfig (src/lily_ext/bindings.cpp binds them onto lily::ModelConfig).
+ENGINE_CONFIG_FIELDS = ("vocab_size", "hidden_size", "layer_types", "num_attention_heads", "num_key_value_heads",
+                        "head_dim", "rotary_dim", "linear_num_key_heads", "linear_num_value_heads",
+                        "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts",
+                        "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                        "rms_norm_eps", "rope_theta")
+_ENGINE_CONFIG_NUMBERS = ("rms_norm_eps", "rope_theta")  # float32 in C++; every other field but layer_types a size
+
+
+def engine_config(args: ModelArgs) -> Any:
+    """``args`` as the compiled engines take it: a typed ``lily._ext.ModelConfig`` holding ``ENGINE_CONFIG_FIELDS``
+    (the one way a configuration crosses into C++: the metal and cuda engines, ``lily plan`` and the cpu backend).
+    A value the C++ type cannot hold raises ValueError naming the field."""
+    from lily import _ext
+
+    config = _ext.ModelConfig()
+    for name in ENGINE_CONFIG_FIELDS:
+        value = getattr(args, name)
+        try:
+            setattr(config, name, value)
+        except TypeError:
+            kind = ("a number" if name in _ENGINE_CONFIG_NUMBERS else "a list of layer types" if name == "layer_types"
+                    else "a non-negative integer")
+            raise ValueError(f"engine config: {name} must be {kind}; got {value!r}") from None
+    return config
+
+
 NAMES = ("reference", "metal", "cuda", "cpu")
 
 

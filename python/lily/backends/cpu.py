@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lily.backends import engine_config
 from lily.config import FULL_ATTENTION, ModelArgs
-from lily.reference import KV_CACHE_MIN_CAPACITY, DeltaNetState, KVCache, State, check_token_ids, rope_inv_freq
+from lily.reference import KV_CACHE_MIN_CAPACITY, DeltaNetState, KVCache, State, check_token_ids
 
 if TYPE_CHECKING:
     from lily.checkpoint import Checkpoint
@@ -44,15 +45,6 @@ def default_threads(environ: Any = os.environ) -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def cpu_config(args: ModelArgs) -> dict[str, Any]:
-    """The fields of ``args`` the CPU engine reads (the Metal engine's), with the RoPE frequencies formed as the
-    reference forms them."""
-    from lily.backends.engine import engine_config
-
-    inv_freq = rope_inv_freq(args.rotary_dim, args.rope_theta)
-    return {**engine_config(args), "inv_freq": [float(f) for f in inv_freq]}
-
-
 class CpuBackend:
     """The ``cpu`` backend: ``new_state()`` and ``forward(token_ids, state, *, last_only=False)``.
 
@@ -69,7 +61,7 @@ class CpuBackend:
         self.args: ModelArgs = checkpoint.args
         self.weights = checkpoint.weights  # shapes and names for `lily bench`; the engine reads the files
         try:
-            self._model = _ext.cpu.CpuModel(cpu_config(self.args), threads)
+            self._model = _ext.cpu.CpuModel(engine_config(self.args), threads)
             self._files: dict[str, int] = {}
             for name in checkpoint.weights:
                 self._bind(checkpoint, name)

@@ -1,5 +1,6 @@
 """The compiled engine (``lily._ext.Engine``) seen from Python: ``EngineBackend``, which the ``metal`` and ``cuda``
-backends run over their runtimes, its sequence state, the engine switches and the config the engine reads.
+backends run over their runtimes, its sequence state, and what crosses into it typed besides the configuration
+(``lily.backends.engine_config``): the engine switches (``engine_switches``) and the token choice (``token_choice``).
 
 ``EngineBackend`` implements ``lily.backends.Backend`` (``new_state``, ``forward``, ``state.copy()``,
 ``state.position``) and the GPU capabilities (``GpuDecoding``, ``DeviceMemory``). Weights that are a plain byte range
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lily.config import ModelArgs
+from lily.backends import engine_config
 from lily.quant import QuantizedTensor, float32_to_bfloat16_bits
 from lily.reference import check_token_ids
 
@@ -41,35 +42,48 @@ TEST_OPTIONS = ("split_kv_min_keys", "kv_block", "prefill_chunk")
 _log = logging.getLogger(__name__)
 
 
-def engine_config(args: ModelArgs) -> dict[str, Any]:
-    """The fields of ``args`` the engine's graph reads, as plain Python values."""
-    return {
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.hidden_size,
-        "layer_types": list(args.layer_types),
-        "num_attention_heads": args.num_attention_heads,
-        "num_key_value_heads": args.num_key_value_heads,
-        "head_dim": args.head_dim,
-        "rotary_dim": args.rotary_dim,
-        "linear_num_key_heads": args.linear_num_key_heads,
-        "linear_num_value_heads": args.linear_num_value_heads,
-        "linear_key_head_dim": args.linear_key_head_dim,
-        "linear_value_head_dim": args.linear_value_head_dim,
-        "linear_conv_kernel_dim": args.linear_conv_kernel_dim,
-        "num_experts": args.num_experts,
-        "num_experts_per_tok": args.num_experts_per_tok,
-        "moe_intermediate_size": args.moe_intermediate_size,
-        "shared_expert_intermediate_size": args.shared_expert_intermediate_size,
-        "rms_norm_eps": args.rms_norm_eps,
-        "rope_theta": args.rope_theta,
-    }
-
-
 def switches_from_env(environ: Mapping[str, str]) -> dict[str, bool]:
     """Switches turned off by ``LILY_DISABLE_<NAME>=1`` (any value but "" and "0")."""
     return {
         name: False for name in SWITCHES if environ.get(f"LILY_DISABLE_{name.upper()}", "") not in ("", "0")
     }
+
+
+def engine_switches(chosen: Mapping[str, Any]) -> Any:
+    """``chosen`` (switch names to bools, ``TEST_OPTIONS`` to sizes) as the engine takes it: a typed
+    ``lily._ext.Switches``, every switch not named left on. Raises ValueError naming an unknown name or a bad value."""
+    from lily import _ext
+
+    switches = _ext.Switches()
+    for name, value in chosen.items():
+        if name in SWITCHES:
+            if not isinstance(value, bool):
+                raise ValueError(f"engine switch {name!r} must be True or False; got {value!r}")
+        elif name in TEST_OPTIONS:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"engine option {name!r} must be an integer >= 0; got {value!r}")
+        else:
+            raise ValueError(f"unknown engine switch {name!r}; known: {SWITCHES}")
+        setattr(switches, name, value)
+    return switches
+
+
+def token_choice(params: SamplingParams, seed: int) -> Any:
+    """How the engine chooses tokens for ``params``: a typed ``lily._ext.TokenChoice`` (temperature, truncation,
+    penalty strengths; the logit bias and the penalty's context go to ``begin_decode`` beside it), the one conversion
+    of sampling parameters into C++. ``seed``: the decode's (``params.seed`` or a random one), taken modulo 2**64."""
+    from lily import _ext
+
+    return _ext.TokenChoice(
+        temperature=params.temperature,
+        top_k=min(params.top_k, 2**32 - 1),  # any k at or above the vocabulary size is off
+        top_p=params.top_p,
+        min_p=params.min_p,
+        seed=seed % 2**64,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+    )
 
 
 # Dense tensors the kernels read in the activation dtype; every other dense tensor (A_log, dt_bias) is read as f32.
@@ -168,10 +182,7 @@ class EngineBackend:
         self._require_runtime()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
-        chosen = {**switches_from_env(os.environ), **dict(switches or {})}
-        unknown = set(chosen) - set(SWITCHES) - set(TEST_OPTIONS)
-        if unknown:
-            raise ValueError(f"unknown engine switch {sorted(unknown)[0]!r}; known: {SWITCHES}")
+        chosen = engine_switches({**switches_from_env(os.environ), **dict(switches or {})})
         if not isinstance(max_context, int) or max_context < 1:
             raise ValueError(f"max_context must be a positive integer; got {max_context!r}")
         self.prefill_chunk: int = _ext.prefill_chunk  # tuning::kPrefillChunk: the PrefillChunking capability
@@ -179,14 +190,14 @@ class EngineBackend:
         self.weights = checkpoint.weights  # names, shapes and quantization (lily bench); the engine reads the files
         self.precision = precision
         names = list(checkpoint.weights)
+        config = engine_config(self.args)
         with _LoadPhases(checkpoint.path, len(names), progress) as phases:
             with phases.phase("kernels and device"):
                 try:
-                    self._engine = _ext.Engine(engine_config(self.args), precision, chosen, max_context,
-                                               **self._runtime_arguments())
+                    self._engine = _ext.Engine(config, precision, chosen, max_context, **self._runtime_arguments())
                 except RuntimeError as exc:
                     raise ValueError(f"{checkpoint.path}: {exc}") from None
-            for line in _ext.fast_paths_left_out(engine_config(self.args)):
+            for line in _ext.fast_paths_left_out(config):
                 _log.debug("%s: fast path left out: %s", checkpoint.path, line)
             self._files: dict[str, int] = {}
             with phases.phase("weights"):
@@ -201,7 +212,7 @@ class EngineBackend:
         self._live: EngineState | None = None
         self._decoded: EngineState | None = None  # the state whose decode logits the engine's buffer holds
         self._decoding = False  # a decode_tokens iterator is open (steps may be in flight)
-        self._gpu_token = chosen.get("gpu_token", True)
+        self._gpu_token = chosen.gpu_token
 
     def _require_runtime(self) -> None:
         """Raise RuntimeError, before any work, when this machine lacks the runtime."""
@@ -373,13 +384,9 @@ class EngineBackend:
         logits = np.ascontiguousarray(last_logits, dtype=np.float32).reshape(-1)
         engine = self._engine
         bias = params.logit_bias or {}
-        engine.begin_decode(logits, float(params.temperature), int(params.top_k), float(params.top_p),
-                            float(params.min_p), int(seed) & (2**64 - 1),
-                            repetition_penalty=float(params.repetition_penalty),
-                            presence_penalty=float(params.presence_penalty),
-                            frequency_penalty=float(params.frequency_penalty),
-                            bias_ids=[int(t) for t in bias], bias_values=[float(v) for v in bias.values()],
-                            context=[int(t) for t in context] if params.repetition_penalty != 1.0 else [])
+        engine.begin_decode(logits, token_choice(params, seed), bias_ids=list(bias),
+                            bias_values=[float(v) for v in bias.values()],
+                            context=list(context) if params.repetition_penalty != 1.0 else [])
         self._decoded = state
         self._decoding = True
         count = 0

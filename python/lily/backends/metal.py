@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lily.backends.engine import DEFAULT_MAX_CONTEXT, EngineBackend, engine_config
+from lily.backends import engine_config
+from lily.backends.engine import DEFAULT_MAX_CONTEXT, EngineBackend, engine_switches
 from lily.config import ModelArgs
 
 
@@ -69,7 +70,7 @@ class MetalBackend(EngineBackend):
         backend.args = args
         backend.weights = {}
         backend.precision = precision
-        chosen = dict(switches or {})
+        chosen = engine_switches(dict(switches or {}))
         backend._engine = _ext.Engine(engine_config(args), precision, chosen, max_context)
         backend._engine.bind_synthetic_weights()
         backend._engine.finish_loading()
@@ -77,5 +78,5 @@ class MetalBackend(EngineBackend):
         backend._live = None
         backend._decoded = None
         backend._decoding = False
-        backend._gpu_token = chosen.get("gpu_token", True)
+        backend._gpu_token = chosen.gpu_token
         return backend

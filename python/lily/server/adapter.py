@@ -149,30 +149,15 @@ class LilyEngine:
     def generate(
         self, prompt: list[int], chat: ChatRequest | None, sampling: SamplingParams, is_cancelled: Callable[[], bool]
     ) -> Generation:
-        """Prefill (through the prompt cache) and start decoding; `is_cancelled` is polled
-        between prefill chunks and between tokens."""
-        options = {
-            "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "min_p": sampling.min_p,
-            "repetition_penalty": sampling.repetition_penalty,
-            "presence_penalty": sampling.presence_penalty,
-            "frequency_penalty": sampling.frequency_penalty,
-            "logit_bias": sampling.logit_bias,
-            "seed": sampling.seed,
-            "stop": sampling.stop,
-            "logprobs": sampling.logprobs,
-            "top_logprobs": sampling.top_logprobs,
-        }
+        """Prefill (through the prompt cache) and start decoding with `sampling`, the request's one SamplingParams;
+        `is_cancelled` is polled between prefill chunks and between tokens."""
         if chat is None:
             session = self.model.prefill(prompt, cancel=is_cancelled)
-            return _LilyGeneration(session, session.decode(cancel=is_cancelled, **options), is_chat=False)
+            return _LilyGeneration(session, session.decode(sampling, cancel=is_cancelled), is_chat=False)
         template = self._template_kwargs(chat)
         # Passing the messages (not the ids) lets the model place its turn checkpoints.
         session = self.model.prefill(chat.messages, cancel=is_cancelled, **template)
-        tokens = chat_stream(session.decode(cancel=is_cancelled, **options), chat.tools, template["enable_thinking"])
+        tokens = chat_stream(session.decode(sampling, cancel=is_cancelled), chat.tools, template["enable_thinking"])
         return _LilyGeneration(session, tokens, is_chat=True)
 
 

@@ -8,13 +8,12 @@ many extensions.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
 from ..chat import tool_call_arguments
-from ..sampling import SamplingParams
+from ..sampling import SamplingParamError, SamplingParams, sampling_params
 from ..tokenizer import check_text
 
 # OpenAI's documented limits; stop strings are not limited to 4 here because local clients send more.
@@ -147,20 +146,6 @@ def _type_name(value: Any) -> str:
     return "object"
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float, *, open_low: bool = False) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _bad(name, f"expected a number, got {_type_name(value)}", "invalid_type")
-    if not math.isfinite(value):  # 1e999 parses as infinity
-        raise _bad(name, f"must be a finite number, got {value}")
-    if value < low or value > high or (open_low and value == low):
-        bracket = "(" if open_low else "["
-        raise _bad(name, f"must be in {bracket}{low}, {high}], got {value}")
-    return float(value)
-
-
 def _integer(body: dict, name: str, default: int | None, low: int, high: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
@@ -182,43 +167,6 @@ def _boolean(body: dict, name: str, default: bool | None, *, prefix: str = "") -
     if not isinstance(value, bool):
         raise _bad(prefix + name, f"expected a boolean, got {_type_name(value)}", "invalid_type")
     return value
-
-
-def _stop(body: dict) -> list[str]:
-    value = body.get("stop")
-    if value is None:
-        return []
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise _bad("stop", "expected a string or an array of strings", "invalid_type")
-    if len(value) > MAX_STOP_STRINGS:
-        raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
-    if any(s == "" for s in value):
-        raise _bad("stop", "stop strings must not be empty")
-    return value
-
-
-def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
-    value = body.get("logit_bias")
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise _bad(
-            "logit_bias", f"expected an object mapping token ids to biases, got {_type_name(value)}", "invalid_type"
-        )
-    bias: dict[int, float] = {}
-    for key, amount in value.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise _bad("logit_bias", f"key {key!r} is not a token id") from None
-        if not 0 <= token < vocab_size:
-            raise _bad("logit_bias", f"token id {token} is outside the vocabulary [0, {vocab_size})")
-        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not -100 <= amount <= 100:
-            raise _bad("logit_bias", f"bias for token {token} must be a number in [-100, 100], got {amount!r}")
-        bias[token] = float(amount)
-    return bias
 
 
 def _n(body: dict) -> None:
@@ -254,39 +202,75 @@ def _model(body: dict) -> str | None:
     return value
 
 
+# The sampling fields a request names as SamplingParams does (OpenAI's names); max_tokens and logprobs are mapped.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty", "logit_bias", "seed", "stop")
+# Fields JSON may send as whole floats (5.0) where SamplingParams takes integers.
+_INTEGER_FIELDS = ("max_tokens", "top_k", "seed", "top_logprobs")
+
+
 def _sampling(body: dict, vocab_size: int, defaults: Mapping[str, float], *, legacy_logprobs: bool) -> SamplingParams:
+    """The request's one ``SamplingParams``, built by ``lily.sampling.sampling_params`` with `defaults` for omitted
+    fields: a value out of its range gets SamplingParams' own message, as from the Python API and the CLI; then the
+    limits of this API, narrower than Lily's own (``_check_api_limits``)."""
     _n(body)
-    max_tokens = _integer(body, "max_completion_tokens", None, 1)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", None, 1)
+    options = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if body.get(max_name) is not None:
+        options["max_tokens"] = body[max_name]
     if legacy_logprobs:
         # /v1/completions: `logprobs` is the number of alternatives per token (0-5).
         top = _integer(body, "logprobs", None, 0, MAX_LEGACY_LOGPROBS)
-        logprobs, top_logprobs = top is not None, top or 0
+        options.update(logprobs=top is not None, top_logprobs=top or 0)
     else:
-        logprobs = bool(_boolean(body, "logprobs", False))
-        top_logprobs = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
-        if top_logprobs and not logprobs:
+        logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+        options.update(logprobs=False if logprobs is None else logprobs, top_logprobs=0 if top is None else top)
+    for name in _INTEGER_FIELDS:
+        if isinstance(options.get(name), float) and options[name].is_integer():
+            options[name] = int(options[name])
+    if options.get("top_k") == -1:
+        options["top_k"] = 0  # -1 and 0 both mean "no top-k" (vLLM / llama.cpp conventions)
+    seed = options.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+            raise _over_limit("seed", "in [-2**63, 2**64) (a 64-bit integer, signed or not)", seed)
+        options["seed"] = seed % 2**64
+    try:
+        params = sampling_params(options, defaults)
+        params.validate(vocab_size)
+    except SamplingParamError as exc:
+        param = max_name if exc.field == "max_tokens" else exc.field
+        raise ApiError(400, str(SamplingParamError(param, exc.expected, exc.value)), param=param,
+                       code="invalid_value") from None
+    _check_api_limits(params, legacy_logprobs=legacy_logprobs)
+    return params
+
+
+def _over_limit(param: str, limit: str, value: Any) -> ApiError:
+    return ApiError(400, f"{param} must be {limit}; got {value!r}", param=param, code="invalid_value")
+
+
+def _check_api_limits(params: SamplingParams, *, legacy_logprobs: bool) -> None:
+    """The limits of the OpenAI API (and a few of this server's own), which Lily's Python API does not have: checked
+    after SamplingParams' rules, so only a value those accept reaches them."""
+    if params.temperature > 2:
+        raise _over_limit("temperature", "at most 2 (the OpenAI API's limit)", params.temperature)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(params, name) <= 2:
+            raise _over_limit(name, "in [-2, 2] (the OpenAI API's range)", getattr(params, name))
+    if params.repetition_penalty > 10:
+        raise _over_limit("repetition_penalty", "at most 10 (this server's limit)", params.repetition_penalty)
+    for token, bias in params.logit_bias.items():
+        if not -100 <= bias <= 100:
+            raise _over_limit("logit_bias", "biases in [-100, 100] (the OpenAI API's range)", {token: bias})
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise _over_limit("stop", f"at most {MAX_STOP_STRINGS} strings (this server's limit)", len(params.stop))
+    if not legacy_logprobs:
+        if params.top_logprobs > MAX_TOP_LOGPROBS:
+            raise _over_limit("top_logprobs", f"at most {MAX_TOP_LOGPROBS} (the OpenAI API's limit)",
+                              params.top_logprobs)
+        if params.top_logprobs and not params.logprobs:
             raise _bad("top_logprobs", "requires 'logprobs': true")
-    top_k = _integer(body, "top_k", int(defaults.get("top_k", 0)), -1)
-    seed = _integer(body, "seed", None, SEED_RANGE[0], SEED_RANGE[1] - 1)
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=_number(body, "temperature", defaults.get("temperature", 1.0), 0.0, 2.0),
-        top_p=_number(body, "top_p", defaults.get("top_p", 1.0), 0.0, 1.0, open_low=True),
-        top_k=max(top_k or 0, 0),  # -1 and 0 both mean "no top-k" (vLLM / llama.cpp conventions)
-        min_p=_number(body, "min_p", defaults.get("min_p", 0.0), 0.0, 1.0),
-        repetition_penalty=_number(
-            body, "repetition_penalty", defaults.get("repetition_penalty", 1.0), 0.0, 10.0, open_low=True
-        ),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        logit_bias=_logit_bias(body, vocab_size),
-        seed=None if seed is None else seed % 2**64,
-        stop=_stop(body),
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-    )
 
 
 def _text_content(content: Any, where: str, *, allow_null: bool) -> str | None:

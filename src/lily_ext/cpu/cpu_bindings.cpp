@@ -6,6 +6,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "../model.h"
 #include "cpu_model.h"
 
 namespace nb = nanobind;
@@ -13,32 +14,6 @@ namespace nb = nanobind;
 namespace lily::cpu {
 
 namespace {
-
-template <typename T>
-T field(const nb::dict& d, const char* key) {
-  if (!d.contains(key)) throw nb::key_error((std::string("cpu config is missing '") + key + "'").c_str());
-  return nb::cast<T>(d[key]);
-}
-
-CpuConfig config_from_dict(const nb::dict& d) {
-  CpuConfig c;
-  c.vocab_size = field<size_t>(d, "vocab_size");
-  c.hidden_size = field<size_t>(d, "hidden_size");
-  for (nb::handle kind : nb::iter(d["layer_types"]))
-    c.attention_layers.push_back(nb::cast<std::string>(kind) == "full_attention");
-  c.attention = {field<size_t>(d, "num_attention_heads"), field<size_t>(d, "num_key_value_heads"),
-                 field<size_t>(d, "head_dim"), field<size_t>(d, "rotary_dim")};
-  c.delta_net = {field<size_t>(d, "linear_num_key_heads"), field<size_t>(d, "linear_num_value_heads"),
-                 field<size_t>(d, "linear_key_head_dim"), field<size_t>(d, "linear_value_head_dim"),
-                 field<size_t>(d, "linear_conv_kernel_dim")};
-  c.num_experts = field<size_t>(d, "num_experts");
-  c.top_k = field<size_t>(d, "num_experts_per_tok");
-  c.expert_size = field<size_t>(d, "moe_intermediate_size");
-  c.shared_expert_size = field<size_t>(d, "shared_expert_intermediate_size");
-  c.eps = field<float>(d, "rms_norm_eps");
-  c.inv_freq = field<std::vector<float>>(d, "inv_freq");
-  return c;
-}
 
 using Floats = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
 
@@ -51,9 +26,9 @@ void bind(nb::module_& m) {
         "Instruction set of the hot loops: 'avx2' (AVX2 + FMA; ValueError where the CPU lacks them) or 'portable'.");
   m.def("isa", &isa, "The instruction set in use: 'avx2' or 'portable'.");
   nb::class_<CpuModel>(m, "CpuModel")
-      .def("__init__", [](CpuModel* model, const nb::dict& config, size_t threads) {
-             new (model) CpuModel(config_from_dict(config), threads);
-           }, nb::arg("config"), nb::arg("threads"))
+      .def("__init__", [](CpuModel* model, const ModelConfig& config, size_t threads) {
+             new (model) CpuModel(cpu_config(config), threads);
+           }, nb::arg("config"), nb::arg("threads"), "config: a lily._ext.ModelConfig (lily.backends.engine_config).")
       .def("add_file", &CpuModel::add_file, nb::arg("path"))
       .def("add_owned",
            [](CpuModel& model, nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> bytes) {

@@ -12,6 +12,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "../model.h"
+
 namespace lily::cpu {
 
 struct CpuModel::Buffer {
@@ -52,6 +54,28 @@ DType dtype_from_name(const std::string& name) {
   if (name == "bfloat16") return DType::BF16;
   if (name == "float16") return DType::F16;
   throw std::invalid_argument("unsupported dtype '" + name + "': expected float32, bfloat16 or float16");
+}
+
+CpuConfig cpu_config(const ModelConfig& config) {
+  CpuConfig c;
+  c.vocab_size = config.vocab_size;
+  c.hidden_size = config.hidden_size;
+  c.attention_layers = config.attention_layers;
+  c.attention = {config.num_heads, config.num_kv_heads, config.head_dim, config.rotary_dim};
+  c.delta_net = {config.gdn_k_heads, config.gdn_v_heads, config.gdn_k_dim, config.gdn_v_dim, config.conv_kernel};
+  c.num_experts = config.num_experts;
+  c.top_k = config.top_k;
+  c.expert_size = config.expert_size;
+  c.shared_expert_size = config.shared_expert_size;
+  c.eps = config.eps;
+  // inv_freq[i] = 1 / theta^(2i / rotary_dim): exponent, power and reciprocal each rounded once to float from double.
+  const double theta = config.rope_theta;
+  for (size_t i = 0; i < config.rotary_dim; i += 2) {
+    const float exponent = static_cast<float>(static_cast<double>(i) / static_cast<double>(config.rotary_dim));
+    const float power = static_cast<float>(std::pow(theta, static_cast<double>(exponent)));
+    c.inv_freq.push_back(static_cast<float>(1.0 / static_cast<double>(power)));
+  }
+  return c;
 }
 
 CpuModel::CpuModel(CpuConfig config, size_t threads) : config_(std::move(config)), pool_(std::max<size_t>(threads, 1)) {

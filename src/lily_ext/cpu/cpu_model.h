@@ -11,6 +11,10 @@
 
 #include "cpu_ops.h"
 
+namespace lily {
+struct ModelConfig;  // model.h
+}
+
 namespace lily::cpu {
 
 struct CpuConfig {
@@ -22,6 +26,10 @@ struct CpuConfig {
   float eps = 1e-6f;
   std::vector<float> inv_freq;  // RoPE frequencies, rotary_dim / 2 of them
 };
+
+// The CPU engine's view of the engines' one configuration (lily._ext.ModelConfig): the same shapes, and the RoPE
+// frequencies formed from rope_theta as lily.reference.rope_inv_freq forms them.
+CpuConfig cpu_config(const ModelConfig& config);
 
 // A byte range of a bound buffer: {buffer id, offset, bytes}.
 struct Span {
