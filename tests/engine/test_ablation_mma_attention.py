@@ -25,6 +25,7 @@ def demo():
     return load_checkpoint(DEMO)
 
 
+@pytest.mark.metal
 @pytest.mark.parametrize("prompt", PROMPTS, ids=[f"T{len(p)}" for p in PROMPTS])
 def test_vector_prefill_attention_gives_the_same_logits(demo, prompt):
     want = ReferenceModel(demo).forward(prompt, ReferenceModel(demo).new_state())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from lily import Model, bench, cli
 from lily._ext import _test_engine as te
 from lily.plan import full_size_args, plan_decode
@@ -35,6 +36,7 @@ def token_slot_ranges(graph: dict) -> tuple[tuple, tuple]:
     return tuple(read[0]), tuple(written[0])
 
 
+@pytest.mark.metal
 def test_bench_generation_chooses_tokens_on_the_gpu_and_each_step_reads_the_last_ones_slot():
     model = Model.load("lily:demo", backend="metal", progress=False)
     recorder = RecordingEngine(model.backend._engine)
@@ -53,6 +55,7 @@ def test_bench_generation_chooses_tokens_on_the_gpu_and_each_step_reads_the_last
         assert next_read == written and read != written
 
 
+@pytest.mark.fake_metal
 def test_host_only_bench_measures_the_full_size_graph_with_kernels_stubbed():
     te.reset_fake_stats()
     # Three runs, judged by the least disturbed: on a 2-core machine one run's median still moves with whatever else
@@ -74,6 +77,7 @@ def test_host_only_bench_measures_the_full_size_graph_with_kernels_stubbed():
     assert np.isfinite(model.logits([1, 2, 3])).all()
 
 
+@pytest.mark.fake_metal
 def test_host_only_cli_prints_json(capsys):
     assert cli.main(["bench", "--full-size", "--host-only", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

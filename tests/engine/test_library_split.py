@@ -38,6 +38,7 @@ def test_every_kernel_file_is_its_own_family() -> None:
     assert {name for name in families if name.endswith(".tensor_ops")} == {"qmatmul.tensor_ops"}
 
 
+@pytest.mark.metal
 def test_a_broken_family_is_reported_and_the_other_families_still_run(monkeypatch, capfd) -> None:
     source, line = broken_source(BROKEN)
     runner = kernels.Runner(family_sources={BROKEN: source})
@@ -67,6 +68,7 @@ def test_a_broken_family_is_reported_and_the_other_families_still_run(monkeypatc
     assert {re.match(r"[a-z]+", k).group(0) for k in others} >= {"embedding", "dequantize", "attention"}
 
 
+@pytest.mark.metal
 def test_the_engine_names_a_broken_family_it_needs(monkeypatch, capfd) -> None:
     from lily import _ext
 

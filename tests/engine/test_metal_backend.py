@@ -466,6 +466,7 @@ def test_a_mixed_bit_router_runs_on_the_general_kernels(engine_backend, checkpoi
             assert decode_kernels.get("qmv_norm_q8_g64_bf16_of32") == layers, sorted(decode_kernels)
 
 
+@pytest.mark.metal
 def test_model_load_sets_the_engine_context_limit(checkpoints):
     """Model.load(max_context=N): N tokens fit in the engine's KV cache, N + 1 are refused naming the limit."""
     import lily

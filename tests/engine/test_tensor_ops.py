@@ -27,6 +27,7 @@ def prefill_logits(model: Model) -> tuple[np.ndarray, dict]:
     return logits, model.backend.last_step_counts()["dispatches_by_kernel"]
 
 
+@pytest.mark.fake_metal
 def test_tensor_op_gemms_agree_with_the_simdgroup_gemms(tensor_ops_device, monkeypatch):
     with_ops, kernels = prefill_logits(Model.load("lily:demo", backend="metal", progress=False))
     # Every bf16-output GEMM on tensor ops; the f32-output ones (router and lm_head logits) stay on qmm's _of32.
@@ -41,6 +42,7 @@ def test_tensor_op_gemms_agree_with_the_simdgroup_gemms(tensor_ops_device, monke
     assert np.mean(with_ops.argmax(-1) == without.argmax(-1)) >= 0.9
 
 
+@pytest.mark.fake_metal
 def test_devices_without_tensor_ops_never_dispatch_them():
     _, kernels = prefill_logits(Model.load("lily:demo", backend="metal", progress=False))
     assert not any("nax" in k for k in kernels)
