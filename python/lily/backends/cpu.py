@@ -18,7 +18,7 @@ import numpy as np
 
 from lily.backends import engine_config
 from lily.config import FULL_ATTENTION, ModelArgs
-from lily.reference import KV_CACHE_MIN_CAPACITY, DeltaNetState, KVCache, State, check_token_ids
+from lily.reference import KV_CACHE_MIN_CAPACITY, DeltaNetState, KVCache, State, check_token_ids, rope_inv_freq
 
 if TYPE_CHECKING:
     from lily.checkpoint import Checkpoint
@@ -61,7 +61,9 @@ class CpuBackend:
         self.args: ModelArgs = checkpoint.args
         self.weights = checkpoint.weights  # shapes and names for `lily bench`; the engine reads the files
         try:
-            self._model = _ext.cpu.CpuModel(engine_config(self.args), threads)
+            # The RoPE frequencies as the reference forms them (the CPU engine reads them, not rope_theta).
+            inv_freq = [float(f) for f in rope_inv_freq(self.args.rotary_dim, self.args.rope_theta)]
+            self._model = _ext.cpu.CpuModel(engine_config(self.args), inv_freq, threads)
             self._files: dict[str, int] = {}
             for name in checkpoint.weights:
                 self._bind(checkpoint, name)

@@ -26,9 +26,10 @@ void bind(nb::module_& m) {
         "Instruction set of the hot loops: 'avx2' (AVX2 + FMA; ValueError where the CPU lacks them) or 'portable'.");
   m.def("isa", &isa, "The instruction set in use: 'avx2' or 'portable'.");
   nb::class_<CpuModel>(m, "CpuModel")
-      .def("__init__", [](CpuModel* model, const ModelConfig& config, size_t threads) {
-             new (model) CpuModel(cpu_config(config), threads);
-           }, nb::arg("config"), nb::arg("threads"), "config: a lily._ext.ModelConfig (lily.backends.engine_config).")
+      .def("__init__", [](CpuModel* model, const ModelConfig& config, std::vector<float> inv_freq, size_t threads) {
+             new (model) CpuModel(cpu_config(config, std::move(inv_freq)), threads);
+           }, nb::arg("config"), nb::arg("inv_freq"), nb::arg("threads"),
+           "config: a lily._ext.ModelConfig (lily.backends.engine_config); inv_freq: lily.reference.rope_inv_freq's.")
       .def("add_file", &CpuModel::add_file, nb::arg("path"))
       .def("add_owned",
            [](CpuModel& model, nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> bytes) {

@@ -56,7 +56,7 @@ DType dtype_from_name(const std::string& name) {
   throw std::invalid_argument("unsupported dtype '" + name + "': expected float32, bfloat16 or float16");
 }
 
-CpuConfig cpu_config(const ModelConfig& config) {
+CpuConfig cpu_config(const ModelConfig& config, std::vector<float> inv_freq) {
   CpuConfig c;
   c.vocab_size = config.vocab_size;
   c.hidden_size = config.hidden_size;
@@ -68,13 +68,7 @@ CpuConfig cpu_config(const ModelConfig& config) {
   c.expert_size = config.expert_size;
   c.shared_expert_size = config.shared_expert_size;
   c.eps = config.eps;
-  // inv_freq[i] = 1 / theta^(2i / rotary_dim): exponent, power and reciprocal each rounded once to float from double.
-  const double theta = config.rope_theta;
-  for (size_t i = 0; i < config.rotary_dim; i += 2) {
-    const float exponent = static_cast<float>(static_cast<double>(i) / static_cast<double>(config.rotary_dim));
-    const float power = static_cast<float>(std::pow(theta, static_cast<double>(exponent)));
-    c.inv_freq.push_back(static_cast<float>(1.0 / static_cast<double>(power)));
-  }
+  c.inv_freq = std::move(inv_freq);
   return c;
 }
 

@@ -28,8 +28,8 @@ struct CpuConfig {
 };
 
 // The CPU engine's view of the engines' one configuration (lily._ext.ModelConfig): the same shapes, and the RoPE
-// frequencies formed from rope_theta as lily.reference.rope_inv_freq forms them.
-CpuConfig cpu_config(const ModelConfig& config);
+// frequencies lily.reference.rope_inv_freq formed (the reference's own, not a second implementation of it).
+CpuConfig cpu_config(const ModelConfig& config, std::vector<float> inv_freq);
 
 // A byte range of a bound buffer: {buffer id, offset, bytes}.
 struct Span {
