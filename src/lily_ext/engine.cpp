@@ -247,12 +247,7 @@ Engine::Program& Engine::short_pass(size_t rows, size_t logit_rows) {
   }
   auto graph = std::make_shared<Graph>();
   graph->buffers = base_.buffers;
-  PassInput in;
-  in.position = position_;
-  in.tokens = rows;
-  in.logit_rows = logit_rows;
-  in.ids = Span{chunk_.ids, 0, rows * 4};
-  build_forward(config_, precision_, switches_, weights_, state_, chunk_, in, *graph);
+  build_forward(config_, precision_, switches_, weights_, state_, chunk_, chunk_input(rows, logit_rows), *graph);
   Program built;
   built.rows = rows;
   built.logit_rows = logit_rows;
@@ -377,6 +372,16 @@ void Engine::ensure_chunk_rows(size_t rows, size_t logit_rows) {
   programs_.clear();  // the decode steps hold the buffer list they were built over
 }
 
+// A chunk of `rows` token ids from chunk_.ids at the current position, with logits for its last `logit_rows` rows.
+PassInput Engine::chunk_input(size_t rows, size_t logit_rows) const {
+  PassInput in;
+  in.position = position_;
+  in.tokens = rows;
+  in.logit_rows = logit_rows;
+  in.ids = Span{chunk_.ids, 0, rows * 4};
+  return in;
+}
+
 void Engine::prefill_chunk(const uint32_t* tokens, size_t count, float* logits, size_t logit_rows,
                            long dropped_barrier) {
   const size_t chunk = switches_.prefill_chunk ? switches_.prefill_chunk : tuning::kPrefillChunk;
@@ -404,12 +409,7 @@ void Engine::prefill_chunk(const uint32_t* tokens, size_t count, float* logits, 
   } else {
     Graph graph;
     graph.buffers = base_.buffers;
-    PassInput in;
-    in.position = position_;
-    in.tokens = count;
-    in.logit_rows = logit_rows;
-    in.ids = Span{chunk_.ids, 0, count * 4};
-    build_forward(config_, precision_, switches_, weights_, state_, chunk_, in, graph);
+    build_forward(config_, precision_, switches_, weights_, state_, chunk_, chunk_input(count, logit_rows), graph);
     run_graph(std::move(graph), dropped_barrier);
   }
   if (logit_rows) read_rows(chunk_.logits, logit_rows, logits);

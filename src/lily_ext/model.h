@@ -403,6 +403,7 @@ class Engine {
   std::vector<DeviceBuffer*> buffer_list() const;
   void run_host_sort(const HostMoeSort& sort);
   void ensure_chunk_rows(size_t rows, size_t logit_rows);
+  PassInput chunk_input(size_t rows, size_t logit_rows) const;
   void read_rows(int buffer_id, size_t rows, float* out);
   void write_logits(const float* logits);
   void write_penalty_tables(const TokenChoice& choice, const PenaltyInputs& penalties);
