@@ -11,7 +11,7 @@
 //                                          tuning::attention_split_blocks). Writes the block's normalised output and
 //                                          its softmax max and sum, fp32; an empty trailing block writes output 0,
 //                                          max -inf, sum 0. Chosen from LILY_ATTN_SPLIT_MIN_KEYS keys.
-//   attention_decode_combine_<dtype>_d<D>  split-KV pass 2: one threadgroup per query head merges the blocks
+//   attention_decode_combine_<dtype>_d<D>  split-KV pass 2: grid (query heads, slices of D): merges the blocks
 //                                          (weights sum_b * exp(max_b - max), kept in threadgroup memory: at most
 //                                          LILY_ATTN_SPLIT_MAX_BLOCKS blocks) and applies the gate.
 //   attention_decode[_partial]_unpacked_<dtype>_d<D>  the same with G = 1 (one query head per threadgroup, no K/V
@@ -29,7 +29,7 @@
 // partial_stats [Hq, num_blocks, 2] (max, sum). Head dims 256 (the model's; f32, bf16, f16) and 64 (the demo model
 // and test fixtures; f32, bf16).
 // Dispatch: 32*n threads (n <= 32 simdgroups; the engine picks n); grid (Hq/G) single pass, (Hq/G, num_blocks) partial,
-// (Hq) combine with any thread count. Hq/Hkv must be a multiple of G.
+// (Hq, any y) combine with any thread count. Hq/Hkv must be a multiple of G.
 // Design: simdgroup s takes the runs of U = LILY_ATTN_DECODE_KEYS_PER_STEP consecutive keys starting at s*U, s*U + n*U,
 // ...; per step it loads the U K rows, reduces U independent dot products (one float4 simd_sum each: the G heads'
 // scores, components past G stay 0), makes one online-softmax update for the U scores (one max, one rescale), then
@@ -309,11 +309,14 @@ template <typename T, uint D>
                                          device const float* partial_out [[buffer(2)]],
                                          device const float* partial_stats [[buffer(3)]],
                                          device T* out [[buffer(4)]],
-                                         uint head [[threadgroup_position_in_grid]],
+                                         uint2 group [[threadgroup_position_in_grid]],
+                                         uint2 groups [[threadgroups_per_grid]],
                                          uint tid [[thread_index_in_threadgroup]],
-                                         uint n_threads [[threads_per_threadgroup]]) {
+                                         uint2 threads [[threads_per_threadgroup]]) {
   // num_blocks <= LILY_ATTN_SPLIT_MAX_BLOCKS (the host's rule caps it there).
   threadgroup float weight[LILY_ATTN_SPLIT_MAX_BLOCKS];
+  const uint head = group.x;
+  const uint n_threads = threads.x;  // 1-D threadgroups
   device const float* stats = partial_stats + size_t(head) * args.num_blocks * 2;
   device const float* outs = partial_out + size_t(head) * args.num_blocks * D;
   // Every thread derives the same global max (the stats are a few hundred bytes); an empty block has max -inf and
@@ -330,10 +333,24 @@ template <typename T, uint D>
   for (uint b = 0; b < args.num_blocks; ++b) {
     total_sum += weight[b];
   }
-  for (uint e = tid; e < D; e += n_threads) {
-    // Four independent sums, so the loads of four blocks are in flight at once; added in a fixed order.
+  // Grid y splits the D elements of a head over threadgroups (any split is correct).
+  for (uint e = group.y * n_threads + tid; e < D; e += groups.y * n_threads) {
+    // Four interleaved sums (block b into sum b % 4, added in a fixed order), their loads issued kCombineLoads
+    // blocks at a time: at 128 blocks the loads take 8 memory round trips, not 32.
+    constexpr uint kCombineLoads = 16;
     float4 value = float4(0.0f);
     uint b = 0;
+    for (; b + kCombineLoads <= args.num_blocks; b += kCombineLoads) {
+      float loaded[kCombineLoads];
+      LILY_UNROLL
+      for (uint j = 0; j < kCombineLoads; ++j) {
+        loaded[j] = outs[size_t(b + j) * D + e];
+      }
+      LILY_UNROLL
+      for (uint j = 0; j < kCombineLoads; ++j) {
+        value[j % 4] += weight[b + j] * loaded[j];
+      }
+    }
     for (; b + 4 <= args.num_blocks; b += 4) {
       LILY_UNROLL
       for (uint j = 0; j < 4; ++j) {

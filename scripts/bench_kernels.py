@@ -44,6 +44,7 @@ QMM_MIN_THREADGROUPS = 64 * 8  # tuning::kQmmMinThreadgroups
 MOE_GEMV_ROWS, MOE_GEMV_THREADS = 8, 64
 MOE_DOWN_ROWS, MOE_DOWN_THREADS = 8, 128
 ATTN_HEADS_PER_GROUP, ATTN_THREADS = 4, 256
+ATTN_COMBINE_THREADS = 64  # tuning::kAttentionCombineThreads
 # attention_prefill_mma: LILY_ATTN_MMA_QUERIES query tokens x LILY_ATTN_MMA_HEADS_PER_GROUP heads per threadgroup.
 ATTN_MMA_QUERIES, ATTN_MMA_HEADS_PER_GROUP = 8, 8
 # Split-KV decode (LILY_ATTN_SPLIT_MIN_KEYS, LILY_ATTN_SPLIT_MAX_BLOCKS; the rule is tuning::attention_split_blocks).
@@ -249,7 +250,8 @@ def attention_cases() -> list[Case]:
                           2 * cache + q + partial_out + partial_stats))
         cases.append(Case(f"attention decode {label} keys: combine ({blocks} blocks)",
                           "attention_decode_combine_bf16_d256", [args, q, partial_out, partial_stats, q],
-                          (ATTN_HEADS, 1, 1), (ATTN_THREADS, 1, 1), partial_out + partial_stats + 2 * q))
+                          (ATTN_HEADS, HEAD_DIM // ATTN_COMBINE_THREADS, 1), (ATTN_COMBINE_THREADS, 1, 1),
+                          partial_out + partial_stats + 2 * q))
     return cases
 
 

@@ -94,6 +94,9 @@ constexpr size_t kAttentionPrepSimdgroups = 8;
 // attention_decode: 8 simdgroups split the keys; enough lanes to stream a KV head at 4K context, few enough that
 // the merge through threadgroup memory stays short.
 constexpr size_t kAttentionDecodeThreads = 256;
+// attention_decode_combine: threads per threadgroup; a head's D elements are split over D / this threadgroups (the
+// model's 16 heads x 256: 64 threadgroups, where one per head left 16 of the GPU's cores busy).
+constexpr size_t kAttentionCombineThreads = 64;
 // MoE decode GEMVs (the kernels' fixed shapes): gate/up 2 simdgroups x 4 rows; down + combine 4 simdgroups x 2 rows.
 constexpr size_t kMoeGemvThreads = 32 * LILY_MOE_GEMV_SIMDGROUPS;
 constexpr size_t kMoeGemvRowsPerThreadgroup = LILY_MOE_GEMV_ROWS_PER_SIMDGROUP * LILY_MOE_GEMV_SIMDGROUPS;

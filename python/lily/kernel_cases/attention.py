@@ -36,7 +36,7 @@ HEADS_PER_GROUP = {256: 4, 64: 2}
 CACHE_DTYPE = {"f32": "f32", "f16": "bf16", "bf16": "bf16"}
 # fp32 outputs: the kernel's fp32 dot products, exps and sums over up to 1025 keys against an fp64 reference.
 F32_SUMS = Tolerance(rtol=2e-5, atol=2e-6, rel_rms=5e-6)
-COMBINE_THREADS = 64
+COMBINE_THREADS = 64  # tuning::kAttentionCombineThreads, the engine's
 
 # Single-pass shapes (heads, kv_heads, keys, simdgroups) by kernel family; the first is the self-test's.
 SINGLE_SHAPES = {
@@ -187,7 +187,8 @@ def run_split(run: Run, partial_kernel: str, inputs: DecodeInputs, num_blocks: i
                  (inputs.heads // attention_layout(partial_kernel)[1], num_blocks, 1), 32 * simdgroups)
     out = poisoned((inputs.heads, inputs.head_dim), inputs.dtype)
     run.dispatch(f"attention_decode_combine_{inputs.dtype}_d{inputs.head_dim}",
-                 [args, inputs.gate, partial_out, partial_stats, out], inputs.heads, COMBINE_THREADS)
+                 [args, inputs.gate, partial_out, partial_stats, out],
+                 (inputs.heads, -(-inputs.head_dim // COMBINE_THREADS), 1), COMBINE_THREADS)
     return partial_out.astype(np.float64), partial_stats.astype(np.float64), to_f64(out, inputs.dtype)
 
 
@@ -210,14 +211,15 @@ def _split(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, blocks: 
     run.compare("combined out", out, inputs.expected(), tolerance(dtype))
 
 
-def _combine(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, blocks: int) -> None:
-    """The combine kernel alone, on exact (fp64, rounded to fp32) partials."""
+def _combine(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, blocks: int, slices: int) -> None:
+    """The combine kernel alone, on exact (fp64, rounded to fp32) partials, each head's D elements split over
+    `slices` threadgroups (the engine: D / COMBINE_THREADS; any split must give the same result)."""
     dtype, head_dim = dtype_of(kernel), attention_layout(kernel)[0]
     inputs = DecodeInputs.random(run.rng, dtype, heads, kv_heads, keys, head_dim)
     part_out, part_stats = inputs.block_partials(blocks)
     out = poisoned((heads, head_dim), dtype)
     run.dispatch(kernel, [inputs.args(blocks), inputs.gate, part_out.astype(np.float32),
-                          part_stats.astype(np.float32), out], heads, COMBINE_THREADS)
+                          part_stats.astype(np.float32), out], (heads, slices, 1), COMBINE_THREADS)
     run.compare("out", to_f64(out, dtype), inputs.expected(), tolerance(dtype))
 
 
@@ -226,10 +228,14 @@ def cases(kernel: str) -> list[Case]:
     head_dim, _, heads = attention_layout(kernel)
     if "_combine_" in kernel:
         # 45 keys in 3 blocks; 130 keys in 128 blocks (LILY_ATTN_SPLIT_MAX_BLOCKS; span 2: blocks 65.. empty), a
-        # block count that is not a multiple of the combine's 4-way unrolled loop (7).
-        return [Case(kernel, f"Hq={heads} Hkv=2 S={s} blocks={b} D={head_dim}",
-                     partial(_combine, kernel=kernel, heads=heads, kv_heads=2, keys=s, blocks=b), quick=i == 0)
-                for i, (s, b) in enumerate([(45, 3), (130, 128), (50, 7)])]
+        # block count that is not a multiple of the combine's 4-way unrolled loop (7), one past its 16 loads in
+        # flight (17); one threadgroup per head (slices 1), the engine's split and one leaving threadgroups idle.
+        engine = -(-head_dim // COMBINE_THREADS)
+        return [Case(kernel, f"Hq={heads} Hkv=2 S={s} blocks={b} slices={n} D={head_dim}",
+                     partial(_combine, kernel=kernel, heads=heads, kv_heads=2, keys=s, blocks=b, slices=n),
+                     quick=i == 0)
+                for i, (s, b, n) in enumerate([(45, 3, engine), (130, 128, 1), (50, 7, engine),
+                                               (70, 17, engine + 1)])]
     family = ("unpacked" if "_unpacked_" in kernel else "plain" if "_plain_" in kernel else "packed", head_dim)
     if "_partial" in kernel:
         return [Case(kernel, f"Hq={h} Hkv={kv} S={s} blocks={b} simdgroups={sg} D={head_dim}",
