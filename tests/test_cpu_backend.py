@@ -1,9 +1,11 @@
-"""The ``cpu`` backend (lily.backends.cpu, lily._ext.cpu) against lily.reference on the tiny random checkpoints.
+"""The ``cpu`` backend (lily.backends.cpu: the engine on its CPU runtime) against lily.reference on the tiny random
+checkpoints.
 
-float32 logits within 1e-4 relative and identical greedy tokens, in every checkpoint layout the loader reads (MLX
-4-bit with bf16 or f32 scales, MLX 8-bit, HF fp32 / bf16 dense, HF quantized on load), on both instruction sets
-(AVX2 and the portable loops), on 1 and 2 threads, in any chunking of the prompt, and through sessions (snapshot,
-restore, save, load) and the user path (`backend="auto"` picks it off a Mac).
+float32 logits within 1e-4 relative and identical greedy tokens, in every checkpoint layout the engine runs (MLX
+4-bit with bf16 or f32 scales; HF fp32 / fp16 / bf16 per-expert checkpoints quantized on load), on both instruction
+sets (AVX2 and the portable loops), on 1 and 2 threads, in any chunking of the prompt, and through sessions
+(snapshot, restore, save, load) and the user path (`backend="auto"` picks it off a Mac). Checkpoints the engine's
+kernels do not take (8-bit experts, dense HF weights not quantized on load) are refused by name.
 """
 
 from __future__ import annotations
@@ -74,30 +76,40 @@ def checkpoint_of(tiny_checkpoints, layout: str, variant: str = "kv64"):
         return load_checkpoint(tiny_checkpoints.mlx(variant, bits=4, dtype="bfloat16"))
     if layout == "mlx4_f32_scales":
         return load_checkpoint(tiny_checkpoints.mlx(variant, bits=4, dtype="float32"))
-    if layout == "mlx8":
-        return load_checkpoint(tiny_checkpoints.mlx(variant, bits=8, dtype="bfloat16"))
+    # The engine runs quantized weights: HF checkpoints are quantized on load, as on the GPU backends.
     if layout == "hf_f32":
-        return load_checkpoint(tiny_checkpoints.hf(variant, dtype="float32"))
+        return load_checkpoint(tiny_checkpoints.hf(variant, dtype="float32"), quantize=4)
     if layout == "hf_f16":
-        return load_checkpoint(tiny_checkpoints.hf(variant, dtype="float16"))
+        return load_checkpoint(tiny_checkpoints.hf(variant, dtype="float16"), quantize=4)
     if layout == "hf_bf16_per_expert":
-        return load_checkpoint(tiny_checkpoints.hf(variant, layout="per_expert", dtype="bfloat16"))
+        return load_checkpoint(tiny_checkpoints.hf(variant, layout="per_expert", dtype="bfloat16"), quantize=4)
     if layout == "hf_quantized_on_load":
         return load_checkpoint(tiny_checkpoints.hf(variant, dtype="bfloat16"), quantize=4)
     raise KeyError(layout)
 
 
 @pytest.mark.parametrize(
-    "layout", ["mlx4", "mlx4_f32_scales", "mlx8", "hf_f32", "hf_f16", "hf_bf16_per_expert", "hf_quantized_on_load"]
+    "layout", ["mlx4", "mlx4_f32_scales", "hf_f32", "hf_f16", "hf_bf16_per_expert", "hf_quantized_on_load"]
 )
 def test_logits_and_greedy_tokens_match_the_reference(tiny_checkpoints, layout, isa):
     checkpoint = checkpoint_of(tiny_checkpoints, layout)
     prompt = np.random.default_rng(hash(layout) % 1000).integers(0, checkpoint.args.vocab_size, 11)
     backend = CpuBackend(checkpoint)
     assert_agree(cpu_run(backend, prompt), reference_run(checkpoint, prompt))
-    # Only weights the loader cannot hand over as file bytes are copied (HF per-expert / on-load quantization).
+    # Matrices are read where the file maps them, at any alignment; only the dense vectors stored in bf16 (norms,
+    # conv taps) are widened to float32 copies.
     if layout.startswith("mlx"):
-        assert backend.owned_bytes == 0
+        weights = checkpoint.weights
+        widened = sum(4 * int(np.prod(weights.shape(n))) for n in weights
+                      if not weights.is_quantized(n) and weights.dtype(n) != "float32")
+        assert backend.owned_bytes == widened
+
+
+def test_checkpoints_the_kernels_do_not_take_are_refused_by_name(tiny_checkpoints):
+    with pytest.raises(ValueError, match=r"switch_mlp\.\w+_proj\.weight: the MoE kernels take 4-bit experts; got 8-bit"):
+        CpuBackend(load_checkpoint(tiny_checkpoints.mlx("kv64", bits=8, dtype="bfloat16")))
+    with pytest.raises(ValueError, match="is not quantized; the engine runs 4/8-bit checkpoints"):
+        CpuBackend(load_checkpoint(tiny_checkpoints.hf("kv64", dtype="float32")))
 
 
 @pytest.mark.parametrize("variant", ["dk32", "gqa4", "d96"])
@@ -164,10 +176,11 @@ def test_one_and_two_threads_give_identical_logits(mlx4):
     np.testing.assert_array_equal(one.forward(prompt[:1], s1), two.forward(prompt[:1], s2))
 
 
-@pytest.mark.parametrize("layout", ["mlx4", "mlx8", "hf_f32"])
+@pytest.mark.parametrize("layout", ["mlx4", "mlx4_f32_scales", "hf_f32"])
 def test_short_prompts_and_decode_steps_do_not_depend_on_the_thread_count(tiny_checkpoints, layout, isa):
-    """Prompts of 1 to 8 tokens (the GEMV; the projections of one input as one job; experts with 1 to 8 tokens each)
-    then decode steps, on 1, 2 and 3 threads: the pool splits rows, experts and heads, never a sum."""
+    """Prompts of 1 to 8 tokens (the GEMV; the projections of one input as one job in a decode step; experts with 1
+    to 8 tokens each) then decode steps, on 1, 2 and 3 threads: the pool splits rows, experts and heads, never a
+    sum."""
     checkpoint = checkpoint_of(tiny_checkpoints, layout)
     backends = [CpuBackend(checkpoint, threads=n) for n in (1, 2, 3)]
     rng = np.random.default_rng(9)

@@ -3,7 +3,8 @@ width 512, attention heads 16/2 of dim 256, DeltaNet 16/32 heads of dim 128) but
 
 The checkpoint is written as MLX 4-bit (routers 8-bit) with random codes, streamed to disk; a subprocess loads it
 with backend="cpu", prefills and decodes, and reads its peak resident set (VmHWM). The engine reads the weights
-where the file is mapped, so the peak stays under 1.2 x the checkpoint's bytes plus the KV cache and DeltaNet state;
+where the file is mapped (the CPU runtime binds tensors at any alignment, unshifted), so the peak stays under 1.2 x
+the checkpoint's bytes plus the KV cache and DeltaNet state the engine holds;
 an fp32 copy of one layer's experts alone (3.2 GB) would exceed it several times over.
 
 The vocabulary is cut to 32768 rows (from 248320): it only sets the row count of the embedding and lm_head, two
@@ -97,7 +98,8 @@ import lily
 model = lily.Model.load(sys.argv[1], backend="cpu")
 session = model.prefill(list(range(1, 65)), use_cache=False)
 tokens = [t.id for t in session.decode(max_tokens=16, temperature=0, stop_token_ids=[])]
-state = sum(a.nbytes for layer in session.state.layers for a in vars(layer).values() if isinstance(a, np.ndarray))
+held = model.backend._engine.device_memory()  # the engine's buffers: the KV cache and the DeltaNet and conv states
+state = held["kv_cache"] + held["state"]
 hwm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
 print(json.dumps({"hwm": hwm, "state": state, "tokens": tokens, "backend": model.backend_name}))
 """

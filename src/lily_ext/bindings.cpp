@@ -11,6 +11,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "cpu/cpu_runtime.h"
 #include "cuda/runtime.h"
 #include "metal_runtime.h"
 #include "plan.h"
@@ -415,16 +416,18 @@ void new_engine(lily::Engine* e, const lily::ModelConfig& config, const std::str
                 const lily::Switches& switches,
                 size_t max_context, const std::optional<std::string>& metallib,
                 const std::map<std::string, std::string>& family_sources, const std::string& runtime_name,
-                const std::string& ptx_dir) {
+                const std::string& ptx_dir, size_t threads) {
   std::unique_ptr<lily::Runtime> runtime;
-  if (runtime_name == "cuda") {
+  if (runtime_name == "cpu") {
+    runtime = std::make_unique<lily::CpuRuntime>(threads);
+  } else if (runtime_name == "cuda") {
     runtime = std::make_unique<lily::CudaRuntime>(0, ptx_dir);
   } else if (runtime_name == "metal") {
     std::optional<lily::MetallibFile> library;
     if (metallib) library = lily::MetallibFile{*metallib};
     runtime = std::make_unique<lily::MetalRuntime>(lily::embedded_kernel_families(family_sources), library);
   } else {
-    throw nb::value_error(("runtime must be 'metal' or 'cuda'; got '" + runtime_name + "'").c_str());
+    throw nb::value_error(("runtime must be 'metal', 'cuda' or 'cpu'; got '" + runtime_name + "'").c_str());
   }
   new (e) lily::Engine(config, precision_from(precision), switches, max_context, std::move(runtime));
 }
@@ -443,7 +446,7 @@ void bind_engine(nb::module_ m) {
       .def("__init__", &new_engine,
            nb::arg("config"), nb::arg("precision"), nb::arg("switches"), nb::arg("max_context"),
            nb::arg("metallib") = nb::none(), nb::arg("family_sources") = std::map<std::string, std::string>(),
-           nb::arg("runtime") = "metal", nb::arg("ptx_dir") = "")
+           nb::arg("runtime") = "metal", nb::arg("ptx_dir") = "", nb::arg("threads") = 1)
       .def("add_file", &lily::Engine::add_file, nb::arg("path"))
       .def("buffer_origin", &lily::Engine::buffer_origin, nb::arg("id"))
       .def("add_owned",

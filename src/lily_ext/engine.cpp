@@ -32,8 +32,9 @@ Engine::Engine(const ModelConfig& config, Precision precision, const Switches& s
     : config_(config), precision_(precision), switches_(switches), max_context_(max_context),
       runtime_(std::move(runtime)) {
   config_.validate();
-  config_.check_kernel_shapes();
+  if (!runtime_->kernels_for_any_shape()) config_.check_kernel_shapes();
   if (max_context_ == 0) throw Error("[engine] max_context must be positive");
+  runtime_->restrict_switches(switches_);
   switches_.tensor_ops = switches_.tensor_ops && runtime_->supports_tensor_ops();
   switches_.staged_gemv = switches_.staged_gemv && runtime_->prefers_staged_gemv();
   if (switches_.mma_attention && !simdgroup_layout_matches(*runtime_)) {
@@ -117,7 +118,7 @@ void Engine::bind_synthetic_weights() {
 // `ref`'s spans are byte ranges of the files as written; each moves by where its buffer put the file's byte 0. A span
 // still not aligned to its elements (a writer that does not pad tensors: MLX after an odd-sized bf16 tensor) is copied
 // into a buffer of its own, since a GPU reads an element only at an address aligned to its size (the fake Metal and
-// fake libcuda check that per kernel argument).
+// fake libcuda check that per kernel argument); a runtime that reads unaligned (the CPU's) binds it in place.
 void Engine::bind_weight(const std::string& name, const WeightRef& ref) {
   if (loaded_) throw Error("[engine] " + name + ": weights are bound before finish_loading");
   WeightRef placed = ref;
@@ -131,7 +132,7 @@ void Engine::bind_weight(const std::string& name, const WeightRef& ref) {
       throw Error("[engine] " + name + ": its byte range is not inside a loaded file or buffer");
     }
     const size_t alignment = dtype_size(span == &placed.data ? (ref.bits ? DType::U32 : ref.dtype) : ref.scale_dtype);
-    if (span->offset % alignment) {
+    if (span->offset % alignment && !runtime_->reads_unaligned()) {
       const DeviceBuffer& source = *buffers_[span->buffer];
       const int id = add_buffer("realigned " + name, BufferRole::Weights,
                                 runtime_->allocate(span->length, Memory::Device));
@@ -149,6 +150,11 @@ void Engine::finish_loading() {
   // Dense tensors are read by kernels templated on the activation dtype, except A_log and dt_bias (always f32).
   const DType act = precision_ == Precision::Float32 ? DType::F32 : DType::BF16;
   for (const auto& [name, w] : weights_) {
+    // The MoE kernels read 4-bit experts (metal/moe*.metal, and the CPU runtime's): anything else is refused here.
+    if (w.experts && w.bits != 4) {
+      throw Error("[engine] " + name + ": the MoE kernels take 4-bit experts; got " +
+                  (w.bits ? std::to_string(w.bits) + "-bit" : std::string("dense")) + " weights");
+    }
     if (w.bits) continue;
     DType wanted = ends_with(name, "A_log") || ends_with(name, "dt_bias") ? DType::F32 : act;
     if (w.dtype != wanted) {

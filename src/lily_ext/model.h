@@ -369,6 +369,7 @@ class Engine {
   const std::vector<NodeTime>& node_times() const { return node_times_; }
   void clear_node_times() { node_times_.clear(); }
   const ModelConfig& config() const { return config_; }
+  Runtime& runtime() const { return *runtime_; }
 
  private:
   // A pass built once per shape and recorded once for the runtime, submitted with the position written into its

@@ -14,6 +14,7 @@
 namespace lily {
 
 struct Graph;
+struct Switches;
 
 // Where a buffer lives. Device: GPU memory the host reaches through upload/download (Metal's shared storage is
 // both). HostVisible: memory the host reads and writes directly while the GPU uses it (per-step I/O: token ids).
@@ -96,6 +97,13 @@ class Runtime {
   // Decode GEMVs stage x in threadgroup memory (tuning::staged_gemv): where scattered per-lane loads of x cost more
   // than the staging (NVIDIA's L1), not on Apple GPUs.
   virtual bool prefers_staged_gemv() const { return false; }
+  // Turns off the engine switches whose kernels this runtime lacks (the CPU runtime: see cpu/cpu_runtime.h); the
+  // builder then emits their plain counterparts. Metal and CUDA run every switch.
+  virtual void restrict_switches(Switches&) const {}
+  // Kernels read weights at any address: files are bound as mapped, no tensor is copied to align it (the CPU).
+  virtual bool reads_unaligned() const { return false; }
+  // Kernels exist for any head dims and head counts (the CPU's C++ functions), not only the instantiated ones.
+  virtual bool kernels_for_any_shape() const { return false; }
 
   // ---- graphs ----
   // Nodes [begin, end) of `graph`, whose buffer i is buffers[i]. The buffers must outlive the recording; the

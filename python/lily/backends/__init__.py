@@ -3,7 +3,7 @@
 ``reference``: ``lily.reference.ReferenceModel``, the specification itself (numpy, float32, always available).
 ``metal``: ``lily.backends.metal.MetalBackend``, the compiled engine (``lily.backends.engine``) on Metal.
 ``cuda``: ``lily.backends.cuda.CudaBackend``, the same engine on its CUDA runtime (NVIDIA GPUs).
-``cpu``: ``lily.backends.cpu.CpuBackend``, the extension's C++ forward pass on the packed weights (any machine).
+``cpu``: ``lily.backends.cpu.CpuBackend``, the same engine on its CPU runtime (any machine).
 
 Every backend is a ``Backend``; what only some can do is a capability, a protocol of its own, that ``lily.Model`` and
 ``lily bench`` test with ``isinstance``: ``GpuDecoding``, ``LiveSequence``, ``DeviceMemoryReport``, ``ExpertCounts``,
@@ -165,9 +165,9 @@ def choose(name: str) -> str:
 
 def create(name: str, checkpoint: Any, precision: str | None = None, max_context: int | None = None,
            progress: bool = False) -> Backend:
-    """A backend of the chosen ``name`` ("reference", "metal", "cuda" or "cpu") over ``checkpoint``; ``precision``,
-    ``max_context`` (the KV cache's limit) and ``progress`` (a load progress bar) apply to the engine backends, metal
-    and cuda, and None keeps their defaults."""
+    """A backend of the chosen ``name`` ("reference", "metal", "cuda" or "cpu") over ``checkpoint``; ``precision``
+    (metal and cuda; cpu is float32), ``max_context`` (the KV cache's limit) and ``progress`` (a load progress bar)
+    apply to the engine backends, metal, cuda and cpu, and None keeps their defaults."""
     options = {key: value for key, value in (("precision", precision), ("max_context", max_context))
                if value is not None}
     options["progress"] = progress
@@ -182,7 +182,8 @@ def create(name: str, checkpoint: Any, precision: str | None = None, max_context
     if name == "cpu":
         from lily.backends.cpu import CpuBackend
 
-        return CpuBackend(checkpoint)
+        options.pop("precision", None)  # Model.load refuses any but float32 for cpu
+        return CpuBackend(checkpoint, **options)
     from lily.reference import ReferenceModel
 
     return ReferenceModel(checkpoint)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["DEVICE_KINDS", "KernelDevice", "open_device"]
 
-DEVICE_KINDS = ("auto", "metal-api", "harness", "cuda")
+DEVICE_KINDS = ("auto", "metal-api", "harness", "cuda", "cpu")
 # Options of lily._ext.msl.dispatch that choose how the CPU harness schedules and guards a dispatch: no GPU has them.
 HARNESS_ONLY_OPTIONS = {"random_schedule", "seed", "guard", "poison_threadgroup_memory", "workers"}
 
@@ -25,7 +25,7 @@ HARNESS_ONLY_OPTIONS = {"random_schedule", "seed", "guard", "poison_threadgroup_
 class KernelDevice:
     """Where the cases' dispatches go: what it is, its dispatch function and the kernels it has."""
 
-    kind: str  # "metal-api", "harness" or "cuda"
+    kind: str  # "metal-api", "harness", "cuda" or "cpu" (the CPU runtime's kernel table, float32 kernels only)
     name: str  # the GPU's name, or "CPU execution harness"
     run: Callable[..., None]  # the executor's own dispatch
     kernels: list[str]  # the instantiated kernels it runs, sorted
@@ -51,6 +51,8 @@ class KernelDevice:
             return f"Kernels ran on the NVIDIA GPU '{self.name}' through the CUDA driver API."
         if self.kind == "harness":
             return "Kernels ran on the CPU execution harness; no GPU is tested."
+        if self.kind == "cpu":
+            return "Kernels ran as the CPU runtime's C++ functions (backend='cpu'); no GPU is tested."
         if self.gpu_tested:
             return f"Kernels ran on the GPU '{self.name}' through the Metal API."
         return f"Kernels ran through the Metal API on '{self.name}'; no GPU is tested."
@@ -93,7 +95,7 @@ def _metal_dispatch(runner) -> Callable[..., None]:
 
 
 def open_device(kind: str = "auto") -> KernelDevice:
-    """The device of `kind`: auto (metal-api on a Mac, harness elsewhere), metal-api, harness or cuda.
+    """The device of `kind`: auto (metal-api on a Mac, harness elsewhere), metal-api, harness, cuda or cpu.
 
     Raises ImportError when the harness or the Metal runner is not built, RuntimeError when Metal has no device or
     refuses the kernel source (lily.cuda.CudaError, a RuntimeError, without a driver or PTX), and ValueError for an
@@ -108,6 +110,10 @@ def open_device(kind: str = "auto") -> KernelDevice:
         runner = _metal_runner()
         return KernelDevice("metal-api", runner.device_name, _metal_dispatch(runner), list(runner.kernel_names()),
                             list(runner.missing_kernel_names()), list(runner.library_failures()))
+    if kind == "cpu":
+        from lily._ext import cpu
+
+        return KernelDevice("cpu", "CPU runtime", cpu.dispatch, list(cpu.kernel_names()))
     if kind == "cuda":
         runner = _cuda_runner()
         return KernelDevice("cuda", runner.device_name, runner.dispatch, runner.kernel_names())

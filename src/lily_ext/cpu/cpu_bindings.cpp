@@ -1,4 +1,5 @@
-// nanobind bindings of the CPU backend (lily._ext.cpu): conversion only; python/lily/cpu.py is the caller.
+// nanobind bindings of the CPU runtime (lily._ext.cpu): conversion only; python/lily/backends/cpu.py and the kernel
+// tests' "cpu" device (lily.selftest.device) are the callers.
 #include "cpu_bindings.h"
 
 #include <nanobind/ndarray.h>
@@ -6,8 +7,10 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <memory>
+
 #include "../model.h"
-#include "cpu_model.h"
+#include "cpu_runtime.h"
 
 namespace nb = nanobind;
 
@@ -15,9 +18,45 @@ namespace lily::cpu {
 
 namespace {
 
-using Floats = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
+CpuRuntime& cpu_runtime(const Engine& engine) {
+  auto* runtime = dynamic_cast<CpuRuntime*>(&engine.runtime());
+  if (!runtime) throw nb::value_error("this engine does not run on the cpu runtime");
+  return *runtime;
+}
 
-Span span(const std::tuple<size_t, size_t, size_t>& t) { return {std::get<0>(t), std::get<1>(t), std::get<2>(t)}; }
+// The runtime the kernel tests dispatch on (two threads: the split paths run).
+CpuRuntime& test_runtime() {
+  static CpuRuntime runtime(2);
+  return runtime;
+}
+
+// One kernel of the table on arrays in place: args[i] binds [[buffer(i)]] (bytes: the argument struct).
+void dispatch(const std::string& kernel, const nb::list& args, const std::tuple<size_t, size_t, size_t>& groups,
+              const std::tuple<size_t, size_t, size_t>&, const nb::kwargs&) {
+  CpuRuntime& runtime = test_runtime();
+  auto graph = std::make_shared<Graph>();
+  std::vector<std::unique_ptr<DeviceBuffer>> owned;
+  std::vector<DeviceBuffer*> buffers;
+  Node node;
+  node.kernel = kernel;
+  node.groups = {std::get<0>(groups), std::get<1>(groups), std::get<2>(groups)};
+  for (nb::handle a : args) {
+    NodeArg arg;
+    if (nb::isinstance<nb::bytes>(a)) {
+      nb::bytes b = nb::borrow<nb::bytes>(a);
+      const auto* p = static_cast<const unsigned char*>(static_cast<const void*>(b.c_str()));
+      arg.bytes.assign(p, p + b.size());
+    } else {
+      auto array = nb::cast<nb::ndarray<nb::c_contig, nb::device::cpu>>(a);
+      owned.push_back(runtime.wrap(array.data(), array.nbytes()));
+      buffers.push_back(owned.back().get());
+      arg.buffer = graph->add_buffer("arg", array.nbytes(), BufferRole::Io);
+    }
+    node.args.push_back(std::move(arg));
+  }
+  graph->nodes.push_back(std::move(node));
+  runtime.submit(runtime.record(graph, 0, 1, buffers, {}), 0)->wait();
+}
 
 }  // namespace
 
@@ -25,59 +64,31 @@ void bind(nb::module_& m) {
   m.def("set_isa", &set_isa, nb::arg("name"),
         "Instruction set of the hot loops: 'avx2' (AVX2 + FMA; ValueError where the CPU lacks them) or 'portable'.");
   m.def("isa", &isa, "The instruction set in use: 'avx2' or 'portable'.");
-  nb::class_<CpuModel>(m, "CpuModel")
-      .def("__init__", [](CpuModel* model, const ModelConfig& config, std::vector<float> inv_freq, size_t threads) {
-             new (model) CpuModel(cpu_config(config, std::move(inv_freq)), threads);
-           }, nb::arg("config"), nb::arg("inv_freq"), nb::arg("threads"),
-           "config: a lily._ext.ModelConfig (lily.backends.engine_config); inv_freq: lily.reference.rope_inv_freq's.")
-      .def("add_file", &CpuModel::add_file, nb::arg("path"))
-      .def("add_owned",
-           [](CpuModel& model, nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> bytes) {
-             return model.add_owned(bytes.data(), bytes.shape(0));
-           }, nb::arg("bytes"))
-      .def_prop_ro("owned_bytes", &CpuModel::owned_bytes)
-      .def_prop_ro("threads", &CpuModel::threads)
-      .def("bind_matrix",
-           [](CpuModel& model, const std::string& name, int bits, int group, const std::string& dtype, size_t experts,
-              size_t rows, size_t cols, const std::tuple<size_t, size_t, size_t>& data,
-              const std::tuple<size_t, size_t, size_t>& scales, const std::tuple<size_t, size_t, size_t>& biases) {
-             model.bind_matrix(name, bits, group, dtype_from_name(dtype), experts, rows, cols, span(data), span(scales),
-                               span(biases));
-           },
-           nb::arg("name"), nb::arg("bits"), nb::arg("group"), nb::arg("dtype"), nb::arg("experts"), nb::arg("rows"),
-           nb::arg("cols"), nb::arg("data"), nb::arg("scales"), nb::arg("biases"))
-      .def("bind_vector",
-           [](CpuModel& model, const std::string& name,
-              nb::ndarray<const float, nb::c_contig, nb::device::cpu> values) {
-             model.bind_vector(name, std::vector<float>(values.data(), values.data() + values.size()));
-           }, nb::arg("name"), nb::arg("values"))
-      .def("finish_loading", &CpuModel::finish_loading)
-      .def("expert_tokens",
-           [](const CpuModel& model) {
-             const size_t experts = model.config().num_experts, layers = model.expert_tokens().size() / experts;
-             auto* counts = new std::vector<uint64_t>(model.expert_tokens());
-             nb::capsule owner(counts, [](void* p) noexcept { delete static_cast<std::vector<uint64_t>*>(p); });
-             return nb::ndarray<nb::numpy, uint64_t, nb::ndim<2>>(counts->data(), {layers, experts}, owner);
-           },
-           "Routed (token, slot) pairs per layer and expert since loading or the last reset, uint64 [layers, experts].")
-      .def("reset_expert_tokens", &CpuModel::reset_expert_tokens)
-      .def("forward",
-           [](CpuModel& model, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> ids,
-              size_t position, const std::vector<std::tuple<Floats, Floats>>& states,
-              nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> logits, bool last_only) {
-             const size_t tokens = ids.shape(0);
-             if (tokens == 0) throw nb::value_error("forward needs at least one token");
-             if (logits.shape(0) != (last_only ? 1 : tokens) || logits.shape(1) != model.config().vocab_size)
-               throw nb::value_error("logits must be float32 [tokens (1 if last_only), vocab_size]");
-             std::vector<LayerState> layers;
-             for (const auto& [first, second] : states)
-               layers.push_back({first.data(), second.data(), first.size(), second.size()});
-             nb::gil_scoped_release release;
-             model.forward(ids.data(), tokens, position, layers, logits.data(), last_only);
-           },
-           nb::arg("ids"), nb::arg("position"), nb::arg("states"), nb::arg("logits"), nb::arg("last_only"),
-           "Run ids after `position` tokens; states[i] is layer i's (keys, values) or (conv, recurrent) float32\n"
-           "arrays, updated in place (keys/values need position + len(ids) rows).");
+  m.def("kernel_names", [] { return test_runtime().kernel_names(); },
+        "The kernels the CPU runtime's table runs (sized ones at head dims 64, 128 and 256), sorted.");
+  m.def("dispatch", &dispatch, nb::arg("kernel"), nb::arg("args"), nb::arg("threadgroups"),
+        nb::arg("threads_per_threadgroup"), nb::arg("options"),
+        "Run one kernel of the CPU runtime's table on numpy arrays in place (the harness's calling convention: "
+        "args[i] binds [[buffer(i)]], bytes are the argument struct; the grid's width is a row count where the "
+        "struct has none; harness options are ignored). RuntimeError names a kernel the table lacks.");
+  m.def("threads", [](const Engine& e) { return cpu_runtime(e).threads(); }, nb::arg("engine"),
+        "Threads of a cpu-runtime engine.");
+  m.def(
+      "expert_tokens",
+      [](Engine& e, bool reset) {
+        CpuRuntime& runtime = cpu_runtime(e);
+        const size_t layers = e.config().num_layers(), experts = e.config().num_experts;
+        auto* counts = new std::vector<uint64_t>(layers * experts, 0);
+        for (size_t l = 0; l < std::min(layers, runtime.expert_tokens().size()); ++l) {
+          const std::vector<uint64_t>& row = runtime.expert_tokens()[l];
+          std::copy(row.begin(), row.begin() + std::min(row.size(), experts), counts->begin() + l * experts);
+        }
+        if (reset) runtime.reset_expert_tokens();
+        nb::capsule owner(counts, [](void* p) noexcept { delete static_cast<std::vector<uint64_t>*>(p); });
+        return nb::ndarray<nb::numpy, uint64_t, nb::ndim<2>>(counts->data(), {layers, experts}, owner);
+      },
+      nb::arg("engine"), nb::arg("reset") = false,
+      "Routed (token, slot) pairs per layer and expert since loading or the last reset, uint64 [layers, experts].");
 }
 
 }  // namespace lily::cpu

@@ -1,7 +1,8 @@
-// The CPU backend's ops (backend="cpu"): the maths of python/lily/reference.py, in C++ on the packed checkpoint
-// weights. One op family per file, named as the reference function and the Metal kernel family it mirrors:
-// qmatmul.cpp (linear, embed), rms_norm.cpp, attention.cpp, gated_delta.cpp, moe.cpp; thread_pool.cpp runs them
-// on a few threads. Portable C++17 (g++ or clang); AVX2/FMA paths are chosen at run time (see `set_isa`).
+// The CPU runtime's ops (backend="cpu"): the maths of python/lily/reference.py, in C++ on the packed checkpoint
+// weights, behind the kernels of kernels.h. One op family per file, named as the reference function and the Metal
+// kernel family it mirrors: qmatmul.cpp (linear, embedding), rms_norm.cpp, attention.cpp, gated_delta.cpp, moe.cpp;
+// thread_pool.cpp runs them on a few threads. Portable C++17 (g++ or clang); AVX2/FMA paths are chosen at run time
+// (see `set_isa`).
 #pragma once
 
 #include <algorithm>
@@ -88,19 +89,25 @@ void set_isa(const std::string& name);
 std::string isa();
 bool avx2_enabled();
 
-// ---- qmatmul.cpp: linear (x @ W^T) and embed ----
+// ---- qmatmul.cpp: linear (x @ W^T) ----
 // out[t, n] = sum_k x[t, k] W[n, k] for t < T, n < W.rows. Serial when pool is null.
 void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPool* pool);
-// One weight of a linear_many call, and its output [tokens, w->rows].
+// One weight of a linear_many call, its input (null: the call's x) and its output [tokens, w->rows].
 struct LinearTarget {
   const Matrix* w;
   float* out;
+  const float* x = nullptr;
 };
-// linear of several weights with the same columns on the same x. Up to 8 tokens, x is put in chunk order once per
-// weight format and the rows of all the weights run as one parallel job; more tokens run linear per weight.
-void linear_many(const float* x, size_t tokens, std::initializer_list<LinearTarget> targets, ThreadPool* pool);
-// Rows `ids` of W, dequantized: out [count, cols].
-void embed(const int64_t* ids, size_t count, const Matrix& w, float* out);
+constexpr size_t kMaxLinearTargets = 32;
+// linear of several weights with the same columns. Up to 8 tokens, each input is put in chunk order once per weight
+// format and the rows of all the weights run as one parallel job; more tokens run linear per weight.
+void linear_many(const float* x, size_t tokens, const LinearTarget* targets, size_t count, ThreadPool* pool);
+inline void linear_many(const float* x, size_t tokens, std::initializer_list<LinearTarget> targets,
+                        ThreadPool* pool) {
+  linear_many(x, tokens, targets.begin(), targets.size(), pool);
+}
+// Row `row` of W, dequantized: out [cols].
+void dequantize_row(const Matrix& w, size_t row, float* out);
 // sum_k a[k] b[k] and y += alpha x, on the chosen instruction set (fp32 accumulation).
 float dot(const float* a, const float* b, size_t n);
 void axpy(float alpha, const float* x, float* y, size_t n);
@@ -117,15 +124,12 @@ void l2_normalize(float* x, size_t rows, size_t n, float scale);
 
 // ---- attention.cpp ----
 struct AttentionShape {
-  size_t heads, kv_heads, head_dim, rotary_dim;
+  size_t heads, kv_heads, head_dim, capacity;  // capacity: rows per KV head of the caches [Hkv, capacity, D]
 };
-// q_and_gate [T, Hq, 2D] -> q, gate [T, Hq, D] (q RMS-normed and roped); k [T, Hkv, D] normed and roped in place.
-void attention_prep(const float* q_and_gate, float* k, const AttentionShape& s, size_t tokens, const float* q_norm,
-                    const float* k_norm, const float* inv_freq, size_t position, float eps, float* q, float* gate);
-// Causal attention of T queries at positions offset..offset+T-1 over keys/values [S, Hkv, D] with a sigmoid gate;
+// Causal attention of T queries q [T, Hq, D] at positions first..first+T-1 over the caches, with a sigmoid gate;
 // out [T, Hq, D]. Softmax row by row (no T x S score matrix).
 void attention(const float* q, const float* keys, const float* values, const float* gate, const AttentionShape& s,
-               size_t tokens, size_t offset, float* out, ThreadPool* pool);
+               size_t tokens, size_t first, float scale, float* out, ThreadPool* pool);
 
 // ---- gated_delta.cpp ----
 struct DeltaNetShape {
@@ -134,20 +138,10 @@ struct DeltaNetShape {
   size_t value_dim() const { return v_heads * v_dim; }
   size_t conv_dim() const { return 2 * key_dim() + value_dim(); }
 };
-// x [T, C] -> SiLU(causal depthwise conv) in place; conv_state [K-1, C] holds the last K-1 raw inputs.
-void causal_conv1d(float* x, size_t tokens, size_t channels, size_t taps, const float* w, float* conv_state,
-                   ThreadPool* pool);
-// The gated delta rule per value head over T tokens from `state` [Hv, dk, dv] (updated); o [T, Hv, dv].
-void gated_delta_rule(const float* mixed, const float* g, const float* beta, const DeltaNetShape& s, size_t tokens,
-                      float* state, float* o, ThreadPool* pool);
 
 // ---- moe.cpp ----
 // Softmax over E logits, top-k (ties to the lower id), renormalised: indices/weights [T, k].
-void moe_route(const float* logits, size_t tokens, size_t experts, size_t k, int32_t* indices, float* weights);
-// sum_r w_r * down_e(SiLU(gate_e x) * up_e x) over each token's experts, grouped by expert; out [T, H].
-void swiglu_experts(const float* x, size_t tokens, size_t hidden, const Matrix& gate_proj, const Matrix& up_proj,
-                    const Matrix& down_proj, const int32_t* indices, const float* weights, size_t k, float* out,
-                    ThreadPool* pool);
+void moe_route(const float* logits, size_t tokens, size_t experts, size_t k, uint32_t* indices, float* weights);
 
 // float exp: within 2 ulp of the reference's double evaluation, and several times faster.
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }

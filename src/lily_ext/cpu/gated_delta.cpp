@@ -1,155 +1,235 @@
-// causal_conv1d and gated_delta_rule (reference.py "Gated DeltaNet"), the CPU twin of metal/gated_delta.metal:
-// the recurrence runs token by token on the fp32 state, one slab of a value head's columns per task.
+// Gated DeltaNet (reference.py), the CPU twin of metal/gated_delta.metal and gated_delta_prefill.metal:
+//   gated_delta_conv_f32_dk<Dk>, gated_delta_conv_state_f32_dk<Dk>  the causal conv + SiLU into an f32 [T, C], then
+//                                                                   the conv state (the last K - 1 raw inputs)
+//   gated_delta_prefill[_blockwise]_f32_dk<Dk>                      the recurrence over T tokens into an f32 o
+//   gated_delta_prefill_norm_f32                                    the SiLU(z)-gated RMSNorm of o
+//   gated_delta_step_f32_dk<Dk>                                     one token: the three above in one node
+// The step runs the same functions as the prefill kernels, so T steps and one prefill of T tokens give equal bits.
+// The recurrent state is [Hv, dv, Dk] fp32: one contiguous Dk row per value channel, worked on row by row.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
-#include "cpu_ops.h"
+#include "../../../metal/lily.h"
+#include "kernels.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
+#define LILY_CPU_X86 1
 #endif
 
 namespace lily::cpu {
 
-void causal_conv1d(float* x, size_t tokens, size_t channels, size_t taps, const float* w, float* conv_state,
-                   ThreadPool* pool) {
-  const size_t history_rows = taps - 1;
-  // history = [conv_state; x]: row r < K-1 is state row r, row K-1+t is input t.
-  std::vector<float> history((history_rows + tokens) * channels);
-  std::memcpy(history.data(), conv_state, history_rows * channels * sizeof(float));
-  std::memcpy(history.data() + history_rows * channels, x, tokens * channels * sizeof(float));
-  // The weights tap-major [taps, channels], so that each tap is one pass over a row with channels innermost (which
-  // the compiler vectorizes); each channel's sum still adds the taps in order.
-  std::vector<float> tap_major(taps * channels);
-  for (size_t c = 0; c < channels; ++c)
-    for (size_t j = 0; j < taps; ++j) tap_major[j * channels + c] = w[c * taps + j];
-  auto rows = [&](size_t begin, size_t end) {
-    std::vector<float> sum(channels);
-    for (size_t t = begin; t < end; ++t) {
-      std::fill(sum.begin(), sum.end(), 0.0f);
-      for (size_t j = 0; j < taps; ++j) {
-        const float* tap = tap_major.data() + j * channels;
-        const float* in = history.data() + (t + j) * channels;
-        for (size_t c = 0; c < channels; ++c) sum[c] += tap[c] * in[c];
-      }
-      std::copy(sum.begin(), sum.end(), x + t * channels);
-      silu(x + t * channels, nullptr, channels);
-    }
-  };
-  if (pool) pool->for_items(tokens, channels * (taps + 8), rows);
-  else rows(0, tokens);
-  std::memcpy(conv_state, history.data() + tokens * channels, history_rows * channels * sizeof(float));
-}
-
 namespace {
 
-// Columns are independent in the recurrence (column c of S, v, e and o only meet column c), so the state is worked
-// on in slabs of this many columns: heads x slabs tasks instead of heads alone (4 value heads in the demo model).
-// A slab holds up to 4 vectors of 8 columns, whose sums are independent FMA chains (one chain waits on the FMA
-// latency); each column's operations are the same whatever the slab width.
-constexpr size_t kSlabColumns = 32;
+constexpr size_t kConvTaps = LILY_GDN_CONV_KERNEL;
 
-// One token of one value head on columns [c0, c1) of its state S [dk, dv]: S *= decay; e = beta (v - S^T k);
-// S += k e^T; o = S^T q.
-void delta_step_portable(float* S, const float* q, const float* k, const float* v, float decay, float beta,
-                         size_t dk, size_t dv, size_t c0, size_t c1, float* out) {
-  float error[kSlabColumns];
-  for (size_t c = c0; c < c1; ++c) error[c - c0] = v[c];
-  for (size_t a = 0; a < dk; ++a) {
-    float* row = S + a * dv;
-    for (size_t c = c0; c < c1; ++c) {
-      row[c] *= decay;
-      error[c - c0] -= k[a] * row[c];
-    }
-  }
-  for (size_t c = c0; c < c1; ++c) {
-    error[c - c0] *= beta;
-    out[c] = 0.0f;
-  }
-  for (size_t a = 0; a < dk; ++a) {
-    float* row = S + a * dv;
-    for (size_t c = c0; c < c1; ++c) {
-      row[c] += k[a] * error[c - c0];
-      out[c] += q[a] * row[c];
-    }
-  }
+DeltaNetShape shape(const KernelCall& c, const GatedDeltaArgs& a) {
+  return {a.num_k_heads, a.num_v_heads, c.dim, a.head_v_dim, kConvTaps};
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-// The same step on NV vectors of 8 columns from c0.
-template <size_t NV>
-__attribute__((target("avx2,fma"))) void delta_step_avx2(float* S, const float* q, const float* k, const float* v,
-                                                         float decay, float beta, size_t dk, size_t dv, size_t c0,
-                                                         float* out) {
-  const __m256 d = _mm256_set1_ps(decay), b = _mm256_set1_ps(beta);
-  __m256 e[NV], o[NV];
-  for (size_t i = 0; i < NV; ++i) e[i] = _mm256_loadu_ps(v + c0 + 8 * i);
-  for (size_t a = 0; a < dk; ++a) {
-    float* row = S + a * dv + c0;
-    const __m256 ka = _mm256_set1_ps(k[a]);
-    for (size_t i = 0; i < NV; ++i) {
-      const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + 8 * i), d);
-      _mm256_storeu_ps(row + 8 * i, s);
-      e[i] = _mm256_fnmadd_ps(ka, s, e[i]);
+// conv_out [T, C] = SiLU(causal depthwise conv) of [conv_state (K-1 rows); qkv (T rows)], weights [C, K].
+void conv(const float* qkv, size_t tokens, size_t channels, const float* weight, const float* conv_state,
+          float* conv_out, ThreadPool& pool) {
+  const size_t history = kConvTaps - 1;
+  // The weights tap-major, so that each tap is one pass over a row with channels innermost (which the compiler
+  // vectorizes); each channel's sum still adds the taps in order.
+  thread_local std::vector<float> taps;
+  std::vector<float>& tap_major = taps;  // the caller's, also where the workers read it
+  tap_major.resize(kConvTaps * channels);
+  for (size_t c = 0; c < channels; ++c)
+    for (size_t j = 0; j < kConvTaps; ++j) tap_major[j * channels + c] = load_f32(weight + c * kConvTaps + j);
+  // Input row r of [state; qkv] for token t's tap j is r = t + j.
+  auto input = [&](size_t r) { return r < history ? conv_state + r * channels : qkv + (r - history) * channels; };
+  pool.for_items(tokens, channels * (kConvTaps + 8), [&](size_t t0, size_t t1) {
+    for (size_t t = t0; t < t1; ++t) {
+      float* sum = conv_out + t * channels;
+      std::fill(sum, sum + channels, 0.0f);
+      for (size_t j = 0; j < kConvTaps; ++j) {
+        const float* tap = tap_major.data() + j * channels;
+        const float* in = input(t + j);
+        for (size_t c = 0; c < channels; ++c) sum[c] += tap[c] * in[c];
+      }
+      silu(sum, nullptr, channels);
     }
-  }
-  for (size_t i = 0; i < NV; ++i) {
-    e[i] = _mm256_mul_ps(e[i], b);
-    o[i] = _mm256_setzero_ps();
-  }
-  for (size_t a = 0; a < dk; ++a) {
-    float* row = S + a * dv + c0;
-    const __m256 ka = _mm256_set1_ps(k[a]), qa = _mm256_set1_ps(q[a]);
-    for (size_t i = 0; i < NV; ++i) {
-      const __m256 s = _mm256_fmadd_ps(ka, e[i], _mm256_loadu_ps(row + 8 * i));
-      _mm256_storeu_ps(row + 8 * i, s);
-      o[i] = _mm256_fmadd_ps(qa, s, o[i]);
-    }
-  }
-  for (size_t i = 0; i < NV; ++i) _mm256_storeu_ps(out + c0 + 8 * i, o[i]);
+  });
 }
 
-// Columns [c0, c1), a multiple of 8 columns (dv is; the caller checks).
-void delta_step_avx2_slab(float* S, const float* q, const float* k, const float* v, float decay, float beta,
-                          size_t dk, size_t dv, size_t c0, size_t c1, float* out) {
-  switch ((c1 - c0) / 8) {
-    case 1: return delta_step_avx2<1>(S, q, k, v, decay, beta, dk, dv, c0, out);
-    case 2: return delta_step_avx2<2>(S, q, k, v, decay, beta, dk, dv, c0, out);
-    case 3: return delta_step_avx2<3>(S, q, k, v, decay, beta, dk, dv, c0, out);
-    default: return delta_step_avx2<4>(S, q, k, v, decay, beta, dk, dv, c0, out);
+// The conv state after T tokens: the last K - 1 rows of [state; qkv], in place.
+void conv_state_update(const float* qkv, size_t tokens, size_t channels, float* conv_state) {
+  const size_t history = kConvTaps - 1;
+  if (tokens >= history) {
+    std::memcpy(conv_state, qkv + (tokens - history) * channels, history * channels * sizeof(float));
+    return;
   }
+  std::memmove(conv_state, conv_state + tokens * channels, (history - tokens) * channels * sizeof(float));
+  std::memcpy(conv_state + (history - tokens) * channels, qkv, tokens * channels * sizeof(float));
+}
+
+// One token of one state row S_c [dk] (value channel c): S *= decay; e = beta (v - S.k); S += e k; o = S.q.
+float delta_row_portable(float* row, const float* q, const float* k, float decay, float beta, float v, size_t dk) {
+  float kv = 0.0f;
+  for (size_t a = 0; a < dk; ++a) {
+    row[a] *= decay;
+    kv += row[a] * k[a];
+  }
+  const float e = beta * (v - kv);
+  float o = 0.0f;
+  for (size_t a = 0; a < dk; ++a) {
+    row[a] += k[a] * e;
+    o += row[a] * q[a];
+  }
+  return o;
+}
+
+#ifdef LILY_CPU_X86
+__attribute__((target("avx2,fma"))) float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The same step, 8 elements of the row at a time (dk a multiple of 8; the caller checks).
+__attribute__((target("avx2,fma"))) float delta_row_avx2(float* row, const float* q, const float* k, float decay,
+                                                         float beta, float v, size_t dk) {
+  const __m256 d = _mm256_set1_ps(decay);
+  __m256 kv = _mm256_setzero_ps();
+  for (size_t a = 0; a < dk; a += 8) {
+    const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + a), d);
+    _mm256_storeu_ps(row + a, s);
+    kv = _mm256_fmadd_ps(s, _mm256_loadu_ps(k + a), kv);
+  }
+  const __m256 e = _mm256_set1_ps(beta * (v - hsum8(kv)));
+  __m256 o = _mm256_setzero_ps();
+  for (size_t a = 0; a < dk; a += 8) {
+    const __m256 s = _mm256_fmadd_ps(_mm256_loadu_ps(k + a), e, _mm256_loadu_ps(row + a));
+    _mm256_storeu_ps(row + a, s);
+    o = _mm256_fmadd_ps(s, _mm256_loadu_ps(q + a), o);
+  }
+  return hsum8(o);
 }
 #endif
+
+// State rows per task: the rows of a value head are independent, so heads x slabs tasks keep every thread busy
+// (4 value heads in the demo model).
+constexpr size_t kSlabRows = 16;
+
+// The recurrence over T tokens from conv_out [T, C] (q | k | v, after the conv), b and a [T, Hv]: q and k L2-normed
+// (q times dk^-0.5), beta = sigmoid(b), decay = exp(-exp(A_log) softplus(a + dt_bias)); state [Hv, dv, Dk] updated,
+// o [T, Hv, dv].
+void scan(const float* conv_out, const float* b, const float* a, const float* a_log, const float* dt_bias,
+          const DeltaNetShape& s, size_t tokens, float eps, float* state, float* o, ThreadPool& pool) {
+  const size_t dk = s.k_dim, dv = s.v_dim, channels = s.conv_dim(), heads_per_key = s.v_heads / s.k_heads;
+  // Normalised q and k [T, Hk, dk] and the gates [T, Hv], once per call (not once per slab).
+  thread_local std::vector<float> qk_buffer, beta_buffer, decay_buffer;
+  std::vector<float> &qk = qk_buffer, &beta = beta_buffer, &decay = decay_buffer;  // the caller's, for the workers
+  qk.resize(tokens * 2 * s.key_dim());
+  beta.resize(tokens * s.v_heads);
+  decay.resize(tokens * s.v_heads);
+  const float q_scale = float(1.0 / std::sqrt(double(dk)));
+  for (size_t t = 0; t < tokens; ++t) {
+    float* row = qk.data() + t * 2 * s.key_dim();
+    std::memcpy(row, conv_out + t * channels, 2 * s.key_dim() * sizeof(float));
+    for (size_t h = 0; h < 2 * s.k_heads; ++h) {
+      float* v = row + h * dk;
+      double sum = 0;
+      for (size_t i = 0; i < dk; ++i) sum += double(v[i]) * v[i];
+      const double inv = 1.0 / std::sqrt(sum + eps);
+      const float scale = h < s.k_heads ? q_scale : 1.0f;
+      for (size_t i = 0; i < dk; ++i) v[i] = float(v[i] * inv) * scale;
+    }
+    for (size_t h = 0; h < s.v_heads; ++h) {
+      const size_t i = t * s.v_heads + h;
+      const double u = double(a[i]) + double(load_f32(dt_bias + h));
+      const double softplus = u > 20 ? u : u < -15 ? std::exp(u) : std::log1p(std::exp(u));
+      beta[i] = sigmoid(b[i]);
+      decay[i] = float(std::exp(-std::exp(double(load_f32(a_log + h))) * softplus));
+    }
+  }
+  auto step = delta_row_portable;
+#ifdef LILY_CPU_X86
+  if (avx2_enabled() && dk % 8 == 0) step = delta_row_avx2;
+#endif
+  const size_t slabs = (dv + kSlabRows - 1) / kSlabRows;
+  pool.parallel_for(s.v_heads * slabs, std::max<size_t>(1, ThreadPool::kMinOps / (tokens * dk * kSlabRows * 4)),
+                    [&](size_t begin, size_t end) {
+    for (size_t task = begin; task < end; ++task) {
+      const size_t j = task / slabs, kh = j / heads_per_key;
+      const size_t r0 = task % slabs * kSlabRows, r1 = std::min(dv, r0 + kSlabRows);
+      float* head = state + j * dv * dk;
+      for (size_t t = 0; t < tokens; ++t) {
+        const float* q = qk.data() + t * 2 * s.key_dim() + kh * dk;
+        const float* k = q + s.key_dim();
+        const float* v = conv_out + t * channels + 2 * s.key_dim() + j * dv;
+        const float bt = beta[t * s.v_heads + j], dt = decay[t * s.v_heads + j];
+        float* out = o + (t * s.v_heads + j) * dv;
+        for (size_t r = r0; r < r1; ++r) out[r] = step(head + r * dk, q, k, dt, bt, v[r], dk);
+      }
+    }
+  });
+}
+
+// out [T, Hv, dv] = rms_norm(o) * w * SiLU(z), per (token, value head) row.
+void gated_norm(const float* o, const float* z, const float* weight, size_t rows, size_t dv, float eps, float* out,
+                ThreadPool& pool) {
+  pool.for_items(rows, dv * 8, [&](size_t r0, size_t r1) {
+    gated_rms_norm(o + r0 * dv, z + r0 * dv, r1 - r0, dv, weight, eps, out + r0 * dv);
+  });
+}
+
+void conv_kernel(const KernelCall& c) {
+  const auto a = c.args<GatedDeltaArgs>();
+  const DeltaNetShape s = shape(c, a);
+  conv(c.at<const float>(1), a.num_tokens, s.conv_dim(), c.at<const float>(2), c.at<const float>(3),
+       c.at<float>(4), c.pool);
+}
+
+void conv_state_kernel(const KernelCall& c) {
+  const auto a = c.args<GatedDeltaArgs>();
+  conv_state_update(c.at<const float>(1), a.num_tokens, shape(c, a).conv_dim(), c.at<float>(2));
+}
+
+void scan_kernel(const KernelCall& c) {
+  const auto a = c.args<GatedDeltaArgs>();
+  scan(c.at<const float>(1), c.at<const float>(2), c.at<const float>(3), c.at<const float>(4), c.at<const float>(5),
+       shape(c, a), a.num_tokens, a.l2_eps, c.at<float>(6), c.at<float>(7), c.pool);
+}
+
+void norm_kernel(const KernelCall& c) {
+  const auto a = c.args<GatedDeltaArgs>();
+  gated_norm(c.at<const float>(1), c.at<const float>(2), c.at<const float>(3), size_t(a.num_tokens) * a.num_v_heads,
+             a.head_v_dim, a.norm_eps, c.at<float>(4), c.pool);
+}
+
+// qkv, z, b, a, conv weight, A_log, dt_bias, norm weight, conv state, recurrent state, out: buffers 1 to 11.
+void step_kernel(const KernelCall& c) {
+  const auto a = c.args<GatedDeltaArgs>();
+  const DeltaNetShape s = shape(c, a);
+  thread_local std::vector<float> conv_out, o;
+  conv_out.resize(s.conv_dim());
+  o.resize(s.value_dim());
+  const float* qkv = c.at<const float>(1);
+  float* conv_state = c.at<float>(9);
+  conv(qkv, 1, s.conv_dim(), c.at<const float>(5), conv_state, conv_out.data(), c.pool);
+  conv_state_update(qkv, 1, s.conv_dim(), conv_state);
+  scan(conv_out.data(), c.at<const float>(3), c.at<const float>(4), c.at<const float>(6), c.at<const float>(7), s, 1,
+       a.l2_eps, c.at<float>(10), o.data(), c.pool);
+  gated_norm(o.data(), c.at<const float>(2), c.at<const float>(8), s.v_heads, s.v_dim, a.norm_eps, c.at<float>(11),
+             c.pool);
+}
 
 }  // namespace
 
-void gated_delta_rule(const float* mixed, const float* g, const float* beta, const DeltaNetShape& s, size_t tokens,
-                      float* state, float* o, ThreadPool* pool) {
-  const size_t dk = s.k_dim, dv = s.v_dim, channels = s.conv_dim(), heads_per_key = s.v_heads / s.k_heads;
-  auto step = delta_step_portable;
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  if (avx2_enabled() && dv % 8 == 0) step = delta_step_avx2_slab;
-#endif
-  const size_t slabs = (dv + kSlabColumns - 1) / kSlabColumns;
-  std::vector<float> decay(tokens * s.v_heads);  // exp(g) once, not once per slab
-  for (size_t i = 0; i < decay.size(); ++i) decay[i] = std::exp(g[i]);
-  auto tasks = [&](size_t begin, size_t end) {
-    for (size_t task = begin; task < end; ++task) {
-      const size_t j = task / slabs, kh = j / heads_per_key;
-      const size_t c0 = task % slabs * kSlabColumns, c1 = std::min(dv, c0 + kSlabColumns);
-      for (size_t t = 0; t < tokens; ++t) {
-        const float* q = mixed + t * channels + kh * dk;
-        const float* v = mixed + t * channels + 2 * s.key_dim() + j * dv;
-        step(state + j * dk * dv, q, q + s.key_dim(), v, decay[t * s.v_heads + j], beta[t * s.v_heads + j], dk, dv,
-             c0, c1, o + (t * s.v_heads + j) * dv);
-      }
-    }
-  };
-  const size_t per_task = tokens * dk * kSlabColumns * 4;
-  if (pool) pool->parallel_for(s.v_heads * slabs, std::max<size_t>(1, ThreadPool::kMinOps / per_task), tasks);
-  else tasks(0, s.v_heads * slabs);
+void add_gated_delta_kernels(KernelTable& table) {
+  const std::vector<size_t> key_dims{64, 128};
+  table.add("gated_delta_conv_f32_dk#", conv_kernel, key_dims);
+  table.add("gated_delta_conv_state_f32_dk#", conv_state_kernel, key_dims);
+  table.add("gated_delta_prefill_f32_dk#", scan_kernel, key_dims);
+  table.add("gated_delta_prefill_blockwise_f32_dk#", scan_kernel, key_dims);
+  table.add("gated_delta_prefill_norm_f32", norm_kernel);
+  table.add("gated_delta_step_f32_dk#", step_kernel, key_dims);
 }
 
 }  // namespace lily::cpu

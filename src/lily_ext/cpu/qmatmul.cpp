@@ -12,7 +12,8 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "cpu_ops.h"
+#include "../../../metal/lily.h"
+#include "kernels.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -49,26 +50,6 @@ uint32_t load_word(const uint8_t* p) {
   uint32_t w;
   std::memcpy(&w, p, 4);
   return w;
-}
-
-// Natural-order dequantization of one row (any bits/group/dtype).
-void dequantize_row(const Matrix& w, size_t row, float* out) {
-  const uint8_t* data = w.data + row * w.row_bytes();
-  if (!w.bits) {
-    for (size_t k = 0; k < w.cols; ++k) out[k] = to_float(data, w.dtype, k);
-    return;
-  }
-  const size_t per_word = 32 / w.bits, groups = w.cols / w.group;
-  const uint32_t mask = (1u << w.bits) - 1;
-  for (size_t g = 0; g < groups; ++g) {
-    const float scale = to_float(w.scales, w.dtype, row * groups + g);
-    const float bias = to_float(w.biases, w.dtype, row * groups + g);
-    for (size_t i = 0; i < w.group / per_word; ++i) {
-      const uint32_t word = load_word(data + (g * w.group / per_word + i) * 4);
-      float* o = out + g * w.group + i * per_word;
-      for (size_t j = 0; j < per_word; ++j) o[j] = float((word >> (w.bits * j)) & mask) * scale + bias;
-    }
-  }
 }
 
 float dot_portable(const float* a, const float* b, size_t n) {
@@ -496,6 +477,26 @@ void run(ThreadPool* pool, size_t n, size_t min_items, const std::function<void(
 
 }  // namespace
 
+// Natural-order dequantization of one row (any bits/group/dtype): the GEMM tiles and embedding_gather.
+void dequantize_row(const Matrix& w, size_t row, float* out) {
+  const uint8_t* data = w.data + row * w.row_bytes();
+  if (!w.bits) {
+    for (size_t k = 0; k < w.cols; ++k) out[k] = to_float(data, w.dtype, k);
+    return;
+  }
+  const size_t per_word = 32 / w.bits, groups = w.cols / w.group;
+  const uint32_t mask = (1u << w.bits) - 1;
+  for (size_t g = 0; g < groups; ++g) {
+    const float scale = to_float(w.scales, w.dtype, row * groups + g);
+    const float bias = to_float(w.biases, w.dtype, row * groups + g);
+    for (size_t i = 0; i < w.group / per_word; ++i) {
+      const uint32_t word = load_word(data + (g * w.group / per_word + i) * 4);
+      float* o = out + g * w.group + i * per_word;
+      for (size_t j = 0; j < per_word; ++j) o[j] = float((word >> (w.bits * j)) & mask) * scale + bias;
+    }
+  }
+}
+
 float to_float(const uint8_t* values, DType dtype, size_t index) {
   switch (dtype) {
     case DType::F32: {
@@ -564,56 +565,59 @@ const bool g_isa_chosen = [] {
 }();
 }  // namespace
 
-void linear_many(const float* x, size_t tokens, std::initializer_list<LinearTarget> targets, ThreadPool* pool) {
+void linear_many(const float* x, size_t tokens, const LinearTarget* targets, size_t count, ThreadPool* pool) {
   if (tokens > kGemvMaxTokens) {
-    for (const LinearTarget& t : targets) linear(x, tokens, *t.w, t.out, pool);
+    for (size_t i = 0; i < count; ++i) linear(targets[i].x ? targets[i].x : x, tokens, *targets[i].w, targets[i].out,
+                                              pool);
     return;
   }
-  // x in chunk order and its per-group sums (groups of at least 32), once per weight format among the targets, in a
-  // buffer of this thread's that is only ever grown.
+  // Each input in chunk order and its per-group sums (groups of at least 32), once per input and weight format
+  // among the targets, in a buffer of this thread's that is only ever grown.
   struct Input {
+    const float* x;
     int bits, group;
     const float *xc, *xsum;
   };
-  constexpr size_t kMaxTargets = 4;
-  if (targets.size() > kMaxTargets) throw std::invalid_argument("linear_many: at most 4 weights");
-  Input inputs[kMaxTargets];
-  const Input* input_of[kMaxTargets];
+  if (count > kMaxLinearTargets) throw std::invalid_argument("linear_many: at most 32 weights");
+  Input inputs[kMaxLinearTargets];
+  const Input* input_of[kMaxLinearTargets];
   size_t formats = 0;
-  const size_t cols = targets.begin()->w->cols, per_format = tokens * (cols + cols / 32);
+  const size_t cols = targets[0].w->cols, per_format = tokens * (cols + cols / 32);
   thread_local std::vector<float> buffer;
-  if (buffer.size() < targets.size() * per_format) buffer.resize(targets.size() * per_format);
-  size_t total_rows = 0, work = 0, i = 0;
-  for (const LinearTarget& t : targets) {
-    const Matrix& w = *t.w;
+  if (buffer.size() < count * per_format) buffer.resize(count * per_format);
+  size_t total_rows = 0, work = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const Matrix& w = *targets[i].w;
+    const float* xi = targets[i].x ? targets[i].x : x;
     if (w.cols != cols) throw std::invalid_argument("linear_many: every weight must have the same columns");
     total_rows += w.rows;
     work += w.rows * cols * tokens;
     const Input* input = nullptr;
     if (chunked(w)) {
       for (size_t f = 0; f < formats; ++f)
-        if (inputs[f].bits == w.bits && inputs[f].group == w.group) input = &inputs[f];
+        if (inputs[f].x == xi && inputs[f].bits == w.bits && inputs[f].group == w.group) input = &inputs[f];
       if (!input) {
         float* xc = buffer.data() + formats * per_format;
         float* xsum = xc + tokens * cols;
-        permute_to_chunk_order(x, tokens, cols, w.bits, xc);
+        permute_to_chunk_order(xi, tokens, cols, w.bits, xc);
 #ifdef LILY_CPU_X86
-        group_sums_avx2(x, tokens, cols, size_t(w.group), xsum);
+        group_sums_avx2(xi, tokens, cols, size_t(w.group), xsum);
 #endif
-        inputs[formats] = {w.bits, w.group, xc, xsum};
+        inputs[formats] = {xi, w.bits, w.group, xc, xsum};
         input = &inputs[formats++];
       }
     }
-    input_of[i++] = input;
+    input_of[i] = input;
   }
   // The rows of all targets, one after another, as one parallel job.
   const size_t min_rows = std::max<size_t>(1, kParallelWork * total_rows / std::max<size_t>(work, 1));
   run(pool, total_rows, min_rows, [&](size_t begin, size_t end) {
-    size_t first = 0, j = 0;
-    for (const LinearTarget& t : targets) {
+    size_t first = 0;
+    for (size_t j = 0; j < count; ++j) {
+      const LinearTarget& t = targets[j];
       const Matrix& w = *t.w;
       const size_t lo = std::max(begin, first), hi = std::min(end, first + w.rows);
-      [[maybe_unused]] const Input* input = input_of[j++];
+      [[maybe_unused]] const Input* input = input_of[j];
       const size_t r0 = lo - first, r1 = hi - first;
       first += w.rows;
       if (lo >= hi) continue;
@@ -623,13 +627,14 @@ void linear_many(const float* x, size_t tokens, std::initializer_list<LinearTarg
         continue;
       }
 #endif
-      for (size_t k = 0; k < tokens; ++k) gemv_rows(x + k * cols, w, r0, r1, t.out + k * w.rows);
+      const float* xi = t.x ? t.x : x;
+      for (size_t k = 0; k < tokens; ++k) gemv_rows(xi + k * cols, w, r0, r1, t.out + k * w.rows);
     }
   });
 }
 
 void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPool* pool) {
-  if (tokens <= kGemvMaxTokens) return linear_many(x, tokens, {{&w, out}}, pool);
+  if (tokens <= kGemvMaxTokens) return linear_many(x, tokens, {{&w, out, nullptr}}, pool);
   const size_t rows = w.rows, cols = w.cols;
   const bool in_chunks = chunked(w);
   Scratch xc(in_chunks ? tokens * cols : 0);
@@ -681,8 +686,96 @@ void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPo
   });
 }
 
-void embed(const int64_t* ids, size_t count, const Matrix& w, float* out) {
-  for (size_t i = 0; i < count; ++i) dequantize_row(w, size_t(ids[i]), out + i * w.cols);
+
+// ---- kernels: qmv_*, qmm_*, qmv_norm_*, qmv_residual_*, qmv_seg_*, qmv_norm_seg_* (metal/qmatmul.metal) and
+// embedding_gather_* (metal/embedding.metal). Every variant of one product runs `linear`, so a decode step and a
+// prompt of up to 8 rows compute each row's sums in the same order. ----
+
+namespace {
+
+// x rms-normed and multiplied by the norm weight, into this thread's buffer: what qmv_norm folds into its GEMV.
+const float* normed_rows(const float* x, size_t rows, size_t n, const float* weight, float eps) {
+  thread_local std::vector<float> normed;
+  normed.resize(rows * n);
+  rms_norm(x, rows, n, weight, eps, normed.data());
+  return normed.data();
+}
+
+void qmatmul_kernel(const KernelCall& c, int bits, DType scales) {
+  const auto a = c.args<QMatmulArgs>();
+  const Matrix w = c.matrix(2, bits, scales, 0, a.out_features, a.in_features);
+  linear(c.at<const float>(1), a.num_rows, w, c.at<float>(5), &c.pool);
+}
+
+void qmatmul_norm_kernel(const KernelCall& c, int bits, DType scales) {
+  const auto a = c.args<QMatmulNormArgs>();
+  const Matrix w = c.matrix(3, bits, scales, 0, a.out_features, a.in_features);
+  const float* x = normed_rows(c.at<const float>(1), a.num_rows, a.in_features, c.at<const float>(2), a.eps);
+  linear(x, a.num_rows, w, c.at<float>(6), &c.pool);
+}
+
+void qmatmul_residual_kernel(const KernelCall& c, int bits, DType scales) {
+  const auto a = c.args<QMatmulArgs>();
+  const Matrix w = c.matrix(2, bits, scales, 0, a.out_features, a.in_features);
+  thread_local std::vector<float> y;
+  y.resize(size_t(a.num_rows) * a.out_features);
+  linear(c.at<const float>(1), a.num_rows, w, y.data(), &c.pool);
+  const float* residual = c.at<const float>(5);
+  float* out = c.at<float>(6);
+  for (size_t i = 0; i < y.size(); ++i) out[i] = residual[i] + y[i];
+}
+
+// Each input row (one per grid row) through up to 4 matrices: y [rows, out_features], each segment's outputs after
+// the previous one's; `norm` folds the RMSNorm in.
+void qmatmul_segments_kernel(const KernelCall& c, int bits, DType scales, bool norm) {
+  const auto a = c.args<QMatmulSegmentsArgs>();
+  if (a.num_segments == 0 || a.num_segments > LILY_QMV_MAX_SEGMENTS) throw std::logic_error("[cpu] qmv_seg segments");
+  Matrix w[LILY_QMV_MAX_SEGMENTS];
+  for (size_t s = 0; s < a.num_segments; ++s) w[s] = c.matrix(3 + 3 * s, bits, scales, 0, a.rows[s], a.in_features);
+  for (size_t m = 0; m < c.groups.height; ++m) {
+    const float* x = c.at<const float>(1) + m * a.in_features;
+    if (norm) x = normed_rows(x, 1, a.in_features, c.at<const float>(2), a.eps);
+    LinearTarget targets[LILY_QMV_MAX_SEGMENTS];
+    float* y = c.at<float>(3 + 3 * LILY_QMV_MAX_SEGMENTS) + m * a.out_features;
+    for (size_t s = 0; s < a.num_segments; ++s) {
+      targets[s] = {&w[s], y, nullptr};
+      y += a.rows[s];
+    }
+    linear_many(x, 1, targets, a.num_segments, &c.pool);
+  }
+}
+
+// Rows ids[ids_offset + t] of the table, t < the grid's width; an id out of range gives a row of NaN.
+void embedding_kernel(const KernelCall& c, int bits, DType scales) {
+  const auto a = c.args<EmbeddingArgs>();
+  const Matrix table = c.matrix(2, bits, scales, 0, a.vocab_size, a.hidden_size);
+  const uint32_t* ids = c.at<const uint32_t>(1) + a.ids_offset;
+  float* out = c.at<float>(5);
+  for (size_t t = 0; t < c.groups.width; ++t) {
+    if (ids[t] < a.vocab_size) {
+      dequantize_row(table, ids[t], out + t * a.hidden_size);
+    } else {
+      std::fill(out + t * a.hidden_size, out + (t + 1) * a.hidden_size, std::nanf(""));
+    }
+  }
+}
+
+}  // namespace
+
+void add_qmatmul_kernels(KernelTable& table) {
+  for (int bits : {4, 8}) {
+    for (DType scales : {DType::BF16, DType::F32}) {
+      const std::string q = "_q" + std::to_string(bits) + "_g64_f32" + (scales == DType::F32 ? "_sf32" : "");
+      auto dense = [=](const KernelCall& c) { qmatmul_kernel(c, bits, scales); };
+      table.add("qmv" + q, dense);
+      for (const char* bm : {"_bm16", "_bm32"}) table.add("qmm" + q + bm, dense);
+      table.add("qmv_norm" + q, [=](const KernelCall& c) { qmatmul_norm_kernel(c, bits, scales); });
+      table.add("qmv_residual" + q, [=](const KernelCall& c) { qmatmul_residual_kernel(c, bits, scales); });
+      table.add("qmv_seg" + q, [=](const KernelCall& c) { qmatmul_segments_kernel(c, bits, scales, false); });
+      table.add("qmv_norm_seg" + q, [=](const KernelCall& c) { qmatmul_segments_kernel(c, bits, scales, true); });
+      table.add("embedding_gather" + q, [=](const KernelCall& c) { embedding_kernel(c, bits, scales); });
+    }
+  }
 }
 
 }  // namespace lily::cpu

@@ -1,10 +1,11 @@
 // rms_norm, gated_rms_norm and l2_normalize (reference.py): sums in double, rounded once to float (the gate of
-// gated_rms_norm, SiLU(z), in float).
+// gated_rms_norm, SiLU(z), in float); the kernels rms_norm_f32 and rms_norm_residual_f32 (metal/rms_norm.metal).
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#include "cpu_ops.h"
+#include "../../../metal/lily.h"
+#include "kernels.h"
 
 namespace lily::cpu {
 
@@ -43,6 +44,29 @@ void l2_normalize(float* x, size_t rows, size_t n, float scale) {
     const double inv = 1.0 / std::sqrt(sum + 1e-6);
     for (size_t i = 0; i < n; ++i) v[i] = float(v[i] * inv) * scale;
   }
+}
+
+void add_rms_norm_kernels(KernelTable& table) {
+  // One row per threadgroup of the grid.
+  table.add("rms_norm_f32", [](const KernelCall& c) {
+    const auto a = c.args<RmsNormArgs>();
+    const size_t n = a.row_length;
+    const float *x = c.at<const float>(1), *w = c.at<const float>(2);
+    float* out = c.at<float>(3);
+    c.pool.for_items(c.groups.width, 4 * n,
+                     [&](size_t r0, size_t r1) { rms_norm(x + r0 * n, r1 - r0, n, w, a.eps, out + r0 * n); });
+  });
+  // sum = x + residual (may alias residual), out = rms_norm(sum) * w.
+  table.add("rms_norm_residual_f32", [](const KernelCall& c) {
+    const auto a = c.args<RmsNormArgs>();
+    const size_t n = a.row_length;
+    const float *x = c.at<const float>(1), *residual = c.at<const float>(2), *w = c.at<const float>(3);
+    float *out = c.at<float>(4), *sum = c.at<float>(5);
+    c.pool.for_items(c.groups.width, 5 * n, [&](size_t r0, size_t r1) {
+      for (size_t i = r0 * n; i < r1 * n; ++i) sum[i] = x[i] + residual[i];
+      rms_norm(sum + r0 * n, r1 - r0, n, w, a.eps, out + r0 * n);
+    });
+  });
 }
 
 }  // namespace lily::cpu
