@@ -345,11 +345,12 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // program serves a whole doubling of the context. Below it the single pass has at most 4 loop steps per simdgroup
 // (8 simdgroups x 8 keys per step): its Hq/4 threadgroups suffice. A design guess, not measured.
 #define LILY_ATTN_SPLIT_MIN_KEYS 256
-// Most split-KV blocks (reached at 64x the threshold = 16K keys; past that the blocks grow): 128 blocks x 4
-// threadgroups (the model's 16 heads), and the partials (Hq x blocks x D fp32, 2 MiB) stay small next to the cache
+// Most split-KV blocks (reached at 32x the threshold = 8K keys; past that the blocks grow): 64 blocks x 4
+// threadgroups (the model's 16 heads), and the partials (Hq x blocks x D fp32, 1 MiB) stay small next to the cache
 // they summarise (67 MB at 32K keys). attention_decode_combine keeps one weight per block in threadgroup memory, so
-// this is also its limit.
-#define LILY_ATTN_SPLIT_MAX_BLOCKS 128
+// this is also its limit. 64, not 128: on the H200 at 32K keys partials + combine took 81.4 + 11.6 us against
+// 91.2 + 17.4 with 128 blocks (cold L2; docs/results/h200/2026-12-04-13d7092/sweep.json).
+#define LILY_ATTN_SPLIT_MAX_BLOCKS 64
 // attention_prefill: bytes of one staged K (or V) tile in threadgroup memory; tile keys = this / (D * sizeof(cache
 // element)): 16 keys at D = 256 in bf16, 8 in f32. K and V tiles together stay at 16 KiB of the 32 KiB.
 #define LILY_ATTN_PREFILL_TILE_BYTES 8192

@@ -99,9 +99,9 @@ def test_attention_split_rule_matches_the_engine() -> None:
     header = (ROOT / "metal" / "lily.h").read_text()
     for name in ("ATTN_SPLIT_MIN_KEYS", "ATTN_SPLIT_MAX_BLOCKS"):
         assert f"#define LILY_{name} {getattr(bench_kernels, name)}\n" in header
-    blocks = {keys: bench_kernels.attention_split_blocks(keys) for keys in (255, 256, 511, 512, 1024, 4096, 16384,
-                                                                            32768)}
-    assert blocks == {255: 0, 256: 2, 511: 2, 512: 4, 1024: 8, 4096: 32, 16384: 128, 32768: 128}
+    blocks = {keys: bench_kernels.attention_split_blocks(keys) for keys in (255, 256, 511, 512, 1024, 4096, 8192,
+                                                                            16384, 32768)}
+    assert blocks == {255: 0, 256: 2, 511: 2, 512: 4, 1024: 8, 4096: 32, 8192: 64, 16384: 64, 32768: 64}
 
 
 def test_deltanet_scan_cases_at_512_and_4096_tokens() -> None:

@@ -100,7 +100,7 @@ def test_full_size_dispatch_counts_follow_the_layer_structure():
     assert unfused["dispatches"] == expected_dispatches(args, fused=False)
     no_fusion = lily_plan.plan_decode(args, context=200, switches={"fusion": False})
     assert no_fusion["dispatches"] == expected_dispatches(args, fused=True, fusion=False)
-    # From there on as partials + combine (32 blocks at 4K keys, 128 at 40K), unless split-KV is off.
+    # From there on as partials + combine (32 blocks at 4K keys, 64 at 40K), unless split-KV is off.
     for context in (4096, 40000):
         split = lily_plan.plan_decode(args, context=context)
         assert split["dispatches"] == expected_dispatches(args, fused=True, split=True)
