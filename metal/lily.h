@@ -349,7 +349,7 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // threadgroups (the model's 16 heads), and the partials (Hq x blocks x D fp32, 1 MiB) stay small next to the cache
 // they summarise (67 MB at 32K keys). attention_decode_combine keeps one weight per block in threadgroup memory, so
 // this is also its limit. 64, not 128: on the H200 at 32K keys partials + combine took 81.4 + 11.6 us against
-// 91.2 + 17.4 with 128 blocks (cold L2; docs/results/h200/2026-12-04-13d7092/sweep.json).
+// 91.2 + 17.4 with 128 blocks (cold L2; docs/results/h200/2026-12-04-c9038d5/earlier/sweep.json).
 #define LILY_ATTN_SPLIT_MAX_BLOCKS 64
 // attention_prefill: bytes of one staged K (or V) tile in threadgroup memory; tile keys = this / (D * sizeof(cache
 // element)): 16 keys at D = 256 in bf16, 8 in f32. K and V tiles together stay at 16 KiB of the 32 KiB.
