@@ -16,8 +16,8 @@ constexpr size_t kQmvMaxRows = LILY_QMV_MAX_ROWS;
 // features: qmv reads the weights once per 4 rows (twice at 8) but launches N / 8 threadgroups, where qmm's N / 64
 // tiles of 16 rows leave most of the GPU idle. On the H200 at 8 rows (scripts/bench_kernels.py "short prompt", cold
 // L2, qmv vs qmm_bm16, µs): out_proj 2048 x 4096 29 vs 89, in_proj_z 4096 36 vs 45, k/v_proj 512 12 vs 48, in_proj_b/a
-// 32 11 vs 46, the 8-bit router 256 12 vs 50; from N = 8192 qmm's tiles win (in_proj_qkv, q_proj: 46 vs 58 at 8 rows,
-// lm_head's 3,880 tiles 329 vs 1,376). Not measured on a Mac.
+// 32 11 vs 46, the 8-bit router 256 12 vs 50; from N = 8192 qmm's tiles win (the DeltaNet qkv and attention q
+// projections: 46 vs 58 at 8 rows, lm_head's 3,880 tiles 329 vs 1,376). Not measured on a Mac.
 constexpr size_t kQmvShortMaxRows = 2 * LILY_QMV_MAX_ROWS;
 // Prompt chunks of up to this many tokens run a pass recorded once per length and replayed (REPLAYED_PROMPTS), as the
 // decode step does; longer ones are built and launched per chunk (a recording of ~850 nodes would then be made for
