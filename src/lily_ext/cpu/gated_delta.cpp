@@ -12,12 +12,8 @@
 #include <vector>
 
 #include "../../../metal/lily.h"
+#include "avx2.h"
 #include "kernels.h"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define LILY_CPU_X86 1
-#endif
 
 namespace lily::cpu {
 
@@ -84,13 +80,6 @@ float delta_row_portable(float* row, const float* q, const float* k, float decay
 }
 
 #ifdef LILY_CPU_X86
-__attribute__((target("avx2,fma"))) float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // The same step, 8 elements of the row at a time (dk a multiple of 8; the caller checks).
 __attribute__((target("avx2,fma"))) float delta_row_avx2(float* row, const float* q, const float* k, float decay,
                                                          float beta, float v, size_t dk) {
@@ -101,14 +90,14 @@ __attribute__((target("avx2,fma"))) float delta_row_avx2(float* row, const float
     _mm256_storeu_ps(row + a, s);
     kv = _mm256_fmadd_ps(s, _mm256_loadu_ps(k + a), kv);
   }
-  const __m256 e = _mm256_set1_ps(beta * (v - hsum8(kv)));
+  const __m256 e = _mm256_set1_ps(beta * (v - hsum(kv)));
   __m256 o = _mm256_setzero_ps();
   for (size_t a = 0; a < dk; a += 8) {
     const __m256 s = _mm256_fmadd_ps(_mm256_loadu_ps(k + a), e, _mm256_loadu_ps(row + a));
     _mm256_storeu_ps(row + a, s);
     o = _mm256_fmadd_ps(s, _mm256_loadu_ps(q + a), o);
   }
-  return hsum8(o);
+  return hsum(o);
 }
 #endif
 

@@ -13,11 +13,10 @@
 #include <stdexcept>
 
 #include "../../../metal/lily.h"
+#include "avx2.h"
 #include "kernels.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define LILY_CPU_X86 1
+#ifdef LILY_CPU_X86
 // Loops over a template's rows and tokens are unrolled so that their accumulator arrays live in registers.
 #define LILY_UNROLL _Pragma("GCC unroll 16")
 #endif
@@ -117,13 +116,6 @@ void permute_to_chunk_order(const float* x, size_t tokens, size_t cols, int bits
 }
 
 #ifdef LILY_CPU_X86
-
-__attribute__((target("avx2,fma"))) float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, size_t n) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
