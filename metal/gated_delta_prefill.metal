@@ -185,6 +185,9 @@ template <typename T, uint Dk, uint Block>
   // LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP·n_sg).
   float s[LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP][Dk / 32];
   gdn_move_rows<Dk, false>(s, slice_state, rows, sg, n_sg, lane);
+  // The state rows are loaded before the wait: only this kernel writes the state (the host never starts it early
+  // behind a dispatch that does: Node::early_reads), so on CUDA their loads overlap the dispatch before.
+  lily::grid_dependency_wait();  // conv_out, b and a come from the dispatches before
   gdn_stage_token<T, Dk>(q_tg[0], k_tg[0], v_tg[0], &beta_tg[0], &decay_tg[0], 0, conv_out, b, a, a_log, dt_bias, args,
                          v_head, first_row, rows, tid, n_threads);
   for (uint t = 0; t < num_tokens; ++t) {
@@ -577,8 +580,8 @@ LILY_INSTANTIATE_KERNEL("gated_delta_conv_f32_dk128", gated_delta_conv, float, 1
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_bf16_dk128", gated_delta_conv, bfloat, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_state_f32_dk128", gated_delta_conv_state, float, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_state_bf16_dk128", gated_delta_conv_state, bfloat, 128)
-LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f32_dk128", gated_delta_prefill, float, 128, 0)
-LILY_INSTANTIATE_KERNEL("gated_delta_prefill_bf16_dk128", gated_delta_prefill, bfloat, 128, 0)
+LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_f32_dk128", gated_delta_prefill, float, 128, 0)
+LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_bf16_dk128", gated_delta_prefill, bfloat, 128, 0)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_norm_f32", gated_delta_prefill_norm, float)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_norm_bf16", gated_delta_prefill_norm, bfloat)
 // Demo model and tiny fixtures (Dk = 64: two state elements per lane), float32 and bf16 modes.
@@ -586,8 +589,8 @@ LILY_INSTANTIATE_KERNEL("gated_delta_conv_f32_dk64", gated_delta_conv, float, 64
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_bf16_dk64", gated_delta_conv, bfloat, 64)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_state_f32_dk64", gated_delta_conv_state, float, 64)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_state_bf16_dk64", gated_delta_conv_state, bfloat, 64)
-LILY_INSTANTIATE_KERNEL("gated_delta_prefill_f32_dk64", gated_delta_prefill, float, 64, 0)
-LILY_INSTANTIATE_KERNEL("gated_delta_prefill_bf16_dk64", gated_delta_prefill, bfloat, 64, 0)
+LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_f32_dk64", gated_delta_prefill, float, 64, 0)
+LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_bf16_dk64", gated_delta_prefill, bfloat, 64, 0)
 // The chunked scan (CHUNKED_SCAN on, chunks of tuning::kGdnChunkedMinTokens tokens or more).
 LILY_INSTANTIATE_KERNEL("gated_delta_chunk_prepare_f32_dk128", gated_delta_chunk_prepare, float, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_chunk_prepare_bf16_dk128", gated_delta_chunk_prepare, bfloat, 128)
@@ -598,7 +601,11 @@ LILY_INSTANTIATE_KERNEL("gated_delta_chunk_prepare_bf16_dk64", gated_delta_chunk
 LILY_INSTANTIATE_KERNEL("gated_delta_chunk_scan_f32_dk64", gated_delta_chunk_scan, float, 64)
 LILY_INSTANTIATE_KERNEL("gated_delta_chunk_scan_bf16_dk64", gated_delta_chunk_scan, bfloat, 64)
 // REGISTER_SCAN off (the ablation): the state round-trips through memory every LILY_GDN_SCAN_BLOCK tokens.
-LILY_INSTANTIATE_KERNEL("gated_delta_prefill_blockwise_f32_dk128", gated_delta_prefill, float, 128, LILY_GDN_SCAN_BLOCK)
-LILY_INSTANTIATE_KERNEL("gated_delta_prefill_blockwise_bf16_dk128", gated_delta_prefill, bfloat, 128, LILY_GDN_SCAN_BLOCK)
-LILY_INSTANTIATE_KERNEL("gated_delta_prefill_blockwise_f32_dk64", gated_delta_prefill, float, 64, LILY_GDN_SCAN_BLOCK)
-LILY_INSTANTIATE_KERNEL("gated_delta_prefill_blockwise_bf16_dk64", gated_delta_prefill, bfloat, 64, LILY_GDN_SCAN_BLOCK)
+LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_blockwise_f32_dk128", gated_delta_prefill, float, 128,
+                              LILY_GDN_SCAN_BLOCK)
+LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_blockwise_bf16_dk128", gated_delta_prefill, bfloat, 128,
+                              LILY_GDN_SCAN_BLOCK)
+LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_blockwise_f32_dk64", gated_delta_prefill, float, 64,
+                              LILY_GDN_SCAN_BLOCK)
+LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_blockwise_bf16_dk64", gated_delta_prefill, bfloat, 64,
+                              LILY_GDN_SCAN_BLOCK)

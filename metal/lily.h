@@ -136,6 +136,16 @@ struct QMatmulSegmentsArgs {
 };
 static_assert(sizeof(QMatmulSegmentsArgs) == 32, "QMatmulSegmentsArgs layout must match the host and tests");
 
+// qmv_gated_norm_residual_staged (metal/qmatmul.metal): out = residual + W · x with x the DeltaNet's gated RMSNorm of o
+// (value heads of head_dim values), one input row.
+struct QMatmulGatedNormArgs {
+  u32 in_features;   // K = value heads * head_dim
+  u32 out_features;  // N
+  u32 head_dim;      // dv: the gated norm's row length
+  f32 eps;           // added to mean(o^2) per head
+};
+static_assert(sizeof(QMatmulGatedNormArgs) == 16, "QMatmulGatedNormArgs layout must match the host and tests");
+
 // embedding_gather_* (metal/embedding.metal): out[t] = dequantized row ids[ids_offset + t] of the quantized table.
 struct EmbeddingArgs {
   u32 hidden_size;  // H, a multiple of 64
@@ -287,6 +297,15 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // many inputs, staged as fp32 in threadgroup memory (16 KiB at the most, plus the pack sums). The model's K are 2048
 // and 4096.
 #define LILY_QMV_STAGE_MAX_K 4096
+// The staged GEMVs' threadgroups (CUDA): this many simdgroups of LILY_QMV_ROWS_PER_SIMDGROUP rows share one staging of
+// x (the kernels take any multiple of 32 threads; the host's choice). 4 against 2 on the H200: lm_head 179 against
+// 197 us, tg128 324.8 against 314.5 tok/s (docs/performance.md).
+#define LILY_QMV_STAGED_SIMDGROUPS 4
+// float4 chunks of x each thread stages per round (all loads of a round in flight at once). The gated-norm staging
+// takes one round: K <= 4 * LILY_QMV_STAGE_BATCH * threads.
+#define LILY_QMV_STAGE_BATCH 8
+// qmv_gated_norm_residual_staged: at most this many value heads (K / head_dim) of the gated norm it stages.
+#define LILY_QMV_STAGE_MAX_HEADS 128
 #define LILY_QMM_BM16_MAX_ROWS 16
 // The tiled GEMMs (metal/gemm.h: qmm, mm and the grouped MoE GEMM): 4 simdgroups own a BM x LILY_GEMM_BN output tile
 // and step through K LILY_GEMM_BK at a time (BK divides the group size 64: one scale and bias per weight row and

@@ -71,6 +71,7 @@
 // _sf32 (f32 scales and biases: checkpoints converted from fp32 weights); qmm_nax takes bf16 scales only. Partial
 // tiles in M and N are handled; out counts need not be multiples of any tile (the shared-expert gate has N = 1).
 #include <metal_stdlib>
+#include "gated_delta.h"
 #include "gemm.h"
 #include "lily.h"
 #include "quantized.h"
@@ -300,7 +301,36 @@ LILY_INLINE void qmv_batch(device const T* x, device const T* norm_weight, devic
 template <int Bits>
 constexpr uint kStageChunks = LILY_QMV_PACK_WORDS * (32 / Bits) / 4;  // float4 chunks per pack: 8 (4-bit), 4 (8-bit)
 // Chunks each thread loads per staging round: K = 2048 (the model's hidden size) in one round on 64 threads.
-constant constexpr uint kStageBatch = 8;
+constant constexpr uint kStageBatch = LILY_QMV_STAGE_BATCH;
+
+// Where chunk q (values 4q .. 4q + 3) of a staged row lies in stage_x: chunk c of pack p at ((p / 32) * kChunks + c)
+// * 32 + p % 32, so the 32 lanes reading a pack each read 32 consecutive float4.
+template <int Bits>
+inline uint qmv_stage_slot(uint q) {
+  constexpr uint kChunks = kStageChunks<Bits>;
+  const uint p = q / kChunks;
+  return ((p / 32) * kChunks + q % kChunks) * 32 + p % 32;
+}
+
+// Stores float4 chunk q (values 4q .. 4q + 3) of the staged row and, from its pack's first lane, the pack's sum: the
+// kChunks chunks of a pack lie in consecutive lanes of one simdgroup, which add it with shuffles (a fixed order).
+// Called by whole simdgroups (convergent shuffles); `in_row` false stores nothing.
+template <int Bits>
+LILY_INLINE void qmv_stage_chunk(float4 v, uint q, bool in_row, threadgroup float4* stage_x,
+                                 threadgroup float* pack_sum) {
+  constexpr uint kChunks = kStageChunks<Bits>;
+  float s = (v.x + v.y) + (v.z + v.w);
+  LILY_UNROLL
+  for (uint o = 1; o < kChunks; o *= 2) {
+    s += simd_shuffle_xor(s, ushort(o));
+  }
+  if (in_row) {
+    stage_x[qmv_stage_slot<Bits>(q)] = v;
+    if (q % kChunks == 0) {
+      pack_sum[q / kChunks] = s;
+    }
+  }
+}
 
 // Stages x' = x (⊙ norm_weight when Norm) of one input row; returns 1/rms of x (Norm) or 1. Every thread of the
 // threadgroup calls it (it ends with a barrier); threads per threadgroup a multiple of 32, K a multiple of 64 and at
@@ -310,7 +340,6 @@ template <bool Norm, int Bits, typename T>
 LILY_INLINE float qmv_stage(device const T* x, device const T* norm_weight, uint K, float eps,
                             threadgroup float4* stage_x, threadgroup float* pack_sum, threadgroup float* simd_sq,
                             uint tid, uint n_threads, uint lane, uint simd_group) {
-  constexpr uint kChunks = kStageChunks<Bits>;
   const uint chunks = K / 4;
   float sq = 0.0f;
   // kStageBatch chunks per thread and round, every load of a round issued before the first is used: one memory
@@ -326,23 +355,12 @@ LILY_INLINE float qmv_stage(device const T* x, device const T* norm_weight, uint
     LILY_UNROLL
     for (uint u = 0; u < kStageBatch; ++u) {
       const uint q = min(q0 + u * n_threads + tid, chunks - 1);
-      const bool in_row = q0 + u * n_threads + tid < chunks;  // whole packs in or out (chunks: a multiple of kChunks)
+      const bool in_row = q0 + u * n_threads + tid < chunks;  // whole packs in or out (K: a multiple of 64)
       if (Norm) {
         sq += in_row ? dot(v[u], v[u]) : 0.0f;
         v[u] *= w[u];
       }
-      float s = (v[u].x + v[u].y) + (v[u].z + v[u].w);
-      LILY_UNROLL
-      for (uint o = 1; o < kChunks; o *= 2) {
-        s += simd_shuffle_xor(s, ushort(o));
-      }
-      const uint p = q / kChunks, c = q % kChunks;
-      if (in_row) {
-        stage_x[((p / 32) * kChunks + c) * 32 + p % 32] = v[u];
-        if (c == 0) {
-          pack_sum[p] = s;
-        }
-      }
+      qmv_stage_chunk<Bits>(v[u], q, in_row, stage_x, pack_sum);
     }
   }
   if (Norm) {
@@ -360,6 +378,75 @@ LILY_INLINE float qmv_stage(device const T* x, device const T* norm_weight, uint
     total += simd_sq[g];
   }
   return precise::rsqrt(total / float(K) + eps);
+}
+
+// Stages x = the DeltaNet's SiLU(z)-gated RMSNorm of o, value heads of `head_dim` values, given gate = SiLU(z), in one
+// round: each thread loads its kStageBatch chunks of o, gate and norm_weight at once (one memory round trip) and
+// stages o raw, each head's 1/rms is summed from threadgroup memory by one simdgroup in gdn_gated_norm's order (a
+// lane-strided fma chain, simd_sum; kHeads heads at a time, so their shuffles overlap), then every thread turns its
+// chunks into o * (1/rms) * norm_weight * gate rounded once to T, as gated_delta_prefill_norm writes them, and stages
+// them with qmv_stage's pack sums: so the GEMV after it gives the bits of gated_delta_prefill_norm followed by a
+// staged GEMV of its output. Every thread of the threadgroup calls it (barriers); K <= 4 * kStageBatch * threads (one
+// round), a multiple of head_dim and of 64, head_dim a multiple of 4, K / head_dim <= LILY_QMV_STAGE_MAX_HEADS (the
+// host checks: tuning::spread_deltanet_step).
+template <typename T, int Bits>
+LILY_INLINE void qmv_stage_gated_norm(device const float* o, device const float* gate, device const T* norm_weight,
+                                      uint K, uint head_dim, float eps, threadgroup float4* stage_x,
+                                      threadgroup float* pack_sum, threadgroup float* head_inv_rms, uint tid,
+                                      uint n_threads, uint lane, uint simd_group) {
+  constexpr uint kHeads = 4;
+  const uint chunks = K / 4;
+  float4 v[kStageBatch], g[kStageBatch], w[kStageBatch];
+  LILY_UNROLL
+  for (uint u = 0; u < kStageBatch; ++u) {
+    const uint q = min(u * n_threads + tid, chunks - 1);
+    v[u] = lily::attn_load4(o + 4 * q);
+    g[u] = lily::attn_load4(gate + 4 * q);
+    w[u] = lily::attn_load4(norm_weight + (4 * q) % head_dim);
+  }
+  LILY_UNROLL
+  for (uint u = 0; u < kStageBatch; ++u) {
+    const uint q = u * n_threads + tid;
+    if (q < chunks) {
+      stage_x[qmv_stage_slot<Bits>(q)] = v[u];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  threadgroup const float* staged = reinterpret_cast<threadgroup const float*>(stage_x);
+  const uint heads = K / head_dim;
+  for (uint h0 = simd_group * kHeads; h0 < heads; h0 += (n_threads / 32) * kHeads) {  // uniform per simdgroup
+    float sq[kHeads];
+    LILY_UNROLL
+    for (uint j = 0; j < kHeads; ++j) {
+      sq[j] = 0.0f;
+      const uint h = min(h0 + j, heads - 1);
+      for (uint d = lane; d < head_dim; d += 32) {
+        const uint i = h * head_dim + d;
+        const float x = staged[4 * qmv_stage_slot<Bits>(i / 4) + i % 4];
+        sq[j] = fma(x, x, sq[j]);
+      }
+    }
+    LILY_UNROLL
+    for (uint j = 0; j < kHeads; ++j) {
+      sq[j] = simd_sum(sq[j]);
+      if (lane == 0 && h0 + j < heads) {
+        head_inv_rms[h0 + j] = precise::rsqrt(sq[j] / float(head_dim) + eps);
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // the sums read o where the normed values go
+  LILY_UNROLL
+  for (uint u = 0; u < kStageBatch; ++u) {  // uniform trip count: convergent shuffles
+    const uint q = min(u * n_threads + tid, chunks - 1);
+    const float inv_rms = head_inv_rms[4 * q / head_dim];
+    float4 x;
+    LILY_UNROLL
+    for (uint e = 0; e < 4; ++e) {
+      x[e] = float(T(v[u][e] * inv_rms * w[u][e] * g[u][e]));
+    }
+    qmv_stage_chunk<Bits>(x, q, u * n_threads + tid < chunks, stage_x, pack_sum);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
 // Loads one step of a simdgroup's kRows rows: kPacks packs (lane + 32 i from p0) of LILY_QMV_PACK_WORDS words each,
@@ -396,17 +483,17 @@ LILY_INLINE void qmv_load_step(
   }
 }
 
-// The staged GEMV of one input row for this simdgroup's rows: acc[r] = this lane's share of sum_k x'_k w[first_row + r,
-// k] (the caller does the simd_sum), returning 1/rms (Norm) or 1. The first step's weights are loaded before x is
-// staged, so their latency overlaps the staging and its barrier, and before lily::grid_dependency_wait: on CUDA they
-// overlap the dispatch that writes x (the kernels calling this are LILY_INSTANTIATE_EARLY_KERNEL). Every thread of the
-// threadgroup calls it; a simdgroup with `active` false (rows past N) only takes part in the staging.
-template <bool Norm, int Bits, typename T, typename S>
-LILY_INLINE float qmv_staged_rows(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const T* x,
-                                  device const T* norm_weight, device const uint* weight, device const S* scales,
-                                  device const S* biases, uint K, uint N, float eps, uint first_row, bool active,
-                                  threadgroup float4* stage_x, threadgroup float* pack_sum, threadgroup float* simd_sq,
-                                  uint tid, uint n_threads, uint lane, uint simd_group) {
+// The dot products of a staged GEMV for this simdgroup's rows: acc[r] = this lane's share of sum_k x'_k w[first_row +
+// r, k] over the staged row (the caller does the simd_sum), given the first step's weights already loaded
+// (qmv_load_step with p0 = lane): later steps load their own.
+template <int Bits, typename S>
+LILY_INLINE void qmv_staged_dot(
+    thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP],
+    thread uint (&words)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS],
+    thread float (&scale)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP],
+    thread float (&bias)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP], device const uint* weight,
+    device const S* scales, device const S* biases, uint K, uint N, uint first_row, threadgroup const float4* stage_x,
+    threadgroup const float* pack_sum, uint lane) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
   constexpr uint kPacks = LILY_QMV_PACKS_PER_LANE;
   constexpr uint kPerWord = 32 / Bits;
@@ -415,17 +502,6 @@ LILY_INLINE float qmv_staged_rows(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROU
   LILY_UNROLL
   for (uint r = 0; r < kRows; ++r) {
     acc[r] = 0.0f;
-  }
-  uint words[kPacks][kRows][LILY_QMV_PACK_WORDS];
-  float scale[kPacks][kRows], bias[kPacks][kRows];
-  if (active) {
-    qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
-  }
-  lily::grid_dependency_wait();  // x comes from the dispatch before
-  const float inv_rms = qmv_stage<Norm, Bits>(x, norm_weight, K, eps, stage_x, pack_sum, simd_sq, tid, n_threads, lane,
-                                              simd_group);
-  if (!active) {
-    return inv_rms;
   }
   uint magic[lily::kCodeMagicCount<Bits>];
   lily::code_float_magic<Bits>(magic);
@@ -470,7 +546,64 @@ LILY_INLINE float qmv_staged_rows(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROU
       }
     }
   }
+}
+
+// The staged GEMV of one input row for this simdgroup's rows: acc[r] as qmv_staged_dot, returning 1/rms (Norm) or 1.
+// The first step's weights are loaded before x is staged, so their latency overlaps the staging and its barrier, and
+// before lily::grid_dependency_wait: on CUDA they overlap the dispatch that writes x (the kernels calling this are
+// LILY_INSTANTIATE_EARLY_KERNEL). Every thread of the threadgroup calls it; a simdgroup with `active` false (rows past
+// N) only takes part in the staging.
+template <bool Norm, int Bits, typename T, typename S>
+LILY_INLINE float qmv_staged_rows(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const T* x,
+                                  device const T* norm_weight, device const uint* weight, device const S* scales,
+                                  device const S* biases, uint K, uint N, float eps, uint first_row, bool active,
+                                  threadgroup float4* stage_x, threadgroup float* pack_sum, threadgroup float* simd_sq,
+                                  uint tid, uint n_threads, uint lane, uint simd_group) {
+  uint words[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS];
+  float scale[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
+  float bias[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
+  if (active) {
+    qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
+  }
+  lily::grid_dependency_wait();  // x comes from the dispatch before
+  const float inv_rms = qmv_stage<Norm, Bits>(x, norm_weight, K, eps, stage_x, pack_sum, simd_sq, tid, n_threads, lane,
+                                              simd_group);
+  if (active) {
+    qmv_staged_dot<Bits>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
+  }
   return inv_rms;
+}
+
+// The segment of a segmented GEMV's threadgroup tg_x: each segment's rows padded to whole threadgroups of
+// rows_per_group rows; past the last segment, block counts on in the last one (its threadgroups leave).
+struct QmvSegment {
+  uint index;       // the segment
+  uint block;       // the threadgroup's block of rows_per_group rows within it
+  uint row_offset;  // the segment's first output row
+};
+inline QmvSegment qmv_find_segment(constant lily::QMatmulSegmentsArgs& args, uint tg_x, uint rows_per_group) {
+  QmvSegment s = {0, tg_x, 0};
+  while (s.index + 1 < args.num_segments && s.block >= (args.rows[s.index] + rows_per_group - 1) / rows_per_group) {
+    s.block -= (args.rows[s.index] + rows_per_group - 1) / rows_per_group;
+    s.row_offset += args.rows[s.index];
+    ++s.index;
+  }
+  return s;
+}
+
+// out[row_base + first_row + r] = residual + the row's total, rounded once (out may alias residual: each element is
+// read and written by the same lane). Called by a whole simdgroup (the simd_sums).
+template <typename T>
+LILY_INLINE void qmv_residual_rows(thread const float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const T* residual,
+                                   device T* out, size_t row_base, uint N, uint first_row, uint lane) {
+  LILY_UNROLL
+  for (uint r = 0; r < LILY_QMV_ROWS_PER_SIMDGROUP; ++r) {
+    const float total = simd_sum(acc[r]);
+    if (lane == 0 && first_row + r < N) {
+      const size_t i = row_base + first_row + r;
+      out[i] = T(float(residual[i]) + total);
+    }
+  }
 }
 
 }  // namespace lily_qmatmul
@@ -576,14 +709,10 @@ template <bool Norm, typename T, typename S, int Bits, typename O>
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
   constexpr uint kRowsPerGroup = LILY_QMV_SIMDGROUPS * kRows;
   const uint K = args.in_features;
-  uint segment = 0, block = tg.x, row_offset = 0;
-  while (segment + 1 < args.num_segments && block >= (args.rows[segment] + kRowsPerGroup - 1) / kRowsPerGroup) {
-    block -= (args.rows[segment] + kRowsPerGroup - 1) / kRowsPerGroup;
-    row_offset += args.rows[segment];
-    ++segment;
-  }
+  const lily_qmatmul::QmvSegment seg = lily_qmatmul::qmv_find_segment(args, tg.x, kRowsPerGroup);
+  const uint segment = seg.index, row_offset = seg.row_offset;
   const uint N = args.rows[segment];
-  const uint first_row = (block * LILY_QMV_SIMDGROUPS + simd_group) * kRows;
+  const uint first_row = (seg.block * LILY_QMV_SIMDGROUPS + simd_group) * kRows;
   if (first_row >= N) {
     return;  // the whole simdgroup leaves: the simd_sums below stay convergent
   }
@@ -678,15 +807,7 @@ template <typename T, typename S, int Bits>
   if (first_row >= N) {
     return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
   }
-  LILY_UNROLL
-  for (uint r = 0; r < kRows; ++r) {
-    const float total = simd_sum(acc[r]);
-    if (lane == 0 && first_row + r < N) {
-      // Read and written by the same thread: out may alias residual.
-      const size_t i = size_t(tg.y) * N + first_row + r;
-      out[i] = T(float(residual[i]) + total);
-    }
-  }
+  qmv_residual_rows(acc, residual, out, size_t(tg.y) * N, N, first_row, lane);
 }
 
 template <typename T, typename S, int Bits, typename O>
@@ -719,17 +840,13 @@ template <typename T, typename S, int Bits, typename O>
   const uint K = args.in_features;
   const uint n_threads = threads_per_group.x;  // 1-D threadgroups
   const uint rows_per_group = (n_threads / 32) * kRows;
-  uint segment = 0, block = tg.x, row_offset = 0;
-  while (segment + 1 < args.num_segments && block >= (args.rows[segment] + rows_per_group - 1) / rows_per_group) {
-    block -= (args.rows[segment] + rows_per_group - 1) / rows_per_group;
-    row_offset += args.rows[segment];
-    ++segment;
-  }
+  const QmvSegment seg = qmv_find_segment(args, tg.x, rows_per_group);
+  const uint segment = seg.index, row_offset = seg.row_offset;
   const uint N = args.rows[segment];
-  if (block * rows_per_group >= N) {
+  if (seg.block * rows_per_group >= N) {
     return;  // the whole threadgroup leaves (past the last segment): the barrier in qmv_stage stays uniform
   }
-  const uint first_row = (block * (n_threads / 32) + simd_group) * kRows;
+  const uint first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
   device const uint* weight = segment == 0 ? weight0 : segment == 1 ? weight1 : segment == 2 ? weight2 : weight3;
   device const S* scales = segment == 0 ? scales0 : segment == 1 ? scales1 : segment == 2 ? scales2 : scales3;
   device const S* biases = segment == 0 ? biases0 : segment == 1 ? biases1 : segment == 2 ? biases2 : biases3;
@@ -747,6 +864,149 @@ template <typename T, typename S, int Bits, typename O>
       y[size_t(tg.y) * args.out_features + row_offset + first_row + r] = O(total * inv_rms);
     }
   }
+}
+
+// qmv_norm_seg_staged with the DeltaNet's causal conv folded into segment 0 (in_proj_qkv, whose rows are the conv's
+// channels): lane r of a simdgroup owns its row r's channel c, rounds the GEMV's output to T, runs gdn_conv_silu
+// over c's conv state and writes the fp32 result to conv_out[c] and the shifted state, the arithmetic of
+// gated_delta_conv and gated_delta_conv_state for one token; segment 0 writes nothing to y. Segment 1 (in_proj_z)
+// also writes the SiLU of each rounded output to `gate` (f32), the factor gdn_gated_norm computes per value, once
+// here instead of in every threadgroup of the out_proj GEMV that stages the norm. One input row (a decode token: the
+// host's rule). Every channel has one owner here, so its in-place shift cannot race with a reader: the
+// DeltaNet scan after this kernel may spread a key head over many threadgroups (gated_delta_step, which convolves
+// in place, keeps each key head's channels in one).
+template <typename T, typename S, int Bits>
+[[kernel]] void qmv_norm_seg_conv_staged(constant lily::QMatmulSegmentsArgs& args [[buffer(0)]],
+                                         device const T* x [[buffer(1)]],
+                                         device const T* norm_weight [[buffer(2)]],
+                                         device const uint* weight0 [[buffer(3)]],
+                                         device const S* scales0 [[buffer(4)]],
+                                         device const S* biases0 [[buffer(5)]],
+                                         device const uint* weight1 [[buffer(6)]],
+                                         device const S* scales1 [[buffer(7)]],
+                                         device const S* biases1 [[buffer(8)]],
+                                         device const uint* weight2 [[buffer(9)]],
+                                         device const S* scales2 [[buffer(10)]],
+                                         device const S* biases2 [[buffer(11)]],
+                                         device const uint* weight3 [[buffer(12)]],
+                                         device const S* scales3 [[buffer(13)]],
+                                         device const S* biases3 [[buffer(14)]],
+                                         device T* y [[buffer(15)]],
+                                         device const T* conv_weight [[buffer(16)]],  // [C, LILY_GDN_CONV_KERNEL]
+                                         device T* conv_state [[buffer(17)]],  // [LILY_GDN_CONV_KERNEL - 1, C] in/out
+                                         device float* conv_out [[buffer(18)]],  // [C], C = rows[0]
+                                         device float* gate [[buffer(19)]],      // [rows[1]]: SiLU(z)
+                                         uint3 tg [[threadgroup_position_in_grid]],
+                                         uint tid [[thread_index_in_threadgroup]],
+                                         uint3 threads_per_group [[threads_per_threadgroup]],
+                                         uint lane [[thread_index_in_simdgroup]],
+                                         uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  using namespace lily_qmatmul;
+  threadgroup float4 stage_x[LILY_QMV_STAGE_MAX_K / 4];
+  threadgroup float pack_sum[LILY_QMV_STAGE_MAX_K / 16];
+  threadgroup float simd_sq[32];
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  constexpr uint kTaps = LILY_GDN_CONV_KERNEL;
+  const uint K = args.in_features;
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
+  const uint rows_per_group = (n_threads / 32) * kRows;
+  const QmvSegment seg = qmv_find_segment(args, tg.x, rows_per_group);
+  const uint N = args.rows[seg.index];
+  if (seg.block * rows_per_group >= N) {
+    return;  // the whole threadgroup leaves (past the last segment): the barrier in qmv_stage stays uniform
+  }
+  const uint first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
+  const uint i = seg.index;
+  device const uint* weight = i == 0 ? weight0 : i == 1 ? weight1 : i == 2 ? weight2 : weight3;
+  device const S* scales = i == 0 ? scales0 : i == 1 ? scales1 : i == 2 ? scales2 : scales3;
+  device const S* biases = i == 0 ? biases0 : i == 1 ? biases1 : i == 2 ? biases2 : biases3;
+  // Lane r's channel: its conv inputs loaded first, before the wait in qmv_staged_rows (only this kernel writes a
+  // decode token's conv state, and the host never starts it early behind a dispatch that does: Node::early_reads), so
+  // their latency hides behind the GEMV.
+  const bool convolves = i == 0 && lane < kRows && first_row + lane < N;
+  const uint c = first_row + lane;
+  float history[kTaps], taps[kTaps];
+  if (convolves) {
+    for (uint j = 0; j + 1 < kTaps; ++j) {
+      history[j] = float(conv_state[size_t(j) * N + c]);
+    }
+    for (uint j = 0; j < kTaps; ++j) {
+      taps[j] = float(conv_weight[size_t(c) * kTaps + j]);
+    }
+  }
+  float acc[kRows];
+  const float inv_rms = qmv_staged_rows<true, Bits>(acc, x, norm_weight, weight, scales, biases, K, N, args.eps,
+                                                    first_row, first_row < N, stage_x, pack_sum, simd_sq, tid,
+                                                    n_threads, lane, simd_group);
+  if (first_row >= N) {
+    return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
+  }
+  float mine = 0.0f;
+  LILY_UNROLL
+  for (uint r = 0; r < kRows; ++r) {
+    const float total = simd_sum(acc[r]) * inv_rms;
+    mine = lane == r ? total : mine;
+    if (i != 0 && lane == 0 && first_row + r < N) {
+      y[seg.row_offset + first_row + r] = T(total);
+      if (i == 1) {
+        gate[first_row + r] = lily::silu(float(T(total)));  // as gdn_gated_norm gates: SiLU of the rounded z
+      }
+    }
+  }
+  if (convolves) {
+    history[kTaps - 1] = float(T(mine));  // the projection's output as gated_delta_conv reads it: rounded to T
+    conv_out[c] = lily::gdn_conv_silu(history, taps);
+    for (uint j = 0; j + 1 < kTaps; ++j) {
+      conv_state[size_t(j) * N + c] = T(history[j + 1]);  // exact: the history came from T values
+    }
+  }
+}
+
+// qmv_residual_staged over the DeltaNet's gated RMSNorm of its scan output: out = residual + W · x with x =
+// qmv_stage_gated_norm(o, SiLU(z)), so gated_delta_prefill_norm's dispatch (and its rounded copy of x) disappears from a
+// decode token. One input row; the bits of gated_delta_prefill_norm followed by qmv_residual_staged.
+template <typename T, typename S, int Bits>
+[[kernel]] void qmv_gated_norm_residual_staged(constant lily::QMatmulGatedNormArgs& args [[buffer(0)]],
+                                               device const float* o [[buffer(1)]],          // [K] scan output
+                                               device const float* gate [[buffer(2)]],       // [K] SiLU(z)
+                                               device const T* norm_weight [[buffer(3)]],    // [head_dim]
+                                               device const uint* weight [[buffer(4)]],
+                                               device const S* scales [[buffer(5)]],
+                                               device const S* biases [[buffer(6)]],
+                                               device const T* residual [[buffer(7)]],
+                                               device T* out [[buffer(8)]],
+                                               uint3 tg [[threadgroup_position_in_grid]],
+                                               uint tid [[thread_index_in_threadgroup]],
+                                               uint3 threads_per_group [[threads_per_threadgroup]],
+                                               uint lane [[thread_index_in_simdgroup]],
+                                               uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  using namespace lily_qmatmul;
+  threadgroup float4 stage_x[LILY_QMV_STAGE_MAX_K / 4];
+  threadgroup float pack_sum[LILY_QMV_STAGE_MAX_K / 16];
+  threadgroup float head_inv_rms[LILY_QMV_STAGE_MAX_HEADS];
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  const uint K = args.in_features;
+  const uint N = args.out_features;
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
+  if (tg.x * (n_threads / 32) * kRows >= N) {
+    return;  // the whole threadgroup leaves: the barriers in the staging stay uniform
+  }
+  const uint first_row = (tg.x * (n_threads / 32) + simd_group) * kRows;
+  const bool active = first_row < N;
+  uint words[LILY_QMV_PACKS_PER_LANE][kRows][LILY_QMV_PACK_WORDS];
+  float scale[LILY_QMV_PACKS_PER_LANE][kRows], bias[LILY_QMV_PACKS_PER_LANE][kRows];
+  if (active) {
+    qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
+  }
+  lily::grid_dependency_wait();  // o comes from the dispatch before, gate from the one before that
+  qmv_stage_gated_norm<T, Bits>(o, gate, norm_weight, K, args.head_dim, args.eps, stage_x, pack_sum, head_inv_rms, tid,
+                                n_threads, lane, simd_group);
+  if (!active) {
+    return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
+  }
+  float acc[kRows];
+  qmv_staged_dot<Bits>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
+  qmv_residual_rows(acc, residual, out, 0, N, first_row, lane);
 }
 
 template <typename T, typename S, int Bits, int BM, typename O = T>
@@ -862,6 +1122,14 @@ LILY_INSTANTIATE_EARLY_KERNEL("qmv_residual_staged_q4_g64_bf16", qmv_residual_st
 LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_staged_q4_g64_f32", qmv_norm_seg_staged, float, bfloat, 4, float)
 LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_staged_q4_g64_bf16", qmv_norm_seg_staged, bfloat, bfloat, 4, bfloat)
 LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_staged_q8_g64_bf16_of32", qmv_norm_seg_staged, bfloat, bfloat, 8, float)
+// A decode token's DeltaNet spread over many threadgroups (tuning::spread_deltanet_step): the conv in the in_proj GEMV,
+// the gated norm in the out_proj GEMV's staging.
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_staged_q4_g64_f32", qmv_norm_seg_conv_staged, float, bfloat, 4)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_staged_q4_g64_bf16", qmv_norm_seg_conv_staged, bfloat, bfloat, 4)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_gated_norm_residual_staged_q4_g64_f32", qmv_gated_norm_residual_staged, float,
+                              bfloat, 4)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_gated_norm_residual_staged_q4_g64_bf16", qmv_gated_norm_residual_staged, bfloat,
+                              bfloat, 4)
 LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_f32", qmv_segments, false, float, bfloat, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_f32_sf32", qmv_segments, false, float, float, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_bf16", qmv_segments, false, bfloat, bfloat, 4, bfloat)

@@ -39,6 +39,7 @@ EPS = 1e-6
 # Kernel shapes the host uses (metal/lily.h, src/lily_ext/tuning.h); --qmv-shape overrides the qmv ones to time PTX
 # built with other LILY_QMV_* values.
 QMV_SHAPE = {"rows_per_simdgroup": 4, "simdgroups": 2, "batch": 4}
+QMV_STAGED = {"simdgroups": 4}  # LILY_QMV_STAGED_SIMDGROUPS: the staged GEMVs' threadgroups; --qmv-staged overrides
 QMM_BN, QMM_BM16, QMM_THREADS = 64, 16, 128  # LILY_GEMM_BN, LILY_QMM_BM16_MAX_ROWS, LILY_GEMM_THREADS
 QMM_MIN_THREADGROUPS = 64 * 8  # tuning::kQmmMinThreadgroups
 MOE_GEMV_ROWS, MOE_GEMV_THREADS = 8, 64
@@ -94,9 +95,10 @@ def ceil_div(a: int, b: int) -> int:
 
 # ---- qmv / qmm ----
 
-def _qmv_grid(n: int, m: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    rows_per_tg = QMV_SHAPE["rows_per_simdgroup"] * QMV_SHAPE["simdgroups"]
-    return (ceil_div(n, rows_per_tg), ceil_div(m, QMV_SHAPE["batch"]), 1), (32 * QMV_SHAPE["simdgroups"], 1, 1)
+def _qmv_grid(n: int, m: int, staged: bool = False) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    simdgroups = QMV_STAGED["simdgroups"] if staged else QMV_SHAPE["simdgroups"]
+    rows_per_tg = QMV_SHAPE["rows_per_simdgroup"] * simdgroups
+    return (ceil_div(n, rows_per_tg), ceil_div(m, QMV_SHAPE["batch"]), 1), (32 * simdgroups, 1, 1)
 
 
 def qmv_case(label: str, n: int, k: int, m: int = 1, bits: int = 4, f32_out: bool = False) -> Case:
@@ -120,7 +122,7 @@ def qmv_norm_case(label: str, n: int, k: int, staged: bool = False) -> Case:
     """lm_head after the final RMSNorm (fusion on), writing f32 logits (the engine's in every precision); `staged`:
     the CUDA variant (x staged in threadgroup memory)."""
     w, s = quantized(n, k)
-    grid, threads = _qmv_grid(n, 1)
+    grid, threads = _qmv_grid(n, 1, staged)
     return Case(label, f"qmv_norm{'_staged' if staged else ''}_q4_g64_bf16_of32",
                 [struct.pack("<IIIf", k, n, 1, EPS), bf16(k), bf16(k), w, s, s, f32(n)], grid, threads,
                 w + 2 * s + 2 * bf16(k) + f32(n))
@@ -129,7 +131,7 @@ def qmv_norm_case(label: str, n: int, k: int, staged: bool = False) -> Case:
 def qmv_residual_case(label: str, n: int, k: int, staged: bool = False) -> Case:
     """DeltaNet out_proj / attention o_proj: out = residual + W x, in place on the hidden stream."""
     w, s = quantized(n, k)
-    grid, threads = _qmv_grid(n, 1)
+    grid, threads = _qmv_grid(n, 1, staged)
     return Case(label, f"qmv_residual{'_staged' if staged else ''}_q4_g64_bf16",
                 [struct.pack("<IIII", k, n, 1, 0), bf16(k), w, s, s, bf16(n), Same(5)], grid, threads,
                 w + 2 * s + bf16(k) + 2 * bf16(n))
@@ -141,7 +143,8 @@ def qmv_norm_seg_case(label: str, rows: list[int], k: int, bits: int = 4, f32_ou
     buffers: list = [struct.pack("<IIIf4I", k, sum(rows), len(rows), EPS, *(rows + [0] * (4 - len(rows)))),
                      bf16(k), bf16(k)]
     moved, groups = 2 * bf16(k), 0
-    rows_per_tg = QMV_SHAPE["rows_per_simdgroup"] * QMV_SHAPE["simdgroups"]
+    simdgroups = QMV_STAGED["simdgroups"] if staged else QMV_SHAPE["simdgroups"]
+    rows_per_tg = QMV_SHAPE["rows_per_simdgroup"] * simdgroups
     for i in range(4):
         if i < len(rows):
             w, s = quantized(rows[i], k, bits)
@@ -154,7 +157,7 @@ def qmv_norm_seg_case(label: str, rows: list[int], k: int, bits: int = 4, f32_ou
     buffers.append(out)
     suffix = "_of32" if f32_out else ""
     return Case(label, f"qmv_norm_seg{'_staged' if staged else ''}_q{bits}_g64_bf16{suffix}", buffers, (groups, 1, 1),
-                (32 * QMV_SHAPE["simdgroups"], 1, 1), moved + out)
+                (32 * simdgroups, 1, 1), moved + out)
 
 
 # ---- the other decode kernels ----
@@ -268,6 +271,36 @@ def gated_delta_case() -> Case:
              bf16(GDN_V_DIM) + 2 * bf16((CONV_K - 1) * c) + 2 * state)
     return Case("gated_delta_step (one DeltaNet layer)", "gated_delta_step_bf16_dk128", buffers, (GDN_K_HEADS, 1, 1),
                 (32 * ceil_div(rows, GDN_ROWS_PER_SIMDGROUP), 1, 1), moved)
+
+
+def spread_deltanet_cases() -> list[Case]:
+    """The spread decode step of one DeltaNet layer (tuning::spread_deltanet_step, CUDA): the in_proj GEMV with the
+    conv in its epilogue, the recurrence on the prefill scan's (value head, 32 rows) threadgroups at one token, and
+    the out_proj GEMV with the gated norm in its staging (SiLU(z) from the first): the three dispatches that replace
+    gated_delta_step's and its two GEMVs."""
+    c, v = GDN_CONV_CHANNELS, GDN_V_HEADS * GDN_V_DIM
+    rows = [c, v, GDN_V_HEADS, GDN_V_HEADS]
+    projections = qmv_norm_seg_case("", rows, HIDDEN, staged=True)
+    conv = [bf16(c * CONV_K), bf16((CONV_K - 1) * c), f32(c), f32(v)]  # weight, state, outputs, SiLU(z)
+    state = f32(GDN_V_HEADS * GDN_V_DIM * GDN_K_DIM)
+    slice_rows = GDN_PREFILL_SHAPE["rows_per_threadgroup"]
+    scan_threads = 32 * ceil_div(slice_rows, GDN_PREFILL_SHAPE["rows_per_simdgroup"])
+    w, sc = quantized(HIDDEN, v)
+    grid, threads = _qmv_grid(HIDDEN, 1, staged=True)
+    return [
+        Case("spread DeltaNet step: in_proj qkv|z|b|a + conv", "qmv_norm_seg_conv_staged_q4_g64_bf16",
+             projections.buffers + conv, projections.grid, projections.threads,
+             projections.bytes_moved - bf16(c) + conv[0] + 2 * conv[1] + conv[2] + conv[3]),
+        Case("spread DeltaNet step: scan of one token", "gated_delta_prefill_bf16_dk128",
+             [struct.pack("<IIIIffII", 1, GDN_K_HEADS, GDN_V_HEADS, GDN_V_DIM, EPS, EPS, 0, 0), f32(c),
+              bf16(GDN_V_HEADS), bf16(GDN_V_HEADS), f32(GDN_V_HEADS), f32(GDN_V_HEADS), state, f32(v)],
+             (GDN_V_HEADS, ceil_div(GDN_V_DIM, slice_rows), 1), (scan_threads, 1, 1),
+             f32(c) + 2 * bf16(GDN_V_HEADS) + 2 * f32(GDN_V_HEADS) + 2 * state + f32(v)),
+        Case("spread DeltaNet step: out_proj + gated norm", "qmv_gated_norm_residual_staged_q4_g64_bf16",
+             [struct.pack("<IIIf", v, HIDDEN, GDN_V_DIM, EPS), f32(v), f32(v), bf16(GDN_V_DIM), w, sc, sc,
+              bf16(HIDDEN), Same(7)], grid, threads,
+             w + 2 * sc + 2 * f32(v) + bf16(GDN_V_DIM) + 2 * bf16(HIDDEN)),
+    ]
 
 
 def sampling_cases() -> list[Case]:
@@ -532,6 +565,7 @@ def prefill_cases() -> list[Case]:
 
 def cases() -> list[Case]:
     return [rms_norm_case(), embedding_case(), *qmv_cases(), *moe_cases(), *attention_cases(), gated_delta_case(),
+            *spread_deltanet_cases(),
             *sampling_cases(), *short_prompt_cases(), *prefill_cases()]
 
 
@@ -688,11 +722,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="the LILY_GDN_PREFILL_ROWS_PER_* values the PTX was built with (default 32 1)")
     parser.add_argument("--qmv-shape", nargs=3, type=int, metavar=("ROWS", "SIMDGROUPS", "BATCH"),
                         help="the LILY_QMV_* values the PTX was built with (default 4 2 4)")
+    parser.add_argument("--qmv-staged", type=int, metavar="SIMDGROUPS",
+                        help="simdgroups per threadgroup of the staged GEMVs (LILY_QMV_STAGED_SIMDGROUPS, default 4)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     if args.qmv_shape:
         QMV_SHAPE.update(zip(("rows_per_simdgroup", "simdgroups", "batch"), args.qmv_shape))
+    if args.qmv_staged:
+        QMV_STAGED["simdgroups"] = args.qmv_staged
     if args.gdn_prefill_rows:
         GDN_PREFILL_SHAPE.update(zip(("rows_per_threadgroup", "rows_per_simdgroup"), args.gdn_prefill_rows))
     selected = [c for c in cases() if not args.kernels or re.search(args.kernels, c.label)

@@ -25,7 +25,9 @@ DECODE_KERNELS = {"qmv_q4_g64_bf16", "qmv_q8_g64_bf16", "qmv_norm_q4_g64_bf16_of
                   "sample_partial_f32", "sample_final_f32",
                   # CUDA's choice of the one-row decode GEMVs (tuning::staged_gemv)
                   "qmv_norm_staged_q4_g64_bf16_of32", "qmv_norm_seg_staged_q4_g64_bf16",
-                  "qmv_norm_seg_staged_q8_g64_bf16_of32", "qmv_residual_staged_q4_g64_bf16"}
+                  "qmv_norm_seg_staged_q8_g64_bf16_of32", "qmv_residual_staged_q4_g64_bf16",
+                  # CUDA's spread DeltaNet step (tuning::spread_deltanet_step; its scan is the prefill one's)
+                  "qmv_norm_seg_conv_staged_q4_g64_bf16", "qmv_gated_norm_residual_staged_q4_g64_bf16"}
 
 
 # The prefill cases: the GEMMs with the tiles the host picks at 512 and 4096 rows (and 16-row MoE tiles at 512 for

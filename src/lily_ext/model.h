@@ -59,6 +59,10 @@ struct Switches {
                                    // tokens is built and launched node by node on every call, as longer chunks are
   bool staged_gemv = true;         // STAGED_GEMV: off = decode GEMVs read x from device memory per simdgroup (on only
                                    // where the runtime prefers staging x in threadgroup memory: CUDA)
+  bool spread_deltanet_step = true;  // SPREAD_DELTANET_STEP: off = a decode token's DeltaNet core is one
+                                    // gated_delta_step (a threadgroup per key head); on (with STAGED_GEMV: CUDA), the
+                                    // conv runs in the in_proj GEMV, the recurrence over (value head, 32 rows)
+                                    // threadgroups and the gated norm in the out_proj GEMV (tuning::spread_deltanet_step)
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
   size_t kv_growth_block() const;
@@ -188,6 +192,7 @@ struct PassBuffers {
       attn_partial_stats, router, expert_ids, expert_weights, block_counts, expert_offsets, tile_map, tile_count,
       sorted_pairs, moe_hidden, expert_out, shared_pairs, shared_tile_map, shared_tile_count, ones, shared_hidden,
       shared_out, logits;
+  int gdn_gate = -1;    // SiLU(z) of one row, f32 (the spread DeltaNet decode step: tuning::spread_deltanet_step)
   int dequant = -1;     // dense copy of one weight (IN_GEMM_DEQUANT off only): see add_dequant_scratch
   int gdn_chunks = -1;  // the chunked DeltaNet scan's operands (CHUNKED_SCAN on only): see add_gdn_chunk_scratch
 };

@@ -77,10 +77,24 @@ inline bool staged_gemv(bool switched_on, int bits, bool bf16_scales, size_t in_
          (bits == 4 || (bits == 8 && eight_bit_allowed));
 }
 
+// A decode token's DeltaNet spread over many threadgroups (SPREAD_DELTANET_STEP): the causal conv in the in_proj GEMV's
+// epilogue (qmv_norm_seg_conv_staged: each channel has one owner, so its state shifts in place without a race), the
+// recurrence on the prefill scan's (value head, 32 rows) threadgroups (128 at full size) and the gated norm in the
+// out_proj GEMV's staging (qmv_gated_norm_residual_staged): three dispatches, as with gated_delta_step, which puts a
+// key head on one threadgroup (16 on 132 SMs on an H200, where it was bound by one SM's shuffles: Nsight Compute,
+// docs/performance.md). Where the GEMVs are staged (CUDA) and the gated norm's heads fit one staging round.
+inline bool spread_deltanet_step(bool switched_on, size_t value_heads, size_t head_v_dim) {
+  return switched_on && head_v_dim % 4 == 0 && value_heads <= LILY_QMV_STAGE_MAX_HEADS &&
+         value_heads * head_v_dim <= 4 * LILY_QMV_STAGE_BATCH * 32 * LILY_QMV_STAGED_SIMDGROUPS;  // one round
+}
+
 // Threads per threadgroup.
 // qmv: 2 simdgroups x 4 rows = 8 output rows per threadgroup (the kernel's fixed shape).
 constexpr size_t kQmvThreads = 32 * LILY_QMV_SIMDGROUPS;
 constexpr size_t kQmvRowsPerThreadgroup = LILY_QMV_ROWS_PER_SIMDGROUP * LILY_QMV_SIMDGROUPS;
+// The staged GEMVs (tuning::staged_gemv): LILY_QMV_STAGED_SIMDGROUPS simdgroups per staging of x.
+constexpr size_t kQmvStagedThreads = 32 * LILY_QMV_STAGED_SIMDGROUPS;
+constexpr size_t kQmvStagedRowsPerThreadgroup = LILY_QMV_ROWS_PER_SIMDGROUP * LILY_QMV_STAGED_SIMDGROUPS;
 // rms_norm: one threadgroup per row; 256 threads already cover H = 2048 with 8 elements per thread, and a smaller
 // group than the 1024 maximum leaves room for other dispatches of the same stage.
 constexpr size_t kRmsNormThreads = 256;

@@ -15,7 +15,9 @@ from lily.reference import ReferenceModel
 from tests.engine.test_fusion import DECODE_ONLY, PROMPT, checkpoints  # noqa: F401 (the fixture)
 from tests.engine.test_metal_backend import relative_error
 
-STAGED = {"qmv_norm_staged", "qmv_residual_staged", "qmv_norm_seg_staged"}
+# With the spread DeltaNet step on (the default), the DeltaNet layers' in_proj and out_proj run its staged variants.
+STAGED = {"qmv_norm_staged", "qmv_residual_staged", "qmv_norm_seg_staged", "qmv_norm_seg_conv_staged",
+          "qmv_gated_norm_residual_staged"}
 
 
 def _staged_ops(kernels) -> set[str]:

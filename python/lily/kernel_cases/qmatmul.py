@@ -23,6 +23,7 @@ from lily.kernel_cases.common import (Case, Run, dtype_of, poisoned, quantized_w
 from lily.quant import QuantizedTensor, pack, round_to_dtype
 
 PATTERN = re.compile(r"qmv(_norm|_residual)?(_seg)?(_staged)?_q(4|8)_g64_(f32|f16|bf16)(_sf32)?(_of32)?"
+                     r"|qmv_(norm_seg_conv|gated_norm_residual)_staged_q4_g64_(f32|bf16)"
                      r"|qmm_q(4|8)_g64_(f32|f16|bf16)(_sf32)?(_of32)?_bm(16|32|64)|qmm_nax_q(4|8)_g64_(f16|bf16)")
 QMV_ROWS_PER_THREADGROUP = 8  # LILY_QMV_SIMDGROUPS * LILY_QMV_ROWS_PER_SIMDGROUP
 QMM_BN, QMM_THREADS = 64, 128  # LILY_GEMM_BN, LILY_GEMM_THREADS
@@ -206,6 +207,97 @@ def _qmv_segments(run: Run, kernel: str, rows: list[int], k: int, m: int) -> Non
     check_matmul(run, y, out_dtype, x_in, _concatenated([qt for qt, _ in parts]), relative_ulps=1.0 if norm else 0.0)
 
 
+# The spread DeltaNet step's GEMVs (tuning::spread_deltanet_step). Conv epilogue: (Hk, Hv, dv, K) of a DeltaNet
+# layer at Dk = 64, its in_proj segments [C = 2 Hk 64 + Hv dv | z | b | a]; the first is the self-test's; a channel
+# count that leaves a partial simdgroup (dv = 33), K from one group to the staging's limit. Gated norm: (heads,
+# head_dim, N): the model's 32 x 128 heads, partial threadgroups, N = 1, a head_dim that is not a multiple of 32.
+CONV_TAPS = 4  # LILY_GDN_CONV_KERNEL
+CONV_LAYERS = [(1, 2, 32, 512), (2, 4, 64, 2048), (1, 1, 33, 64), (1, 2, 16, 4096)]
+GATED_NORM_SHAPES = [(2, 128, 40), (32, 128, 20), (3, 64, 13), (1, 64, 1), (2, 96, 17)]
+GDN_CONV_THREADS = 256  # tuning::kGdnConvThreads
+
+
+def _segment_bindings(parts) -> list:
+    return [b for s in range(MAX_SEGMENTS) for b in parts[s if s < len(parts) else 0][1]]
+
+
+def _qmv_seg_conv(run: Run, kernel: str, hk: int, hv: int, dv: int, k: int) -> None:
+    """qmv_norm_seg_conv_staged against the reference (the projections, then the causal conv + SiLU of segment 0),
+    and bit for bit against what it replaces: qmv_norm_seg_staged, gated_delta_conv and gated_delta_conv_state."""
+    from lily.kernel_cases.gated_delta import gated_delta_args
+
+    dtype = dtype_of(kernel)
+    c = 2 * hk * 64 + hv * dv
+    rows = [c, hv * dv, hv, hv]
+    parts = [quantized_weight(kernel, (n, k), run.rng) for n in rows]
+    x = to_device(run.rng.standard_normal((1, k)), dtype)
+    norm_weight = to_device(1.0 + 0.3 * run.rng.standard_normal(k), dtype)
+    conv_weight = to_device(0.5 * run.rng.standard_normal((c, CONV_TAPS)), dtype)
+    state_before = to_device(run.rng.standard_normal((CONV_TAPS - 1, c)), dtype)
+    args = struct.pack("<IIIf4I", k, sum(rows), len(rows), NORM_EPS, *rows)  # lily::QMatmulSegmentsArgs
+    grid = (sum(-(-n // QMV_ROWS_PER_THREADGROUP) for n in rows), 1, 1)
+    y, conv_state, conv_out = poisoned((1, sum(rows)), dtype), state_before.copy(), poisoned((c,), "f32")
+    gate = poisoned((rows[1],), "f32")
+    run.dispatch(kernel, [args, x, norm_weight, *_segment_bindings(parts), y, conv_weight, conv_state, conv_out,
+                          gate], grid, 64)
+
+    normed = reference.rms_norm(to_f64(x, dtype), to_f64(norm_weight, dtype), NORM_EPS).astype(np.float64)
+    newest = np.ascontiguousarray(conv_state[-1:])  # segment 0's outputs, rounded: the state's newest row
+    check_matmul(run, newest, dtype, normed, parts[0][0], relative_ulps=1.0)
+    check_matmul(run, np.ascontiguousarray(y[:, c:]), dtype, normed, _concatenated([qt for qt, _ in parts[1:]]),
+                 relative_ulps=1.0)
+    run.require("segment 0 writes nothing to y",
+                np.array_equal(y[:, :c].view(np.uint8), poisoned((1, c), dtype).view(np.uint8)))
+    run.compare_exact("conv state shifted", conv_state[:-1].view(np.uint8), state_before[1:].view(np.uint8))
+    history = np.concatenate([to_f64(state_before, dtype), to_f64(newest, dtype)])  # [taps, C], oldest first
+    pre = np.sum(to_f64(conv_weight, dtype).T * history, axis=0)
+    run.compare("conv out", conv_out.astype(np.float64), pre / (1.0 + np.exp(-pre)), "f32")
+    z = to_f64(y[:, c:c + rows[1]], dtype)[0]
+    run.compare("gate = SiLU(z)", gate.astype(np.float64), z / (1.0 + np.exp(-z)), "f32")
+
+    # The unspread path on the same inputs.
+    y2, state2, out2 = poisoned((1, sum(rows)), dtype), state_before.copy(), poisoned((c,), "f32")
+    run.dispatch(f"qmv_norm_seg_staged_q4_g64_{dtype}", [args, x, norm_weight, *_segment_bindings(parts), y2], grid,
+                 64)
+    qkv = np.ascontiguousarray(y2[:, :c])
+    conv_args = gated_delta_args(1, hk, hv, dv)
+    groups = -(-c // GDN_CONV_THREADS)
+    run.dispatch(f"gated_delta_conv_{dtype}_dk64", [conv_args, qkv, conv_weight, state2, out2], (groups, 1, 1),
+                 GDN_CONV_THREADS)
+    run.dispatch(f"gated_delta_conv_state_{dtype}_dk64", [conv_args, qkv, state2], (groups, 1, 1), GDN_CONV_THREADS)
+    run.compare_exact("== the unspread conv (bits)", conv_out.view(np.uint8), out2.view(np.uint8))
+    run.compare_exact("== the unspread conv state (bits)", conv_state.view(np.uint8), state2.view(np.uint8))
+    run.compare_exact("== the unspread z|b|a (bits)", y[:, c:].view(np.uint8), y2[:, c:].view(np.uint8))
+
+
+def _qmv_gated_norm_residual(run: Run, kernel: str, heads: int, head_dim: int, n: int) -> None:
+    """qmv_gated_norm_residual_staged against the reference: out = residual + W · x with x the gated RMSNorm of o per
+    head (gate = SiLU(z), f32, as qmv_norm_seg_conv_staged writes it) rounded once to the dtype. The kernel rounds x
+    from fp32, the reference from fp64, so an element may land one ulp of the dtype apart: the allowance adds that
+    ulp of every x times its weight (the engine's switch test checks the bits against the unspread step)."""
+    dtype = dtype_of(kernel)
+    k = heads * head_dim
+    weight, buffers = quantized_weight(kernel, (n, k), run.rng)
+    o = (run.rng.standard_normal(k) * run.rng.uniform(0.1, 10.0, heads).repeat(head_dim)).astype(np.float32)
+    gate = (2.0 * run.rng.standard_normal(k)).astype(np.float32)
+    norm_weight = to_device(1.0 + 0.2 * run.rng.standard_normal(head_dim), dtype)
+    residual = to_device(2.0 * run.rng.standard_normal((1, n)), dtype)
+    out = residual.copy()  # in place, as the engine runs it
+    # Threads: 4-row simdgroups; enough for one staging round (K <= 32 per thread: LILY_QMV_STAGE_BATCH chunks).
+    simdgroups = max(2, -(-k // (32 * 32)))
+    run.dispatch(kernel, [struct.pack("<IIIf", k, n, head_dim, NORM_EPS), o, gate, norm_weight, *buffers, out, out],
+                 (-(-n // (4 * simdgroups)), 1, 1), 32 * simdgroups)
+    heads_o = o.astype(np.float64).reshape(heads, head_dim)
+    inv_rms = 1.0 / np.sqrt(np.mean(heads_o**2, axis=1, keepdims=True) + NORM_EPS)
+    x = (heads_o * inv_rms * to_f64(norm_weight, dtype) * gate.astype(np.float64).reshape(heads, head_dim))
+    x = round_to(x.reshape(1, k), dtype)
+    expected = reference.qmatmul(x.astype(np.float32), weight).astype(np.float64) + to_f64(residual, dtype)
+    magnitude = accumulation_magnitude(x, weight)
+    x_ulp = {"f32": 2.0**-21, "bf16": 2.0**-7}[dtype]  # a few fp32 roundings; one bf16 ulp
+    allowance = (np.sqrt(k) * 2.0**-24 + x_ulp) * magnitude
+    run.compare("y", to_f64(out, dtype), round_to(expected, dtype), dtype, allowance)
+
+
 def _shape_cases(kernel: str, body, shapes) -> list[Case]:
     return [Case(kernel, f"M={m} N={n} K={k}", partial(body, kernel=kernel, m=m, n=n, k=k), quick=i == 0)
             for i, (m, n, k) in enumerate(shapes)]
@@ -214,6 +306,14 @@ def _shape_cases(kernel: str, body, shapes) -> list[Case]:
 def cases(kernel: str) -> list[Case]:
     """Every case of one qmatmul kernel; the first is the self-test's."""
     extra = EXTRA_SHAPES.get(kernel, [])
+    if kernel.startswith("qmv_norm_seg_conv"):
+        return [Case(kernel, f"Hk={hk} Hv={hv} dv={dv} K={k}", partial(_qmv_seg_conv, kernel=kernel, hk=hk, hv=hv,
+                                                                       dv=dv, k=k), quick=i == 0)
+                for i, (hk, hv, dv, k) in enumerate(CONV_LAYERS)]
+    if kernel.startswith("qmv_gated_norm"):
+        return [Case(kernel, f"heads={h} head_dim={d} N={n}",
+                     partial(_qmv_gated_norm_residual, kernel=kernel, heads=h, head_dim=d, n=n), quick=i == 0)
+                for i, (h, d, n) in enumerate(GATED_NORM_SHAPES)]
     if "_seg_" in kernel:
         layouts = SEGMENTS + EXTRA_SEGMENTS.get(kernel, [])
         return [Case(kernel, f"rows={'/'.join(map(str, rows))} K={k} M={m}",

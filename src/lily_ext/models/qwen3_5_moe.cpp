@@ -187,13 +187,16 @@ PassBuffers add_pass_buffers(const ModelConfig& c, Precision precision, size_t r
   // f32 in every precision; [V] f32 per row (1 MB at full size), so only the rows asked for.
   p.logits = add("logits", p.logit_rows * c.vocab_size * 4, BufferRole::Io);
   p.ids = add("ids", T * 4, BufferRole::Io);
-  p.conv_out = p.core_out = p.block_counts = p.expert_offsets = p.tile_map = p.tile_count = p.sorted_pairs =
-      p.expert_out = p.shared_pairs = p.shared_tile_map = p.shared_tile_count = p.ones = p.shared_hidden =
-          p.shared_out = -1;
-  if (T == 1) return p;  // what only the T-row kernels use
-  const size_t blocks = (pairs + LILY_MOE_SORT_BLOCK - 1) / LILY_MOE_SORT_BLOCK;
+  // f32 DeltaNet conv and scan outputs: the prefill kernels', and one row's for the spread decode step.
   p.conv_out = scratch("conv out", T * c.conv_dim() * 4);
-  p.core_out = scratch("deltanet core out", T * vd * 4);  // f32 scan output
+  p.core_out = scratch("deltanet core out", T * vd * 4);
+  p.block_counts = p.expert_offsets = p.tile_map = p.tile_count = p.sorted_pairs = p.expert_out = p.shared_pairs =
+      p.shared_tile_map = p.shared_tile_count = p.ones = p.shared_hidden = p.shared_out = -1;
+  if (T == 1) {
+    p.gdn_gate = scratch("deltanet gate", vd * 4);
+    return p;  // the rest only the T-row kernels use
+  }
+  const size_t blocks = (pairs + LILY_MOE_SORT_BLOCK - 1) / LILY_MOE_SORT_BLOCK;
   p.block_counts = scratch("block counts", blocks * c.num_experts * 4);
   p.expert_offsets = scratch("expert offsets", (c.num_experts + 1) * 4);
   p.tile_map = scratch("tile map", ops::moe_max_tiles(pairs, c.num_experts, 16) * 16);
@@ -271,6 +274,7 @@ struct Forward {
     ctx.gqa_packing = sw.gqa_packing;
     ctx.coalesced_kv = sw.coalesced_kv;
     ctx.staged_gemv = sw.staged_gemv;
+    ctx.spread_deltanet_step = sw.spread_deltanet_step && fuse && sw.fused_projections;
     ctx.gpu_routing = sw.gpu_routing;
     ctx.in_gemm_dequant = sw.in_gemm_dequant;
     if (p.dequant >= 0) ctx.dequant_scratch = whole(g, p.dequant);
@@ -300,25 +304,31 @@ struct Forward {
     }
   }
 
+  // The weights named prefix + part + ".weight", in order.
+  std::vector<const WeightRef*> weights(const std::string& prefix, const std::vector<std::string>& parts) const {
+    std::vector<const WeightRef*> refs;
+    for (const std::string& part : parts) refs.push_back(&weight(w, prefix + part + ".weight"));
+    return refs;
+  }
+
   // The projections of x by the matrices `parts` (named after `prefix`), each matrix's T output rows a block of `out`
   // after the previous one's. One row with FUSED_PROJECTIONS on: one segmented GEMV reading each matrix's own
-  // (mapped) bytes; else one GEMV or GEMM per matrix.
+  // (mapped) bytes (with `conv`, the DeltaNet conv folded into its first segment); else one GEMV or GEMM per matrix.
   void projections(const std::string& label, const std::string& prefix, const std::vector<std::string>& parts,
-                   const Span& x, const Span& out, DType dtype, const WeightRef& norm) {
+                   const Span& x, const Span& out, DType dtype, const WeightRef& norm,
+                   const ops::ConvEpilogue* conv = nullptr) {
     std::vector<std::string> names;
-    std::vector<const WeightRef*> refs;
+    for (const std::string& part : parts) names.push_back(prefix + part + ".weight");
+    const std::vector<const WeightRef*> refs = weights(prefix, parts);
     size_t rows = 0;
-    for (const std::string& part : parts) {
-      names.push_back(prefix + part + ".weight");
-      refs.push_back(&weight(w, names.back()));
-      rows += refs.back()->rows;
-    }
+    for (const WeightRef* ref : refs) rows += ref->rows;
     // Matrices quantized differently (a mixed-bit checkpoint) cannot share one kernel: one GEMV each, below.
     if (T == 1 && sw.fused_projections && ops::quantized_alike(refs)) {
       ops::qmatmul_segments(ctx, label, x, fuse ? &norm : nullptr, refs, names,
-                            ops::sub(out, 0, rows * dtype_size(dtype)), c.eps, dtype);
+                            ops::sub(out, 0, rows * dtype_size(dtype)), c.eps, dtype, conv);
       return;
     }
+    if (conv) throw std::logic_error("[graph] " + label + ": the conv epilogue needs the segmented GEMV");
     size_t offset = 0;
     for (size_t i = 0; i < parts.size(); ++i) {
       const size_t bytes = T * refs[i]->rows * dtype_size(dtype);
@@ -363,13 +373,14 @@ struct Forward {
   }
 
   // Layer i's mixer when it is a Gated DeltaNet: qkv, z, b and a projected, the conv and the recurrence (their states
-  // in place), then out_proj.
+  // in place), then out_proj. A decode token spread over many threadgroups (ops::spread_deltanet_step) runs the conv
+  // in the projection's GEMV, the recurrence on the prefill scan and the gated norm in out_proj's GEMV.
   void deltanet_mixer(size_t i, const std::string& pre, const Span& mixer_in, const WeightRef& input_norm) {
     const std::string s = pre + "linear_attn.";
     const size_t C = T * c.conv_dim() * a, vd = T * c.gdn_v_heads * c.gdn_v_dim * a, hv = T * c.gdn_v_heads * a;
     const Span proj = whole(g, p.projections);
-    projections(s + "in_proj", s, {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"}, mixer_in, proj, act,
-                input_norm);
+    const std::vector<std::string> in_proj{"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"};
+    const WeightRef& out_proj = weight(w, s + "out_proj.weight");
     ops::GatedDeltaSpans gd;
     gd.qkv = ops::sub(proj, 0, C);
     gd.z = ops::sub(proj, C, vd);
@@ -384,8 +395,17 @@ struct Forward {
     gd.a_log = &weight(w, s + "A_log");
     gd.dt_bias = &weight(w, s + "dt_bias");
     gd.norm_weight = &weight(w, s + "norm.weight");
+    if (ops::spread_deltanet_step(ctx, c, weights(s, in_proj), out_proj)) {
+      const ops::ConvEpilogue conv{gd.conv_weight, gd.conv_state, gd.conv_out, whole(g, p.gdn_gate)};
+      projections(s + "in_proj", s, in_proj, mixer_in, proj, act, input_norm, &conv);
+      ops::gated_delta_scan(ctx, c, pre + "deltanet", gd, T);
+      ops::qmatmul_gated_norm_residual(ctx, s + "out_proj", gd.core_out, conv.gate, *gd.norm_weight, c.gdn_v_dim,
+                                       c.eps, out_proj, hidden);
+      return;
+    }
+    projections(s + "in_proj", s, in_proj, mixer_in, proj, act, input_norm);
     ops::gated_delta(ctx, c, pre + "deltanet", gd, T);
-    out_projection(s + "out_proj", gd.out, weight(w, s + "out_proj.weight"));
+    out_projection(s + "out_proj", gd.out, out_proj);
   }
 
   // The layer's MoE block after its mixer: the residual add and post-attention norm (unless folded), the router and

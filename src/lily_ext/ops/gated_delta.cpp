@@ -1,5 +1,5 @@
-// gated_delta_step_<dtype>_dk<Dk> (metal/gated_delta.metal): one decode token of a DeltaNet layer, fused; and the
-// family's choice by token count (more tokens: gated_delta_prefill.cpp).
+// gated_delta_step_<dtype>_dk<Dk> (metal/gated_delta.metal): one decode token of a DeltaNet layer, fused; the
+// family's choice by token count (more tokens: gated_delta_prefill.cpp) and of the spread decode step.
 #include "../../../metal/lily.h"
 #include "../tuning.h"
 #include "ops.h"
@@ -23,14 +23,28 @@ void gated_delta(Context& ctx, const ModelConfig& c, const std::string& label, c
   }
 }
 
-void gated_delta_step(Context& ctx, const ModelConfig& c, const std::string& label, const GatedDeltaSpans& s) {
+GatedDeltaArgs gated_delta_args(const ModelConfig& c, size_t tokens) {
   GatedDeltaArgs a{};
-  a.num_tokens = 1;
+  a.num_tokens = static_cast<u32>(tokens);
   a.num_k_heads = static_cast<u32>(c.gdn_k_heads);
   a.num_v_heads = static_cast<u32>(c.gdn_v_heads);
   a.head_v_dim = static_cast<u32>(c.gdn_v_dim);
   a.l2_eps = 1e-6f;  // the model's L2 norm uses a fixed eps, not rms_norm_eps
   a.norm_eps = c.eps;
+  return a;
+}
+
+bool spread_deltanet_step(const Context& ctx, const ModelConfig& c, const std::vector<const WeightRef*>& in_proj,
+                          const WeightRef& out_proj) {
+  auto staged_4bit = [&](const WeightRef& w) {
+    return w.bits == 4 && tuning::staged_gemv(ctx.staged_gemv, 4, w.scale_dtype == DType::BF16, w.cols, false);
+  };
+  return tuning::spread_deltanet_step(ctx.spread_deltanet_step, c.gdn_v_heads, c.gdn_v_dim) &&
+         quantized_alike(in_proj) && staged_4bit(*in_proj[0]) && staged_4bit(out_proj);
+}
+
+void gated_delta_step(Context& ctx, const ModelConfig& c, const std::string& label, const GatedDeltaSpans& s) {
+  const GatedDeltaArgs a = gated_delta_args(c, 1);
   // One threadgroup per key head; enough simdgroups that each holds LILY_GDN_ROWS_PER_SIMDGROUP state rows.
   size_t rows = (c.gdn_v_heads / c.gdn_k_heads) * c.gdn_v_dim;
   size_t simdgroups = (rows + tuning::kGdnRowsPerSimdgroup - 1) / tuning::kGdnRowsPerSimdgroup;

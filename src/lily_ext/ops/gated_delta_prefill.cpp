@@ -73,6 +73,7 @@ void token_scan(Context& ctx, const ModelConfig& c, const std::string& label, co
                         {c.gdn_v_heads, slices, 1}, {32 * simdgroups, 1, 1},
                         {s.conv_out, s.b, s.a, s.a_log->data, s.dt_bias->data, s.recurrent_state},
                         {s.recurrent_state, s.core_out});
+  scan.early_reads = {s.recurrent_state};  // its state rows (metal/gated_delta_prefill.metal)
   if (!ctx.register_scan) {
     // The state is read and written once per block, not once per chunk: the traffic the ablation measures.
     const size_t extra_trips = (tokens + LILY_GDN_SCAN_BLOCK - 1) / LILY_GDN_SCAN_BLOCK - 1;
@@ -96,15 +97,15 @@ std::vector<std::string> gated_delta_fast_paths_left_out(const ModelConfig& c) {
           "gated_delta_prefill_* scan"};
 }
 
+void gated_delta_scan(Context& ctx, const ModelConfig& c, const std::string& label, const GatedDeltaSpans& s,
+                      size_t tokens) {
+  const std::string suffix = std::string(dtype_name(ctx.act)) + "_dk" + std::to_string(c.gdn_k_dim);
+  token_scan(ctx, c, label, s, gated_delta_args(c, tokens), suffix, tokens);
+}
+
 void gated_delta_prefill(Context& ctx, const ModelConfig& c, const std::string& label,
                          const GatedDeltaSpans& s, size_t tokens) {
-  GatedDeltaArgs a{};
-  a.num_tokens = static_cast<u32>(tokens);
-  a.num_k_heads = static_cast<u32>(c.gdn_k_heads);
-  a.num_v_heads = static_cast<u32>(c.gdn_v_heads);
-  a.head_v_dim = static_cast<u32>(c.gdn_v_dim);
-  a.l2_eps = 1e-6f;
-  a.norm_eps = c.eps;
+  const GatedDeltaArgs a = gated_delta_args(c, tokens);
   const std::string suffix = std::string(dtype_name(ctx.act)) + "_dk" + std::to_string(c.gdn_k_dim);
   const size_t channels = c.conv_dim();
   const size_t channel_groups = (channels + tuning::kGdnConvThreads - 1) / tuning::kGdnConvThreads;

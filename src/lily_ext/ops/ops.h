@@ -8,7 +8,8 @@
 #include "../model.h"
 
 namespace lily {
-struct AttentionArgs;  // metal/lily.h
+struct AttentionArgs;   // metal/lily.h
+struct GatedDeltaArgs;  // metal/lily.h
 }  // namespace lily
 
 namespace lily::ops {
@@ -30,6 +31,7 @@ struct Context {
   bool tensor_ops = false;   // bf16 prefill GEMMs with bf16 scales run qmm_nax (TENSOR_OPS, on M5-class GPUs)
   bool mma_attention = true;  // prefill attention on simdgroup matrices for 8+ tokens (MMA_ATTENTION, layout probe)
   bool staged_gemv = false;   // decode GEMVs stage x in threadgroup memory (STAGED_GEMV, on CUDA: tuning::staged_gemv)
+  bool spread_deltanet_step = false;  // a decode token's DeltaNet over many threadgroups (SPREAD_DELTANET_STEP)
 };
 
 // Appends a node; traffic defaults to the declared ranges.
@@ -71,9 +73,22 @@ void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, con
 bool quantized_alike(const std::vector<const WeightRef*>& parts);
 // qmatmul.cpp, decode (one row): y = [W_0; W_1; ...] · x' over up to 4 matrices sharing x, each read from its own
 // bytes (qmv_seg / qmv_norm_seg: no concatenated copy); x' = rms_norm(x) ⊙ norm_weight when norm_weight is given.
+// With `conv` (the spread DeltaNet step; staged, 4-bit, normed): segment 0 is in_proj_qkv, whose outputs go through
+// the causal conv into conv.out (f32) and conv.state (qmv_norm_seg_conv_staged) instead of into y, and segment 1 is
+// in_proj_z, whose SiLU also goes to conv.gate (f32).
+struct ConvEpilogue {
+  const WeightRef* weight;  // conv1d.weight [C, kernel]
+  Span state, out, gate;    // the layer's conv state [kernel - 1, C] (in place); the f32 conv outputs [C]; SiLU(z)
+};
 void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, const WeightRef* norm_weight,
                       const std::vector<const WeightRef*>& parts, const std::vector<std::string>& part_names,
-                      const Span& y, float eps, DType dtype);
+                      const Span& y, float eps, DType dtype, const ConvEpilogue* conv = nullptr);
+// qmatmul.cpp, the spread DeltaNet step's out_proj (one row): residual_out += W · gated_norm(o) with the gated norm
+// of value heads of head_dim values (gate: SiLU(z), f32) folded into the GEMV's staging
+// (qmv_gated_norm_residual_staged).
+void qmatmul_gated_norm_residual(Context& ctx, const std::string& label, const Span& o, const Span& gate,
+                                 const WeightRef& norm_weight, size_t head_dim, float eps, const WeightRef& w,
+                                 const Span& residual_out);
 // embedding.cpp: out[t] = table row ids[ids_offset + t].
 void embedding(Context& ctx, const Span& ids, size_t ids_offset, const WeightRef& table, const Span& out,
                size_t tokens);
@@ -87,8 +102,18 @@ struct GatedDeltaSpans {
 void gated_delta(Context& ctx, const ModelConfig& config, const std::string& label, const GatedDeltaSpans& s,
                  size_t tokens);
 void gated_delta_step(Context& ctx, const ModelConfig& config, const std::string& label, const GatedDeltaSpans& s);
+// The kernels' arguments for `tokens` tokens (gated_delta.cpp; the prefill kernels take the same).
+GatedDeltaArgs gated_delta_args(const ModelConfig& config, size_t tokens);
 void gated_delta_prefill(Context& ctx, const ModelConfig& config, const std::string& label, const GatedDeltaSpans& s,
                          size_t tokens);
+// The spread decode step (tuning::spread_deltanet_step): the conv ran in the in_proj GEMV (conv_out holds its f32
+// outputs), so one token's recurrence runs on the prefill scan's (value head, row slice) threadgroups into core_out;
+// the gated norm follows in the out_proj GEMV (qmatmul_gated_norm_residual).
+void gated_delta_scan(Context& ctx, const ModelConfig& config, const std::string& label, const GatedDeltaSpans& s,
+                      size_t tokens);
+// Whether a decode token's DeltaNet runs spread (tuning::spread_deltanet_step) on these in_proj and out_proj weights.
+bool spread_deltanet_step(const Context& ctx, const ModelConfig& config,
+                          const std::vector<const WeightRef*>& in_proj, const WeightRef& out_proj);
 // Throws Error naming the config field when no DeltaNet kernel is instantiated for its key head dim.
 void check_gated_delta_shapes(const ModelConfig& config);
 // Bytes of the chunked scan's scratch for a chunk of `tokens` rows (W, U, Qg, KdT, M and gamma_last of every value

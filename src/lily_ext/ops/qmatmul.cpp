@@ -62,9 +62,13 @@ void check_qmv_weight(const std::string& label, const WeightRef& w) {
 std::string qmv_suffix(const WeightRef& w, DType act) {
   return "_q" + std::to_string(w.bits) + "_g64_" + dtype_name(act) + (w.scale_dtype == DType::F32 ? "_sf32" : "");
 }
-Dim3 qmv_groups(const WeightRef& w) {
-  return {(w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup, 1, 1};
+// Threadgroups of one-row GEMVs over `rows` outputs, and their threads: staged (tuning::staged_gemv) or not.
+size_t qmv_groups(size_t rows, bool staged) {
+  const size_t per_group = staged ? tuning::kQmvStagedRowsPerThreadgroup : tuning::kQmvRowsPerThreadgroup;
+  return (rows + per_group - 1) / per_group;
 }
+Dim3 qmv_grid(const WeightRef& w, bool staged) { return {qmv_groups(w.rows, staged), 1, 1}; }
+Dim3 qmv_threads(bool staged) { return {staged ? tuning::kQmvStagedThreads : tuning::kQmvThreads, 1, 1}; }
 }  // namespace
 
 void qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const WeightRef& norm_weight,
@@ -82,7 +86,7 @@ void qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const W
   Node& node = add_node(ctx, name, label,
                         {arg_value(a), arg(x), arg(norm_weight.data), arg(w.data), arg(w.scales), arg(w.biases),
                          arg(y)},
-                        qmv_groups(w), {tuning::kQmvThreads, 1, 1}, {x, norm_weight.data, w.data, w.scales, w.biases},
+                        qmv_grid(w, staged), qmv_threads(staged), {x, norm_weight.data, w.data, w.scales, w.biases},
                         {y});
   if (staged) node.early_reads = {w.data, w.scales, w.biases};
 }
@@ -98,9 +102,30 @@ void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, con
   Node& node =
       add_node(ctx, std::string(staged ? "qmv_residual_staged" : "qmv_residual") + qmv_suffix(w, ctx.act), label,
                {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(residual_out), arg(residual_out)},
-               qmv_groups(w), {tuning::kQmvThreads, 1, 1}, {x, w.data, w.scales, w.biases, residual_out},
+               qmv_grid(w, staged), qmv_threads(staged), {x, w.data, w.scales, w.biases, residual_out},
                {residual_out});
   if (staged) node.early_reads = {w.data, w.scales, w.biases};
+}
+
+void qmatmul_gated_norm_residual(Context& ctx, const std::string& label, const Span& o, const Span& gate,
+                                 const WeightRef& norm_weight, size_t head_dim, float eps, const WeightRef& w,
+                                 const Span& residual_out) {
+  if (!tuning::staged_gemv(ctx.staged_gemv, w.bits, w.scale_dtype == DType::BF16, w.cols, false) || w.bits != 4 ||
+      head_dim % 4 != 0 || w.cols % head_dim != 0 || w.cols / head_dim > LILY_QMV_STAGE_MAX_HEADS ||
+      w.cols > 4 * LILY_QMV_STAGE_BATCH * tuning::kQmvStagedThreads) {
+    throw std::logic_error("[graph] " + label + ": the gated-norm GEMV needs a staged 4-bit GEMV over whole heads");
+  }
+  QMatmulGatedNormArgs a{};
+  a.in_features = static_cast<u32>(w.cols);
+  a.out_features = static_cast<u32>(w.rows);
+  a.head_dim = static_cast<u32>(head_dim);
+  a.eps = eps;
+  Node& node = add_node(ctx, std::string("qmv_gated_norm_residual_staged") + qmv_suffix(w, ctx.act), label,
+                        {arg_value(a), arg(o), arg(gate), arg(norm_weight.data), arg(w.data), arg(w.scales),
+                         arg(w.biases), arg(residual_out), arg(residual_out)},
+                        qmv_grid(w, true), qmv_threads(true),
+                        {o, gate, norm_weight.data, w.data, w.scales, w.biases, residual_out}, {residual_out});
+  node.early_reads = {w.data, w.scales, w.biases};
 }
 
 bool quantized_alike(const std::vector<const WeightRef*>& parts) {
@@ -115,7 +140,7 @@ bool quantized_alike(const std::vector<const WeightRef*>& parts) {
 
 void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, const WeightRef* norm_weight,
                       const std::vector<const WeightRef*>& parts, const std::vector<std::string>& part_names,
-                      const Span& y, float eps, DType dtype) {
+                      const Span& y, float eps, DType dtype, const ConvEpilogue* conv) {
   if (parts.empty() || parts.size() > LILY_QMV_MAX_SEGMENTS) {
     throw std::logic_error("[graph] " + label + ": a segmented GEMV takes 1 to 4 matrices");
   }
@@ -129,6 +154,11 @@ void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, con
   std::vector<NodeArg> args{arg_value(a), arg(x), arg(norm_weight ? norm_weight->data : x)};
   std::vector<Span> reads{x}, weights;
   if (norm_weight) reads.push_back(norm_weight->data);
+  // Staged: 4-bit with the activation dtype out, or 8-bit with f32 out in bf16 mode (the router | shared-expert gate).
+  const bool of32 = dtype != ctx.act;
+  const bool staged = norm_weight && (first.bits == 4) != of32 &&
+                      tuning::staged_gemv(ctx.staged_gemv, first.bits, first.scale_dtype == DType::BF16, first.cols,
+                                          ctx.act == DType::BF16);
   size_t groups = 0;
   for (size_t s = 0; s < LILY_QMV_MAX_SEGMENTS; ++s) {
     // Unused segments bind the first matrix again: the kernel never reads them.
@@ -141,7 +171,7 @@ void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, con
       }
       a.rows[s] = static_cast<u32>(w.rows);
       a.out_features += static_cast<u32>(w.rows);
-      groups += (w.rows + tuning::kQmvRowsPerThreadgroup - 1) / tuning::kQmvRowsPerThreadgroup;
+      groups += qmv_groups(w.rows, staged);  // each segment's rows padded to whole threadgroups
       weights.insert(weights.end(), {w.data, w.scales, w.biases});
     }
     args.insert(args.end(), {arg(w.data), arg(w.scales), arg(w.biases)});
@@ -149,15 +179,21 @@ void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, con
   reads.insert(reads.end(), weights.begin(), weights.end());
   args[0] = arg_value(a);
   args.push_back(arg(y));
-  // Staged: 4-bit with the activation dtype out, or 8-bit with f32 out in bf16 mode (the router | shared-expert gate).
-  const bool of32 = dtype != ctx.act;
-  const bool staged = norm_weight && (first.bits == 4) != of32 &&
-                      tuning::staged_gemv(ctx.staged_gemv, first.bits, first.scale_dtype == DType::BF16, first.cols,
-                                          ctx.act == DType::BF16);
   std::string name = std::string(norm_weight ? (staged ? "qmv_norm_seg_staged" : "qmv_norm_seg") : "qmv_seg") +
                      qmv_suffix(first, ctx.act) + (of32 ? "_of32" : "");
-  Node& node = add_node(ctx, name, label, args, {groups, 1, 1}, {tuning::kQmvThreads, 1, 1}, reads, {y});
+  std::vector<Span> writes{y};
+  if (conv) {
+    if (!staged || first.bits != 4 || of32 || parts.size() < 2) {
+      throw std::logic_error("[graph] " + label + ": the conv epilogue needs the staged 4-bit normed GEMV");
+    }
+    name = "qmv_norm_seg_conv_staged" + qmv_suffix(first, ctx.act);
+    args.insert(args.end(), {arg(conv->weight->data), arg(conv->state), arg(conv->out), arg(conv->gate)});
+    reads.insert(reads.end(), {conv->weight->data, conv->state});
+    writes.insert(writes.end(), {conv->state, conv->out, conv->gate});
+  }
+  Node& node = add_node(ctx, name, label, args, {groups, 1, 1}, qmv_threads(staged), reads, writes);
   if (staged) node.early_reads = weights;
+  if (conv) node.early_reads.insert(node.early_reads.end(), {conv->weight->data, conv->state});
 }
 
 }  // namespace lily::ops
