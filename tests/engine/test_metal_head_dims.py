@@ -108,7 +108,11 @@ def test_logits_match_the_reference(engine_backend, checkpoints, name, switches,
     attention_layers = checkpoint.args.layer_types.count("full_attention")
     assert kernels.get(f"attention_decode_{split}{unpacked}f32_{attn}") == attention_layers, sorted(kernels)
     assert kernels.get(f"attention_prep_f32_{attn}") == attention_layers
-    assert kernels.get(f"gated_delta_step_f32_{gdn}") == len(checkpoint.args.layer_types) - attention_layers
+    # The DeltaNet step: fused, or spread over the prefill scan's threadgroups between the GEMVs that take its conv and
+    # gated norm (the CUDA runtime: tuning::spread_deltanet_step).
+    spread = "qmv_gated_norm_residual_staged_q4_g64_f32" in kernels
+    step = "gated_delta_prefill" if spread else "gated_delta_step"
+    assert kernels.get(f"{step}_f32_{gdn}") == len(checkpoint.args.layer_types) - attention_layers
     if unpacked:
         packed = [k for k in kernels if k.startswith("attention_decode_") and "unpacked" not in k
                   and "combine" not in k]

@@ -187,15 +187,14 @@ PassBuffers add_pass_buffers(const ModelConfig& c, Precision precision, size_t r
   // f32 in every precision; [V] f32 per row (1 MB at full size), so only the rows asked for.
   p.logits = add("logits", p.logit_rows * c.vocab_size * 4, BufferRole::Io);
   p.ids = add("ids", T * 4, BufferRole::Io);
-  // f32 DeltaNet conv and scan outputs: the prefill kernels', and one row's for the spread decode step.
+  // f32 DeltaNet conv and scan outputs: the prefill kernels', and one row's for the spread decode step, which also
+  // takes SiLU(z) of one row (a one-row pass on any pass's buffers: the last chunk of a prompt).
   p.conv_out = scratch("conv out", T * c.conv_dim() * 4);
   p.core_out = scratch("deltanet core out", T * vd * 4);
+  p.gdn_gate = scratch("deltanet gate", vd * 4);
   p.block_counts = p.expert_offsets = p.tile_map = p.tile_count = p.sorted_pairs = p.expert_out = p.shared_pairs =
       p.shared_tile_map = p.shared_tile_count = p.ones = p.shared_hidden = p.shared_out = -1;
-  if (T == 1) {
-    p.gdn_gate = scratch("deltanet gate", vd * 4);
-    return p;  // the rest only the T-row kernels use
-  }
+  if (T == 1) return p;  // what only the T-row kernels use
   const size_t blocks = (pairs + LILY_MOE_SORT_BLOCK - 1) / LILY_MOE_SORT_BLOCK;
   p.block_counts = scratch("block counts", blocks * c.num_experts * 4);
   p.expert_offsets = scratch("expert offsets", (c.num_experts + 1) * 4);
