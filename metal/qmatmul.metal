@@ -412,7 +412,6 @@ LILY_INLINE void qmv_stage_gated_norm(device const float* o, device const float*
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  threadgroup const float* staged = reinterpret_cast<threadgroup const float*>(stage_x);
   const uint heads = K / head_dim;
   for (uint h0 = simd_group * kHeads; h0 < heads; h0 += (n_threads / 32) * kHeads) {  // uniform per simdgroup
     float sq[kHeads];
@@ -422,7 +421,7 @@ LILY_INLINE void qmv_stage_gated_norm(device const float* o, device const float*
       const uint h = min(h0 + j, heads - 1);
       for (uint d = lane; d < head_dim; d += 32) {
         const uint i = h * head_dim + d;
-        const float x = staged[4 * qmv_stage_slot<Bits>(i / 4) + i % 4];
+        const float x = stage_x[qmv_stage_slot<Bits>(i / 4)][i % 4];
         sq[j] = fma(x, x, sq[j]);
       }
     }
