@@ -2,7 +2,9 @@
 // beta = sigmoid(b), g = -exp(A_log)·softplus(a + dt_bias), the gated delta rule on an fp32 state, and the
 // SiLU(z)-gated RMSNorm. The projections around it (in_proj_*, out_proj) are qmatmul kernels.
 //   gated_delta_step_<dtype>_dk128     decode, one token, everything fused (conv state and recurrent state updated
-//                                      in place). Chosen for T = 1.
+//                                      in place). Chosen for T = 1, except on CUDA, where the spread step (the conv in
+//                                      the in_proj GEMV, gated_delta_prefill's scan, the gated norm in out_proj's
+//                                      GEMV: tuning::spread_deltanet_step) replaces it.
 //   gated_delta_conv_*, gated_delta_prefill[_blockwise]_*, gated_delta_prefill_norm_*
 //                                      prefill of a chunk: metal/gated_delta_prefill.metal.
 //   *_dk64 (f32, bf16)                 the same kernels at Dk = 64 (two state elements per lane) for the embedded demo

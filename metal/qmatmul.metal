@@ -46,6 +46,10 @@
 //                                          barrier. K <= LILY_QMV_STAGE_MAX_K, bf16 scales; 4-bit (and the 8-bit
 //                                          router GEMV with f32 out). Apple GPUs keep the unstaged kernels
 //                                          (threadgroup memory and occupancy: not measured there).
+//   qmv_norm_seg_conv_staged_*, qmv_gated_norm_residual_staged_*  (CUDA: tuning::spread_deltanet_step) a DeltaNet
+//                                          decode token's in_proj with the causal conv and SiLU(z) in its epilogue, and
+//                                          its out_proj with the gated RMSNorm in its staging: the spread DeltaNet step
+//                                          (docs/kernels.md), the same bits as gated_delta_step's chain.
 //   qmm_q<b>_g64_<dtype>[_sf32][_of32]_bm<BM>
 //                                          prefill GEMM on the tile loop of metal/gemm.h (_of32: bf16 in, fp32 out,
 //                                          BM 16 or 32: router logits and every-row lm_head logits). Grid (ceil(N / 64),
