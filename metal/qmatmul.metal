@@ -966,7 +966,7 @@ template <typename T, typename S, int Bits>
 }
 
 // qmv_residual_staged over the DeltaNet's gated RMSNorm of its scan output: out = residual + W · x with x =
-// qmv_stage_gated_norm(o, SiLU(z)), so gated_delta_prefill_norm's dispatch (and its rounded copy of x) disappears from a
+// qmv_stage_gated_norm(o, SiLU(z)), so gated_delta_prefill_norm's dispatch (and its rounded copy of x) leaves a
 // decode token. One input row; the bits of gated_delta_prefill_norm followed by qmv_residual_staged.
 template <typename T, typename S, int Bits>
 [[kernel]] void qmv_gated_norm_residual_staged(constant lily::QMatmulGatedNormArgs& args [[buffer(0)]],
