@@ -584,6 +584,12 @@ struct QmvSegment {
   uint block;       // the threadgroup's block of rows_per_group rows within it
   uint row_offset;  // the segment's first output row
 };
+// Segment i's binding among a segmented GEMV's four (weight codes, scales or biases of segments 0-3).
+template <typename P>
+inline P qmv_segment_pick(uint i, P p0, P p1, P p2, P p3) {
+  return i == 0 ? p0 : i == 1 ? p1 : i == 2 ? p2 : p3;
+}
+
 inline QmvSegment qmv_find_segment(constant lily::QMatmulSegmentsArgs& args, uint tg_x, uint rows_per_group) {
   QmvSegment s = {0, tg_x, 0};
   while (s.index + 1 < args.num_segments && s.block >= (args.rows[s.index] + rows_per_group - 1) / rows_per_group) {
@@ -719,9 +725,9 @@ template <bool Norm, typename T, typename S, int Bits, typename O>
   if (first_row >= N) {
     return;  // the whole simdgroup leaves: the simd_sums below stay convergent
   }
-  device const uint* weight = segment == 0 ? weight0 : segment == 1 ? weight1 : segment == 2 ? weight2 : weight3;
-  device const S* scales = segment == 0 ? scales0 : segment == 1 ? scales1 : segment == 2 ? scales2 : scales3;
-  device const S* biases = segment == 0 ? biases0 : segment == 1 ? biases1 : segment == 2 ? biases2 : biases3;
+  device const uint* weight = lily_qmatmul::qmv_segment_pick(segment, weight0, weight1, weight2, weight3);
+  device const S* scales = lily_qmatmul::qmv_segment_pick(segment, scales0, scales1, scales2, scales3);
+  device const S* biases = lily_qmatmul::qmv_segment_pick(segment, biases0, biases1, biases2, biases3);
   float acc[1][kRows], sum_sq[1];
   lily_qmatmul::qmv_accumulate<Norm, Bits, 1>(acc, sum_sq, x + size_t(tg.y) * K, norm_weight, weight, scales, biases,
                                               K, N, first_row, lane);
@@ -850,9 +856,9 @@ template <typename T, typename S, int Bits, typename O>
     return;  // the whole threadgroup leaves (past the last segment): the barrier in qmv_stage stays uniform
   }
   const uint first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
-  device const uint* weight = segment == 0 ? weight0 : segment == 1 ? weight1 : segment == 2 ? weight2 : weight3;
-  device const S* scales = segment == 0 ? scales0 : segment == 1 ? scales1 : segment == 2 ? scales2 : scales3;
-  device const S* biases = segment == 0 ? biases0 : segment == 1 ? biases1 : segment == 2 ? biases2 : biases3;
+  device const uint* weight = qmv_segment_pick(segment, weight0, weight1, weight2, weight3);
+  device const S* scales = qmv_segment_pick(segment, scales0, scales1, scales2, scales3);
+  device const S* biases = qmv_segment_pick(segment, biases0, biases1, biases2, biases3);
   float acc[kRows];
   const float inv_rms = qmv_staged_rows<true, Bits>(acc, x + size_t(tg.y) * K, norm_weight, weight, scales, biases, K,
                                                     N, args.eps, first_row, first_row < N, stage_x, pack_sum, simd_sq,
@@ -920,9 +926,9 @@ template <typename T, typename S, int Bits>
   }
   const uint first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
   const uint i = seg.index;
-  device const uint* weight = i == 0 ? weight0 : i == 1 ? weight1 : i == 2 ? weight2 : weight3;
-  device const S* scales = i == 0 ? scales0 : i == 1 ? scales1 : i == 2 ? scales2 : scales3;
-  device const S* biases = i == 0 ? biases0 : i == 1 ? biases1 : i == 2 ? biases2 : biases3;
+  device const uint* weight = qmv_segment_pick(i, weight0, weight1, weight2, weight3);
+  device const S* scales = qmv_segment_pick(i, scales0, scales1, scales2, scales3);
+  device const S* biases = qmv_segment_pick(i, biases0, biases1, biases2, biases3);
   // Lane r's channel: its conv inputs loaded first, before the wait in qmv_staged_rows (only this kernel writes a
   // decode token's conv state, and the host never starts it early behind a dispatch that does: Node::early_reads), so
   // their latency hides behind the GEMV.

@@ -187,14 +187,19 @@ def _concatenated(parts: list[QuantizedTensor]) -> QuantizedTensor:
                            dtype=parts[0].dtype)
 
 
+def _segment_bindings(parts: list) -> list:
+    """The 4 segments' weight buffers of (QuantizedTensor, buffers) parts; unused segments bind the first matrix
+    again, as the host does (the kernel must not read them)."""
+    return [b for s in range(MAX_SEGMENTS) for b in parts[s if s < len(parts) else 0][1]]
+
+
 def _qmv_segments(run: Run, kernel: str, rows: list[int], k: int, m: int) -> None:
     """Up to 4 matrices sharing x, each in its own buffers, against one GEMV over their concatenation."""
     dtype, out_dtype = dtype_of(kernel), out_dtype_of(kernel)
     parts = [quantized_weight(kernel, (n, k), run.rng) for n in rows]
     x = to_device(run.rng.standard_normal((m, k)), dtype)
     norm_weight = to_device(1.0 + 0.3 * run.rng.standard_normal(k), dtype)
-    # Unused segments bind the first matrix again, as the host does; the kernel must not read them.
-    bindings = [b for s in range(MAX_SEGMENTS) for b in parts[s if s < len(parts) else 0][1]]
+    bindings = _segment_bindings(parts)
     y = poisoned((m, sum(rows)), out_dtype)
     padded = list(rows) + [0] * (MAX_SEGMENTS - len(rows))
     args = struct.pack("<IIIf4I", k, sum(rows), len(rows), NORM_EPS, *padded)  # lily::QMatmulSegmentsArgs
@@ -211,29 +216,23 @@ def _qmv_segments(run: Run, kernel: str, rows: list[int], k: int, m: int) -> Non
 # layer at Dk = 64, its in_proj segments [C = 2 Hk 64 + Hv dv | z | b | a]; the first is the self-test's; a channel
 # count that leaves a partial simdgroup (dv = 33), K from one group to the staging's limit. Gated norm: (heads,
 # head_dim, N): the model's 32 x 128 heads, partial threadgroups, N = 1, a head_dim that is not a multiple of 32.
-CONV_TAPS = 4  # LILY_GDN_CONV_KERNEL
 CONV_LAYERS = [(1, 2, 32, 512), (2, 4, 64, 2048), (1, 1, 33, 64), (1, 2, 16, 4096)]
 GATED_NORM_SHAPES = [(2, 128, 40), (32, 128, 20), (3, 64, 13), (1, 64, 1), (2, 96, 17)]
-GDN_CONV_THREADS = 256  # tuning::kGdnConvThreads
-
-
-def _segment_bindings(parts) -> list:
-    return [b for s in range(MAX_SEGMENTS) for b in parts[s if s < len(parts) else 0][1]]
 
 
 def _qmv_seg_conv(run: Run, kernel: str, hk: int, hv: int, dv: int, k: int) -> None:
     """qmv_norm_seg_conv_staged against the reference (the projections, then the causal conv + SiLU of segment 0),
     and bit for bit against what it replaces: qmv_norm_seg_staged, gated_delta_conv and gated_delta_conv_state."""
-    from lily.kernel_cases.gated_delta import gated_delta_args
+    from lily.kernel_cases.gated_delta import make_layer, run_conv
 
     dtype = dtype_of(kernel)
-    c = 2 * hk * 64 + hv * dv
+    layer = make_layer(run.rng, hk, hv, dv, dtype, dk=64)  # its conv weight and conv state
+    c = layer.channels
     rows = [c, hv * dv, hv, hv]
     parts = [quantized_weight(kernel, (n, k), run.rng) for n in rows]
     x = to_device(run.rng.standard_normal((1, k)), dtype)
     norm_weight = to_device(1.0 + 0.3 * run.rng.standard_normal(k), dtype)
-    conv_weight = to_device(0.5 * run.rng.standard_normal((c, CONV_TAPS)), dtype)
-    state_before = to_device(run.rng.standard_normal((CONV_TAPS - 1, c)), dtype)
+    conv_weight, state_before = layer.conv_weight, layer.conv_state.copy()
     args = struct.pack("<IIIf4I", k, sum(rows), len(rows), NORM_EPS, *rows)  # lily::QMatmulSegmentsArgs
     grid = (sum(-(-n // QMV_ROWS_PER_THREADGROUP) for n in rows), 1, 1)
     y, conv_state, conv_out = poisoned((1, sum(rows)), dtype), state_before.copy(), poisoned((c,), "f32")
@@ -255,18 +254,13 @@ def _qmv_seg_conv(run: Run, kernel: str, hk: int, hv: int, dv: int, k: int) -> N
     z = to_f64(y[:, c:c + rows[1]], dtype)[0]
     run.compare("gate = SiLU(z)", gate.astype(np.float64), z / (1.0 + np.exp(-z)), "f32")
 
-    # The unspread path on the same inputs.
-    y2, state2, out2 = poisoned((1, sum(rows)), dtype), state_before.copy(), poisoned((c,), "f32")
+    # The unspread path on the same inputs (layer still holds the state before).
+    y2 = poisoned((1, sum(rows)), dtype)
     run.dispatch(f"qmv_norm_seg_staged_q4_g64_{dtype}", [args, x, norm_weight, *_segment_bindings(parts), y2], grid,
                  64)
-    qkv = np.ascontiguousarray(y2[:, :c])
-    conv_args = gated_delta_args(1, hk, hv, dv)
-    groups = -(-c // GDN_CONV_THREADS)
-    run.dispatch(f"gated_delta_conv_{dtype}_dk64", [conv_args, qkv, conv_weight, state2, out2], (groups, 1, 1),
-                 GDN_CONV_THREADS)
-    run.dispatch(f"gated_delta_conv_state_{dtype}_dk64", [conv_args, qkv, state2], (groups, 1, 1), GDN_CONV_THREADS)
-    run.compare_exact("== the unspread conv (bits)", conv_out.view(np.uint8), out2.view(np.uint8))
-    run.compare_exact("== the unspread conv state (bits)", conv_state.view(np.uint8), state2.view(np.uint8))
+    out2 = run_conv(run, layer, np.ascontiguousarray(y2[:, :c]))
+    run.compare_exact("== the unspread conv (bits)", conv_out.view(np.uint8), out2[0].view(np.uint8))
+    run.compare_exact("== the unspread conv state (bits)", conv_state.view(np.uint8), layer.conv_state.view(np.uint8))
     run.compare_exact("== the unspread z|b|a (bits)", y[:, c:].view(np.uint8), y2[:, c:].view(np.uint8))
 
 
