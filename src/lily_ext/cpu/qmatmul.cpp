@@ -294,7 +294,9 @@ __attribute__((target("avx2,fma"))) void gemv_chunked_avx2(const float* xc, cons
   }
 }
 
-// Rows per block for NT tokens: at least 4 accumulator chains (8 where registers allow).
+// Rows per block for NT tokens: at least 4 accumulator chains (8 where registers allow). Above 4 tokens the
+// accumulators of one row would not fit in the 16 registers, so the first 4 tokens and the rest run as two passes
+// over the rows (the second finds the codes in L1): 1.3-1.5x faster at 8 tokens than one pass of 8.
 template <DType D>
 void gemv_chunked_tokens(const float* xc, const float* xsum, size_t tokens, const Matrix& w, size_t r0, size_t r1,
                          float* out, size_t ldo) {
@@ -303,12 +305,10 @@ void gemv_chunked_tokens(const float* xc, const float* xsum, size_t tokens, cons
     case 2: return gemv_chunked_avx2<D, 4, 2>(xc, xsum, w, r0, r1, out, ldo);
     case 3: return gemv_chunked_avx2<D, 2, 3>(xc, xsum, w, r0, r1, out, ldo);
     case 4: return gemv_chunked_avx2<D, 2, 4>(xc, xsum, w, r0, r1, out, ldo);
-    case 5: return gemv_chunked_avx2<D, 1, 5>(xc, xsum, w, r0, r1, out, ldo);
-    case 6: return gemv_chunked_avx2<D, 1, 6>(xc, xsum, w, r0, r1, out, ldo);
-    case 7: return gemv_chunked_avx2<D, 1, 7>(xc, xsum, w, r0, r1, out, ldo);
-    case 8: return gemv_chunked_avx2<D, 1, 8>(xc, xsum, w, r0, r1, out, ldo);
   }
-  throw std::logic_error("the GEMV takes 1 to 8 tokens");
+  if (tokens > kGemvMaxTokens) throw std::logic_error("the GEMV takes 1 to 8 tokens");
+  gemv_chunked_avx2<D, 2, 4>(xc, xsum, w, r0, r1, out, ldo);
+  gemv_chunked_tokens<D>(xc + 4 * w.cols, xsum + 4 * (w.cols / w.group), tokens - 4, w, r0, r1, out + 4 * ldo, ldo);
 }
 
 void gemv_chunked(const float* xc, const float* xsum, size_t tokens, const Matrix& w, size_t r0, size_t r1,
