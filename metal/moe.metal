@@ -34,6 +34,7 @@
 #include <metal_stdlib>
 #include "activations.h"
 #include "lily.h"
+#include "qmv_stage.h"
 #include "quantized.h"
 
 using namespace metal;
@@ -42,6 +43,8 @@ constant constexpr uint MOE_ROWS = LILY_MOE_GEMV_ROWS_PER_SIMDGROUP;
 constant constexpr uint MOE_ROWS_PER_THREADGROUP = LILY_MOE_GEMV_ROWS_PER_SIMDGROUP * LILY_MOE_GEMV_SIMDGROUPS;
 
 constant constexpr uint MOE_PER_LANE = LILY_MOE_MAX_EXPERTS / 32;
+// moe_down_combine_staged's staging, in whole blocks of 32 packs (qmv_stage_slot's layout): 4608 values take 5120.
+constant constexpr uint MOE_STAGE_FLOAT4S = (LILY_MOE_STAGE_MAX_K + 1023) / 1024 * 256;
 
 // Softmax over one row of E router logits into p: expert e = lane + 32·j lives in p[j] of its lane. Called by a whole
 // simdgroup (convergent).
@@ -127,6 +130,33 @@ template <typename T>
       row_weights[r] = row_weights[r] / chosen_sum;
     }
   }
+}
+
+// The expert of routed slot `slot`: the softmax over the E f32 logits and top-k rounds 0..slot (slot k - 1: all k).
+// The writer simdgroup (one per dispatch, running all k rounds) writes the ids and renormalised weights. Called by a
+// whole simdgroup (convergent).
+inline uint moe_slot_expert(device const float* router_logits, uint num_experts, uint k, uint slot, bool writer,
+                            uint lane, device uint* expert_ids, device float* expert_weights) {
+  float p[MOE_PER_LANE];
+  moe_probabilities(router_logits, num_experts, lane, p);
+  uint taken = 0, expert = 0;
+  float chosen_sum = 0.0f;
+  for (uint r = 0; r <= slot; ++r) {
+    float top;
+    const uint winner = moe_pick(p, taken, num_experts, lane, r, top);
+    chosen_sum += top;
+    expert = winner;
+    if (writer && lane == 0) {
+      expert_ids[r] = winner;
+      expert_weights[r] = top;
+    }
+  }
+  if (writer && lane == 0) {
+    for (uint r = 0; r < k; ++r) {
+      expert_weights[r] = expert_weights[r] / chosen_sum;
+    }
+  }
+  return expert;
 }
 
 // One simdgroup's MOE_ROWS SwiGLU outputs: out[r] = silu(gate_r · x') * (up_r · x'), x' = x (Norm false) or
@@ -314,27 +344,9 @@ template <typename T, typename S>
   }
   uint expert = 0;
   if (!is_shared) {
-    const uint num_experts = args.moe.num_experts;
     const bool writer_simdgroup = group.x == 0 && slot == k - 1 && simd_group == 0;  // first_row 0: never left
-    float p[MOE_PER_LANE];
-    moe_probabilities(router_logits, num_experts, lane, p);
-    uint taken = 0;
-    float chosen_sum = 0.0f;
-    for (uint r = 0; r <= slot; ++r) {  // slot k - 1: all k rounds
-      float top;
-      const uint winner = moe_pick(p, taken, num_experts, lane, r, top);
-      chosen_sum += top;
-      expert = winner;
-      if (writer_simdgroup && lane == 0) {
-        expert_ids[r] = winner;
-        expert_weights[r] = top;
-      }
-    }
-    if (writer_simdgroup && lane == 0) {
-      for (uint r = 0; r < k; ++r) {
-        expert_weights[r] = expert_weights[r] / chosen_sum;
-      }
-    }
+    expert = moe_slot_expert(router_logits, args.moe.num_experts, k, slot, writer_simdgroup, lane, expert_ids,
+                             expert_weights);
   }
   const uint words = args.moe.hidden_size / 8;
   const uint groups = args.moe.hidden_size / 64;
@@ -346,6 +358,109 @@ template <typename T, typename S>
                          (is_shared ? shared_up_scales : up_scales) + row0 * groups,
                          (is_shared ? shared_up_biases : up_biases) + row0 * groups, args.moe.hidden_size, args.eps,
                          lane, hidden + size_t(slot) * args.moe.expert_size + first_row);
+}
+
+// moe_gate_up_swiglu_routed with x' = rms_norm(x) ⊙ norm_weight staged once per threadgroup (CUDA's choice:
+// tuning::staged_gemv; qmv_stage.h): threadgroups of any multiple of 32 threads (the host takes
+// tuning::kQmvStagedThreads), each simdgroup LILY_QMV_ROWS_PER_SIMDGROUP gate and up rows of the threadgroup's slot,
+// grid (ceil(max(I, Is) / rows per threadgroup), k + 1). The shared slot's threadgroups load their first step of
+// weights before lily::grid_dependency_wait (on CUDA it overlaps the router GEMV before); a routed slot's simdgroups
+// wait, route as moe_gate_up_swiglu_routed, then load theirs; either way the loads are in flight while x is staged.
+// H <= LILY_QMV_STAGE_MAX_K (the host checks).
+template <typename T, typename S>
+[[kernel]] void moe_gate_up_swiglu_routed_staged(constant lily::MoeRoutedArgs& args [[buffer(0)]],
+                                                 device const T* x [[buffer(1)]],
+                                                 device const T* norm_weight [[buffer(2)]],
+                                                 device const float* router_logits [[buffer(3)]],
+                                                 device uint* expert_ids [[buffer(4)]],
+                                                 device float* expert_weights [[buffer(5)]],
+                                                 device const uint* gate_weight [[buffer(6)]],
+                                                 device const S* gate_scales [[buffer(7)]],
+                                                 device const S* gate_biases [[buffer(8)]],
+                                                 device const uint* up_weight [[buffer(9)]],
+                                                 device const S* up_scales [[buffer(10)]],
+                                                 device const S* up_biases [[buffer(11)]],
+                                                 device const uint* shared_gate_weight [[buffer(12)]],
+                                                 device const S* shared_gate_scales [[buffer(13)]],
+                                                 device const S* shared_gate_biases [[buffer(14)]],
+                                                 device const uint* shared_up_weight [[buffer(15)]],
+                                                 device const S* shared_up_scales [[buffer(16)]],
+                                                 device const S* shared_up_biases [[buffer(17)]],
+                                                 device float* hidden [[buffer(18)]],
+                                                 uint2 group [[threadgroup_position_in_grid]],
+                                                 uint tid [[thread_index_in_threadgroup]],
+                                                 uint2 threads_per_group [[threads_per_threadgroup]],
+                                                 uint lane [[thread_index_in_simdgroup]],
+                                                 uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float4 stage_x[LILY_QMV_STAGE_MAX_K / 4];
+  threadgroup float pack_sum[LILY_QMV_STAGE_MAX_K / 32];  // 32 values per 4-bit pack
+  threadgroup float simd_sq[32];
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
+  const uint slot = group.y;
+  const uint k = args.moe.top_k;
+  const bool is_shared = slot == k;
+  const uint out_rows = is_shared ? args.moe.shared_expert_size : args.moe.expert_size;
+  if (group.x * (n_threads / 32) * kRows >= out_rows) {
+    return;  // the whole threadgroup leaves: the barrier in qmv_stage stays uniform
+  }
+  const uint first_row = (group.x * (n_threads / 32) + simd_group) * kRows;
+  const bool active = first_row < out_rows;  // else the simdgroup only takes part in the staging
+  const uint H = args.moe.hidden_size;
+  const uint words = H / 8;
+  const uint groups = H / 64;
+  uint words_gate[LILY_QMV_PACKS_PER_LANE][kRows][LILY_QMV_PACK_WORDS];
+  uint words_up[LILY_QMV_PACKS_PER_LANE][kRows][LILY_QMV_PACK_WORDS];
+  float scale_gate[LILY_QMV_PACKS_PER_LANE][kRows], bias_gate[LILY_QMV_PACKS_PER_LANE][kRows];
+  float scale_up[LILY_QMV_PACKS_PER_LANE][kRows], bias_up[LILY_QMV_PACKS_PER_LANE][kRows];
+  // The slot's matrices (first row of its expert): the shared expert's known at once, a routed one after routing.
+  device const uint* wg = shared_gate_weight;
+  device const S* sg = shared_gate_scales;
+  device const S* bg = shared_gate_biases;
+  device const uint* wu = shared_up_weight;
+  device const S* su = shared_up_scales;
+  device const S* bu = shared_up_biases;
+  if (is_shared) {
+    if (active) {
+      lily::qmv_load_step<4>(words_gate, scale_gate, bias_gate, wg, sg, bg, H, out_rows, first_row, lane);
+      lily::qmv_load_step<4>(words_up, scale_up, bias_up, wu, su, bu, H, out_rows, first_row, lane);
+    }
+    lily::grid_dependency_wait();  // x and the logits come from the dispatches before
+  } else {
+    lily::grid_dependency_wait();
+    const bool writer_simdgroup = group.x == 0 && slot == k - 1 && simd_group == 0;  // first_row 0: always active
+    const size_t row0 = size_t(moe_slot_expert(router_logits, args.moe.num_experts, k, slot, writer_simdgroup, lane,
+                                               expert_ids, expert_weights)) *
+                        args.moe.expert_size;
+    wg = gate_weight + row0 * words;
+    sg = gate_scales + row0 * groups;
+    bg = gate_biases + row0 * groups;
+    wu = up_weight + row0 * words;
+    su = up_scales + row0 * groups;
+    bu = up_biases + row0 * groups;
+    if (active) {
+      lily::qmv_load_step<4>(words_gate, scale_gate, bias_gate, wg, sg, bg, H, out_rows, first_row, lane);
+      lily::qmv_load_step<4>(words_up, scale_up, bias_up, wu, su, bu, H, out_rows, first_row, lane);
+    }
+  }
+  const float inv_rms = lily::qmv_stage<true, 4>(x, norm_weight, H, args.eps, stage_x, pack_sum, simd_sq, tid, n_threads,
+                                           lane, simd_group);
+  if (!active) {
+    return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
+  }
+  float acc_gate[kRows], acc_up[kRows];
+  lily::qmv_staged_dot<4>(acc_gate, words_gate, scale_gate, bias_gate, wg, sg, bg, H, out_rows, first_row, stage_x, pack_sum,
+                    lane);
+  lily::qmv_staged_dot<4>(acc_up, words_up, scale_up, bias_up, wu, su, bu, H, out_rows, first_row, stage_x, pack_sum, lane);
+  device float* out = hidden + size_t(slot) * args.moe.expert_size + first_row;
+  LILY_UNROLL
+  for (uint r = 0; r < kRows; ++r) {
+    const float gate = simd_sum(acc_gate[r]) * inv_rms;
+    const float up = simd_sum(acc_up[r]) * inv_rms;
+    if (lane == r && first_row + r < out_rows) {
+      out[r] = lily::silu(gate) * up;
+    }
+  }
 }
 
 // Grid: ceil(H / 8) threadgroups of 128 threads (4 simdgroups x 2 output rows). Each simdgroup reads its rows' k + 1
@@ -464,6 +579,139 @@ template <typename T, typename S>
   }
 }
 
+// moe_down_combine with the hidden scratch (k slot rows and the shared one, f32) staged once per threadgroup (CUDA's
+// choice: tuning::staged_gemv; qmv_stage.h), where each lane loaded its own packs of it (per simdgroup the whole
+// 18 KB, four times the weight bytes it reads at the model's sizes). Same grid and threadgroups as moe_down_combine,
+// any multiple of 32 threads; every load of the weights is issued before the staging, and the flattened pack p reads
+// hidden values [32 p, 32 p + 32): the packs of the slot rows in order. k I + Is <= LILY_MOE_STAGE_MAX_K (the host
+// checks).
+template <typename T, typename S>
+[[kernel]] void moe_down_combine_staged(constant lily::MoeArgs& args [[buffer(0)]],
+                                        device const float* hidden [[buffer(1)]],
+                                        device const uint* expert_ids [[buffer(2)]],
+                                        device const float* expert_weights [[buffer(3)]],
+                                        device const uint* down_weight [[buffer(4)]],
+                                        device const S* down_scales [[buffer(5)]],
+                                        device const S* down_biases [[buffer(6)]],
+                                        device const uint* shared_down_weight [[buffer(7)]],
+                                        device const S* shared_down_scales [[buffer(8)]],
+                                        device const S* shared_down_biases [[buffer(9)]],
+                                        device const float* shared_gate_logit [[buffer(10)]],
+                                        device const T* residual [[buffer(11)]],
+                                        device T* out [[buffer(12)]],
+                                        uint group [[threadgroup_position_in_grid]],
+                                        uint tid [[thread_index_in_threadgroup]],
+                                        uint n_threads [[threads_per_threadgroup]],
+                                        uint lane [[thread_index_in_simdgroup]],
+                                        uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float4 stage_h[MOE_STAGE_FLOAT4S];
+  threadgroup float pack_sum[LILY_MOE_STAGE_MAX_K / 32];  // 32 values per 4-bit pack
+  threadgroup float simd_sq[32];
+  constexpr uint kRows = LILY_MOE_DOWN_ROWS_PER_SIMDGROUP;
+  constexpr uint kPackWords = LILY_QMV_PACK_WORDS;
+  constexpr uint kPacks = LILY_MOE_DOWN_PACKS_PER_LANE;
+  constexpr uint kChunks = lily::kStageChunks<4>;
+  const uint H = args.hidden_size;
+  if (group * (n_threads / 32) * kRows >= H) {
+    return;  // the whole threadgroup leaves: the barrier in qmv_stage stays uniform
+  }
+  const uint first_row = (group * (n_threads / 32) + simd_group) * kRows;
+  const bool active = first_row < H;  // else the simdgroup only takes part in the staging
+  const uint k = args.top_k;
+  const uint routed_packs = args.expert_size / (8 * kPackWords);  // packs per routed slot row
+  const uint routed_total = k * routed_packs;
+  const uint total = routed_total + args.shared_expert_size / (8 * kPackWords);
+  lily::grid_dependency_wait();  // hidden, the ids and weights and the gate logit come from the dispatches before
+  const float shared_weight = lily::sigmoid(shared_gate_logit[0]);
+  uint magic[lily::kCodeMagicCount<4>];
+  lily::code_float_magic<4>(magic);
+  float acc[kRows];
+  LILY_UNROLL
+  for (uint r = 0; r < kRows; ++r) {
+    acc[r] = 0.0f;
+  }
+  // One step covers the flattened row at the model's sizes (144 packs <= 32 x 5): its loads go out before the
+  // staging; a longer row loads its later steps after it.
+  for (uint s0 = 0; s0 < total; s0 += 32 * kPacks) {  // uniform trip count: the staging in the first stays uniform
+    const uint p0 = s0 + lane;
+    uint words[kPacks][kRows][kPackWords];
+    float scale[kPacks][kRows], bias[kPacks][kRows], weight[kPacks];
+    LILY_UNROLL
+    for (uint i = 0; i < kPacks; ++i) {
+      // A pack past the row re-reads the row's last pack with weight 0: no load is conditional.
+      const uint p = min(p0 + 32 * i, total - 1);
+      const bool routed = p < routed_total;
+      const uint slot = routed ? p / routed_packs : k;
+      const uint pack = p - slot * routed_packs;  // pack within the slot's row
+      const uint in_size = routed ? args.expert_size : args.shared_expert_size;
+      const uint n = min(first_row, H - kRows);  // an inactive simdgroup reads the last rows (never stored)
+      const size_t row0 = routed ? size_t(expert_ids[slot]) * H + n : size_t(n);
+      device const uint* w = (routed ? down_weight : shared_down_weight) + row0 * (in_size / 8) + pack * kPackWords;
+      device const S* sc = (routed ? down_scales : shared_down_scales) + row0 * (in_size / 64) + pack * kPackWords / 8;
+      device const S* bi = (routed ? down_biases : shared_down_biases) + row0 * (in_size / 64) + pack * kPackWords / 8;
+      LILY_UNROLL
+      for (uint r = 0; r < kRows; ++r) {
+        LILY_UNROLL
+        for (uint j = 0; j < kPackWords; ++j) {
+          words[i][r][j] = w[r * (in_size / 8) + j];
+        }
+        scale[i][r] = float(sc[r * (in_size / 64)]);
+        bias[i][r] = float(bi[r * (in_size / 64)]);
+      }
+      weight[i] = p0 + 32 * i < total ? (routed ? expert_weights[slot] : shared_weight) : 0.0f;
+    }
+    if (s0 == 0) {
+      lily::qmv_stage<false, 4>(hidden, hidden, total * 8 * kPackWords, 0.0f, stage_h, pack_sum, simd_sq, tid, n_threads,
+                          lane, simd_group);
+    }
+    LILY_UNROLL
+    for (uint i = 0; i < kPacks; ++i) {
+      const uint p = min(p0 + 32 * i, total - 1);
+      threadgroup const float4* chunk = stage_h + (p / 32) * kChunks * 32 + p % 32;
+      float d[kRows];
+      LILY_UNROLL
+      for (uint r = 0; r < kRows; ++r) {
+        d[r] = 0.0f;
+      }
+      LILY_UNROLL
+      for (uint j = 0; j < kPackWords; ++j) {
+        float hs[8];
+        LILY_UNROLL
+        for (uint c = 0; c < 8; c += 4) {
+          const float4 v = chunk[((j * 8 + c) / 4) * 32];
+          LILY_UNROLL
+          for (uint e = 0; e < 4; ++e) {
+            hs[c + e] = v[e];
+          }
+        }
+        LILY_UNROLL
+        for (uint r = 0; r < kRows; ++r) {
+          const uint word = words[i][r][j], high = word >> 16;
+          LILY_UNROLL
+          for (uint e = 0; e < 8; ++e) {
+            d[r] = fma(hs[e], lily::code_float<4>(word, high, e, magic), d[r]);
+          }
+        }
+      }
+      LILY_UNROLL
+      for (uint r = 0; r < kRows; ++r) {
+        acc[r] = fma(weight[i], fma(scale[i][r], d[r], bias[i][r] * pack_sum[p]), acc[r]);
+      }
+    }
+  }
+  if (!active) {
+    return;  // the whole simdgroup leaves: the simd_sums below stay convergent
+  }
+  LILY_UNROLL
+  for (uint r = 0; r < kRows; ++r) {
+    const float total_r = simd_sum(acc[r]);
+    if (lane == 0) {
+      // Read and write by the same thread: out may alias residual.
+      out[first_row + r] = T(float(residual[first_row + r]) + total_r);
+    }
+  }
+}
+
 LILY_INSTANTIATE_KERNEL("moe_route_f32", moe_route, float)
 LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_f32", moe_gate_up_swiglu, float, bfloat)
 LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_bf16", moe_gate_up_swiglu, bfloat, bfloat)
@@ -473,7 +721,13 @@ LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_routed_f32", moe_gate_up_swiglu_rout
 LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_routed_bf16", moe_gate_up_swiglu_routed, bfloat, bfloat)
 LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_routed_f32_sf32", moe_gate_up_swiglu_routed, float, float)
 LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_routed_bf16_sf32", moe_gate_up_swiglu_routed, bfloat, float)
+// Staged (CUDA): bf16 scales only, as the staged GEMVs.
+LILY_INSTANTIATE_EARLY_KERNEL("moe_gate_up_swiglu_routed_staged_f32", moe_gate_up_swiglu_routed_staged, float, bfloat)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_gate_up_swiglu_routed_staged_bf16", moe_gate_up_swiglu_routed_staged, bfloat,
+                              bfloat)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_f32", moe_down_combine, float, bfloat)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_bf16", moe_down_combine, bfloat, bfloat)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_f32_sf32", moe_down_combine, float, float)
+LILY_INSTANTIATE_KERNEL("moe_down_combine_staged_f32", moe_down_combine_staged, float, bfloat)
+LILY_INSTANTIATE_KERNEL("moe_down_combine_staged_bf16", moe_down_combine_staged, bfloat, bfloat)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_bf16_sf32", moe_down_combine, bfloat, float)

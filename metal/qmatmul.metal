@@ -78,6 +78,7 @@
 #include "gated_delta.h"
 #include "gemm.h"
 #include "lily.h"
+#include "qmv_stage.h"
 #include "quantized.h"
 
 using namespace metal;
@@ -292,97 +293,14 @@ LILY_INLINE void qmv_batch(device const T* x, device const T* norm_weight, devic
   }
 }
 
-// ---- the staged one-row GEMVs ----
-// Each lane reads packs p = lane + 32 s of every row (qmv_accumulate); here the pack's x values come from threadgroup
-// memory instead of device memory, staged once per threadgroup in the order the lanes read them: float4 chunk c of pack
-// p at stage_x[((p / 32) * kChunks + c) * 32 + p % 32], so a simdgroup's 32 lanes read 32 consecutive float4 (no bank
-// conflict) where, from device memory, each lane loads its own pack's values 64 bytes from its neighbour's: on an
-// H200 those scattered loads kept the L1 95 % busy at 15 % of DRAM bandwidth (Nsight Compute, qmv_norm_q4 at the
-// lm_head shape: 128 L1 wavefronts per x load instruction against 4 for a weight word). Staging also applies
-// norm_weight once per threadgroup instead of once per simdgroup, and keeps each pack's sum for the bias fold. Apple
-// GPUs keep the unstaged kernels: 16 KiB of threadgroup memory per 64-thread group may cost them occupancy (not
-// measured), so the staged ones are a CUDA variant in the kernel-choice table (tuning::staged_gemv).
-template <int Bits>
-constexpr uint kStageChunks = LILY_QMV_PACK_WORDS * (32 / Bits) / 4;  // float4 chunks per pack: 8 (4-bit), 4 (8-bit)
-// Chunks each thread loads per staging round: K = 2048 (the model's hidden size) in one round on 64 threads.
-constant constexpr uint kStageBatch = LILY_QMV_STAGE_BATCH;
-
-// Where chunk q (values 4q .. 4q + 3) of a staged row lies in stage_x: chunk c of pack p at ((p / 32) * kChunks + c)
-// * 32 + p % 32, so the 32 lanes reading a pack each read 32 consecutive float4.
-template <int Bits>
-inline uint qmv_stage_slot(uint q) {
-  constexpr uint kChunks = kStageChunks<Bits>;
-  const uint p = q / kChunks;
-  return ((p / 32) * kChunks + q % kChunks) * 32 + p % 32;
-}
-
-// Stores float4 chunk q (values 4q .. 4q + 3) of the staged row and, from its pack's first lane, the pack's sum: the
-// kChunks chunks of a pack lie in consecutive lanes of one simdgroup, which add it with shuffles (a fixed order).
-// Called by whole simdgroups (convergent shuffles); `in_row` false stores nothing.
-template <int Bits>
-LILY_INLINE void qmv_stage_chunk(float4 v, uint q, bool in_row, threadgroup float4* stage_x,
-                                 threadgroup float* pack_sum) {
-  constexpr uint kChunks = kStageChunks<Bits>;
-  float s = (v.x + v.y) + (v.z + v.w);
-  LILY_UNROLL
-  for (uint o = 1; o < kChunks; o *= 2) {
-    s += simd_shuffle_xor(s, ushort(o));
-  }
-  if (in_row) {
-    stage_x[qmv_stage_slot<Bits>(q)] = v;
-    if (q % kChunks == 0) {
-      pack_sum[q / kChunks] = s;
-    }
-  }
-}
-
-// Stages x' = x (⊙ norm_weight when Norm) of one input row; returns 1/rms of x (Norm) or 1. Every thread of the
-// threadgroup calls it (it ends with a barrier); threads per threadgroup a multiple of 32, K a multiple of 64 and at
-// most LILY_QMV_STAGE_MAX_K. Chunk q (values 4q .. 4q + 3) is thread q % n_threads's: the kChunks chunks of a pack lie
-// in consecutive lanes of one simdgroup, which add their pack's sum with shuffles (a fixed order).
-template <bool Norm, int Bits, typename T>
-LILY_INLINE float qmv_stage(device const T* x, device const T* norm_weight, uint K, float eps,
-                            threadgroup float4* stage_x, threadgroup float* pack_sum, threadgroup float* simd_sq,
-                            uint tid, uint n_threads, uint lane, uint simd_group) {
-  const uint chunks = K / 4;
-  float sq = 0.0f;
-  // kStageBatch chunks per thread and round, every load of a round issued before the first is used: one memory
-  // round trip per round (K = 2048 on 64 threads: one) where a chunk at a time took one per chunk.
-  for (uint q0 = 0; q0 < chunks; q0 += kStageBatch * n_threads) {  // uniform trip counts: convergent shuffles
-    float4 v[kStageBatch], w[kStageBatch];
-    LILY_UNROLL
-    for (uint u = 0; u < kStageBatch; ++u) {
-      const uint q = min(q0 + u * n_threads + tid, chunks - 1);
-      v[u] = lily::attn_load4(x + 4 * q);
-      w[u] = Norm ? lily::attn_load4(norm_weight + 4 * q) : float4(1.0f);
-    }
-    LILY_UNROLL
-    for (uint u = 0; u < kStageBatch; ++u) {
-      const uint q = min(q0 + u * n_threads + tid, chunks - 1);
-      const bool in_row = q0 + u * n_threads + tid < chunks;  // whole packs in or out (K: a multiple of 64)
-      if (Norm) {
-        sq += in_row ? dot(v[u], v[u]) : 0.0f;
-        v[u] *= w[u];
-      }
-      qmv_stage_chunk<Bits>(v[u], q, in_row, stage_x, pack_sum);
-    }
-  }
-  if (Norm) {
-    sq = simd_sum(sq);
-    if (lane == 0) {
-      simd_sq[simd_group] = sq;
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (!Norm) {
-    return 1.0f;
-  }
-  float total = 0.0f;
-  for (uint g = 0; g < n_threads / 32; ++g) {
-    total += simd_sq[g];
-  }
-  return precise::rsqrt(total / float(K) + eps);
-}
+// ---- the staged one-row GEMVs: the staging and dot-product helpers are in qmv_stage.h ----
+using lily::kStageBatch;
+using lily::kStageChunks;
+using lily::qmv_load_step;
+using lily::qmv_stage;
+using lily::qmv_stage_chunk;
+using lily::qmv_stage_slot;
+using lily::qmv_staged_dot;
 
 // Stages x = the DeltaNet's SiLU(z)-gated RMSNorm of o, value heads of `head_dim` values, given gate = SiLU(z), in one
 // round: each thread loads its kStageBatch chunks of o, gate and norm_weight at once (one memory round trip) and
@@ -450,105 +368,6 @@ LILY_INLINE void qmv_stage_gated_norm(device const float* o, device const float*
     qmv_stage_chunk<Bits>(x, q, u * n_threads + tid < chunks, stage_x, pack_sum);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-}
-
-// Loads one step of a simdgroup's kRows rows: kPacks packs (lane + 32 i from p0) of LILY_QMV_PACK_WORDS words each,
-// and their scales and biases (0 past the row: a pack past the row re-reads the row's last pack). The words are 4-byte
-// loads: a mapped checkpoint guarantees no more alignment (one 16-byte load per pack is the next step where the host
-// can guarantee 16; tried, it faulted in the harness's engine path and is not understood yet).
-template <int Bits, typename S>
-LILY_INLINE void qmv_load_step(
-    thread uint (&words)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS],
-                               thread float (&scale)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP],
-                               thread float (&bias)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP],
-                               device const uint* weight, device const S* scales, device const S* biases, uint K,
-                               uint N, uint first_row, uint p0) {
-  constexpr uint kPerWord = 32 / Bits;
-  constexpr uint kWordsPerGroup = kGroupSize / kPerWord;
-  const uint words_per_row = K / kPerWord;
-  const uint packs_per_row = words_per_row / LILY_QMV_PACK_WORDS;
-  const uint groups_per_row = K / kGroupSize;
-  LILY_UNROLL
-  for (uint i = 0; i < LILY_QMV_PACKS_PER_LANE; ++i) {
-    const uint p = min(p0 + 32 * i, packs_per_row - 1);
-    const bool in_row = p0 + 32 * i < packs_per_row;
-    const uint g = p * LILY_QMV_PACK_WORDS / kWordsPerGroup;
-    LILY_UNROLL
-    for (uint r = 0; r < LILY_QMV_ROWS_PER_SIMDGROUP; ++r) {
-      const size_t n = min(first_row + r, N - 1);  // rows past N read row N - 1 (never written)
-      LILY_UNROLL
-      for (uint j = 0; j < LILY_QMV_PACK_WORDS; ++j) {
-        words[i][r][j] = weight[n * words_per_row + p * LILY_QMV_PACK_WORDS + j];
-      }
-      scale[i][r] = in_row ? float(scales[n * groups_per_row + g]) : 0.0f;
-      bias[i][r] = in_row ? float(biases[n * groups_per_row + g]) : 0.0f;
-    }
-  }
-}
-
-// The dot products of a staged GEMV for this simdgroup's rows: acc[r] = this lane's share of sum_k x'_k w[first_row +
-// r, k] over the staged row (the caller does the simd_sum), given the first step's weights already loaded
-// (qmv_load_step with p0 = lane): later steps load their own.
-template <int Bits, typename S>
-LILY_INLINE void qmv_staged_dot(
-    thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP],
-    thread uint (&words)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS],
-    thread float (&scale)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP],
-    thread float (&bias)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP], device const uint* weight,
-    device const S* scales, device const S* biases, uint K, uint N, uint first_row, threadgroup const float4* stage_x,
-    threadgroup const float* pack_sum, uint lane) {
-  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
-  constexpr uint kPacks = LILY_QMV_PACKS_PER_LANE;
-  constexpr uint kPerWord = 32 / Bits;
-  constexpr uint kChunks = kStageChunks<Bits>;
-  const uint packs_per_row = K / kPerWord / LILY_QMV_PACK_WORDS;
-  LILY_UNROLL
-  for (uint r = 0; r < kRows; ++r) {
-    acc[r] = 0.0f;
-  }
-  uint magic[lily::kCodeMagicCount<Bits>];
-  lily::code_float_magic<Bits>(magic);
-  for (uint p0 = lane; p0 < packs_per_row; p0 += 32 * kPacks) {
-    if (p0 != lane) {
-      qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, p0);
-    }
-    LILY_UNROLL
-    for (uint i = 0; i < kPacks; ++i) {
-      const uint p = min(p0 + 32 * i, packs_per_row - 1);
-      threadgroup const float4* chunk = stage_x + (p / 32) * kChunks * 32 + p % 32;
-      float d[kRows];
-      LILY_UNROLL
-      for (uint r = 0; r < kRows; ++r) {
-        d[r] = 0.0f;
-      }
-      LILY_UNROLL
-      for (uint j = 0; j < LILY_QMV_PACK_WORDS; ++j) {
-        float xs[kPerWord];
-        LILY_UNROLL
-        for (uint c = 0; c < kPerWord; c += 4) {
-          const float4 v = chunk[((j * kPerWord + c) / 4) * 32];
-          LILY_UNROLL
-          for (uint e = 0; e < 4; ++e) {
-            xs[c + e] = v[e];
-          }
-        }
-        LILY_UNROLL
-        for (uint r = 0; r < kRows; ++r) {
-          const uint word = words[i][r][j];
-          const uint word_high = word >> 16;
-          LILY_UNROLL
-          for (uint e = 0; e < kPerWord; ++e) {
-            d[r] = fma(xs[e], lily::code_float<Bits>(word, word_high, e, magic), d[r]);
-          }
-        }
-      }
-      const float x_sum = pack_sum[p];
-      LILY_UNROLL
-      for (uint r = 0; r < kRows; ++r) {
-        acc[r] = fma(scale[i][r], d[r], fma(bias[i][r], x_sum, acc[r]));
-      }
-    }
-  }
 }
 
 // The staged GEMV of one input row for this simdgroup's rows: acc[r] as qmv_staged_dot, returning 1/rms (Norm) or 1.

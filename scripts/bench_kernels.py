@@ -202,6 +202,7 @@ def moe_cases() -> list[Case]:
     sdw, sds = quantized(HIDDEN, SHARED_SIZE)
     one_w, one_s = quantized(HIDDEN, EXPERT_SIZE)
     routed_args = _moe_args() + struct.pack("<fIII", EPS, 0, 0, 0)
+    staged_rows = 4 * QMV_STAGED["simdgroups"]  # LILY_QMV_ROWS_PER_SIMDGROUP rows per simdgroup
     return [
         Case("moe_route top-8 of 256", "moe_route_f32",
              [_moe_args(), f32(EXPERTS), f32(TOP_K), f32(TOP_K)], (1, 1, 1), (32, 1, 1),
@@ -213,10 +214,18 @@ def moe_cases() -> list[Case]:
              [routed_args, bf16(HIDDEN), bf16(HIDDEN), f32(EXPERTS), f32(TOP_K), f32(TOP_K), *weights, hidden],
              gate_up_grid, (MOE_GEMV_THREADS, 1, 1),
              2 * bf16(HIDDEN) + f32(EXPERTS) + 2 * f32(TOP_K) + weight_bytes + hidden),
-        Case("moe down+combine+residual, 8 experts + shared", "moe_down_combine_bf16",
+        Case("moe route+norm+gate/up+SwiGLU (fused, staged)", "moe_gate_up_swiglu_routed_staged_bf16",
+             [routed_args, bf16(HIDDEN), bf16(HIDDEN), f32(EXPERTS), f32(TOP_K), f32(TOP_K), *weights, hidden],
+             (ceil_div(max(EXPERT_SIZE, SHARED_SIZE), staged_rows), TOP_K + 1, 1),
+             (32 * QMV_STAGED["simdgroups"], 1, 1),
+             2 * bf16(HIDDEN) + f32(EXPERTS) + 2 * f32(TOP_K) + weight_bytes + hidden),
+    ] + [
+        Case(f"moe down+combine+residual, 8 experts + shared{tag}",
+             f"moe_down_combine{'_staged' if tag else ''}_bf16",
              [_moe_args(), hidden, _expert_ids(), f32(TOP_K), dw, ds, ds, sdw, sds, sds, f32(1), bf16(HIDDEN),
               Same(11)], (ceil_div(HIDDEN, MOE_DOWN_ROWS), 1, 1), (MOE_DOWN_THREADS, 1, 1),
-             hidden + 2 * f32(TOP_K) + TOP_K * (one_w + 2 * one_s) + sdw + 2 * sds + f32(1) + 2 * bf16(HIDDEN)),
+             hidden + 2 * f32(TOP_K) + TOP_K * (one_w + 2 * one_s) + sdw + 2 * sds + f32(1) + 2 * bf16(HIDDEN))
+        for tag in ("", " (staged)")
     ]
 
 

@@ -26,6 +26,8 @@ DECODE_KERNELS = {"qmv_q4_g64_bf16", "qmv_q8_g64_bf16", "qmv_norm_q4_g64_bf16_of
                   # CUDA's choice of the one-row decode GEMVs (tuning::staged_gemv)
                   "qmv_norm_staged_q4_g64_bf16_of32", "qmv_norm_seg_staged_q4_g64_bf16",
                   "qmv_norm_seg_staged_q8_g64_bf16_of32", "qmv_residual_staged_q4_g64_bf16",
+                  # ... and of the decode experts (tuning::staged_moe)
+                  "moe_gate_up_swiglu_routed_staged_bf16", "moe_down_combine_staged_bf16",
                   # CUDA's spread DeltaNet step (tuning::spread_deltanet_step; its scan is the prefill one's)
                   "qmv_norm_seg_conv_staged_q4_g64_bf16", "qmv_gated_norm_residual_staged_q4_g64_bf16"}
 

@@ -88,6 +88,16 @@ inline bool spread_deltanet_step(bool switched_on, size_t value_heads, size_t he
          value_heads * head_v_dim <= 4 * LILY_QMV_STAGE_BATCH * 32 * LILY_QMV_STAGED_SIMDGROUPS;  // one round
 }
 
+// The staged decode experts (moe_gate_up_swiglu_routed_staged, moe_down_combine_staged in metal/moe.metal): x and the
+// experts' hidden scratch staged in threadgroup memory as the staged GEMVs stage x, chosen with them
+// (staged_gemv: CUDA) for bf16 scales and the sizes their threadgroup arrays hold. Only the fused (routed) gate/up has
+// a staged twin: the unfused chain runs only with FUSION off.
+inline bool staged_moe(bool switched_on, bool bf16_scales, size_t hidden_size, size_t top_k, size_t expert_size,
+                       size_t shared_expert_size) {
+  return staged_gemv(switched_on, 4, bf16_scales, hidden_size, false) &&
+         top_k * expert_size + shared_expert_size <= LILY_MOE_STAGE_MAX_K;
+}
+
 // Threads per threadgroup.
 // qmv: 2 simdgroups x 4 rows = 8 output rows per threadgroup (the kernel's fixed shape).
 constexpr size_t kQmvThreads = 32 * LILY_QMV_SIMDGROUPS;

@@ -1,6 +1,7 @@
 """The STAGED_GEMV switch: on the CUDA runtime the one-row decode GEMVs (qmv_norm, qmv_residual, qmv_norm_seg) stage
-x in threadgroup memory (the `*_staged_*` kernels: tuning::staged_gemv); off, or on the Metal runtime, they read x
-from device memory per simdgroup. Both must give the same logits, which follow lily.reference (the mlx checkpoint of
+x in threadgroup memory (the `*_staged_*` kernels: tuning::staged_gemv), and so do the decode experts (the routed
+gate/up stages the normed x, down + combine the experts' hidden scratch: tuning::staged_moe); off, or on the Metal
+runtime, they read them from device memory per simdgroup. Both must give the same logits, which follow lily.reference (the mlx checkpoint of
 the fusion tests: bf16 scales, the model's head shapes; the fake libcuda running the real kernels on the harness)."""
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from tests.engine.test_metal_backend import relative_error
 
 # With the spread DeltaNet step on (the default), the DeltaNet layers' in_proj and out_proj run its staged variants.
 STAGED = {"qmv_norm_staged", "qmv_residual_staged", "qmv_norm_seg_staged", "qmv_norm_seg_conv_staged",
-          "qmv_gated_norm_residual_staged"}
+          "qmv_gated_norm_residual_staged", "moe_gate_up_swiglu_routed_staged", "moe_down_combine_staged"}
 
 
 def _staged_ops(kernels) -> set[str]:
-    return {name.split("_q")[0] for name in kernels if "_staged_" in name}
+    return {name[:name.index("_staged_") + len("_staged")] for name in kernels if "_staged_" in name}
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])

@@ -21,9 +21,14 @@ from lily import quant, reference
 from lily.kernel_cases.common import Case, Run, dtype_of, poisoned, round_to, scale_dtype_of, to_device, to_f64
 
 PATTERN = re.compile(r"moe_route_f32|moe_(gate_up_swiglu|down_combine)_(f32|f16|bf16)(_sf32)?"
-                     r"|moe_gate_up_swiglu_routed_(f32|bf16)(_sf32)?")
+                     r"|moe_gate_up_swiglu_routed_(f32|bf16)(_sf32)?"
+                     r"|moe_(gate_up_swiglu_routed|down_combine)_staged_(f32|bf16)")
 GEMV_ROWS, GEMV_THREADS = 8, 64  # gate/up: 2 simdgroups x LILY_MOE_GEMV_ROWS_PER_SIMDGROUP
 DOWN_ROWS, DOWN_THREADS = 8, 128  # down + combine: 4 simdgroups x LILY_MOE_DOWN_ROWS_PER_SIMDGROUP
+# The staged kernels take any multiple of 32 threads: LILY_QMV_ROWS_PER_SIMDGROUP (4) gate/up rows and
+# LILY_MOE_DOWN_ROWS_PER_SIMDGROUP (2) down rows per simdgroup; the host runs gate/up on 128 (tuning::kQmvStagedThreads).
+STAGED_THREADS = (128, 64, 256)
+STAGE_MAX_K = 4608  # LILY_MOE_STAGE_MAX_K: k * I + Is of moe_down_combine_staged
 NORM_EPS = 1e-6
 # fp32 sums of K products differ from the fp64 reference by a few ulp of the output's typical size, not of each
 # element: an element that cancels to near zero keeps the absolute error of its terms. The element-wise bound adds
@@ -148,15 +153,18 @@ def gate_up(run: Run, kernel: str, layer: DecodeLayer, args: bytes, x: np.ndarra
 
 def down_combine(run: Run, kernel: str, layer: DecodeLayer, args: bytes, hidden_act: np.ndarray, ids: np.ndarray,
                  weights: np.ndarray, gate_logit: np.ndarray, residual: np.ndarray, out: np.ndarray, hidden: int,
-                 **options) -> None:
+                 threads: int = DOWN_THREADS, **options) -> None:
     """The down GEMVs weighted and summed with the gated shared expert onto the residual, into `out`."""
+    rows = threads // 32 * 2  # LILY_MOE_DOWN_ROWS_PER_SIMDGROUP rows per simdgroup
     run.dispatch(kernel, [args, hidden_act, ids, weights, *layer.down.buffers(), *layer.shared_down.buffers(),
-                          gate_logit, residual, out], -(-hidden // DOWN_ROWS), DOWN_THREADS, **options)
+                          gate_logit, residual, out], -(-hidden // rows), threads, **options)
 
 
 def gate_up_routed(run: Run, kernel: str, layer: DecodeLayer, x: np.ndarray, norm_weight: np.ndarray,
-                   logits: np.ndarray, k: int, num_experts: int, hidden: int, expert: int, shared: int, **options):
+                   logits: np.ndarray, k: int, num_experts: int, hidden: int, expert: int, shared: int,
+                   threads: int = GEMV_THREADS, **options):
     """One dispatch: (expert ids, routing weights, fp32 SwiGLU hidden) from NaN/0xFFFFFFFF-poisoned buffers."""
+    rows = threads // 32 * (4 if "_staged" in kernel else GEMV_ROWS * 32 // GEMV_THREADS)
     ids = np.full(k, 0xFFFFFFFF, np.uint32)
     weights = np.full(k, np.nan, np.float32)
     hidden_act = np.full(k * expert + shared, np.nan, np.float32)
@@ -164,7 +172,7 @@ def gate_up_routed(run: Run, kernel: str, layer: DecodeLayer, x: np.ndarray, nor
     run.dispatch(kernel, [args, x, norm_weight, np.ascontiguousarray(logits, np.float32), ids, weights,
                           *layer.gate.buffers(), *layer.up.buffers(), *layer.shared_gate.buffers(),
                           *layer.shared_up.buffers(), hidden_act],
-                 (-(-max(expert, shared) // GEMV_ROWS), k + 1, 1), GEMV_THREADS, **options)
+                 (-(-max(expert, shared) // rows), k + 1, 1), threads, **options)
     return ids, weights, hidden_act
 
 
@@ -194,7 +202,7 @@ def _gate_up(run: Run, kernel: str, shape: tuple[int, ...]) -> None:
     compare_dot(run, "hidden (fp32 scratch)", out, layer.swiglu_hidden(to_f64(x, dtype), ids), "f32")
 
 
-def _down_combine(run: Run, kernel: str, shape: tuple[int, ...]) -> None:
+def _down_combine(run: Run, kernel: str, shape: tuple[int, ...], threads: int = DOWN_THREADS) -> None:
     """Against the reference, into a separate buffer and in place over the residual (same bits)."""
     num_experts, k, hidden, expert, shared = shape
     dtype = dtype_of(kernel)
@@ -206,17 +214,18 @@ def _down_combine(run: Run, kernel: str, shape: tuple[int, ...]) -> None:
     residual = to_device(2.0 * run.rng.standard_normal(hidden), dtype)
     out = poisoned((hidden,), dtype)
     args = moe_args(1, num_experts, k, hidden, expert, shared)
-    down_combine(run, kernel, layer, args, h, ids, weights, gate_logit, residual, out, hidden)
+    down_combine(run, kernel, layer, args, h, ids, weights, gate_logit, residual, out, hidden, threads)
     total = to_f64(residual, dtype)
     for slot, e in enumerate(ids):
         total += float(weights[slot]) * reference.qmatmul(h[slot * expert : (slot + 1) * expert], layer.down.dense[e])
     total += sigmoid64(gate_logit[0]) * reference.qmatmul(h[k * expert :], layer.shared_down.dense)
     compare_dot(run, "out", to_f64(out, dtype), round_to(total, dtype), dtype)
-    down_combine(run, kernel, layer, args, h, ids, weights, gate_logit, residual, residual, hidden)
+    down_combine(run, kernel, layer, args, h, ids, weights, gate_logit, residual, residual, hidden, threads)
     run.compare_exact("in place == separate (bits)", residual.view(np.uint8), out.view(np.uint8))
 
 
-def _gate_up_routed(run: Run, kernel: str, shape: tuple[int, ...], ties: bool = False) -> None:
+def _gate_up_routed(run: Run, kernel: str, shape: tuple[int, ...], ties: bool = False,
+                    threads: int = GEMV_THREADS) -> None:
     """Against reference.moe_route on the logits and reference.rms_norm -> SwiGLU of the chosen experts; the ids and
     weights it writes for moe_down_combine must equal moe_route's. With `ties`, logits from three values: every
     simdgroup must pick the same, lowest, ids."""
@@ -228,7 +237,7 @@ def _gate_up_routed(run: Run, kernel: str, shape: tuple[int, ...], ties: bool = 
     logits = run.rng.integers(0, 3, (1, num_experts)).astype(np.float32) if ties else \
         (2.0 * run.rng.standard_normal((1, num_experts))).astype(np.float32)
     ids, weights, out = gate_up_routed(run, kernel, layer, x, norm_weight, logits, k, num_experts, hidden, expert,
-                                       shared)
+                                       shared, threads)
     expected_ids, expected_weights = reference.moe_route(logits, k)
     run.compare_exact("ids", ids.astype(np.int64), expected_ids[0])
     run.compare("weights", weights, expected_weights[0], "f32")
@@ -245,6 +254,21 @@ def cases(kernel: str) -> list[Case]:
                                                                    logits="ties")),
                         Case(kernel, "T=2 E=128 k=8 large-logits", partial(_route, kernel=kernel, rows=2,
                                                                            experts=128, k=8, logits="large"))]
+    if "_staged_" in kernel:
+        # The routed shapes (H <= LILY_QMV_STAGE_MAX_K) and the down shapes whose k I + Is the staging holds (up to
+        # the model's 4608: one pack step), thread counts in turn.
+        if "_gate_up_" in kernel:
+            body, shapes = _gate_up_routed, ROUTED_SHAPES
+        else:
+            body, shapes = _down_combine, [s for s in SHAPES if s[1] * s[3] + s[4] <= STAGE_MAX_K] + [
+                (16, 8, 256, 512, 512), (8, 8, 1024, 448, 384)]
+        found = [Case(kernel, "E={} k={} H={} I={} Is={} threads={}".format(*s, t),
+                      partial(body, kernel=kernel, shape=s, threads=t), quick=i == 0)
+                 for i, (s, t) in enumerate(zip(shapes, STAGED_THREADS * len(shapes)))]
+        if "_gate_up_" in kernel and kernel.endswith("_f32"):
+            found.append(Case(kernel, "E=64 k=8 H=128 I=64 Is=64 ties", partial(
+                _gate_up_routed, kernel=kernel, shape=(64, 8, 128, 64, 64), ties=True, threads=128)))
+        return found
     if "_routed_" in kernel:
         shapes = ROUTED_SHAPES if kernel in ("moe_gate_up_swiglu_routed_bf16", "moe_gate_up_swiglu_routed_f32") \
             else ROUTED_SHAPES[:1]

@@ -1,4 +1,5 @@
-// moe_route_f32, moe_gate_up_swiglu[_routed]_<dtype>, moe_down_combine_<dtype> (metal/moe.metal): one decode token;
+// moe_route_f32, moe_gate_up_swiglu[_routed][_staged]_<dtype>, moe_down_combine[_staged]_<dtype> (metal/moe.metal):
+// one decode token (staged: tuning::staged_moe);
 // and the MoE block's choice by row count (more rows: moe_prefill.cpp).
 #include <algorithm>
 
@@ -30,9 +31,9 @@ std::string decode_suffix(const Context& ctx, const MoeSpans& s) {
 // k experts.
 size_t expert_fraction(const ModelConfig& c, const WeightRef* w) { return w->bytes() / w->experts * c.top_k; }
 
-Dim3 gate_up_groups(const ModelConfig& c) {
+Dim3 gate_up_groups(const ModelConfig& c, size_t rows_per_group) {
   const size_t rows = std::max(c.expert_size, c.shared_expert_size);
-  return {(rows + tuning::kMoeGemvRowsPerThreadgroup - 1) / tuning::kMoeGemvRowsPerThreadgroup, c.top_k + 1, 1};
+  return {(rows + rows_per_group - 1) / rows_per_group, c.top_k + 1, 1};
 }
 
 std::vector<NodeArg> gate_up_weight_args(const MoeSpans& s) {
@@ -52,10 +53,16 @@ size_t gate_up_weight_traffic(const ModelConfig& c, const MoeSpans& s) {
   return expert_fraction(c, s.gate) + expert_fraction(c, s.up) + s.shared_gate->bytes() + s.shared_up->bytes();
 }
 
+bool staged(const Context& ctx, const ModelConfig& c, const MoeSpans& s) {
+  return tuning::staged_moe(ctx.staged_gemv, s.gate->scale_dtype == DType::BF16, c.hidden_size, c.top_k,
+                            c.expert_size, c.shared_expert_size);
+}
+
 void down_combine(Context& ctx, const ModelConfig& c, const std::string& label, const MoeSpans& s, const MoeArgs& a,
-                  const Span& hidden, const Span& ids, const Span& weights, const Span& gate_logit) {
+                  const Span& hidden, const Span& ids, const Span& weights, const Span& gate_logit, bool staged) {
   Node& down = add_node(
-      ctx, "moe_down_combine_" + decode_suffix(ctx, s), label + " down/combine",
+      ctx, std::string(staged ? "moe_down_combine_staged_" : "moe_down_combine_") + decode_suffix(ctx, s),
+      label + " down/combine",
       {arg_value(a), arg(hidden), arg(ids), arg(weights), arg(s.down->data), arg(s.down->scales), arg(s.down->biases),
        arg(s.shared_down->data), arg(s.shared_down->scales), arg(s.shared_down->biases), arg(gate_logit),
        arg(s.residual_out), arg(s.residual_out)},
@@ -95,10 +102,11 @@ void moe_decode(Context& ctx, const ModelConfig& c, const std::string& label, co
   std::vector<Span> reads = {s.x, ids};
   for (const Span& w : gate_up_weight_spans(s)) reads.push_back(w);
   Node& gate_up = add_node(ctx, "moe_gate_up_swiglu_" + decode_suffix(ctx, s), label + " gate/up", std::move(args),
-                           gate_up_groups(c), {tuning::kMoeGemvThreads, 1, 1}, std::move(reads), {hidden});
+                           gate_up_groups(c, tuning::kMoeGemvRowsPerThreadgroup), {tuning::kMoeGemvThreads, 1, 1},
+                           std::move(reads), {hidden});
   gate_up.traffic_read = s.x.length + ids.length + gate_up_weight_traffic(c, s);
 
-  down_combine(ctx, c, label, s, a, hidden, ids, weights, gate_logit);
+  down_combine(ctx, c, label, s, a, hidden, ids, weights, gate_logit, false);
 }
 
 void moe_decode_routed(Context& ctx, const ModelConfig& c, const std::string& label, const MoeSpans& s,
@@ -115,13 +123,20 @@ void moe_decode_routed(Context& ctx, const ModelConfig& c, const std::string& la
   args.push_back(arg(hidden));
   std::vector<Span> reads = {s.x, norm_weight.data, logits};
   for (const Span& w : gate_up_weight_spans(s)) reads.push_back(w);
-  Node& gate_up = add_node(ctx, "moe_gate_up_swiglu_routed_" + decode_suffix(ctx, s), label + " route+gate/up",
-                           std::move(args), gate_up_groups(c), {tuning::kMoeGemvThreads, 1, 1}, std::move(reads),
-                           {ids, weights, hidden});
+  const bool stage = staged(ctx, c, s);
+  Node& gate_up = add_node(
+      ctx, std::string(stage ? "moe_gate_up_swiglu_routed_staged_" : "moe_gate_up_swiglu_routed_") +
+               decode_suffix(ctx, s),
+      label + " route+gate/up", std::move(args),
+      gate_up_groups(c, stage ? tuning::kQmvStagedRowsPerThreadgroup : tuning::kMoeGemvRowsPerThreadgroup),
+      {stage ? tuning::kQmvStagedThreads : tuning::kMoeGemvThreads, 1, 1}, std::move(reads), {ids, weights, hidden});
+  // The staged kernel loads the shared expert's first weights before its wait (metal/moe.metal).
+  if (stage) gate_up.early_reads = {s.shared_gate->data, s.shared_gate->scales, s.shared_gate->biases,
+                                    s.shared_up->data,   s.shared_up->scales,   s.shared_up->biases};
   // The logits are read once per routed simdgroup, but from cache: count them once, like x.
   gate_up.traffic_read = s.x.length + norm_weight.data.length + logits.length + gate_up_weight_traffic(c, s);
 
-  down_combine(ctx, c, label, s, a.moe, hidden, ids, weights, gate_logit);
+  down_combine(ctx, c, label, s, a.moe, hidden, ids, weights, gate_logit, stage);
 }
 
 }  // namespace lily::ops
