@@ -443,8 +443,11 @@ template <typename T, typename S>
       lily::qmv_load_step<4>(words_up, scale_up, bias_up, wu, su, bu, H, out_rows, first_row, lane);
     }
   }
-  const float inv_rms = lily::qmv_stage<true, 4>(x, norm_weight, H, args.eps, stage_x, pack_sum, simd_sq, tid, n_threads,
-                                           lane, simd_group);
+  // 4 chunks per thread and round (one round at H = 2048 on 128 threads), not kStageBatch's 8: with the gate and up
+  // weights in flight the kernel needed 191 registers, two 128-thread groups per SM, and its 288 groups did not fit
+  // in one wave on 132 SMs (20.9 against 16.7 us unstaged on the H200).
+  const float inv_rms = lily::qmv_stage<true, 4, 4>(x, norm_weight, H, args.eps, stage_x, pack_sum, simd_sq, tid,
+                                                    n_threads, lane, simd_group);
   if (!active) {
     return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
   }

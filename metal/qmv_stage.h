@@ -59,24 +59,25 @@ LILY_INLINE void qmv_stage_chunk(float4 v, uint q, bool in_row, threadgroup floa
 // threadgroup calls it (it ends with a barrier); threads per threadgroup a multiple of 32, K a multiple of 64 and at
 // most LILY_QMV_STAGE_MAX_K. Chunk q (values 4q .. 4q + 3) is thread q % n_threads's: the kChunks chunks of a pack lie
 // in consecutive lanes of one simdgroup, which add their pack's sum with shuffles (a fixed order).
-template <bool Norm, int Bits, typename T>
+template <bool Norm, int Bits, uint Batch = kStageBatch, typename T>
 LILY_INLINE float qmv_stage(device const T* x, device const T* norm_weight, uint K, float eps,
                             threadgroup float4* stage_x, threadgroup float* pack_sum, threadgroup float* simd_sq,
                             uint tid, uint n_threads, uint lane, uint simd_group) {
   const uint chunks = K / 4;
   float sq = 0.0f;
-  // kStageBatch chunks per thread and round, every load of a round issued before the first is used: one memory
-  // round trip per round (K = 2048 on 64 threads: one) where a chunk at a time took one per chunk.
-  for (uint q0 = 0; q0 < chunks; q0 += kStageBatch * n_threads) {  // uniform trip counts: convergent shuffles
-    float4 v[kStageBatch], w[kStageBatch];
+  // Batch chunks per thread and round (kStageBatch unless the caller needs the registers), every load of a round
+  // issued before the first is used: one memory round trip per round (K = 2048 on 64 threads: one) where a chunk at
+  // a time took one per chunk.
+  for (uint q0 = 0; q0 < chunks; q0 += Batch * n_threads) {  // uniform trip counts: convergent shuffles
+    float4 v[Batch], w[Batch];
     LILY_UNROLL
-    for (uint u = 0; u < kStageBatch; ++u) {
+    for (uint u = 0; u < Batch; ++u) {
       const uint q = min(q0 + u * n_threads + tid, chunks - 1);
       v[u] = lily::attn_load4(x + 4 * q);
       w[u] = Norm ? lily::attn_load4(norm_weight + 4 * q) : float4(1.0f);
     }
     LILY_UNROLL
-    for (uint u = 0; u < kStageBatch; ++u) {
+    for (uint u = 0; u < Batch; ++u) {
       const uint q = min(q0 + u * n_threads + tid, chunks - 1);
       const bool in_row = q0 + u * n_threads + tid < chunks;  // whole packs in or out (K: a multiple of 64)
       if (Norm) {
