@@ -563,6 +563,9 @@ template <bool Norm, typename T, typename S, int Bits, typename O>
 // The staged one-row GEMVs (CUDA's choice; see qmv_stage): the same results as qmv_norm, qmv_residual and
 // qmv_norm_seg with one input row per threadgroup row (grid y = M) and K <= LILY_QMV_STAGE_MAX_K (the host checks).
 // Threadgroups past the outputs leave before the staging (uniformly); simdgroups past them after it.
+// qmv_norm_staged streams: threadgroup x takes the blocks of rows x, x + grid width, ... against one staging of x, so
+// the host can launch fewer threadgroups than blocks (the lm_head's 15,520 blocks each staged x once, 8 KB of x and
+// norm weight read from L2 per 16 KB of weights; tuning::kQmvStreamGroups). Any grid width gives the same bits.
 template <typename T, typename S, int Bits, typename O>
 [[kernel]] void qmv_norm_staged(constant lily::QMatmulNormArgs& args [[buffer(0)]],
                                 device const T* x [[buffer(1)]],
@@ -572,6 +575,7 @@ template <typename T, typename S, int Bits, typename O>
                                 device const S* biases [[buffer(5)]],
                                 device O* y [[buffer(6)]],
                                 uint3 tg [[threadgroup_position_in_grid]],
+                                uint3 groups [[threadgroups_per_grid]],
                                 uint tid [[thread_index_in_threadgroup]],
                                 uint3 threads_per_group [[threads_per_threadgroup]],
                                 uint lane [[thread_index_in_simdgroup]],
@@ -584,22 +588,33 @@ template <typename T, typename S, int Bits, typename O>
   const uint K = args.in_features;
   const uint N = args.out_features;
   const uint n_threads = threads_per_group.x;  // 1-D threadgroups
-  if (tg.x * (n_threads / 32) * kRows >= N || tg.y >= args.num_rows) {
+  const uint rows_per_group = (n_threads / 32) * kRows;
+  const uint blocks = (N + rows_per_group - 1) / rows_per_group;
+  if (tg.x >= blocks || tg.y >= args.num_rows) {
     return;  // the whole threadgroup leaves: the barrier in qmv_stage stays uniform
   }
-  const uint first_row = (tg.x * (n_threads / 32) + simd_group) * kRows;
+  // The first block as the other staged GEMVs (its weights loaded before the wait and the staging); the later ones
+  // load theirs against the same staging. No barrier after the staging: the simdgroups go on independently.
+  uint first_row = tg.x * rows_per_group + simd_group * kRows;
   float acc[kRows];
   const float inv_rms = qmv_staged_rows<true, Bits>(acc, x + size_t(tg.y) * K, norm_weight, weight, scales, biases, K,
                                                     N, args.eps, first_row, first_row < N, stage_x, pack_sum, simd_sq,
                                                     tid, n_threads, lane, simd_group);
-  if (first_row >= N) {
-    return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
-  }
-  LILY_UNROLL
-  for (uint r = 0; r < kRows; ++r) {
-    const float total = simd_sum(acc[r]);
-    if (lane == 0 && first_row + r < N) {
-      y[size_t(tg.y) * N + first_row + r] = O(total * inv_rms);
+  for (uint block = tg.x; first_row < N;) {  // uniform per simdgroup: the simd_sums stay convergent
+    LILY_UNROLL
+    for (uint r = 0; r < kRows; ++r) {
+      const float total = simd_sum(acc[r]);
+      if (lane == 0 && first_row + r < N) {
+        y[size_t(tg.y) * N + first_row + r] = O(total * inv_rms);
+      }
+    }
+    block += groups.x;
+    first_row = block < blocks ? block * rows_per_group + simd_group * kRows : N;
+    if (first_row < N) {
+      uint words[LILY_QMV_PACKS_PER_LANE][kRows][LILY_QMV_PACK_WORDS];
+      float scale[LILY_QMV_PACKS_PER_LANE][kRows], bias[LILY_QMV_PACKS_PER_LANE][kRows];
+      qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
+      qmv_staged_dot<Bits>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
     }
   }
 }

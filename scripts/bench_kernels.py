@@ -39,6 +39,7 @@ EPS = 1e-6
 # Kernel shapes the host uses (metal/lily.h, src/lily_ext/tuning.h); --qmv-shape overrides the qmv ones to time PTX
 # built with other LILY_QMV_* values.
 QMV_SHAPE = {"rows_per_simdgroup": 4, "simdgroups": 2, "batch": 4}
+QMV_STREAM_GROUPS = 4 * 132  # tuning::kQmvStreamGroups: qmv_norm_staged's most threadgroups
 QMV_STAGED = {"simdgroups": 4}  # LILY_QMV_STAGED_SIMDGROUPS: the staged GEMVs' threadgroups; --qmv-staged overrides
 QMM_BN, QMM_BM16, QMM_THREADS = 64, 16, 128  # LILY_GEMM_BN, LILY_QMM_BM16_MAX_ROWS, LILY_GEMM_THREADS
 QMM_MIN_THREADGROUPS = 64 * 8  # tuning::kQmmMinThreadgroups
@@ -123,6 +124,8 @@ def qmv_norm_case(label: str, n: int, k: int, staged: bool = False) -> Case:
     the CUDA variant (x staged in threadgroup memory)."""
     w, s = quantized(n, k)
     grid, threads = _qmv_grid(n, 1, staged)
+    if staged:  # it streams row blocks on at most QMV_STREAM_GROUPS threadgroups, as the engine launches it
+        grid = (min(grid[0], QMV_STREAM_GROUPS), 1, 1)
     return Case(label, f"qmv_norm{'_staged' if staged else ''}_q4_g64_bf16_of32",
                 [struct.pack("<IIIf", k, n, 1, EPS), bf16(k), bf16(k), w, s, s, f32(n)], grid, threads,
                 w + 2 * s + 2 * bf16(k) + f32(n))

@@ -49,8 +49,8 @@ EXTRA_SHAPES = {
     "qmv_norm_q4_g64_f32": [(2, 11, 2112), (2, 11, 4160)],
     "qmv_norm_q8_g64_f32": [(2, 11, 1088)],
     # The staged GEMVs: K up to LILY_QMV_STAGE_MAX_K = 4096 (the staging buffer full), a partial pack step (2112), two
-    # input rows (grid y), a partial simdgroup; the residual variant the same.
-    "qmv_norm_staged_q4_g64_f32": [(2, 11, 2112), (1, 11, 4096), (1, 20, 2048)],
+    # input rows (grid y), a partial simdgroup, 26 row blocks (qmv_norm_staged streams them); the residual the same.
+    "qmv_norm_staged_q4_g64_f32": [(2, 11, 2112), (1, 11, 4096), (1, 20, 2048), (2, 203, 256)],
     "qmv_residual_staged_q4_g64_f32": [(2, 11, 2112), (1, 13, 4096)],
     "qmv_q8_g64_bf16": [(1, 1, k) for k in (64, 448, 512, 1088, 2048)] + [(1, 256, 2048)],
     "qmv_q4_g64_bf16": [(1, 40, 4096), (2, 600, 512)],
@@ -158,10 +158,16 @@ def _qmv_norm(run: Run, kernel: str, m: int, n: int, k: int, x_scale: float = 1.
     x = to_device(x_scale * run.rng.standard_normal((m, k)), dtype)
     norm_weight = to_device(1.0 + 0.3 * run.rng.standard_normal(k), dtype)
     y = poisoned((m, n), out_dtype)
-    run.dispatch(kernel, [struct.pack("<IIIf", k, n, m, NORM_EPS), x, norm_weight, *buffers, y],
-                 (-(-n // QMV_ROWS_PER_THREADGROUP), m, 1), 64)  # lily::QMatmulNormArgs
+    args = struct.pack("<IIIf", k, n, m, NORM_EPS)  # lily::QMatmulNormArgs
+    blocks = -(-n // QMV_ROWS_PER_THREADGROUP)
+    run.dispatch(kernel, [args, x, norm_weight, *buffers, y], (blocks, m, 1), 64)
     normed = reference.rms_norm(to_f64(x, dtype), to_f64(norm_weight, dtype), NORM_EPS)
     check_matmul(run, y, out_dtype, normed, weight, relative_ulps=1.0)
+    if "_staged_" in kernel:
+        # It streams row blocks: fewer threadgroups than blocks (the lm_head's launch) give the same bits.
+        streamed = poisoned((m, n), out_dtype)
+        run.dispatch(kernel, [args, x, norm_weight, *buffers, streamed], (min(3, blocks), m, 1), 64)
+        run.compare_exact("3 threadgroups streaming == one per block (bits)", streamed.view(np.uint8), y.view(np.uint8))
 
 
 def _qmv_residual(run: Run, kernel: str, m: int, n: int, k: int) -> None:

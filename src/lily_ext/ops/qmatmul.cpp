@@ -1,5 +1,6 @@
 // qmv_*, qmv_norm_*, qmv_residual_*, qmm_* (metal/qmatmul.metal): Y = X W^T with W MLX affine-quantized, group 64;
 // with IN_GEMM_DEQUANT off, prefill GEMMs run dequantize (dequantize.cpp) and then mm (mm.cpp) instead of qmm_*.
+#include <algorithm>
 #include <stdexcept>
 
 #include "../../../metal/lily.h"
@@ -86,8 +87,9 @@ void qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const W
   Node& node = add_node(ctx, name, label,
                         {arg_value(a), arg(x), arg(norm_weight.data), arg(w.data), arg(w.scales), arg(w.biases),
                          arg(y)},
-                        qmv_grid(w, staged), qmv_threads(staged), {x, norm_weight.data, w.data, w.scales, w.biases},
-                        {y});
+                        staged ? Dim3{std::min(qmv_groups(w.rows, true), tuning::kQmvStreamGroups), 1, 1}
+                               : qmv_grid(w, false),
+                        qmv_threads(staged), {x, norm_weight.data, w.data, w.scales, w.biases}, {y});
   if (staged) node.early_reads = {w.data, w.scales, w.biases};
 }
 
