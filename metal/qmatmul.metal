@@ -409,6 +409,15 @@ inline P qmv_segment_pick(uint i, P p0, P p1, P p2, P p3) {
   return i == 0 ? p0 : i == 1 ? p1 : i == 2 ? p2 : p3;
 }
 
+// Threadgroups of rows_per_group rows over every segment (each segment's rows padded to whole threadgroups).
+inline uint qmv_segment_blocks(constant lily::QMatmulSegmentsArgs& args, uint rows_per_group) {
+  uint blocks = 0;
+  for (uint i = 0; i < args.num_segments; ++i) {
+    blocks += (args.rows[i] + rows_per_group - 1) / rows_per_group;
+  }
+  return blocks;
+}
+
 inline QmvSegment qmv_find_segment(constant lily::QMatmulSegmentsArgs& args, uint tg_x, uint rows_per_group) {
   QmvSegment s = {0, tg_x, 0};
   while (s.index + 1 < args.num_segments && s.block >= (args.rows[s.index] + rows_per_group - 1) / rows_per_group) {
@@ -671,6 +680,7 @@ template <typename T, typename S, int Bits, typename O>
                                     device const S* biases3 [[buffer(14)]],
                                     device O* y [[buffer(15)]],
                                     uint3 tg [[threadgroup_position_in_grid]],
+                                    uint3 groups [[threadgroups_per_grid]],
                                     uint tid [[thread_index_in_threadgroup]],
                                     uint3 threads_per_group [[threads_per_threadgroup]],
                                     uint lane [[thread_index_in_simdgroup]],
@@ -683,28 +693,60 @@ template <typename T, typename S, int Bits, typename O>
   const uint K = args.in_features;
   const uint n_threads = threads_per_group.x;  // 1-D threadgroups
   const uint rows_per_group = (n_threads / 32) * kRows;
-  const QmvSegment seg = qmv_find_segment(args, tg.x, rows_per_group);
-  const uint segment = seg.index, row_offset = seg.row_offset;
-  const uint N = args.rows[segment];
-  if (seg.block * rows_per_group >= N) {
-    return;  // the whole threadgroup leaves (past the last segment): the barrier in qmv_stage stays uniform
+  const uint blocks = qmv_segment_blocks(args, rows_per_group);
+  if (tg.x >= blocks) {
+    return;  // the whole threadgroup leaves: the barrier in qmv_stage stays uniform
   }
-  const uint first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
-  device const uint* weight = qmv_segment_pick(segment, weight0, weight1, weight2, weight3);
-  device const S* scales = qmv_segment_pick(segment, scales0, scales1, scales2, scales3);
-  device const S* biases = qmv_segment_pick(segment, biases0, biases1, biases2, biases3);
+  // Streams blocks tg.x, tg.x + grid width, ... as qmv_norm_staged (one staging of x; any grid width, the same bits).
+  QmvSegment seg = qmv_find_segment(args, tg.x, rows_per_group);
+  uint N = args.rows[seg.index];
+  uint first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
   float acc[kRows];
-  const float inv_rms = qmv_staged_rows<true, Bits>(acc, x + size_t(tg.y) * K, norm_weight, weight, scales, biases, K,
-                                                    N, args.eps, first_row, first_row < N, stage_x, pack_sum, simd_sq,
-                                                    tid, n_threads, lane, simd_group);
-  if (first_row >= N) {
-    return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
+  const float inv_rms = qmv_staged_rows<true, Bits>(
+      acc, x + size_t(tg.y) * K, norm_weight, qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3),
+      qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3),
+      qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, args.eps, first_row, first_row < N,
+      stage_x, pack_sum, simd_sq, tid, n_threads, lane, simd_group);
+  for (uint block = tg.x;;) {
+    if (first_row < N) {  // uniform per simdgroup: the simd_sums stay convergent
+      LILY_UNROLL
+      for (uint r = 0; r < kRows; ++r) {
+        const float total = simd_sum(acc[r]);
+        if (lane == 0 && first_row + r < N) {
+          y[size_t(tg.y) * args.out_features + seg.row_offset + first_row + r] = O(total * inv_rms);
+        }
+      }
+    }
+    block += groups.x;
+    if (block >= blocks) {
+      break;
+    }
+    seg = qmv_find_segment(args, block, rows_per_group);
+    N = args.rows[seg.index];
+    first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
+    if (first_row < N) {
+      device const uint* weight = qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3);
+      device const S* scales = qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3);
+      device const S* biases = qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3);
+      uint words[LILY_QMV_PACKS_PER_LANE][kRows][LILY_QMV_PACK_WORDS];
+      float scale[LILY_QMV_PACKS_PER_LANE][kRows], bias[LILY_QMV_PACKS_PER_LANE][kRows];
+      qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
+      qmv_staged_dot<Bits>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
+    }
   }
-  LILY_UNROLL
-  for (uint r = 0; r < kRows; ++r) {
-    const float total = simd_sum(acc[r]);
-    if (lane == 0 && first_row + r < N) {
-      y[size_t(tg.y) * args.out_features + row_offset + first_row + r] = O(total * inv_rms);
+}
+
+// The conv inputs of channel c (its K - 1 state values and K taps) where `convolves`: qmv_norm_seg_conv_staged's.
+template <typename T>
+LILY_INLINE void qmv_conv_inputs(device const T* conv_weight, device const T* conv_state, bool convolves, uint C,
+                                 uint c, thread float (&history)[LILY_GDN_CONV_KERNEL],
+                                 thread float (&taps)[LILY_GDN_CONV_KERNEL]) {
+  if (convolves) {
+    for (uint j = 0; j + 1 < LILY_GDN_CONV_KERNEL; ++j) {
+      history[j] = float(conv_state[size_t(j) * C + c]);
+    }
+    for (uint j = 0; j < LILY_GDN_CONV_KERNEL; ++j) {
+      taps[j] = float(conv_weight[size_t(c) * LILY_GDN_CONV_KERNEL + j]);
     }
   }
 }
@@ -740,6 +782,7 @@ template <typename T, typename S, int Bits>
                                          device float* conv_out [[buffer(18)]],  // [C], C = rows[0]
                                          device float* gate [[buffer(19)]],      // [rows[1]]: SiLU(z)
                                          uint3 tg [[threadgroup_position_in_grid]],
+                                         uint3 groups [[threadgroups_per_grid]],
                                          uint tid [[thread_index_in_threadgroup]],
                                          uint3 threads_per_group [[threads_per_threadgroup]],
                                          uint lane [[thread_index_in_simdgroup]],
@@ -753,54 +796,67 @@ template <typename T, typename S, int Bits>
   const uint K = args.in_features;
   const uint n_threads = threads_per_group.x;  // 1-D threadgroups
   const uint rows_per_group = (n_threads / 32) * kRows;
-  const QmvSegment seg = qmv_find_segment(args, tg.x, rows_per_group);
-  const uint N = args.rows[seg.index];
-  if (seg.block * rows_per_group >= N) {
-    return;  // the whole threadgroup leaves (past the last segment): the barrier in qmv_stage stays uniform
+  const uint blocks = qmv_segment_blocks(args, rows_per_group);
+  if (tg.x >= blocks) {
+    return;  // the whole threadgroup leaves: the barrier in qmv_stage stays uniform
   }
-  const uint first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
-  const uint i = seg.index;
-  device const uint* weight = qmv_segment_pick(i, weight0, weight1, weight2, weight3);
-  device const S* scales = qmv_segment_pick(i, scales0, scales1, scales2, scales3);
-  device const S* biases = qmv_segment_pick(i, biases0, biases1, biases2, biases3);
-  // Lane r's channel: its conv inputs loaded first, before the wait in qmv_staged_rows (only this kernel writes a
-  // decode token's conv state, and the host never starts it early behind a dispatch that does: Node::early_reads), so
-  // their latency hides behind the GEMV.
-  const bool convolves = i == 0 && lane < kRows && first_row + lane < N;
-  const uint c = first_row + lane;
+  // Streams blocks tg.x, tg.x + grid width, ... as qmv_norm_staged (one staging of x; any grid width, the same bits).
+  QmvSegment seg = qmv_find_segment(args, tg.x, rows_per_group);
+  uint N = args.rows[seg.index];
+  uint first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
+  // Lane r's channel: its conv inputs loaded first, the first block's before the wait in qmv_staged_rows (only this
+  // kernel writes a decode token's conv state, and the host never starts it early behind a dispatch that does:
+  // Node::early_reads), so their latency hides behind the GEMV.
   float history[kTaps], taps[kTaps];
-  if (convolves) {
-    for (uint j = 0; j + 1 < kTaps; ++j) {
-      history[j] = float(conv_state[size_t(j) * N + c]);
-    }
-    for (uint j = 0; j < kTaps; ++j) {
-      taps[j] = float(conv_weight[size_t(c) * kTaps + j]);
-    }
-  }
+  qmv_conv_inputs(conv_weight, conv_state, seg.index == 0 && lane < kRows && first_row + lane < N, N,
+                  first_row + lane, history, taps);
   float acc[kRows];
-  const float inv_rms = qmv_staged_rows<true, Bits>(acc, x, norm_weight, weight, scales, biases, K, N, args.eps,
-                                                    first_row, first_row < N, stage_x, pack_sum, simd_sq, tid,
-                                                    n_threads, lane, simd_group);
-  if (first_row >= N) {
-    return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
-  }
-  float mine = 0.0f;
-  LILY_UNROLL
-  for (uint r = 0; r < kRows; ++r) {
-    const float total = simd_sum(acc[r]) * inv_rms;
-    mine = lane == r ? total : mine;
-    if (i != 0 && lane == 0 && first_row + r < N) {
-      y[seg.row_offset + first_row + r] = T(total);
-      if (i == 1) {
-        gate[first_row + r] = lily::silu(float(T(total)));  // as gdn_gated_norm gates: SiLU of the rounded z
+  const float inv_rms = qmv_staged_rows<true, Bits>(
+      acc, x, norm_weight, qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3),
+      qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3),
+      qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, args.eps, first_row, first_row < N,
+      stage_x, pack_sum, simd_sq, tid, n_threads, lane, simd_group);
+  for (uint block = tg.x;;) {
+    if (first_row < N) {  // uniform per simdgroup: the simd_sums stay convergent
+      const uint i = seg.index;
+      float mine = 0.0f;
+      LILY_UNROLL
+      for (uint r = 0; r < kRows; ++r) {
+        const float total = simd_sum(acc[r]) * inv_rms;
+        mine = lane == r ? total : mine;
+        if (i != 0 && lane == 0 && first_row + r < N) {
+          y[seg.row_offset + first_row + r] = T(total);
+          if (i == 1) {
+            gate[first_row + r] = lily::silu(float(T(total)));  // as gdn_gated_norm gates: SiLU of the rounded z
+          }
+        }
+      }
+      const uint c = first_row + lane;
+      if (i == 0 && lane < kRows && c < N) {
+        history[kTaps - 1] = float(T(mine));  // the projection's output as gated_delta_conv reads it: rounded to T
+        conv_out[c] = lily::gdn_conv_silu(history, taps);
+        for (uint j = 0; j + 1 < kTaps; ++j) {
+          conv_state[size_t(j) * N + c] = T(history[j + 1]);  // exact: the history came from T values
+        }
       }
     }
-  }
-  if (convolves) {
-    history[kTaps - 1] = float(T(mine));  // the projection's output as gated_delta_conv reads it: rounded to T
-    conv_out[c] = lily::gdn_conv_silu(history, taps);
-    for (uint j = 0; j + 1 < kTaps; ++j) {
-      conv_state[size_t(j) * N + c] = T(history[j + 1]);  // exact: the history came from T values
+    block += groups.x;
+    if (block >= blocks) {
+      break;
+    }
+    seg = qmv_find_segment(args, block, rows_per_group);
+    N = args.rows[seg.index];
+    first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
+    if (first_row < N) {
+      qmv_conv_inputs(conv_weight, conv_state, seg.index == 0 && lane < kRows && first_row + lane < N, N,
+                      first_row + lane, history, taps);
+      device const uint* weight = qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3);
+      device const S* scales = qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3);
+      device const S* biases = qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3);
+      uint words[LILY_QMV_PACKS_PER_LANE][kRows][LILY_QMV_PACK_WORDS];
+      float scale[LILY_QMV_PACKS_PER_LANE][kRows], bias[LILY_QMV_PACKS_PER_LANE][kRows];
+      qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
+      qmv_staged_dot<Bits>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
     }
   }
 }

@@ -39,7 +39,8 @@ EPS = 1e-6
 # Kernel shapes the host uses (metal/lily.h, src/lily_ext/tuning.h); --qmv-shape overrides the qmv ones to time PTX
 # built with other LILY_QMV_* values.
 QMV_SHAPE = {"rows_per_simdgroup": 4, "simdgroups": 2, "batch": 4}
-QMV_STREAM_GROUPS = 4 * 132  # tuning::kQmvStreamGroups: qmv_norm_staged's most threadgroups
+QMV_STREAM_GROUPS = 4 * 132  # tuning::kQmvStreamGroups: the streaming staged GEMVs' most threadgroups
+QMV_CONV_STREAM_GROUPS = 3 * 132  # tuning::kQmvConvStreamGroups: the conv GEMV's
 QMV_STAGED = {"simdgroups": 4}  # LILY_QMV_STAGED_SIMDGROUPS: the staged GEMVs' threadgroups; --qmv-staged overrides
 QMM_BN, QMM_BM16, QMM_THREADS = 64, 16, 128  # LILY_GEMM_BN, LILY_QMM_BM16_MAX_ROWS, LILY_GEMM_THREADS
 QMM_MIN_THREADGROUPS = 64 * 8  # tuning::kQmmMinThreadgroups
@@ -159,6 +160,8 @@ def qmv_norm_seg_case(label: str, rows: list[int], k: int, bits: int = 4, f32_ou
     out = f32(sum(rows)) if f32_out else bf16(sum(rows))
     buffers.append(out)
     suffix = "_of32" if f32_out else ""
+    if staged:  # it streams its blocks over at most QMV_STREAM_GROUPS threadgroups, as the engine launches it
+        groups = min(groups, QMV_STREAM_GROUPS)
     return Case(label, f"qmv_norm_seg{'_staged' if staged else ''}_q{bits}_g64_bf16{suffix}", buffers, (groups, 1, 1),
                 (32 * simdgroups, 1, 1), moved + out)
 
@@ -301,7 +304,7 @@ def spread_deltanet_cases() -> list[Case]:
     grid, threads = _qmv_grid(HIDDEN, 1, staged=True)
     return [
         Case("spread DeltaNet step: in_proj qkv|z|b|a + conv", "qmv_norm_seg_conv_staged_q4_g64_bf16",
-             projections.buffers + conv, projections.grid, projections.threads,
+             projections.buffers + conv, (min(projections.grid[0], QMV_CONV_STREAM_GROUPS), 1, 1), projections.threads,
              projections.bytes_moved - bf16(c) + conv[0] + 2 * conv[1] + conv[2] + conv[3]),
         Case("spread DeltaNet step: scan of one token", "gated_delta_prefill_bf16_dk128",
              [struct.pack("<IIIIffII", 1, GDN_K_HEADS, GDN_V_HEADS, GDN_V_DIM, EPS, EPS, 0, 0), f32(c),

@@ -105,10 +105,12 @@ constexpr size_t kQmvRowsPerThreadgroup = LILY_QMV_ROWS_PER_SIMDGROUP * LILY_QMV
 // The staged GEMVs (tuning::staged_gemv): LILY_QMV_STAGED_SIMDGROUPS simdgroups per staging of x.
 constexpr size_t kQmvStagedThreads = 32 * LILY_QMV_STAGED_SIMDGROUPS;
 constexpr size_t kQmvStagedRowsPerThreadgroup = LILY_QMV_ROWS_PER_SIMDGROUP * LILY_QMV_STAGED_SIMDGROUPS;
-// qmv_norm_staged streams row blocks (metal/qmatmul.metal): at most this many threadgroups, each staging x once: 4
-// per SM on the H200's 132 (126 registers x 128 threads each: four fit), so the lm_head's 15,520 blocks of 16 rows run
-// as one resident wave instead of 15,520 stagings.
+// qmv_norm_staged and the segmented staged GEMVs stream row blocks (metal/qmatmul.metal): at most this many
+// threadgroups, each staging x once: 4 per SM on the H200's 132 (up to 128 registers x 128 threads: four fit), so the
+// lm_head's 15,520 blocks of 16 rows run as one resident wave instead of 15,520 stagings; the conv GEMV (167
+// registers) 3 per SM.
 constexpr size_t kQmvStreamGroups = 4 * 132;
+constexpr size_t kQmvConvStreamGroups = 3 * 132;
 // rms_norm: one threadgroup per row; 256 threads already cover H = 2048 with 8 elements per thread, and a smaller
 // group than the 1024 maximum leaves room for other dispatches of the same stage.
 constexpr size_t kRmsNormThreads = 256;

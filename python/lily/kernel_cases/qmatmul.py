@@ -216,6 +216,12 @@ def _qmv_segments(run: Run, kernel: str, rows: list[int], k: int, m: int) -> Non
     if norm:
         x_in = reference.rms_norm(x_in, to_f64(norm_weight, dtype), NORM_EPS).astype(np.float64)
     check_matmul(run, y, out_dtype, x_in, _concatenated([qt for qt, _ in parts]), relative_ulps=1.0 if norm else 0.0)
+    if "_staged_" in kernel:
+        # It streams blocks across segments: 2 threadgroups (the first segment's blocks and the next ones
+        # interleaved) give the bits of one per block.
+        streamed = poisoned((m, sum(rows)), out_dtype)
+        run.dispatch(kernel, [args, x, norm_weight, *bindings, streamed], (min(2, grid[0]), m, 1), 64)
+        run.compare_exact("2 threadgroups streaming == one per block (bits)", streamed.view(np.uint8), y.view(np.uint8))
 
 
 # The spread DeltaNet step's GEMVs (tuning::spread_deltanet_step). Conv epilogue: (Hk, Hv, dv, K) of a DeltaNet
@@ -268,6 +274,16 @@ def _qmv_seg_conv(run: Run, kernel: str, hk: int, hv: int, dv: int, k: int) -> N
     run.compare_exact("== the unspread conv (bits)", conv_out.view(np.uint8), out2[0].view(np.uint8))
     run.compare_exact("== the unspread conv state (bits)", conv_state.view(np.uint8), layer.conv_state.view(np.uint8))
     run.compare_exact("== the unspread z|b|a (bits)", y[:, c:].view(np.uint8), y2[:, c:].view(np.uint8))
+
+    # It streams blocks across segments: 3 threadgroups from the same state give the same bits.
+    y3, state3, out3 = poisoned((1, sum(rows)), dtype), state_before.copy(), poisoned((c,), "f32")
+    gate3 = poisoned((rows[1],), "f32")
+    run.dispatch(kernel, [args, x, norm_weight, *_segment_bindings(parts), y3, conv_weight, state3, out3, gate3],
+                 (min(3, grid[0]), 1, 1), 64)
+    for what, streamed, whole in (("conv out", out3, conv_out), ("conv state", state3, conv_state),
+                                  ("z|b|a", y3[:, c:], y[:, c:]), ("gate", gate3, gate)):
+        run.compare_exact(f"3 threadgroups streaming == one per block: {what} (bits)",
+                          np.ascontiguousarray(streamed).view(np.uint8), np.ascontiguousarray(whole).view(np.uint8))
 
 
 def _qmv_gated_norm_residual(run: Run, kernel: str, heads: int, head_dim: int, n: int) -> None:

@@ -193,6 +193,8 @@ void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, con
     reads.insert(reads.end(), {conv->weight->data, conv->state});
     writes.insert(writes.end(), {conv->state, conv->out, conv->gate});
   }
+  // The staged kernels stream their blocks over at most the threadgroups that fit at once.
+  if (staged) groups = std::min(groups, conv ? tuning::kQmvConvStreamGroups : tuning::kQmvStreamGroups);
   Node& node = add_node(ctx, name, label, args, {groups, 1, 1}, qmv_threads(staged), reads, writes);
   if (staged) node.early_reads = weights;
   if (conv) node.early_reads.insert(node.early_reads.end(), {conv->weight->data, conv->state});
