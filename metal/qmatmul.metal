@@ -45,7 +45,10 @@
 //                                          shuffles), and the first step's weights loaded before the staging
 //                                          barrier. K <= LILY_QMV_STAGE_MAX_K, bf16 scales; 4-bit (and the 8-bit
 //                                          router GEMV with f32 out). Apple GPUs keep the unstaged kernels
-//                                          (threadgroup memory and occupancy: not measured there).
+//                                          (threadgroup memory and occupancy: not measured there). qmv_norm_staged
+//                                          and the segmented ones stream their row blocks: a threadgroup stages x
+//                                          once and takes blocks x, x + grid width, ... (the host launches at most
+//                                          tuning::kQmvStreamGroups; any grid width gives the same bits).
 //   qmv_norm_seg_conv_staged_*, qmv_gated_norm_residual_staged_*  (CUDA: tuning::spread_deltanet_step) a DeltaNet
 //                                          decode token's in_proj with the causal conv and SiLU(z) in its epilogue, and
 //                                          its out_proj with the gated RMSNorm in its staging: the spread DeltaNet step
