@@ -365,7 +365,7 @@ template <typename T, typename S>
 }
 
 // moe_gate_up_swiglu_routed with x' = rms_norm(x) ⊙ norm_weight staged once per threadgroup (CUDA's choice:
-// tuning::staged_gemv; qmv_stage.h): threadgroups of any multiple of 32 threads (the host takes
+// tuning::staged_moe; qmv_stage.h): threadgroups of any multiple of 32 threads (the host takes
 // tuning::kQmvStagedThreads), each simdgroup LILY_QMV_ROWS_PER_SIMDGROUP gate and up rows of the threadgroup's slot,
 // grid (ceil(max(I, Is) / rows per threadgroup), k + 1). The shared slot's threadgroups load their first step of
 // weights before lily::grid_dependency_wait (on CUDA it overlaps the router GEMV before); a routed slot's simdgroups
@@ -587,7 +587,7 @@ template <typename T, typename S>
 }
 
 // moe_down_combine with the hidden scratch (k slot rows and the shared one, f32) staged once per threadgroup (CUDA's
-// choice: tuning::staged_gemv; qmv_stage.h), where each lane loaded its own packs of it (per simdgroup the whole
+// choice: tuning::staged_moe; qmv_stage.h), where each lane loaded its own packs of it (per simdgroup the whole
 // 18 KB, four times the weight bytes it reads at the model's sizes). Same grid and threadgroups as moe_down_combine,
 // any multiple of 32 threads; every load of the weights is issued before the staging, and the flattened pack p reads
 // hidden values [32 p, 32 p + 32): the packs of the slot rows in order. k I + Is <= LILY_MOE_STAGE_MAX_K (the host
