@@ -470,6 +470,54 @@ template <typename T, typename S>
   }
 }
 
+// Packs in the down projections' flattened row: the k routed slot rows' (I / 32 each), then the shared expert's.
+inline uint moe_down_packs(constant lily::MoeArgs& args) {
+  return args.top_k * (args.expert_size / (8 * LILY_QMV_PACK_WORDS)) +
+         args.shared_expert_size / (8 * LILY_QMV_PACK_WORDS);
+}
+
+// Loads one step of the down projections' flattened row for a simdgroup's LILY_MOE_DOWN_ROWS_PER_SIMDGROUP output
+// rows from `row` on: packs p0 + 32 i, pack p < k I / 32 being pack p % (I / 32) of routed slot p / (I / 32) and the
+// rest the shared expert's, with their scales and biases and each pack's routing weight (sigmoid of the gate logit for
+// the shared expert). A pack past the row re-reads the row's last pack with weight 0: no load is conditional.
+template <typename S>
+LILY_INLINE void moe_down_load_step(
+    constant lily::MoeArgs& args, uint p0, uint row, device const uint* expert_ids, device const float* expert_weights,
+    float shared_weight, device const uint* down_weight, device const S* down_scales, device const S* down_biases,
+    device const uint* shared_down_weight, device const S* shared_down_scales, device const S* shared_down_biases,
+    thread uint (&words)[LILY_MOE_DOWN_PACKS_PER_LANE][LILY_MOE_DOWN_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS],
+    thread float (&scale)[LILY_MOE_DOWN_PACKS_PER_LANE][LILY_MOE_DOWN_ROWS_PER_SIMDGROUP],
+    thread float (&bias)[LILY_MOE_DOWN_PACKS_PER_LANE][LILY_MOE_DOWN_ROWS_PER_SIMDGROUP],
+    thread float (&weight)[LILY_MOE_DOWN_PACKS_PER_LANE]) {
+  constexpr uint kPackWords = LILY_QMV_PACK_WORDS;
+  const uint k = args.top_k;
+  const uint routed_packs = args.expert_size / (8 * kPackWords);  // packs per routed slot row
+  const uint routed_total = k * routed_packs;
+  const uint total = moe_down_packs(args);
+  LILY_UNROLL
+  for (uint i = 0; i < LILY_MOE_DOWN_PACKS_PER_LANE; ++i) {
+    const uint p = min(p0 + 32 * i, total - 1);
+    const bool routed = p < routed_total;
+    const uint slot = routed ? p / routed_packs : k;
+    const uint pack = p - slot * routed_packs;  // pack within the slot's row
+    const uint in_size = routed ? args.expert_size : args.shared_expert_size;
+    const size_t row0 = routed ? size_t(expert_ids[slot]) * args.hidden_size + row : size_t(row);
+    device const uint* w = (routed ? down_weight : shared_down_weight) + row0 * (in_size / 8) + pack * kPackWords;
+    device const S* sc = (routed ? down_scales : shared_down_scales) + row0 * (in_size / 64) + pack * kPackWords / 8;
+    device const S* bi = (routed ? down_biases : shared_down_biases) + row0 * (in_size / 64) + pack * kPackWords / 8;
+    LILY_UNROLL
+    for (uint r = 0; r < LILY_MOE_DOWN_ROWS_PER_SIMDGROUP; ++r) {
+      LILY_UNROLL
+      for (uint j = 0; j < kPackWords; ++j) {
+        words[i][r][j] = w[r * (in_size / 8) + j];
+      }
+      scale[i][r] = float(sc[r * (in_size / 64)]);
+      bias[i][r] = float(bi[r * (in_size / 64)]);
+    }
+    weight[i] = p0 + 32 * i < total ? (routed ? expert_weights[slot] : shared_weight) : 0.0f;
+  }
+}
+
 // Grid: ceil(H / 8) threadgroups of 128 threads (4 simdgroups x 2 output rows). Each simdgroup reads its rows' k + 1
 // slot rows as one flattened row of packs: pack p < k * I / 32 is pack p % (I / 32) of routed slot p / (I / 32), the
 // rest the shared expert's; a lane takes packs lane + 32 i, LILY_MOE_DOWN_PACKS_PER_LANE per step, every load of the
@@ -501,10 +549,7 @@ template <typename T, typename S>
   if (first_row >= H) {
     return;  // whole simdgroup (H is a multiple of 64)
   }
-  const uint k = args.top_k;
-  const uint routed_packs = args.expert_size / (8 * kPackWords);  // packs per routed slot row
-  const uint routed_total = k * routed_packs;
-  const uint total = routed_total + args.shared_expert_size / (8 * kPackWords);
+  const uint total = moe_down_packs(args);
   const float shared_weight = lily::sigmoid(shared_gate_logit[0]);
   uint magic[lily::kCodeMagicCount<4>];
   lily::code_float_magic<4>(magic);
@@ -516,33 +561,12 @@ template <typename T, typename S>
   for (uint p0 = lane; p0 < total; p0 += 32 * kPacks) {
     uint words[kPacks][kRows][kPackWords];
     float scale[kPacks][kRows], bias[kPacks][kRows], weight[kPacks];
-    uint h_offset[kPacks];
+    moe_down_load_step(args, p0, first_row, expert_ids, expert_weights, shared_weight, down_weight, down_scales,
+                       down_biases, shared_down_weight, shared_down_scales, shared_down_biases, words, scale, bias,
+                       weight);
     LILY_UNROLL
     for (uint i = 0; i < kPacks; ++i) {
-      // A pack past the row re-reads the row's last pack with weight 0: no load is conditional.
-      const uint p = min(p0 + 32 * i, total - 1);
-      const bool routed = p < routed_total;
-      const uint slot = routed ? p / routed_packs : k;
-      const uint pack = p - slot * routed_packs;  // pack within the slot's row
-      const uint in_size = routed ? args.expert_size : args.shared_expert_size;
-      const size_t row0 = routed ? size_t(expert_ids[slot]) * H + first_row : size_t(first_row);
-      device const uint* w = (routed ? down_weight : shared_down_weight) + row0 * (in_size / 8) + pack * kPackWords;
-      device const S* sc = (routed ? down_scales : shared_down_scales) + row0 * (in_size / 64) + pack * kPackWords / 8;
-      device const S* bi = (routed ? down_biases : shared_down_biases) + row0 * (in_size / 64) + pack * kPackWords / 8;
-      LILY_UNROLL
-      for (uint r = 0; r < kRows; ++r) {
-        LILY_UNROLL
-        for (uint j = 0; j < kPackWords; ++j) {
-          words[i][r][j] = w[r * (in_size / 8) + j];
-        }
-        scale[i][r] = float(sc[r * (in_size / 64)]);
-        bias[i][r] = float(bi[r * (in_size / 64)]);
-      }
-      weight[i] = p0 + 32 * i < total ? (routed ? expert_weights[slot] : shared_weight) : 0.0f;
-      h_offset[i] = slot * args.expert_size + pack * kPackWords * 8;
-    }
-    LILY_UNROLL
-    for (uint i = 0; i < kPacks; ++i) {
+      const uint h_offset = min(p0 + 32 * i, total - 1) * kPackWords * 8;  // pack p reads hidden [32 p, 32 p + 32)
       float d[kRows];
       LILY_UNROLL
       for (uint r = 0; r < kRows; ++r) {
@@ -554,7 +578,7 @@ template <typename T, typename S>
         float hs[8];
         LILY_UNROLL
         for (uint c = 0; c < 8; c += 4) {
-          const float4 v = *((device const float4*)(hidden + h_offset[i] + 8 * j + c));
+          const float4 v = *((device const float4*)(hidden + h_offset + 8 * j + c));
           h_sum += (v.x + v.y) + (v.z + v.w);
           LILY_UNROLL
           for (uint e = 0; e < 4; ++e) {
@@ -624,11 +648,7 @@ template <typename T, typename S>
   }
   const uint first_row = (group * (n_threads / 32) + simd_group) * kRows;
   const bool active = first_row < H;  // else the simdgroup only takes part in the staging
-  const uint k = args.top_k;
-  const uint routed_packs = args.expert_size / (8 * kPackWords);  // packs per routed slot row
-  const uint routed_total = k * routed_packs;
-  const uint total = routed_total + args.shared_expert_size / (8 * kPackWords);
-  lily::grid_dependency_wait();  // hidden, the ids and weights and the gate logit come from the dispatches before
+  const uint total = moe_down_packs(args);
   const float shared_weight = lily::sigmoid(shared_gate_logit[0]);
   uint magic[lily::kCodeMagicCount<4>];
   lily::code_float_magic<4>(magic);
@@ -643,30 +663,10 @@ template <typename T, typename S>
     const uint p0 = s0 + lane;
     uint words[kPacks][kRows][kPackWords];
     float scale[kPacks][kRows], bias[kPacks][kRows], weight[kPacks];
-    LILY_UNROLL
-    for (uint i = 0; i < kPacks; ++i) {
-      // A pack past the row re-reads the row's last pack with weight 0: no load is conditional.
-      const uint p = min(p0 + 32 * i, total - 1);
-      const bool routed = p < routed_total;
-      const uint slot = routed ? p / routed_packs : k;
-      const uint pack = p - slot * routed_packs;  // pack within the slot's row
-      const uint in_size = routed ? args.expert_size : args.shared_expert_size;
-      const uint n = min(first_row, H - kRows);  // an inactive simdgroup reads the last rows (never stored)
-      const size_t row0 = routed ? size_t(expert_ids[slot]) * H + n : size_t(n);
-      device const uint* w = (routed ? down_weight : shared_down_weight) + row0 * (in_size / 8) + pack * kPackWords;
-      device const S* sc = (routed ? down_scales : shared_down_scales) + row0 * (in_size / 64) + pack * kPackWords / 8;
-      device const S* bi = (routed ? down_biases : shared_down_biases) + row0 * (in_size / 64) + pack * kPackWords / 8;
-      LILY_UNROLL
-      for (uint r = 0; r < kRows; ++r) {
-        LILY_UNROLL
-        for (uint j = 0; j < kPackWords; ++j) {
-          words[i][r][j] = w[r * (in_size / 8) + j];
-        }
-        scale[i][r] = float(sc[r * (in_size / 64)]);
-        bias[i][r] = float(bi[r * (in_size / 64)]);
-      }
-      weight[i] = p0 + 32 * i < total ? (routed ? expert_weights[slot] : shared_weight) : 0.0f;
-    }
+    // An inactive simdgroup reads the last rows (never stored).
+    moe_down_load_step(args, p0, min(first_row, H - kRows), expert_ids, expert_weights, shared_weight, down_weight,
+                       down_scales, down_biases, shared_down_weight, shared_down_scales, shared_down_biases, words,
+                       scale, bias, weight);
     if (s0 == 0) {
       lily::qmv_stage<false, 4>(hidden, hidden, total * 8 * kPackWords, 0.0f, stage_h, pack_sum, simd_sq, tid, n_threads,
                           lane, simd_group);

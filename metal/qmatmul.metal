@@ -299,6 +299,7 @@ LILY_INLINE void qmv_batch(device const T* x, device const T* norm_weight, devic
 // ---- the staged one-row GEMVs: the staging and dot-product helpers are in qmv_stage.h ----
 using lily::kStageBatch;
 using lily::kStageChunks;
+using lily::qmv_load_and_dot;
 using lily::qmv_load_step;
 using lily::qmv_stage;
 using lily::qmv_stage_chunk;
@@ -623,10 +624,7 @@ template <typename T, typename S, int Bits, typename O>
     block += groups.x;
     first_row = block < blocks ? block * rows_per_group + simd_group * kRows : N;
     if (first_row < N) {
-      uint words[LILY_QMV_PACKS_PER_LANE][kRows][LILY_QMV_PACK_WORDS];
-      float scale[LILY_QMV_PACKS_PER_LANE][kRows], bias[LILY_QMV_PACKS_PER_LANE][kRows];
-      qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
-      qmv_staged_dot<Bits>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
+      qmv_load_and_dot<Bits>(acc, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
     }
   }
 }
@@ -728,13 +726,10 @@ template <typename T, typename S, int Bits, typename O>
     N = args.rows[seg.index];
     first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
     if (first_row < N) {
-      device const uint* weight = qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3);
-      device const S* scales = qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3);
-      device const S* biases = qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3);
-      uint words[LILY_QMV_PACKS_PER_LANE][kRows][LILY_QMV_PACK_WORDS];
-      float scale[LILY_QMV_PACKS_PER_LANE][kRows], bias[LILY_QMV_PACKS_PER_LANE][kRows];
-      qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
-      qmv_staged_dot<Bits>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
+      qmv_load_and_dot<Bits>(acc, qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3),
+                             qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3),
+                             qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, first_row, stage_x,
+                             pack_sum, lane);
     }
   }
 }
@@ -853,13 +848,10 @@ template <typename T, typename S, int Bits>
     if (first_row < N) {
       qmv_conv_inputs(conv_weight, conv_state, seg.index == 0 && lane < kRows && first_row + lane < N, N,
                       first_row + lane, history, taps);
-      device const uint* weight = qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3);
-      device const S* scales = qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3);
-      device const S* biases = qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3);
-      uint words[LILY_QMV_PACKS_PER_LANE][kRows][LILY_QMV_PACK_WORDS];
-      float scale[LILY_QMV_PACKS_PER_LANE][kRows], bias[LILY_QMV_PACKS_PER_LANE][kRows];
-      qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
-      qmv_staged_dot<Bits>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
+      qmv_load_and_dot<Bits>(acc, qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3),
+                             qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3),
+                             qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, first_row, stage_x,
+                             pack_sum, lane);
     }
   }
 }

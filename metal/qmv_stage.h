@@ -57,7 +57,7 @@ LILY_INLINE void qmv_stage_chunk(float4 v, uint q, bool in_row, threadgroup floa
 
 // Stages x' = x (⊙ norm_weight when Norm) of one input row; returns 1/rms of x (Norm) or 1. Every thread of the
 // threadgroup calls it (it ends with a barrier); threads per threadgroup a multiple of 32, K a multiple of 64 and at
-// most LILY_QMV_STAGE_MAX_K. Chunk q (values 4q .. 4q + 3) is thread q % n_threads's: the kChunks chunks of a pack lie
+// most what the caller's stage_x and pack_sum hold (LILY_QMV_STAGE_MAX_K in the GEMVs). Chunk q (values 4q .. 4q + 3) is thread q % n_threads's: the kChunks chunks of a pack lie
 // in consecutive lanes of one simdgroup, which add their pack's sum with shuffles (a fixed order).
 template <bool Norm, int Bits, uint Batch = kStageBatch, typename T>
 LILY_INLINE float qmv_stage(device const T* x, device const T* norm_weight, uint K, float eps,
@@ -201,6 +201,19 @@ LILY_INLINE void qmv_staged_dot(
       }
     }
   }
+}
+
+// qmv_staged_dot for rows whose first step is not loaded yet: a streaming GEMV's later blocks, against the staging
+// its first block made.
+template <int Bits, typename S>
+LILY_INLINE void qmv_load_and_dot(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const uint* weight,
+                                  device const S* scales, device const S* biases, uint K, uint N, uint first_row,
+                                  threadgroup const float4* stage_x, threadgroup const float* pack_sum, uint lane) {
+  uint words[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS];
+  float scale[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
+  float bias[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
+  qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
+  qmv_staged_dot<Bits>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
 }
 
 }  // namespace lily

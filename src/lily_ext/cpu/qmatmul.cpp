@@ -306,7 +306,7 @@ void gemv_chunked_tokens(const float* xc, const float* xsum, size_t tokens, cons
     case 3: return gemv_chunked_avx2<D, 2, 3>(xc, xsum, w, r0, r1, out, ldo);
     case 4: return gemv_chunked_avx2<D, 2, 4>(xc, xsum, w, r0, r1, out, ldo);
   }
-  if (tokens > kGemvMaxTokens) throw std::logic_error("the GEMV takes 1 to 8 tokens");
+  if (tokens == 0 || tokens > kGemvMaxTokens) throw std::logic_error("the GEMV takes 1 to 8 tokens");
   gemv_chunked_avx2<D, 2, 4>(xc, xsum, w, r0, r1, out, ldo);
   gemv_chunked_tokens<D>(xc + 4 * w.cols, xsum + 4 * (w.cols / w.group), tokens - 4, w, r0, r1, out + 4 * ldo, ldo);
 }
