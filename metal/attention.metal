@@ -11,6 +11,9 @@
 //                                          tuning::attention_split_blocks). Writes the block's normalised output and
 //                                          its softmax max and sum, fp32; an empty trailing block writes output 0,
 //                                          max -inf, sum 0. Chosen from LILY_ATTN_SPLIT_MIN_KEYS keys.
+//   attention_decode_partial_mma_bf16_d<D> split-KV pass 1 on matrix units (MMA_ATTENTION, bf16 cache): one threadgroup
+//                                          per (the whole GQA group of a KV head, block): the query heads are the
+//                                          columns of 8x8 simdgroup matrices (below, at the kernel).
 //   attention_decode_combine_<dtype>_d<D>  split-KV pass 2: grid (query heads, slices of D): merges the blocks
 //                                          (weights sum_b * exp(max_b - max), kept in threadgroup memory: at most
 //                                          LILY_ATTN_SPLIT_MAX_BLOCKS blocks) and applies the gate.
@@ -47,6 +50,7 @@
 // sm_90. Only a GPU can verify the speed, U, the block counts and the switch point.
 #include <metal_stdlib>
 #include "activations.h"
+#include "attention_mma.h"
 #include "lily.h"
 
 using namespace metal;
@@ -303,6 +307,217 @@ template <typename T, typename C, uint D, uint G, bool COALESCED>
   }
 }
 
+// Split-KV pass 1 on matrix units: one threadgroup per (G query heads of one KV head, block of keys), G = the whole GQA
+// group at D = 256 (LILY_ATTN_MMA_HEADS_PER_GROUP: 8 for the model, so each K/V row is read once per token; the
+// vector kernel's 4 heads read it twice), 2 at D = 64. n <= 8 simdgroups take the block's keys in steps of 8: simdgroup
+// s the steps at key_begin + 8s, + 8n, ... Per step a simdgroup computes S^T = K Q^T (8 keys x 8 heads, over D/8
+// fragments) and O^T += V^T P^T (D dims x 8 heads) with simdgroup matrices: bf16 operands, fp32 accumulators; P is
+// rounded to bf16 (as attention_prefill_mma does). Query heads are the fragments' columns (columns >= G are zero and
+// never stored), so the step's softmax is one max and one sum over the rows of each column.
+// The fragments are filled straight from device memory, with no staging: a dot product may take the head dim in any
+// order, and O^T's rows may hold the dims in any order, so both permute them so that each lane loads 16 contiguous
+// bytes (attn_decode_mma_key_dim, attn_decode_mma_value_dim): a K load fills four fragments (8 keys x 64 bytes per
+// simdgroup load), a V load of keys col and col + 1 eight (4 keys x 128 bytes).
+// Then the n simdgroups' (max, sum) meet in threadgroup memory and their rescaled O^T in rounds of R dims
+// (LILY_ATTN_DECODE_MMA_MERGE_FLOATS / (8 n) floats per simdgroup and column), which the threadgroup adds and writes.
+// Keys past key_end in the last step read row key_end - 1 (in bounds) and get score -inf. Same outputs as
+// attention_decode_partial (normalised block output, block max and sum; an empty block writes 0, -inf, 0).
+// Verified here: the maths, block boundaries and races (CPU harness, simdgroup matrices in MLX's lane layout; the
+// engine runs it only where simdgroup_layout_probe confirms the layout).
+// Dim of the key (or query) element a lane holds at position (row or col) `k` of fragment f: the four fragments
+// 4m .. 4m + 3 take dims 32m .. 32m + 31, and the lane with k in {2j, 2j + 1} holds 8 consecutive dims of them.
+inline uint attn_decode_mma_key_dim(uint f, uint k) {
+  return 32 * (f / 4) + 8 * (k / 2) + 2 * (f % 4) + k % 2;
+}
+// Dim of O^T's (and V^T's) row `row` of fragment g: fragments 8m .. 8m + 7 take dims 64m .. 64m + 63, row r the 8
+// consecutive dims 64m + 8r ...
+inline uint attn_decode_mma_value_dim(uint g, uint row) {
+  return 64 * (g / 8) + 8 * row + g % 8;
+}
+
+template <typename T, uint D, uint G>
+[[kernel]] void attention_decode_partial_mma(constant lily::AttentionArgs& args [[buffer(0)]],
+                                             device const T* q [[buffer(1)]],
+                                             device const bfloat* k_cache [[buffer(2)]],
+                                             device const bfloat* v_cache [[buffer(3)]],
+                                             device float* partial_out [[buffer(4)]],
+                                             device float* partial_stats [[buffer(5)]],
+                                             uint2 group [[threadgroup_position_in_grid]],
+                                             uint tid [[thread_index_in_threadgroup]],
+                                             uint2 threads_per_group [[threads_per_threadgroup]],
+                                             uint simd_lane [[thread_index_in_simdgroup]],
+                                             uint simd_group [[simdgroup_index_in_threadgroup]],
+                                             uint n_simdgroups [[simdgroups_per_threadgroup]]) {
+  static_assert(G <= 8 && D % 64 == 0, "the heads are one fragment's columns; V loads cover 64 dims");
+  constexpr uint FRAGS = D / 8;        // fragments across the head dim
+  constexpr uint KEY_LOADS = D / 32;   // 16-byte K loads per lane and step (4 fragments each)
+  constexpr uint VALUE_LOADS = D / 64; // 16-byte V loads per lane, key and step (8 fragments each)
+  constexpr uint MERGE = LILY_ATTN_DECODE_MMA_MERGE_FLOATS;
+  threadgroup float stats_max[8 * 8];  // [simdgroup][column]
+  threadgroup float stats_sum[8 * 8];
+  threadgroup float merge[MERGE + 64];
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
+  const uint head0 = group.x * G;
+  const uint kv_head = head0 / (args.num_heads / args.num_kv_heads);
+  const uint block = group.y;
+  const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
+  const uint key_begin = block * span;
+  if (key_begin >= args.num_keys) {
+    // An empty block, as in attention_decode_partial: output 0, max -inf, sum 0; no barrier reached.
+    for (uint i = tid; i < G * D; i += n_threads) {
+      partial_out[(size_t(head0 + i / D) * args.num_blocks + block) * D + i % D] = 0.0f;
+    }
+    if (tid < G) {
+      const size_t slot = (size_t(head0 + tid) * args.num_blocks + block) * 2;
+      partial_stats[slot] = -INFINITY;
+      partial_stats[slot + 1] = 0.0f;
+    }
+    return;
+  }
+  const uint key_end = min(args.num_keys, key_begin + span);
+  const uint row = attn_mma_row(simd_lane);
+  const uint col = attn_mma_col(simd_lane);
+
+  // Q^T: fragment f element (k = row, column h) is q[head0 + h][attn_decode_mma_key_dim(f, row)], scaled (1/sqrt(D):
+  // a power of two), rounded to bf16 (the MMA operand).
+  simdgroup_bfloat8x8 query_t[FRAGS];
+  simdgroup_float8x8 acc_t[FRAGS];
+  LILY_UNROLL
+  for (uint f = 0; f < FRAGS; ++f) {
+    LILY_UNROLL
+    for (uint e = 0; e < 2; ++e) {
+      const float x = col + e < G ? float(q[size_t(head0 + col + e) * D + attn_decode_mma_key_dim(f, row)]) : 0.0f;
+      query_t[f].thread_elements()[e] = bfloat(x * args.scale);
+    }
+    acc_t[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  float2 run_max = float2(-INFINITY);  // of the lane's two columns
+  float2 run_sum = float2(0.0f);       // this lane's row's share of the columns' sums
+
+  device const uint4* k_rows = (device const uint4*)(k_cache + size_t(kv_head) * args.cache_capacity * D);
+  device const uint4* v_rows = (device const uint4*)(v_cache + size_t(kv_head) * args.cache_capacity * D);
+  for (uint key0 = key_begin + 8 * simd_group; key0 < key_end; key0 += 8 * n_simdgroups) {
+    // K row key0 + row (dims 32m + 8 (col / 2) ..) and V rows key0 + col, key0 + col + 1 (dims 64m + 8 row ..).
+    const size_t key_row = size_t(min(key0 + row, key_end - 1)) * (D / 8);
+    uint4 key[KEY_LOADS];
+    LILY_UNROLL
+    for (uint m = 0; m < KEY_LOADS; ++m) {
+      key[m] = k_rows[key_row + 4 * m + col / 2];
+    }
+    uint4 value[2][VALUE_LOADS];
+    LILY_UNROLL
+    for (uint e = 0; e < 2; ++e) {
+      const size_t value_row = size_t(min(key0 + col + e, key_end - 1)) * (D / 8);
+      LILY_UNROLL
+      for (uint m = 0; m < VALUE_LOADS; ++m) {
+        value[e][m] = v_rows[value_row + 8 * m + row];
+      }
+    }
+
+    // S^T = K Q^T: fragment f of K holds the lane's dims 2 (f % 4), + 1 of its 16-byte load f / 4.
+    simdgroup_float8x8 scores_t = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    LILY_UNROLL
+    for (uint f = 0; f < FRAGS; ++f) {
+      simdgroup_bfloat8x8 key_frag;
+      key_frag.thread_elements() = as_type<bfloat2>(key[f / 4][f % 4]);
+      attn_mma_column<1>(&scores_t, &key_frag, query_t[f]);
+    }
+    float2 s = scores_t.thread_elements();
+    if (key0 + row >= key_end) {
+      s = float2(-INFINITY);
+    }
+    // key0 < key_end: every column has a finite score in this step.
+    const float2 new_max = max(run_max, attn_mma_col_max(s));
+    const float2 rescale = float2(precise::exp(run_max.x - new_max.x), precise::exp(run_max.y - new_max.y));
+    const float2 p = float2(precise::exp(s.x - new_max.x), precise::exp(s.y - new_max.y));
+    run_max = new_max;
+    run_sum = run_sum * rescale + p;
+    simdgroup_bfloat8x8 probs_t;
+    probs_t.thread_elements() = bfloat2(p);
+
+    // O^T = O^T · rescale + V^T P^T: fragment g = 8m + i of V^T holds element i of the lane's loads m of keys col
+    // and col + 1 (the 16-bit halves of one word each, paired into one operand register).
+    LILY_UNROLL
+    for (uint g = 0; g < FRAGS; ++g) {
+      acc_t[g].thread_elements() *= rescale;
+    }
+    LILY_UNROLL
+    for (uint m = 0; m < VALUE_LOADS; ++m) {
+      simdgroup_bfloat8x8 value_t[8];
+      LILY_UNROLL
+      for (uint i = 0; i < 8; ++i) {
+        const uint first = value[0][m][i / 2], second = value[1][m][i / 2];
+        const uint paired = i % 2 == 0 ? (first & 0xFFFFu) | (second << 16) : (first >> 16) | (second & 0xFFFF0000u);
+        value_t[i].thread_elements() = as_type<bfloat2>(paired);
+      }
+      attn_mma_column<8>(acc_t + 8 * m, value_t, probs_t);
+    }
+  }
+
+  // Merge the simdgroups: each column's block max and sum, then the rescaled O^T, R dims per round.
+  const float2 column_sum = attn_mma_col_sum(run_sum);
+  if (row == 0) {
+    LILY_UNROLL
+    for (uint e = 0; e < 2; ++e) {
+      stats_max[simd_group * 8 + col + e] = run_max[e];
+      stats_sum[simd_group * 8 + col + e] = column_sum[e];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float2 total_max = float2(-INFINITY);
+  for (uint g = 0; g < n_simdgroups; ++g) {
+    total_max = max(total_max, float2(stats_max[g * 8 + col], stats_max[g * 8 + col + 1]));
+  }
+  float2 total_sum = float2(0.0f);
+  for (uint g = 0; g < n_simdgroups; ++g) {
+    // A simdgroup that saw no key has max -inf and sum 0: weight 0 (simdgroup 0 saw key_begin: total_max is finite).
+    LILY_UNROLL
+    for (uint e = 0; e < 2; ++e) {
+      total_sum[e] += stats_sum[g * 8 + col + e] * precise::exp(stats_max[g * 8 + col + e] - total_max[e]);
+    }
+  }
+  const float2 weight = float2(precise::exp(run_max.x - total_max.x) / total_sum.x,
+                               precise::exp(run_max.y - total_max.y) / total_sum.y);
+  // R dims per round (a multiple of 64: whole groups of 8 fragments); rows padded by one float against bank conflicts.
+  // With n <= 8, 8 n (R + 1) <= MERGE + 64 floats.
+  const uint round_dims = min(D, MERGE / (8 * n_simdgroups) / 64 * 64);
+  const uint stride = round_dims + 1;
+  for (uint first_dim = 0; first_dim < D; first_dim += round_dims) {
+    LILY_UNROLL
+    for (uint g = 0; g < FRAGS; ++g) {
+      const uint dim = attn_decode_mma_value_dim(g, row);
+      if (dim >= first_dim && dim < first_dim + round_dims) {
+        LILY_UNROLL
+        for (uint e = 0; e < 2; ++e) {
+          merge[(simd_group * 8 + col + e) * stride + dim - first_dim] = acc_t[g].thread_elements()[e] * weight[e];
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint i = tid; i < G * round_dims; i += n_threads) {
+      const uint h = i / round_dims, d = i % round_dims;
+      float total = 0.0f;
+      for (uint g = 0; g < n_simdgroups; ++g) {
+        total += merge[(g * 8 + h) * stride + d];
+      }
+      partial_out[(size_t(head0 + h) * args.num_blocks + block) * D + first_dim + d] = total;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  if (tid < G) {
+    float block_max = -INFINITY, block_sum = 0.0f;
+    for (uint g = 0; g < n_simdgroups; ++g) {
+      block_max = max(block_max, stats_max[g * 8 + tid]);
+    }
+    for (uint g = 0; g < n_simdgroups; ++g) {
+      block_sum += stats_sum[g * 8 + tid] * precise::exp(stats_max[g * 8 + tid] - block_max);
+    }
+    const size_t slot = (size_t(head0 + tid) * args.num_blocks + block) * 2;
+    partial_stats[slot] = block_max;
+    partial_stats[slot + 1] = block_sum;
+  }
+}
+
 template <typename T, uint D>
 [[kernel]] void attention_decode_combine(constant lily::AttentionArgs& args [[buffer(0)]],
                                          device const T* gate [[buffer(1)]],
@@ -373,6 +588,8 @@ LILY_INSTANTIATE_KERNEL("attention_decode_partial_f32_d256", attention_decode_pa
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_bf16_d256", attention_decode_partial, bfloat, bfloat, 256, 4, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_f32_d256", attention_decode_combine, float, 256)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_bf16_d256", attention_decode_combine, bfloat, 256)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_mma_bf16_d256", attention_decode_partial_mma, bfloat, 256,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP)
 // Demo model and tiny fixtures (head dim 64, GQA group 2 or 4): 2 heads per threadgroup, float32 and bf16 modes.
 LILY_INSTANTIATE_KERNEL("attention_decode_f32_d64", attention_decode, float, float, 64, 2, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_bf16_d64", attention_decode, bfloat, bfloat, 64, 2, true)
@@ -380,6 +597,8 @@ LILY_INSTANTIATE_KERNEL("attention_decode_partial_f32_d64", attention_decode_par
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_bf16_d64", attention_decode_partial, bfloat, bfloat, 64, 2, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_f32_d64", attention_decode_combine, float, 64)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_bf16_d64", attention_decode_combine, bfloat, 64)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_mma_bf16_d64", attention_decode_partial_mma, bfloat, 64,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
 // GQA-packing ablation (LILY_DISABLE_GQA_PACKING): one head per threadgroup; the combine kernels are shared.
 LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_f32_d256", attention_decode, float, float, 256, 1, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_bf16_d256", attention_decode, bfloat, bfloat, 256, 1, true)

@@ -373,6 +373,11 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // this is also its limit. 64, not 128: on the H200 at 32K keys partials + combine took 81.4 + 11.6 us against
 // 91.2 + 17.4 with 128 blocks (cold L2; docs/results/h200/2026-12-04-c9038d5/earlier/sweep.json).
 #define LILY_ATTN_SPLIT_MAX_BLOCKS 64
+// attention_decode_partial_mma: simdgroups per threadgroup in the engine (the kernel takes 1 to 8), each taking every
+// n-th step of 8 keys of the block; and the floats of threadgroup memory its merge of the simdgroups' O^T uses per
+// round (R = this / (8 n) dims of 8 columns per simdgroup: 128 dims at n = 4, two rounds at D = 256).
+#define LILY_ATTN_DECODE_MMA_SIMDGROUPS 4
+#define LILY_ATTN_DECODE_MMA_MERGE_FLOATS 4096
 // attention_prefill: bytes of one staged K (or V) tile in threadgroup memory; tile keys = this / (D * sizeof(cache
 // element)): 16 keys at D = 256 in bf16, 8 in f32. K and V tiles together stay at 16 KiB of the 32 KiB.
 #define LILY_ATTN_PREFILL_TILE_BYTES 8192

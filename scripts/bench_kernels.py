@@ -50,6 +50,9 @@ ATTN_HEADS_PER_GROUP, ATTN_THREADS = 4, 256
 ATTN_COMBINE_THREADS = 64  # tuning::kAttentionCombineThreads
 # attention_prefill_mma: LILY_ATTN_MMA_QUERIES query tokens x LILY_ATTN_MMA_HEADS_PER_GROUP heads per threadgroup.
 ATTN_MMA_QUERIES, ATTN_MMA_HEADS_PER_GROUP = 8, 8
+# attention_decode_partial_mma (the engine's split-KV pass 1 where MMA_ATTENTION is on): the whole GQA group per
+# threadgroup, LILY_ATTN_DECODE_MMA_SIMDGROUPS simdgroups.
+ATTN_DECODE_MMA_SIMDGROUPS = 4
 # Split-KV decode (LILY_ATTN_SPLIT_MIN_KEYS, LILY_ATTN_SPLIT_MAX_BLOCKS; the rule is tuning::attention_split_blocks).
 ATTN_SPLIT_MIN_KEYS, ATTN_SPLIT_MAX_BLOCKS = 256, 64
 GDN_ROWS_PER_SIMDGROUP = 8
@@ -248,8 +251,8 @@ def attention_split_blocks(keys: int) -> int:
 
 def attention_cases() -> list[Case]:
     """Decode attention over a bf16 KV cache, as the engine launches it: the split-KV pair (partials over the rule's
-    block count, then the combine) at 1K, 4K and 32K keys, and the single pass (the engine's path with split-KV off)
-    at 4K and 32K."""
+    block count on matrix units, then the combine) at 1K, 4K and 32K keys; the vector partials (MMA_ATTENTION off) and
+    the single pass (split-KV off) beside them."""
     q = bf16(ATTN_HEADS * HEAD_DIM)
     packs = ceil_div(ATTN_HEADS, ATTN_HEADS_PER_GROUP)
     cases = []
@@ -262,6 +265,11 @@ def attention_cases() -> list[Case]:
         blocks = attention_split_blocks(keys)
         args = struct.pack("<7If", 1, ATTN_HEADS, ATTN_KV_HEADS, keys, keys, 0, blocks, HEAD_DIM ** -0.5)
         partial_out, partial_stats = f32(ATTN_HEADS * blocks * HEAD_DIM), f32(ATTN_HEADS * blocks * 2)
+        cases.append(Case(f"attention decode {label} keys: partials on matrix units ({blocks} blocks)",
+                          "attention_decode_partial_mma_bf16_d256",
+                          [args, q, cache, cache, partial_out, partial_stats],
+                          (ceil_div(ATTN_HEADS, ATTN_MMA_HEADS_PER_GROUP), blocks, 1), (32 * ATTN_DECODE_MMA_SIMDGROUPS, 1, 1),
+                          2 * cache + q + partial_out + partial_stats))
         cases.append(Case(f"attention decode {label} keys: partials ({blocks} blocks)",
                           "attention_decode_partial_bf16_d256",
                           [args, q, cache, cache, partial_out, partial_stats], (packs, blocks, 1), (ATTN_THREADS, 1, 1),

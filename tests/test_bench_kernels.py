@@ -20,7 +20,7 @@ DECODE_KERNELS = {"qmv_q4_g64_bf16", "qmv_q8_g64_bf16", "qmv_norm_q4_g64_bf16_of
                   "qmv_norm_seg_q8_g64_bf16_of32", "qmv_residual_q4_g64_bf16", "qmm_q4_g64_bf16_bm16",
                   "moe_route_f32", "moe_gate_up_swiglu_bf16", "moe_gate_up_swiglu_routed_bf16",
                   "moe_down_combine_bf16", "attention_decode_bf16_d256", "attention_decode_partial_bf16_d256",
-                  "attention_decode_combine_bf16_d256", "gated_delta_step_bf16_dk128", "embedding_gather_q4_g64_bf16",
+                  "attention_decode_partial_mma_bf16_d256", "attention_decode_combine_bf16_d256", "gated_delta_step_bf16_dk128", "embedding_gather_q4_g64_bf16",
                   "rms_norm_bf16", "argmax_partial_f32", "argmax_final_f32", "sample_f32",
                   "sample_partial_f32", "sample_final_f32",
                   # CUDA's choice of the one-row decode GEMVs (tuning::staged_gemv)
@@ -99,9 +99,9 @@ def test_dry_run_checks_arguments_against_the_ptx(monkeypatch, tmp_path, capsys)
 def test_attention_split_rule_matches_the_engine() -> None:
     """The script's copy of the split-KV rule uses metal/lily.h's constants and picks the engine's block counts
     (tuning::attention_split_blocks; the engine test test_split_kv_block_counts_change_over_a_decode checks the
-    engine's side)."""
+    engine's side), and the engine's simdgroups per attention_decode_partial_mma threadgroup."""
     header = (ROOT / "metal" / "lily.h").read_text()
-    for name in ("ATTN_SPLIT_MIN_KEYS", "ATTN_SPLIT_MAX_BLOCKS"):
+    for name in ("ATTN_SPLIT_MIN_KEYS", "ATTN_SPLIT_MAX_BLOCKS", "ATTN_DECODE_MMA_SIMDGROUPS"):
         assert f"#define LILY_{name} {getattr(bench_kernels, name)}\n" in header
     blocks = {keys: bench_kernels.attention_split_blocks(keys) for keys in (255, 256, 511, 512, 1024, 4096, 8192,
                                                                             16384, 32768)}

@@ -53,8 +53,9 @@ struct Switches {
   bool in_gemm_dequant = true;     // IN_GEMM_DEQUANT: off = prefill qmm as a dequantize pass + a dense GEMM
   bool coalesced_kv = true;        // COALESCED_KV: off = decode attention reads K/V rows with the plain lane mapping
   bool tensor_ops = true;          // TENSOR_OPS: prefill GEMMs on Metal 4 tensor ops (qmm_nax) where the GPU has them
-  bool mma_attention = true;       // MMA_ATTENTION: off = prefill attention on vector ALUs only (also forced off when
-                                   // the simdgroup_matrix lane-layout probe disagrees on this GPU)
+  bool mma_attention = true;       // MMA_ATTENTION: off = prefill attention and the bf16 split-KV decode partials on
+                                   // vector ALUs only (also forced off when the simdgroup_matrix lane-layout probe
+                                   // disagrees on this GPU)
   bool replayed_prompts = true;    // REPLAYED_PROMPTS: off = a prompt chunk of 2 to tuning::kReplayedPromptMaxRows
                                    // tokens is built and launched node by node on every call, as longer chunks are
   bool staged_gemv = true;         // STAGED_GEMV: off = decode GEMVs read x from device memory per simdgroup (on only

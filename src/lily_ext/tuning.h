@@ -124,6 +124,10 @@ constexpr size_t kAttentionPrepSimdgroups = 8;
 // attention_decode: 8 simdgroups split the keys; enough lanes to stream a KV head at 4K context, few enough that
 // the merge through threadgroup memory stays short.
 constexpr size_t kAttentionDecodeThreads = 256;
+// attention_decode_partial_mma (MMA_ATTENTION): LILY_ATTN_DECODE_MMA_SIMDGROUPS simdgroups (the kernel takes 1 to 8).
+constexpr size_t kAttentionDecodeMmaThreads = 32 * LILY_ATTN_DECODE_MMA_SIMDGROUPS;
+static_assert(LILY_ATTN_DECODE_MMA_SIMDGROUPS >= 1 && LILY_ATTN_DECODE_MMA_SIMDGROUPS <= 8,
+              "attention_decode_partial_mma merges at most 8 simdgroups");
 // attention_decode_combine: threads per threadgroup; a head's D elements are split over D / this threadgroups (the
 // model's 16 heads x 256: 64 threadgroups, where one per head left 16 of the GPU's cores busy).
 constexpr size_t kAttentionCombineThreads = 64;

@@ -9,7 +9,10 @@ last block, more blocks than keys, and the engine's counts at 1025 and 4096 keys
 numpy per-block softmax. Every context that is not a multiple of 8 (LILY_ATTN_DECODE_KEYS_PER_STEP) ends in a masked
 step. The head-dim-64 instances (2 heads
 per threadgroup), the unpacked instances of the GQA-packing ablation (1 head per threadgroup; GQA groups of 2 and 1)
-and the plain-mapping instances of the coalesced-KV ablation run their own single-pass and split-KV cases. Outputs
+and the plain-mapping instances of the coalesced-KV ablation run their own single-pass and split-KV cases. The
+matrix-unit partial kernel (attention_decode_partial_mma: the whole GQA group per threadgroup, steps of 8 keys per
+simdgroup, 1 to 8 simdgroups merged in rounds) runs the same checks with its own shapes; its partial and combined
+outputs may move by one bf16 rounding of the weighted |v| (its P·V operands are bf16). Outputs
 and partials start NaN-poisoned; the cache has spare rows past the context holding NaN, so reading a key past the
 context is caught.
 """
@@ -26,12 +29,15 @@ import numpy as np
 from lily import reference
 from lily.kernel_cases.common import TOLERANCES, Case, Run, Tolerance, dtype_of, poisoned, round_to, to_device, to_f64
 
-PATTERN = re.compile(r"attention_decode_(unpacked_|plain_|partial_|partial_unpacked_|partial_plain_|combine_)?"
+PATTERN = re.compile(r"attention_decode_(unpacked_|plain_|partial_|partial_unpacked_|partial_plain_|partial_mma_|"
+                     r"combine_)?"
                      r"(f32|f16|bf16)_d(256|64)")
 # Query heads per threadgroup of the packed kernels by head dim (LILY_ATTN_HEADS_PER_GROUP, ..._D64); the
 # *_unpacked_* kernels (the GQA-packing ablation) take one; the *_plain_* ones (coalesced-KV ablation) pack like the
-# default kernels.
+# default kernels; the *_partial_mma_* ones pack the whole GQA group at D = 256 (LILY_ATTN_MMA_HEADS_PER_GROUP, ..._D64).
 HEADS_PER_GROUP = {256: 4, 64: 2}
+MMA_HEADS_PER_GROUP = {256: 8, 64: 2}
+ROUNDING_UNIT_BF16 = 2.0**-8  # one bf16 rounding (2^-p, twice the half-ulp bound)
 # The KV cache is bf16 except in float32 mode.
 CACHE_DTYPE = {"f32": "f32", "f16": "bf16", "bf16": "bf16"}
 # fp32 outputs: the kernel's fp32 dot products, exps and sums over up to 1025 keys against an fp64 reference.
@@ -64,6 +70,14 @@ SPLIT_SHAPES = {
     ("unpacked", 64): [(4, 2, 45, 3, 2), (4, 2, 32, 4, 4), (4, 2, 3, 8, 2)],
     ("plain", 256): [(16, 2, 45, 3, 2), (16, 2, 47, 4, 2), (8, 2, 17, 2, 3), (8, 2, 3, 4, 2)],
     ("plain", 64): [(4, 2, 45, 3, 2), (4, 2, 33, 2, 2), (4, 2, 1, 2, 2)],
+    # attention_decode_partial_mma (1 to 8 simdgroups, steps of 8 keys): one simdgroup walks every step; 8 simdgroups
+    # merge in four rounds of 64 dims, 3 in two of 128 (a count that is not a power of two), most of them seeing no
+    # key; 32 heads of 2 KV heads (two threadgroups per KV head); one KV head; the engine's 4 simdgroups at 1025 and
+    # 4096 keys.
+    ("mma", 256): [(16, 2, 45, 3, 4), (8, 1, 1, 2, 4), (16, 2, 3, 8, 2), (16, 2, 65, 4, 1), (16, 2, 33, 2, 8),
+                   (16, 2, 100, 2, 3), (32, 2, 47, 3, 4), (16, 2, 1025, 8, 4), (16, 2, 4096, 32, 4)],
+    # Head dim 64 packs 2 heads (the demo model's ratio; the gqa4 fixture's 4 gives two threadgroups per KV head).
+    ("mma", 64): [(4, 2, 45, 3, 4), (8, 2, 33, 2, 2), (4, 2, 5, 8, 8), (2, 1, 17, 4, 1)],
 }
 
 
@@ -82,7 +96,8 @@ def attention_layout(kernel: str) -> tuple[int, int, int]:
     """(head dim, query heads per threadgroup, query heads of the self-test's case) of an attention kernel's host name:
     the model's 16 heads at head dim 256, the demo model's 4 at head dim 64, always 2 KV heads."""
     head_dim = int(re.search(r"_d(\d+)$", kernel).group(1))
-    per_group = 1 if "_unpacked_" in kernel else HEADS_PER_GROUP[head_dim]
+    packing = MMA_HEADS_PER_GROUP if "_mma_" in kernel else HEADS_PER_GROUP
+    per_group = 1 if "_unpacked_" in kernel else packing[head_dim]
     return head_dim, per_group, 16 if head_dim == 256 else 4
 
 
@@ -148,10 +163,12 @@ class DecodeInputs:
                                   offset=self.keys - 1)
         return round_to(out[0], self.dtype)
 
-    def block_partials(self, num_blocks: int):
+    def block_partials(self, num_blocks: int, absolute_values: bool = False):
         """Per block of keys (span ceil(keys / num_blocks)): the softmax-normalised output [Hq, blocks, D] and
-        (max score, sum of exp) [Hq, blocks, 2], in fp64. An empty block has output 0, max -inf and sum 0."""
+        (max score, sum of exp) [Hq, blocks, 2], in fp64. An empty block has output 0, max -inf and sum 0.
+        `absolute_values`: of |v| (the scale of an output's rounding error when the weights are rounded)."""
         k, v = self.keys_values()
+        v = np.abs(v) if absolute_values else v
         q, kv = to_f64(self.q, self.dtype), np.arange(self.heads) // (self.heads // self.kv_heads)
         span = block_span(self.keys, num_blocks)
         outs, stats = [], []
@@ -206,9 +223,18 @@ def _split(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, blocks: 
     inputs = DecodeInputs.random(run.rng, dtype, heads, kv_heads, keys, head_dim)
     partial_out, partial_stats, out = run_split(run, kernel, inputs, blocks, simdgroups)
     expected_out, expected_stats = inputs.block_partials(blocks)
-    run.compare("partial outputs", partial_out, expected_out, tolerance("f32"))
+    partial_allowance = combined_allowance = None
+    if "_mma_" in kernel:
+        # P·V takes the weights rounded to bf16 (the MMA operands): an output moves by up to one rounding of
+        # sum_k p_k |v_k| / sum_k p_k, times the gate after the combine.
+        partial_allowance = ROUNDING_UNIT_BF16 * inputs.block_partials(blocks, absolute_values=True)[0]
+        k, v = inputs.keys_values()
+        magnitude = reference.attention(to_f64(inputs.q, dtype)[None], k, np.abs(v), to_f64(inputs.gate, dtype)[None],
+                                        offset=keys - 1)[0]
+        combined_allowance = ROUNDING_UNIT_BF16 * np.abs(magnitude)
+    run.compare("partial outputs", partial_out, expected_out, tolerance("f32"), partial_allowance)
     run.compare("partial (max, sum)", partial_stats, expected_stats, tolerance("f32"))
-    run.compare("combined out", out, inputs.expected(), tolerance(dtype))
+    run.compare("combined out", out, inputs.expected(), tolerance(dtype), combined_allowance)
 
 
 def _combine(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, blocks: int, slices: int) -> None:
@@ -236,7 +262,8 @@ def cases(kernel: str) -> list[Case]:
                      quick=i == 0)
                 for i, (s, b, n) in enumerate([(45, 3, engine), (66, 64, 1), (50, 7, engine),
                                                (70, 17, engine + 1)])]
-    family = ("unpacked" if "_unpacked_" in kernel else "plain" if "_plain_" in kernel else "packed", head_dim)
+    family = ("unpacked" if "_unpacked_" in kernel else "plain" if "_plain_" in kernel else
+              "mma" if "_mma_" in kernel else "packed", head_dim)
     if "_partial" in kernel:
         return [Case(kernel, f"Hq={h} Hkv={kv} S={s} blocks={b} simdgroups={sg} D={head_dim}",
                      partial(_split, kernel=kernel, heads=h, kv_heads=kv, keys=s, blocks=b, simdgroups=sg),

@@ -131,10 +131,20 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   Span partial_out = sub(s.partial_out, 0, c.num_heads * a.num_blocks * D * 4);
   Span partial_stats = sub(s.partial_stats, 0, c.num_heads * a.num_blocks * 2 * 4);
   reads.erase(reads.begin() + 1);  // the partial pass does not read the gate
-  add_node(ctx, "attention_decode_partial_" + variant + dt + suffix, label + " partial",
-           {arg_value(a), arg(s.q), arg(s.k_cache), arg(s.v_cache), arg(partial_out), arg(partial_stats)},
-           {packs, a.num_blocks, 1}, {tuning::kAttentionDecodeThreads, 1, 1}, reads, {partial_out, partial_stats})
-      .per_position.push_back(num_keys);
+  const std::vector<NodeArg> partial_args = {arg_value(a),      arg(s.q),           arg(s.k_cache),
+                                             arg(s.v_cache),    arg(partial_out),   arg(partial_stats)};
+  const size_t mma_heads = attention_mma_heads_per_group(c);
+  if (ctx.mma_attention && ctx.gqa_packing && ctx.coalesced_kv && ctx.act == DType::BF16 && mma_heads > 1) {
+    // Matrix units (MMA_ATTENTION, bf16 cache): the whole GQA group per threadgroup when the head ratio splits into it.
+    add_node(ctx, "attention_decode_partial_mma_" + dt + suffix, label + " partial", partial_args,
+             {c.num_heads / mma_heads, a.num_blocks, 1}, {tuning::kAttentionDecodeMmaThreads, 1, 1}, reads,
+             {partial_out, partial_stats})
+        .per_position.push_back(num_keys);
+  } else {
+    add_node(ctx, "attention_decode_partial_" + variant + dt + suffix, label + " partial", partial_args,
+             {packs, a.num_blocks, 1}, {tuning::kAttentionDecodeThreads, 1, 1}, reads, {partial_out, partial_stats})
+        .per_position.push_back(num_keys);
+  }
   add_node(ctx, "attention_decode_combine_" + dt + suffix, label + " combine",
            {arg_value(a), arg(s.gate), arg(partial_out), arg(partial_stats), arg(s.out)},
            {c.num_heads, (D + tuning::kAttentionCombineThreads - 1) / tuning::kAttentionCombineThreads, 1},

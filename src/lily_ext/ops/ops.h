@@ -29,7 +29,8 @@ struct Context {
   Span dequant_scratch{};   // IN_GEMM_DEQUANT off: prefill GEMMs dequantize W here, then run mm_* (else unused)
   bool coalesced_kv = true;  // decode attention lanes read consecutive chunks of a K/V row (COALESCED_KV)
   bool tensor_ops = false;   // bf16 prefill GEMMs with bf16 scales run qmm_nax (TENSOR_OPS, on M5-class GPUs)
-  bool mma_attention = true;  // prefill attention on simdgroup matrices for 8+ tokens (MMA_ATTENTION, layout probe)
+  bool mma_attention = true;  // attention on simdgroup matrices: prefill of 8+ tokens, bf16 split-KV decode partials
+                              // (MMA_ATTENTION, layout probe)
   bool staged_gemv = false;   // decode GEMVs stage x in threadgroup memory (STAGED_GEMV, on CUDA: tuning::staged_gemv)
   bool spread_deltanet_step = false;  // a decode token's DeltaNet over many threadgroups (SPREAD_DELTANET_STEP)
 };
