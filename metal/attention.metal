@@ -14,9 +14,10 @@
 //   attention_decode_partial_mma_bf16_d<D> split-KV pass 1 on matrix units (MMA_ATTENTION, bf16 cache): one threadgroup
 //                                          per (the whole GQA group of a KV head, block): the query heads are the
 //                                          columns of 8x8 simdgroup matrices (below, at the kernel).
-//   attention_decode_combine_<dtype>_d<D>  split-KV pass 2: grid (query heads, slices of D): merges the blocks
-//                                          (weights sum_b * exp(max_b - max), kept in threadgroup memory: at most
-//                                          LILY_ATTN_SPLIT_MAX_BLOCKS blocks) and applies the gate.
+//   attention_decode_combine_<dtype>_d<D>  split-KV pass 2: grid (query heads, slices of 32 elements of D): merges
+//                                          the blocks (weights sum_b * exp(max_b - max), kept in threadgroup memory: at
+//                                          most LILY_ATTN_SPLIT_MAX_BLOCKS blocks; the simdgroups split the blocks, a
+//                                          lane takes one element) and applies the gate.
 //   attention_decode[_partial]_unpacked_<dtype>_d<D>  the same with G = 1 (one query head per threadgroup, no K/V
 //                                          row sharing): the GQA-packing ablation, chosen only when the engine switch
 //                                          LILY_DISABLE_GQA_PACKING is set. f32 and bf16.
@@ -32,7 +33,7 @@
 // partial_stats [Hq, num_blocks, 2] (max, sum). Head dims 256 (the model's; f32, bf16, f16) and 64 (the demo model
 // and test fixtures; f32, bf16).
 // Dispatch: 32*n threads (n <= 32 simdgroups; the engine picks n); grid (Hq/G) single pass, (Hq/G, num_blocks) partial,
-// (Hq, any y) combine with any thread count. Hq/Hkv must be a multiple of G.
+// (Hq, any y) combine with 32*n threads (n <= 32). Hq/Hkv must be a multiple of G.
 // Design: simdgroup s takes the runs of U = LILY_ATTN_DECODE_KEYS_PER_STEP consecutive keys starting at s*U, s*U + n*U,
 // ...; per step it loads the U K rows, reduces U independent dot products (one float4 simd_sum each: the G heads'
 // scores, components past G stay 0), makes one online-softmax update for the U scores (one max, one rescale), then
@@ -335,6 +336,85 @@ inline uint attn_decode_mma_value_dim(uint g, uint row) {
   return 64 * (g / 8) + 8 * row + g % 8;
 }
 
+// One step's loads of attention_decode_partial_mma: K row key0 + row (dims 32m + 8 (col / 2) ..) and V rows
+// key0 + col, key0 + col + 1 (dims 64m + 8 row ..), 16 bytes each; rows past key_end read row key_end - 1.
+template <uint D>
+struct AttnDecodeMmaLoads {
+  uint4 key[D / 32];
+  uint4 value[2][D / 64];
+
+  LILY_INLINE void fetch(device const uint4* k_rows, device const uint4* v_rows, uint key0, uint key_end, uint row,
+                         uint col) {
+    const size_t key_row = size_t(min(key0 + row, key_end - 1)) * (D / 8);
+    LILY_UNROLL
+    for (uint m = 0; m < D / 32; ++m) {
+      key[m] = k_rows[key_row + 4 * m + col / 2];
+    }
+    LILY_UNROLL
+    for (uint e = 0; e < 2; ++e) {
+      const size_t value_row = size_t(min(key0 + col + e, key_end - 1)) * (D / 8);
+      LILY_UNROLL
+      for (uint m = 0; m < D / 64; ++m) {
+        value[e][m] = v_rows[value_row + 8 * m + row];
+      }
+    }
+  }
+};
+
+// One step of attention_decode_partial_mma: the 8 keys key0 .. (rows past key_end masked) whose K and V `loads`
+// holds, folded into the simdgroup's running max, sum and O^T.
+template <uint D>
+LILY_INLINE void attn_decode_mma_step(thread const AttnDecodeMmaLoads<D>& loads,
+                                      thread const simdgroup_bfloat8x8* query_t, thread simdgroup_float8x8* acc_t,
+                                      thread float2& run_max, thread float2& run_sum, uint key0, uint key_end,
+                                      uint row) {
+  constexpr uint FRAGS = D / 8;
+  // S^T = K Q^T: fragment f of K holds the lane's dims 2 (f % 4), + 1 of its 16-byte load f / 4. Four independent
+  // sums (f % 4) keep the MMAs' dependent chain a quarter as long.
+  simdgroup_float8x8 scores_part[4];
+  LILY_UNROLL
+  for (uint j = 0; j < 4; ++j) {
+    scores_part[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  LILY_UNROLL
+  for (uint f = 0; f < FRAGS; ++f) {
+    simdgroup_bfloat8x8 key_frag;
+    key_frag.thread_elements() = as_type<bfloat2>(loads.key[f / 4][f % 4]);
+    attn_mma_column<1>(&scores_part[f % 4], &key_frag, query_t[f]);
+  }
+  float2 s = (scores_part[0].thread_elements() + scores_part[1].thread_elements()) +
+             (scores_part[2].thread_elements() + scores_part[3].thread_elements());
+  if (key0 + row >= key_end) {
+    s = float2(-INFINITY);
+  }
+  // key0 < key_end: every column has a finite score in this step.
+  const float2 new_max = max(run_max, attn_mma_col_max(s));
+  const float2 rescale = float2(precise::exp(run_max.x - new_max.x), precise::exp(run_max.y - new_max.y));
+  const float2 p = float2(precise::exp(s.x - new_max.x), precise::exp(s.y - new_max.y));
+  run_max = new_max;
+  run_sum = run_sum * rescale + p;
+  simdgroup_bfloat8x8 probs_t;
+  probs_t.thread_elements() = bfloat2(p);
+
+  // O^T = O^T · rescale + V^T P^T: fragment g = 8m + i of V^T holds element i of the lane's loads m of keys col
+  // and col + 1 (the 16-bit halves of one word each, paired into one operand register).
+  LILY_UNROLL
+  for (uint g = 0; g < FRAGS; ++g) {
+    acc_t[g].thread_elements() *= rescale;
+  }
+  LILY_UNROLL
+  for (uint m = 0; m < D / 64; ++m) {
+    simdgroup_bfloat8x8 value_t[8];
+    LILY_UNROLL
+    for (uint i = 0; i < 8; ++i) {
+      const uint first = loads.value[0][m][i / 2], second = loads.value[1][m][i / 2];
+      const uint paired = i % 2 == 0 ? (first & 0xFFFFu) | (second << 16) : (first >> 16) | (second & 0xFFFF0000u);
+      value_t[i].thread_elements() = as_type<bfloat2>(paired);
+    }
+    attn_mma_column<8>(acc_t + 8 * m, value_t, probs_t);
+  }
+}
+
 template <typename T, uint D, uint G>
 [[kernel]] void attention_decode_partial_mma(constant lily::AttentionArgs& args [[buffer(0)]],
                                              device const T* q [[buffer(1)]],
@@ -350,8 +430,6 @@ template <typename T, uint D, uint G>
                                              uint n_simdgroups [[simdgroups_per_threadgroup]]) {
   static_assert(G <= 8 && D % 64 == 0, "the heads are one fragment's columns; V loads cover 64 dims");
   constexpr uint FRAGS = D / 8;        // fragments across the head dim
-  constexpr uint KEY_LOADS = D / 32;   // 16-byte K loads per lane and step (4 fragments each)
-  constexpr uint VALUE_LOADS = D / 64; // 16-byte V loads per lane, key and step (8 fragments each)
   constexpr uint MERGE = LILY_ATTN_DECODE_MMA_MERGE_FLOATS;
   threadgroup float stats_max[8 * 8];  // [simdgroup][column]
   threadgroup float stats_sum[8 * 8];
@@ -396,62 +474,28 @@ template <typename T, uint D, uint G>
 
   device const uint4* k_rows = (device const uint4*)(k_cache + size_t(kv_head) * args.cache_capacity * D);
   device const uint4* v_rows = (device const uint4*)(v_cache + size_t(kv_head) * args.cache_capacity * D);
-  for (uint key0 = key_begin + 8 * simd_group; key0 < key_end; key0 += 8 * n_simdgroups) {
-    // K row key0 + row (dims 32m + 8 (col / 2) ..) and V rows key0 + col, key0 + col + 1 (dims 64m + 8 row ..).
-    const size_t key_row = size_t(min(key0 + row, key_end - 1)) * (D / 8);
-    uint4 key[KEY_LOADS];
-    LILY_UNROLL
-    for (uint m = 0; m < KEY_LOADS; ++m) {
-      key[m] = k_rows[key_row + 4 * m + col / 2];
+  // Each step's loads are issued before the step before it computes (two register sets, even and odd steps), so a
+  // simdgroup keeps two steps' 16 KB in flight instead of waiting for each step's 8 KB.
+  const uint step_keys = 8 * n_simdgroups;  // keys between a simdgroup's steps
+  uint key0 = key_begin + 8 * simd_group;
+  AttnDecodeMmaLoads<D> even, odd;
+  if (key0 < key_end) {
+    even.fetch(k_rows, v_rows, key0, key_end, row, col);
+  }
+  while (key0 < key_end) {
+    const uint key1 = key0 + step_keys, key2 = key1 + step_keys;
+    if (key1 < key_end) {
+      odd.fetch(k_rows, v_rows, key1, key_end, row, col);
     }
-    uint4 value[2][VALUE_LOADS];
-    LILY_UNROLL
-    for (uint e = 0; e < 2; ++e) {
-      const size_t value_row = size_t(min(key0 + col + e, key_end - 1)) * (D / 8);
-      LILY_UNROLL
-      for (uint m = 0; m < VALUE_LOADS; ++m) {
-        value[e][m] = v_rows[value_row + 8 * m + row];
-      }
+    attn_decode_mma_step<D>(even, query_t, acc_t, run_max, run_sum, key0, key_end, row);
+    if (key1 >= key_end) {
+      break;
     }
-
-    // S^T = K Q^T: fragment f of K holds the lane's dims 2 (f % 4), + 1 of its 16-byte load f / 4.
-    simdgroup_float8x8 scores_t = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    LILY_UNROLL
-    for (uint f = 0; f < FRAGS; ++f) {
-      simdgroup_bfloat8x8 key_frag;
-      key_frag.thread_elements() = as_type<bfloat2>(key[f / 4][f % 4]);
-      attn_mma_column<1>(&scores_t, &key_frag, query_t[f]);
+    if (key2 < key_end) {
+      even.fetch(k_rows, v_rows, key2, key_end, row, col);
     }
-    float2 s = scores_t.thread_elements();
-    if (key0 + row >= key_end) {
-      s = float2(-INFINITY);
-    }
-    // key0 < key_end: every column has a finite score in this step.
-    const float2 new_max = max(run_max, attn_mma_col_max(s));
-    const float2 rescale = float2(precise::exp(run_max.x - new_max.x), precise::exp(run_max.y - new_max.y));
-    const float2 p = float2(precise::exp(s.x - new_max.x), precise::exp(s.y - new_max.y));
-    run_max = new_max;
-    run_sum = run_sum * rescale + p;
-    simdgroup_bfloat8x8 probs_t;
-    probs_t.thread_elements() = bfloat2(p);
-
-    // O^T = O^T · rescale + V^T P^T: fragment g = 8m + i of V^T holds element i of the lane's loads m of keys col
-    // and col + 1 (the 16-bit halves of one word each, paired into one operand register).
-    LILY_UNROLL
-    for (uint g = 0; g < FRAGS; ++g) {
-      acc_t[g].thread_elements() *= rescale;
-    }
-    LILY_UNROLL
-    for (uint m = 0; m < VALUE_LOADS; ++m) {
-      simdgroup_bfloat8x8 value_t[8];
-      LILY_UNROLL
-      for (uint i = 0; i < 8; ++i) {
-        const uint first = value[0][m][i / 2], second = value[1][m][i / 2];
-        const uint paired = i % 2 == 0 ? (first & 0xFFFFu) | (second << 16) : (first >> 16) | (second & 0xFFFF0000u);
-        value_t[i].thread_elements() = as_type<bfloat2>(paired);
-      }
-      attn_mma_column<8>(acc_t + 8 * m, value_t, probs_t);
-    }
+    attn_decode_mma_step<D>(odd, query_t, acc_t, run_max, run_sum, key1, key_end, row);
+    key0 = key2;
   }
 
   // Merge the simdgroups: each column's block max and sum, then the rescaled O^T, R dims per round.
@@ -527,57 +571,67 @@ template <typename T, uint D>
                                          uint2 group [[threadgroup_position_in_grid]],
                                          uint2 groups [[threadgroups_per_grid]],
                                          uint tid [[thread_index_in_threadgroup]],
-                                         uint2 threads [[threads_per_threadgroup]]) {
-  // num_blocks <= LILY_ATTN_SPLIT_MAX_BLOCKS (the host's rule caps it there).
+                                         uint simd_lane [[thread_index_in_simdgroup]],
+                                         uint simd_group [[simdgroup_index_in_threadgroup]],
+                                         uint n_simdgroups [[simdgroups_per_threadgroup]]) {
+  // num_blocks <= LILY_ATTN_SPLIT_MAX_BLOCKS (the host's rule caps it there); n <= 32 simdgroups.
+  threadgroup float block_max[LILY_ATTN_SPLIT_MAX_BLOCKS];
   threadgroup float weight[LILY_ATTN_SPLIT_MAX_BLOCKS];
+  threadgroup float sums[32 * 32];  // [simdgroup][lane]
   const uint head = group.x;
-  const uint n_threads = threads.x;  // 1-D threadgroups
   device const float* stats = partial_stats + size_t(head) * args.num_blocks * 2;
   device const float* outs = partial_out + size_t(head) * args.num_blocks * D;
-  // Every thread derives the same global max (the stats are a few hundred bytes); an empty block has max -inf and
-  // sum 0, and at least one block is not empty, so total_max is finite and the empty block's weight is 0.
+  for (uint b = tid; b < args.num_blocks; b += 32 * n_simdgroups) {
+    block_max[b] = stats[2 * b];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // An empty block has max -inf and sum 0, and at least one block is not empty, so total_max is finite and the empty
+  // block's weight is 0.
   float total_max = -INFINITY;
   for (uint b = 0; b < args.num_blocks; ++b) {
-    total_max = max(total_max, stats[2 * b]);
+    total_max = max(total_max, block_max[b]);
   }
-  for (uint b = tid; b < args.num_blocks; b += n_threads) {
-    weight[b] = stats[2 * b + 1] * precise::exp(stats[2 * b] - total_max);
+  for (uint b = tid; b < args.num_blocks; b += 32 * n_simdgroups) {
+    weight[b] = stats[2 * b + 1] * precise::exp(block_max[b] - total_max);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   float total_sum = 0.0f;
   for (uint b = 0; b < args.num_blocks; ++b) {
     total_sum += weight[b];
   }
-  // Grid y splits the D elements of a head over threadgroups (any split is correct).
-  for (uint e = group.y * n_threads + tid; e < D; e += groups.y * n_threads) {
-    // Four interleaved sums (block b into sum b % 4, added in a fixed order), their loads issued kCombineLoads
-    // blocks at a time: at 128 blocks the loads take 8 memory round trips, not 32.
-    constexpr uint kCombineLoads = 16;
-    float4 value = float4(0.0f);
-    uint b = 0;
-    for (; b + kCombineLoads <= args.num_blocks; b += kCombineLoads) {
-      float loaded[kCombineLoads];
+  // Grid y takes slices of 32 elements of the head (lane = element); the n simdgroups split the blocks (simdgroup s
+  // the blocks s, s + n, ...: at 64 blocks and 8 simdgroups 8 loads per lane, all in flight), then simdgroup 0 adds
+  // their sums in a fixed order.
+  for (uint e0 = group.y * 32; e0 < D; e0 += groups.y * 32) {
+    const uint e = e0 + simd_lane;
+    // The loads issued 8 blocks at a time; the sum runs over the simdgroup's blocks in order either way.
+    float value = 0.0f;
+    uint b = simd_group;
+    for (; b + 7 * n_simdgroups < args.num_blocks; b += 8 * n_simdgroups) {
+      float loaded[8];
       LILY_UNROLL
-      for (uint j = 0; j < kCombineLoads; ++j) {
-        loaded[j] = outs[size_t(b + j) * D + e];
+      for (uint j = 0; j < 8; ++j) {
+        loaded[j] = outs[size_t(b + j * n_simdgroups) * D + e];
       }
       LILY_UNROLL
-      for (uint j = 0; j < kCombineLoads; ++j) {
-        value[j % 4] += weight[b + j] * loaded[j];
+      for (uint j = 0; j < 8; ++j) {
+        value += weight[b + j * n_simdgroups] * loaded[j];
       }
     }
-    for (; b + 4 <= args.num_blocks; b += 4) {
-      LILY_UNROLL
-      for (uint j = 0; j < 4; ++j) {
-        value[j] += weight[b + j] * outs[size_t(b + j) * D + e];
+    for (; b < args.num_blocks; b += n_simdgroups) {
+      value += weight[b] * outs[size_t(b) * D + e];
+    }
+    sums[simd_group * 32 + simd_lane] = value;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (simd_group == 0) {
+      float total = 0.0f;
+      for (uint s = 0; s < n_simdgroups; ++s) {
+        total += sums[s * 32 + simd_lane];
       }
+      const size_t index = size_t(head) * D + e;
+      out[index] = T(total / total_sum * lily::sigmoid(float(gate[index])));
     }
-    for (; b < args.num_blocks; ++b) {
-      value.x += weight[b] * outs[size_t(b) * D + e];
-    }
-    const size_t index = size_t(head) * D + e;
-    const float total = (value[0] + value[1]) + (value[2] + value[3]);
-    out[index] = T(total / total_sum * lily::sigmoid(float(gate[index])));
+    threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 }
 

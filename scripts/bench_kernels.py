@@ -47,12 +47,12 @@ QMM_MIN_THREADGROUPS = 64 * 8  # tuning::kQmmMinThreadgroups
 MOE_GEMV_ROWS, MOE_GEMV_THREADS = 8, 64
 MOE_DOWN_ROWS, MOE_DOWN_THREADS = 8, 128
 ATTN_HEADS_PER_GROUP, ATTN_THREADS = 4, 256
-ATTN_COMBINE_THREADS = 64  # tuning::kAttentionCombineThreads
+ATTN_COMBINE_THREADS, ATTN_COMBINE_SLICE = 256, 32  # tuning::kAttentionCombineThreads, kAttentionCombineSlice
 # attention_prefill_mma: LILY_ATTN_MMA_QUERIES query tokens x LILY_ATTN_MMA_HEADS_PER_GROUP heads per threadgroup.
 ATTN_MMA_QUERIES, ATTN_MMA_HEADS_PER_GROUP = 8, 8
 # attention_decode_partial_mma (the engine's split-KV pass 1 where MMA_ATTENTION is on): the whole GQA group per
 # threadgroup, LILY_ATTN_DECODE_MMA_SIMDGROUPS simdgroups.
-ATTN_DECODE_MMA_SIMDGROUPS = 4
+ATTN_DECODE_MMA_SIMDGROUPS = 8
 # Split-KV decode (LILY_ATTN_SPLIT_MIN_KEYS, LILY_ATTN_SPLIT_MAX_BLOCKS; the rule is tuning::attention_split_blocks).
 ATTN_SPLIT_MIN_KEYS, ATTN_SPLIT_MAX_BLOCKS = 256, 64
 GDN_ROWS_PER_SIMDGROUP = 8
@@ -276,7 +276,7 @@ def attention_cases() -> list[Case]:
                           2 * cache + q + partial_out + partial_stats))
         cases.append(Case(f"attention decode {label} keys: combine ({blocks} blocks)",
                           "attention_decode_combine_bf16_d256", [args, q, partial_out, partial_stats, q],
-                          (ATTN_HEADS, HEAD_DIM // ATTN_COMBINE_THREADS, 1), (ATTN_COMBINE_THREADS, 1, 1),
+                          (ATTN_HEADS, HEAD_DIM // ATTN_COMBINE_SLICE, 1), (ATTN_COMBINE_THREADS, 1, 1),
                           partial_out + partial_stats + 2 * q))
     return cases
 

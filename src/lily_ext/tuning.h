@@ -128,9 +128,10 @@ constexpr size_t kAttentionDecodeThreads = 256;
 constexpr size_t kAttentionDecodeMmaThreads = 32 * LILY_ATTN_DECODE_MMA_SIMDGROUPS;
 static_assert(LILY_ATTN_DECODE_MMA_SIMDGROUPS >= 1 && LILY_ATTN_DECODE_MMA_SIMDGROUPS <= 8,
               "attention_decode_partial_mma merges at most 8 simdgroups");
-// attention_decode_combine: threads per threadgroup; a head's D elements are split over D / this threadgroups (the
-// model's 16 heads x 256: 64 threadgroups, where one per head left 16 of the GPU's cores busy).
-constexpr size_t kAttentionCombineThreads = 64;
+// attention_decode_combine: threads per threadgroup (8 simdgroups splitting the blocks: 8 loads per lane at 64 blocks),
+// each threadgroup one slice of 32 elements of a head (the model's 16 heads x 256: 128 threadgroups).
+constexpr size_t kAttentionCombineThreads = 256;
+constexpr size_t kAttentionCombineSlice = 32;
 // MoE decode GEMVs (the kernels' fixed shapes): gate/up 2 simdgroups x 4 rows; down + combine 4 simdgroups x 2 rows.
 constexpr size_t kMoeGemvThreads = 32 * LILY_MOE_GEMV_SIMDGROUPS;
 constexpr size_t kMoeGemvRowsPerThreadgroup = LILY_MOE_GEMV_ROWS_PER_SIMDGROUP * LILY_MOE_GEMV_SIMDGROUPS;

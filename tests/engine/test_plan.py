@@ -100,11 +100,14 @@ def test_full_size_dispatch_counts_follow_the_layer_structure():
     assert unfused["dispatches"] == expected_dispatches(args, fused=False)
     no_fusion = lily_plan.plan_decode(args, context=200, switches={"fusion": False})
     assert no_fusion["dispatches"] == expected_dispatches(args, fused=True, fusion=False)
-    # From there on as partials + combine (32 blocks at 4K keys, 64 at 40K), unless split-KV is off.
+    # From there on as partials (on matrix units; on the vector kernel with MMA_ATTENTION off) + combine (32 blocks at
+    # 4K keys, 64 at 40K), unless split-KV is off.
     for context in (4096, 40000):
         split = lily_plan.plan_decode(args, context=context)
         assert split["dispatches"] == expected_dispatches(args, fused=True, split=True)
-        assert split["dispatches_by_kernel"]["attention_decode_partial_bf16_d256"] == 10
+        assert split["dispatches_by_kernel"]["attention_decode_partial_mma_bf16_d256"] == 10
+        vector = lily_plan.plan_decode(args, context=context, switches={"mma_attention": False})
+        assert vector["dispatches_by_kernel"]["attention_decode_partial_bf16_d256"] == 10
     assert lily_plan.plan_decode(args, context=4096, switches={"split_kv": False})["dispatches"] == fused["dispatches"]
     # Fusing projections removes dispatches, never stages: the separate GEMVs share one stage.
     assert unfused["stages"] == fused["stages"]

@@ -42,7 +42,7 @@ ROUNDING_UNIT_BF16 = 2.0**-8  # one bf16 rounding (2^-p, twice the half-ulp boun
 CACHE_DTYPE = {"f32": "f32", "f16": "bf16", "bf16": "bf16"}
 # fp32 outputs: the kernel's fp32 dot products, exps and sums over up to 1025 keys against an fp64 reference.
 F32_SUMS = Tolerance(rtol=2e-5, atol=2e-6, rel_rms=5e-6)
-COMBINE_THREADS = 64  # tuning::kAttentionCombineThreads, the engine's
+COMBINE_THREADS, COMBINE_SLICE = 256, 32  # tuning::kAttentionCombineThreads, kAttentionCombineSlice: the engine's
 
 # Single-pass shapes (heads, kv_heads, keys, simdgroups) by kernel family; the first is the self-test's.
 SINGLE_SHAPES = {
@@ -205,7 +205,7 @@ def run_split(run: Run, partial_kernel: str, inputs: DecodeInputs, num_blocks: i
     out = poisoned((inputs.heads, inputs.head_dim), inputs.dtype)
     run.dispatch(f"attention_decode_combine_{inputs.dtype}_d{inputs.head_dim}",
                  [args, inputs.gate, partial_out, partial_stats, out],
-                 (inputs.heads, -(-inputs.head_dim // COMBINE_THREADS), 1), COMBINE_THREADS)
+                 (inputs.heads, -(-inputs.head_dim // COMBINE_SLICE), 1), COMBINE_THREADS)
     return partial_out.astype(np.float64), partial_stats.astype(np.float64), to_f64(out, inputs.dtype)
 
 
@@ -237,15 +237,17 @@ def _split(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, blocks: 
     run.compare("combined out", out, inputs.expected(), tolerance(dtype), combined_allowance)
 
 
-def _combine(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, blocks: int, slices: int) -> None:
+def _combine(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, blocks: int, slices: int,
+             threads: int = COMBINE_THREADS) -> None:
     """The combine kernel alone, on exact (fp64, rounded to fp32) partials, each head's D elements split over
-    `slices` threadgroups (the engine: D / COMBINE_THREADS; any split must give the same result)."""
+    `slices` threadgroups of `threads` (the engine: D / COMBINE_SLICE of COMBINE_THREADS; any split must give the same
+    result)."""
     dtype, head_dim = dtype_of(kernel), attention_layout(kernel)[0]
     inputs = DecodeInputs.random(run.rng, dtype, heads, kv_heads, keys, head_dim)
     part_out, part_stats = inputs.block_partials(blocks)
     out = poisoned((heads, head_dim), dtype)
     run.dispatch(kernel, [inputs.args(blocks), inputs.gate, part_out.astype(np.float32),
-                          part_stats.astype(np.float32), out], (heads, slices, 1), COMBINE_THREADS)
+                          part_stats.astype(np.float32), out], (heads, slices, 1), threads)
     run.compare("out", to_f64(out, dtype), inputs.expected(), tolerance(dtype))
 
 
@@ -253,15 +255,17 @@ def cases(kernel: str) -> list[Case]:
     """Every case of one decode attention kernel; the first is the self-test's."""
     head_dim, _, heads = attention_layout(kernel)
     if "_combine_" in kernel:
-        # 45 keys in 3 blocks; 66 keys in 64 blocks (LILY_ATTN_SPLIT_MAX_BLOCKS; span 2: blocks 33.. empty), a
-        # block count that is not a multiple of the combine's 4-way unrolled loop (7), one past its 16 loads in
-        # flight (17); one threadgroup per head (slices 1), the engine's split and one leaving threadgroups idle.
-        engine = -(-head_dim // COMBINE_THREADS)
-        return [Case(kernel, f"Hq={heads} Hkv=2 S={s} blocks={b} slices={n} D={head_dim}",
-                     partial(_combine, kernel=kernel, heads=heads, kv_heads=2, keys=s, blocks=b, slices=n),
+        # 45 keys in 3 blocks; 66 keys in 64 blocks (LILY_ATTN_SPLIT_MAX_BLOCKS; span 2: blocks 33.. empty: 8 loads
+        # in flight per lane with the engine's 8 simdgroups), block counts below one batch of 8 per simdgroup (7, 17)
+        # and one batch plus 5 (13 blocks on 1 simdgroup); one threadgroup per head (slices 1), the engine's split,
+        # one leaving threadgroups idle; 1, 3 and 32 simdgroups (more simdgroups than blocks).
+        engine = -(-head_dim // COMBINE_SLICE)
+        return [Case(kernel, f"Hq={heads} Hkv=2 S={s} blocks={b} slices={n} threads={t} D={head_dim}",
+                     partial(_combine, kernel=kernel, heads=heads, kv_heads=2, keys=s, blocks=b, slices=n, threads=t),
                      quick=i == 0)
-                for i, (s, b, n) in enumerate([(45, 3, engine), (66, 64, 1), (50, 7, engine),
-                                               (70, 17, engine + 1)])]
+                for i, (s, b, n, t) in enumerate([(45, 3, engine, COMBINE_THREADS), (66, 64, 1, COMBINE_THREADS),
+                                                  (50, 7, engine, COMBINE_THREADS), (70, 17, engine + 1, 96),
+                                                  (80, 13, engine, 32), (90, 9, 2, 1024)])]
     family = ("unpacked" if "_unpacked_" in kernel else "plain" if "_plain_" in kernel else
               "mma" if "_mma_" in kernel else "packed", head_dim)
     if "_partial" in kernel:

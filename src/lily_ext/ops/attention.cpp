@@ -147,7 +147,7 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   }
   add_node(ctx, "attention_decode_combine_" + dt + suffix, label + " combine",
            {arg_value(a), arg(s.gate), arg(partial_out), arg(partial_stats), arg(s.out)},
-           {c.num_heads, (D + tuning::kAttentionCombineThreads - 1) / tuning::kAttentionCombineThreads, 1},
+           {c.num_heads, (D + tuning::kAttentionCombineSlice - 1) / tuning::kAttentionCombineSlice, 1},
            {tuning::kAttentionCombineThreads, 1, 1}, {s.gate, partial_out, partial_stats}, {s.out})
       .per_position.push_back(num_keys);
 }
