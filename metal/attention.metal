@@ -11,9 +11,9 @@
 //                                          tuning::attention_split_blocks). Writes the block's normalised output and
 //                                          its softmax max and sum, fp32; an empty trailing block writes output 0,
 //                                          max -inf, sum 0. Chosen from LILY_ATTN_SPLIT_MIN_KEYS keys.
-//   attention_decode_partial_mma_bf16_d<D> split-KV pass 1 on matrix units (MMA_ATTENTION, bf16 cache): one threadgroup
-//                                          per (the whole GQA group of a KV head, block): the query heads are the
-//                                          columns of 8x8 simdgroup matrices (below, at the kernel).
+//   attention_decode[_partial]_mma_bf16_d<D>  the single pass and split-KV pass 1 on matrix units (MMA_ATTENTION, bf16
+//                                          cache): one threadgroup per the whole GQA group of a KV head (and block):
+//                                          the query heads are the columns of 8x8 simdgroup matrices (at the kernels).
 //   attention_decode_combine_<dtype>_d<D>  split-KV pass 2: grid (query heads, slices of 32 elements of D): merges
 //                                          the blocks (weights sum_b * exp(max_b - max), kept in threadgroup memory: at
 //                                          most LILY_ATTN_SPLIT_MAX_BLOCKS blocks; the simdgroups split the blocks, a
@@ -308,7 +308,8 @@ template <typename T, typename C, uint D, uint G, bool COALESCED>
   }
 }
 
-// Split-KV pass 1 on matrix units: one threadgroup per (G query heads of one KV head, block of keys), G = the whole GQA
+// Decode attention on matrix units (attention_decode_mma: the single pass, the gate fused;
+// attention_decode_partial_mma: split-KV pass 1). One threadgroup per (G query heads of one KV head[, block of keys]), G = the whole GQA
 // group at D = 256 (LILY_ATTN_MMA_HEADS_PER_GROUP: 8 for the model, so each K/V row is read once per token; the
 // vector kernel's 4 heads read it twice), 2 at D = 64. n <= 8 simdgroups take the block's keys in steps of 8: simdgroup
 // s the steps at key_begin + 8s, + 8n, ... Per step a simdgroup computes S^T = K Q^T (8 keys x 8 heads, over D/8
@@ -322,7 +323,8 @@ template <typename T, typename C, uint D, uint G, bool COALESCED>
 // Then the n simdgroups' (max, sum) meet in threadgroup memory and their rescaled O^T in rounds of R dims
 // (LILY_ATTN_DECODE_MMA_MERGE_FLOATS / (8 n) floats per simdgroup and column), which the threadgroup adds and writes.
 // Keys past key_end in the last step read row key_end - 1 (in bounds) and get score -inf. Same outputs as
-// attention_decode_partial (normalised block output, block max and sum; an empty block writes 0, -inf, 0).
+// attention_decode and attention_decode_partial (normalised block output, block max and sum; an empty block writes 0,
+// -inf, 0).
 // Verified here: the maths, block boundaries and races (CPU harness, simdgroup matrices in MLX's lane layout; the
 // engine runs it only where simdgroup_layout_probe confirms the layout).
 // Dim of the key (or query) element a lane holds at position (row or col) `k` of fragment f: the four fragments
@@ -415,44 +417,20 @@ LILY_INLINE void attn_decode_mma_step(thread const AttnDecodeMmaLoads<D>& loads,
   }
 }
 
-template <typename T, uint D, uint G>
-[[kernel]] void attention_decode_partial_mma(constant lily::AttentionArgs& args [[buffer(0)]],
-                                             device const T* q [[buffer(1)]],
-                                             device const bfloat* k_cache [[buffer(2)]],
-                                             device const bfloat* v_cache [[buffer(3)]],
-                                             device float* partial_out [[buffer(4)]],
-                                             device float* partial_stats [[buffer(5)]],
-                                             uint2 group [[threadgroup_position_in_grid]],
-                                             uint tid [[thread_index_in_threadgroup]],
-                                             uint2 threads_per_group [[threads_per_threadgroup]],
-                                             uint simd_lane [[thread_index_in_simdgroup]],
-                                             uint simd_group [[simdgroup_index_in_threadgroup]],
-                                             uint n_simdgroups [[simdgroups_per_threadgroup]]) {
+// Attention of the G query heads head0 .. over keys [key_begin, key_end) (not empty) of their KV head on matrix
+// units, for attention_decode_partial_mma and attention_decode_mma: `store` takes each head's normalised output,
+// element by element (output(h, dim, value)), and its softmax max and sum (block_stats(h, max, sum)). Every thread of the
+// threadgroup must call it.
+template <typename T, uint D, uint G, typename Store>
+LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, device const T* q,
+                                       device const bfloat* k_cache, device const bfloat* v_cache, uint head0,
+                                       uint key_begin, uint key_end, threadgroup float* stats_max,
+                                       threadgroup float* stats_sum, threadgroup float* merge, thread Store& store,
+                                       uint tid, uint n_threads, uint simd_lane, uint simd_group, uint n_simdgroups) {
   static_assert(G <= 8 && D % 64 == 0, "the heads are one fragment's columns; V loads cover 64 dims");
-  constexpr uint FRAGS = D / 8;        // fragments across the head dim
+  constexpr uint FRAGS = D / 8;  // fragments across the head dim
   constexpr uint MERGE = LILY_ATTN_DECODE_MMA_MERGE_FLOATS;
-  threadgroup float stats_max[8 * 8];  // [simdgroup][column]
-  threadgroup float stats_sum[8 * 8];
-  threadgroup float merge[MERGE + 64];
-  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
-  const uint head0 = group.x * G;
   const uint kv_head = head0 / (args.num_heads / args.num_kv_heads);
-  const uint block = group.y;
-  const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
-  const uint key_begin = block * span;
-  if (key_begin >= args.num_keys) {
-    // An empty block, as in attention_decode_partial: output 0, max -inf, sum 0; no barrier reached.
-    for (uint i = tid; i < G * D; i += n_threads) {
-      partial_out[(size_t(head0 + i / D) * args.num_blocks + block) * D + i % D] = 0.0f;
-    }
-    if (tid < G) {
-      const size_t slot = (size_t(head0 + tid) * args.num_blocks + block) * 2;
-      partial_stats[slot] = -INFINITY;
-      partial_stats[slot + 1] = 0.0f;
-    }
-    return;
-  }
-  const uint key_end = min(args.num_keys, key_begin + span);
   const uint row = attn_mma_row(simd_lane);
   const uint col = attn_mma_col(simd_lane);
 
@@ -544,7 +522,7 @@ template <typename T, uint D, uint G>
       for (uint g = 0; g < n_simdgroups; ++g) {
         total += merge[(g * 8 + h) * stride + d];
       }
-      partial_out[(size_t(head0 + h) * args.num_blocks + block) * D + first_dim + d] = total;
+      store.output(h, first_dim + d, total);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
@@ -556,10 +534,102 @@ template <typename T, uint D, uint G>
     for (uint g = 0; g < n_simdgroups; ++g) {
       block_sum += stats_sum[g * 8 + tid] * precise::exp(stats_max[g * 8 + tid] - block_max);
     }
-    const size_t slot = (size_t(head0 + tid) * args.num_blocks + block) * 2;
-    partial_stats[slot] = block_max;
-    partial_stats[slot + 1] = block_sum;
+    store.block_stats(tid, block_max, block_sum);
   }
+}
+
+// Where attention_decode_partial_mma's block outputs go: partial_out [Hq, num_blocks, D], partial_stats [Hq,
+// num_blocks, 2].
+template <uint D>
+struct AttnDecodePartialStore {
+  device float* partial_out;
+  device float* partial_stats;
+  uint head0, block, num_blocks;
+
+  LILY_INLINE void output(uint h, uint dim, float value) {
+    partial_out[(size_t(head0 + h) * num_blocks + block) * D + dim] = value;
+  }
+  LILY_INLINE void block_stats(uint h, float max_score, float sum) {
+    const size_t slot = (size_t(head0 + h) * num_blocks + block) * 2;
+    partial_stats[slot] = max_score;
+    partial_stats[slot + 1] = sum;
+  }
+};
+
+// attention_decode_mma's: the gated output out [Hq, D]; no stats.
+template <typename T, uint D>
+struct AttnDecodeGatedStore {
+  device const T* gate;
+  device T* out;
+  uint head0;
+
+  LILY_INLINE void output(uint h, uint dim, float value) {
+    const size_t index = size_t(head0 + h) * D + dim;
+    out[index] = T(value * lily::sigmoid(float(gate[index])));
+  }
+  LILY_INLINE void block_stats(uint, float, float) {}
+};
+
+template <typename T, uint D, uint G>
+[[kernel]] void attention_decode_partial_mma(constant lily::AttentionArgs& args [[buffer(0)]],
+                                             device const T* q [[buffer(1)]],
+                                             device const bfloat* k_cache [[buffer(2)]],
+                                             device const bfloat* v_cache [[buffer(3)]],
+                                             device float* partial_out [[buffer(4)]],
+                                             device float* partial_stats [[buffer(5)]],
+                                             uint2 group [[threadgroup_position_in_grid]],
+                                             uint tid [[thread_index_in_threadgroup]],
+                                             uint2 threads_per_group [[threads_per_threadgroup]],
+                                             uint simd_lane [[thread_index_in_simdgroup]],
+                                             uint simd_group [[simdgroup_index_in_threadgroup]],
+                                             uint n_simdgroups [[simdgroups_per_threadgroup]]) {
+  threadgroup float stats_max[8 * 8];  // [simdgroup][column]
+  threadgroup float stats_sum[8 * 8];
+  threadgroup float merge[LILY_ATTN_DECODE_MMA_MERGE_FLOATS + 64];
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
+  const uint head0 = group.x * G;
+  const uint block = group.y;
+  const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
+  const uint key_begin = block * span;
+  if (key_begin >= args.num_keys) {
+    // An empty block, as in attention_decode_partial: output 0, max -inf, sum 0; no barrier reached.
+    for (uint i = tid; i < G * D; i += n_threads) {
+      partial_out[(size_t(head0 + i / D) * args.num_blocks + block) * D + i % D] = 0.0f;
+    }
+    if (tid < G) {
+      const size_t slot = (size_t(head0 + tid) * args.num_blocks + block) * 2;
+      partial_stats[slot] = -INFINITY;
+      partial_stats[slot + 1] = 0.0f;
+    }
+    return;
+  }
+  AttnDecodePartialStore<D> store{partial_out, partial_stats, head0, block, args.num_blocks};
+  attn_decode_mma_heads<T, D, G>(args, q, k_cache, v_cache, head0, key_begin, min(args.num_keys, key_begin + span),
+                                 stats_max, stats_sum, merge, store, tid, n_threads, simd_lane, simd_group,
+                                 n_simdgroups);
+}
+
+// The single pass on matrix units: one threadgroup per G heads over all keys, the gate applied as it writes.
+template <typename T, uint D, uint G>
+[[kernel]] void attention_decode_mma(constant lily::AttentionArgs& args [[buffer(0)]],
+                                     device const T* q [[buffer(1)]],
+                                     device const T* gate [[buffer(2)]],
+                                     device const bfloat* k_cache [[buffer(3)]],
+                                     device const bfloat* v_cache [[buffer(4)]],
+                                     device T* out [[buffer(5)]],
+                                     uint group [[threadgroup_position_in_grid]],
+                                     uint tid [[thread_index_in_threadgroup]],
+                                     uint n_threads [[threads_per_threadgroup]],
+                                     uint simd_lane [[thread_index_in_simdgroup]],
+                                     uint simd_group [[simdgroup_index_in_threadgroup]],
+                                     uint n_simdgroups [[simdgroups_per_threadgroup]]) {
+  threadgroup float stats_max[8 * 8];  // [simdgroup][column]
+  threadgroup float stats_sum[8 * 8];
+  threadgroup float merge[LILY_ATTN_DECODE_MMA_MERGE_FLOATS + 64];
+  const uint head0 = group * G;
+  AttnDecodeGatedStore<T, D> store{gate, out, head0};
+  attn_decode_mma_heads<T, D, G>(args, q, k_cache, v_cache, head0, 0, args.num_keys, stats_max, stats_sum, merge,
+                                 store, tid, n_threads, simd_lane, simd_group, n_simdgroups);
 }
 
 template <typename T, uint D>
@@ -642,6 +712,8 @@ LILY_INSTANTIATE_KERNEL("attention_decode_partial_f32_d256", attention_decode_pa
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_bf16_d256", attention_decode_partial, bfloat, bfloat, 256, 4, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_f32_d256", attention_decode_combine, float, 256)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_bf16_d256", attention_decode_combine, bfloat, 256)
+LILY_INSTANTIATE_KERNEL("attention_decode_mma_bf16_d256", attention_decode_mma, bfloat, 256,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP)
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_mma_bf16_d256", attention_decode_partial_mma, bfloat, 256,
                         LILY_ATTN_MMA_HEADS_PER_GROUP)
 // Demo model and tiny fixtures (head dim 64, GQA group 2 or 4): 2 heads per threadgroup, float32 and bf16 modes.
@@ -651,6 +723,8 @@ LILY_INSTANTIATE_KERNEL("attention_decode_partial_f32_d64", attention_decode_par
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_bf16_d64", attention_decode_partial, bfloat, bfloat, 64, 2, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_f32_d64", attention_decode_combine, float, 64)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_bf16_d64", attention_decode_combine, bfloat, 64)
+LILY_INSTANTIATE_KERNEL("attention_decode_mma_bf16_d64", attention_decode_mma, bfloat, 64,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_mma_bf16_d64", attention_decode_partial_mma, bfloat, 64,
                         LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
 // GQA-packing ablation (LILY_DISABLE_GQA_PACKING): one head per threadgroup; the combine kernels are shared.

@@ -250,14 +250,23 @@ def attention_split_blocks(keys: int) -> int:
 
 
 def attention_cases() -> list[Case]:
-    """Decode attention over a bf16 KV cache, as the engine launches it: the split-KV pair (partials over the rule's
-    block count on matrix units, then the combine) at 1K, 4K and 32K keys; the vector partials (MMA_ATTENTION off) and
-    the single pass (split-KV off) beside them."""
+    """Decode attention over a bf16 KV cache, as the engine launches it: the single pass at 64 keys (below the split)
+    and the split-KV pair (partials over the rule's block count, then the combine) at 1K, 4K and 32K keys, on matrix
+    units, with the vector kernels (MMA_ATTENTION off) and the single pass (split-KV off) beside them."""
     q = bf16(ATTN_HEADS * HEAD_DIM)
     packs = ceil_div(ATTN_HEADS, ATTN_HEADS_PER_GROUP)
     cases = []
-    for keys, label, single in ((1024, "1K", False), (4096, "4K", True), (32768, "32K", True)):
+    for keys, label, single in ((64, "64", True), (1024, "1K", False), (4096, "4K", True), (32768, "32K", True)):
         cache = bf16(ATTN_KV_HEADS * keys * HEAD_DIM)
+        if keys < ATTN_SPLIT_MIN_KEYS:  # the engine's single pass below the split: on matrix units and vector ALUs
+            args = struct.pack("<7If", 1, ATTN_HEADS, ATTN_KV_HEADS, keys, keys, 0, 0, HEAD_DIM ** -0.5)
+            cases.append(Case(f"attention decode {label} keys: single pass on matrix units",
+                              "attention_decode_mma_bf16_d256",
+                              [args, q, q, cache, cache, q], (ceil_div(ATTN_HEADS, ATTN_MMA_HEADS_PER_GROUP), 1, 1),
+                              (32 * ATTN_DECODE_MMA_SIMDGROUPS, 1, 1), 2 * cache + 3 * q))
+            cases.append(Case(f"attention decode {label} keys: single pass", "attention_decode_bf16_d256",
+                              [args, q, q, cache, cache, q], (packs, 1, 1), (ATTN_THREADS, 1, 1), 2 * cache + 3 * q))
+            continue
         if single:
             cases.append(Case(f"attention decode {label} keys: single pass", "attention_decode_bf16_d256",
                               [struct.pack("<7If", 1, ATTN_HEADS, ATTN_KV_HEADS, keys, keys, 0, 0, HEAD_DIM ** -0.5),
@@ -268,7 +277,8 @@ def attention_cases() -> list[Case]:
         cases.append(Case(f"attention decode {label} keys: partials on matrix units ({blocks} blocks)",
                           "attention_decode_partial_mma_bf16_d256",
                           [args, q, cache, cache, partial_out, partial_stats],
-                          (ceil_div(ATTN_HEADS, ATTN_MMA_HEADS_PER_GROUP), blocks, 1), (32 * ATTN_DECODE_MMA_SIMDGROUPS, 1, 1),
+                          (ceil_div(ATTN_HEADS, ATTN_MMA_HEADS_PER_GROUP), blocks, 1),
+                          (32 * ATTN_DECODE_MMA_SIMDGROUPS, 1, 1),
                           2 * cache + q + partial_out + partial_stats))
         cases.append(Case(f"attention decode {label} keys: partials ({blocks} blocks)",
                           "attention_decode_partial_bf16_d256",

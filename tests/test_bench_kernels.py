@@ -20,7 +20,8 @@ DECODE_KERNELS = {"qmv_q4_g64_bf16", "qmv_q8_g64_bf16", "qmv_norm_q4_g64_bf16_of
                   "qmv_norm_seg_q8_g64_bf16_of32", "qmv_residual_q4_g64_bf16", "qmm_q4_g64_bf16_bm16",
                   "moe_route_f32", "moe_gate_up_swiglu_bf16", "moe_gate_up_swiglu_routed_bf16",
                   "moe_down_combine_bf16", "attention_decode_bf16_d256", "attention_decode_partial_bf16_d256",
-                  "attention_decode_partial_mma_bf16_d256", "attention_decode_combine_bf16_d256", "gated_delta_step_bf16_dk128", "embedding_gather_q4_g64_bf16",
+                  "attention_decode_partial_mma_bf16_d256", "attention_decode_mma_bf16_d256",
+                  "attention_decode_combine_bf16_d256", "gated_delta_step_bf16_dk128", "embedding_gather_q4_g64_bf16",
                   "rms_norm_bf16", "argmax_partial_f32", "argmax_final_f32", "sample_f32",
                   "sample_partial_f32", "sample_final_f32",
                   # CUDA's choice of the one-row decode GEMVs (tuning::staged_gemv)

@@ -48,21 +48,23 @@ def test_vector_prefill_attention_gives_the_same_logits(demo, prompt):
 
 
 @pytest.mark.metal
+@pytest.mark.parametrize("split", [False, True], ids=["single-pass", "split-kv"])
 @pytest.mark.parametrize("name,attn", [("demo", "d64"), ("d256", "d256")])
-def test_decode_partials_on_matrix_units_give_the_same_logits(head_dim_checkpoints, name, attn):  # noqa: F811
-    """Every decode step split over key blocks (split_kv_min_keys = 1) in bf16 mode: the partials on matrix units
-    (the whole GQA group of a KV head per threadgroup: 2 heads at head dim 64, 8 at 256) and on the vector kernel."""
+def test_decode_attention_on_matrix_units_gives_the_same_logits(head_dim_checkpoints, name, attn, split):  # noqa: F811
+    """Decode in bf16 mode, single pass or every step split over key blocks (split_kv_min_keys = 1): attention on
+    matrix units (the whole GQA group of a KV head per threadgroup: 2 heads at head dim 64, 8 at 256) and on the
+    vector kernels."""
     checkpoint = head_dim_checkpoints[name]
     decode_rows = slice(len(HEAD_DIMS_PROMPT), None)  # the logits of the decode steps after the prompt
     want = reference_logits(checkpoint)[decode_rows]
     layers = checkpoint.args.layer_types.count("full_attention")
     runs = {}
     for mma in (True, False):
-        backend = MetalBackend(checkpoint, precision="bfloat16", switches={"split_kv_min_keys": 1,
-                                                                           "mma_attention": mma})
-        logits, kernels = run_backend(backend)
+        switches = {"mma_attention": mma, **({"split_kv_min_keys": 1} if split else {})}
+        logits, kernels = run_backend(MetalBackend(checkpoint, precision="bfloat16", switches=switches))
         runs[mma] = logits[decode_rows]
-        chosen, other = (f"attention_decode_partial_mma_bf16_{attn}", f"attention_decode_partial_bf16_{attn}")[
+        kind = "partial_" if split else ""
+        chosen, other = (f"attention_decode_{kind}mma_bf16_{attn}", f"attention_decode_{kind}bf16_{attn}")[
             :: 1 if mma else -1]
         assert kernels.get(chosen) == layers and other not in kernels, sorted(kernels)
         # bf16 rounding of the hidden stream, as test_fusion's bf16 bound (the demo's decode rows: 2-4e-2).

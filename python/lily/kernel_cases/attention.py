@@ -10,9 +10,9 @@ numpy per-block softmax. Every context that is not a multiple of 8 (LILY_ATTN_DE
 step. The head-dim-64 instances (2 heads
 per threadgroup), the unpacked instances of the GQA-packing ablation (1 head per threadgroup; GQA groups of 2 and 1)
 and the plain-mapping instances of the coalesced-KV ablation run their own single-pass and split-KV cases. The
-matrix-unit partial kernel (attention_decode_partial_mma: the whole GQA group per threadgroup, steps of 8 keys per
-simdgroup, 1 to 8 simdgroups merged in rounds) runs the same checks with its own shapes; its partial and combined
-outputs may move by one bf16 rounding of the weighted |v| (its P·V operands are bf16). Outputs
+matrix-unit kernels (attention_decode_mma, attention_decode_partial_mma: the whole GQA group per threadgroup, steps of
+8 keys per simdgroup, 1 to 8 simdgroups merged in rounds) run the same checks with their own shapes; their outputs may
+move by one bf16 rounding of the weighted |v| (their P·V operands are bf16). Outputs
 and partials start NaN-poisoned; the cache has spare rows past the context holding NaN, so reading a key past the
 context is caught.
 """
@@ -29,12 +29,12 @@ import numpy as np
 from lily import reference
 from lily.kernel_cases.common import TOLERANCES, Case, Run, Tolerance, dtype_of, poisoned, round_to, to_device, to_f64
 
-PATTERN = re.compile(r"attention_decode_(unpacked_|plain_|partial_|partial_unpacked_|partial_plain_|partial_mma_|"
+PATTERN = re.compile(r"attention_decode_(unpacked_|plain_|mma_|partial_|partial_unpacked_|partial_plain_|partial_mma_|"
                      r"combine_)?"
                      r"(f32|f16|bf16)_d(256|64)")
 # Query heads per threadgroup of the packed kernels by head dim (LILY_ATTN_HEADS_PER_GROUP, ..._D64); the
 # *_unpacked_* kernels (the GQA-packing ablation) take one; the *_plain_* ones (coalesced-KV ablation) pack like the
-# default kernels; the *_partial_mma_* ones pack the whole GQA group at D = 256 (LILY_ATTN_MMA_HEADS_PER_GROUP, ..._D64).
+# default kernels; the *_mma_* ones pack the whole GQA group at D = 256 (LILY_ATTN_MMA_HEADS_PER_GROUP, ..._D64).
 HEADS_PER_GROUP = {256: 4, 64: 2}
 MMA_HEADS_PER_GROUP = {256: 8, 64: 2}
 ROUNDING_UNIT_BF16 = 2.0**-8  # one bf16 rounding (2^-p, twice the half-ulp bound)
@@ -56,6 +56,11 @@ SINGLE_SHAPES = {
     ("unpacked", 64): [(4, 2, 45, 4), (4, 2, 33, 2), (3, 3, 5, 8)],  # 3 heads of 3 KV heads: no group needed
     ("plain", 256): [(16, 2, 45, 4), (8, 2, 1, 4), (16, 2, 33, 3), (8, 1, 32, 8)],
     ("plain", 64): [(4, 2, 45, 4), (4, 2, 33, 3), (8, 2, 31, 4)],
+    # attention_decode_mma (steps of 8 keys, 1 to 8 simdgroups): the engine's 8 simdgroups at a context of one key and
+    # of a partial last step, one simdgroup over every step, 3 simdgroups (merge rounds of 128 dims), two threadgroups
+    # per KV head.
+    ("mma", 256): [(16, 2, 45, 8), (8, 1, 1, 8), (16, 2, 33, 1), (16, 2, 100, 3), (32, 2, 300, 8)],
+    ("mma", 64): [(4, 2, 45, 8), (8, 2, 17, 2), (2, 1, 70, 4)],
 }
 # Split-KV shapes (heads, kv_heads, keys, blocks, simdgroups); the kernel's block span is ceil(keys / blocks). 45 keys
 # in 3 blocks of 15 (no block a multiple of 8 keys), 1 key in 2 blocks (the second empty), 3 keys in 8 blocks (5 empty),
@@ -209,11 +214,22 @@ def run_split(run: Run, partial_kernel: str, inputs: DecodeInputs, num_blocks: i
     return partial_out.astype(np.float64), partial_stats.astype(np.float64), to_f64(out, inputs.dtype)
 
 
+def weight_rounding_allowance(inputs: DecodeInputs) -> np.ndarray:
+    """The mma kernels' P·V takes the weights rounded to bf16 (the MMA operands): an output moves by up to one rounding
+    of sum_k p_k |v_k| / sum_k p_k, times the gate."""
+    k, v = inputs.keys_values()
+    magnitude = reference.attention(to_f64(inputs.q, inputs.dtype)[None], k, np.abs(v),
+                                    to_f64(inputs.gate, inputs.dtype)[None], offset=inputs.keys - 1)[0]
+    return ROUNDING_UNIT_BF16 * np.abs(magnitude)
+
+
 def _single(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, simdgroups: int,
             query_scale: float = 2.0, widen: float = 1.0) -> None:
     dtype, head_dim = dtype_of(kernel), attention_layout(kernel)[0]
     inputs = DecodeInputs.random(run.rng, dtype, heads, kv_heads, keys, head_dim, query_scale)
-    run.compare("out", run_single(run, kernel, inputs, simdgroups), inputs.expected(), tolerance(dtype, widen))
+    allowance = weight_rounding_allowance(inputs) if "_mma_" in kernel else None
+    run.compare("out", run_single(run, kernel, inputs, simdgroups), inputs.expected(), tolerance(dtype, widen),
+                allowance)
 
 
 def _split(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, blocks: int, simdgroups: int) -> None:
@@ -224,14 +240,9 @@ def _split(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, blocks: 
     partial_out, partial_stats, out = run_split(run, kernel, inputs, blocks, simdgroups)
     expected_out, expected_stats = inputs.block_partials(blocks)
     partial_allowance = combined_allowance = None
-    if "_mma_" in kernel:
-        # P·V takes the weights rounded to bf16 (the MMA operands): an output moves by up to one rounding of
-        # sum_k p_k |v_k| / sum_k p_k, times the gate after the combine.
+    if "_mma_" in kernel:  # the weights' bf16 rounding (weight_rounding_allowance), per block and combined
         partial_allowance = ROUNDING_UNIT_BF16 * inputs.block_partials(blocks, absolute_values=True)[0]
-        k, v = inputs.keys_values()
-        magnitude = reference.attention(to_f64(inputs.q, dtype)[None], k, np.abs(v), to_f64(inputs.gate, dtype)[None],
-                                        offset=keys - 1)[0]
-        combined_allowance = ROUNDING_UNIT_BF16 * np.abs(magnitude)
+        combined_allowance = weight_rounding_allowance(inputs)
     run.compare("partial outputs", partial_out, expected_out, tolerance("f32"), partial_allowance)
     run.compare("partial (max, sum)", partial_stats, expected_stats, tolerance("f32"))
     run.compare("combined out", out, inputs.expected(), tolerance(dtype), combined_allowance)
@@ -275,11 +286,12 @@ def cases(kernel: str) -> list[Case]:
     found = [Case(kernel, f"Hq={h} Hkv={kv} S={s} simdgroups={sg} D={head_dim}",
                   partial(_single, kernel=kernel, heads=h, kv_heads=kv, keys=s, simdgroups=sg), quick=i == 0)
              for i, (h, kv, s, sg) in enumerate(SINGLE_SHAPES[family])]
-    if family == ("packed", 256):
+    if family in (("packed", 256), ("mma", 256)):
         # Scores in the hundreds: the online softmax must rescale rather than overflow exp. A score s carries an fp32
         # error of about |s| * 2^-24 * sqrt(D), which exp turns into a relative error of the weights: with scores
-        # near 200 that is ~10x the bound for unit-sized scores.
-        found.append(Case(kernel, "Hq=8 Hkv=2 S=40 simdgroups=4 D=256 large-scores",
-                          partial(_single, kernel=kernel, heads=8, kv_heads=2, keys=40, simdgroups=4,
+        # near 200 that is ~10x the bound for unit-sized scores. (The mma kernel packs a whole group of 8 heads.)
+        heads = 16 if family[0] == "mma" else 8
+        found.append(Case(kernel, f"Hq={heads} Hkv=2 S=40 simdgroups=4 D=256 large-scores",
+                          partial(_single, kernel=kernel, heads=heads, kv_heads=2, keys=40, simdgroups=4,
                                   query_scale=60.0, widen=10.0)))
     return found
