@@ -2,7 +2,7 @@
 
 bf16 rounding lives in ``lily.quant`` (round to nearest even, NaN kept NaN); the token-id check of a backend's
 ``forward`` in ``lily.reference.check_token_ids``; the reading of kernel host names from Metal source in
-``tools/msl_text.py``.
+``tools/msl_text.py``; the model's layer in one builder (the specification and the checkpoint reader aside).
 """
 
 from __future__ import annotations
@@ -113,3 +113,12 @@ def test_kernel_host_names_are_read_once() -> None:
                *(ROOT / "src").rglob("*.h")]
     readers = [str(p.relative_to(ROOT)) for p in sources if p != this and HOST_NAME_READER.search(p.read_text())]
     assert readers == ["tools/msl_text.py"]
+
+
+def test_the_layer_is_written_in_one_builder() -> None:
+    """Issue 22: the DeltaNet projection's checkpoint name appears only in the specification (lily/reference.py), the
+    checkpoint reader (lily/checkpoint.py) and the one model builder (src/lily_ext/models/qwen3_5_moe.cpp)."""
+    sources = [p for folder in ("src", "python") for p in (ROOT / folder).rglob("*")
+               if p.suffix in {".py", ".cpp", ".h", ".metal", ".mm"} and "in_proj_qkv" in p.read_text(errors="ignore")]
+    assert sorted(p.relative_to(ROOT).as_posix() for p in sources) == [
+        "python/lily/checkpoint.py", "python/lily/reference.py", "src/lily_ext/models/qwen3_5_moe.cpp"]

@@ -115,20 +115,16 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   const std::string variant = heads_per_group == 1 ? "unpacked_" : ctx.coalesced_kv ? "" : "plain_";
   const PositionField num_keys{0, offsetof(AttentionArgs, num_keys), 1};  // keys = position + 1
   // Matrix units (MMA_ATTENTION, bf16 cache; not with the packing and coalescing ablations): the whole GQA group per
-  // threadgroup when the head ratio splits into it.
+  // threadgroup, when the head ratio splits into it.
   const size_t mma_heads = attention_mma_heads_per_group(c);
   const bool mma = ctx.mma_attention && ctx.gqa_packing && ctx.coalesced_kv && ctx.act == DType::BF16 && mma_heads > 1;
-  if (split_blocks == 0 && mma) {
-    add_node(ctx, "attention_decode_mma_" + dt + suffix, label,
-             {arg_value(a), arg(s.q), arg(s.gate), arg(s.k_cache), arg(s.v_cache), arg(s.out)},
-             {c.num_heads / mma_heads, 1, 1}, {tuning::kAttentionDecodeMmaThreads, 1, 1}, reads, {s.out})
-        .per_position.push_back(num_keys);
-    return;
-  }
+  const std::string family = mma ? "mma_" : variant;
+  const size_t groups = mma ? c.num_heads / mma_heads : packs;
+  const size_t threads = mma ? tuning::kAttentionDecodeMmaThreads : tuning::kAttentionDecodeThreads;
   if (split_blocks == 0) {
-    add_node(ctx, "attention_decode_" + variant + dt + suffix, label,
-             {arg_value(a), arg(s.q), arg(s.gate), arg(s.k_cache), arg(s.v_cache), arg(s.out)}, {packs, 1, 1},
-             {tuning::kAttentionDecodeThreads, 1, 1}, reads, {s.out})
+    add_node(ctx, "attention_decode_" + family + dt + suffix, label,
+             {arg_value(a), arg(s.q), arg(s.gate), arg(s.k_cache), arg(s.v_cache), arg(s.out)}, {groups, 1, 1},
+             {threads, 1, 1}, reads, {s.out})
         .per_position.push_back(num_keys);
     return;
   }
@@ -142,18 +138,10 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   Span partial_out = sub(s.partial_out, 0, c.num_heads * a.num_blocks * D * 4);
   Span partial_stats = sub(s.partial_stats, 0, c.num_heads * a.num_blocks * 2 * 4);
   reads.erase(reads.begin() + 1);  // the partial pass does not read the gate
-  const std::vector<NodeArg> partial_args = {arg_value(a),      arg(s.q),           arg(s.k_cache),
-                                             arg(s.v_cache),    arg(partial_out),   arg(partial_stats)};
-  if (mma) {
-    add_node(ctx, "attention_decode_partial_mma_" + dt + suffix, label + " partial", partial_args,
-             {c.num_heads / mma_heads, a.num_blocks, 1}, {tuning::kAttentionDecodeMmaThreads, 1, 1}, reads,
-             {partial_out, partial_stats})
-        .per_position.push_back(num_keys);
-  } else {
-    add_node(ctx, "attention_decode_partial_" + variant + dt + suffix, label + " partial", partial_args,
-             {packs, a.num_blocks, 1}, {tuning::kAttentionDecodeThreads, 1, 1}, reads, {partial_out, partial_stats})
-        .per_position.push_back(num_keys);
-  }
+  add_node(ctx, "attention_decode_partial_" + family + dt + suffix, label + " partial",
+           {arg_value(a), arg(s.q), arg(s.k_cache), arg(s.v_cache), arg(partial_out), arg(partial_stats)},
+           {groups, a.num_blocks, 1}, {threads, 1, 1}, reads, {partial_out, partial_stats})
+      .per_position.push_back(num_keys);
   add_node(ctx, "attention_decode_combine_" + dt + suffix, label + " combine",
            {arg_value(a), arg(s.gate), arg(partial_out), arg(partial_stats), arg(s.out)},
            {c.num_heads, (D + tuning::kAttentionCombineSlice - 1) / tuning::kAttentionCombineSlice, 1},

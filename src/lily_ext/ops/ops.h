@@ -74,9 +74,9 @@ void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, con
 bool quantized_alike(const std::vector<const WeightRef*>& parts);
 // qmatmul.cpp, decode (one row): y = [W_0; W_1; ...] · x' over up to 4 matrices sharing x, each read from its own
 // bytes (qmv_seg / qmv_norm_seg: no concatenated copy); x' = rms_norm(x) ⊙ norm_weight when norm_weight is given.
-// With `conv` (the spread DeltaNet step; staged, 4-bit, normed): segment 0 is in_proj_qkv, whose outputs go through
-// the causal conv into conv.out (f32) and conv.state (qmv_norm_seg_conv_staged) instead of into y, and segment 1 is
-// in_proj_z, whose SiLU also goes to conv.gate (f32).
+// With `conv` (the spread DeltaNet step; staged, 4-bit, normed): segment 0 is the q|k|v projection, whose outputs go
+// through the causal conv into conv.out (f32) and conv.state (qmv_norm_seg_conv_staged) instead of into y, and
+// segment 1 is the z projection, whose SiLU also goes to conv.gate (f32).
 struct ConvEpilogue {
   const WeightRef* weight;  // conv1d.weight [C, kernel]
   Span state, out, gate;    // the layer's conv state [kernel - 1, C] (in place); the f32 conv outputs [C]; SiLU(z)
