@@ -183,10 +183,14 @@ def test_fast_paths_left_out_are_named_in_the_plan_and_the_debug_log(checkpoints
     # Shapes every fast path fits (the demo model, the packed fixtures, the full-size model) list nothing.
     for args in (checkpoints["demo"].args, checkpoints["gqa4"].args, checkpoints["d256"].args, full_size_args()):
         assert plan_decode(args, context=16)["fast_paths_left_out"] == []
-    # Head ratio 4 at head dim 256: decode packs 4 heads, prefill's mma kernel (8) runs unpacked, and says so.
+    # Head ratio 4 at head dim 256: prefill's mma kernel (8) runs unpacked, decode the vector kernels (4 heads per
+    # threadgroup) instead of the mma ones, and the plan says so.
     ratio4 = dataclasses.replace(full_size_args(), num_key_value_heads=4)
-    [line] = plan_decode(ratio4, context=16)["fast_paths_left_out"]
+    plan = plan_decode(ratio4, context=16)
+    [line] = plan["fast_paths_left_out"]
     assert "prefill attention" in line and "16 / 4" in line and "multiple of 8" in line and "unpacked" in line, line
+    assert "decode" in line and "attention_decode[_partial]_*, 4 heads" in line, line
+    assert plan["dispatches_by_kernel"].get("attention_decode_bf16_d256") == 10, sorted(plan["dispatches_by_kernel"])
 
 
 def test_packing_switch_is_read_from_the_environment():

@@ -57,10 +57,12 @@ std::vector<std::string> attention_fast_paths_left_out(const ModelConfig& c) {
             std::to_string(c.head_dim) + "); attention runs the *_unpacked_* kernels, one query head per threadgroup"};
   }
   if (!ratio_splits(c, mma_packed)) {
-    return {"GQA packing of prefill attention: " + ratio + std::to_string(mma_packed) +
-            " (the query heads one attention_prefill_mma threadgroup packs at head_dim " + std::to_string(c.head_dim) +
-            "); prefill chunks of " + std::to_string(LILY_ATTN_MMA_MIN_QUERIES) +
-            "+ tokens run attention_prefill_mma_unpacked_*, one query head per threadgroup"};
+    return {"GQA packing of prefill attention and bf16 decode attention on matrix units: " + ratio +
+            std::to_string(mma_packed) + " (the query heads one attention_prefill_mma or attention_decode_mma "
+            "threadgroup packs at head_dim " + std::to_string(c.head_dim) + "); prefill chunks of " +
+            std::to_string(LILY_ATTN_MMA_MIN_QUERIES) +
+            "+ tokens run attention_prefill_mma_unpacked_*, one query head per threadgroup, and decode the vector "
+            "kernels attention_decode[_partial]_*, " + std::to_string(packed) + " heads per threadgroup"};
   }
   return {};
 }
