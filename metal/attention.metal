@@ -309,13 +309,13 @@ template <typename T, typename C, uint D, uint G, bool COALESCED>
 }
 
 // Decode attention on matrix units (attention_decode_mma: the single pass, the gate fused;
-// attention_decode_partial_mma: split-KV pass 1). One threadgroup per (G query heads of one KV head[, block of keys]), G = the whole GQA
-// group at D = 256 (LILY_ATTN_MMA_HEADS_PER_GROUP: 8 for the model, so each K/V row is read once per token; the
-// vector kernel's 4 heads read it twice), 2 at D = 64. n <= 8 simdgroups take the block's keys in steps of 8: simdgroup
-// s the steps at key_begin + 8s, + 8n, ... Per step a simdgroup computes S^T = K Q^T (8 keys x 8 heads, over D/8
-// fragments) and O^T += V^T P^T (D dims x 8 heads) with simdgroup matrices: bf16 operands, fp32 accumulators; P is
-// rounded to bf16 (as attention_prefill_mma does). Query heads are the fragments' columns (columns >= G are zero and
-// never stored), so the step's softmax is one max and one sum over the rows of each column.
+// attention_decode_partial_mma: split-KV pass 1). One threadgroup per G query heads of one KV head (and block of
+// keys), G = the whole GQA group at D = 256 (LILY_ATTN_MMA_HEADS_PER_GROUP: 8 for the model, so each K/V row is read
+// once per token; the vector kernel's 4 heads read it twice), 2 at D = 64. n <= 8 simdgroups take the keys in steps
+// of 8: simdgroup s the steps at key_begin + 8s, + 8n, ... Per step a simdgroup computes S^T = K Q^T (8 keys x 8
+// heads, over D/8 fragments) and O^T += V^T P^T (D dims x 8 heads) with simdgroup matrices: bf16 operands, fp32
+// accumulators; P is rounded to bf16 (as attention_prefill_mma does). Query heads are the fragments' columns
+// (columns >= G are zero and never stored), so the step's softmax is one max and one sum over the rows of each column.
 // The fragments are filled straight from device memory, with no staging: a dot product may take the head dim in any
 // order, and O^T's rows may hold the dims in any order, so both permute them so that each lane loads 16 contiguous
 // bytes (attn_decode_mma_key_dim, attn_decode_mma_value_dim): a K load fills four fragments (8 keys x 64 bytes per
@@ -338,7 +338,7 @@ inline uint attn_decode_mma_value_dim(uint g, uint row) {
   return 64 * (g / 8) + 8 * row + g % 8;
 }
 
-// One step's loads of attention_decode_partial_mma: K row key0 + row (dims 32m + 8 (col / 2) ..) and V rows
+// One step's loads of the decode mma kernels: K row key0 + row (dims 32m + 8 (col / 2) ..) and V rows
 // key0 + col, key0 + col + 1 (dims 64m + 8 row ..), 16 bytes each; rows past key_end read row key_end - 1.
 template <uint D>
 struct AttnDecodeMmaLoads {
@@ -363,7 +363,7 @@ struct AttnDecodeMmaLoads {
   }
 };
 
-// One step of attention_decode_partial_mma: the 8 keys key0 .. (rows past key_end masked) whose K and V `loads`
+// One step of the decode mma kernels: the 8 keys key0 .. (rows past key_end masked) whose K and V `loads`
 // holds, folded into the simdgroup's running max, sum and O^T.
 template <uint D>
 LILY_INLINE void attn_decode_mma_step(thread const AttnDecodeMmaLoads<D>& loads,
@@ -419,8 +419,8 @@ LILY_INLINE void attn_decode_mma_step(thread const AttnDecodeMmaLoads<D>& loads,
 
 // Attention of the G query heads head0 .. over keys [key_begin, key_end) (not empty) of their KV head on matrix
 // units, for attention_decode_partial_mma and attention_decode_mma: `store` takes each head's normalised output,
-// element by element (output(h, dim, value)), and its softmax max and sum (block_stats(h, max, sum)). Every thread of the
-// threadgroup must call it.
+// element by element (output(h, dim, value)), and its softmax max and sum (block_stats(h, max, sum)). Every thread
+// of the threadgroup must call it.
 template <typename T, uint D, uint G, typename Store>
 LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, device const T* q,
                                        device const bfloat* k_cache, device const bfloat* v_cache, uint head0,
