@@ -252,6 +252,36 @@ template <typename T, typename C, uint D, uint G, bool COALESCED>
   }
 }
 
+// Where a split-KV partial kernel's block outputs go (attention_decode_partial, attention_decode_partial_mma):
+// partial_out [Hq, num_blocks, D], partial_stats [Hq, num_blocks, 2].
+template <uint D>
+struct AttnDecodePartialStore {
+  device float* partial_out;
+  device float* partial_stats;
+  uint head0, block, num_blocks;
+
+  LILY_INLINE void output(uint h, uint dim, float value) {
+    partial_out[(size_t(head0 + h) * num_blocks + block) * D + dim] = value;
+  }
+  LILY_INLINE void block_stats(uint h, float max_score, float sum) {
+    const size_t slot = (size_t(head0 + h) * num_blocks + block) * 2;
+    partial_stats[slot] = max_score;
+    partial_stats[slot + 1] = sum;
+  }
+};
+
+// An empty block (the keys end in an earlier block): zero weight for the combine (max -inf, sum 0) and a finite
+// output (0), so its weight 0 times the output stays 0. The whole threadgroup returns after it, before any barrier.
+template <uint D, uint G>
+LILY_INLINE void attn_decode_empty_block(thread AttnDecodePartialStore<D>& store, uint tid, uint n_threads) {
+  for (uint i = tid; i < G * D; i += n_threads) {
+    store.output(i / D, i % D, 0.0f);
+  }
+  if (tid < G) {
+    store.block_stats(tid, -INFINITY, 0.0f);
+  }
+}
+
 template <typename T, typename C, uint D, uint G, bool COALESCED>
 [[kernel]] void attention_decode_partial(constant lily::AttentionArgs& args [[buffer(0)]],
                                          device const T* q [[buffer(1)]],
@@ -275,17 +305,9 @@ template <typename T, typename C, uint D, uint G, bool COALESCED>
   // Block span from the key count, so one recorded program serves every position with the same num_blocks.
   const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
   const uint key_begin = block * span;
+  AttnDecodePartialStore<D> store{partial_out, partial_stats, head0, block, args.num_blocks};
   if (key_begin >= args.num_keys) {
-    // An empty block (the keys end in an earlier block): zero weight for the combine (max -inf, sum 0) and a finite
-    // output (0), so its weight 0 times the output stays 0. The whole threadgroup returns before any barrier.
-    for (uint i = tid; i < G * D; i += n_threads) {
-      partial_out[(size_t(head0 + i / D) * args.num_blocks + block) * D + i % D] = 0.0f;
-    }
-    if (tid < G) {
-      const size_t slot = (size_t(head0 + tid) * args.num_blocks + block) * 2;
-      partial_stats[slot] = -INFINITY;
-      partial_stats[slot + 1] = 0.0f;
-    }
+    attn_decode_empty_block<D, G>(store, tid, n_threads);
     return;
   }
   const uint key_end = min(args.num_keys, key_begin + span);
@@ -295,15 +317,12 @@ template <typename T, typename C, uint D, uint G, bool COALESCED>
                                         merge, result, block_max, block_sum, tid, n_threads, simd_lane, simd_group,
                                         n_simdgroups);
   for (uint i = tid; i < G * D; i += n_threads) {
-    const uint head = head0 + i / D;
-    partial_out[(size_t(head) * args.num_blocks + block) * D + i % D] = result[i];
+    store.output(i / D, i % D, result[i]);
   }
   LILY_UNROLL
   for (uint h = 0; h < G; ++h) {
     if (tid == h) {  // constant component indices: no local-memory copy of the float4s on CUDA
-      const size_t slot = (size_t(head0 + h) * args.num_blocks + block) * 2;
-      partial_stats[slot] = block_max[h];
-      partial_stats[slot + 1] = block_sum[h];
+      store.block_stats(h, block_max[h], block_sum[h]);
     }
   }
 }
@@ -500,6 +519,16 @@ LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, devic
   }
   const float2 weight = float2(precise::exp(run_max.x - total_max.x) / total_sum.x,
                                precise::exp(run_max.y - total_max.y) / total_sum.y);
+  // The block's (max, sum) per head: the columns' totals, from the lanes of row 0 of simdgroup 0 (every lane of a
+  // column holds them).
+  if (simd_group == 0 && row == 0) {
+    LILY_UNROLL
+    for (uint e = 0; e < 2; ++e) {
+      if (col + e < G) {
+        store.block_stats(col + e, total_max[e], total_sum[e]);
+      }
+    }
+  }
   // R dims per round (a multiple of 64: whole groups of 8 fragments); rows padded by one float against bank conflicts.
   // With n <= 8, 8 n (R + 1) <= MERGE + 64 floats.
   const uint round_dims = min(D, MERGE / (8 * n_simdgroups) / 64 * 64);
@@ -526,35 +555,7 @@ LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, devic
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
-  if (tid < G) {
-    float block_max = -INFINITY, block_sum = 0.0f;
-    for (uint g = 0; g < n_simdgroups; ++g) {
-      block_max = max(block_max, stats_max[g * 8 + tid]);
-    }
-    for (uint g = 0; g < n_simdgroups; ++g) {
-      block_sum += stats_sum[g * 8 + tid] * precise::exp(stats_max[g * 8 + tid] - block_max);
-    }
-    store.block_stats(tid, block_max, block_sum);
-  }
 }
-
-// Where attention_decode_partial_mma's block outputs go: partial_out [Hq, num_blocks, D], partial_stats [Hq,
-// num_blocks, 2].
-template <uint D>
-struct AttnDecodePartialStore {
-  device float* partial_out;
-  device float* partial_stats;
-  uint head0, block, num_blocks;
-
-  LILY_INLINE void output(uint h, uint dim, float value) {
-    partial_out[(size_t(head0 + h) * num_blocks + block) * D + dim] = value;
-  }
-  LILY_INLINE void block_stats(uint h, float max_score, float sum) {
-    const size_t slot = (size_t(head0 + h) * num_blocks + block) * 2;
-    partial_stats[slot] = max_score;
-    partial_stats[slot + 1] = sum;
-  }
-};
 
 // attention_decode_mma's: the gated output out [Hq, D]; no stats.
 template <typename T, uint D>
@@ -591,19 +592,11 @@ template <typename T, uint D, uint G>
   const uint block = group.y;
   const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
   const uint key_begin = block * span;
+  AttnDecodePartialStore<D> store{partial_out, partial_stats, head0, block, args.num_blocks};
   if (key_begin >= args.num_keys) {
-    // An empty block, as in attention_decode_partial: output 0, max -inf, sum 0; no barrier reached.
-    for (uint i = tid; i < G * D; i += n_threads) {
-      partial_out[(size_t(head0 + i / D) * args.num_blocks + block) * D + i % D] = 0.0f;
-    }
-    if (tid < G) {
-      const size_t slot = (size_t(head0 + tid) * args.num_blocks + block) * 2;
-      partial_stats[slot] = -INFINITY;
-      partial_stats[slot + 1] = 0.0f;
-    }
+    attn_decode_empty_block<D, G>(store, tid, n_threads);
     return;
   }
-  AttnDecodePartialStore<D> store{partial_out, partial_stats, head0, block, args.num_blocks};
   attn_decode_mma_heads<T, D, G>(args, q, k_cache, v_cache, head0, key_begin, min(args.num_keys, key_begin + span),
                                  stats_max, stats_sum, merge, store, tid, n_threads, simd_lane, simd_group,
                                  n_simdgroups);

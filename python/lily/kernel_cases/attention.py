@@ -37,7 +37,7 @@ PATTERN = re.compile(r"attention_decode_(unpacked_|plain_|mma_|partial_|partial_
 # default kernels; the *_mma_* ones pack the whole GQA group at D = 256 (LILY_ATTN_MMA_HEADS_PER_GROUP, ..._D64).
 HEADS_PER_GROUP = {256: 4, 64: 2}
 MMA_HEADS_PER_GROUP = {256: 8, 64: 2}
-ROUNDING_UNIT_BF16 = 2.0**-8  # one bf16 rounding (2^-p, twice the half-ulp bound)
+ROUNDING_UNIT = {"bf16": 2.0**-8, "f16": 2.0**-11}  # one rounding (2^-p, twice the half-ulp bound) of a 16-bit dtype
 # The KV cache is bf16 except in float32 mode.
 CACHE_DTYPE = {"f32": "f32", "f16": "bf16", "bf16": "bf16"}
 # fp32 outputs: the kernel's fp32 dot products, exps and sums over up to 1025 keys against an fp64 reference.
@@ -220,7 +220,7 @@ def weight_rounding_allowance(inputs: DecodeInputs) -> np.ndarray:
     k, v = inputs.keys_values()
     magnitude = reference.attention(to_f64(inputs.q, inputs.dtype)[None], k, np.abs(v),
                                     to_f64(inputs.gate, inputs.dtype)[None], offset=inputs.keys - 1)[0]
-    return ROUNDING_UNIT_BF16 * np.abs(magnitude)
+    return ROUNDING_UNIT["bf16"] * np.abs(magnitude)
 
 
 def _single(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, simdgroups: int,
@@ -241,7 +241,7 @@ def _split(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, blocks: 
     expected_out, expected_stats = inputs.block_partials(blocks)
     partial_allowance = combined_allowance = None
     if "_mma_" in kernel:  # the weights' bf16 rounding (weight_rounding_allowance), per block and combined
-        partial_allowance = ROUNDING_UNIT_BF16 * inputs.block_partials(blocks, absolute_values=True)[0]
+        partial_allowance = ROUNDING_UNIT["bf16"] * inputs.block_partials(blocks, absolute_values=True)[0]
         combined_allowance = weight_rounding_allowance(inputs)
     run.compare("partial outputs", partial_out, expected_out, tolerance("f32"), partial_allowance)
     run.compare("partial (max, sum)", partial_stats, expected_stats, tolerance("f32"))

@@ -22,7 +22,8 @@ from functools import partial
 import numpy as np
 
 from lily import reference
-from lily.kernel_cases.attention import CACHE_DTYPE, attention_args, attention_layout, cache_rows, kv_cache, tolerance
+from lily.kernel_cases.attention import (CACHE_DTYPE, ROUNDING_UNIT, attention_args, attention_layout, cache_rows,
+                                         kv_cache, tolerance)
 from lily.kernel_cases.common import Case, Run, dtype_of, poisoned, round_to, to_device, to_f64
 
 PATTERN = re.compile(r"attention_prefill(_mma)?_(unpacked_)?(f32|f16|bf16)_d(256|64)|simdgroup_layout_probe")
@@ -33,7 +34,6 @@ MMA_HEADS_PER_GROUP = {256: 8, 64: 2}
 # Most keys and bytes of one K (or V) tile of attention_prefill_mma (LILY_ATTN_MMA_TILE_KEYS, ..._TILE_BYTES).
 MMA_TILE_KEYS, MMA_TILE_BYTES = 32, 16384
 CACHE_BYTES = {"f32": 4, "bf16": 2}
-ROUNDING_UNIT = {"bf16": 2.0**-8, "f16": 2.0**-11}  # one rounding (2^-p, twice the half-ulp bound) of a 16-bit dtype
 # (heads, kv_heads, queries, offset, simdgroups) of the packed vector kernel by head dim; the first is the self-test's.
 SHAPES = {
     256: [(16, 2, 12, 21, 4), (8, 2, 31, 0, 8), (8, 2, 32, 0, 8), (8, 2, 33, 0, 8),
