@@ -11,7 +11,8 @@ if [ "$(uname -s)" = Darwin ]; then
   fi
   python -m pip install --upgrade pip >/dev/null
   # Apple's clang (CXX unset) builds the engine on real Metal; the kernels compile at run time (no Metal Toolchain).
-  python -m pip install ".[test]"
+  # A test build (LILY_TEST_BUILD=ON) adds lily._ext._test_engine, which the engine tests drive.
+  python -m pip install ".[test]" -Ccmake.define.LILY_TEST_BUILD=ON
   export HF_HUB_OFFLINE=1
   # Every kernel on this Mac's GPU against the reference first, then the suite: the engine tests (backend="metal")
   # run on the GPU, and what needs Linux (the CPU harness, the fake Metal, the CUDA toolchain) is skipped, saying why.
@@ -28,10 +29,10 @@ if ! command -v clang++-19 >/dev/null 2>&1; then
 fi
 
 python -m pip install --upgrade pip >/dev/null
-# clang-19 builds the Metal test runtime (the kernels on the CPU harness, the fake Metal), so every test runs; any
-# other C++17 compiler builds Lily without it.
+# A test build (LILY_TEST_BUILD=ON) links the test doubles (src/test_doubles/) that a plain `pip install .` leaves out;
+# with clang-19 it builds the Metal test runtime (the kernels on the CPU harness, the fake Metal), so every test runs.
 # LILY_CUDA_KERNELS=OFF: no PTX in the package; tests/test_cuda_build.py compiles every kernel for CUDA once, and the
 # CUDA tests use that.
-CXX=clang++-19 python -m pip install ".[test]" -Ccmake.define.LILY_CUDA_KERNELS=OFF
+CXX=clang++-19 python -m pip install ".[test]" -Ccmake.define.LILY_TEST_BUILD=ON -Ccmake.define.LILY_CUDA_KERNELS=OFF
 export HF_HUB_OFFLINE=1
 python -m pytest -q "$@"

@@ -152,16 +152,18 @@ except ImportError:  # not built: every test that needs the extension says so
     _ext = None
 
 HAS_HARNESS = _ext is not None and getattr(_ext, "msl", None) is not None
-HAS_FAKE_METAL = _ext is not None and hasattr(_ext._test_engine, "set_stage_order")
+# The test doubles (src/test_doubles/) are linked only into a test build (CMakeLists.txt's LILY_TEST_BUILD).
+IS_TEST_BUILD = _ext is not None and hasattr(_ext, "_test_engine")
+HAS_FAKE_METAL = IS_TEST_BUILD and hasattr(_ext._test_engine, "set_stage_order")
 HAS_METAL = _ext is not None and _ext.platform != "none"
 HARNESS_MODULES = ("kernels/", "harness/", "test_selftest.py", "engine/test_metallib.py")
 # LILY_KERNEL_DEVICE=cuda or metal-api: the kernel tests dispatch on that device (tests/kernels/conftest.py), no
 # harness needed.
 KERNELS_OFF_HARNESS = os.environ.get("LILY_KERNEL_DEVICE", "harness") != "harness"
 SKIP_REASONS = {
-    "harness": "needs the MSL CPU execution harness (lily._ext.msl): Linux builds with clang-19 on x86-64 only",
+    "harness": "needs the MSL CPU execution harness (lily._ext.msl): Linux test builds with clang-19 on x86-64 only",
     "fake_metal": "needs the fake Metal's controls (stage order, statistics): the Linux Metal test runtime only",
-    "metal": "needs a Metal runtime: this lily._ext was built without one (Linux without clang-19 on x86-64)",
+    "metal": "needs a Metal runtime: this lily._ext was built without one (on Linux: a clang-19 test build on x86-64)",
 }
 
 
@@ -197,6 +199,10 @@ def pytest_pycollect_makemodule(module_path: Path, parent):
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if _ext is not None and not IS_TEST_BUILD:
+        raise pytest.UsageError(
+            "lily._ext is not a test build (it lacks the test doubles the tests drive): run scripts/test.sh, or "
+            "reinstall with CXX=clang++-19 pip install '.[test]' -Ccmake.define.LILY_TEST_BUILD=ON")
     for marker in ("metal", "fake_metal"):
         config.addinivalue_line("markers", f"{marker}: {SKIP_REASONS[marker]} (skipped where absent)")
 

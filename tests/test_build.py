@@ -1,5 +1,6 @@
-"""Building Lily with any C++17 compiler (CMakeLists.txt): the compiler the user chose is the one CMake uses, and a
-machine without clang builds, installs and generates text, with `backend="metal"` saying what the build lacks.
+"""Building Lily with any C++17 compiler (CMakeLists.txt): the compiler the user chose is the one CMake uses, a build
+that is not a test build links no test double, and a machine without clang builds, installs and generates text, with
+`backend="metal"` saying what the build lacks.
 
 The full build (one, into a temporary directory, reusing ccache when present) takes minutes on a small machine.
 """
@@ -23,13 +24,15 @@ NO_RUNTIME_LINE = "built without the Metal test runtime (needs clang-19 on x86-6
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the Linux build (a Mac always builds with Metal)")
 
 
-def configure(tmp_path: Path, cxx: str, source: Path = ROOT) -> str:
-    """CMake's configure step of the project in `source` with CXX=`cxx`; its output."""
+def configure(tmp_path: Path, cxx: str, source: Path = ROOT, *, test_build: bool = True) -> str:
+    """CMake's configure step of the project in `source` with CXX=`cxx` (a test build unless `test_build` is
+    False); its output."""
     import nanobind
 
     env = {**os.environ, "CXX": cxx}
     proc = subprocess.run(
-        ["cmake", "-S", str(source), "-B", str(tmp_path / "build"), "-DLILY_CUDA_KERNELS=OFF",
+        ["cmake", "-G", "Ninja", "-S", str(source), "-B", str(tmp_path / "build"), "-DLILY_CUDA_KERNELS=OFF",
+         f"-DLILY_TEST_BUILD={'ON' if test_build else 'OFF'}",
          f"-DPython_EXECUTABLE={sys.executable}", f"-Dnanobind_DIR={nanobind.cmake_dir()}"],
         env=env, capture_output=True, text=True, timeout=300,
     )
@@ -67,6 +70,23 @@ def test_the_compiler_the_user_chose_is_used(tmp_path, cxx, compiler_id, runtime
     build = recorded(tmp_path)
     assert build["NO_METAL_RUNTIME"] == ("" if runtime else no_runtime_line(out))
     assert build["COMMIT"] == head_commit()
+
+
+def test_a_build_that_is_not_a_test_build_links_no_test_double(tmp_path):
+    out = configure(tmp_path, "clang++-19", test_build=False)
+    # The compiler that would build the Metal test runtime, but no test build: the line says what is missing.
+    assert "The CXX compiler identification is Clang " in out, out
+    assert "needs clang-19 on x86-64 and a test build, LILY_TEST_BUILD=ON" in recorded(tmp_path)["NO_METAL_RUNTIME"]
+    ninja = (tmp_path / "build" / "build.ninja").read_text()
+    for double in ("test_doubles/objc_toy", "test_doubles/cuda_fake", "test_doubles/engine_test", "lily_fake_cuda",
+                   "msl_cpu/fibers"):
+        assert double not in ninja, double
+    # The same configure as a test build links them all.
+    test_build = configure(tmp_path / "test", "clang++-19")
+    assert NO_RUNTIME_LINE not in test_build
+    ninja = (tmp_path / "test" / "build" / "build.ninja").read_text()
+    for double in ("test_doubles/objc_toy", "test_doubles/cuda_fake", "test_doubles/engine_test", "lily_fake_cuda"):
+        assert double in ninja, double
 
 
 def test_a_build_from_outside_a_git_checkout_records_an_unknown_commit(tmp_path):
@@ -158,13 +178,19 @@ def test_a_machine_without_clang_builds_installs_and_generates(tmp_path):
     # The metal backend says what the build lacks, in one line, before loading anything: the build's own line, which
     # pip showed only with -v.
     build_line = no_runtime_line(log)
-    assert "this build uses GNU " in build_line
+    assert "a test build, LILY_TEST_BUILD=ON" in build_line
+    # A plain build ships no test double: no fake libcuda in the wheel, no lily._ext._test_engine.
+    assert not [name for name in zipfile.ZipFile(wheel).namelist() if "fake_cuda" in name]
+    doubles = subprocess.run([str(venv / "bin" / "python"), "-c", "from lily import _ext; "
+                              "print(hasattr(_ext, '_test_engine'), getattr(_ext, 'msl', None) is None)"],
+                             cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=300)
+    assert doubles.stdout.split() == ["False", "True"], doubles.stderr
     metal = subprocess.run([str(venv / "bin" / "lily"), "generate", "ROMEO:", "--backend", "metal"],
                            cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=600)
     assert metal.returncode != 0
     assert metal.stderr.strip().splitlines()[-1] == (
         f"lily: error: backend='metal' is unavailable: lily was {build_line}; reinstall with CXX=clang++-19 pip "
-        "install . (CXX picks the compiler), or use backend='cpu'"
+        "install . -Ccmake.define.LILY_TEST_BUILD=ON (CXX picks the compiler), or use backend='cpu'"
     ), metal.stderr
     assert "Traceback" not in metal.stderr
     selftest = subprocess.run([str(venv / "bin" / "python"), "-m", "lily.selftest"], cwd=tmp_path, env=run_env,

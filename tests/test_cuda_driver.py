@@ -1,5 +1,5 @@
 """The CUDA driver layer (src/lily_ext/cuda/driver.cpp) under lily.cuda. In CI, without a GPU, it runs on the fake
-libcuda (src/cuda_fake/, loaded through $LILY_LIBCUDA), which runs the PTX's kernels on the CPU harness and runs graph
+libcuda (src/test_doubles/cuda_fake/, loaded through $LILY_LIBCUDA), which runs the PTX's kernels on the CPU harness and runs graph
 nodes in a seeded random order that respects only the declared edges (docs/cuda.md); the PTX is the session's one
 CUDA build (the ``cuda_compile_only`` fixture, tests/conftest.py). With LILY_CUDA_TESTS=gpu the same tests, except
 the fake's own, run on the real driver and GPU 0 with the packaged PTX or $LILY_CUDA_PTX_DIR (docs/verification.md).

@@ -377,8 +377,12 @@ def host_cost(*, tokens: int = 256, precision: str = "bfloat16", warmup: int = 1
     if getattr(_ext, "platform", "") == "metal":
         raise ValueError("--host-only needs the Linux test runtime (kernels are stubbed in its fake Metal); on a "
                          "Mac, run lily bench on a real checkpoint")
+    stubs = getattr(_ext, "_test_engine", None)
+    if stubs is None or not hasattr(stubs, "set_kernel_execution"):
+        raise ValueError("--host-only needs the Linux Metal test runtime (kernels are stubbed in its fake Metal), "
+                         "which only a test build links: CXX=clang++-19 pip install . "
+                         "-Ccmake.define.LILY_TEST_BUILD=ON")
     args = full_size_args()
-    stubs = _ext._test_engine
     stubs.set_kernel_execution(False)
     try:
         backend = MetalBackend.synthetic(args, precision=precision, max_context=warmup + tokens + 8)

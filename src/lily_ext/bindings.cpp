@@ -1,9 +1,12 @@
 // nanobind entry point of lily._ext; binds engine functions and holds no logic.
 #include <nanobind/nanobind.h>
 
-#include "engine_test_bindings.h"
 #include "cpu/cpu_bindings.h"
 #include "cuda/cuda_bindings.h"
+
+#if defined(LILY_TEST_BUILD)
+#include "../test_doubles/engine_test/engine_test_bindings.h"
+#endif
 
 // ---- model graph and plan: includes ----
 #include <nanobind/ndarray.h>
@@ -378,8 +381,10 @@ void bind_platform(nb::module_ m);  // which Metal the extension talks to, and t
 
 NB_MODULE(_ext, m) {
   m.doc() = "Lily's compiled engine (private; use the lily package).";
-  // Host engine: device, encoder and (on Linux) the fake Metal, for tests only.
+#if defined(LILY_TEST_BUILD)
+  // Test builds only (LILY_TEST_BUILD): the host engine's device and encoder and (on Linux) the fake Metal.
   lily::bind_test_engine(m.def_submodule("_test_engine"));
+#endif
   // Kernel runner: one kernel at a time through the Metal API (lily.selftest --device metal-api).
   bind_kernel_runner(m.def_submodule("kernels"));
   // What crosses into the engines typed: the model's configuration, the engine switches, the GPU token choice.

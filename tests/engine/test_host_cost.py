@@ -84,3 +84,14 @@ def test_host_only_cli_prints_json(capsys):
     assert out["host_us_per_token"] > 0 and out["cpp_us_per_token"] > 0 and out["tokens"] >= 200
     assert cli.main(["bench", "--host-only"]) != 0
     assert "add --full-size" in capsys.readouterr().err
+
+
+@pytest.mark.fake_metal  # on a Mac --host-only is refused earlier, for the Mac
+def test_host_only_cli_without_the_test_doubles_says_which_build_has_them(capsys, monkeypatch):
+    from lily import _ext
+
+    # A plain build (LILY_TEST_BUILD off) has no lily._ext._test_engine.
+    monkeypatch.delattr(_ext, "_test_engine")
+    assert cli.main(["bench", "--full-size", "--host-only"]) != 0
+    err = capsys.readouterr().err
+    assert "only a test build links" in err and "LILY_TEST_BUILD=ON" in err and "Traceback" not in err

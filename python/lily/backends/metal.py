@@ -12,13 +12,14 @@ from lily.config import ModelArgs
 
 
 def missing_metal_runtime() -> str:
-    """Why this build runs no Metal (lily._ext.platform == "none": a Linux build without clang-19 or off x86-64), in
-    the build's own words and with the way to get it; "" where it runs Metal."""
+    """Why this build runs no Metal (lily._ext.platform == "none": a Linux build other than a clang-19 test build on
+    x86-64), in the build's own words and with the way to get it; "" where it runs Metal."""
     from lily import _build, _ext
 
     if _ext.platform != "none":
         return ""
-    return f"lily was {_build.NO_METAL_RUNTIME}; reinstall with CXX=clang++-19 pip install . (CXX picks the compiler)"
+    return (f"lily was {_build.NO_METAL_RUNTIME}; reinstall with CXX=clang++-19 pip install . "
+            "-Ccmake.define.LILY_TEST_BUILD=ON (CXX picks the compiler)")
 
 
 def require_metal_runtime() -> None:

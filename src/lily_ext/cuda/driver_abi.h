@@ -1,7 +1,7 @@
 // The subset of the CUDA driver API that Lily calls, declared from NVIDIA's published ABI (cuda.h, CUDA 12/13) so
 // that nothing needs a CUDA header: opaque handles, the few structs, enum values, and the function table with each
 // function's exported (versioned) symbol. Shared by the run-time loader (driver.cpp) and the fake libcuda
-// (src/cuda_fake/), which implements exactly these symbols; one table, so their signatures cannot drift apart.
+// (src/test_doubles/cuda_fake/), which implements exactly these symbols; one table, so their signatures cannot drift apart.
 #pragma once
 
 #include <cstddef>

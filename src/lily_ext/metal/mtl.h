@@ -1,6 +1,6 @@
 // Lily's Metal binding: the ~40 Metal and Foundation calls the engine needs, made through
 // objc_msgSend from plain C++17 (no Objective-C++), so the same code compiles on macOS and on
-// Linux, where it runs against the toy runtime and fake Metal of src/objc_toy.
+// Linux, where it runs against the toy runtime and fake Metal of src/test_doubles/objc_toy.
 //
 // Objects are held by `Object`, an owning (+1) reference. Every function that makes
 // autoreleased temporaries (NSString, NSError, command buffers, encoders) runs inside its own

@@ -1,5 +1,5 @@
 // The Objective-C runtime entry points the Metal binding calls, from Apple's libobjc on macOS
-// and from the toy runtime (src/objc_toy) on Linux. Plain C++: no Objective-C++ anywhere.
+// and from the toy runtime (src/test_doubles/objc_toy) on Linux. Plain C++: no Objective-C++ anywhere.
 #pragma once
 
 #if defined(__APPLE__)
@@ -16,7 +16,7 @@ extern void* _NSConcreteStackBlock[32];
 id MTLCreateSystemDefaultDevice(void);
 }
 #else
-#include "../../objc_toy/objc_toy.h"
+#include "../../test_doubles/objc_toy/objc_toy.h"
 
 extern "C" id MTLCreateSystemDefaultDevice(void);
 #endif

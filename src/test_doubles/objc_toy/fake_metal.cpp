@@ -25,8 +25,8 @@
 #include <string>
 #include <vector>
 
-#include "../msl_cpu/msl_rt.h"
-#include "../msl_cpu/registry.h"
+#include "../../msl_cpu/msl_rt.h"
+#include "../../msl_cpu/registry.h"
 #include "fake_metal.h"
 #include "objc_toy.h"
 

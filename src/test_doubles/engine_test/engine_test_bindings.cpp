@@ -16,8 +16,8 @@
 #include <variant>
 #include <vector>
 
-#include "device.h"
-#include "encoder.h"
+#include "../../lily_ext/device.h"
+#include "../../lily_ext/encoder.h"
 
 #if defined(LILY_METAL_TEST_RUNTIME)
 #include "../objc_toy/fake_metal.h"
