@@ -45,7 +45,7 @@ def test_on_macos_it_installs_with_pip_only_then_runs_the_selftest_and_the_suite
     assert log.read_text().splitlines() == [
         "xcode-select -p",
         "python -m pip install --upgrade pip",
-        "python -m pip install .[test]",
+        "python -m pip install .[test] -Ccmake.define.LILY_TEST_BUILD=ON",
         "python -m lily.selftest",
         " ".join(["python -m pytest -q", *args]),
     ]
