@@ -19,14 +19,16 @@ import pytest
 import lily
 from lily import _ext
 from lily.checkpoint import load_checkpoint
-from lily.backends.cpu import CpuBackend, default_threads
+from lily.backends.cpu import CpuBackend, check_isa_environment, default_threads
 from lily.reference import KV_CACHE_MIN_CAPACITY, ReferenceModel
 
 from fixtures import relative_error
 
 LOGITS_TOLERANCE = 1e-4
 GREEDY_STEPS = 12
-ISAS = ["portable"] + (["avx2"] if _ext.cpu.isa() == "avx2" else [])
+# The widest instruction set this CPU has is the default (lily._ext.cpu.isa()); every narrower one is tested too.
+DEFAULT_ISA = _ext.cpu.isa()
+ISAS = ["portable"] + {"avx512": ["avx2", "avx512"], "avx2": ["avx2"]}.get(DEFAULT_ISA, [])
 
 
 @pytest.fixture(params=ISAS)
@@ -156,6 +158,29 @@ def test_a_few_tokens_equal_the_same_tokens_decoded_one_by_one(mlx4, tokens, isa
     assert relative_error(together, want) < LOGITS_TOLERANCE
 
 
+@pytest.mark.skipif("avx512" not in ISAS, reason="needs a CPU with AVX-512F and AVX-512VL")
+@pytest.mark.parametrize("layout", ["mlx4", "mlx4_f32_scales"])
+def test_the_avx512_gemv_gives_the_avx2_gemvs_bits(tiny_checkpoints, layout):
+    """`avx512` runs the GEMV's AVX2 loop with 32 registers, in other blockings (one pass over the rows for 5 to 8
+    tokens): the same sums in the same order, so prompts of 1 to 8 tokens and the decode steps after them give the
+    AVX2 loops' bits."""
+    checkpoint = checkpoint_of(tiny_checkpoints, layout)
+    backend = CpuBackend(checkpoint)
+    rng = np.random.default_rng(11)
+    try:
+        for tokens in range(1, 9):
+            prompt = rng.integers(0, checkpoint.args.vocab_size, tokens)
+            runs = []
+            for name in ("avx2", "avx512"):
+                _ext.cpu.set_isa(name)
+                state = backend.new_state()
+                runs.append([backend.forward(prompt, state), backend.forward(prompt[-1:], state)])
+            for got, want in zip(runs[1], runs[0]):
+                np.testing.assert_array_equal(got, want)
+    finally:
+        _ext.cpu.set_isa(DEFAULT_ISA)
+
+
 def test_last_only_returns_the_last_row(mlx4):
     backend = CpuBackend(mlx4)
     prompt = np.random.default_rng(4).integers(0, mlx4.args.vocab_size, 13)
@@ -218,6 +243,9 @@ def test_bad_inputs_are_refused_with_clear_errors(mlx4, tiny_checkpoints):
         CpuBackend(mlx4, threads=0)
     with pytest.raises(ValueError, match="isa|instruction set|avx2"):
         _ext.cpu.set_isa("neon")
+    with pytest.raises(ValueError, match="LILY_CPU_ISA='neon': CPU instruction set must be"):
+        check_isa_environment({"LILY_CPU_ISA": "neon"})
+    assert _ext.cpu.isa() == DEFAULT_ISA
     with pytest.raises(ValueError, match="float32 only"):
         lily.Model.load(mlx4.path, backend="cpu", precision="bfloat16")
 

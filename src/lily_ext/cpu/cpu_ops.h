@@ -1,8 +1,8 @@
 // The CPU runtime's ops (backend="cpu"): the maths of python/lily/reference.py, in C++ on the packed checkpoint
 // weights, behind the kernels of kernels.h. One op family per file, named as the reference function and the Metal
 // kernel family it mirrors: qmatmul.cpp (linear, embedding), rms_norm.cpp, attention.cpp, gated_delta.cpp, moe.cpp;
-// thread_pool.cpp runs them on a few threads. Portable C++17 (g++ or clang); AVX2/FMA paths are chosen at run time
-// (see `set_isa`).
+// thread_pool.cpp runs them on a few threads. Portable C++17 (g++ or clang); AVX2/FMA (and AVX-512VL) paths are
+// chosen at run time (see `set_isa`).
 #pragma once
 
 #include <algorithm>
@@ -83,8 +83,8 @@ class ThreadPool {
   uint64_t job_ = 0;  // the last job's id
 };
 
-// Instruction set of the hot loops: "avx2" (AVX2 + FMA, when the CPU has them) or "portable".
-// LILY_CPU_ISA=portable in the environment picks the portable loops at start.
+// Instruction set of the hot loops: "avx512" (the AVX2 loops, the GEMV's with AVX-512VL's 32 registers: the same sums),
+// "avx2" (AVX2 + FMA) or "portable"; by default the widest the CPU has. LILY_CPU_ISA=<name> picks one at start.
 void set_isa(const std::string& name);
 std::string isa();
 bool avx2_enabled();
@@ -120,7 +120,8 @@ void silu(float* x, const float* y, size_t n);
 void rms_norm(const float* x, size_t rows, size_t n, const float* w, float eps, float* out);
 // RMS-normalise o, multiply by w, then by SiLU(z) (the DeltaNet output norm).
 void gated_rms_norm(const float* o, const float* z, size_t rows, size_t n, const float* w, float eps, float* out);
-void l2_normalize(float* x, size_t rows, size_t n, float scale);
+// sum_i x[i]^2 in double, in one fixed order (the norms' sums).
+double sum_of_squares(const float* x, size_t n);
 
 // ---- attention.cpp ----
 struct AttentionShape {

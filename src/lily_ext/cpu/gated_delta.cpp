@@ -123,9 +123,7 @@ void scan(const float* conv_out, const float* b, const float* a, const float* a_
     std::memcpy(row, conv_out + t * channels, 2 * s.key_dim() * sizeof(float));
     for (size_t h = 0; h < 2 * s.k_heads; ++h) {
       float* v = row + h * dk;
-      double sum = 0;
-      for (size_t i = 0; i < dk; ++i) sum += double(v[i]) * v[i];
-      const double inv = 1.0 / std::sqrt(sum + eps);
+      const double inv = 1.0 / std::sqrt(sum_of_squares(v, dk) + eps);
       const float scale = h < s.k_heads ? q_scale : 1.0f;
       for (size_t i = 0; i < dk; ++i) v[i] = float(v[i] * inv) * scale;
     }
