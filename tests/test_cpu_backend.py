@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import re
 import sys
+from collections import Counter
 
 import numpy as np
 import pytest
 
 import lily
+import lily.cli
 from lily import _ext
 from lily.checkpoint import load_checkpoint
 from lily.backends.cpu import CpuBackend, check_isa_environment, default_threads
@@ -179,6 +181,31 @@ def test_the_avx512_gemv_gives_the_avx2_gemvs_bits(tiny_checkpoints, layout):
                 np.testing.assert_array_equal(got, want)
     finally:
         _ext.cpu.set_isa(DEFAULT_ISA)
+
+
+def test_profile_prefill_times_every_node_once_and_changes_no_result(mlx4, capsys):
+    """lily bench --profile on the cpu backend: each node of the prefill timed on the host clock, once; the logits
+    of a profiled prefill are the plain ones."""
+    backend = CpuBackend(mlx4)
+    prompt = np.random.default_rng(12).integers(0, mlx4.args.vocab_size, 8)
+    assert backend.supports_profiling
+    times = backend.profile_prefill(prompt)
+    kernels = backend._engine.last_step_counts()["dispatches_by_kernel"]
+    assert Counter(kernel for kernel, _, _ in times) == Counter(kernels)
+    assert all(ms >= 0 for _, _, ms in times) and sum(ms for _, _, ms in times) > 0
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        backend.profile_prefill(prompt[:1])
+    want = backend.forward(prompt, backend.new_state())
+    backend._engine._engine.set_profiling(True)
+    try:
+        got = backend.forward(prompt, backend.new_state())
+    finally:
+        backend._engine._engine.set_profiling(False)
+    np.testing.assert_array_equal(got, want)
+    assert lily.cli.main(["bench", "--model", str(mlx4.path), "--backend", "cpu", "-p", "8", "-n", "1", "-r", "1",
+                          "--profile"]) == 0
+    out = capsys.readouterr().out
+    assert "time of a 8-token prefill, node by node" in out and "`qmv_q4_g64_f32`" in out
 
 
 def test_last_only_returns_the_last_row(mlx4):

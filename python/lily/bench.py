@@ -320,7 +320,7 @@ def require_profiling(model: Model, n_prompt: int) -> None:
     """ValueError, before any benchmark runs, where ``profile_prefill`` cannot: not the cuda backend, or a prompt
     too short to be a prefill."""
     if not (isinstance(model.backend, KernelProfiling) and model.backend.supports_profiling):
-        raise ValueError(f"--profile needs the cuda backend (per-node device times); this model runs on "
+        raise ValueError(f"--profile needs the cuda or cpu backend (per-node times); this model runs on "
                          f"{model.backend_name!r}")
     if n_prompt < 2:
         raise ValueError(f"--profile times one prefill, which must be at least 2 tokens (--profile N, or the "

@@ -101,6 +101,17 @@ class CpuBackend:
         widened to float32, weights quantized on load)."""
         return self._engine.materialised_bytes
 
+    @property
+    def supports_profiling(self) -> bool:
+        """``profile_prefill`` works here: the CPU runtime times each node on the host clock."""
+        return self._engine.supports_profiling
+
+    def profile_prefill(self, token_ids: Any) -> list[tuple[str, str, float]]:
+        """Where a prefill's time goes: (kernel, label, milliseconds) of every node of a prefill of ``token_ids`` (at
+        least 2) on a new sequence, each node's call timed on the host clock (its threads included), so the times
+        add up to the prefill's kernel time (``EngineBackend.profile_prefill``)."""
+        return self._engine.profile_prefill(token_ids)
+
     def expert_tokens(self, *, reset: bool = False) -> np.ndarray:
         """Routed (token, slot) pairs per layer and expert, uint64 [layers, experts], counted over every ``forward``
         since loading or the last call with ``reset=True`` (which zeroes them after reading): ``lily bench``'s

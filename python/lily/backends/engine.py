@@ -455,19 +455,21 @@ class EngineBackend:
 
     @property
     def supports_profiling(self) -> bool:
-        """Whether ``profile_prefill`` works here: the cuda runtime reports per-node device times."""
+        """Whether ``profile_prefill`` works here: the cuda runtime reports per-node device times, the cpu runtime
+        per-node host times."""
         return self._engine.supports_profiling()
 
     def profile_prefill(self, token_ids: Any) -> list[tuple[str, str, float]]:
         """Where a prefill's GPU time goes: (kernel, label, device milliseconds) of every node of a prefill of
         ``token_ids`` (at least 2: one token runs as a decode step) on a new sequence, each node run on its own
-        between CUDA events, so the times add up to the serial cost. The cuda runtime only (ValueError elsewhere)."""
+        between CUDA events (on the cpu runtime: the host clock around each node's call), so the times add up to the
+        serial cost. The cuda and cpu runtimes only (ValueError elsewhere)."""
         ids = check_token_ids(token_ids, self.args.vocab_size)
         if ids.size < 2:
             raise ValueError("profile_prefill needs at least 2 tokens (one token runs as a decode step)")
         if not self.supports_profiling:
-            raise ValueError("profile_prefill needs the cuda runtime (per-node device times); the metal runtime does "
-                             "not report them yet")
+            raise ValueError("profile_prefill needs the cuda or cpu runtime (per-node times); the metal runtime "
+                             "does not report them yet")
         self._engine.set_profiling(True)
         try:
             self._engine.clear_node_times()

@@ -39,6 +39,8 @@ class CpuRuntime : public Runtime {
   // plain counterparts do the same work serially here.
   void restrict_switches(Switches& switches) const override;
   bool reads_unaligned() const override { return true; }
+  // A profiled recording times each node's call on the host clock (the pool's threads included).
+  bool supports_profiling() const override { return true; }
   bool kernels_for_any_shape() const override { return true; }
 
   std::shared_ptr<RecordedGraph> record(std::shared_ptr<const Graph> graph, size_t begin, size_t end,
