@@ -33,7 +33,6 @@ constexpr size_t kParallelWork = 1 << 17;  // multiply-adds below which a range 
 // the 32 vector registers of AVX-512VL.
 enum class Isa { Portable, Avx2, Avx512 };
 Isa g_isa = Isa::Portable;
-bool g_avx2 = false;  // g_isa >= Avx2: what every AVX2 loop checks
 
 
 float bits_to_float(uint32_t u) {
@@ -68,7 +67,7 @@ float dot_portable(const float* a, const float* b, size_t n) {
 
 // Whether the AVX2 loops take this weight: quantized, with whole 8-word chunks inside each group.
 bool chunked(const Matrix& w) {
-  if (!g_avx2 || !w.bits) return false;
+  if (!avx2_enabled() || !w.bits) return false;
   const size_t chunk = 8 * (32 / w.bits);
   return w.group % chunk == 0 && w.cols % w.group == 0;
 }
@@ -330,8 +329,8 @@ void gemv_chunked_tokens_avx2(const float* xc, const float* xsum, size_t tokens,
                               ldo);
 }
 
-// With 32 registers every token count runs in one pass, R x NT accumulators never spilled (2 tokens 1.4x, 3 to 8
-// tokens 1.1-1.35x the AVX2 blocking on a Zen 4 core; 1 token 1.04x).
+// With 32 registers every token count runs in one pass, R x NT accumulators never spilled (in a single-thread
+// microbenchmark on a Zen 4 core: 2 tokens 1.4x the AVX2 blocking, 3 to 8 tokens 1.1-1.35x, 1 token 1.04x).
 template <DType D>
 void gemv_chunked_tokens_avx512(const float* xc, const float* xsum, size_t tokens, const Matrix& w, size_t r0,
                                 size_t r1, float* out, size_t ldo) {
@@ -454,21 +453,21 @@ __attribute__((target("avx2,fma"))) void tile_gemm_transposed_avx2(const float* 
 
 float dot(const float* a, const float* b, size_t n) {
 #ifdef LILY_CPU_X86
-  if (g_avx2) return dot_avx2(a, b, n);
+  if (avx2_enabled()) return dot_avx2(a, b, n);
 #endif
   return dot_portable(a, b, n);
 }
 
 void axpy(float alpha, const float* x, float* y, size_t n) {
 #ifdef LILY_CPU_X86
-  if (g_avx2) return axpy_avx2(alpha, x, y, n);
+  if (avx2_enabled()) return axpy_avx2(alpha, x, y, n);
 #endif
   for (size_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
 void weighted_sum(const float* weights, const float* rows, size_t count, size_t stride, size_t n, float* out) {
 #ifdef LILY_CPU_X86
-  if (g_avx2) return weighted_sum_avx2(weights, rows, count, stride, n, out);
+  if (avx2_enabled()) return weighted_sum_avx2(weights, rows, count, stride, n, out);
 #endif
   std::fill(out, out + n, 0.0f);
   for (size_t j = 0; j < count; ++j)
@@ -477,7 +476,7 @@ void weighted_sum(const float* weights, const float* rows, size_t count, size_t 
 
 void silu(float* x, const float* y, size_t n) {
 #ifdef LILY_CPU_X86
-  if (g_avx2) return silu_avx2(x, y, n);
+  if (avx2_enabled()) return silu_avx2(x, y, n);
 #endif
   for (size_t i = 0; i < n; ++i) x[i] = y ? silu(x[i]) * y[i] : silu(x[i]);
 }
@@ -588,7 +587,6 @@ void set_isa(const std::string& name) {
     throw std::invalid_argument("CPU instruction set must be 'avx512', 'avx2' or 'portable'; got '" + name + "'");
   }
   g_isa = chosen;
-  g_avx2 = chosen != Isa::Portable;
 }
 
 std::string isa() {
@@ -600,7 +598,7 @@ std::string isa() {
   return "portable";
 }
 
-bool avx2_enabled() { return g_avx2; }
+bool avx2_enabled() { return g_isa != Isa::Portable; }
 
 namespace {
 // The default: the widest set the CPU has (AVX-512, else AVX2), unless LILY_CPU_ISA names one.
@@ -725,7 +723,7 @@ void linear(const float* x, size_t tokens, const Matrix& w, float* out, ThreadPo
         }
       }
 #ifdef LILY_CPU_X86
-      if (g_avx2) {
+      if (avx2_enabled()) {
         static_assert(kTileRows == 16, "the transposed kernel holds 16 rows");
         thread_local std::vector<float> tile_t;
         tile_t.resize(cols * kTileRows);
