@@ -14,8 +14,9 @@ logs=${OUT:-$(mktemp -d)}
 cd "$(dirname "$0")/.."
 
 start=$(date +%s)
+# A test build: pytest refuses a build without the test doubles (tests/conftest.py).
 if ! python3 -m pip install -q --no-build-isolation --no-deps -Cbuild-dir=build/gpu \
-    -Ccmake.define.LILY_CUDA_KERNELS=OFF . >"$logs/build.txt" 2>&1; then
+    -Ccmake.define.LILY_CUDA_KERNELS=OFF -Ccmake.define.LILY_TEST_BUILD=ON . >"$logs/build.txt" 2>&1; then
   tail -40 "$logs/build.txt"
   exit 1
 fi

@@ -31,9 +31,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 --version
 start=$(date +%s)
-# Into the image's python3 (itself a venv holding torch and numpy); no PTX build there (no clang 19).
+# Into the image's python3 (itself a venv holding torch and numpy); no PTX build there (no clang 19). A test build:
+# the tests drive lily._ext._test_engine (pytest refuses a build without the test doubles).
 CXX=g++ CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-deps --no-build-isolation \
-  -Cbuild-dir=/tmp/lily-build -Ccmake.define.LILY_CUDA_KERNELS=OFF .
+  -Cbuild-dir=/tmp/lily-build -Ccmake.define.LILY_CUDA_KERNELS=OFF -Ccmake.define.LILY_TEST_BUILD=ON .
 echo "build: $(( $(date +%s) - start )) s"
 cd /tmp  # the installed lily, not python/ of the tree; the tree's tests import each other as `tests.*`
 python3 -c "import lily._ext as e; print('lily._ext platform:', e.platform)"
