@@ -405,10 +405,12 @@ KernelLaunch KernelSet::prepare(const std::string& kernel, const std::vector<CUd
   const Dim3 g = threadgroups, t = threads_per_threadgroup;
   const uint64_t threads = uint64_t(t.x) * t.y * t.z;
   if (std::min({g.x, g.y, g.z, t.x, t.y, t.z}) < 1 || threads > kMetalMaxThreads) {
-    std::ostringstream shape;
-    shape << "bad launch shape threadgroups=[" << g.x << ", " << g.y << ", " << g.z << "] threads=[" << t.x << ", "
-          << t.y << ", " << t.z << "]";
-    throw std::invalid_argument(where + shape.str());
+    // std::to_string, not an ostream: in the H200's g++ 13 build (libstdc++ linked into the module) formatting a
+    // number through an ostream crashed in its locale's codecvt (cuda-gdb, 2026-12-04), as std::regex did.
+    auto dims = [](const Dim3& d) {
+      return "[" + std::to_string(d.x) + ", " + std::to_string(d.y) + ", " + std::to_string(d.z) + "]";
+    };
+    throw std::invalid_argument(where + "bad launch shape threadgroups=" + dims(g) + " threads=" + dims(t));
   }
   KernelLaunch launch;
   launch.kernel = kernel;
