@@ -35,7 +35,7 @@ def test_every_backend_is_a_backend_with_its_capabilities():
                                                  ("cpu", CpuBackend(checkpoint)), ("engine", engine))}
     assert all(isinstance(b, backends.Backend) for b in found.values())
     assert capabilities(found["reference"]) == set()
-    assert capabilities(found["cpu"]) == {"ExpertCounts"}
+    assert capabilities(found["cpu"]) == {"ExpertCounts", "KernelProfiling"}
     assert capabilities(engine) == {"GpuDecoding", "LiveSequence", "DeviceMemoryReport", "KernelProfiling"}
     # The checks can fail: an object with only part of a protocol is not that capability.
     class HalfDecoder:

@@ -76,7 +76,8 @@ class ExpertCounts(Protocol):
 
 @runtime_checkable
 class KernelProfiling(Protocol):
-    """Can time each graph node of a prefill on the device, where ``supports_profiling`` is true."""
+    """Can time each graph node of a prefill, where ``supports_profiling`` is true (the cuda runtime on the GPU, the
+    cpu backend on the host clock)."""
 
     supports_profiling: bool
 
