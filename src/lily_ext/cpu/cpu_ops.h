@@ -2,7 +2,7 @@
 // weights, behind the kernels of kernels.h. One op family per file, named as the reference function and the Metal
 // kernel family it mirrors: qmatmul.cpp (linear, embedding), rms_norm.cpp, attention.cpp, gated_delta.cpp, moe.cpp;
 // thread_pool.cpp runs them on a few threads. Portable C++17 (g++ or clang); AVX2/FMA (and AVX-512VL) paths are
-// chosen at run time (see `set_isa`).
+// chosen at run time (`set_isa`, isa.cpp).
 #pragma once
 
 #include <algorithm>
@@ -87,7 +87,8 @@ class ThreadPool {
 // "avx2" (AVX2 + FMA) or "portable"; by default the widest the CPU has. LILY_CPU_ISA=<name> picks one at start.
 void set_isa(const std::string& name);
 std::string isa();
-bool avx2_enabled();
+bool avx2_enabled();    // avx2 or avx512: the AVX2 loops
+bool avx512_enabled();  // avx512: the GEMV's 32-register blockings
 
 // ---- qmatmul.cpp: linear (x @ W^T) ----
 // out[t, n] = sum_k x[t, k] W[n, k] for t < T, n < W.rows. Serial when pool is null.

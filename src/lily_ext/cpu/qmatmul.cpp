@@ -29,10 +29,6 @@ constexpr size_t kTileRows = 16;       // rows dequantized at once by the GEMM
 constexpr size_t kGemvMaxTokens = 8;   // up to this many tokens: the GEMV (each weight row decoded once for all)
 constexpr size_t kParallelWork = 1 << 17;  // multiply-adds below which a range is not split (a wake-up costs ~10 us)
 
-// The instruction set in use (set_isa): the AVX2 loops from Avx2 on; Avx512 runs the GEMV's AVX2 loop compiled for
-// the 32 vector registers of AVX-512VL.
-enum class Isa { Portable, Avx2, Avx512 };
-Isa g_isa = Isa::Portable;
 
 
 float bits_to_float(uint32_t u) {
@@ -350,7 +346,7 @@ template <DType D>
 void gemv_chunked_tokens(const float* xc, const float* xsum, size_t tokens, const Matrix& w, size_t r0, size_t r1,
                          float* out, size_t ldo) {
   if (tokens == 0 || tokens > kGemvMaxTokens) throw std::logic_error("the GEMV takes 1 to 8 tokens");
-  if (g_isa == Isa::Avx512) return gemv_chunked_tokens_avx512<D>(xc, xsum, tokens, w, r0, r1, out, ldo);
+  if (avx512_enabled()) return gemv_chunked_tokens_avx512<D>(xc, xsum, tokens, w, r0, r1, out, ldo);
   gemv_chunked_tokens_avx2<D>(xc, xsum, tokens, w, r0, r1, out, ldo);
 }
 
@@ -565,62 +561,6 @@ Matrix Matrix::expert(size_t e) const {
   }
   return m;
 }
-
-void set_isa(const std::string& name) {
-  Isa chosen;
-  if (name == "portable") {
-    chosen = Isa::Portable;
-  } else if (name == "avx2" || name == "avx512") {
-    chosen = name == "avx2" ? Isa::Avx2 : Isa::Avx512;
-    bool supported = false;
-#ifdef LILY_CPU_X86
-    __builtin_cpu_init();
-    supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                (chosen == Isa::Avx2 || (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")));
-#endif
-    if (!supported) {
-      throw std::invalid_argument(chosen == Isa::Avx2
-                                      ? "this CPU has no AVX2/FMA; use the 'portable' instruction set"
-                                      : "this CPU has no AVX-512F/VL (or no AVX2/FMA); use 'avx2' or 'portable'");
-    }
-  } else {
-    throw std::invalid_argument("CPU instruction set must be 'avx512', 'avx2' or 'portable'; got '" + name + "'");
-  }
-  g_isa = chosen;
-}
-
-std::string isa() {
-  switch (g_isa) {
-    case Isa::Avx512: return "avx512";
-    case Isa::Avx2: return "avx2";
-    case Isa::Portable: break;
-  }
-  return "portable";
-}
-
-bool avx2_enabled() { return g_isa != Isa::Portable; }
-
-namespace {
-// The default: the widest set the CPU has (AVX-512, else AVX2), unless LILY_CPU_ISA names one.
-const bool g_isa_chosen = [] {
-  const char* env = std::getenv("LILY_CPU_ISA");
-  if (env && *env) {
-    try {
-      set_isa(env);
-      return true;
-    } catch (const std::invalid_argument&) {  // an unknown or unsupported name: the widest, as unset
-    }
-  }
-  for (const char* name : {"avx512", "avx2"}) {
-    try {
-      set_isa(name);
-      return true;
-    } catch (const std::invalid_argument&) {
-    }
-  }
-  return true;
-}();
-}  // namespace
 
 void linear_many(const float* x, size_t tokens, const LinearTarget* targets, size_t count, ThreadPool* pool) {
   if (tokens > kGemvMaxTokens) {
