@@ -251,3 +251,29 @@ def test_size_check_sees_a_long_function_and_file(tmp_path: Path) -> None:
     py.write_text("def f(x):\n" + "".join(f"    x += {i}\n" for i in range(80)) + "\n" * 720)
     assert oversized([cpp, py], tmp_path) == ["a.cpp:82: auto g = [](int x) -> int has 84 lines", "b.py: 801 lines",
                                               "b.py:1: f has 81 lines"]
+
+
+# What crashed the CUDA driver layer in the H200's g++ 13 build (libstdc++ linked into the module): std::regex's
+# compiler (2026-12-02) and formatting a number through an ostream (2026-12-04), both in libstdc++'s locale code.
+CUDA_LAYER_FORBIDDEN = re.compile(r"#include <(regex|sstream|iomanip|locale)>|std::(regex|[io]?stringstream|locale)\b")
+
+
+def locale_uses(paths: list[Path]) -> list[str]:
+    """`file:line: text` of every line of `paths` whose code (before a `//` comment) uses what CUDA_LAYER_FORBIDDEN
+    names."""
+    return [f"{path.name}:{number}: {line.strip()}" for path in paths
+            for number, line in enumerate(path.read_text().splitlines(), 1)
+            if CUDA_LAYER_FORBIDDEN.search(line.split("//", 1)[0])]
+
+
+def test_the_cuda_layer_uses_no_regex_or_string_streams() -> None:
+    paths = sorted((ROOT / "src" / "lily_ext" / "cuda").glob("*.[ch]*"))
+    assert len(paths) >= 6
+    assert locale_uses(paths) == []
+
+
+def test_the_locale_check_sees_a_string_stream(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("#include <sstream>\nstd::ostringstream s;\n"
+                   "std::string ok = std::to_string(3);  // not std::regex\n")
+    assert locale_uses([bad]) == ["bad.cpp:1: #include <sstream>", "bad.cpp:2: std::ostringstream s;"]

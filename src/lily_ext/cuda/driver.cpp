@@ -9,8 +9,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <mutex>
-#include <sstream>
 #include <stdexcept>
 
 namespace lily::cuda {
@@ -276,9 +276,9 @@ KernelSet::KernelSet(const Context& context, std::string ptx_dir)
     for (const fs::directory_entry& entry : fs::directory_iterator(dir_, ec)) {
       if (entry.path().extension() != ".ptx") continue;
       std::ifstream in(entry.path(), std::ios::binary);
-      std::stringstream text;
-      text << in.rdbuf();
-      images_[entry.path().filename().string()] = text.str();  // std::string keeps the NUL the driver needs
+      // std::string keeps the NUL the driver needs
+      images_[entry.path().filename().string()].assign(std::istreambuf_iterator<char>(in),
+                                                       std::istreambuf_iterator<char>());
     }
   }
   if (images_.empty()) {
