@@ -186,12 +186,14 @@ std::unique_ptr<Submission> CpuRuntime::submit(const std::shared_ptr<RecordedGra
       const uint32_t value = static_cast<uint32_t>(static_cast<int64_t>(position) + f.delta);
       std::memcpy(call.params.data() + f.offset, &value, 4);
     }
-    const auto start = std::chrono::steady_clock::now();
-    (*call.kernel)(cpu::KernelCall{call.params, call.buffers, call.dim, call.groups, call.layer, pool_, load_});
-    if (recording.profiled) {
-      milliseconds.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-                                 .count());
+    const cpu::KernelCall kernel_call{call.params, call.buffers, call.dim, call.groups, call.layer, pool_, load_};
+    if (!recording.profiled) {
+      (*call.kernel)(kernel_call);
+      continue;
     }
+    const auto start = std::chrono::steady_clock::now();
+    (*call.kernel)(kernel_call);
+    milliseconds.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   }
   return std::make_unique<DoneSubmission>(std::move(milliseconds));
 }
