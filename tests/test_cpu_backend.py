@@ -10,7 +10,9 @@ kernels do not take (8-bit experts, dense HF weights not quantized on load) are 
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
 from collections import Counter
 
@@ -21,7 +23,7 @@ import lily
 import lily.cli
 from lily import _ext
 from lily.checkpoint import load_checkpoint
-from lily.backends.cpu import CpuBackend, check_isa_environment, default_threads
+from lily.backends.cpu import CpuBackend, default_threads
 from lily.reference import KV_CACHE_MIN_CAPACITY, ReferenceModel
 
 from fixtures import relative_error
@@ -247,6 +249,20 @@ def test_short_prompts_and_decode_steps_do_not_depend_on_the_thread_count(tiny_c
             np.testing.assert_array_equal(got, outs[3])
 
 
+def test_a_bad_instruction_set_in_the_environment_is_refused_by_name(mlx4):
+    """LILY_CPU_ISA is read when the extension loads; one it cannot take is refused when a cpu backend loads."""
+    code = ("from lily.backends.cpu import CpuBackend\nfrom lily.checkpoint import load_checkpoint\n"
+            f"CpuBackend(load_checkpoint({str(mlx4.path)!r}))")
+    for value, message in (("neon", "LILY_CPU_ISA='neon': CPU instruction set must be 'avx512', 'avx2' or 'portable'"),
+                           ("portable", None)):
+        run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "LILY_CPU_ISA": value},
+                             capture_output=True, text=True, timeout=120)
+        if message is None:
+            assert run.returncode == 0, run.stderr[-2000:]
+        else:
+            assert run.returncode != 0 and f"ValueError: {message}" in run.stderr, run.stderr[-2000:]
+
+
 def test_thread_count_comes_from_the_environment():
     assert default_threads({"LILY_NUM_THREADS": "3"}) == 3
     assert default_threads({}) >= 1
@@ -270,8 +286,6 @@ def test_bad_inputs_are_refused_with_clear_errors(mlx4, tiny_checkpoints):
         CpuBackend(mlx4, threads=0)
     with pytest.raises(ValueError, match="isa|instruction set|avx2"):
         _ext.cpu.set_isa("neon")
-    with pytest.raises(ValueError, match="LILY_CPU_ISA='neon': CPU instruction set must be"):
-        check_isa_environment({"LILY_CPU_ISA": "neon"})
     assert _ext.cpu.isa() == DEFAULT_ISA
     with pytest.raises(ValueError, match="float32 only"):
         lily.Model.load(mlx4.path, backend="cpu", precision="bfloat16")

@@ -54,19 +54,6 @@ class _CpuEngine(EngineBackend):
         return {"runtime": "cpu", "threads": self._threads}
 
 
-def check_isa_environment(environ: Any = os.environ) -> None:
-    """``LILY_CPU_ISA``, when set, must name an instruction set this CPU has (the engine picks it at start and would
-    otherwise fall back to the widest one): ValueError naming the variable and what is wrong."""
-    from lily import _ext
-
-    value = environ.get("LILY_CPU_ISA", "")
-    if value:
-        try:
-            _ext.cpu.set_isa(value)
-        except ValueError as exc:
-            raise ValueError(f"LILY_CPU_ISA={value!r}: {exc}") from None
-
-
 class CpuBackend:
     """The ``cpu`` backend: ``new_state()`` and ``forward(token_ids, state, *, last_only=False)``.
 
@@ -81,7 +68,12 @@ class CpuBackend:
             threads = default_threads()
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be a positive integer; got {threads!r}")
-        check_isa_environment()
+        from lily import _ext
+
+        # LILY_CPU_ISA is read once, when the extension loads; one it could not take is refused here, by name.
+        refusal = _ext.cpu.isa_environment_refusal()
+        if refusal:
+            raise ValueError(refusal)
         self.args = checkpoint.args
         self.weights = checkpoint.weights  # shapes and names for `lily bench`; the engine reads the files
         # The host samples every token (the runtime has no token-choice kernels).

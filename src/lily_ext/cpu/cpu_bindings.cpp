@@ -65,6 +65,8 @@ void bind(nb::module_& m) {
         "Instruction set of the hot loops: 'avx512' (the AVX2 loops, the GEMV's with AVX-512VL's 32 registers: the same "
         "sums), 'avx2' (AVX2 + FMA) or 'portable'; ValueError where the CPU lacks it.");
   m.def("isa", &isa, "The instruction set in use: 'avx512', 'avx2' or 'portable'.");
+  m.def("isa_environment_refusal", &isa_environment_refusal,
+        "Why LILY_CPU_ISA was not taken at start, naming it; '' where it was taken or is unset.");
   m.def("kernel_names", [] { return test_runtime().kernel_names(); },
         "The kernels the CPU runtime's table runs (sized ones at head dims 64, 128 and 256), sorted.");
   m.def("dispatch", &dispatch, nb::arg("kernel"), nb::arg("args"), nb::arg("threadgroups"),

@@ -89,6 +89,8 @@ void set_isa(const std::string& name);
 std::string isa();
 bool avx2_enabled();    // avx2 or avx512: the AVX2 loops
 bool avx512_enabled();  // avx512: the GEMV's 32-register blockings
+// Why LILY_CPU_ISA was not taken at start (it names no instruction set, or one the CPU lacks); "" where it was.
+std::string isa_environment_refusal();
 
 // ---- qmatmul.cpp: linear (x @ W^T) ----
 // out[t, n] = sum_k x[t, k] W[n, k] for t < T, n < W.rows. Serial when pool is null.

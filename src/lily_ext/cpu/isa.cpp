@@ -52,6 +52,9 @@ bool avx2_enabled() { return g_isa != Isa::Portable; }
 bool avx512_enabled() { return g_isa == Isa::Avx512; }
 
 namespace {
+// Why LILY_CPU_ISA was not taken at start ("" where it was, or is unset): the cpu backend refuses to load with it.
+std::string g_environment_refusal;
+
 // The default: the widest set the CPU has (AVX-512, else AVX2), unless LILY_CPU_ISA names one.
 const bool g_isa_chosen = [] {
   const char* env = std::getenv("LILY_CPU_ISA");
@@ -59,7 +62,8 @@ const bool g_isa_chosen = [] {
     try {
       set_isa(env);
       return true;
-    } catch (const std::invalid_argument&) {  // an unknown or unsupported name: the widest, as unset
+    } catch (const std::invalid_argument& e) {  // an unknown or unsupported name: said at load; the widest meanwhile
+      g_environment_refusal = "LILY_CPU_ISA='" + std::string(env) + "': " + e.what();
     }
   }
   for (const char* name : {"avx512", "avx2"}) {
@@ -72,5 +76,7 @@ const bool g_isa_chosen = [] {
   return true;
 }();
 }  // namespace
+
+std::string isa_environment_refusal() { return g_environment_refusal; }
 
 }  // namespace lily::cpu
