@@ -369,7 +369,7 @@ def host_cost(*, tokens: int = 256, precision: str = "bfloat16", warmup: int = 1
     Needs the Linux test runtime (on a Mac, kernels cannot be stubbed).
     """
     from lily import _ext
-    from lily.backends.metal import MetalBackend
+    from lily.backends.metal import TEST_BUILD_INSTALL, MetalBackend
     from lily.plan import full_size_args
 
     if tokens < 1 or warmup < 0:
@@ -380,8 +380,7 @@ def host_cost(*, tokens: int = 256, precision: str = "bfloat16", warmup: int = 1
     stubs = getattr(_ext, "_test_engine", None)
     if stubs is None or not hasattr(stubs, "set_kernel_execution"):
         raise ValueError("--host-only needs the Linux Metal test runtime (kernels are stubbed in its fake Metal), "
-                         "which only a test build links: CXX=clang++-19 pip install . "
-                         "-Ccmake.define.LILY_TEST_BUILD=ON")
+                         f"which only a test build links: {TEST_BUILD_INSTALL}")
     args = full_size_args()
     stubs.set_kernel_execution(False)
     try:

@@ -11,6 +11,10 @@ from lily.backends.engine import DEFAULT_MAX_CONTEXT, EngineBackend, engine_swit
 from lily.config import ModelArgs
 
 
+# The install that links the Metal test runtime on Linux (CMakeLists.txt: a test build, with clang-19 on x86-64).
+TEST_BUILD_INSTALL = "CXX=clang++-19 pip install . -Ccmake.define.LILY_TEST_BUILD=ON"
+
+
 def missing_metal_runtime() -> str:
     """Why this build runs no Metal (lily._ext.platform == "none": a Linux build other than a clang-19 test build on
     x86-64), in the build's own words and with the way to get it; "" where it runs Metal."""
@@ -18,8 +22,7 @@ def missing_metal_runtime() -> str:
 
     if _ext.platform != "none":
         return ""
-    return (f"lily was {_build.NO_METAL_RUNTIME}; reinstall with CXX=clang++-19 pip install . "
-            "-Ccmake.define.LILY_TEST_BUILD=ON (CXX picks the compiler)")
+    return f"lily was {_build.NO_METAL_RUNTIME}; reinstall with {TEST_BUILD_INSTALL} (CXX picks the compiler)"
 
 
 def require_metal_runtime() -> None:
