@@ -297,10 +297,6 @@ LILY_INLINE void qmv_batch(device const T* x, device const T* norm_weight, devic
 }
 
 // ---- the staged one-row GEMVs: the staging and dot-product helpers are in qmv_stage.h ----
-// A 4-bit row of LILY_QMV_STAGE_MAX_K codes in one step per lane (32 lanes x 32 codes per pack): what the out_proj
-// and o_proj GEMVs (K = 4096, 128 threadgroups) load before they wait, where two steps left the second's round trip
-// after the first's arithmetic.
-constant constexpr uint kWholeRowPacks = LILY_QMV_STAGE_MAX_K / (32 * 8 * LILY_QMV_PACK_WORDS);
 using lily::kStageBatch;
 using lily::kStageChunks;
 using lily::qmv_load_and_dot;
@@ -381,26 +377,25 @@ LILY_INLINE void qmv_stage_gated_norm(device const float* o, device const float*
 // The staged GEMV of one input row for this simdgroup's rows: acc[r] as qmv_staged_dot, returning 1/rms (Norm) or 1.
 // The first step's weights are loaded before x is staged, so their latency overlaps the staging and its barrier, and
 // before lily::grid_dependency_wait: on CUDA they overlap the dispatch that writes x (the kernels calling this are
-// LILY_INSTANTIATE_EARLY_KERNEL). Packs per lane and step: LILY_QMV_PACKS_PER_LANE, or kWholeRowPacks where the
-// threadgroups are few (one per SM) and a second step's round trip after the first's arithmetic showed. Every thread
-// of the threadgroup calls it; a simdgroup with `active` false (rows past N) only takes part in the staging.
-template <bool Norm, int Bits, uint Packs = LILY_QMV_PACKS_PER_LANE, typename T, typename S>
+// LILY_INSTANTIATE_EARLY_KERNEL). Every thread of the threadgroup calls it; a simdgroup with `active` false (rows past
+// N) only takes part in the staging.
+template <bool Norm, int Bits, typename T, typename S>
 LILY_INLINE float qmv_staged_rows(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const T* x,
                                   device const T* norm_weight, device const uint* weight, device const S* scales,
                                   device const S* biases, uint K, uint N, float eps, uint first_row, bool active,
                                   threadgroup float4* stage_x, threadgroup float* pack_sum, threadgroup float* simd_sq,
                                   uint tid, uint n_threads, uint lane, uint simd_group) {
-  uint words[Packs][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS];
-  float scale[Packs][LILY_QMV_ROWS_PER_SIMDGROUP];
-  float bias[Packs][LILY_QMV_ROWS_PER_SIMDGROUP];
+  uint words[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS];
+  float scale[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
+  float bias[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
   if (active) {
-    qmv_load_step<Bits, Packs>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
+    qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
   }
   lily::grid_dependency_wait();  // x comes from the dispatch before
   const float inv_rms = qmv_stage<Norm, Bits>(x, norm_weight, K, eps, stage_x, pack_sum, simd_sq, tid, n_threads, lane,
                                               simd_group);
   if (active) {
-    qmv_staged_dot<Bits, Packs>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
+    qmv_staged_dot<Bits>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
   }
   return inv_rms;
 }
@@ -660,8 +655,7 @@ template <typename T, typename S, int Bits>
   }
   const uint first_row = (tg.x * (n_threads / 32) + simd_group) * kRows;
   float acc[kRows];
-  static_assert(Bits == 4, "kWholeRowPacks counts 4-bit packs");
-  qmv_staged_rows<false, Bits, kWholeRowPacks>(acc, x + size_t(tg.y) * K, x, weight, scales, biases, K, N, 0.0f, first_row,
+  qmv_staged_rows<false, Bits>(acc, x + size_t(tg.y) * K, x, weight, scales, biases, K, N, 0.0f, first_row,
                                first_row < N, stage_x, pack_sum, simd_sq, tid, n_threads, lane, simd_group);
   if (first_row >= N) {
     return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
@@ -893,11 +887,10 @@ template <typename T, typename S, int Bits>
   }
   const uint first_row = (tg.x * (n_threads / 32) + simd_group) * kRows;
   const bool active = first_row < N;
-  static_assert(Bits == 4, "kWholeRowPacks counts 4-bit packs");
-  uint words[kWholeRowPacks][kRows][LILY_QMV_PACK_WORDS];
-  float scale[kWholeRowPacks][kRows], bias[kWholeRowPacks][kRows];
+  uint words[LILY_QMV_PACKS_PER_LANE][kRows][LILY_QMV_PACK_WORDS];
+  float scale[LILY_QMV_PACKS_PER_LANE][kRows], bias[LILY_QMV_PACKS_PER_LANE][kRows];
   if (active) {
-    qmv_load_step<Bits, kWholeRowPacks>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
+    qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
   }
   lily::grid_dependency_wait();  // o comes from the dispatch before, gate from the one before that
   qmv_stage_gated_norm<T, Bits>(o, gate, norm_weight, K, args.head_dim, args.eps, stage_x, pack_sum, head_inv_rms, tid,
@@ -906,8 +899,7 @@ template <typename T, typename S, int Bits>
     return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
   }
   float acc[kRows];
-  qmv_staged_dot<Bits, kWholeRowPacks>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x,
-                                       pack_sum, lane);
+  qmv_staged_dot<Bits>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
   qmv_residual_rows(acc, residual, out, 0, N, first_row, lane);
 }
 

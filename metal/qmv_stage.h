@@ -104,16 +104,16 @@ LILY_INLINE float qmv_stage(device const T* x, device const T* norm_weight, uint
   return precise::rsqrt(total / float(K) + eps);
 }
 
-// Loads one step of a simdgroup's kRows rows: Packs packs (lane + 32 i from p0) of LILY_QMV_PACK_WORDS words each,
+// Loads one step of a simdgroup's kRows rows: kPacks packs (lane + 32 i from p0) of LILY_QMV_PACK_WORDS words each,
 // and their scales and biases (0 past the row: a pack past the row re-reads the row's last pack). A pack's words are
 // one 16-byte load (one load instruction where four 4-byte ones were: on the H200 tg128 +2 %), so `weight` must be
 // 16-byte aligned: the engine realigns code tensors to 16 bytes on the runtimes that stage (Engine::bind_weight), and
 // every row and pack starts on 16 bytes (K a multiple of 64).
-template <int Bits, uint Packs = LILY_QMV_PACKS_PER_LANE, typename S>
+template <int Bits, typename S>
 LILY_INLINE void qmv_load_step(
-    thread uint (&words)[Packs][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS],
-                               thread float (&scale)[Packs][LILY_QMV_ROWS_PER_SIMDGROUP],
-                               thread float (&bias)[Packs][LILY_QMV_ROWS_PER_SIMDGROUP],
+    thread uint (&words)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS],
+                               thread float (&scale)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP],
+                               thread float (&bias)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP],
                                device const uint* weight, device const S* scales, device const S* biases, uint K,
                                uint N, uint first_row, uint p0) {
   constexpr uint kPerWord = 32 / Bits;
@@ -122,7 +122,7 @@ LILY_INLINE void qmv_load_step(
   const uint packs_per_row = words_per_row / LILY_QMV_PACK_WORDS;
   const uint groups_per_row = K / kQuantGroupSize;
   LILY_UNROLL
-  for (uint i = 0; i < Packs; ++i) {
+  for (uint i = 0; i < LILY_QMV_PACKS_PER_LANE; ++i) {
     const uint p = min(p0 + 32 * i, packs_per_row - 1);
     const bool in_row = p0 + 32 * i < packs_per_row;
     const uint g = p * LILY_QMV_PACK_WORDS / kWordsPerGroup;
@@ -144,16 +144,16 @@ LILY_INLINE void qmv_load_step(
 // The dot products of a staged GEMV for this simdgroup's rows: acc[r] = this lane's share of sum_k x'_k w[first_row +
 // r, k] over the staged row (the caller does the simd_sum), given the first step's weights already loaded
 // (qmv_load_step with p0 = lane): later steps load their own.
-template <int Bits, uint Packs = LILY_QMV_PACKS_PER_LANE, typename S>
+template <int Bits, typename S>
 LILY_INLINE void qmv_staged_dot(
     thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP],
-    thread uint (&words)[Packs][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS],
-    thread float (&scale)[Packs][LILY_QMV_ROWS_PER_SIMDGROUP],
-    thread float (&bias)[Packs][LILY_QMV_ROWS_PER_SIMDGROUP], device const uint* weight,
+    thread uint (&words)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS],
+    thread float (&scale)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP],
+    thread float (&bias)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP], device const uint* weight,
     device const S* scales, device const S* biases, uint K, uint N, uint first_row, threadgroup const float4* stage_x,
     threadgroup const float* pack_sum, uint lane) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
-  constexpr uint kPacks = Packs;
+  constexpr uint kPacks = LILY_QMV_PACKS_PER_LANE;
   constexpr uint kPerWord = 32 / Bits;
   constexpr uint kChunks = kStageChunks<Bits>;
   const uint packs_per_row = K / kPerWord / LILY_QMV_PACK_WORDS;
@@ -165,7 +165,7 @@ LILY_INLINE void qmv_staged_dot(
   lily::code_float_magic<Bits>(magic);
   for (uint p0 = lane; p0 < packs_per_row; p0 += 32 * kPacks) {
     if (p0 != lane) {
-      qmv_load_step<Bits, Packs>(words, scale, bias, weight, scales, biases, K, N, first_row, p0);
+      qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, p0);
     }
     LILY_UNROLL
     for (uint i = 0; i < kPacks; ++i) {
