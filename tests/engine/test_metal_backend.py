@@ -303,9 +303,10 @@ def misaligned_code_bytes(checkpoint, alignment: int) -> int:
         data = path.read_bytes()
         header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
         for name, entry in header.items():
-            begin, end = entry["data_offsets"] if name != "__metadata__" else (0, 0)
-            if name != "__metadata__" and entry["dtype"] == "U32" and begin % alignment:
-                total += end - begin
+            if name == "__metadata__" or entry["dtype"] != "U32":
+                continue
+            begin, end = entry["data_offsets"]
+            total += end - begin if begin % alignment else 0
     return total
 
 
@@ -314,7 +315,7 @@ def test_quantized_codes_sit_on_16_bytes_where_the_runtime_stages_its_gemvs(cuda
     """The staged GEMVs (CUDA's) read a pack of 4 code words as one 16-byte load, which a GPU faults on below 16-byte
     alignment and the CPU harness does not notice: the engine copies every code tensor not on 16 bytes into a buffer
     of its own there, and only there (Metal's kernels read codes a word at a time). The fixture's MLX file leaves
-    code tensors at 4 and 8 past 16 (the engine's logits on it: test_logits_match_the_reference, both runtimes)."""
+    code tensors at 4 and 8 past 16; the logits both runtimes compute from it are this module's other tests'."""
     checkpoint = checkpoints["mlx"]
     extra = misaligned_code_bytes(checkpoint, 16) - misaligned_code_bytes(checkpoint, 4)
     assert extra > 0  # the case this test is about
