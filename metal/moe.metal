@@ -480,9 +480,7 @@ inline uint moe_down_packs(constant lily::MoeArgs& args) {
 // rows from `row` on: packs p0 + 32 i, pack p < k I / 32 being pack p % (I / 32) of routed slot p / (I / 32) and the
 // rest the shared expert's, with their scales and biases and each pack's routing weight (sigmoid of the gate logit for
 // the shared expert). A pack past the row re-reads the row's last pack with weight 0: no load is conditional.
-// WholePacks: a pack's 4 code words as one 16-byte load, for the staged kernel (CUDA's, whose engine aligns codes to
-// 16 bytes: Engine::bind_weight); Apple GPUs read a word at a time from a mapped checkpoint's 4-byte alignment.
-template <bool WholePacks, typename S>
+template <typename S>
 LILY_INLINE void moe_down_load_step(
     constant lily::MoeArgs& args, uint p0, uint row, device const uint* expert_ids, device const float* expert_weights,
     float shared_weight, device const uint* down_weight, device const S* down_scales, device const S* down_biases,
@@ -509,18 +507,9 @@ LILY_INLINE void moe_down_load_step(
     device const S* bi = (routed ? down_biases : shared_down_biases) + row0 * (in_size / 64) + pack * kPackWords / 8;
     LILY_UNROLL
     for (uint r = 0; r < LILY_MOE_DOWN_ROWS_PER_SIMDGROUP; ++r) {
-      if (WholePacks) {
-        static_assert(kPackWords == 4, "a pack is one 16-byte load");
-        const uint4 pack = *(device const uint4*)(w + r * (in_size / 8));
-        LILY_UNROLL
-        for (uint j = 0; j < kPackWords; ++j) {
-          words[i][r][j] = pack[j];
-        }
-      } else {
-        LILY_UNROLL
-        for (uint j = 0; j < kPackWords; ++j) {
-          words[i][r][j] = w[r * (in_size / 8) + j];
-        }
+      LILY_UNROLL
+      for (uint j = 0; j < kPackWords; ++j) {
+        words[i][r][j] = w[r * (in_size / 8) + j];
       }
       scale[i][r] = float(sc[r * (in_size / 64)]);
       bias[i][r] = float(bi[r * (in_size / 64)]);
@@ -572,7 +561,7 @@ template <typename T, typename S>
   for (uint p0 = lane; p0 < total; p0 += 32 * kPacks) {
     uint words[kPacks][kRows][kPackWords];
     float scale[kPacks][kRows], bias[kPacks][kRows], weight[kPacks];
-    moe_down_load_step<false>(args, p0, first_row, expert_ids, expert_weights, shared_weight, down_weight, down_scales,
+    moe_down_load_step(args, p0, first_row, expert_ids, expert_weights, shared_weight, down_weight, down_scales,
                        down_biases, shared_down_weight, shared_down_scales, shared_down_biases, words, scale, bias,
                        weight);
     LILY_UNROLL
@@ -675,7 +664,7 @@ template <typename T, typename S>
     uint words[kPacks][kRows][kPackWords];
     float scale[kPacks][kRows], bias[kPacks][kRows], weight[kPacks];
     // An inactive simdgroup reads the last rows (never stored).
-    moe_down_load_step<true>(args, p0, min(first_row, H - kRows), expert_ids, expert_weights, shared_weight, down_weight,
+    moe_down_load_step(args, p0, min(first_row, H - kRows), expert_ids, expert_weights, shared_weight, down_weight,
                        down_scales, down_biases, shared_down_weight, shared_down_scales, shared_down_biases, words,
                        scale, bias, weight);
     if (s0 == 0) {
