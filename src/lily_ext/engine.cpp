@@ -118,9 +118,7 @@ void Engine::bind_synthetic_weights() {
 // `ref`'s spans are byte ranges of the files as written; each moves by where its buffer put the file's byte 0. A span
 // still not aligned to its elements (a writer that does not pad tensors: MLX after an odd-sized bf16 tensor) is copied
 // into a buffer of its own, since a GPU reads an element only at an address aligned to its size (the fake Metal and
-// fake libcuda check that per kernel argument); a runtime that reads unaligned (the CPU's) binds it in place. Where
-// the runtime stages its GEMVs, quantized codes align to 16 bytes: the staged kernels read a pack of 4 code words as
-// one 16-byte load (metal/qmv_stage.h, qmv_load_step).
+// fake libcuda check that per kernel argument); a runtime that reads unaligned (the CPU's) binds it in place.
 void Engine::bind_weight(const std::string& name, const WeightRef& ref) {
   if (loaded_) throw Error("[engine] " + name + ": weights are bound before finish_loading");
   WeightRef placed = ref;
@@ -133,8 +131,7 @@ void Engine::bind_weight(const std::string& name, const WeightRef& ref) {
     if (span->offset + span->length > base_.buffers[span->buffer].length) {
       throw Error("[engine] " + name + ": its byte range is not inside a loaded file or buffer");
     }
-    const size_t element = dtype_size(span == &placed.data ? (ref.bits ? DType::U32 : ref.dtype) : ref.scale_dtype);
-    const size_t alignment = span == &placed.data && ref.bits && runtime_->prefers_staged_gemv() ? 16 : element;
+    const size_t alignment = dtype_size(span == &placed.data ? (ref.bits ? DType::U32 : ref.dtype) : ref.scale_dtype);
     if (span->offset % alignment && !runtime_->reads_unaligned()) {
       const DeviceBuffer& source = *buffers_[span->buffer];
       const int id = add_buffer("realigned " + name, BufferRole::Weights,

@@ -6,7 +6,6 @@ layouts (bf16 and f32 HF files quantized on load), float32 mode, and the bfloat1
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 from collections import Counter
@@ -293,35 +292,6 @@ def test_an_mlx_file_is_shifted_to_aligned_tensors_and_an_aligned_file_is_mapped
         assert backend.shifted_files == ([str(f) for f in checkpoint.files] if name == "unaligned" else [])
         logits[name] = backend.forward(PROMPT, backend.new_state())
     np.testing.assert_array_equal(logits["unaligned"], logits["aligned"])
-
-
-def misaligned_code_bytes(checkpoint, alignment: int) -> int:
-    """Bytes of the quantized code tensors (U32) whose offset from the data section's start is not a multiple of
-    `alignment` (the engine shifts each file so that its data section starts on 16 bytes)."""
-    total = 0
-    for path in checkpoint.files:
-        data = path.read_bytes()
-        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
-        for name, entry in header.items():
-            if name == "__metadata__" or entry["dtype"] != "U32":
-                continue
-            begin, end = entry["data_offsets"]
-            total += end - begin if begin % alignment else 0
-    return total
-
-
-@pytest.mark.metal
-def test_quantized_codes_sit_on_16_bytes_where_the_runtime_stages_its_gemvs(cuda_engine_backend, checkpoints):
-    """The staged GEMVs (CUDA's) read a pack of 4 code words as one 16-byte load, which a GPU faults on below 16-byte
-    alignment and the CPU harness does not notice: the engine copies every code tensor not on 16 bytes into a buffer
-    of its own there, and only there (Metal's kernels read codes a word at a time). The fixture's MLX file leaves
-    code tensors at 4 and 8 past 16; the logits both runtimes compute from it are this module's other tests'."""
-    checkpoint = checkpoints["mlx"]
-    extra = misaligned_code_bytes(checkpoint, 16) - misaligned_code_bytes(checkpoint, 4)
-    assert extra > 0  # the case this test is about
-    metal = MetalBackend(checkpoint, precision="float32")
-    cuda = cuda_engine_backend(checkpoint, precision="float32")
-    assert cuda.materialised_bytes - metal.materialised_bytes == extra
 
 
 def test_weights_are_mapped_not_copied(engine_backend, checkpoints):
