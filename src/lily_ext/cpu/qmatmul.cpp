@@ -29,8 +29,6 @@ constexpr size_t kTileRows = 16;       // rows dequantized at once by the GEMM
 constexpr size_t kGemvMaxTokens = 8;   // up to this many tokens: the GEMV (each weight row decoded once for all)
 constexpr size_t kParallelWork = 1 << 17;  // multiply-adds below which a range is not split (a wake-up costs ~10 us)
 
-
-
 float bits_to_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
