@@ -371,23 +371,23 @@ template <typename T, typename S>
 // weights before lily::grid_dependency_wait (on CUDA it overlaps the router GEMV before); a routed slot's simdgroups
 // wait, route as moe_gate_up_swiglu_routed, then load theirs; either way the loads are in flight while x is staged.
 // H <= LILY_QMV_STAGE_MAX_K (the host checks).
-template <typename T, typename S>
+template <typename T, typename S, bool WholePacks>
 [[kernel]] void moe_gate_up_swiglu_routed_staged(constant lily::MoeRoutedArgs& args [[buffer(0)]],
                                                  device const T* x [[buffer(1)]],
                                                  device const T* norm_weight [[buffer(2)]],
                                                  device const float* router_logits [[buffer(3)]],
                                                  device uint* expert_ids [[buffer(4)]],
                                                  device float* expert_weights [[buffer(5)]],
-                                                 device const uint* gate_weight [[buffer(6)]],
+                                                 device const lily::pack_codes_t<WholePacks>* gate_weight [[buffer(6)]],
                                                  device const S* gate_scales [[buffer(7)]],
                                                  device const S* gate_biases [[buffer(8)]],
-                                                 device const uint* up_weight [[buffer(9)]],
+                                                 device const lily::pack_codes_t<WholePacks>* up_weight [[buffer(9)]],
                                                  device const S* up_scales [[buffer(10)]],
                                                  device const S* up_biases [[buffer(11)]],
-                                                 device const uint* shared_gate_weight [[buffer(12)]],
+                                                 device const lily::pack_codes_t<WholePacks>* shared_gate_weight [[buffer(12)]],
                                                  device const S* shared_gate_scales [[buffer(13)]],
                                                  device const S* shared_gate_biases [[buffer(14)]],
-                                                 device const uint* shared_up_weight [[buffer(15)]],
+                                                 device const lily::pack_codes_t<WholePacks>* shared_up_weight [[buffer(15)]],
                                                  device const S* shared_up_scales [[buffer(16)]],
                                                  device const S* shared_up_biases [[buffer(17)]],
                                                  device float* hidden [[buffer(18)]],
@@ -418,16 +418,16 @@ template <typename T, typename S>
   float scale_gate[LILY_QMV_PACKS_PER_LANE][kRows], bias_gate[LILY_QMV_PACKS_PER_LANE][kRows];
   float scale_up[LILY_QMV_PACKS_PER_LANE][kRows], bias_up[LILY_QMV_PACKS_PER_LANE][kRows];
   // The slot's matrices (first row of its expert): the shared expert's known at once, a routed one after routing.
-  device const uint* wg = shared_gate_weight;
+  device const uint* wg = lily::as_words(shared_gate_weight);
   device const S* sg = shared_gate_scales;
   device const S* bg = shared_gate_biases;
-  device const uint* wu = shared_up_weight;
+  device const uint* wu = lily::as_words(shared_up_weight);
   device const S* su = shared_up_scales;
   device const S* bu = shared_up_biases;
   if (is_shared) {
     if (active) {
-      lily::qmv_load_step<4>(words_gate, scale_gate, bias_gate, wg, sg, bg, H, out_rows, first_row, lane);
-      lily::qmv_load_step<4>(words_up, scale_up, bias_up, wu, su, bu, H, out_rows, first_row, lane);
+      lily::qmv_load_step<4, WholePacks>(words_gate, scale_gate, bias_gate, wg, sg, bg, H, out_rows, first_row, lane);
+      lily::qmv_load_step<4, WholePacks>(words_up, scale_up, bias_up, wu, su, bu, H, out_rows, first_row, lane);
     }
     lily::grid_dependency_wait();  // x and the logits come from the dispatches before
   } else {
@@ -436,15 +436,15 @@ template <typename T, typename S>
     const size_t row0 = size_t(moe_slot_expert(router_logits, args.moe.num_experts, k, slot, writer_simdgroup, lane,
                                                expert_ids, expert_weights)) *
                         args.moe.expert_size;
-    wg = gate_weight + row0 * words;
+    wg = lily::as_words(gate_weight) + row0 * words;
     sg = gate_scales + row0 * groups;
     bg = gate_biases + row0 * groups;
-    wu = up_weight + row0 * words;
+    wu = lily::as_words(up_weight) + row0 * words;
     su = up_scales + row0 * groups;
     bu = up_biases + row0 * groups;
     if (active) {
-      lily::qmv_load_step<4>(words_gate, scale_gate, bias_gate, wg, sg, bg, H, out_rows, first_row, lane);
-      lily::qmv_load_step<4>(words_up, scale_up, bias_up, wu, su, bu, H, out_rows, first_row, lane);
+      lily::qmv_load_step<4, WholePacks>(words_gate, scale_gate, bias_gate, wg, sg, bg, H, out_rows, first_row, lane);
+      lily::qmv_load_step<4, WholePacks>(words_up, scale_up, bias_up, wu, su, bu, H, out_rows, first_row, lane);
     }
   }
   // 4 chunks per thread and round (one round at H = 2048 on 128 threads), not kStageBatch's 8: with the gate and up
@@ -456,9 +456,10 @@ template <typename T, typename S>
     return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
   }
   float acc_gate[kRows], acc_up[kRows];
-  lily::qmv_staged_dot<4>(acc_gate, words_gate, scale_gate, bias_gate, wg, sg, bg, H, out_rows, first_row, stage_x, pack_sum,
-                    lane);
-  lily::qmv_staged_dot<4>(acc_up, words_up, scale_up, bias_up, wu, su, bu, H, out_rows, first_row, stage_x, pack_sum, lane);
+  lily::qmv_staged_dot<4, WholePacks>(acc_gate, words_gate, scale_gate, bias_gate, wg, sg, bg, H, out_rows, first_row,
+                                      stage_x, pack_sum, lane);
+  lily::qmv_staged_dot<4, WholePacks>(acc_up, words_up, scale_up, bias_up, wu, su, bu, H, out_rows, first_row, stage_x,
+                                      pack_sum, lane);
   device float* out = hidden + size_t(slot) * args.moe.expert_size + first_row;
   LILY_UNROLL
   for (uint r = 0; r < kRows; ++r) {
@@ -480,7 +481,8 @@ inline uint moe_down_packs(constant lily::MoeArgs& args) {
 // rows from `row` on: packs p0 + 32 i, pack p < k I / 32 being pack p % (I / 32) of routed slot p / (I / 32) and the
 // rest the shared expert's, with their scales and biases and each pack's routing weight (sigmoid of the gate logit for
 // the shared expert). A pack past the row re-reads the row's last pack with weight 0: no load is conditional.
-template <typename S>
+// WholePacks: a pack as one 16-byte load (codes on 16 bytes), as lily::qmv_load_step.
+template <bool WholePacks, typename S>
 LILY_INLINE void moe_down_load_step(
     constant lily::MoeArgs& args, uint p0, uint row, device const uint* expert_ids, device const float* expert_weights,
     float shared_weight, device const uint* down_weight, device const S* down_scales, device const S* down_biases,
@@ -507,9 +509,18 @@ LILY_INLINE void moe_down_load_step(
     device const S* bi = (routed ? down_biases : shared_down_biases) + row0 * (in_size / 64) + pack * kPackWords / 8;
     LILY_UNROLL
     for (uint r = 0; r < LILY_MOE_DOWN_ROWS_PER_SIMDGROUP; ++r) {
-      LILY_UNROLL
-      for (uint j = 0; j < kPackWords; ++j) {
-        words[i][r][j] = w[r * (in_size / 8) + j];
+      if (WholePacks) {  // qmv_load_step's choice
+        static_assert(kPackWords == 4, "a pack is one 16-byte load");
+        const uint4 v = *(device const uint4*)(w + r * (in_size / 8));
+        LILY_UNROLL
+        for (uint j = 0; j < kPackWords; ++j) {
+          words[i][r][j] = v[j];
+        }
+      } else {
+        LILY_UNROLL
+        for (uint j = 0; j < kPackWords; ++j) {
+          words[i][r][j] = w[r * (in_size / 8) + j];
+        }
       }
       scale[i][r] = float(sc[r * (in_size / 64)]);
       bias[i][r] = float(bi[r * (in_size / 64)]);
@@ -561,9 +572,9 @@ template <typename T, typename S>
   for (uint p0 = lane; p0 < total; p0 += 32 * kPacks) {
     uint words[kPacks][kRows][kPackWords];
     float scale[kPacks][kRows], bias[kPacks][kRows], weight[kPacks];
-    moe_down_load_step(args, p0, first_row, expert_ids, expert_weights, shared_weight, down_weight, down_scales,
-                       down_biases, shared_down_weight, shared_down_scales, shared_down_biases, words, scale, bias,
-                       weight);
+    moe_down_load_step<false>(args, p0, first_row, expert_ids, expert_weights, shared_weight, down_weight, down_scales,
+                              down_biases, shared_down_weight, shared_down_scales, shared_down_biases, words, scale,
+                              bias, weight);
     LILY_UNROLL
     for (uint i = 0; i < kPacks; ++i) {
       const uint h_offset = min(p0 + 32 * i, total - 1) * kPackWords * 8;  // pack p reads hidden [32 p, 32 p + 32)
@@ -616,15 +627,15 @@ template <typename T, typename S>
 // any multiple of 32 threads; every load of the weights is issued before the staging, and the flattened pack p reads
 // hidden values [32 p, 32 p + 32): the packs of the slot rows in order. k I + Is <= LILY_MOE_STAGE_MAX_K (the host
 // checks).
-template <typename T, typename S>
+template <typename T, typename S, bool WholePacks>
 [[kernel]] void moe_down_combine_staged(constant lily::MoeArgs& args [[buffer(0)]],
                                         device const float* hidden [[buffer(1)]],
                                         device const uint* expert_ids [[buffer(2)]],
                                         device const float* expert_weights [[buffer(3)]],
-                                        device const uint* down_weight [[buffer(4)]],
+                                        device const lily::pack_codes_t<WholePacks>* down_weight [[buffer(4)]],
                                         device const S* down_scales [[buffer(5)]],
                                         device const S* down_biases [[buffer(6)]],
-                                        device const uint* shared_down_weight [[buffer(7)]],
+                                        device const lily::pack_codes_t<WholePacks>* shared_down_weight [[buffer(7)]],
                                         device const S* shared_down_scales [[buffer(8)]],
                                         device const S* shared_down_biases [[buffer(9)]],
                                         device const float* shared_gate_logit [[buffer(10)]],
@@ -664,9 +675,10 @@ template <typename T, typename S>
     uint words[kPacks][kRows][kPackWords];
     float scale[kPacks][kRows], bias[kPacks][kRows], weight[kPacks];
     // An inactive simdgroup reads the last rows (never stored).
-    moe_down_load_step(args, p0, min(first_row, H - kRows), expert_ids, expert_weights, shared_weight, down_weight,
-                       down_scales, down_biases, shared_down_weight, shared_down_scales, shared_down_biases, words,
-                       scale, bias, weight);
+    moe_down_load_step<WholePacks>(args, p0, min(first_row, H - kRows), expert_ids, expert_weights, shared_weight,
+                                   lily::as_words(down_weight), down_scales, down_biases,
+                                   lily::as_words(shared_down_weight), shared_down_scales, shared_down_biases, words,
+                                   scale, bias, weight);
     if (s0 == 0) {
       lily::qmv_stage<false, 4>(hidden, hidden, total * 8 * kPackWords, 0.0f, stage_h, pack_sum, simd_sq, tid, n_threads,
                           lane, simd_group);
@@ -728,13 +740,21 @@ LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_routed_f32", moe_gate_up_swiglu_rout
 LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_routed_bf16", moe_gate_up_swiglu_routed, bfloat, bfloat)
 LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_routed_f32_sf32", moe_gate_up_swiglu_routed, float, float)
 LILY_INSTANTIATE_KERNEL("moe_gate_up_swiglu_routed_bf16_sf32", moe_gate_up_swiglu_routed, bfloat, float)
-// Staged (CUDA): bf16 scales only, as the staged GEMVs.
-LILY_INSTANTIATE_EARLY_KERNEL("moe_gate_up_swiglu_routed_staged_f32", moe_gate_up_swiglu_routed_staged, float, bfloat)
+// Staged (CUDA): bf16 scales only, as the staged GEMVs, and each twice as they are: codes a word at a time, and (_a16)
+// a pack as one 16-byte load (tuning::whole_pack_loads).
+LILY_INSTANTIATE_EARLY_KERNEL("moe_gate_up_swiglu_routed_staged_f32", moe_gate_up_swiglu_routed_staged, float, bfloat,
+                              false)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_gate_up_swiglu_routed_staged_f32_a16", moe_gate_up_swiglu_routed_staged, float,
+                              bfloat, true)
 LILY_INSTANTIATE_EARLY_KERNEL("moe_gate_up_swiglu_routed_staged_bf16", moe_gate_up_swiglu_routed_staged, bfloat,
-                              bfloat)
+                              bfloat, false)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_gate_up_swiglu_routed_staged_bf16_a16", moe_gate_up_swiglu_routed_staged, bfloat,
+                              bfloat, true)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_f32", moe_down_combine, float, bfloat)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_bf16", moe_down_combine, bfloat, bfloat)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_f32_sf32", moe_down_combine, float, float)
-LILY_INSTANTIATE_KERNEL("moe_down_combine_staged_f32", moe_down_combine_staged, float, bfloat)
-LILY_INSTANTIATE_KERNEL("moe_down_combine_staged_bf16", moe_down_combine_staged, bfloat, bfloat)
+LILY_INSTANTIATE_KERNEL("moe_down_combine_staged_f32", moe_down_combine_staged, float, bfloat, false)
+LILY_INSTANTIATE_KERNEL("moe_down_combine_staged_f32_a16", moe_down_combine_staged, float, bfloat, true)
+LILY_INSTANTIATE_KERNEL("moe_down_combine_staged_bf16", moe_down_combine_staged, bfloat, bfloat, false)
+LILY_INSTANTIATE_KERNEL("moe_down_combine_staged_bf16_a16", moe_down_combine_staged, bfloat, bfloat, true)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_bf16_sf32", moe_down_combine, bfloat, float)

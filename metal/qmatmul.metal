@@ -379,7 +379,7 @@ LILY_INLINE void qmv_stage_gated_norm(device const float* o, device const float*
 // before lily::grid_dependency_wait: on CUDA they overlap the dispatch that writes x (the kernels calling this are
 // LILY_INSTANTIATE_EARLY_KERNEL). Every thread of the threadgroup calls it; a simdgroup with `active` false (rows past
 // N) only takes part in the staging.
-template <bool Norm, int Bits, typename T, typename S>
+template <bool Norm, int Bits, bool WholePacks, typename T, typename S>
 LILY_INLINE float qmv_staged_rows(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const T* x,
                                   device const T* norm_weight, device const uint* weight, device const S* scales,
                                   device const S* biases, uint K, uint N, float eps, uint first_row, bool active,
@@ -389,13 +389,14 @@ LILY_INLINE float qmv_staged_rows(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROU
   float scale[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
   float bias[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
   if (active) {
-    qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
+    qmv_load_step<Bits, WholePacks>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
   }
   lily::grid_dependency_wait();  // x comes from the dispatch before
   const float inv_rms = qmv_stage<Norm, Bits>(x, norm_weight, K, eps, stage_x, pack_sum, simd_sq, tid, n_threads, lane,
                                               simd_group);
   if (active) {
-    qmv_staged_dot<Bits>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
+    qmv_staged_dot<Bits, WholePacks>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x,
+                                     pack_sum, lane);
   }
   return inv_rms;
 }
@@ -579,11 +580,11 @@ template <bool Norm, typename T, typename S, int Bits, typename O>
 // qmv_norm_staged streams: threadgroup x takes the blocks of rows x, x + grid width, ... against one staging of x, so
 // the host can launch fewer threadgroups than blocks (the lm_head's 15,520 blocks each staged x once, 8 KB of x and
 // norm weight read from L2 per 16 KB of weights; tuning::kQmvStreamGroups). Any grid width gives the same bits.
-template <typename T, typename S, int Bits, typename O>
+template <typename T, typename S, int Bits, typename O, bool WholePacks>
 [[kernel]] void qmv_norm_staged(constant lily::QMatmulNormArgs& args [[buffer(0)]],
                                 device const T* x [[buffer(1)]],
                                 device const T* norm_weight [[buffer(2)]],
-                                device const uint* weight [[buffer(3)]],
+                                device const lily::pack_codes_t<WholePacks>* weight [[buffer(3)]],
                                 device const S* scales [[buffer(4)]],
                                 device const S* biases [[buffer(5)]],
                                 device O* y [[buffer(6)]],
@@ -610,9 +611,9 @@ template <typename T, typename S, int Bits, typename O>
   // load theirs against the same staging. No barrier after the staging: the simdgroups go on independently.
   uint first_row = tg.x * rows_per_group + simd_group * kRows;
   float acc[kRows];
-  const float inv_rms = qmv_staged_rows<true, Bits>(acc, x + size_t(tg.y) * K, norm_weight, weight, scales, biases, K,
-                                                    N, args.eps, first_row, first_row < N, stage_x, pack_sum, simd_sq,
-                                                    tid, n_threads, lane, simd_group);
+  const float inv_rms = qmv_staged_rows<true, Bits, WholePacks>(
+      acc, x + size_t(tg.y) * K, norm_weight, lily::as_words(weight), scales, biases, K, N, args.eps, first_row,
+      first_row < N, stage_x, pack_sum, simd_sq, tid, n_threads, lane, simd_group);
   for (uint block = tg.x; first_row < N;) {  // uniform per simdgroup: the simd_sums stay convergent
     LILY_UNROLL
     for (uint r = 0; r < kRows; ++r) {
@@ -624,15 +625,16 @@ template <typename T, typename S, int Bits, typename O>
     block += groups.x;
     first_row = block < blocks ? block * rows_per_group + simd_group * kRows : N;
     if (first_row < N) {
-      qmv_load_and_dot<Bits>(acc, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
+      qmv_load_and_dot<Bits, WholePacks>(acc, lily::as_words(weight), scales, biases, K, N, first_row, stage_x,
+                                         pack_sum, lane);
     }
   }
 }
 
-template <typename T, typename S, int Bits>
+template <typename T, typename S, int Bits, bool WholePacks>
 [[kernel]] void qmv_residual_staged(constant lily::QMatmulArgs& args [[buffer(0)]],
                                     device const T* x [[buffer(1)]],
-                                    device const uint* weight [[buffer(2)]],
+                                    device const lily::pack_codes_t<WholePacks>* weight [[buffer(2)]],
                                     device const S* scales [[buffer(3)]],
                                     device const S* biases [[buffer(4)]],
                                     device const T* residual [[buffer(5)]],
@@ -655,28 +657,29 @@ template <typename T, typename S, int Bits>
   }
   const uint first_row = (tg.x * (n_threads / 32) + simd_group) * kRows;
   float acc[kRows];
-  qmv_staged_rows<false, Bits>(acc, x + size_t(tg.y) * K, x, weight, scales, biases, K, N, 0.0f, first_row,
-                               first_row < N, stage_x, pack_sum, simd_sq, tid, n_threads, lane, simd_group);
+  qmv_staged_rows<false, Bits, WholePacks>(acc, x + size_t(tg.y) * K, x, lily::as_words(weight), scales, biases, K, N,
+                                           0.0f, first_row, first_row < N, stage_x, pack_sum, simd_sq, tid, n_threads,
+                                           lane, simd_group);
   if (first_row >= N) {
     return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
   }
   qmv_residual_rows(acc, residual, out, size_t(tg.y) * N, N, first_row, lane);
 }
 
-template <typename T, typename S, int Bits, typename O>
+template <typename T, typename S, int Bits, typename O, bool WholePacks>
 [[kernel]] void qmv_norm_seg_staged(constant lily::QMatmulSegmentsArgs& args [[buffer(0)]],
                                     device const T* x [[buffer(1)]],
                                     device const T* norm_weight [[buffer(2)]],
-                                    device const uint* weight0 [[buffer(3)]],
+                                    device const lily::pack_codes_t<WholePacks>* weight0 [[buffer(3)]],
                                     device const S* scales0 [[buffer(4)]],
                                     device const S* biases0 [[buffer(5)]],
-                                    device const uint* weight1 [[buffer(6)]],
+                                    device const lily::pack_codes_t<WholePacks>* weight1 [[buffer(6)]],
                                     device const S* scales1 [[buffer(7)]],
                                     device const S* biases1 [[buffer(8)]],
-                                    device const uint* weight2 [[buffer(9)]],
+                                    device const lily::pack_codes_t<WholePacks>* weight2 [[buffer(9)]],
                                     device const S* scales2 [[buffer(10)]],
                                     device const S* biases2 [[buffer(11)]],
-                                    device const uint* weight3 [[buffer(12)]],
+                                    device const lily::pack_codes_t<WholePacks>* weight3 [[buffer(12)]],
                                     device const S* scales3 [[buffer(13)]],
                                     device const S* biases3 [[buffer(14)]],
                                     device O* y [[buffer(15)]],
@@ -703,8 +706,9 @@ template <typename T, typename S, int Bits, typename O>
   uint N = args.rows[seg.index];
   uint first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
   float acc[kRows];
-  const float inv_rms = qmv_staged_rows<true, Bits>(
-      acc, x + size_t(tg.y) * K, norm_weight, qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3),
+  const float inv_rms = qmv_staged_rows<true, Bits, WholePacks>(
+      acc, x + size_t(tg.y) * K, norm_weight,
+      lily::as_words(qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3)),
       qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3),
       qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, args.eps, first_row, first_row < N,
       stage_x, pack_sum, simd_sq, tid, n_threads, lane, simd_group);
@@ -726,10 +730,10 @@ template <typename T, typename S, int Bits, typename O>
     N = args.rows[seg.index];
     first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
     if (first_row < N) {
-      qmv_load_and_dot<Bits>(acc, qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3),
-                             qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3),
-                             qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, first_row, stage_x,
-                             pack_sum, lane);
+      qmv_load_and_dot<Bits, WholePacks>(
+          acc, lily::as_words(qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3)),
+          qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3),
+          qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, first_row, stage_x, pack_sum, lane);
     }
   }
 }
@@ -758,20 +762,20 @@ LILY_INLINE void qmv_conv_inputs(device const T* conv_weight, device const T* co
 // host's rule). Every channel has one owner here, so its in-place shift cannot race with a reader: the
 // DeltaNet scan after this kernel may spread a key head over many threadgroups (gated_delta_step, which convolves
 // in place, keeps each key head's channels in one).
-template <typename T, typename S, int Bits>
+template <typename T, typename S, int Bits, bool WholePacks>
 [[kernel]] void qmv_norm_seg_conv_staged(constant lily::QMatmulSegmentsArgs& args [[buffer(0)]],
                                          device const T* x [[buffer(1)]],
                                          device const T* norm_weight [[buffer(2)]],
-                                         device const uint* weight0 [[buffer(3)]],
+                                         device const lily::pack_codes_t<WholePacks>* weight0 [[buffer(3)]],
                                          device const S* scales0 [[buffer(4)]],
                                          device const S* biases0 [[buffer(5)]],
-                                         device const uint* weight1 [[buffer(6)]],
+                                         device const lily::pack_codes_t<WholePacks>* weight1 [[buffer(6)]],
                                          device const S* scales1 [[buffer(7)]],
                                          device const S* biases1 [[buffer(8)]],
-                                         device const uint* weight2 [[buffer(9)]],
+                                         device const lily::pack_codes_t<WholePacks>* weight2 [[buffer(9)]],
                                          device const S* scales2 [[buffer(10)]],
                                          device const S* biases2 [[buffer(11)]],
-                                         device const uint* weight3 [[buffer(12)]],
+                                         device const lily::pack_codes_t<WholePacks>* weight3 [[buffer(12)]],
                                          device const S* scales3 [[buffer(13)]],
                                          device const S* biases3 [[buffer(14)]],
                                          device T* y [[buffer(15)]],
@@ -809,8 +813,8 @@ template <typename T, typename S, int Bits>
   qmv_conv_inputs(conv_weight, conv_state, seg.index == 0 && lane < kRows && first_row + lane < N, N,
                   first_row + lane, history, taps);
   float acc[kRows];
-  const float inv_rms = qmv_staged_rows<true, Bits>(
-      acc, x, norm_weight, qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3),
+  const float inv_rms = qmv_staged_rows<true, Bits, WholePacks>(
+      acc, x, norm_weight, lily::as_words(qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3)),
       qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3),
       qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, args.eps, first_row, first_row < N,
       stage_x, pack_sum, simd_sq, tid, n_threads, lane, simd_group);
@@ -848,10 +852,10 @@ template <typename T, typename S, int Bits>
     if (first_row < N) {
       qmv_conv_inputs(conv_weight, conv_state, seg.index == 0 && lane < kRows && first_row + lane < N, N,
                       first_row + lane, history, taps);
-      qmv_load_and_dot<Bits>(acc, qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3),
-                             qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3),
-                             qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, first_row, stage_x,
-                             pack_sum, lane);
+      qmv_load_and_dot<Bits, WholePacks>(
+          acc, lily::as_words(qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3)),
+          qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3),
+          qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, first_row, stage_x, pack_sum, lane);
     }
   }
 }
@@ -859,12 +863,12 @@ template <typename T, typename S, int Bits>
 // qmv_residual_staged over the DeltaNet's gated RMSNorm of its scan output: out = residual + W · x with x =
 // qmv_stage_gated_norm(o, SiLU(z)), so gated_delta_prefill_norm's dispatch (and its rounded copy of x) leaves a
 // decode token. One input row; the bits of gated_delta_prefill_norm followed by qmv_residual_staged.
-template <typename T, typename S, int Bits>
+template <typename T, typename S, int Bits, bool WholePacks>
 [[kernel]] void qmv_gated_norm_residual_staged(constant lily::QMatmulGatedNormArgs& args [[buffer(0)]],
                                                device const float* o [[buffer(1)]],          // [K] scan output
                                                device const float* gate [[buffer(2)]],       // [K] SiLU(z)
                                                device const T* norm_weight [[buffer(3)]],    // [head_dim]
-                                               device const uint* weight [[buffer(4)]],
+                                               device const lily::pack_codes_t<WholePacks>* weight [[buffer(4)]],
                                                device const S* scales [[buffer(5)]],
                                                device const S* biases [[buffer(6)]],
                                                device const T* residual [[buffer(7)]],
@@ -890,7 +894,7 @@ template <typename T, typename S, int Bits>
   uint words[LILY_QMV_PACKS_PER_LANE][kRows][LILY_QMV_PACK_WORDS];
   float scale[LILY_QMV_PACKS_PER_LANE][kRows], bias[LILY_QMV_PACKS_PER_LANE][kRows];
   if (active) {
-    qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
+    qmv_load_step<Bits, WholePacks>(words, scale, bias, lily::as_words(weight), scales, biases, K, N, first_row, lane);
   }
   lily::grid_dependency_wait();  // o comes from the dispatch before, gate from the one before that
   qmv_stage_gated_norm<T, Bits>(o, gate, norm_weight, K, args.head_dim, args.eps, stage_x, pack_sum, head_inv_rms, tid,
@@ -899,7 +903,8 @@ template <typename T, typename S, int Bits>
     return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
   }
   float acc[kRows];
-  qmv_staged_dot<Bits>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
+  qmv_staged_dot<Bits, WholePacks>(acc, words, scale, bias, lily::as_words(weight), scales, biases, K, N, first_row,
+                                   stage_x, pack_sum, lane);
   qmv_residual_rows(acc, residual, out, 0, N, first_row, lane);
 }
 
@@ -1007,23 +1012,44 @@ LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16_of32", qmv_norm, bfloat, bfloat, 4
 LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16_sf32_of32", qmv_norm, bfloat, float, 4, float)
 
 // The staged one-row GEMVs: CUDA's choice for the bf16 model's decode projections (tuning::staged_gemv); f32 for the
-// float32 mode and the tests' exact checks.
-LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_f32", qmv_norm_staged, float, bfloat, 4, float)
-LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_bf16", qmv_norm_staged, bfloat, bfloat, 4, bfloat)
-LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_bf16_of32", qmv_norm_staged, bfloat, bfloat, 4, float)
-LILY_INSTANTIATE_EARLY_KERNEL("qmv_residual_staged_q4_g64_f32", qmv_residual_staged, float, bfloat, 4)
-LILY_INSTANTIATE_EARLY_KERNEL("qmv_residual_staged_q4_g64_bf16", qmv_residual_staged, bfloat, bfloat, 4)
-LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_staged_q4_g64_f32", qmv_norm_seg_staged, float, bfloat, 4, float)
-LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_staged_q4_g64_bf16", qmv_norm_seg_staged, bfloat, bfloat, 4, bfloat)
-LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_staged_q8_g64_bf16_of32", qmv_norm_seg_staged, bfloat, bfloat, 8, float)
+// float32 mode and the tests' exact checks. Each twice: codes read a word at a time, and (_a16) a pack of 4 words
+// as one 16-byte load where the codes lie on 16 bytes (tuning::whole_pack_loads).
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_f32", qmv_norm_staged, float, bfloat, 4, float, false)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_f32_a16", qmv_norm_staged, float, bfloat, 4, float, true)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_bf16", qmv_norm_staged, bfloat, bfloat, 4, bfloat, false)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_bf16_a16", qmv_norm_staged, bfloat, bfloat, 4, bfloat, true)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_bf16_of32", qmv_norm_staged, bfloat, bfloat, 4, float, false)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_bf16_of32_a16", qmv_norm_staged, bfloat, bfloat, 4, float, true)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_residual_staged_q4_g64_f32", qmv_residual_staged, float, bfloat, 4, false)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_residual_staged_q4_g64_f32_a16", qmv_residual_staged, float, bfloat, 4, true)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_residual_staged_q4_g64_bf16", qmv_residual_staged, bfloat, bfloat, 4, false)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_residual_staged_q4_g64_bf16_a16", qmv_residual_staged, bfloat, bfloat, 4, true)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_staged_q4_g64_f32", qmv_norm_seg_staged, float, bfloat, 4, float, false)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_staged_q4_g64_f32_a16", qmv_norm_seg_staged, float, bfloat, 4, float, true)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_staged_q4_g64_bf16", qmv_norm_seg_staged, bfloat, bfloat, 4, bfloat, false)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_staged_q4_g64_bf16_a16", qmv_norm_seg_staged,
+                              bfloat, bfloat, 4, bfloat, true)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_staged_q8_g64_bf16_of32", qmv_norm_seg_staged,
+                              bfloat, bfloat, 8, float, false)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_staged_q8_g64_bf16_of32_a16", qmv_norm_seg_staged,
+                              bfloat, bfloat, 8, float, true)
 // A decode token's DeltaNet spread over many threadgroups (tuning::spread_deltanet_step): the conv in the in_proj GEMV,
 // the gated norm in the out_proj GEMV's staging.
-LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_staged_q4_g64_f32", qmv_norm_seg_conv_staged, float, bfloat, 4)
-LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_staged_q4_g64_bf16", qmv_norm_seg_conv_staged, bfloat, bfloat, 4)
-LILY_INSTANTIATE_EARLY_KERNEL("qmv_gated_norm_residual_staged_q4_g64_f32", qmv_gated_norm_residual_staged, float,
-                              bfloat, 4)
-LILY_INSTANTIATE_EARLY_KERNEL("qmv_gated_norm_residual_staged_q4_g64_bf16", qmv_gated_norm_residual_staged, bfloat,
-                              bfloat, 4)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_staged_q4_g64_f32", qmv_norm_seg_conv_staged, float, bfloat, 4, false)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_staged_q4_g64_f32_a16", qmv_norm_seg_conv_staged,
+                              float, bfloat, 4, true)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_staged_q4_g64_bf16", qmv_norm_seg_conv_staged,
+                              bfloat, bfloat, 4, false)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_staged_q4_g64_bf16_a16", qmv_norm_seg_conv_staged,
+                              bfloat, bfloat, 4, true)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_gated_norm_residual_staged_q4_g64_f32", qmv_gated_norm_residual_staged,
+                              float, bfloat, 4, false)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_gated_norm_residual_staged_q4_g64_f32_a16", qmv_gated_norm_residual_staged,
+                              float, bfloat, 4, true)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_gated_norm_residual_staged_q4_g64_bf16", qmv_gated_norm_residual_staged,
+                              bfloat, bfloat, 4, false)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_gated_norm_residual_staged_q4_g64_bf16_a16", qmv_gated_norm_residual_staged,
+                              bfloat, bfloat, 4, true)
 LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_f32", qmv_segments, false, float, bfloat, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_f32_sf32", qmv_segments, false, float, float, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_seg_q4_g64_bf16", qmv_segments, false, bfloat, bfloat, 4, bfloat)

@@ -104,11 +104,29 @@ LILY_INLINE float qmv_stage(device const T* x, device const T* norm_weight, uint
   return precise::rsqrt(total / float(K) + eps);
 }
 
+// The type a staged kernel binds its code tensors as: uint, or uint4 where a pack's 4 words are one 16-byte load
+// (WholePacks), so that the binding states the alignment the loads need (the test runtimes check each bound address
+// against its pointee's size, as a GPU faults on a misaligned vector load).
+template <bool WholePacks>
+struct PackCodes {
+  using type = uint;
+};
+template <>
+struct PackCodes<true> {
+  using type = uint4;
+};
+template <bool WholePacks>
+using pack_codes_t = typename PackCodes<WholePacks>::type;
+// A staged kernel's codes as the words the helpers index.
+inline device const uint* as_words(device const uint* codes) { return codes; }
+inline device const uint* as_words(device const uint4* codes) { return (device const uint*)codes; }
+
 // Loads one step of a simdgroup's kRows rows: kPacks packs (lane + 32 i from p0) of LILY_QMV_PACK_WORDS words each,
-// and their scales and biases (0 past the row: a pack past the row re-reads the row's last pack). The words are 4-byte
-// loads: a mapped checkpoint guarantees no more alignment (one 16-byte load per pack is the next step where the host
-// can guarantee 16; tried, it faulted in the harness's engine path and is not understood yet).
-template <int Bits, typename S>
+// and their scales and biases (0 past the row: a pack past the row re-reads the row's last pack). WholePacks: a pack
+// is one 16-byte load (one load instruction for four: on the H200 tg128 +2 %, docs/performance.md), which needs the
+// codes on 16 bytes (every row and pack then is: K a multiple of 64); else 4 word loads, the alignment a mapped
+// checkpoint guarantees. The host picks by where the codes lie (tuning::whole_pack_loads).
+template <int Bits, bool WholePacks, typename S>
 LILY_INLINE void qmv_load_step(
     thread uint (&words)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS],
                                thread float (&scale)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP],
@@ -128,9 +146,19 @@ LILY_INLINE void qmv_load_step(
     LILY_UNROLL
     for (uint r = 0; r < LILY_QMV_ROWS_PER_SIMDGROUP; ++r) {
       const size_t n = min(first_row + r, N - 1);  // rows past N read row N - 1 (never written)
-      LILY_UNROLL
-      for (uint j = 0; j < LILY_QMV_PACK_WORDS; ++j) {
-        words[i][r][j] = weight[n * words_per_row + p * LILY_QMV_PACK_WORDS + j];
+      device const uint* pack = weight + n * words_per_row + p * LILY_QMV_PACK_WORDS;
+      if (WholePacks) {
+        static_assert(LILY_QMV_PACK_WORDS == 4, "a pack is one 16-byte load");
+        const uint4 v = *(device const uint4*)pack;
+        LILY_UNROLL
+        for (uint j = 0; j < LILY_QMV_PACK_WORDS; ++j) {
+          words[i][r][j] = v[j];
+        }
+      } else {
+        LILY_UNROLL
+        for (uint j = 0; j < LILY_QMV_PACK_WORDS; ++j) {
+          words[i][r][j] = pack[j];
+        }
       }
       scale[i][r] = in_row ? float(scales[n * groups_per_row + g]) : 0.0f;
       bias[i][r] = in_row ? float(biases[n * groups_per_row + g]) : 0.0f;
@@ -141,7 +169,7 @@ LILY_INLINE void qmv_load_step(
 // The dot products of a staged GEMV for this simdgroup's rows: acc[r] = this lane's share of sum_k x'_k w[first_row +
 // r, k] over the staged row (the caller does the simd_sum), given the first step's weights already loaded
 // (qmv_load_step with p0 = lane): later steps load their own.
-template <int Bits, typename S>
+template <int Bits, bool WholePacks, typename S>
 LILY_INLINE void qmv_staged_dot(
     thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP],
     thread uint (&words)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS],
@@ -162,7 +190,7 @@ LILY_INLINE void qmv_staged_dot(
   lily::code_float_magic<Bits>(magic);
   for (uint p0 = lane; p0 < packs_per_row; p0 += 32 * kPacks) {
     if (p0 != lane) {
-      qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, p0);
+      qmv_load_step<Bits, WholePacks>(words, scale, bias, weight, scales, biases, K, N, first_row, p0);
     }
     LILY_UNROLL
     for (uint i = 0; i < kPacks; ++i) {
@@ -205,15 +233,16 @@ LILY_INLINE void qmv_staged_dot(
 
 // qmv_staged_dot for rows whose first step is not loaded yet: a streaming GEMV's later blocks, against the staging
 // its first block made.
-template <int Bits, typename S>
+template <int Bits, bool WholePacks, typename S>
 LILY_INLINE void qmv_load_and_dot(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const uint* weight,
                                   device const S* scales, device const S* biases, uint K, uint N, uint first_row,
                                   threadgroup const float4* stage_x, threadgroup const float* pack_sum, uint lane) {
   uint words[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS];
   float scale[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
   float bias[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
-  qmv_load_step<Bits>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
-  qmv_staged_dot<Bits>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum, lane);
+  qmv_load_step<Bits, WholePacks>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
+  qmv_staged_dot<Bits, WholePacks>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum,
+                                   lane);
 }
 
 }  // namespace lily

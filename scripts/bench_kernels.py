@@ -44,6 +44,9 @@ QMV_SHAPE = {"rows_per_simdgroup": 4, "simdgroups": 2, "batch": 4}
 QMV_STREAM_GROUPS = 4 * 132  # tuning::kQmvStreamGroups: the streaming staged GEMVs' most threadgroups
 QMV_CONV_STREAM_GROUPS = 3 * 132  # tuning::kQmvConvStreamGroups: the conv GEMV's
 QMV_STAGED = {"simdgroups": 4}  # LILY_QMV_STAGED_SIMDGROUPS: the staged GEMVs' threadgroups; --qmv-staged overrides
+# The staged kernels' instance: "_a16" (a pack of codes as one 16-byte load), the engine's where the codes lie on 16
+# bytes, as here (each buffer its own allocation) and in a full-size file (tuning::whole_pack_loads); --word-loads: "".
+STAGED_LOADS = {"suffix": "_a16"}
 QMM_BN, QMM_BM16, QMM_THREADS = 64, 16, 128  # LILY_GEMM_BN, LILY_QMM_BM16_MAX_ROWS, LILY_GEMM_THREADS
 QMM_MIN_THREADGROUPS = 64 * 8  # tuning::kQmmMinThreadgroups
 MOE_GEMV_ROWS, MOE_GEMV_THREADS = 8, 64
@@ -599,9 +602,12 @@ def prefill_cases() -> list[Case]:
 
 
 def cases() -> list[Case]:
-    return [rms_norm_case(), embedding_case(), *qmv_cases(), *moe_cases(), *attention_cases(), gated_delta_case(),
-            *spread_deltanet_cases(),
-            *sampling_cases(), *short_prompt_cases(), *prefill_cases()]
+    found = [rms_norm_case(), embedding_case(), *qmv_cases(), *moe_cases(), *attention_cases(), gated_delta_case(),
+             *spread_deltanet_cases(), *sampling_cases(), *short_prompt_cases(), *prefill_cases()]
+    for c in found:
+        if "_staged_" in c.kernel:
+            c.kernel += STAGED_LOADS["suffix"]
+    return found
 
 
 # ---- argument checks without a GPU: the <kernel>_msl_params tables of the PTX files ----
@@ -778,7 +784,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the LILY_QMV_* values the PTX was built with (default 4 2 4)")
     parser.add_argument("--qmv-staged", type=int, metavar="SIMDGROUPS",
                         help="simdgroups per threadgroup of the staged GEMVs (LILY_QMV_STAGED_SIMDGROUPS, default 4)")
+    parser.add_argument("--word-loads", action="store_true",
+                        help="time the staged kernels' word-load instances (codes off 16 bytes) instead of _a16")
     args = parser.parse_args(argv)
+    if args.word_loads:
+        STAGED_LOADS["suffix"] = ""
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     if args.qmv_shape:

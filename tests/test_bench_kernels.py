@@ -24,13 +24,14 @@ DECODE_KERNELS = {"qmv_q4_g64_bf16", "qmv_q8_g64_bf16", "qmv_norm_q4_g64_bf16_of
                   "attention_decode_combine_bf16_d256", "gated_delta_step_bf16_dk128", "embedding_gather_q4_g64_bf16",
                   "rms_norm_bf16", "argmax_partial_f32", "argmax_final_f32", "sample_f32",
                   "sample_partial_f32", "sample_final_f32",
-                  # CUDA's choice of the one-row decode GEMVs (tuning::staged_gemv)
-                  "qmv_norm_staged_q4_g64_bf16_of32", "qmv_norm_seg_staged_q4_g64_bf16",
-                  "qmv_norm_seg_staged_q8_g64_bf16_of32", "qmv_residual_staged_q4_g64_bf16",
+                  # CUDA's choice of the one-row decode GEMVs (tuning::staged_gemv), their codes on 16 bytes as in a
+                  # full-size file (tuning::whole_pack_loads)
+                  "qmv_norm_staged_q4_g64_bf16_of32_a16", "qmv_norm_seg_staged_q4_g64_bf16_a16",
+                  "qmv_norm_seg_staged_q8_g64_bf16_of32_a16", "qmv_residual_staged_q4_g64_bf16_a16",
                   # ... and of the decode experts (tuning::staged_moe)
-                  "moe_gate_up_swiglu_routed_staged_bf16", "moe_down_combine_staged_bf16",
+                  "moe_gate_up_swiglu_routed_staged_bf16_a16", "moe_down_combine_staged_bf16_a16",
                   # CUDA's spread DeltaNet step (tuning::spread_deltanet_step; its scan is the prefill one's)
-                  "qmv_norm_seg_conv_staged_q4_g64_bf16", "qmv_gated_norm_residual_staged_q4_g64_bf16"}
+                  "qmv_norm_seg_conv_staged_q4_g64_bf16_a16", "qmv_gated_norm_residual_staged_q4_g64_bf16_a16"}
 
 
 # The prefill cases: the GEMMs with the tiles the host picks at 512 and 4096 rows (and 16-row MoE tiles at 512 for

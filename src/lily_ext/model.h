@@ -64,6 +64,9 @@ struct Switches {
                                     // gated_delta_step (a threadgroup per key head); on (with STAGED_GEMV: CUDA), the
                                     // conv runs in the in_proj GEMV, the recurrence over (value head, 32 rows)
                                     // threadgroups and the gated norm in the out_proj GEMV (tuning::spread_deltanet_step)
+  bool whole_pack_loads = true;    // WHOLE_PACK_LOADS: off = the staged kernels (STAGED_GEMV: CUDA) read codes a word
+                                   // at a time; on, a pack of 4 words as one 16-byte load where the codes lie on 16
+                                   // bytes (tuning::whole_pack_loads)
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
   size_t kv_growth_block() const;

@@ -77,6 +77,13 @@ inline bool staged_gemv(bool switched_on, int bits, bool bf16_scales, size_t in_
          (bits == 4 || (bits == 8 && eight_bit_allowed));
 }
 
+// The staged kernels' loads of codes (the _a16 instances, WHOLE_PACK_LOADS): a pack of 4 code words as one 16-byte
+// load where every code tensor the dispatch binds lies on 16 bytes, else 4 word loads (what a mapped checkpoint's
+// 4-byte alignment allows). One load instruction where there were four, for GEMVs that are issue-bound on the H200:
+// tg128 +2.2 % there (docs/performance.md). `offset` is within its buffer, which every runtime starts on 16 bytes or
+// more (a file's data section too: Runtime::load_file).
+inline bool whole_pack_loads(size_t code_offset) { return code_offset % 16 == 0; }
+
 // A decode token's DeltaNet spread over many threadgroups (SPREAD_DELTANET_STEP): the causal conv in the in_proj GEMV's
 // epilogue (qmv_norm_seg_conv_staged: each channel has one owner, so its state shifts in place without a race), the
 // recurrence on the prefill scan's (value head, 32 rows) threadgroups (128 at full size) and the gated norm in the

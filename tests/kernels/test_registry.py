@@ -76,6 +76,9 @@ def engine_configs() -> list:
 def engine_kernels() -> set[str]:
     """Every kernel some graph of the engine dispatches (configurations the engine refuses are no paths)."""
     switch_sets = [{}] + [{name: False} for name in SWITCHES]
+    # Synthetic weights lie on 16 bytes: the staged kernels' word-load twins are the ones a file with codes off 16
+    # bytes gets (tuning::whole_pack_loads), on every path.
+    switch_sets += [{**s, "whole_pack_loads": False} for s in switch_sets[1:]]
     switch_sets += [{"split_kv_min_keys": 1, **extra} for extra in ({}, {"gqa_packing": False}, {"coalesced_kv": False})]
     found: set[str] = set()
     for config in engine_configs():

@@ -22,7 +22,7 @@ from lily.kernel_cases.common import Case, Run, dtype_of, poisoned, round_to, sc
 
 PATTERN = re.compile(r"moe_route_f32|moe_(gate_up_swiglu|down_combine)_(f32|f16|bf16)(_sf32)?"
                      r"|moe_gate_up_swiglu_routed_(f32|bf16)(_sf32)?"
-                     r"|moe_(gate_up_swiglu_routed|down_combine)_staged_(f32|bf16)")
+                     r"|moe_(gate_up_swiglu_routed|down_combine)_staged_(f32|bf16)(_a16)?")
 GEMV_ROWS, GEMV_THREADS = 8, 64  # gate/up: 2 simdgroups x LILY_MOE_GEMV_ROWS_PER_SIMDGROUP
 DOWN_ROWS, DOWN_THREADS = 8, 128  # down + combine: 4 simdgroups x LILY_MOE_DOWN_ROWS_PER_SIMDGROUP
 # The staged kernels take any multiple of 32 threads: LILY_QMV_ROWS_PER_SIMDGROUP (4) gate/up rows and
@@ -265,7 +265,7 @@ def cases(kernel: str) -> list[Case]:
         found = [Case(kernel, "E={} k={} H={} I={} Is={} threads={}".format(*s, t),
                       partial(body, kernel=kernel, shape=s, threads=t), quick=i == 0)
                  for i, (s, t) in enumerate(zip(shapes, STAGED_THREADS * len(shapes)))]
-        if "_gate_up_" in kernel and kernel.endswith("_f32"):
+        if "_gate_up_" in kernel and kernel.removesuffix("_a16").endswith("_f32"):
             found.append(Case(kernel, "E=64 k=8 H=128 I=64 Is=64 ties", partial(
                 _gate_up_routed, kernel=kernel, shape=(64, 8, 128, 64, 64), ties=True, threads=128)))
         return found

@@ -22,8 +22,9 @@ from lily.kernel_cases.common import (Case, Run, dtype_of, poisoned, quantized_w
                                       to_device, to_f64, weight_buffers)
 from lily.quant import QuantizedTensor, pack, round_to_dtype
 
-PATTERN = re.compile(r"qmv(_norm|_residual)?(_seg)?(_staged)?_q(4|8)_g64_(f32|f16|bf16)(_sf32)?(_of32)?"
-                     r"|qmv_(norm_seg_conv|gated_norm_residual)_staged_q4_g64_(f32|bf16)"
+PATTERN = re.compile(r"qmv(_norm|_residual)?(_seg)?_q(4|8)_g64_(f32|f16|bf16)(_sf32)?(_of32)?"
+                     r"|qmv(_norm|_residual)?(_seg)?_staged_q(4|8)_g64_(f32|bf16)(_of32)?(_a16)?"
+                     r"|qmv_(norm_seg_conv|gated_norm_residual)_staged_q4_g64_(f32|bf16)(_a16)?"
                      r"|qmm_q(4|8)_g64_(f32|f16|bf16)(_sf32)?(_of32)?_bm(16|32|64)|qmm_nax_q(4|8)_g64_(f16|bf16)")
 QMV_ROWS_PER_THREADGROUP = 8  # LILY_QMV_SIMDGROUPS * LILY_QMV_ROWS_PER_SIMDGROUP
 QMM_BN, QMM_THREADS = 64, 128  # LILY_GEMM_BN, LILY_GEMM_THREADS
@@ -320,8 +321,9 @@ def _shape_cases(kernel: str, body, shapes) -> list[Case]:
 
 
 def cases(kernel: str) -> list[Case]:
-    """Every case of one qmatmul kernel; the first is the self-test's."""
-    extra = EXTRA_SHAPES.get(kernel, [])
+    """Every case of one qmatmul kernel; the first is the self-test's. A staged kernel's _a16 instance (a pack of
+    codes as one 16-byte load) takes the cases of its word-load twin."""
+    extra = EXTRA_SHAPES.get(kernel.removesuffix("_a16"), [])
     if kernel.startswith("qmv_norm_seg_conv"):
         return [Case(kernel, f"Hk={hk} Hv={hv} dv={dv} K={k}", partial(_qmv_seg_conv, kernel=kernel, hk=hk, hv=hv,
                                                                        dv=dv, k=k), quick=i == 0)
@@ -331,7 +333,7 @@ def cases(kernel: str) -> list[Case]:
                      partial(_qmv_gated_norm_residual, kernel=kernel, heads=h, head_dim=d, n=n), quick=i == 0)
                 for i, (h, d, n) in enumerate(GATED_NORM_SHAPES)]
     if "_seg_" in kernel:
-        layouts = SEGMENTS + EXTRA_SEGMENTS.get(kernel, [])
+        layouts = SEGMENTS + EXTRA_SEGMENTS.get(kernel.removesuffix("_a16"), [])
         return [Case(kernel, f"rows={'/'.join(map(str, rows))} K={k} M={m}",
                      partial(_qmv_segments, kernel=kernel, rows=rows, k=k, m=m), quick=i == 0)
                 for i, (rows, k, m) in enumerate(layouts)]

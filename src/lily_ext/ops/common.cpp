@@ -1,6 +1,7 @@
 // Helpers every op file uses to append dispatches (see ops.h).
 #include <stdexcept>
 
+#include "../tuning.h"
 #include "ops.h"
 
 namespace lily::ops {
@@ -35,6 +36,12 @@ Span sub(const Span& span, size_t offset, size_t length) {
                            ") outside a span of " + std::to_string(span.length) + " bytes");
   }
   return Span{span.buffer, span.offset + offset, length};
+}
+
+std::string pack_loads_suffix(const Context& ctx, const std::vector<const WeightRef*>& weights) {
+  bool whole_packs = ctx.whole_pack_loads;
+  for (const WeightRef* w : weights) whole_packs = whole_packs && tuning::whole_pack_loads(w->data.offset);
+  return whole_packs ? "_a16" : "";
 }
 
 }  // namespace lily::ops

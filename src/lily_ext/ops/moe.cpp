@@ -61,7 +61,9 @@ bool staged(const Context& ctx, const ModelConfig& c, const MoeSpans& s) {
 void down_combine(Context& ctx, const ModelConfig& c, const std::string& label, const MoeSpans& s, const MoeArgs& a,
                   const Span& hidden, const Span& ids, const Span& weights, const Span& gate_logit, bool staged) {
   Node& down = add_node(
-      ctx, std::string(staged ? "moe_down_combine_staged_" : "moe_down_combine_") + decode_suffix(ctx, s),
+      ctx,
+      staged ? "moe_down_combine_staged_" + decode_suffix(ctx, s) + pack_loads_suffix(ctx, {s.down, s.shared_down})
+             : "moe_down_combine_" + decode_suffix(ctx, s),
       label + " down/combine",
       {arg_value(a), arg(hidden), arg(ids), arg(weights), arg(s.down->data), arg(s.down->scales), arg(s.down->biases),
        arg(s.shared_down->data), arg(s.shared_down->scales), arg(s.shared_down->biases), arg(gate_logit),
@@ -125,8 +127,10 @@ void moe_decode_routed(Context& ctx, const ModelConfig& c, const std::string& la
   for (const Span& w : gate_up_weight_spans(s)) reads.push_back(w);
   const bool stage = staged(ctx, c, s);
   Node& gate_up = add_node(
-      ctx, std::string(stage ? "moe_gate_up_swiglu_routed_staged_" : "moe_gate_up_swiglu_routed_") +
-               decode_suffix(ctx, s),
+      ctx,
+      stage ? "moe_gate_up_swiglu_routed_staged_" + decode_suffix(ctx, s) +
+                  pack_loads_suffix(ctx, {s.gate, s.up, s.shared_gate, s.shared_up})
+            : "moe_gate_up_swiglu_routed_" + decode_suffix(ctx, s),
       label + " route+gate/up", std::move(args),
       gate_up_groups(c, stage ? tuning::kQmvStagedRowsPerThreadgroup : tuning::kMoeGemvRowsPerThreadgroup),
       {stage ? tuning::kQmvStagedThreads : tuning::kMoeGemvThreads, 1, 1}, std::move(reads), {ids, weights, hidden});

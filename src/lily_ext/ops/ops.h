@@ -33,6 +33,7 @@ struct Context {
                               // (MMA_ATTENTION, layout probe)
   bool staged_gemv = false;   // decode GEMVs stage x in threadgroup memory (STAGED_GEMV, on CUDA: tuning::staged_gemv)
   bool spread_deltanet_step = false;  // a decode token's DeltaNet over many threadgroups (SPREAD_DELTANET_STEP)
+  bool whole_pack_loads = false;  // staged kernels load a pack of codes at once where aligned (WHOLE_PACK_LOADS)
 };
 
 // Appends a node; traffic defaults to the declared ranges.
@@ -47,6 +48,9 @@ NodeArg arg_value(const T& value) {
   return a;
 }
 Span sub(const Span& span, size_t offset, size_t length);  // a sub-range, checked
+// The suffix of a staged kernel's instance for the codes it binds: "_a16" where each pack is one 16-byte load
+// (tuning::whole_pack_loads), else "".
+std::string pack_loads_suffix(const Context& ctx, const std::vector<const WeightRef*>& weights);
 
 // rms_norm.cpp
 void rms_norm(Context& ctx, const std::string& label, const Span& x, const WeightRef& weight, const Span& out,

@@ -83,7 +83,7 @@ void qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const W
   a.eps = eps;
   const bool staged = tuning::staged_gemv(ctx.staged_gemv, w.bits, w.scale_dtype == DType::BF16, w.cols, false);
   std::string name = std::string(staged ? "qmv_norm_staged" : "qmv_norm") + qmv_suffix(w, ctx.act) +
-                     (dtype != ctx.act ? "_of32" : "");
+                     (dtype != ctx.act ? "_of32" : "") + (staged ? pack_loads_suffix(ctx, {&w}) : "");
   Node& node = add_node(ctx, name, label,
                         {arg_value(a), arg(x), arg(norm_weight.data), arg(w.data), arg(w.scales), arg(w.biases),
                          arg(y)},
@@ -102,7 +102,10 @@ void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, con
   a.num_rows = 1;
   const bool staged = tuning::staged_gemv(ctx.staged_gemv, w.bits, w.scale_dtype == DType::BF16, w.cols, false);
   Node& node =
-      add_node(ctx, std::string(staged ? "qmv_residual_staged" : "qmv_residual") + qmv_suffix(w, ctx.act), label,
+      add_node(ctx,
+               std::string(staged ? "qmv_residual_staged" : "qmv_residual") + qmv_suffix(w, ctx.act) +
+                   (staged ? pack_loads_suffix(ctx, {&w}) : ""),
+               label,
                {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(residual_out), arg(residual_out)},
                qmv_grid(w, staged), qmv_threads(staged), {x, w.data, w.scales, w.biases, residual_out},
                {residual_out});
@@ -122,7 +125,8 @@ void qmatmul_gated_norm_residual(Context& ctx, const std::string& label, const S
   a.out_features = static_cast<u32>(w.rows);
   a.head_dim = static_cast<u32>(head_dim);
   a.eps = eps;
-  Node& node = add_node(ctx, std::string("qmv_gated_norm_residual_staged") + qmv_suffix(w, ctx.act), label,
+  Node& node = add_node(ctx, "qmv_gated_norm_residual_staged" + qmv_suffix(w, ctx.act) + pack_loads_suffix(ctx, {&w}),
+                        label,
                         {arg_value(a), arg(o), arg(gate), arg(norm_weight.data), arg(w.data), arg(w.scales),
                          arg(w.biases), arg(residual_out), arg(residual_out)},
                         qmv_grid(w, true), qmv_threads(true),
@@ -182,13 +186,13 @@ void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, con
   args[0] = arg_value(a);
   args.push_back(arg(y));
   std::string name = std::string(norm_weight ? (staged ? "qmv_norm_seg_staged" : "qmv_norm_seg") : "qmv_seg") +
-                     qmv_suffix(first, ctx.act) + (of32 ? "_of32" : "");
+                     qmv_suffix(first, ctx.act) + (of32 ? "_of32" : "") + (staged ? pack_loads_suffix(ctx, parts) : "");
   std::vector<Span> writes{y};
   if (conv) {
     if (!staged || first.bits != 4 || of32 || parts.size() < 2) {
       throw std::logic_error("[graph] " + label + ": the conv epilogue needs the staged 4-bit normed GEMV");
     }
-    name = "qmv_norm_seg_conv_staged" + qmv_suffix(first, ctx.act);
+    name = "qmv_norm_seg_conv_staged" + qmv_suffix(first, ctx.act) + pack_loads_suffix(ctx, parts);
     args.insert(args.end(), {arg(conv->weight->data), arg(conv->state), arg(conv->out), arg(conv->gate)});
     reads.insert(reads.end(), {conv->weight->data, conv->state});
     writes.insert(writes.end(), {conv->state, conv->out, conv->gate});
