@@ -569,6 +569,25 @@ void check_bindings(const std::string& name, const KernelVariant& v, const std::
   }
 }
 
+// Every [[buffer]] pointer a kernel gets is aligned to its pointee (buffer_alignment, 16 bytes at most), as a GPU
+// needs: the caller's (a GPU faults, so the harness refuses it as the fake runtimes do) and the one the harness
+// passes after copying it between guards (GuardedBuffers keeps each address modulo 64; this is what shows if not).
+void check_alignment(const std::string& name, const KernelVariant& v, const std::vector<Binding>& buffers,
+                     const std::vector<void*>& bound) {
+  for (size_t p = 0; p < v.params.size(); ++p) {
+    const size_t alignment = buffer_alignment(v.params[p]);
+    if (v.attrs[p].kind != Attr::buffer || alignment == 1) continue;
+    const size_t i = size_t(v.attrs[p].index);
+    const std::string slot = kernel_desc(name) + " [[buffer(" + std::to_string(i) + ")]]";
+    if (!buffers[i].is_bytes && reinterpret_cast<uintptr_t>(buffers[i].data) % alignment)
+      throw std::invalid_argument(slot + " is not aligned to its " + std::to_string(alignment) +
+                                  "-byte elements (a GPU faults on such a load)");
+    if (reinterpret_cast<uintptr_t>(bound[i]) % alignment)
+      throw std::logic_error(slot + ": the harness's guarded copy moved an aligned buffer off its " +
+                             std::to_string(alignment) + "-byte alignment");
+  }
+}
+
 // Device buffers copied between guard regions (and setBytes data copied, as Metal does at encode time).
 // Bindings whose byte ranges overlap (one array bound twice, or one Metal buffer bound at several
 // offsets) share one copy, so writes through one are seen through the others.
@@ -613,10 +632,11 @@ struct GuardedBuffers {
     for (Region& r : regions) {
       // The copy keeps the source's address modulo 64, so every bound pointer keeps the alignment the caller gave
       // it: a 16-byte load that is aligned on the GPU stays aligned here (an optimised build's aligned vector load
-      // faulted on a copy that had moved a 16-byte-aligned code tensor to 12 past 16).
+      // faulted on a copy that had moved a 16-byte-aligned code tensor to 12 past 16). setBytes data starts on 64,
+      // as a GPU driver's copy of it does.
       r.storage.reset(new unsigned char[r.size + 2 * kBufferGuardBytes + 128]);
       auto base = reinterpret_cast<uintptr_t>(r.storage.get());
-      const uintptr_t phase = reinterpret_cast<uintptr_t>(r.source) % 64;
+      const uintptr_t phase = r.is_bytes ? 0 : reinterpret_cast<uintptr_t>(r.source) % 64;
       r.data = reinterpret_cast<unsigned char*>(((base + 63) & ~uintptr_t(63)) + kBufferGuardBytes + phase);
       for (size_t k = 0; k < kBufferGuardBytes; ++k) {
         r.data[-1 - long(k)] = guard_byte(k);
@@ -693,6 +713,7 @@ void dispatch(const std::string& name, const std::vector<Binding>& buffers, cons
   for (size_t i = 0; i < opts.threadgroup_memory_lengths.size(); ++i)
     d.tg_param_keys.push_back("[[threadgroup(" + std::to_string(i) + ")]]");
   GuardedBuffers guarded(buffers, opts.guard, d.buffers);
+  check_alignment(name, variant, buffers, d.buffers);
 
   unsigned hw = std::max(1u, std::thread::hardware_concurrency());
   uint64_t n_workers = std::min<uint64_t>(opts.workers ? opts.workers : hw, d.n_tgs);

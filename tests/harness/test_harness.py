@@ -159,6 +159,24 @@ def test_vector_constructors_convert_and_swizzle() -> None:
     np.testing.assert_array_equal(narrowed, (f * 0.5).astype(np.float16))
 
 
+@pytest.mark.parametrize("guard", [True, False])
+def test_a_buffer_off_its_vector_alignment_is_refused(guard: bool) -> None:
+    """int4 elements need 16-byte addresses: a GPU faults on a misaligned vector load, so the harness refuses the
+    binding before running anything (and the same kernel runs on the aligned buffer, with or without the guarded copy,
+    whose addresses keep the caller's alignment)."""
+    storage = np.zeros(16 * 4 + 4, np.int32)
+    assert storage.ctypes.data % 16 == 0
+    outputs = [np.full((16, 4), np.nan, np.float32), np.full((16, 4), np.nan, np.float32),
+               np.full((16, 4), np.nan, np.float16)]
+    with pytest.raises(ValueError, match=r"\[\[buffer\(0\)\]\] is not aligned to its 16-byte elements"):
+        msl.dispatch("harness_vector_semantics", [storage[1:65].reshape(16, 4), *outputs], (1, 1, 1), (16, 1, 1),
+                     guard=guard)
+    assert np.isnan(outputs[0]).all()  # refused before any thread ran
+    msl.dispatch("harness_vector_semantics", [storage[:64].reshape(16, 4), *outputs], (1, 1, 1), (16, 1, 1),
+                 guard=guard)
+    np.testing.assert_array_equal(outputs[0], 0.0)
+
+
 def mul_add_inputs(rng: np.random.Generator, ulp: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Random a, b in [0.5, 2), c in [-2, 2); element 0 is a*b+c with (1+3u)^2 - 1, which differs when rounded once."""
     a = rng.uniform(0.5, 2.0, 64)
