@@ -308,13 +308,15 @@ using lily::qmv_staged_dot;
 
 // Stages x = the DeltaNet's SiLU(z)-gated RMSNorm of o, value heads of `head_dim` values, given gate = SiLU(z), in one
 // round: each thread loads its kStageBatch chunks of o, gate and norm_weight at once (one memory round trip) and
-// stages o raw, each head's 1/rms is summed from threadgroup memory by one simdgroup in gdn_gated_norm's order (a
-// lane-strided fma chain, simd_sum; kHeads heads at a time, so their shuffles overlap), then every thread turns its
-// chunks into o * (1/rms) * norm_weight * gate rounded once to T, as gated_delta_prefill_norm writes them, and stages
-// them with qmv_stage's pack sums: so the GEMV after it gives the bits of gated_delta_prefill_norm followed by a
-// staged GEMV of its output. Every thread of the threadgroup calls it (barriers); K <= 4 * kStageBatch * threads (one
-// round), a multiple of head_dim and of 64, head_dim a multiple of 4, K / head_dim <= LILY_QMV_STAGE_MAX_HEADS (the
-// host checks: tuning::spread_deltanet_step).
+// stores o raw in row order, each head's 1/rms is summed from threadgroup memory by one simdgroup in gdn_gated_norm's
+// order (a lane-strided fma chain, simd_sum; kHeads heads at a time, so their shuffles overlap), then every thread
+// turns its chunks into o * (1/rms) * norm_weight * gate rounded once to T, as gated_delta_prefill_norm writes them,
+// and stages them with qmv_stage's pack sums where o lay: so the GEMV after it gives the bits of
+// gated_delta_prefill_norm followed by a staged GEMV of its output. The kernel runs one threadgroup per SM (a warp per
+// scheduler, nothing to hide latency behind), so this chain is kept short: o in row order makes the sums' addresses
+// plain, and a chunk's head and offset step from chunk to chunk without a division. Every thread of the threadgroup
+// calls it (barriers); K <= 4 * kStageBatch * threads (one round), a multiple of head_dim and of 64, head_dim a
+// multiple of 4, K / head_dim <= LILY_QMV_STAGE_MAX_HEADS (the host checks: tuning::spread_deltanet_step).
 template <typename T, int Bits>
 LILY_INLINE void qmv_stage_gated_norm(device const float* o, device const float* gate, device const T* norm_weight,
                                       uint K, uint head_dim, float eps, threadgroup float4* stage_x,
@@ -322,33 +324,45 @@ LILY_INLINE void qmv_stage_gated_norm(device const float* o, device const float*
                                       uint n_threads, uint lane, uint simd_group) {
   constexpr uint kHeads = 4;
   const uint chunks = K / 4;
+  const uint heads = K / head_dim;
+  // Chunk q = u * n_threads + tid holds values 4q .. 4q + 3: head 4q / head_dim from value 4q % head_dim on (a chunk
+  // never straddles two heads: head_dim is a multiple of 4). Both step by 4 * n_threads values per u.
+  const uint step_heads = 4 * n_threads / head_dim, step_offset = 4 * n_threads % head_dim;
+  uint head = 4 * tid / head_dim, offset = 4 * tid % head_dim;
+  uint chunk_head[kStageBatch];
   float4 v[kStageBatch], g[kStageBatch], w[kStageBatch];
   LILY_UNROLL
   for (uint u = 0; u < kStageBatch; ++u) {
     const uint q = min(u * n_threads + tid, chunks - 1);
     v[u] = lily::attn_load4(o + 4 * q);
     g[u] = lily::attn_load4(gate + 4 * q);
-    w[u] = lily::attn_load4(norm_weight + (4 * q) % head_dim);
+    w[u] = lily::attn_load4(norm_weight + offset);
+    chunk_head[u] = min(head, heads - 1);  // past the row: any head (its chunk is not staged)
+    offset += step_offset;
+    head += step_heads;
+    if (offset >= head_dim) {
+      offset -= head_dim;
+      ++head;
+    }
   }
+  threadgroup float4* raw = stage_x;  // o in row order until the sums are done
   LILY_UNROLL
   for (uint u = 0; u < kStageBatch; ++u) {
     const uint q = u * n_threads + tid;
     if (q < chunks) {
-      stage_x[qmv_stage_slot<Bits>(q)] = v[u];
+      raw[q] = v[u];
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const uint heads = K / head_dim;
+  threadgroup const float* raw_values = (threadgroup const float*)raw;
   for (uint h0 = simd_group * kHeads; h0 < heads; h0 += (n_threads / 32) * kHeads) {  // uniform per simdgroup
     float sq[kHeads];
     LILY_UNROLL
     for (uint j = 0; j < kHeads; ++j) {
       sq[j] = 0.0f;
-      const uint h = min(h0 + j, heads - 1);
+      threadgroup const float* row = raw_values + min(h0 + j, heads - 1) * head_dim;
       for (uint d = lane; d < head_dim; d += 32) {
-        const uint i = h * head_dim + d;
-        const float x = stage_x[qmv_stage_slot<Bits>(i / 4)][i % 4];
-        sq[j] = fma(x, x, sq[j]);
+        sq[j] = fma(row[d], row[d], sq[j]);
       }
     }
     LILY_UNROLL
@@ -363,7 +377,7 @@ LILY_INLINE void qmv_stage_gated_norm(device const float* o, device const float*
   LILY_UNROLL
   for (uint u = 0; u < kStageBatch; ++u) {  // uniform trip count: convergent shuffles
     const uint q = min(u * n_threads + tid, chunks - 1);
-    const float inv_rms = head_inv_rms[4 * q / head_dim];
+    const float inv_rms = head_inv_rms[chunk_head[u]];
     float4 x;
     LILY_UNROLL
     for (uint e = 0; e < 4; ++e) {
