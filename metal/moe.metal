@@ -75,7 +75,10 @@ inline void moe_probabilities(device const T* logits, uint num_experts, uint lan
 }
 
 // Round `round` of top-k: the largest probability not yet taken (ties to the lower id), marked taken; its probability
-// goes to `top`. Every lane gets the same winner. Convergent.
+// goes to `top`. Every lane gets the same winner. Convergent. The lanes' (probability, id) pairs meet in one butterfly
+// of paired shuffles (the larger probability, then the lower id), not a simd_max followed by a simd_min over the ids
+// that reached it: half the dependent shuffles of a round, which the routed gate/up kernels run up to k times before
+// they can load their expert's weights.
 inline uint moe_pick(thread const float* p, thread uint& taken, uint num_experts, uint lane, uint round,
                      thread float& top) {
   float best = -1.0f;  // below every probability, so a lane with no candidate never wins
@@ -88,8 +91,16 @@ inline uint moe_pick(thread const float* p, thread uint& taken, uint num_experts
       best_id = e;
     }
   }
-  top = simd_max(best);
-  uint winner = simd_min(best == top ? best_id : 0xFFFFFFFFu);
+  for (ushort offset = 16; offset > 0; offset /= 2) {  // no NaN here: a NaN probability is never a candidate
+    const float other = simd_shuffle_xor(best, offset);
+    const uint other_id = simd_shuffle_xor(best_id, offset);
+    if (other > best || (other == best && other_id < best_id)) {
+      best = other;
+      best_id = other_id;
+    }
+  }
+  top = best;
+  uint winner = best_id;
   if (winner >= num_experts) {
     // No candidate: the row's probabilities are NaN (a NaN or infinite logit). Keep the ids valid for the expert
     // kernels and let NaN weights carry the fault to the layer output.
