@@ -492,7 +492,7 @@ inline uint moe_down_packs(constant lily::MoeArgs& args) {
 // rows from `row` on: packs p0 + 32 i, pack p < k I / 32 being pack p % (I / 32) of routed slot p / (I / 32) and the
 // rest the shared expert's, with their scales and biases and each pack's routing weight (sigmoid of the gate logit for
 // the shared expert). A pack past the row re-reads the row's last pack with weight 0: no load is conditional.
-// WholePacks: a pack as one 16-byte load (codes on 16 bytes), as lily::qmv_load_step.
+// WholePacks: a pack as one 16-byte load (codes on 16 bytes): lily::qmv_load_pack.
 template <bool WholePacks, typename S>
 LILY_INLINE void moe_down_load_step(
     constant lily::MoeArgs& args, uint p0, uint row, device const uint* expert_ids, device const float* expert_weights,
@@ -520,19 +520,7 @@ LILY_INLINE void moe_down_load_step(
     device const S* bi = (routed ? down_biases : shared_down_biases) + row0 * (in_size / 64) + pack * kPackWords / 8;
     LILY_UNROLL
     for (uint r = 0; r < LILY_MOE_DOWN_ROWS_PER_SIMDGROUP; ++r) {
-      if (WholePacks) {  // qmv_load_step's choice
-        static_assert(kPackWords == 4, "a pack is one 16-byte load");
-        const uint4 v = *(device const uint4*)(w + r * (in_size / 8));
-        LILY_UNROLL
-        for (uint j = 0; j < kPackWords; ++j) {
-          words[i][r][j] = v[j];
-        }
-      } else {
-        LILY_UNROLL
-        for (uint j = 0; j < kPackWords; ++j) {
-          words[i][r][j] = w[r * (in_size / 8) + j];
-        }
-      }
+      lily::qmv_load_pack<WholePacks>(w + r * (in_size / 8), words[i][r]);
       scale[i][r] = float(sc[r * (in_size / 64)]);
       bias[i][r] = float(bi[r * (in_size / 64)]);
     }

@@ -120,6 +120,24 @@ using pack_codes_t = typename PackCodes<WholePacks>::type;
 // A staged kernel's codes as the words the helpers index.
 inline device const uint* as_words(device const uint* codes) { return codes; }
 inline device const uint* as_words(device const uint4* codes) { return (device const uint*)codes; }
+// One pack of LILY_QMV_PACK_WORDS code words from `pack`: one 16-byte load (WholePacks: `pack` on 16 bytes) or a word
+// at a time.
+template <bool WholePacks>
+LILY_INLINE void qmv_load_pack(device const uint* pack, thread uint (&words)[LILY_QMV_PACK_WORDS]) {
+  if (WholePacks) {
+    static_assert(LILY_QMV_PACK_WORDS == 4, "a pack is one 16-byte load");
+    const uint4 v = *(device const uint4*)pack;
+    LILY_UNROLL
+    for (uint j = 0; j < LILY_QMV_PACK_WORDS; ++j) {
+      words[j] = v[j];
+    }
+  } else {
+    LILY_UNROLL
+    for (uint j = 0; j < LILY_QMV_PACK_WORDS; ++j) {
+      words[j] = pack[j];
+    }
+  }
+}
 
 // Loads one step of a simdgroup's kRows rows: kPacks packs (lane + 32 i from p0) of LILY_QMV_PACK_WORDS words each,
 // and their scales and biases (0 past the row: a pack past the row re-reads the row's last pack). WholePacks: a pack
@@ -146,20 +164,7 @@ LILY_INLINE void qmv_load_step(
     LILY_UNROLL
     for (uint r = 0; r < LILY_QMV_ROWS_PER_SIMDGROUP; ++r) {
       const size_t n = min(first_row + r, N - 1);  // rows past N read row N - 1 (never written)
-      device const uint* pack = weight + n * words_per_row + p * LILY_QMV_PACK_WORDS;
-      if (WholePacks) {
-        static_assert(LILY_QMV_PACK_WORDS == 4, "a pack is one 16-byte load");
-        const uint4 v = *(device const uint4*)pack;
-        LILY_UNROLL
-        for (uint j = 0; j < LILY_QMV_PACK_WORDS; ++j) {
-          words[i][r][j] = v[j];
-        }
-      } else {
-        LILY_UNROLL
-        for (uint j = 0; j < LILY_QMV_PACK_WORDS; ++j) {
-          words[i][r][j] = pack[j];
-        }
-      }
+      qmv_load_pack<WholePacks>(weight + n * words_per_row + p * LILY_QMV_PACK_WORDS, words[i][r]);
       scale[i][r] = in_row ? float(scales[n * groups_per_row + g]) : 0.0f;
       bias[i][r] = in_row ? float(biases[n * groups_per_row + g]) : 0.0f;
     }
