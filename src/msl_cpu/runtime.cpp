@@ -555,6 +555,11 @@ void check_bindings(const std::string& name, const KernelVariant& v, const std::
           (b.is_bytes ? b.size != info.pointee_size : b.size < info.pointee_size))
         throw std::invalid_argument(slot + " expects " + std::to_string(info.pointee_size) +
                                     " bytes (one struct from metal/lily.h); got " + std::to_string(b.size));
+      // A GPU faults on a load through a pointer not aligned to its pointee (setBytes data: the copy is aligned).
+      const size_t alignment = buffer_alignment(info);
+      if (!b.is_bytes && reinterpret_cast<uintptr_t>(b.data) % alignment)
+        throw std::invalid_argument(slot + " is not aligned to its " + std::to_string(alignment) +
+                                    "-byte elements (a GPU faults on such a load)");
     } else if (a.kind == Attr::threadgroup_memory) {
       std::string slot = param + " [[threadgroup(" + std::to_string(a.index) + ")]]";
       if (info.kind != ParamKind::pointer) throw std::invalid_argument(slot + " must be a pointer");
@@ -569,22 +574,15 @@ void check_bindings(const std::string& name, const KernelVariant& v, const std::
   }
 }
 
-// Every [[buffer]] pointer a kernel gets is aligned to its pointee (buffer_alignment, 16 bytes at most), as a GPU
-// needs: the caller's (a GPU faults, so the harness refuses it as the fake runtimes do) and the one the harness
-// passes after copying it between guards (GuardedBuffers keeps each address modulo 64; this is what shows if not).
-void check_alignment(const std::string& name, const KernelVariant& v, const std::vector<Binding>& buffers,
-                     const std::vector<void*>& bound) {
+// The pointers a kernel gets after GuardedBuffers copied them keep the alignment check_bindings checked (the copies
+// keep each address modulo 64; this is what shows if not).
+void check_copied_alignment(const std::string& name, const KernelVariant& v, const std::vector<void*>& bound) {
   for (size_t p = 0; p < v.params.size(); ++p) {
-    const size_t alignment = buffer_alignment(v.params[p]);
-    if (v.attrs[p].kind != Attr::buffer || alignment == 1) continue;
-    const size_t i = size_t(v.attrs[p].index);
-    const std::string slot = kernel_desc(name) + " [[buffer(" + std::to_string(i) + ")]]";
-    if (!buffers[i].is_bytes && reinterpret_cast<uintptr_t>(buffers[i].data) % alignment)
-      throw std::invalid_argument(slot + " is not aligned to its " + std::to_string(alignment) +
-                                  "-byte elements (a GPU faults on such a load)");
+    if (v.attrs[p].kind != Attr::buffer) continue;
+    const size_t i = size_t(v.attrs[p].index), alignment = buffer_alignment(v.params[p]);
     if (reinterpret_cast<uintptr_t>(bound[i]) % alignment)
-      throw std::logic_error(slot + ": the harness's guarded copy moved an aligned buffer off its " +
-                             std::to_string(alignment) + "-byte alignment");
+      throw std::logic_error(kernel_desc(name) + " [[buffer(" + std::to_string(i) + ")]]: the harness's guarded copy " +
+                             "moved an aligned buffer off its " + std::to_string(alignment) + "-byte alignment");
   }
 }
 
@@ -713,7 +711,7 @@ void dispatch(const std::string& name, const std::vector<Binding>& buffers, cons
   for (size_t i = 0; i < opts.threadgroup_memory_lengths.size(); ++i)
     d.tg_param_keys.push_back("[[threadgroup(" + std::to_string(i) + ")]]");
   GuardedBuffers guarded(buffers, opts.guard, d.buffers);
-  check_alignment(name, variant, buffers, d.buffers);
+  check_copied_alignment(name, variant, d.buffers);
 
   unsigned hw = std::max(1u, std::thread::hardware_concurrency());
   uint64_t n_workers = std::min<uint64_t>(opts.workers ? opts.workers : hw, d.n_tgs);
