@@ -166,9 +166,9 @@ def test_switch_lists_name_the_same_switches() -> None:
     from lily.backends.engine import SWITCHES, TEST_OPTIONS
 
     table = (ROOT / "docs" / "engine.md").read_text().split("| switch | off means |", 1)[1].split("\n\n", 1)[0]
-    documented = re.findall(r"^\| `([A-Z_]+)` \|", table, re.M)
+    documented = re.findall(r"^\| `([A-Z0-9_]+)` \|", table, re.M)
     model_h = (ROOT / "src" / "lily_ext" / "model.h").read_text()
-    members = re.findall(r"^\s*bool (\w+) = true;\s*// ([A-Z_]+):", model_h.split("struct Switches", 1)[1], re.M)
+    members = re.findall(r"^\s*bool (\w+) = true;\s*// ([A-Z0-9_]+):", model_h.split("struct Switches", 1)[1], re.M)
     bound = re.findall(r'\.def_rw\("(\w+)", &S::\1\)', (ROOT / "src/lily_ext/bindings.cpp").read_text())
     assert sorted(name.upper() for name in SWITCHES) == sorted(documented)
     assert sorted(SWITCHES) == sorted(m for m, _ in members) and all(m.upper() == c for m, c in members)

@@ -7,6 +7,7 @@
 #include "../../../metal/lily.h"
 #include "../model.h"
 #include "../ops/ops.h"
+#include "../prefetch.h"
 #include "../tuning.h"
 
 namespace lily {
@@ -474,6 +475,7 @@ struct Forward {
 void build_forward(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,
                    const StateBuffers& state, const PassBuffers& pass, const PassInput& in, Graph& g) {
   Forward f(c, precision, sw, w, state, pass, in.position, in.tokens, g);
+  const size_t first = g.nodes.size();
   ops::embedding(f.ctx, in.ids, in.ids_offset, weight(w, "embed_tokens.weight"), f.hidden, in.tokens);
   for (size_t i = 0; i < c.num_layers(); ++i) {
     const std::string pre = layer_prefix(i);
@@ -487,6 +489,7 @@ void build_forward(const ModelConfig& c, Precision precision, const Switches& sw
     f.moe_block(pre);
   }
   if (in.logit_rows) f.logits(in.logit_rows);
+  if (sw.l2_prefetch) plan_l2_prefetch(g, first);
 }
 
 void build_decode_step(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,
