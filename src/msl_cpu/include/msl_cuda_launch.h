@@ -132,11 +132,12 @@ template <auto F, const ::msl_rt::ParamAttr* A>
   call<A>(F, p, std::make_index_sequence<param_count(F)>{});
 }
 
-// L2 prefetch (Node::prefetch, docs/cuda.md): the launch's ranges, cut into kPrefetchChunk pieces dealt over the
-// first simdgroup of every threadgroup (piece j to threadgroup j % groups, so the requests leave from every SM), each
-// one cp.async.bulk.prefetch: the copy engine pulls the bytes into L2 while the kernel runs on, no register waits on
-// it. A hint with no effect on any result (L2 is where every SM's loads meet). Run by every entry point first, before
-// it waits for the dispatches before it: the ranges are weights and state no dispatch of the graph is writing.
+// L2 prefetch (Node::prefetch, docs/cuda.md): the launch's ranges, cut into kPrefetchChunk pieces numbered across all
+// of them and dealt over the first simdgroup of every threadgroup (piece j to threadgroup j % groups, so the requests
+// leave from every SM), each one cp.async.bulk.prefetch: the copy engine pulls the bytes into L2 while the kernel
+// runs on, no register waits on it. A hint with no effect on any result (L2 is where every SM's loads meet). Run by
+// every entry point first, before it waits for the dispatches before it: the ranges are weights and state no
+// dispatch of the graph is writing. No division: a lane walks its pieces j = u, u + 32 groups, ... through the ranges.
 constexpr uint32_t kPrefetchChunk = 8192;
 [[clang::always_inline]] inline void prefetch_l2(const Params& p) {
 #if __CUDA_ARCH__ >= 900  // cp.async.bulk: Hopper on (an sm_80 build prefetches nothing)
@@ -145,18 +146,17 @@ constexpr uint32_t kPrefetchChunk = 8192;
   const Position g = nctaid(), b = ctaid();
   const uint64_t groups = uint64_t(g.v[0]) * g.v[1] * g.v[2];
   const uint64_t group = (uint64_t(b.v[2]) * g.v[1] + b.v[1]) * g.v[0] + b.v[0];
-  uint64_t first = 0;  // index of this range's first piece among all the launch's pieces
+  uint64_t j = uint64_t(lane) * groups + group;  // this lane's next piece, numbered across the ranges
+  uint64_t first = 0;                            // the number of the current range's first piece
   for (int r = 0; r < kMaxPrefetchRanges && p.prefetch_bytes[r]; ++r) {
     const uint32_t bytes = p.prefetch_bytes[r];
-    const uint64_t pieces = (bytes + kPrefetchChunk - 1) / kPrefetchChunk;
-    // Pieces first + k with (first + k) % groups == group, the lane-th, (lane + 32)-th, ... of them.
-    const uint64_t k0 = (group + groups - first % groups) % groups + uint64_t(lane) * groups;
-    for (uint64_t k = k0; k < pieces; k += 32 * groups) {
-      const uint32_t offset = uint32_t(k * kPrefetchChunk);
+    const uint64_t end = first + (bytes + kPrefetchChunk - 1) / kPrefetchChunk;
+    for (; j < end; j += 32 * groups) {
+      const uint32_t offset = uint32_t(j - first) * kPrefetchChunk;
       const uint32_t n = bytes - offset < kPrefetchChunk ? bytes - offset : kPrefetchChunk;
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p.prefetch_addresses[r] + offset), "r"(n));
     }
-    first += pieces;
+    first = end;
   }
 #else
   (void)p;
