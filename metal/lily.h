@@ -426,6 +426,19 @@ LILY_INLINE void grid_dependency_wait() {
   ::msl_cuda_detail::grid_dependency_wait();  // the wait the shim's entry points run (msl_cuda_launch.h)
 #endif
 }
+
+// L2 prefetch from inside a kernel (CUDA on sm_90: docs/cuda.md "L2 prefetch"): asks the GPU to bring the whole
+// 16-byte blocks of [p, p + bytes) into L2 for a later dispatch, where only this kernel learns which bytes that is
+// (the routed experts' down rows). A hint: nothing waits on it and no result depends on it; one thread's call issues
+// a piece per 8 KB. Nothing on Metal and the CPU harness.
+LILY_INLINE void prefetch_l2(device const void* p, uint bytes) {
+#if defined(MSL_CUDA)
+  ::msl_cuda_detail::prefetch_l2_range((const void*)p, bytes);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
 #endif
 
 #if defined(LILY_KERNEL_SIDE)

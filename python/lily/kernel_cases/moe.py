@@ -169,9 +169,11 @@ def gate_up_routed(run: Run, kernel: str, layer: DecodeLayer, x: np.ndarray, nor
     weights = np.full(k, np.nan, np.float32)
     hidden_act = np.full(k * expert + shared, np.nan, np.float32)
     args = moe_args(1, num_experts, k, hidden, expert, shared) + struct.pack("<fIII", NORM_EPS, 0, 0, 0)
+    # The staged kernel also binds the down projections, whose rows it prefetches into L2 on CUDA (no result).
+    down = [*layer.down.buffers(), *layer.shared_down.buffers()] if "_staged" in kernel else []
     run.dispatch(kernel, [args, x, norm_weight, np.ascontiguousarray(logits, np.float32), ids, weights,
                           *layer.gate.buffers(), *layer.up.buffers(), *layer.shared_gate.buffers(),
-                          *layer.shared_up.buffers(), hidden_act],
+                          *layer.shared_up.buffers(), hidden_act, *down],
                  (-(-max(expert, shared) // rows), k + 1, 1), threads, **options)
     return ids, weights, hidden_act
 

@@ -163,6 +163,21 @@ constexpr uint32_t kPrefetchChunk = 8192;
 #endif
 }
 
+// One thread's prefetch of `bytes` from `p` into L2, in kPrefetchChunk pieces, for a kernel that learns what a later
+// dispatch reads only as it runs (lily::prefetch_l2 in metal/lily.h): the range shrinks to whole 16-byte units (its
+// start rounded up, its end down), so it never leaves the 16-byte blocks of the bytes asked for.
+[[clang::always_inline]] inline void prefetch_l2_range(const void* p, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+  const uint64_t begin = (uint64_t(p) + 15) / 16 * 16, end = (uint64_t(p) + bytes) / 16 * 16;
+  for (uint64_t at = begin; at < end; at += kPrefetchChunk) {
+    const uint32_t n = end - at < kPrefetchChunk ? uint32_t(end - at) : kPrefetchChunk;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(n));
+  }
+#else
+  (void)p, (void)bytes;
+#endif
+}
+
 // Programmatic dependent launch: wait for the dispatches this one depends on (and let the next one start). Run by
 // every entry point before its kernel, and by lily::grid_dependency_wait (metal/lily.h) in the kernels that wait
 // themselves.
