@@ -174,8 +174,8 @@ static_assert(sizeof(MoeArgs) == 32, "MoeArgs layout must match the host and tes
 // RMSNorm of the hidden stream folded in. `moe` as for the other decode kernels (num_rows 1).
 struct MoeRoutedArgs {
   MoeArgs moe;
-  f32 eps;  // RMSNorm eps (model: 1e-6)
-  u32 _pad0;
+  f32 eps;              // RMSNorm eps (model: 1e-6)
+  u32 prefetch_down;    // staged kernel: 1 = prefetch the slots' down rows into L2 (the L2_PREFETCH switch)
   u32 _pad1;
   u32 _pad2;
 };

@@ -398,8 +398,9 @@ LILY_INLINE void moe_prefetch_down(device const uint* w, device const S* s, devi
 // grid (ceil(max(I, Is) / rows per threadgroup), k + 1). The shared slot's threadgroups load their first step of
 // weights before lily::grid_dependency_wait (on CUDA it overlaps the router GEMV before); a routed slot's simdgroups
 // wait, route as moe_gate_up_swiglu_routed, then load theirs; either way the loads are in flight while x is staged.
-// With its loads in flight, each threadgroup's first thread asks for its share of the slot's down rows (the expert's,
-// known once routed) to be prefetched into L2 for moe_down_combine_staged (moe_prefetch_down: CUDA only).
+// With its loads in flight and args.prefetch_down set, each threadgroup's first thread asks for its share of the slot's
+// down rows (the expert's, known once routed) to be prefetched into L2 for moe_down_combine_staged (moe_prefetch_down:
+// CUDA only).
 // H <= LILY_QMV_STAGE_MAX_K (the host checks).
 template <typename T, typename S, bool WholePacks>
 [[kernel]] void moe_gate_up_swiglu_routed_staged(constant lily::MoeRoutedArgs& args [[buffer(0)]],
@@ -466,7 +467,7 @@ template <typename T, typename S, bool WholePacks>
       lily::qmv_load_step<4, WholePacks>(words_gate, scale_gate, bias_gate, wg, sg, bg, H, out_rows, first_row, lane);
       lily::qmv_load_step<4, WholePacks>(words_up, scale_up, bias_up, wu, su, bu, H, out_rows, first_row, lane);
     }
-    if (tid == 0) {
+    if (tid == 0 && args.prefetch_down) {
       moe_prefetch_down(shared_down_weight, shared_down_scales, shared_down_biases, H, out_rows, group.x, slot_groups);
     }
     lily::grid_dependency_wait();  // x and the logits come from the dispatches before
@@ -486,7 +487,7 @@ template <typename T, typename S, bool WholePacks>
       lily::qmv_load_step<4, WholePacks>(words_gate, scale_gate, bias_gate, wg, sg, bg, H, out_rows, first_row, lane);
       lily::qmv_load_step<4, WholePacks>(words_up, scale_up, bias_up, wu, su, bu, H, out_rows, first_row, lane);
     }
-    if (tid == 0) {
+    if (tid == 0 && args.prefetch_down) {
       const size_t down0 = size_t(expert) * H;  // the expert's first down row
       moe_prefetch_down(down_weight + down0 * (out_rows / 8), down_scales + down0 * (out_rows / 64),
                         down_biases + down0 * (out_rows / 64), H, out_rows, group.x, slot_groups);

@@ -215,7 +215,7 @@ def moe_cases() -> list[Case]:
     dw, ds = quantized(EXPERTS * HIDDEN, EXPERT_SIZE)
     sdw, sds = quantized(HIDDEN, SHARED_SIZE)
     one_w, one_s = quantized(HIDDEN, EXPERT_SIZE)
-    routed_args = _moe_args() + struct.pack("<fIII", EPS, 0, 0, 0)
+    routed_args = _moe_args() + struct.pack("<fIII", EPS, 1, 0, 0)  # eps, prefetch_down (staged: as the engine)
     staged_rows = 4 * QMV_STAGED["simdgroups"]  # LILY_QMV_ROWS_PER_SIMDGROUP rows per simdgroup
     return [
         Case("moe_route top-8 of 256", "moe_route_f32",

@@ -168,7 +168,8 @@ def gate_up_routed(run: Run, kernel: str, layer: DecodeLayer, x: np.ndarray, nor
     ids = np.full(k, 0xFFFFFFFF, np.uint32)
     weights = np.full(k, np.nan, np.float32)
     hidden_act = np.full(k * expert + shared, np.nan, np.float32)
-    args = moe_args(1, num_experts, k, hidden, expert, shared) + struct.pack("<fIII", NORM_EPS, 0, 0, 0)
+    # MoeRoutedArgs: eps, prefetch_down (the staged kernel's L2 prefetch of the down rows, on as in the engine)
+    args = moe_args(1, num_experts, k, hidden, expert, shared) + struct.pack("<fIII", NORM_EPS, 1, 0, 0)
     # The staged kernel also binds the down projections, whose rows it prefetches into L2 on CUDA (no result).
     down = [*layer.down.buffers(), *layer.shared_down.buffers()] if "_staged" in kernel else []
     run.dispatch(kernel, [args, x, norm_weight, np.ascontiguousarray(logits, np.float32), ids, weights,

@@ -276,6 +276,7 @@ struct Forward {
     ctx.staged_gemv = sw.staged_gemv;
     ctx.spread_deltanet_step = sw.spread_deltanet_step && fuse && sw.fused_projections;
     ctx.whole_pack_loads = sw.whole_pack_loads;
+    ctx.l2_prefetch = sw.l2_prefetch;
     ctx.gpu_routing = sw.gpu_routing;
     ctx.in_gemm_dequant = sw.in_gemm_dequant;
     if (p.dequant >= 0) ctx.dequant_scratch = whole(g, p.dequant);

@@ -116,6 +116,7 @@ void moe_decode_routed(Context& ctx, const ModelConfig& c, const std::string& la
   MoeRoutedArgs a{};
   a.moe = decode_args(c);
   a.eps = eps;
+  a.prefetch_down = ctx.l2_prefetch ? 1 : 0;
   // gate/up routes on the E router logits; moe_down_combine reads the shared-expert gate logit after them.
   Span logits = sub(s.router, 0, c.num_experts * 4), gate_logit = sub(s.router, c.num_experts * 4, 4);
   Span ids = sub(s.expert_ids, 0, c.top_k * 4), weights = sub(s.expert_weights, 0, c.top_k * 4);
