@@ -116,12 +116,13 @@ static_assert(sizeof(DequantizeArgs) == 16, "DequantizeArgs layout must match th
 // qmv_norm_* (metal/qmatmul.metal): y = W · (rms_norm(x) ⊙ norm_weight), the RMSNorm folded into the GEMV. The norm
 // is over the whole input row (K = in_features elements).
 struct QMatmulNormArgs {
-  u32 in_features;   // K: also the RMSNorm row length
-  u32 out_features;  // N
-  u32 num_rows;      // M: rows of X and Y (tokens)
-  f32 eps;           // added to mean(x^2); 1e-6 for this model
+  u32 in_features;      // K: also the RMSNorm row length
+  u32 out_features;     // N
+  u32 num_rows;         // M: rows of X and Y (tokens)
+  f32 eps;              // added to mean(x^2); 1e-6 for this model
+  u32 prefetch_blocks;  // qmv_norm_staged: 1 = prefetch the row blocks it streams next into L2 (the L2_PREFETCH switch)
 };
-static_assert(sizeof(QMatmulNormArgs) == 16, "QMatmulNormArgs layout must match the host and tests");
+static_assert(sizeof(QMatmulNormArgs) == 20, "QMatmulNormArgs layout must match the host and tests");
 
 // qmv_seg_* / qmv_norm_seg_* (metal/qmatmul.metal): one decode GEMV over up to LILY_QMV_MAX_SEGMENTS matrices that
 // share their input, each bound from its own buffers (no concatenated copy); segment s writes output rows
@@ -289,6 +290,9 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 #define LILY_QMV_SIMDGROUPS 2
 #define LILY_QMV_PACK_WORDS 4
 #define LILY_QMV_PACKS_PER_LANE 2
+// qmv_norm_staged with QMatmulNormArgs::prefetch_blocks: how many of its next row blocks a streaming threadgroup keeps
+// on their way into L2 (the lm_head's 528 threadgroups x 2 x 18 KB: 19 MB, under half the H200's L2).
+#define LILY_QMV_STREAM_PREFETCH 2
 // Host rule: M <= LILY_QMV_MAX_ROWS runs qmv (one threadgroup row for all M input rows: the weights are read once),
 // larger M the tiled GEMM qmm_*_bm<16|32|64> (tuning::qmm_tile_rows: the widest tile that still launches enough
 // threadgroups; each dequantized weight tile serves BM rows).
