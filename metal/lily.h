@@ -433,11 +433,14 @@ LILY_INLINE void grid_dependency_wait() {
 
 // L2 prefetch from inside a kernel (CUDA on sm_90: docs/cuda.md "L2 prefetch"): asks the GPU to bring the whole
 // 16-byte blocks of [p, p + bytes) into L2 for a later dispatch, where only this kernel learns which bytes that is
-// (the routed experts' down rows). A hint: nothing waits on it and no result depends on it; one thread's call issues
-// a piece per 8 KB. Nothing on Metal and the CPU harness.
+// (the routed experts' down rows, a streaming GEMV's next blocks). A hint: nothing waits on it and no result depends
+// on it; one thread's call issues a piece per 8 KB. Nothing on Metal; the CPU harness checks that the range lies
+// inside one bound buffer (a fault otherwise).
 LILY_INLINE void prefetch_l2(device const void* p, uint bytes) {
 #if defined(MSL_CUDA)
   ::msl_cuda_detail::prefetch_l2_range((const void*)p, bytes);
+#elif defined(MSL_CPU)
+  ::msl_rt::check_prefetch((const void*)p, bytes);
 #else
   (void)p;
   (void)bytes;
