@@ -377,7 +377,7 @@ template <typename T, typename S>
 
 // The down projection rows of one slot's expert (its [H, in_size] codes, scales and biases from `w`, `s`, `b`) into L2
 // for moe_down_combine_staged, while the gate/up GEMVs run: share `share` of `shares` equal 16-byte-multiple parts,
-// issued by one thread (lily::prefetch_l2; nothing off CUDA).
+// issued by one thread (lily::prefetch_l2: CUDA only; the harness checks the ranges).
 template <typename S>
 LILY_INLINE void moe_prefetch_down(device const uint* w, device const S* s, device const S* b, uint H, uint in_size,
                                    uint share, uint shares) {

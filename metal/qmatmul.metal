@@ -589,7 +589,7 @@ template <bool Norm, typename T, typename S, int Bits, typename O>
 }
 
 // A streaming GEMV's row block `block` (rows_per_group rows from block * rows_per_group: their codes, scales and
-// biases) into L2 before its threadgroup gets to it (lily::prefetch_l2, one thread; nothing off CUDA): the block's
+// biases) into L2 before its threadgroup gets to it (lily::prefetch_l2, one thread; CUDA only): the block's
 // loads then wait on L2, not DRAM, and more of the matrix is in flight than the registers hold.
 template <int Bits, typename S>
 LILY_INLINE void qmv_prefetch_block(device const uint* w, device const S* scales, device const S* biases, uint K,
