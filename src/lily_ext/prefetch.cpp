@@ -42,7 +42,9 @@ std::vector<Span> l2_prefetch_ranges(std::vector<Span> spans) {
 }
 
 void plan_l2_prefetch(Graph& graph, size_t first) {
-  for (size_t i = first; i + 1 < graph.nodes.size(); ++i) graph.nodes[i].prefetch = l2_prefetch_ranges(graph.nodes[i + 1].early_reads);
+  for (size_t i = first; i + 1 < graph.nodes.size(); ++i) {
+    graph.nodes[i].prefetch = l2_prefetch_ranges(graph.nodes[i + 1].early_reads);
+  }
 }
 
 }  // namespace lily

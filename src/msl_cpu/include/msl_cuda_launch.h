@@ -132,15 +132,24 @@ template <auto F, const ::msl_rt::ParamAttr* A>
   call<A>(F, p, std::make_index_sequence<param_count(F)>{});
 }
 
+constexpr uint32_t kPrefetchChunk = 8192;
+// One piece: `bytes` (a multiple of 16, at most kPrefetchChunk) from the 16-byte aligned `address`.
+[[clang::always_inline]] inline void prefetch_piece(uint64_t address, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900  // cp.async.bulk: Hopper on (an sm_80 build prefetches nothing)
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address), "r"(bytes));
+#else
+  (void)address, (void)bytes;
+#endif
+}
+
 // L2 prefetch (Node::prefetch, docs/cuda.md): the launch's ranges, cut into kPrefetchChunk pieces numbered across all
 // of them and dealt over the first simdgroup of every threadgroup (piece j to threadgroup j % groups, so the requests
 // leave from every SM), each one cp.async.bulk.prefetch: the copy engine pulls the bytes into L2 while the kernel
 // runs on, no register waits on it. A hint with no effect on any result (L2 is where every SM's loads meet). Run by
 // every entry point first, before it waits for the dispatches before it: the ranges are weights and state no
 // dispatch of the graph is writing. No division: a lane walks its pieces j = u, u + 32 groups, ... through the ranges.
-constexpr uint32_t kPrefetchChunk = 8192;
 [[clang::always_inline]] inline void prefetch_l2(const Params& p) {
-#if __CUDA_ARCH__ >= 900  // cp.async.bulk: Hopper on (an sm_80 build prefetches nothing)
+#if __CUDA_ARCH__ >= 900
   const uint32_t lane = linear_tid();
   if (p.prefetch_bytes[0] == 0 || lane >= 32) return;
   const Position g = nctaid(), b = ctaid();
@@ -154,7 +163,7 @@ constexpr uint32_t kPrefetchChunk = 8192;
     for (; j < end; j += 32 * groups) {
       const uint32_t offset = uint32_t(j - first) * kPrefetchChunk;
       const uint32_t n = bytes - offset < kPrefetchChunk ? bytes - offset : kPrefetchChunk;
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p.prefetch_addresses[r] + offset), "r"(n));
+      prefetch_piece(p.prefetch_addresses[r] + offset, n);
     }
     first = end;
   }
@@ -167,15 +176,10 @@ constexpr uint32_t kPrefetchChunk = 8192;
 // dispatch reads only as it runs (lily::prefetch_l2 in metal/lily.h): the range shrinks to whole 16-byte units (its
 // start rounded up, its end down), so it never leaves the 16-byte blocks of the bytes asked for.
 [[clang::always_inline]] inline void prefetch_l2_range(const void* p, uint32_t bytes) {
-#if __CUDA_ARCH__ >= 900
   const uint64_t begin = (uint64_t(p) + 15) / 16 * 16, end = (uint64_t(p) + bytes) / 16 * 16;
   for (uint64_t at = begin; at < end; at += kPrefetchChunk) {
-    const uint32_t n = end - at < kPrefetchChunk ? uint32_t(end - at) : kPrefetchChunk;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(n));
+    prefetch_piece(at, end - at < kPrefetchChunk ? uint32_t(end - at) : kPrefetchChunk);
   }
-#else
-  (void)p, (void)bytes;
-#endif
 }
 
 // Programmatic dependent launch: wait for the dispatches this one depends on (and let the next one start). Run by
