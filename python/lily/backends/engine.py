@@ -446,7 +446,8 @@ class EngineBackend:
 
     def last_step_graph(self) -> dict[str, Any]:
         """The last command buffer's graph: buffers [(name, bytes)] and nodes [{kernel, label, reads, writes,
-        barrier_before}] with ranges (buffer, offset, length), as ``plan_decode(with_graph=True)``."""
+        barrier_before, depends_on, early_reads, early_start, prefetch}] with ranges (buffer, offset, length), as
+        ``plan_decode(with_graph=True)``."""
         return self._engine.last_step_graph()
 
     def last_step_counts(self) -> dict[str, Any]:
