@@ -642,7 +642,8 @@ template <typename T, typename S, int Bits, typename O, bool WholePacks>
   // The first block as the other staged GEMVs (its weights loaded before the wait and the staging); the later ones
   // load theirs against the same staging. No barrier after the staging: the simdgroups go on independently.
   uint first_row = tg.x * rows_per_group + simd_group * kRows;
-  const bool prefetch = args.prefetch_blocks != 0 && tid == 0;
+  // One thread per block of rows, for the first input row's threadgroups (the others stream the same blocks).
+  const bool prefetch = args.prefetch_blocks != 0 && tid == 0 && tg.y == 0;
   if (prefetch) {
     for (uint ahead = 1; ahead <= LILY_QMV_STREAM_PREFETCH; ++ahead) {
       qmv_prefetch_block<Bits>(lily::as_words(weight), scales, biases, K, N, tg.x + ahead * groups.x, rows_per_group);
