@@ -376,20 +376,15 @@ template <typename T, typename S>
 }
 
 // The down projection rows of one slot's expert (its [H, in_size] codes, scales and biases from `w`, `s`, `b`) into L2
-// for moe_down_combine_staged, while the gate/up GEMVs run: share `share` of `shares` equal 16-byte-multiple parts,
-// issued by one thread (lily::prefetch_l2: CUDA only; the harness checks the ranges).
+// for moe_down_combine_staged, while the gate/up GEMVs run: part `share` of `shares` parts of whole rows
+// (lily::qmv_prefetch_rows, by one thread).
 template <typename S>
 LILY_INLINE void moe_prefetch_down(device const uint* w, device const S* s, device const S* b, uint H, uint in_size,
                                    uint share, uint shares) {
-  const uint code_bytes = H * in_size / 2, scale_bytes = H * (in_size / 64) * uint(sizeof(S));
-  const uint code_part = (code_bytes / shares + 16) / 16 * 16, scale_part = (scale_bytes / shares + 16) / 16 * 16;
-  device const uchar* wb = (device const uchar*)w;
-  device const uchar* sb = (device const uchar*)s;
-  device const uchar* bb = (device const uchar*)b;
-  const uint c0 = min(share * code_part, code_bytes), s0 = min(share * scale_part, scale_bytes);
-  lily::prefetch_l2(wb + c0, min(code_part, code_bytes - c0));
-  lily::prefetch_l2(sb + s0, min(scale_part, scale_bytes - s0));
-  lily::prefetch_l2(bb + s0, min(scale_part, scale_bytes - s0));
+  const uint part = (H + shares - 1) / shares, row0 = share * part;
+  if (row0 < H) {
+    lily::qmv_prefetch_rows<4>(w, s, b, in_size, row0, min(part, H - row0));
+  }
 }
 
 // moe_gate_up_swiglu_routed with x' = rms_norm(x) ⊙ norm_weight staged once per threadgroup (CUDA's choice:

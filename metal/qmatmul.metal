@@ -588,20 +588,16 @@ template <bool Norm, typename T, typename S, int Bits, typename O>
   }
 }
 
-// A streaming GEMV's row block `block` (rows_per_group rows from block * rows_per_group: their codes, scales and
-// biases) into L2 before its threadgroup gets to it (lily::prefetch_l2, one thread; CUDA only): the block's
-// loads then wait on L2, not DRAM, and more of the matrix is in flight than the registers hold.
+// A streaming GEMV's row block `block` (rows_per_group rows from block * rows_per_group, none past N) into L2 before
+// its threadgroup gets to it (lily::qmv_prefetch_rows): the block's loads then wait on L2, not DRAM, and more of the
+// matrix is in flight than the registers hold.
 template <int Bits, typename S>
 LILY_INLINE void qmv_prefetch_block(device const uint* w, device const S* scales, device const S* biases, uint K,
                                     uint N, uint block, uint rows_per_group) {
   const uint row0 = block * rows_per_group;
-  if (row0 >= N) {
-    return;
+  if (row0 < N) {
+    lily::qmv_prefetch_rows<Bits>(w, scales, biases, K, row0, min(rows_per_group, N - row0));
   }
-  const uint rows = min(rows_per_group, N - row0);
-  lily::prefetch_l2(w + size_t(row0) * (K * Bits / 32), rows * (K * Bits / 8));
-  lily::prefetch_l2(scales + size_t(row0) * (K / 64), rows * (K / 64) * uint(sizeof(S)));
-  lily::prefetch_l2(biases + size_t(row0) * (K / 64), rows * (K / 64) * uint(sizeof(S)));
 }
 
 // The staged one-row GEMVs (CUDA's choice; see qmv_stage): the same results as qmv_norm, qmv_residual and
