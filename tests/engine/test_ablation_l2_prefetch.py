@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from lily import _ext
 from lily.backends.engine import switches_from_env
 
-from tests.engine.test_fusion import DECODE_ONLY, PROMPT, checkpoints  # noqa: F401 (the fixture)
+from tests.engine.test_fusion import checkpoints, cuda_decode_both_ways  # noqa: F401 (the fixture)
 
 MAX_RANGES, MAX_BYTES = _ext.l2_prefetch_limits
 
@@ -63,12 +63,8 @@ def test_prefetch_limits_bind():
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_decode_step_prefetches_the_next_dispatchs_early_reads_and_gives_the_same_bits(
         checkpoints, cuda_engine_backend, precision):  # noqa: F811 (the fixture)
-    checkpoint = checkpoints["mlx"]
-    runs = {}
-    for prefetch in (True, False):
-        backend = cuda_engine_backend(checkpoint, precision=precision,
-                                      switches={**DECODE_ONLY, "l2_prefetch": prefetch})
-        runs[prefetch] = backend.forward(PROMPT, backend.new_state())
+    runs = cuda_decode_both_ways(cuda_engine_backend, checkpoints["mlx"], precision, "l2_prefetch")
+    for prefetch, (_, backend) in runs.items():
         nodes = backend.last_step_graph()["nodes"]
         got = [[tuple(r) for r in n["prefetch"]] for n in nodes]
         if not prefetch:
@@ -82,7 +78,7 @@ def test_decode_step_prefetches_the_next_dispatchs_early_reads_and_gives_the_sam
         assert {"qmv_norm_staged", "qmv_residual_staged", "qmv_norm_seg_staged", "qmv_norm_seg_conv_staged",
                 "qmv_gated_norm_residual_staged", "gated_delta_prefill",
                 "moe_gate_up_swiglu_routed_staged"} == prefetching, prefetching
-    assert np.array_equal(runs[True].view(np.uint32), runs[False].view(np.uint32))
+    assert np.array_equal(runs[True][0].view(np.uint32), runs[False][0].view(np.uint32))
 
 
 def test_l2_prefetch_switch_is_read_from_the_environment():

@@ -13,7 +13,7 @@ import pytest
 from lily.backends.engine import switches_from_env
 from lily.reference import ReferenceModel
 
-from tests.engine.test_fusion import DECODE_ONLY, PROMPT, checkpoints  # noqa: F401 (the fixture)
+from tests.engine.test_fusion import DECODE_ONLY, PROMPT, checkpoints, cuda_decode_both_ways  # noqa: F401 (the fixture)
 from tests.engine.test_metal_backend import relative_error
 
 SPREAD = {"qmv_norm_seg_conv_staged", "gated_delta_prefill", "qmv_gated_norm_residual_staged"}
@@ -28,17 +28,14 @@ def _deltanet_ops(kernels) -> set[str]:
 def test_spread_and_fused_deltanet_steps_give_the_same_bits(
         checkpoints, cuda_engine_backend, precision):  # noqa: F811 (the fixture)
     checkpoint = checkpoints["mlx"]
-    runs = {}
-    for spread in (True, False):
-        backend = cuda_engine_backend(checkpoint, precision=precision,
-                                      switches={**DECODE_ONLY, "spread_deltanet_step": spread})
-        runs[spread] = backend.forward(PROMPT, backend.new_state())
+    runs = cuda_decode_both_ways(cuda_engine_backend, checkpoint, precision, "spread_deltanet_step")
+    for spread, (_, backend) in runs.items():
         ops = _deltanet_ops(backend.last_step_counts()["dispatches_by_kernel"])
         assert ops == (SPREAD if spread else {"gated_delta_step"}), sorted(ops)
-    assert np.array_equal(runs[True].view(np.uint32), runs[False].view(np.uint32))
+    assert np.array_equal(runs[True][0].view(np.uint32), runs[False][0].view(np.uint32))
     ref = ReferenceModel(checkpoint)
     want = ref.forward(PROMPT, ref.new_state())
-    assert relative_error(runs[True], want) < (1e-3 if precision == "float32" else 5e-2)
+    assert relative_error(runs[True][0], want) < (1e-3 if precision == "float32" else 5e-2)
 
 
 def test_spread_deltanet_step_needs_staged_gemvs(checkpoints, cuda_engine_backend):  # noqa: F811

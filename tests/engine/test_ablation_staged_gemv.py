@@ -13,7 +13,7 @@ from lily.backends.engine import switches_from_env
 from lily.backends.metal import MetalBackend
 from lily.reference import ReferenceModel
 
-from tests.engine.test_fusion import DECODE_ONLY, PROMPT, checkpoints  # noqa: F401 (the fixture)
+from tests.engine.test_fusion import DECODE_ONLY, PROMPT, checkpoints, cuda_decode_both_ways  # noqa: F401 (the fixture)
 from tests.engine.test_metal_backend import relative_error
 
 # With the spread DeltaNet step on (the default), the DeltaNet layers' in_proj and out_proj run its staged variants.
@@ -29,25 +29,24 @@ def _staged_ops(kernels) -> set[str]:
 def test_staged_and_unstaged_decode_gemvs_give_the_same_logits(
         checkpoints, cuda_engine_backend, precision):  # noqa: F811 (the fixture)
     checkpoint = checkpoints["mlx"]
-    runs = {}
-    for staged in (True, False):
-        backend = cuda_engine_backend(checkpoint, precision=precision, switches={**DECODE_ONLY, "staged_gemv": staged})
-        runs[staged] = backend.forward(PROMPT, backend.new_state())
+    runs = cuda_decode_both_ways(cuda_engine_backend, checkpoint, precision, "staged_gemv")
+    for staged, (_, backend) in runs.items():
         kernels = backend.last_step_counts()["dispatches_by_kernel"]
         assert _staged_ops(kernels) == (STAGED if staged else set()), sorted(kernels)
         if staged and precision == "bfloat16":  # the 8-bit router | shared-gate GEMV with f32 out is staged too
             router = "qmv_norm_seg_staged_q8_g64_bf16_of32"
             assert {router, router + "_a16"} & set(kernels), sorted(kernels)
+    logits = {staged: run[0] for staged, run in runs.items()}
     ref = ReferenceModel(checkpoint)
     want = ref.forward(PROMPT, ref.new_state())
     if precision == "float32":
         # Same maths, another fp32 summation order (pack sums by shuffles, the norm weight applied once).
-        assert relative_error(runs[True], runs[False]) < 1e-5
-        assert relative_error(runs[True], want) < 1e-3
+        assert relative_error(logits[True], logits[False]) < 1e-5
+        assert relative_error(logits[True], want) < 1e-3
     else:
-        for staged, logits in runs.items():  # bf16 rounding of the hidden stream, as test_fusion's bf16 bound
-            assert relative_error(logits, want) < 5e-2, staged
-    assert np.array_equal(np.argmax(runs[True], -1), np.argmax(runs[False], -1))
+        for staged, out in logits.items():  # bf16 rounding of the hidden stream, as test_fusion's bf16 bound
+            assert relative_error(out, want) < 5e-2, staged
+    assert np.array_equal(np.argmax(logits[True], -1), np.argmax(logits[False], -1))
 
 
 def test_metal_runtime_never_stages(checkpoints):  # noqa: F811

@@ -15,7 +15,7 @@ import pytest
 
 from lily.backends.engine import switches_from_env
 
-from tests.engine.test_fusion import DECODE_ONLY, PROMPT, checkpoints  # noqa: F401 (the fixture)
+from tests.engine.test_fusion import checkpoints, cuda_decode_both_ways  # noqa: F401 (the fixture)
 
 
 def code_offsets(checkpoint) -> dict[str, int]:
@@ -52,11 +52,8 @@ def test_whole_pack_loads_follow_the_codes_alignment_and_give_the_same_bits(
     checkpoint = checkpoints["mlx"]
     expected = expected_moe_kernels(checkpoint, precision)
     assert any(k.endswith("_a16") for k in expected) and not all(k.endswith("_a16") for k in expected), expected
-    runs = {}
-    for whole_packs in (True, False):
-        backend = cuda_engine_backend(checkpoint, precision=precision,
-                                      switches={**DECODE_ONLY, "whole_pack_loads": whole_packs})
-        runs[whole_packs] = backend.forward(PROMPT, backend.new_state())
+    runs = cuda_decode_both_ways(cuda_engine_backend, checkpoint, precision, "whole_pack_loads")
+    for whole_packs, (_, backend) in runs.items():
         kernels = backend.last_step_counts()["dispatches_by_kernel"]
         moe = Counter({k: n for k, n in kernels.items() if k.startswith("moe_") and "_staged_" in k})
         if whole_packs:
@@ -64,7 +61,7 @@ def test_whole_pack_loads_follow_the_codes_alignment_and_give_the_same_bits(
         else:
             assert not [k for k in kernels if k.endswith("_a16")], sorted(kernels)
             assert sum(moe.values()) == sum(expected.values())
-    assert np.array_equal(runs[True].view(np.uint32), runs[False].view(np.uint32))
+    assert np.array_equal(runs[True][0].view(np.uint32), runs[False][0].view(np.uint32))
 
 
 def test_whole_pack_loads_switch_is_read_from_the_environment():

@@ -46,6 +46,16 @@ def shuffled_stages():
     te.set_stage_order("reverse")
 
 
+def cuda_decode_both_ways(cuda_engine_backend, checkpoint, precision: str, switch: str) -> dict:
+    """PROMPT through the CUDA engine (the `cuda_engine_backend` fixture) decode step by decode step, with engine
+    switch `switch` on and off: {on: (logits, backend)}, each backend's last step still inspectable."""
+    runs = {}
+    for on in (True, False):
+        backend = cuda_engine_backend(checkpoint, precision=precision, switches={**DECODE_ONLY, switch: on})
+        runs[on] = backend.forward(PROMPT, backend.new_state()), backend
+    return runs
+
+
 def decode_logits(checkpoint, switches):
     backend = MetalBackend(checkpoint, precision="float32", switches=switches)
     state = backend.new_state()
