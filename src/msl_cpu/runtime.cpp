@@ -76,7 +76,7 @@ struct Dispatch {
   std::string name;
   const KernelVariant* variant;
   std::vector<void*> buffers;
-  std::vector<size_t> buffer_sizes;  // bytes bound at each of `buffers`
+  std::vector<size_t> buffer_sizes;  // device bytes bound at each of `buffers` (0 for setBytes data)
   uint32_t tgs[3], tpt[3];
   uint32_t n_threads;  // per threadgroup
   uint64_t n_tgs;
@@ -725,7 +725,7 @@ void dispatch(const std::string& name, const std::vector<Binding>& buffers, cons
     d.tg_param_keys.push_back("[[threadgroup(" + std::to_string(i) + ")]]");
   GuardedBuffers guarded(buffers, opts.guard, d.buffers);
   check_copied_alignment(name, variant, d.buffers);
-  for (const Binding& b : buffers) d.buffer_sizes.push_back(b.size);
+  for (const Binding& b : buffers) d.buffer_sizes.push_back(b.is_bytes ? 0 : b.size);
 
   unsigned hw = std::max(1u, std::thread::hardware_concurrency());
   uint64_t n_workers = std::min<uint64_t>(opts.workers ? opts.workers : hw, d.n_tgs);
