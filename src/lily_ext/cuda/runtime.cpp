@@ -148,8 +148,12 @@ CudaRuntime::~CudaRuntime() {
 
 void CudaRuntime::current() const { context_->make_current(); }
 
-// cp.async.bulk.prefetch (the entry points' prefetch_l2) is Hopper's; an sm_80 build of the kernels has none.
-bool CudaRuntime::prefetches_l2() const { return context_->compute_capability().first >= 9; }
+// cp.async.bulk.prefetch (the entry points' prefetch_l2) is Hopper's; an sm_80 build of the kernels has none. Only
+// with $LILY_CUDA_L2_PREFETCH=1: on the H200 it cost 4 % of tg128 (docs/performance.md, 2026-12-05).
+bool CudaRuntime::prefetches_l2() const {
+  const char* opt_in = std::getenv("LILY_CUDA_L2_PREFETCH");
+  return opt_in && std::string(opt_in) == "1" && context_->compute_capability().first >= 9;
+}
 
 std::unique_ptr<DeviceBuffer> CudaRuntime::allocate(size_t length, Memory memory) {
   current();
