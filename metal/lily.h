@@ -116,13 +116,12 @@ static_assert(sizeof(DequantizeArgs) == 16, "DequantizeArgs layout must match th
 // qmv_norm_* (metal/qmatmul.metal): y = W · (rms_norm(x) ⊙ norm_weight), the RMSNorm folded into the GEMV. The norm
 // is over the whole input row (K = in_features elements).
 struct QMatmulNormArgs {
-  u32 in_features;      // K: also the RMSNorm row length
-  u32 out_features;     // N
-  u32 num_rows;         // M: rows of X and Y (tokens)
-  f32 eps;              // added to mean(x^2); 1e-6 for this model
-  u32 prefetch_blocks;  // qmv_norm_staged: 1 = prefetch the row blocks it streams next into L2 (the L2_PREFETCH switch)
+  u32 in_features;   // K: also the RMSNorm row length
+  u32 out_features;  // N
+  u32 num_rows;      // M: rows of X and Y (tokens)
+  f32 eps;           // added to mean(x^2); 1e-6 for this model
 };
-static_assert(sizeof(QMatmulNormArgs) == 20, "QMatmulNormArgs layout must match the host and tests");
+static_assert(sizeof(QMatmulNormArgs) == 16, "QMatmulNormArgs layout must match the host and tests");
 
 // qmv_seg_* / qmv_norm_seg_* (metal/qmatmul.metal): one decode GEMV over up to LILY_QMV_MAX_SEGMENTS matrices that
 // share their input, each bound from its own buffers (no concatenated copy); segment s writes output rows
@@ -175,8 +174,8 @@ static_assert(sizeof(MoeArgs) == 32, "MoeArgs layout must match the host and tes
 // RMSNorm of the hidden stream folded in. `moe` as for the other decode kernels (num_rows 1).
 struct MoeRoutedArgs {
   MoeArgs moe;
-  f32 eps;              // RMSNorm eps (model: 1e-6)
-  u32 prefetch_down;    // staged kernel: 1 = prefetch the slots' down rows into L2 (the L2_PREFETCH switch)
+  f32 eps;  // RMSNorm eps (model: 1e-6)
+  u32 _pad0;
   u32 _pad1;
   u32 _pad2;
 };
@@ -290,9 +289,6 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 #define LILY_QMV_SIMDGROUPS 2
 #define LILY_QMV_PACK_WORDS 4
 #define LILY_QMV_PACKS_PER_LANE 2
-// qmv_norm_staged with QMatmulNormArgs::prefetch_blocks: how many of its next row blocks a streaming threadgroup keeps
-// on their way into L2 (the lm_head's 528 threadgroups x 2 x 18 KB: 19 MB, under half the H200's L2).
-#define LILY_QMV_STREAM_PREFETCH 2
 // Host rule: M <= LILY_QMV_MAX_ROWS runs qmv (one threadgroup row for all M input rows: the weights are read once),
 // larger M the tiled GEMM qmm_*_bm<16|32|64> (tuning::qmm_tile_rows: the widest tile that still launches enough
 // threadgroups; each dequantized weight tile serves BM rows).
@@ -428,22 +424,6 @@ constexpr u32 attn_mma_tile_keys(u32 head_dim, u32 element_bytes) {
 LILY_INLINE void grid_dependency_wait() {
 #if defined(MSL_CUDA)
   ::msl_cuda_detail::grid_dependency_wait();  // the wait the shim's entry points run (msl_cuda_launch.h)
-#endif
-}
-
-// L2 prefetch from inside a kernel (CUDA on sm_90: docs/cuda.md "L2 prefetch"): asks the GPU to bring the whole
-// 16-byte blocks of [p, p + bytes) into L2 for a later dispatch, where only this kernel learns which bytes that is
-// (the routed experts' down rows, a streaming GEMV's next blocks). A hint: nothing waits on it and no result depends
-// on it; one thread's call issues a piece per 8 KB. Nothing on Metal; the CPU harness checks that the range lies
-// inside one bound buffer (a fault otherwise).
-LILY_INLINE void prefetch_l2(device const void* p, uint bytes) {
-#if defined(MSL_CUDA)
-  ::msl_cuda_detail::prefetch_l2_range((const void*)p, bytes);
-#elif defined(MSL_CPU)
-  ::msl_rt::check_prefetch((const void*)p, bytes);
-#else
-  (void)p;
-  (void)bytes;
 #endif
 }
 #endif

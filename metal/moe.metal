@@ -375,27 +375,12 @@ template <typename T, typename S>
                          lane, hidden + size_t(slot) * args.moe.expert_size + first_row);
 }
 
-// The down projection rows of one slot's expert (its [H, in_size] codes, scales and biases from `w`, `s`, `b`) into L2
-// for moe_down_combine_staged, while the gate/up GEMVs run: part `share` of `shares` parts of whole rows
-// (lily::qmv_prefetch_rows, by one thread).
-template <typename S>
-LILY_INLINE void moe_prefetch_down(device const uint* w, device const S* s, device const S* b, uint H, uint in_size,
-                                   uint share, uint shares) {
-  const uint part = (H + shares - 1) / shares, row0 = share * part;
-  if (row0 < H) {
-    lily::qmv_prefetch_rows<4>(w, s, b, in_size, row0, min(part, H - row0));
-  }
-}
-
 // moe_gate_up_swiglu_routed with x' = rms_norm(x) ⊙ norm_weight staged once per threadgroup (CUDA's choice:
 // tuning::staged_moe; qmv_stage.h): threadgroups of any multiple of 32 threads (the host takes
 // tuning::kQmvStagedThreads), each simdgroup LILY_QMV_ROWS_PER_SIMDGROUP gate and up rows of the threadgroup's slot,
 // grid (ceil(max(I, Is) / rows per threadgroup), k + 1). The shared slot's threadgroups load their first step of
 // weights before lily::grid_dependency_wait (on CUDA it overlaps the router GEMV before); a routed slot's simdgroups
 // wait, route as moe_gate_up_swiglu_routed, then load theirs; either way the loads are in flight while x is staged.
-// With its loads in flight and args.prefetch_down set, each threadgroup's first thread asks for its share of the slot's
-// down rows (the expert's, known once routed) to be prefetched into L2 for moe_down_combine_staged (moe_prefetch_down:
-// CUDA only).
 // H <= LILY_QMV_STAGE_MAX_K (the host checks).
 template <typename T, typename S, bool WholePacks>
 [[kernel]] void moe_gate_up_swiglu_routed_staged(constant lily::MoeRoutedArgs& args [[buffer(0)]],
@@ -417,12 +402,6 @@ template <typename T, typename S, bool WholePacks>
                                                  device const S* shared_up_scales [[buffer(16)]],
                                                  device const S* shared_up_biases [[buffer(17)]],
                                                  device float* hidden [[buffer(18)]],
-                                                 device const uint* down_weight [[buffer(19)]],
-                                                 device const S* down_scales [[buffer(20)]],
-                                                 device const S* down_biases [[buffer(21)]],
-                                                 device const uint* shared_down_weight [[buffer(22)]],
-                                                 device const S* shared_down_scales [[buffer(23)]],
-                                                 device const S* shared_down_biases [[buffer(24)]],
                                                  uint2 group [[threadgroup_position_in_grid]],
                                                  uint tid [[thread_index_in_threadgroup]],
                                                  uint2 threads_per_group [[threads_per_threadgroup]],
@@ -442,7 +421,6 @@ template <typename T, typename S, bool WholePacks>
   }
   const uint first_row = (group.x * (n_threads / 32) + simd_group) * kRows;
   const bool active = first_row < out_rows;  // else the simdgroup only takes part in the staging
-  const uint slot_groups = (out_rows + (n_threads / 32) * kRows - 1) / ((n_threads / 32) * kRows);
   const uint H = args.moe.hidden_size;
   const uint words = H / 8;
   const uint groups = H / 64;
@@ -462,16 +440,13 @@ template <typename T, typename S, bool WholePacks>
       lily::qmv_load_step<4, WholePacks>(words_gate, scale_gate, bias_gate, wg, sg, bg, H, out_rows, first_row, lane);
       lily::qmv_load_step<4, WholePacks>(words_up, scale_up, bias_up, wu, su, bu, H, out_rows, first_row, lane);
     }
-    if (tid == 0 && args.prefetch_down) {
-      moe_prefetch_down(shared_down_weight, shared_down_scales, shared_down_biases, H, out_rows, group.x, slot_groups);
-    }
     lily::grid_dependency_wait();  // x and the logits come from the dispatches before
   } else {
     lily::grid_dependency_wait();
     const bool writer_simdgroup = group.x == 0 && slot == k - 1 && simd_group == 0;  // first_row 0: always active
-    const uint expert = moe_slot_expert(router_logits, args.moe.num_experts, k, slot, writer_simdgroup, lane,
-                                        expert_ids, expert_weights);
-    const size_t row0 = size_t(expert) * args.moe.expert_size;
+    const size_t row0 = size_t(moe_slot_expert(router_logits, args.moe.num_experts, k, slot, writer_simdgroup, lane,
+                                               expert_ids, expert_weights)) *
+                        args.moe.expert_size;
     wg = lily::as_words(gate_weight) + row0 * words;
     sg = gate_scales + row0 * groups;
     bg = gate_biases + row0 * groups;
@@ -481,11 +456,6 @@ template <typename T, typename S, bool WholePacks>
     if (active) {
       lily::qmv_load_step<4, WholePacks>(words_gate, scale_gate, bias_gate, wg, sg, bg, H, out_rows, first_row, lane);
       lily::qmv_load_step<4, WholePacks>(words_up, scale_up, bias_up, wu, su, bu, H, out_rows, first_row, lane);
-    }
-    if (tid == 0 && args.prefetch_down) {
-      const size_t down0 = size_t(expert) * H;  // the expert's first down row
-      moe_prefetch_down(down_weight + down0 * (out_rows / 8), down_scales + down0 * (out_rows / 64),
-                        down_biases + down0 * (out_rows / 64), H, out_rows, group.x, slot_groups);
     }
   }
   // 4 chunks per thread and round (one round at H = 2048 on 128 threads), not kStageBatch's 8: with the gate and up

@@ -588,26 +588,12 @@ template <bool Norm, typename T, typename S, int Bits, typename O>
   }
 }
 
-// A streaming GEMV's row block `block` (rows_per_group rows from block * rows_per_group, none past N) into L2 before
-// its threadgroup gets to it (lily::qmv_prefetch_rows): the block's loads then wait on L2, not DRAM, and more of the
-// matrix is in flight than the registers hold.
-template <int Bits, typename S>
-LILY_INLINE void qmv_prefetch_block(device const uint* w, device const S* scales, device const S* biases, uint K,
-                                    uint N, uint block, uint rows_per_group) {
-  const uint row0 = block * rows_per_group;
-  if (row0 < N) {
-    lily::qmv_prefetch_rows<Bits>(w, scales, biases, K, row0, min(rows_per_group, N - row0));
-  }
-}
-
 // The staged one-row GEMVs (CUDA's choice; see qmv_stage): the same results as qmv_norm, qmv_residual and
 // qmv_norm_seg with one input row per threadgroup row (grid y = M) and K <= LILY_QMV_STAGE_MAX_K (the host checks).
 // Threadgroups past the outputs leave before the staging (uniformly); simdgroups past them after it.
 // qmv_norm_staged streams: threadgroup x takes the blocks of rows x, x + grid width, ... against one staging of x, so
 // the host can launch fewer threadgroups than blocks (the lm_head's 15,520 blocks each staged x once, 8 KB of x and
-// norm weight read from L2 per 16 KB of weights; tuning::kQmvStreamGroups). Any grid width gives the same bits. With
-// args.prefetch_blocks, a threadgroup keeps its next LILY_QMV_STREAM_PREFETCH blocks on their way into L2
-// (qmv_prefetch_block) while it works on one.
+// norm weight read from L2 per 16 KB of weights; tuning::kQmvStreamGroups). Any grid width gives the same bits.
 template <typename T, typename S, int Bits, typename O, bool WholePacks>
 [[kernel]] void qmv_norm_staged(constant lily::QMatmulNormArgs& args [[buffer(0)]],
                                 device const T* x [[buffer(1)]],
@@ -638,13 +624,6 @@ template <typename T, typename S, int Bits, typename O, bool WholePacks>
   // The first block as the other staged GEMVs (its weights loaded before the wait and the staging); the later ones
   // load theirs against the same staging. No barrier after the staging: the simdgroups go on independently.
   uint first_row = tg.x * rows_per_group + simd_group * kRows;
-  // One thread per block of rows, for the first input row's threadgroups (the others stream the same blocks).
-  const bool prefetch = args.prefetch_blocks != 0 && tid == 0 && tg.y == 0;
-  if (prefetch) {
-    for (uint ahead = 1; ahead <= LILY_QMV_STREAM_PREFETCH; ++ahead) {
-      qmv_prefetch_block<Bits>(lily::as_words(weight), scales, biases, K, N, tg.x + ahead * groups.x, rows_per_group);
-    }
-  }
   float acc[kRows];
   const float inv_rms = qmv_staged_rows<true, Bits, WholePacks>(
       acc, x + size_t(tg.y) * K, norm_weight, lily::as_words(weight), scales, biases, K, N, args.eps, first_row,
@@ -658,10 +637,6 @@ template <typename T, typename S, int Bits, typename O, bool WholePacks>
       }
     }
     block += groups.x;
-    if (prefetch) {
-      qmv_prefetch_block<Bits>(lily::as_words(weight), scales, biases, K, N,
-                               block + LILY_QMV_STREAM_PREFETCH * groups.x, rows_per_group);
-    }
     first_row = block < blocks ? block * rows_per_group + simd_group * kRows : N;
     if (first_row < N) {
       qmv_load_and_dot<Bits, WholePacks>(acc, lily::as_words(weight), scales, biases, K, N, first_row, stage_x,

@@ -139,16 +139,6 @@ LILY_INLINE void qmv_load_pack(device const uint* pack, thread uint (&words)[LIL
   }
 }
 
-// Rows [row0, row0 + rows) of a quantized [*, K] matrix (their codes, scales and biases, each contiguous) into L2 for
-// a later read (lily::prefetch_l2: one thread's call; CUDA only, the harness checks the ranges lie in bound buffers).
-template <int Bits, typename S>
-LILY_INLINE void qmv_prefetch_rows(device const uint* weight, device const S* scales, device const S* biases, uint K,
-                                   uint row0, uint rows) {
-  prefetch_l2(weight + size_t(row0) * (K * Bits / 32), rows * (K * Bits / 8));
-  prefetch_l2(scales + size_t(row0) * (K / 64), rows * (K / 64) * uint(sizeof(S)));
-  prefetch_l2(biases + size_t(row0) * (K / 64), rows * (K / 64) * uint(sizeof(S)));
-}
-
 // Loads one step of a simdgroup's kRows rows: kPacks packs (lane + 32 i from p0) of LILY_QMV_PACK_WORDS words each,
 // and their scales and biases (0 past the row: a pack past the row re-reads the row's last pack). WholePacks: a pack
 // is one 16-byte load (one load instruction for four: on the H200 tg128 +2 %, docs/performance.md), which needs the

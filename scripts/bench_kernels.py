@@ -47,9 +47,6 @@ QMV_STAGED = {"simdgroups": 4}  # LILY_QMV_STAGED_SIMDGROUPS: the staged GEMVs' 
 # The staged kernels' instance: "_a16" (a pack of codes as one 16-byte load), the engine's where the codes lie on 16
 # bytes, as here (each buffer its own allocation) and in a full-size file (tuning::whole_pack_loads); --word-loads: "".
 STAGED_LOADS = {"suffix": "_a16"}
-# The kernels' own L2 prefetches (QMatmulNormArgs::prefetch_blocks: the streaming qmv_norm_staged's next row blocks;
-# MoeRoutedArgs::prefetch_down: the routed gate/up's down rows), on as the engine runs them; --no-l2-prefetch: off.
-L2_PREFETCH = {"on": 1}
 QMM_BN, QMM_BM16, QMM_THREADS = 64, 16, 128  # LILY_GEMM_BN, LILY_QMM_BM16_MAX_ROWS, LILY_GEMM_THREADS
 QMM_MIN_THREADGROUPS = 64 * 8  # tuning::kQmmMinThreadgroups
 MOE_GEMV_ROWS, MOE_GEMV_THREADS = 8, 64
@@ -139,8 +136,8 @@ def qmv_norm_case(label: str, n: int, k: int, staged: bool = False) -> Case:
     if staged:  # it streams row blocks on at most QMV_STREAM_GROUPS threadgroups, as the engine launches it
         grid = (min(grid[0], QMV_STREAM_GROUPS), 1, 1)
     return Case(label, f"qmv_norm{'_staged' if staged else ''}_q4_g64_bf16_of32",
-                [struct.pack("<IIIfI", k, n, 1, EPS, L2_PREFETCH["on"]), bf16(k), bf16(k), w, s, s, f32(n)], grid,
-                threads, w + 2 * s + 2 * bf16(k) + f32(n))
+                [struct.pack("<IIIf", k, n, 1, EPS), bf16(k), bf16(k), w, s, s, f32(n)], grid, threads,
+                w + 2 * s + 2 * bf16(k) + f32(n))
 
 
 def qmv_residual_case(label: str, n: int, k: int, staged: bool = False) -> Case:
@@ -218,7 +215,7 @@ def moe_cases() -> list[Case]:
     dw, ds = quantized(EXPERTS * HIDDEN, EXPERT_SIZE)
     sdw, sds = quantized(HIDDEN, SHARED_SIZE)
     one_w, one_s = quantized(HIDDEN, EXPERT_SIZE)
-    routed_args = _moe_args() + struct.pack("<fIII", EPS, L2_PREFETCH["on"], 0, 0)  # eps, prefetch_down
+    routed_args = _moe_args() + struct.pack("<fIII", EPS, 0, 0, 0)
     staged_rows = 4 * QMV_STAGED["simdgroups"]  # LILY_QMV_ROWS_PER_SIMDGROUP rows per simdgroup
     return [
         Case("moe_route top-8 of 256", "moe_route_f32",
@@ -232,8 +229,7 @@ def moe_cases() -> list[Case]:
              gate_up_grid, (MOE_GEMV_THREADS, 1, 1),
              2 * bf16(HIDDEN) + f32(EXPERTS) + 2 * f32(TOP_K) + weight_bytes + hidden),
         Case("moe route+norm+gate/up+SwiGLU (fused, staged)", "moe_gate_up_swiglu_routed_staged_bf16",
-             [routed_args, bf16(HIDDEN), bf16(HIDDEN), f32(EXPERTS), f32(TOP_K), f32(TOP_K), *weights, hidden,
-              dw, ds, ds, sdw, sds, sds],
+             [routed_args, bf16(HIDDEN), bf16(HIDDEN), f32(EXPERTS), f32(TOP_K), f32(TOP_K), *weights, hidden],
              (ceil_div(max(EXPERT_SIZE, SHARED_SIZE), staged_rows), TOP_K + 1, 1),
              (32 * QMV_STAGED["simdgroups"], 1, 1),
              2 * bf16(HIDDEN) + f32(EXPERTS) + 2 * f32(TOP_K) + weight_bytes + hidden),
@@ -790,14 +786,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="simdgroups per threadgroup of the staged GEMVs (LILY_QMV_STAGED_SIMDGROUPS, default 4)")
     parser.add_argument("--word-loads", action="store_true",
                         help="time the staged kernels' word-load instances (codes off 16 bytes) instead of _a16")
-    parser.add_argument("--no-l2-prefetch", action="store_true",
-                        help="the kernels' own L2 prefetches off (the lm_head's next row blocks, the routed gate/up's "
-                             "down rows), as the engine with L2_PREFETCH off")
     args = parser.parse_args(argv)
     if args.word_loads:
         STAGED_LOADS["suffix"] = ""
-    if args.no_l2_prefetch:
-        L2_PREFETCH["on"] = 0
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     if args.qmv_shape:

@@ -81,26 +81,6 @@ def test_every_cuda_kernel_waits_for_its_producers(cuda_compile_only) -> None:
         assert "griddepcontrol" not in path.read_text(), path.name
 
 
-def test_every_cuda_entry_prefetches_its_ranges_before_it_waits(cuda_compile_only) -> None:
-    """L2 prefetch (docs/cuda.md): every sm_90 entry point issues its launch's prefetch ranges first, in its own body
-    before any griddepcontrol.wait (the early kernels wait in what the entry calls or inlines after), so the prefetches
-    leave while the dispatch before still runs; the sm_80 PTX has no cp.async.bulk."""
-    _, _, ptx_dir = cuda_compile_only
-    checked = 0
-    for path in sorted(ptx_dir.glob("*.ptx")):
-        for name, (kind, body) in ptx_bodies(path.read_text()).items():
-            if kind != "entry":
-                continue
-            prefetch = body.find("cp.async.bulk.prefetch.L2.global")
-            assert prefetch >= 0, (path.name, name)
-            wait = body.find("griddepcontrol.wait")
-            assert wait < 0 or prefetch < wait, (path.name, name)
-            checked += 1
-    assert checked > 150
-    for path in ptx_dir.glob("check_sm_80/*.ptx"):
-        assert "cp.async.bulk" not in path.read_text(), path.name
-
-
 def test_cuda_source_is_the_metal_file(tmp_path) -> None:
     """The generated .cu points its #line at metal/<file> and holds the file's lines, except the constructs the
     rewriter replaces in place (includes, threadgroup arrays, the kernel keyword, half literals; a comment line just

@@ -115,51 +115,6 @@ def test_a_kernel_fault_names_the_kernel_and_the_fakes_finding(runner: cuda.Runn
     runner.free(out)
 
 
-def test_l2_prefetch_runs_beside_the_kernel_and_changes_nothing(runner: cuda.Runner) -> None:
-    """A launch that prefetches ranges (its own input, and a whole other allocation) computes what the same launch
-    without them does; on a GPU (LILY_CUDA_TESTS=gpu) this runs cp.async.bulk.prefetch.L2 in every threadgroup."""
-    rng = np.random.default_rng(11)
-    rows, n = 5, 256
-    x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
-    w = (1 + 0.5 * rng.standard_normal(n)).astype(np.float32)
-    other = 3 * 8192 + 48  # pieces of 8192 bytes dealt over 5 threadgroups, and a short last one
-    ptrs = {name: runner.alloc(nbytes) for name, nbytes in
-            (("args", 16), ("x", x.nbytes), ("w", w.nbytes), ("out", x.nbytes), ("other", other))}
-    runner.upload(ptrs["args"], np.frombuffer(_args(n), np.uint8))
-    runner.upload(ptrs["x"], x)
-    runner.upload(ptrs["w"], w)
-    outputs = []
-    for prefetch in ([], [(ptrs["x"], x.nbytes), (ptrs["other"], other), (ptrs["w"] + 16, w.nbytes - 16)]):
-        runner.upload(ptrs["out"], np.full_like(x, np.nan))
-        runner.launch("rms_norm_f32", [ptrs["args"], ptrs["x"], ptrs["w"], ptrs["out"]], (rows, 1, 1), (256, 1, 1),
-                      prefetch=prefetch)
-        runner.synchronize()
-        out = np.empty_like(x)
-        runner.download(ptrs["out"], out)
-        outputs.append(out)
-    assert np.array_equal(outputs[0], outputs[1])
-    expected = _rms_norm(x.astype(np.float64), w.astype(np.float64))
-    assert np.all(np.abs(outputs[1] - expected) <= 1e-5 * (1 + np.abs(expected)))
-    for ptr in ptrs.values():
-        runner.free(ptr)
-
-
-@fake_only
-def test_l2_prefetch_ranges_a_gpu_cannot_take_are_refused(runner: cuda.Runner) -> None:
-    """The host refuses ranges cp.async.bulk.prefetch cannot take (off 16 bytes, empty, more than 8) before the
-    launch; the fake refuses one that strays off its allocation, naming the kernel and the range."""
-    buf = runner.alloc(4096)
-    args = [buf, buf, buf, buf]
-    for bad in ([(buf + 8, 64)], [(buf, 40)], [(buf, 0)], [(buf, 16)] * 9):
-        with pytest.raises(ValueError, match=r"rms_norm_f32: L2 prefetch (range 0 \[|of 9 ranges)"):
-            runner.launch("rms_norm_f32", args, (1, 1, 1), (32, 1, 1), prefetch=bad)
-    with pytest.raises(cuda.CudaError, match=r"CUDA_ERROR_ILLEGAL_ADDRESS.*rms_norm_f32: L2 prefetch range 1 "
-                                             r"\[\d+, \+4096\) is not inside one device allocation"):
-        runner.launch("rms_norm_f32", args, (1, 1, 1), (32, 1, 1), prefetch=[(buf, 4096), (buf + 16, 4096)])
-        runner.synchronize()
-    runner.free(buf)
-
-
 def test_packaged_ptx_is_beside_the_extension(monkeypatch) -> None:
     """Where the build installs the PTX (lily/cuda_kernels/, CMakeLists.txt), unless $LILY_CUDA_PTX_DIR says."""
     monkeypatch.delenv("LILY_CUDA_PTX_DIR", raising=False)

@@ -9,7 +9,6 @@ setBytes data), a Metal grid of threadgroups, and the byte length of each ``[[th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -97,14 +96,10 @@ class Runner:
         return self._device.kernel_names()
 
     def launch(self, kernel: str, buffers: list[int], threadgroups, threads_per_threadgroup,
-               threadgroup_memory: list[int] | None = None, stream: int = 0,
-               prefetch: Sequence[tuple[int, int]] = ()) -> None:
-        """One asynchronous launch with device pointers `buffers[i]` bound to [[buffer(i)]]. `prefetch`: up to 8
-        device ranges (address, bytes), each on 16 bytes and a multiple of 16 bytes long, that the kernel's
-        threadgroups ask the GPU to bring into its L2 cache as they start (docs/cuda.md, "L2 prefetch")."""
+               threadgroup_memory: list[int] | None = None, stream: int = 0) -> None:
+        """One asynchronous launch with device pointers `buffers[i]` bound to [[buffer(i)]]."""
         self._device.launch(kernel, [int(p) for p in buffers], _shape(threadgroups), _shape(threads_per_threadgroup),
-                            None if threadgroup_memory is None else [int(n) for n in threadgroup_memory], stream,
-                            [(int(a), int(n)) for a, n in prefetch])
+                            None if threadgroup_memory is None else [int(n) for n in threadgroup_memory], stream)
 
     def graph(self):
         """An empty explicit CUDA graph of this GPU's kernels (``lily._ext.cuda.Graph``): nodes with declared

@@ -18,7 +18,6 @@
 #include "cuda/runtime.h"
 #include "metal_runtime.h"
 #include "plan.h"
-#include "prefetch.h"
 #include "tuning.h"
 // ---- end ----
 
@@ -104,7 +103,6 @@ void bind_switches(nb::module_ m) {
       .def_rw("staged_gemv", &S::staged_gemv)
       .def_rw("spread_deltanet_step", &S::spread_deltanet_step)
       .def_rw("whole_pack_loads", &S::whole_pack_loads)
-      .def_rw("l2_prefetch", &S::l2_prefetch)
       .def_rw("split_kv_min_keys", &S::split_kv_min_keys)
       .def_rw("prefill_chunk", &S::prefill_chunk)
       .def_rw("kv_block", &S::kv_block);
@@ -148,7 +146,7 @@ nb::list spans_list(const std::vector<lily::Span>& spans) {
 }
 
 // buffers [(name, bytes)] and nodes [{kernel, label, reads, writes, barrier_before, depends_on, early_reads,
-// early_start, prefetch}] of a graph, into `out`.
+// early_start}] of a graph, into `out`.
 void add_graph(const lily::Graph& graph, nb::dict& out) {
   nb::list buffers, nodes;
   for (const lily::GraphBuffer& b : graph.buffers) buffers.append(nb::make_tuple(b.name, b.length));
@@ -158,7 +156,6 @@ void add_graph(const lily::Graph& graph, nb::dict& out) {
     nb::dict node;
     node["early_start"] = bool(early[nodes.size()]);  // its CUDA graph edge is programmatic (with PDL on)
     node["early_reads"] = spans_list(n.early_reads);
-    node["prefetch"] = spans_list(n.prefetch);  // what it asks the GPU to bring into L2 for the node after it
     node["depends_on"] = edges[nodes.size()];  // the CUDA graph's edges into this node
     node["kernel"] = n.kernel;
     node["label"] = n.label;
@@ -406,18 +403,6 @@ NB_MODULE(_ext, m) {
         "Build (not run) the decode graph of a config; counts and minimum bytes per token.");
   // Tokens per prefill chunk (tuning::kPrefillChunk): the engine backends' PrefillChunking capability.
   m.attr("prefill_chunk") = lily::tuning::kPrefillChunk;
-  m.def(
-      "l2_prefetch_ranges",
-      [](const std::vector<std::tuple<int, size_t, size_t>>& spans) {
-        std::vector<lily::Span> in;
-        for (const auto& [buffer, offset, length] : spans) in.push_back({buffer, offset, length});
-        std::vector<std::tuple<int, size_t, size_t>> out;
-        for (const lily::Span& s : lily::l2_prefetch_ranges(in)) out.emplace_back(s.buffer, s.offset, s.length);
-        return out;
-      },
-      nb::arg("spans"),
-      "What a decode dispatch prefetches into L2 for a next one reading `spans` [(buffer, offset, length)] (prefetch.h).");
-  m.attr("l2_prefetch_limits") = nb::make_tuple(lily::tuning::kL2PrefetchRanges, lily::tuning::kL2PrefetchMaxBytes);
   m.def("fast_paths_left_out", &lily::fast_paths_left_out, nb::arg("config"),
         "The fast paths the config's shape does not fit, one line each (the engine runs general kernels).");
   m.def(

@@ -67,8 +67,6 @@ struct Switches {
   bool whole_pack_loads = true;    // WHOLE_PACK_LOADS: off = the staged kernels (STAGED_GEMV: CUDA) read codes a word
                                    // at a time; on, a pack of 4 words as one 16-byte load where the codes lie on 16
                                    // bytes (tuning::whole_pack_loads)
-  bool l2_prefetch = true;         // L2_PREFETCH: off = no dispatch asks the GPU to bring a later dispatch's weights
-                                   // into its L2 cache (on only where the runtime can: CUDA on sm_90, Node::prefetch)
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
   size_t kv_growth_block() const;
@@ -133,9 +131,6 @@ struct Node {
   // of `reads`. A runtime may start such a node while the one node it depends on still runs (CUDA's programmatic
   // edges) only if that node writes none of these.
   std::vector<Span> early_reads;
-  // Bytes a later dispatch reads that the runtime may bring into the GPU's cache while this one runs (CUDA: its
-  // threadgroups issue L2 prefetches as they start); no effect on any result. Set by plan_l2_prefetch (prefetch.h).
-  std::vector<Span> prefetch;
 };
 
 // A step the CPU runs inside a forward pass (the GPU_ROUTING switch off): the nodes before `before_node` are

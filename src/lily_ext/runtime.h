@@ -97,8 +97,6 @@ class Runtime {
   // Decode GEMVs stage x in threadgroup memory (tuning::staged_gemv): where scattered per-lane loads of x cost more
   // than the staging (NVIDIA's L1), not on Apple GPUs.
   virtual bool prefers_staged_gemv() const { return false; }
-  // Kernels can ask the GPU to bring a later dispatch's bytes into its cache (Node::prefetch): CUDA on sm_90 on.
-  virtual bool prefetches_l2() const { return false; }
   // Turns off the engine switches whose kernels this runtime lacks (the CPU runtime: see cpu/cpu_runtime.h); the
   // builder then emits their plain counterparts. Metal and CUDA run every switch.
   virtual void restrict_switches(Switches&) const {}

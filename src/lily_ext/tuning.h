@@ -84,14 +84,6 @@ inline bool staged_gemv(bool switched_on, int bits, bool bf16_scales, size_t in_
 // more (a file's data section too: Runtime::load_file).
 inline bool whole_pack_loads(size_t code_offset) { return code_offset % 16 == 0; }
 
-// L2 prefetch (L2_PREFETCH, plan_l2_prefetch): each dispatch asks the GPU to bring the next dispatch's early reads
-// (the weights and state it may read before waiting, Node::early_reads) into L2 while it runs, so that a decode
-// GEMV's loads, which wait on memory latency with one or two small waves in flight, find its weights in L2. At most
-// this many ranges a dispatch (the CUDA launch ABI's kMaxPrefetchRanges), the largest first, and this many bytes
-// (under half the H200's L2: the running dispatch's own bytes stay).
-constexpr size_t kL2PrefetchRanges = 8;
-constexpr size_t kL2PrefetchMaxBytes = 24u << 20;
-
 // A decode token's DeltaNet spread over many threadgroups (SPREAD_DELTANET_STEP): the causal conv in the in_proj GEMV's
 // epilogue (qmv_norm_seg_conv_staged: each channel has one owner, so its state shifts in place without a race), the
 // recurrence on the prefill scan's (value head, 32 rows) threadgroups (128 at full size) and the gated norm in the

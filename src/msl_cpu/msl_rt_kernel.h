@@ -92,8 +92,5 @@ void note_progress();      // an atomic write: someone polling may now advance
 uint32_t current_lane();
 void* threadgroup_alloc(const char* key, size_t size);
 [[noreturn]] void kernel_fault(const char* what);
-// lily::prefetch_l2 (metal/lily.h) on the harness: a fault unless [p, p + bytes) lies inside one device buffer bound
-// to the dispatch (not setBytes data). Nothing is cached here; a range a GPU would prefetch from outside its tensors is a kernel bug.
-void check_prefetch(const void* p, size_t bytes);
 
 }  // namespace msl_rt

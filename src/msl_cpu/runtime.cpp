@@ -76,7 +76,6 @@ struct Dispatch {
   std::string name;
   const KernelVariant* variant;
   std::vector<void*> buffers;
-  std::vector<size_t> buffer_sizes;  // device bytes bound at each of `buffers` (0 for setBytes data)
   uint32_t tgs[3], tpt[3];
   uint32_t n_threads;  // per threadgroup
   uint64_t n_tgs;
@@ -493,18 +492,6 @@ void kernel_fault(const char* what) {
   fault_and_leave(w, w.current, what);
 }
 
-void check_prefetch(const void* p, size_t bytes) {
-  if (!bytes) return;
-  const Dispatch& d = *tls_worker->d;
-  const auto* begin = static_cast<const unsigned char*>(p);
-  for (size_t i = 0; i < d.buffers.size(); ++i) {
-    const auto* buffer = static_cast<const unsigned char*>(d.buffers[i]);
-    const size_t size = d.buffer_sizes[i];
-    if (buffer && begin >= buffer && bytes <= size && size_t(begin - buffer) <= size - bytes) return;
-  }
-  kernel_fault(("lily::prefetch_l2 of " + std::to_string(bytes) + " bytes is not inside one bound buffer").c_str());
-}
-
 // ---- dispatch ----
 namespace {
 
@@ -725,7 +712,6 @@ void dispatch(const std::string& name, const std::vector<Binding>& buffers, cons
     d.tg_param_keys.push_back("[[threadgroup(" + std::to_string(i) + ")]]");
   GuardedBuffers guarded(buffers, opts.guard, d.buffers);
   check_copied_alignment(name, variant, d.buffers);
-  for (const Binding& b : buffers) d.buffer_sizes.push_back(b.is_bytes ? 0 : b.size);
 
   unsigned hw = std::max(1u, std::thread::hardware_concurrency());
   uint64_t n_workers = std::min<uint64_t>(opts.workers ? opts.workers : hw, d.n_tgs);

@@ -168,13 +168,10 @@ def gate_up_routed(run: Run, kernel: str, layer: DecodeLayer, x: np.ndarray, nor
     ids = np.full(k, 0xFFFFFFFF, np.uint32)
     weights = np.full(k, np.nan, np.float32)
     hidden_act = np.full(k * expert + shared, np.nan, np.float32)
-    # MoeRoutedArgs: eps, prefetch_down (the staged kernel's L2 prefetch of the down rows, on as in the engine)
-    args = moe_args(1, num_experts, k, hidden, expert, shared) + struct.pack("<fIII", NORM_EPS, 1, 0, 0)
-    # The staged kernel also binds the down projections, whose rows it prefetches into L2 on CUDA (no result).
-    down = [*layer.down.buffers(), *layer.shared_down.buffers()] if "_staged" in kernel else []
+    args = moe_args(1, num_experts, k, hidden, expert, shared) + struct.pack("<fIII", NORM_EPS, 0, 0, 0)
     run.dispatch(kernel, [args, x, norm_weight, np.ascontiguousarray(logits, np.float32), ids, weights,
                           *layer.gate.buffers(), *layer.up.buffers(), *layer.shared_gate.buffers(),
-                          *layer.shared_up.buffers(), hidden_act, *down],
+                          *layer.shared_up.buffers(), hidden_act],
                  (-(-max(expert, shared) // rows), k + 1, 1), threads, **options)
     return ids, weights, hidden_act
 

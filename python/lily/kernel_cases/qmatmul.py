@@ -159,7 +159,7 @@ def _qmv_norm(run: Run, kernel: str, m: int, n: int, k: int, x_scale: float = 1.
     x = to_device(x_scale * run.rng.standard_normal((m, k)), dtype)
     norm_weight = to_device(1.0 + 0.3 * run.rng.standard_normal(k), dtype)
     y = poisoned((m, n), out_dtype)
-    args = struct.pack("<IIIfI", k, n, m, NORM_EPS, 1)  # lily::QMatmulNormArgs (prefetch_blocks on, as the engine)
+    args = struct.pack("<IIIf", k, n, m, NORM_EPS)  # lily::QMatmulNormArgs
     blocks = -(-n // QMV_ROWS_PER_THREADGROUP)
     run.dispatch(kernel, [args, x, norm_weight, *buffers, y], (blocks, m, 1), 64)
     normed = reference.rms_norm(to_f64(x, dtype), to_f64(norm_weight, dtype), NORM_EPS)

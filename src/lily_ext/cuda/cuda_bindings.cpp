@@ -221,20 +221,13 @@ void bind_device(nb::module_& m) {
       .def("synchronize", [](PyDevice& d) { d.context().synchronize(); }, nb::call_guard<nb::gil_scoped_release>())
       .def("launch",
            [](PyDevice& d, const std::string& kernel, const std::vector<uintptr_t>& buffers, const Shape& tgs,
-              const Shape& threads, const Lengths& threadgroup_memory, uintptr_t stream,
-              const std::vector<std::pair<uintptr_t, uint64_t>>& prefetch) {
-             KernelLaunch launch = d.prepare(kernel, buffers, tgs, threads, threadgroup_memory);
-             std::vector<KernelSet::L2Range> ranges;
-             for (const auto& [address, bytes] : prefetch) ranges.push_back({address, bytes});
-             KernelSet::set_l2_prefetch(launch, ranges);
+              const Shape& threads, const Lengths& threadgroup_memory, uintptr_t stream) {
+             const KernelLaunch launch = d.prepare(kernel, buffers, tgs, threads, threadgroup_memory);
              nb::gil_scoped_release release;
              d.kernels().launch(launch, stream_of(stream));
            },
            "kernel"_a, "buffers"_a, "threadgroups"_a, "threads_per_threadgroup"_a, "threadgroup_memory"_a = nb::none(),
-           "stream"_a = 0, "prefetch"_a = std::vector<std::pair<uintptr_t, uint64_t>>{},
-           "One asynchronous launch with device pointers `buffers[i]` bound to [[buffer(i)]]; `prefetch`: device\n"
-           "ranges (address, bytes) its threadgroups ask the GPU to bring into L2 as they start (16-byte aligned,\n"
-           "multiples of 16 bytes, at most 8).")
+           "stream"_a = 0, "One asynchronous launch with device pointers `buffers[i]` bound to [[buffer(i)]].")
       .def("dispatch", &PyDevice::dispatch, "kernel"_a, "args"_a, "threadgroups"_a, "threads_per_threadgroup"_a,
            "threadgroup_memory"_a = nb::none(),
            "Checks the arguments as the CPU harness does, runs `kernel` once and waits; numpy arrays are copied to\n"

@@ -434,25 +434,6 @@ KernelLaunch KernelSet::prepare(const std::string& kernel, const std::vector<CUd
   return launch;
 }
 
-void KernelSet::set_l2_prefetch(KernelLaunch& launch, const std::vector<L2Range>& ranges) {
-  const std::string where = "cuda: kernel " + launch.kernel + ": L2 prefetch ";
-  if (ranges.size() > size_t(kMaxPrefetchRanges)) {
-    throw std::invalid_argument(where + "of " + std::to_string(ranges.size()) + " ranges; at most " +
-                                std::to_string(kMaxPrefetchRanges));
-  }
-  std::fill(std::begin(launch.params.prefetch_bytes), std::end(launch.params.prefetch_bytes), 0u);
-  for (size_t i = 0; i < ranges.size(); ++i) {
-    const L2Range& r = ranges[i];
-    if (r.address % 16 || r.bytes % 16 || r.bytes == 0 || r.bytes > UINT32_MAX) {
-      throw std::invalid_argument(where + "range " + std::to_string(i) + " [" + std::to_string(r.address) + ", +" +
-                                  std::to_string(r.bytes) + ") is not a non-empty multiple of 16 bytes on 16 "
-                                  "bytes under 4 GiB");
-    }
-    launch.params.prefetch_addresses[i] = r.address;
-    launch.params.prefetch_bytes[i] = uint32_t(r.bytes);
-  }
-}
-
 void KernelSet::launch(const KernelLaunch& launch, CUstream stream) const {
   KernelParams params = launch.params;  // the driver copies the argument block before returning
   void* args[] = {&params};

@@ -236,14 +236,6 @@ class KernelSet {
   // too many buffers or slices, or an unknown kernel.
   KernelLaunch prepare(const std::string& kernel, const std::vector<CUdeviceptr>& buffers, Dim3 threadgroups,
                        Dim3 threads_per_threadgroup, const std::vector<uint32_t>& threadgroup_memory = {});
-  // Device ranges the launch's entry point asks the GPU to bring into L2 (msl_cuda_launch.h prefetch_l2): at most
-  // kMaxPrefetchRanges, each on 16 bytes, a non-zero multiple of 16 bytes under 4 GiB. Throws std::invalid_argument
-  // naming the kernel and the range otherwise.
-  struct L2Range {
-    CUdeviceptr address;
-    uint64_t bytes;
-  };
-  static void set_l2_prefetch(KernelLaunch& launch, const std::vector<L2Range>& ranges);
   // cuLaunchKernel on `stream` (asynchronous).
   void launch(const KernelLaunch& launch, CUstream stream = nullptr) const;
 

@@ -110,19 +110,15 @@ struct CUDA_MEMSET_NODE_PARAMS {
 };
 
 // msl_cuda_detail::Params (src/msl_cpu/include/msl_cuda_launch.h), the one by-value parameter of every entry point
-// of Lily's PTX: the [[buffer(i)]] pointers, the byte offset of each [[threadgroup(i)]] slice in dynamic shared
-// memory, and the ranges the entry point prefetches into L2 (from index 0 until the first 0 bytes; 16-byte aligned
-// addresses, lengths multiples of 16). Not a driver type, but the contract between the host, the kernels and the fake.
+// of Lily's PTX: the [[buffer(i)]] pointers and the byte offset of each [[threadgroup(i)]] slice in dynamic shared
+// memory. Not a driver type, but the contract between the host, the kernels and the fake.
 constexpr int kMaxBuffers = 31;
 constexpr int kMaxThreadgroupSlices = 8;
-constexpr int kMaxPrefetchRanges = 8;
 struct KernelParams {
   CUdeviceptr buffers[kMaxBuffers];
   uint32_t threadgroup_offsets[kMaxThreadgroupSlices];
-  CUdeviceptr prefetch_addresses[kMaxPrefetchRanges];
-  uint32_t prefetch_bytes[kMaxPrefetchRanges];
 };
-static_assert(sizeof(KernelParams) == 31 * 8 + 8 * 4 + 8 * 8 + 8 * 4, "Params layout of msl_cuda_launch.h");
+static_assert(sizeof(KernelParams) == 31 * 8 + 8 * 4, "Params layout of msl_cuda_launch.h");
 
 // X(member, symbol, fallback symbol or nullptr, return type, parameter list): the functions Lily resolves. The
 // symbol is the versioned name cuda.h maps the API name to (cuMemAlloc -> cuMemAlloc_v2); the fallback, where there

@@ -8,7 +8,6 @@
 #include "../barriers.h"
 #include "../mapped_file.h"
 #include "../model.h"
-#include "../tuning.h"
 #include "driver.h"
 
 namespace lily {
@@ -52,21 +51,6 @@ void check_range(const DeviceBuffer& buffer, size_t offset, size_t length, const
     throw Error(std::string("[cuda] ") + what + " of [" + std::to_string(offset) + ", +" + std::to_string(length) +
                 ") is not inside the buffer's " + std::to_string(buffer.length()) + " bytes");
   }
-}
-
-// A node's prefetch spans as device ranges: each widened to 16 bytes (cp.async.bulk.prefetch's unit) within its
-// buffer, whose device allocation starts on 256 bytes (pinned host memory is left out: it is not the GPU's to cache).
-static_assert(tuning::kL2PrefetchRanges <= size_t(cuda::kMaxPrefetchRanges), "the launch ABI's prefetch ranges");
-std::vector<cuda::KernelSet::L2Range> l2_ranges(const Node& node, const std::vector<DeviceBuffer*>& buffers) {
-  std::vector<cuda::KernelSet::L2Range> ranges;
-  for (const Span& s : node.prefetch) {
-    const CudaBuffer& b = device(*buffers.at(static_cast<size_t>(s.buffer)));
-    check_range(b, s.offset, s.length, ("L2 prefetch of " + node.label).c_str());
-    if (b.host_visible()) continue;
-    const size_t begin = s.offset / 16 * 16, end = std::min(align_up(s.offset + s.length, 16), b.length() / 16 * 16);
-    if (end > begin) ranges.push_back({b.at(begin), end - begin});
-  }
-  return ranges;
 }
 
 cuda::Dim3 dim3(const Dim3& d) {
@@ -147,13 +131,6 @@ CudaRuntime::~CudaRuntime() {
 }
 
 void CudaRuntime::current() const { context_->make_current(); }
-
-// cp.async.bulk.prefetch (the entry points' prefetch_l2) is Hopper's; an sm_80 build of the kernels has none. Only
-// with $LILY_CUDA_L2_PREFETCH=1: on the H200 it cost 4 % of tg128 (docs/performance.md, 2026-12-05).
-bool CudaRuntime::prefetches_l2() const {
-  const char* opt_in = std::getenv("LILY_CUDA_L2_PREFETCH");
-  return opt_in && std::string(opt_in) == "1" && context_->compute_capability().first >= 9;
-}
 
 std::unique_ptr<DeviceBuffer> CudaRuntime::allocate(size_t length, Memory memory) {
   current();
@@ -303,7 +280,6 @@ std::shared_ptr<RecordedGraph> CudaRuntime::record(std::shared_ptr<const Graph> 
       }
     }
     cuda::KernelLaunch launch = kernels_->prepare(node.kernel, pointers, dim3(node.groups), dim3(node.threads));
-    cuda::KernelSet::set_l2_prefetch(launch, l2_ranges(node, buffers));
     if (!as_graph) {
       r->launches.push_back(std::move(launch));
       continue;

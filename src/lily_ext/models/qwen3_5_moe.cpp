@@ -7,7 +7,6 @@
 #include "../../../metal/lily.h"
 #include "../model.h"
 #include "../ops/ops.h"
-#include "../prefetch.h"
 #include "../tuning.h"
 
 namespace lily {
@@ -276,7 +275,6 @@ struct Forward {
     ctx.staged_gemv = sw.staged_gemv;
     ctx.spread_deltanet_step = sw.spread_deltanet_step && fuse && sw.fused_projections;
     ctx.whole_pack_loads = sw.whole_pack_loads;
-    ctx.l2_prefetch = sw.l2_prefetch;
     ctx.gpu_routing = sw.gpu_routing;
     ctx.in_gemm_dequant = sw.in_gemm_dequant;
     if (p.dequant >= 0) ctx.dequant_scratch = whole(g, p.dequant);
@@ -476,7 +474,6 @@ struct Forward {
 void build_forward(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,
                    const StateBuffers& state, const PassBuffers& pass, const PassInput& in, Graph& g) {
   Forward f(c, precision, sw, w, state, pass, in.position, in.tokens, g);
-  const size_t first = g.nodes.size();
   ops::embedding(f.ctx, in.ids, in.ids_offset, weight(w, "embed_tokens.weight"), f.hidden, in.tokens);
   for (size_t i = 0; i < c.num_layers(); ++i) {
     const std::string pre = layer_prefix(i);
@@ -490,7 +487,6 @@ void build_forward(const ModelConfig& c, Precision precision, const Switches& sw
     f.moe_block(pre);
   }
   if (in.logit_rows) f.logits(in.logit_rows);
-  if (sw.l2_prefetch) plan_l2_prefetch(g, first);
 }
 
 void build_decode_step(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,

@@ -116,7 +116,6 @@ void moe_decode_routed(Context& ctx, const ModelConfig& c, const std::string& la
   MoeRoutedArgs a{};
   a.moe = decode_args(c);
   a.eps = eps;
-  a.prefetch_down = ctx.l2_prefetch ? 1 : 0;
   // gate/up routes on the E router logits; moe_down_combine reads the shared-expert gate logit after them.
   Span logits = sub(s.router, 0, c.num_experts * 4), gate_logit = sub(s.router, c.num_experts * 4, 4);
   Span ids = sub(s.expert_ids, 0, c.top_k * 4), weights = sub(s.expert_weights, 0, c.top_k * 4);
@@ -127,13 +126,6 @@ void moe_decode_routed(Context& ctx, const ModelConfig& c, const std::string& la
   std::vector<Span> reads = {s.x, norm_weight.data, logits};
   for (const Span& w : gate_up_weight_spans(s)) reads.push_back(w);
   const bool stage = staged(ctx, c, s);
-  if (stage) {  // the down rows its threadgroups prefetch into L2 once routed (metal/moe.metal: moe_prefetch_down)
-    for (const Span& w : {s.down->data, s.down->scales, s.down->biases, s.shared_down->data, s.shared_down->scales,
-                          s.shared_down->biases}) {
-      args.push_back(arg(w));
-      reads.push_back(w);
-    }
-  }
   Node& gate_up = add_node(
       ctx,
       stage ? "moe_gate_up_swiglu_routed_staged_" + decode_suffix(ctx, s) +

@@ -34,7 +34,6 @@ struct Context {
   bool staged_gemv = false;   // decode GEMVs stage x in threadgroup memory (STAGED_GEMV, on CUDA: tuning::staged_gemv)
   bool spread_deltanet_step = false;  // a decode token's DeltaNet over many threadgroups (SPREAD_DELTANET_STEP)
   bool whole_pack_loads = false;  // staged kernels load a pack of codes at once where aligned (WHOLE_PACK_LOADS)
-  bool l2_prefetch = false;       // kernels that learn a later dispatch's bytes prefetch them into L2 (L2_PREFETCH)
 };
 
 // Appends a node; traffic defaults to the declared ranges.

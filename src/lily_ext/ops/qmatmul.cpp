@@ -81,7 +81,6 @@ void qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const W
   a.out_features = static_cast<u32>(w.rows);
   a.num_rows = 1;
   a.eps = eps;
-  a.prefetch_blocks = ctx.l2_prefetch ? 1 : 0;
   const bool staged = tuning::staged_gemv(ctx.staged_gemv, w.bits, w.scale_dtype == DType::BF16, w.cols, false);
   std::string name = std::string(staged ? "qmv_norm_staged" : "qmv_norm") + qmv_suffix(w, ctx.act) +
                      (dtype != ctx.act ? "_of32" : "") + (staged ? pack_loads_suffix(ctx, {&w}) : "");

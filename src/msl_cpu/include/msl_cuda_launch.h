@@ -1,21 +1,16 @@
 // CUDA target of the MSL shim: one extern "C" __global__ entry point per kernel instantiation, named by its host
 // name (a GNU asm label), that builds each MSL parameter from its attribute, as the CPU harness does per thread.
 // The launch ABI (docs/cuda.md) is one by-value parameter, msl_cuda_detail::Params: the [[buffer(i)]] pointers
-// (a `constant T&` argument points into a buffer holding the setBytes data), the byte offset of each
-// [[threadgroup(i)]] slice in dynamic shared memory, and the device ranges the entry point asks the GPU to bring into
-// its L2 cache for a later dispatch (prefetch_l2). The host packs the same layout (KernelParams in
+// (a `constant T&` argument points into a buffer holding the setBytes data) and the byte offset of each
+// [[threadgroup(i)]] slice in dynamic shared memory. The host packs the same layout (KernelParams in
 // src/lily_ext/cuda/driver_abi.h).
 
 namespace msl_cuda_detail {
 constexpr int kMaxBuffers = 31;           // Metal's buffer argument table
 constexpr int kMaxThreadgroupSlices = 8;  // [[threadgroup(i)]] parameters
-constexpr int kMaxPrefetchRanges = 8;     // L2 prefetch ranges of one launch
 struct Params {
   void* buffers[kMaxBuffers];
   uint32_t threadgroup_offsets[kMaxThreadgroupSlices];
-  // From index 0 until the first 0 bytes: 16-byte aligned addresses, lengths multiples of 16.
-  uint64_t prefetch_addresses[kMaxPrefetchRanges];
-  uint32_t prefetch_bytes[kMaxPrefetchRanges];
 };
 
 extern __shared__ __attribute__((aligned(16))) char dynamic_threadgroup_memory[];
@@ -132,56 +127,6 @@ template <auto F, const ::msl_rt::ParamAttr* A>
   call<A>(F, p, std::make_index_sequence<param_count(F)>{});
 }
 
-constexpr uint32_t kPrefetchChunk = 8192;
-// One piece: `bytes` (a multiple of 16, at most kPrefetchChunk) from the 16-byte aligned `address`.
-[[clang::always_inline]] inline void prefetch_piece(uint64_t address, uint32_t bytes) {
-#if __CUDA_ARCH__ >= 900  // cp.async.bulk: Hopper on (an sm_80 build prefetches nothing)
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address), "r"(bytes));
-#else
-  (void)address, (void)bytes;
-#endif
-}
-
-// L2 prefetch (Node::prefetch, docs/cuda.md): the launch's ranges, cut into kPrefetchChunk pieces numbered across all
-// of them and dealt over the first simdgroup of every threadgroup (piece j to threadgroup j % groups, so the requests
-// leave from every SM), each one cp.async.bulk.prefetch: the copy engine pulls the bytes into L2 while the kernel
-// runs on, no register waits on it. A hint with no effect on any result (L2 is where every SM's loads meet). Run by
-// every entry point first, before it waits for the dispatches before it: the ranges are weights and state no
-// dispatch of the graph is writing. No division: a lane walks its pieces j = u, u + 32 groups, ... through the ranges.
-[[clang::always_inline]] inline void prefetch_l2(const Params& p) {
-#if __CUDA_ARCH__ >= 900
-  const uint32_t lane = linear_tid();
-  if (p.prefetch_bytes[0] == 0 || lane >= 32) return;
-  const Position g = nctaid(), b = ctaid();
-  const uint64_t groups = uint64_t(g.v[0]) * g.v[1] * g.v[2];
-  const uint64_t group = (uint64_t(b.v[2]) * g.v[1] + b.v[1]) * g.v[0] + b.v[0];
-  uint64_t j = uint64_t(lane) * groups + group;  // this lane's next piece, numbered across the ranges
-  uint64_t first = 0;                            // the number of the current range's first piece
-  for (int r = 0; r < kMaxPrefetchRanges && p.prefetch_bytes[r]; ++r) {
-    const uint32_t bytes = p.prefetch_bytes[r];
-    const uint64_t end = first + (bytes + kPrefetchChunk - 1) / kPrefetchChunk;
-    for (; j < end; j += 32 * groups) {
-      const uint32_t offset = uint32_t(j - first) * kPrefetchChunk;
-      const uint32_t n = bytes - offset < kPrefetchChunk ? bytes - offset : kPrefetchChunk;
-      prefetch_piece(p.prefetch_addresses[r] + offset, n);
-    }
-    first = end;
-  }
-#else
-  (void)p;
-#endif
-}
-
-// One thread's prefetch of `bytes` from `p` into L2, in kPrefetchChunk pieces, for a kernel that learns what a later
-// dispatch reads only as it runs (lily::prefetch_l2 in metal/lily.h): the range shrinks to whole 16-byte units (its
-// start rounded up, its end down), so it never leaves the 16-byte blocks of the bytes asked for.
-[[clang::always_inline]] inline void prefetch_l2_range(const void* p, uint32_t bytes) {
-  const uint64_t begin = (uint64_t(p) + 15) / 16 * 16, end = (uint64_t(p) + bytes) / 16 * 16;
-  for (uint64_t at = begin; at < end; at += kPrefetchChunk) {
-    prefetch_piece(at, end - at < kPrefetchChunk ? uint32_t(end - at) : kPrefetchChunk);
-  }
-}
-
 // Programmatic dependent launch: wait for the dispatches this one depends on (and let the next one start). Run by
 // every entry point before its kernel, and by lily::grid_dependency_wait (metal/lily.h) in the kernels that wait
 // themselves.
@@ -199,10 +144,7 @@ constexpr uint32_t kPrefetchChunk = 8192;
       __asm__(host_name "_msl_params") =                                                                 \
       ::msl_cuda_detail::param_table<attrs>(fn_ptr);                                                    \
   extern "C" __global__ void MSL_CPU_CAT(msl_entry_, __LINE__)(::msl_cuda_detail::Params) __asm__(host_name); \
-  extern "C" __global__ void MSL_CPU_CAT(msl_entry_, __LINE__)(::msl_cuda_detail::Params p) {          \
-    ::msl_cuda_detail::prefetch_l2(p);                                                                  \
-    call;                                                                                               \
-  }                                                                                                     \
+  extern "C" __global__ void MSL_CPU_CAT(msl_entry_, __LINE__)(::msl_cuda_detail::Params p) { call; }   \
   _Pragma("clang force_cuda_host_device begin")
 #define MSL_CPU_CAT2(a, b) a##b
 #define MSL_CPU_CAT(a, b) MSL_CPU_CAT2(a, b)

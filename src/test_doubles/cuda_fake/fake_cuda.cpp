@@ -373,16 +373,6 @@ CUresult run_kernel(const Function& fn, const unsigned grid[3], const unsigned b
   }
   KernelParams p;
   std::memcpy(&p, params_block, sizeof(p));
-  // The L2 prefetch ranges (msl_cuda_launch.h prefetch_l2, up to the first empty one) lie inside device memory: the
-  // harness has no cache to warm, but a range that strays off its allocation is a host bug a GPU would not report.
-  for (int r = 0; r < kMaxPrefetchRanges && p.prefetch_bytes[r]; ++r) {
-    if (!in_device_memory(uintptr_t(p.prefetch_addresses[r]), p.prefetch_bytes[r])) {
-      return fail(CUDA_ERROR_ILLEGAL_ADDRESS, fn.name + ": L2 prefetch range " + std::to_string(r) + " [" +
-                                                  std::to_string(p.prefetch_addresses[r]) + ", +" +
-                                                  std::to_string(p.prefetch_bytes[r]) +
-                                                  ") is not inside one device allocation");
-    }
-  }
   const msl_rt::KernelVariant& v = msl_rt::find_kernel(fn.name)->front();
   std::vector<msl_rt::Binding> bindings;
   std::vector<uint32_t> slices;  // offsets of the declared [[threadgroup(i)]] slices
