@@ -37,20 +37,26 @@ def hf_config(source: str) -> dict:
     return dict(config.get("text_config", config))
 
 
+def writable(array, dtype=None):
+    """``array`` as torch.from_numpy wants it: C-contiguous and writable (a read-only, e.g. mapped, array is copied,
+    one tensor at a time, before its upload)."""
+    return np.require(array, dtype=dtype, requirements=["C", "W"])
+
+
 def dequantized(tensor, torch, device: str, dtype):
     """A Lily weight (QuantizedTensor or float array) as a torch tensor on ``device``: scale * code + bias per group,
     computed in fp32 on the device, rounded once to ``dtype``. lily.quant.dequantize's rule in torch, so that the
     full size's 35 billion weights dequantize on the GPU in seconds rather than in numpy for minutes
     (tests/test_full_size_agreement.py holds the two to the same logits)."""
     if not isinstance(tensor, QuantizedTensor):
-        return torch.from_numpy(np.ascontiguousarray(tensor, dtype=np.float32)).to(device).to(dtype)
-    words = torch.from_numpy(np.ascontiguousarray(tensor.weight).view(np.int32)).to(device)
+        return torch.from_numpy(writable(tensor, np.float32)).to(device).to(dtype)
+    words = torch.from_numpy(writable(tensor.weight).view(np.int32)).to(device)
     per_word = 32 // tensor.bits
     shifts = torch.arange(per_word, device=device, dtype=torch.int32) * tensor.bits
     codes = (words.unsqueeze(-1) >> shifts) & ((1 << tensor.bits) - 1)  # little-endian codes within a word
     codes = codes.reshape(*tensor.weight.shape[:-1], -1, tensor.group_size).float()
-    scales = torch.from_numpy(np.ascontiguousarray(tensor.scales, dtype=np.float32)).to(device).unsqueeze(-1)
-    biases = torch.from_numpy(np.ascontiguousarray(tensor.biases, dtype=np.float32)).to(device).unsqueeze(-1)
+    scales = torch.from_numpy(writable(tensor.scales, np.float32)).to(device).unsqueeze(-1)
+    biases = torch.from_numpy(writable(tensor.biases, np.float32)).to(device).unsqueeze(-1)
     return (codes * scales + biases).reshape(tensor.shape).to(dtype)
 
 
