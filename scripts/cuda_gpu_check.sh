@@ -34,6 +34,10 @@ LILY_KERNEL_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --rootdir "$roo
 tail -3 "$logs/kernel_tests.txt"
 python3 -m lily.selftest --device cuda >"$logs/selftest.txt" 2>&1 || status=1
 tail -2 "$logs/selftest.txt"
-echo "commit $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u '+%Y-%m-%d %H:%M UTC'), " \
-     "$(( $(date +%s) - start )) s in all; logs in $logs"
+# The files' git tree: on the GPU machine the copy's HEAD is the last landed commit while its files may be a later
+# commit's (`git rev-parse COMMIT^{tree}` here names the commit whose files ran).
+tree=$(cd "$root" && index=$(mktemp -u) && GIT_INDEX_FILE=$index git add -A && GIT_INDEX_FILE=$index git write-tree;
+       rm -f "$index")
+echo "files of tree ${tree:-?} (HEAD $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')), " \
+     "$(date -u '+%Y-%m-%d %H:%M UTC'), $(( $(date +%s) - start )) s in all; logs in $logs"
 exit $status

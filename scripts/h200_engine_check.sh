@@ -69,5 +69,10 @@ cpp = statistics.median(backend.host_timing(False)["cpp"]) / 1e3
 print(f"tiny model bf16 decode: {256 / seconds:.0f} tok/s; host per token: submit median {submit:.1f} us, "
       f"engine C++ alone {cpp:.1f} us")
 PY
-echo "commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u '+%Y-%m-%d %H:%M UTC'), total $(( $(date +%s) - start )) s"
+# The files' git tree: on the GPU machine the copy's HEAD is the last landed commit while its files may be a later
+# commit's (`git rev-parse COMMIT^{tree}` here names the commit whose files ran).
+tree=$(cd "$ROOT" && index=$(mktemp -u) && GIT_INDEX_FILE=$index git add -A && GIT_INDEX_FILE=$index git write-tree;
+       rm -f "$index")
+echo "files of tree ${tree:-?} (HEAD $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')), " \
+     "$(date -u '+%Y-%m-%d %H:%M UTC'), total $(( $(date +%s) - start )) s"
 exit $status
