@@ -14,6 +14,12 @@
 //   attention_decode[_partial]_mma_bf16_d<D>  the single pass and split-KV pass 1 on matrix units (MMA_ATTENTION, bf16
 //                                          cache): one threadgroup per the whole GQA group of a KV head (and block):
 //                                          the query heads are the columns of 8x8 simdgroup matrices (at the kernels).
+//   attention_decode[_partial]_prep_mma_bf16_d<D>  the same with attention_prep fused in front (FUSED_ATTENTION_PREP):
+//                                          each threadgroup preps its G query rows (q_norm, RoPE) into threadgroup
+//                                          memory, and the threadgroup whose keys end at num_keys also the new key row
+//                                          and value row into the cache (attention_prep_row: the prep kernel's bits),
+//                                          then attends; the single pass reads its gate from q_and_gate, the partial's
+//                                          block 0 copies it out for the combine. One dispatch fewer per layer.
 //   attention_decode_combine_<dtype>_d<D>  split-KV pass 2: grid (query heads, slices of 32 elements of D): merges
 //                                          the blocks (weights sum_b * exp(max_b - max), kept in threadgroup memory: at
 //                                          most LILY_ATTN_SPLIT_MAX_BLOCKS blocks; the simdgroups split the blocks, a
@@ -52,6 +58,7 @@
 #include <metal_stdlib>
 #include "activations.h"
 #include "attention_mma.h"
+#include "attention_prep.h"
 #include "lily.h"
 
 using namespace metal;
@@ -437,11 +444,11 @@ LILY_INLINE void attn_decode_mma_step(thread const AttnDecodeMmaLoads<D>& loads,
 }
 
 // Attention of the G query heads head0 .. over keys [key_begin, key_end) (not empty) of their KV head on matrix
-// units, for attention_decode_partial_mma and attention_decode_mma: `store` takes each head's normalised output,
-// element by element (output(h, dim, value)), and its softmax max and sum (block_stats(h, max, sum)). Every thread
-// of the threadgroup must call it.
-template <typename T, uint D, uint G, typename Store>
-LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, device const T* q,
+// units, for attention_decode[_partial][_prep]_mma: `q_rows` points at head0's query row (rows of D, device memory or
+// the fused kernels' threadgroup copy), `store` takes each head's normalised output, element by element (output(h,
+// dim, value)), and its softmax max and sum (block_stats(h, max, sum)). Every thread of the threadgroup must call it.
+template <typename T, uint D, uint G, typename QRows, typename Store>
+LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, QRows q_rows,
                                        device const bfloat* k_cache, device const bfloat* v_cache, uint head0,
                                        uint key_begin, uint key_end, threadgroup float* stats_max,
                                        threadgroup float* stats_sum, threadgroup float* merge, thread Store& store,
@@ -453,7 +460,7 @@ LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, devic
   const uint row = attn_mma_row(simd_lane);
   const uint col = attn_mma_col(simd_lane);
 
-  // Q^T: fragment f element (k = row, column h) is q[head0 + h][attn_decode_mma_key_dim(f, row)], scaled (1/sqrt(D):
+  // Q^T: fragment f element (k = row, column h) is q_rows[h][attn_decode_mma_key_dim(f, row)], scaled (1/sqrt(D):
   // a power of two), rounded to bf16 (the MMA operand).
   simdgroup_bfloat8x8 query_t[FRAGS];
   simdgroup_float8x8 acc_t[FRAGS];
@@ -461,7 +468,7 @@ LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, devic
   for (uint f = 0; f < FRAGS; ++f) {
     LILY_UNROLL
     for (uint e = 0; e < 2; ++e) {
-      const float x = col + e < G ? float(q[size_t(head0 + col + e) * D + attn_decode_mma_key_dim(f, row)]) : 0.0f;
+      const float x = col + e < G ? float(q_rows[size_t(col + e) * D + attn_decode_mma_key_dim(f, row)]) : 0.0f;
       query_t[f].thread_elements()[e] = bfloat(x * args.scale);
     }
     acc_t[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -557,16 +564,18 @@ LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, devic
   }
 }
 
-// attention_decode_mma's: the gated output out [Hq, D]; no stats.
+// attention_decode[_prep]_mma's: the gated output out [Hq, D]; no stats. The gate of head h is the D elements at
+// gate + h * gate_stride (D: the gate buffer; 2D: the gate halves of q_and_gate's [query | gate] rows).
 template <typename T, uint D>
 struct AttnDecodeGatedStore {
   device const T* gate;
+  uint gate_stride;
   device T* out;
   uint head0;
 
   LILY_INLINE void output(uint h, uint dim, float value) {
-    const size_t index = size_t(head0 + h) * D + dim;
-    out[index] = T(value * lily::sigmoid(float(gate[index])));
+    const float g = float(gate[size_t(head0 + h) * gate_stride + dim]);
+    out[size_t(head0 + h) * D + dim] = T(value * lily::sigmoid(g));
   }
   LILY_INLINE void block_stats(uint, float, float) {}
 };
@@ -597,9 +606,9 @@ template <typename T, uint D, uint G>
     attn_decode_empty_block<D, G>(store, tid, n_threads);
     return;
   }
-  attn_decode_mma_heads<T, D, G>(args, q, k_cache, v_cache, head0, key_begin, min(args.num_keys, key_begin + span),
-                                 stats_max, stats_sum, merge, store, tid, n_threads, simd_lane, simd_group,
-                                 n_simdgroups);
+  attn_decode_mma_heads<T, D, G>(args, q + size_t(head0) * D, k_cache, v_cache, head0, key_begin,
+                                 min(args.num_keys, key_begin + span), stats_max, stats_sum, merge, store, tid,
+                                 n_threads, simd_lane, simd_group, n_simdgroups);
 }
 
 // The single pass on matrix units: one threadgroup per G heads over all keys, the gate applied as it writes.
@@ -620,9 +629,129 @@ template <typename T, uint D, uint G>
   threadgroup float stats_sum[8 * 8];
   threadgroup float merge[LILY_ATTN_DECODE_MMA_MERGE_FLOATS + 64];
   const uint head0 = group * G;
-  AttnDecodeGatedStore<T, D> store{gate, out, head0};
-  attn_decode_mma_heads<T, D, G>(args, q, k_cache, v_cache, head0, 0, args.num_keys, stats_max, stats_sum, merge,
-                                 store, tid, n_threads, simd_lane, simd_group, n_simdgroups);
+  AttnDecodeGatedStore<T, D> store{gate, D, out, head0};
+  attn_decode_mma_heads<T, D, G>(args, q + size_t(head0) * D, k_cache, v_cache, head0, 0, args.num_keys, stats_max,
+                                 stats_sum, merge, store, tid, n_threads, simd_lane, simd_group, n_simdgroups);
+}
+
+// The prep of the fused kernels (attention_decode[_partial]_prep_mma): the G query rows of heads head0 .. normed and
+// roped into q_rows, rounded to T as attention_prep stores q; with `writes_row`, the new key row normed and roped
+// and the value row into the cache at row prep.first_position of kv_head, rounded to bfloat as attention_prep writes
+// them. Simdgroup s takes rows s, s + n, ... (query rows first, then the key row). Ends with a barrier, after which
+// the threadgroup sees q_rows and the cache row it wrote.
+template <typename T, uint D, uint G>
+LILY_INLINE void attn_decode_prep_rows(constant lily::AttentionPrepArgs& prep, device const T* q_and_gate,
+                                       device const T* k, device const T* v, device const T* q_norm,
+                                       device const T* k_norm, device bfloat* k_cache, device bfloat* v_cache,
+                                       threadgroup T* q_rows, uint head0, uint kv_head, bool writes_row,
+                                       uint simd_lane, uint simd_group, uint n_simdgroups) {
+  constexpr uint CPL = (D / 4 + 31) / 32;
+  const uint rows = writes_row ? G + 1 : G;
+  for (uint r = simd_group; r < rows; r += n_simdgroups) {
+    const bool is_query = r < G;
+    device const T* x = is_query ? q_and_gate + size_t(head0 + r) * (2 * D) : k + size_t(kv_head) * D;
+    const AttnPrepRow<D> row = attention_prep_row<T, D>(x, is_query ? q_norm : k_norm, float(prep.first_position),
+                                                        prep.rotary_dim, prep.rope_theta, prep.eps, simd_lane);
+    if (attn_prep_lane_active<D>(simd_lane)) {
+      const size_t cache_row = (size_t(kv_head) * prep.cache_capacity + prep.first_position) * D;
+      for (uint c = 0; c < CPL; ++c) {
+        const uint e = 4 * (simd_lane + 32 * c);
+        if (is_query) {
+          for (uint j = 0; j < 4; ++j) {
+            q_rows[r * D + e + j] = T(row.chunk[c][j]);
+          }
+        } else {
+          lily::attn_store4(k_cache + cache_row + e, row.chunk[c]);
+          lily::attn_store4(v_cache + cache_row + e, lily::attn_load4(v + size_t(kv_head) * D + e));
+        }
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
+}
+
+// attention_decode_partial_mma with attention_prep fused in front: each threadgroup preps its own G query rows (and,
+// in the block that holds the new key, that key's cache row) instead of reading q from a prep dispatch; block 0's
+// threadgroups also copy their heads' gate rows out of q_and_gate for the combine.
+template <typename T, uint D, uint G>
+[[kernel]] void attention_decode_partial_prep_mma(constant lily::AttentionArgs& args [[buffer(0)]],
+                                                  constant lily::AttentionPrepArgs& prep [[buffer(1)]],
+                                                  device const T* q_and_gate [[buffer(2)]],
+                                                  device const T* k [[buffer(3)]],
+                                                  device const T* v [[buffer(4)]],
+                                                  device const T* q_norm [[buffer(5)]],
+                                                  device const T* k_norm [[buffer(6)]],
+                                                  device T* gate [[buffer(7)]],
+                                                  device bfloat* k_cache [[buffer(8)]],
+                                                  device bfloat* v_cache [[buffer(9)]],
+                                                  device float* partial_out [[buffer(10)]],
+                                                  device float* partial_stats [[buffer(11)]],
+                                                  uint2 group [[threadgroup_position_in_grid]],
+                                                  uint tid [[thread_index_in_threadgroup]],
+                                                  uint2 threads_per_group [[threads_per_threadgroup]],
+                                                  uint simd_lane [[thread_index_in_simdgroup]],
+                                                  uint simd_group [[simdgroup_index_in_threadgroup]],
+                                                  uint n_simdgroups [[simdgroups_per_threadgroup]]) {
+  threadgroup float stats_max[8 * 8];  // [simdgroup][column]
+  threadgroup float stats_sum[8 * 8];
+  threadgroup float merge[LILY_ATTN_DECODE_MMA_MERGE_FLOATS + 64];
+  threadgroup T q_rows[G * D];
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
+  const uint head0 = group.x * G;
+  const uint kv_head = head0 / (args.num_heads / args.num_kv_heads);
+  const uint block = group.y;
+  const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
+  const uint key_begin = block * span;
+  if (block == 0) {
+    for (uint i = tid; i < G * D; i += n_threads) {
+      gate[size_t(head0) * D + i] = q_and_gate[size_t(head0 + i / D) * (2 * D) + D + i % D];  // exact copy
+    }
+  }
+  AttnDecodePartialStore<D> store{partial_out, partial_stats, head0, block, args.num_blocks};
+  if (key_begin >= args.num_keys) {
+    attn_decode_empty_block<D, G>(store, tid, n_threads);
+    return;
+  }
+  const uint key_end = min(args.num_keys, key_begin + span);
+  // The new key (row num_keys - 1 = prep.first_position) lies in the last non-empty block: the one ending at num_keys.
+  attn_decode_prep_rows<T, D, G>(prep, q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, q_rows, head0, kv_head,
+                                 key_end == args.num_keys, simd_lane, simd_group, n_simdgroups);
+  attn_decode_mma_heads<T, D, G>(args, q_rows, k_cache, v_cache, head0, key_begin, key_end,
+                                 stats_max, stats_sum, merge, store, tid, n_threads, simd_lane, simd_group,
+                                 n_simdgroups);
+}
+
+// attention_decode_mma with attention_prep fused in front: each threadgroup preps its G query rows and its KV head's
+// new cache row, then attends over every key; the gate is read from q_and_gate's rows.
+template <typename T, uint D, uint G>
+[[kernel]] void attention_decode_prep_mma(constant lily::AttentionArgs& args [[buffer(0)]],
+                                          constant lily::AttentionPrepArgs& prep [[buffer(1)]],
+                                          device const T* q_and_gate [[buffer(2)]],
+                                          device const T* k [[buffer(3)]],
+                                          device const T* v [[buffer(4)]],
+                                          device const T* q_norm [[buffer(5)]],
+                                          device const T* k_norm [[buffer(6)]],
+                                          device bfloat* k_cache [[buffer(7)]],
+                                          device bfloat* v_cache [[buffer(8)]],
+                                          device T* out [[buffer(9)]],
+                                          uint group [[threadgroup_position_in_grid]],
+                                          uint tid [[thread_index_in_threadgroup]],
+                                          uint n_threads [[threads_per_threadgroup]],
+                                          uint simd_lane [[thread_index_in_simdgroup]],
+                                          uint simd_group [[simdgroup_index_in_threadgroup]],
+                                          uint n_simdgroups [[simdgroups_per_threadgroup]]) {
+  threadgroup float stats_max[8 * 8];  // [simdgroup][column]
+  threadgroup float stats_sum[8 * 8];
+  threadgroup float merge[LILY_ATTN_DECODE_MMA_MERGE_FLOATS + 64];
+  threadgroup T q_rows[G * D];
+  const uint head0 = group * G;
+  const uint kv_head = head0 / (args.num_heads / args.num_kv_heads);
+  attn_decode_prep_rows<T, D, G>(prep, q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, q_rows, head0, kv_head,
+                                 true, simd_lane, simd_group, n_simdgroups);
+  AttnDecodeGatedStore<T, D> store{q_and_gate + D, 2 * D, out, head0};
+  attn_decode_mma_heads<T, D, G>(args, q_rows, k_cache, v_cache, head0, 0, args.num_keys,
+                                 stats_max, stats_sum, merge, store, tid, n_threads, simd_lane, simd_group,
+                                 n_simdgroups);
 }
 
 template <typename T, uint D>
@@ -709,6 +838,10 @@ LILY_INSTANTIATE_KERNEL("attention_decode_mma_bf16_d256", attention_decode_mma, 
                         LILY_ATTN_MMA_HEADS_PER_GROUP)
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_mma_bf16_d256", attention_decode_partial_mma, bfloat, 256,
                         LILY_ATTN_MMA_HEADS_PER_GROUP)
+LILY_INSTANTIATE_KERNEL("attention_decode_prep_mma_bf16_d256", attention_decode_prep_mma, bfloat, 256,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_prep_mma_bf16_d256", attention_decode_partial_prep_mma, bfloat, 256,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP)
 // Demo model and tiny fixtures (head dim 64, GQA group 2 or 4): 2 heads per threadgroup, float32 and bf16 modes.
 LILY_INSTANTIATE_KERNEL("attention_decode_f32_d64", attention_decode, float, float, 64, 2, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_bf16_d64", attention_decode, bfloat, bfloat, 64, 2, true)
@@ -719,6 +852,10 @@ LILY_INSTANTIATE_KERNEL("attention_decode_combine_bf16_d64", attention_decode_co
 LILY_INSTANTIATE_KERNEL("attention_decode_mma_bf16_d64", attention_decode_mma, bfloat, 64,
                         LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_mma_bf16_d64", attention_decode_partial_mma, bfloat, 64,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
+LILY_INSTANTIATE_KERNEL("attention_decode_prep_mma_bf16_d64", attention_decode_prep_mma, bfloat, 64,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
+LILY_INSTANTIATE_KERNEL("attention_decode_partial_prep_mma_bf16_d64", attention_decode_partial_prep_mma, bfloat, 64,
                         LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
 // GQA-packing ablation (LILY_DISABLE_GQA_PACKING): one head per threadgroup; the combine kernels are shared.
 LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_f32_d256", attention_decode, float, float, 256, 1, true)

@@ -16,24 +16,13 @@
 // head (q and gate: 16 KiB in bf16 for the model; the gate copy costs 8 KiB but lets the attention kernels read
 // plain [Hq, D] rows) and 2D per KV head into the cache.
 // Numerics: fp32 throughout (sum of squares, norm, angle, rotation), one rounding per stored element. The angle is
-// formed in fp32 (float(position) * inv_freq), as the reference and the model's training do.
+// formed in fp32 (float(position) * inv_freq), as the reference and the model's training do. The row transform is
+// attention_prep_row (attention_prep.h), which the fused decode attention kernels share.
 #include <metal_stdlib>
+#include "attention_prep.h"
 #include "lily.h"
 
 using namespace metal;
-
-// The rotated value of element e of a normalised row (e < rotary_dim), given the normalised partner element.
-inline float rope_rotate_element(float value, float partner, uint e, uint rotary_dim, float position, float theta) {
-  const uint half_dim = rotary_dim / 2;
-  const uint pair = e < half_dim ? e : e - half_dim;
-  // fp32 like the reference: exponent 2i/R, theta^exponent, reciprocal, times the position.
-  const float inv_freq = 1.0f / precise::pow(theta, float(2 * pair) / float(rotary_dim));
-  const float angle = position * inv_freq;
-  const float c = precise::cos(angle);
-  const float s = precise::sin(angle);
-  // rotate_half: first half gets x*cos - x_partner*sin, second half x*cos + x_partner*sin.
-  return e < half_dim ? value * c - partner * s : value * c + partner * s;
-}
 
 template <typename T, typename C, uint D>
 [[kernel]] void attention_prep(constant lily::AttentionPrepArgs& args [[buffer(0)]],
@@ -50,12 +39,7 @@ template <typename T, typename C, uint D>
                                uint simd_lane [[thread_index_in_simdgroup]],
                                uint simd_group [[simdgroup_index_in_threadgroup]],
                                uint n_simdgroups [[simdgroups_per_threadgroup]]) {
-  // A lane holds CPL chunks of 4 at chunk indices lane + 32*c: consecutive lanes touch consecutive chunks
-  // (coalesced). At D = 64 the row is 16 chunks: lanes 16..31 hold none (they still join the simd_sum with 0).
-  static_assert(D % 128 == 0 || D == 64, "head_dim must be 64 or a multiple of 128 (4 elements x 32 lanes)");
-  constexpr uint CHUNKS = D / 4;
-  constexpr uint CPL = (CHUNKS + 31) / 32;
-  const bool lane_active = simd_lane < CHUNKS;
+  constexpr uint CPL = (D / 4 + 31) / 32;
   const uint heads_per_token = args.num_heads + args.num_kv_heads;
   const uint row = group * n_simdgroups + simd_group;
   if (row >= args.num_tokens * heads_per_token) {
@@ -69,45 +53,16 @@ template <typename T, typename C, uint D>
 
   device const T* x = is_query ? q_and_gate + (size_t(t) * args.num_heads + head) * (2 * D)
                                : k + (size_t(t) * args.num_kv_heads + kv_head) * D;
-  device const T* weight = is_query ? q_norm : k_norm;
-
-  float4 values[CPL];
-  float sum_sq = 0.0f;
-  for (uint c = 0; c < CPL; ++c) {
-    values[c] = lane_active ? lily::attn_load4(x + 4 * (simd_lane + 32 * c)) : float4(0.0f);
-    sum_sq += dot(values[c], values[c]);
-  }
-  const float inv_rms = precise::rsqrt(simd_sum(sum_sq) / float(D) + args.eps);
-
-  const float pos = float(position);
-  const uint rotary_dim = args.rotary_dim;
-  float4 rotated[CPL];
-  for (uint c = 0; c < CPL && lane_active; ++c) {
-    float4 r;  // built whole, then stored: clang 19's NVPTX back end miscompiled rotated[c][j] = ... (docs/cuda.md)
-    for (uint j = 0; j < 4; ++j) {
-      const uint e = 4 * (simd_lane + 32 * c) + j;
-      const float y = values[c][j] * inv_rms * float(weight[e]);
-      if (e < rotary_dim) {
-        // The partner may live in another lane: recompute its normalised value from memory (a cached re-read of
-        // rotary_dim elements) rather than shuffle, which keeps this independent of head_dim and rotary_dim.
-        const uint partner = e < rotary_dim / 2 ? e + rotary_dim / 2 : e - rotary_dim / 2;
-        const float y_partner = float(x[partner]) * inv_rms * float(weight[partner]);
-        r[j] = rope_rotate_element(y, y_partner, e, rotary_dim, pos, args.rope_theta);
-      } else {
-        r[j] = y;
-      }
-    }
-    rotated[c] = r;
-  }
-
-  if (!lane_active) {
+  const AttnPrepRow<D> rotated = attention_prep_row<T, D>(x, is_query ? q_norm : k_norm, float(position),
+                                                          args.rotary_dim, args.rope_theta, args.eps, simd_lane);
+  if (!attn_prep_lane_active<D>(simd_lane)) {
     return;  // nothing left to store, and no collective follows
   }
   if (is_query) {
     const size_t out_row = (size_t(t) * args.num_heads + head) * D;
     for (uint c = 0; c < CPL; ++c) {
       const uint e = 4 * (simd_lane + 32 * c);
-      lily::attn_store4(q_out + out_row + e, rotated[c]);
+      lily::attn_store4(q_out + out_row + e, rotated.chunk[c]);
       *((device vec<T, 4>*)(gate_out + out_row + e)) = *((device const vec<T, 4>*)(x + D + e));  // exact copy
     }
   } else {
@@ -115,7 +70,7 @@ template <typename T, typename C, uint D>
     device const T* v_row = v + (size_t(t) * args.num_kv_heads + kv_head) * D;
     for (uint c = 0; c < CPL; ++c) {
       const uint e = 4 * (simd_lane + 32 * c);
-      lily::attn_store4(k_cache + cache_row + e, rotated[c]);
+      lily::attn_store4(k_cache + cache_row + e, rotated.chunk[c]);
       lily::attn_store4(v_cache + cache_row + e, lily::attn_load4(v_row + e));
     }
   }

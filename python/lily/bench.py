@@ -382,9 +382,11 @@ def host_cost(*, tokens: int = 256, precision: str = "bfloat16", warmup: int = 1
         raise ValueError("--host-only needs the Linux Metal test runtime (kernels are stubbed in its fake Metal), "
                          f"which only a test build links: {TEST_BUILD_INSTALL}")
     args = full_size_args()
+    # Kernels run while the engine loads: its simdgroup_matrix layout probe passes as on an Apple GPU, so the step is
+    # the one a Mac runs (attention on matrix units); every dispatch after that is stubbed.
+    backend = MetalBackend.synthetic(args, precision=precision, max_context=warmup + tokens + 8)
     stubs.set_kernel_execution(False)
     try:
-        backend = MetalBackend.synthetic(args, precision=precision, max_context=warmup + tokens + 8)
         model = Model(backend, args, None, backend_name="metal", fingerprint="synthetic")
 
         def decode(timing: str) -> tuple[list[int], list[int]]:

@@ -67,6 +67,9 @@ struct Switches {
   bool whole_pack_loads = true;    // WHOLE_PACK_LOADS: off = the staged kernels (STAGED_GEMV: CUDA) read codes a word
                                    // at a time; on, a pack of 4 words as one 16-byte load where the codes lie on 16
                                    // bytes (tuning::whole_pack_loads)
+  bool fused_attention_prep = true;  // FUSED_ATTENTION_PREP: off = decode attention on matrix units (MMA_ATTENTION,
+                                     // bf16) runs after its own attention_prep dispatch; on, each attention
+                                     // threadgroup preps its rows itself (attention_decode[_partial]_prep_mma)
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
   size_t kv_growth_block() const;

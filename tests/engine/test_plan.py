@@ -32,11 +32,13 @@ def small_full_shape_args(layers: int = 4) -> ModelArgs:
     return ModelArgs.from_dict(config)
 
 
-def expected_dispatches(args: ModelArgs, *, fused: bool, split: bool = False, fusion: bool = True) -> int:
+def expected_dispatches(args: ModelArgs, *, fused: bool, split: bool = False, fusion: bool = True,
+                        prep_in_attention: bool = False) -> int:
     """Dispatches of one decode token, counted from the model's structure (one kernel chain per layer kind).
 
     ``fused``: projections sharing an input as one GEMV; ``fusion``: norms folded into the GEMVs after them, the
-    residual add into the out/o projection, routing into the experts' gate/up kernel.
+    residual add into the out/o projection, routing into the experts' gate/up kernel; ``prep_in_attention``: no
+    attention_prep dispatch (FUSED_ATTENTION_PREP: bf16 decode attention on matrix units preps its own rows).
     """
     attention = sum(t == "full_attention" for t in args.layer_types)
     deltanet = args.num_hidden_layers - attention
@@ -44,7 +46,8 @@ def expected_dispatches(args: ModelArgs, *, fused: bool, split: bool = False, fu
     route = 0 if fusion else 1
     moe = norm + (1 if fused else 2) + route + 2  # post norm, router GEMV(s), route, gate/up, down+combine
     per_deltanet = norm + (1 if fused else 4) + 1 + 1 + moe  # input norm, in_proj(s), deltanet step, out_proj
-    per_attention = norm + (1 if fused else 3) + 1 + (2 if split else 1) + 1 + moe  # qkv, prep, attention, o_proj
+    prep = 0 if prep_in_attention else 1
+    per_attention = norm + (1 if fused else 3) + prep + (2 if split else 1) + 1 + moe  # qkv, prep, attention, o_proj
     return deltanet * per_deltanet + attention * per_attention + 1 + norm + 1 + 2  # embed, norm, lm_head, argmax x2
 
 
@@ -94,19 +97,26 @@ def test_full_size_bytes_within_five_percent_of_the_minimum(context, switches):
 def test_full_size_dispatch_counts_follow_the_layer_structure():
     args = lily_plan.full_size_args()
     # Below LILY_ATTN_SPLIT_MIN_KEYS (256) keys the attention runs single pass.
+    # bf16 on matrix units: attention preps its own rows (FUSED_ATTENTION_PREP); off, attention_prep runs first.
     fused = lily_plan.plan_decode(args, context=200)
     unfused = lily_plan.plan_decode(args, context=200, switches={"fused_projections": False})
-    assert fused["dispatches"] == expected_dispatches(args, fused=True)
-    assert unfused["dispatches"] == expected_dispatches(args, fused=False)
+    assert fused["dispatches"] == expected_dispatches(args, fused=True, prep_in_attention=True)
+    assert unfused["dispatches"] == expected_dispatches(args, fused=False, prep_in_attention=True)
     no_fusion = lily_plan.plan_decode(args, context=200, switches={"fusion": False})
-    assert no_fusion["dispatches"] == expected_dispatches(args, fused=True, fusion=False)
+    assert no_fusion["dispatches"] == expected_dispatches(args, fused=True, fusion=False, prep_in_attention=True)
+    prep_apart = lily_plan.plan_decode(args, context=200, switches={"fused_attention_prep": False})
+    assert prep_apart["dispatches"] == expected_dispatches(args, fused=True)
+    assert fused["dispatches_by_kernel"]["attention_decode_prep_mma_bf16_d256"] == 10
+    assert prep_apart["dispatches_by_kernel"]["attention_prep_bf16_d256"] == 10
+    assert "attention_prep_bf16_d256" not in fused["dispatches_by_kernel"]
     # From there on as partials (on matrix units; on the vector kernel with MMA_ATTENTION off) + combine (32 blocks at
     # 4K keys, 64 at 40K), unless split-KV is off.
     for context in (4096, 40000):
         split = lily_plan.plan_decode(args, context=context)
-        assert split["dispatches"] == expected_dispatches(args, fused=True, split=True)
-        assert split["dispatches_by_kernel"]["attention_decode_partial_mma_bf16_d256"] == 10
+        assert split["dispatches"] == expected_dispatches(args, fused=True, split=True, prep_in_attention=True)
+        assert split["dispatches_by_kernel"]["attention_decode_partial_prep_mma_bf16_d256"] == 10
         vector = lily_plan.plan_decode(args, context=context, switches={"mma_attention": False})
+        assert vector["dispatches"] == expected_dispatches(args, fused=True, split=True)
         assert vector["dispatches_by_kernel"]["attention_decode_partial_bf16_d256"] == 10
     assert lily_plan.plan_decode(args, context=4096, switches={"split_kv": False})["dispatches"] == fused["dispatches"]
     # Fusing projections removes dispatches, never stages: the separate GEMVs share one stage.
@@ -235,11 +245,12 @@ def test_cli_plan_json_and_table(capsys, monkeypatch):
     assert cli_main(["plan", "--full-size", "--context", "4096", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     # 4096 keys (and the default context, 4096): split-KV attention, partials + combine.
-    assert plan["dispatches"] == expected_dispatches(lily_plan.full_size_args(), fused=True, split=True)
+    assert plan["dispatches"] == expected_dispatches(lily_plan.full_size_args(), fused=True, split=True,
+                                                     prep_in_attention=True)
     monkeypatch.setenv("LILY_DISABLE_FUSED_PROJECTIONS", "1")
     assert cli_main(["plan", "--full-size"]) == 0
     table = capsys.readouterr().out
-    unfused = expected_dispatches(lily_plan.full_size_args(), fused=False, split=True)
+    unfused = expected_dispatches(lily_plan.full_size_args(), fused=False, split=True, prep_in_attention=True)
     assert "dispatches per token" in table and str(unfused) in table
     # Memory held: every weight of the model (all 256 experts, embedding and lm_head), and a KV cache of 10 layers x
     # K and V x 2 heads x 256 x bf16 per token of context.

@@ -1,8 +1,9 @@
 """metal/attention.metal (decode attention): every case of lily.kernel_cases.attention (single pass and split-KV at
 contexts around simdgroup and block boundaries, GQA 1 to 8, head dims 256 and 64, the unpacked and plain ablations,
 large scores), then what the cases do not cover: paths that must agree with each other (split vs single pass,
-unpacked vs packed, plain vs coalesced) and the bits independent of the fiber schedule. Also the helpers
-test_attention_prefill.py shares (kernel names, the f32 sums tolerance).
+unpacked vs packed, plain vs coalesced, the fused prep vs attention_prep and the unfused kernels) and the bits
+independent of the fiber schedule. Also the helpers test_attention_prefill.py shares (kernel names, the f32 sums
+tolerance).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import numpy as np
 import pytest
 from cases import check, op_cases
 
-from lily.kernel_cases.attention import CACHE_DTYPE, F32_SUMS, DecodeInputs, attention_args, run_single, run_split
-from lily.kernel_cases.common import Run
+from lily.kernel_cases.attention import (CACHE_DTYPE, F32_SUMS, DecodeInputs, PrepDecodeInputs, attention_args,
+                                         run_prep_fused, run_single, run_split)
+from lily.kernel_cases.attention_prep import attention_prep_args
+from lily.kernel_cases.common import Run, poisoned
 
 __all__ = ["CACHE_DTYPE", "attention_args"]  # shared with test_attention_prefill.py
 
@@ -105,3 +108,35 @@ def test_attention_decode_plain_matches_coalesced(kio, kernel_device) -> None:
     assert_close(kio, plain_parts, coalesced_parts, "f32", "plain partials")
     assert_close(kio, plain_stats, coalesced_stats, "f32", "plain stats")
     assert_close(kio, plain_split, inputs.expected(), "f32", "plain split vs reference")
+
+
+@pytest.mark.parametrize("head_dim,heads,keys,blocks,rotary_dim", [
+    (256, 16, 45, 0, 64), (256, 32, 100, 0, 64), (256, 16, 1, 2, 64), (256, 16, 300, 4, 64), (256, 32, 47, 3, 64),
+    (64, 4, 45, 0, 16), (64, 8, 33, 2, 32)])
+def test_attention_decode_prep_fused_gives_the_unfused_bits(head_dim, heads, keys, blocks, rotary_dim,
+                                                            kernel_device) -> None:
+    """FUSED_ATTENTION_PREP changes where the prep runs, not its arithmetic (one attention_prep_row, one rounding to
+    bf16 of q and of the cache row) nor the attention's: the fused kernel's output, cache rows, gate copy, partials
+    and stats are the bits of attention_prep followed by attention_decode[_partial]_mma (and the combine)."""
+    run = Run(kernel_device, np.random.default_rng(61 + keys))
+    fused = PrepDecodeInputs.random(run.rng, heads, 2, keys, head_dim, rotary_dim)
+    unfused_k, unfused_v = fused.k_cache.copy(), fused.v_cache.copy()
+    kind = "partial_" if blocks else ""
+    out, gate, parts, stats = run_prep_fused(run, f"attention_decode_{kind}prep_mma_bf16_d{head_dim}", fused, blocks, 8)
+
+    p = fused.prepped
+    q, unfused_gate = poisoned((heads, head_dim), "bf16"), poisoned((heads, head_dim), "bf16")
+    rows = heads + 2
+    run.dispatch(f"attention_prep_bf16_d{head_dim}",
+                 [attention_prep_args(1, heads, 2, keys - 1, p.capacity, rotary_dim), *fused.prep_inputs(), q,
+                  unfused_gate, unfused_k, unfused_v], -(-rows // 8), 256)
+    unfused = DecodeInputs("bf16", heads, 2, keys, head_dim, q, unfused_gate, unfused_k, unfused_v)
+    assert np.array_equal(fused.k_cache, unfused_k) and np.array_equal(fused.v_cache, unfused_v)
+    if blocks == 0:
+        want = run_single(run, f"attention_decode_mma_bf16_d{head_dim}", unfused, 8)
+        assert np.array_equal(out, want)
+        return
+    want_parts, want_stats, want = run_split(run, f"attention_decode_partial_mma_bf16_d{head_dim}", unfused, blocks, 8)
+    assert np.array_equal(gate, unfused_gate)
+    assert np.array_equal(parts.astype(np.float64), want_parts) and np.array_equal(stats.astype(np.float64), want_stats)
+    assert np.array_equal(out, want)

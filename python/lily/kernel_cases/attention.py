@@ -15,6 +15,14 @@ matrix-unit kernels (attention_decode_mma, attention_decode_partial_mma: the who
 move by one bf16 rounding of the weighted |v| (their P·V operands are bf16). Outputs
 and partials start NaN-poisoned; the cache has spare rows past the context holding NaN, so reading a key past the
 context is caught.
+
+The kernels with attention_prep fused in front (attention_decode[_partial]_prep_mma: FUSED_ATTENTION_PREP) start from
+q_proj's [query | gate] rows, k and v: the new key's cache row starts NaN, must come out as the reference's roped key
+(v rounded once) in every layout, including one where two threadgroups of a KV head both write it, and no other cache
+row may change. Their output (the split pair's after the combine) is compared with the reference's attention of the
+reference's prepped q (the mma allowance covers q elements whose fp32 and fp64 values round to neighbouring bf16
+values); the split kernel's gate copy must be exact. tests/kernels/test_attention.py also checks that they give the
+bits of attention_prep followed by the unfused kernels.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from lily import reference
 from lily.kernel_cases.common import TOLERANCES, Case, Run, Tolerance, dtype_of, poisoned, round_to, to_device, to_f64
 
 PATTERN = re.compile(r"attention_decode_(unpacked_|plain_|mma_|partial_|partial_unpacked_|partial_plain_|partial_mma_|"
-                     r"combine_)?"
+                     r"prep_mma_|partial_prep_mma_|combine_)?"
                      r"(f32|f16|bf16)_d(256|64)")
 # Query heads per threadgroup of the packed kernels by head dim (LILY_ATTN_HEADS_PER_GROUP, ..._D64); the
 # *_unpacked_* kernels (the GQA-packing ablation) take one; the *_plain_* ones (coalesced-KV ablation) pack like the
@@ -83,6 +91,20 @@ SPLIT_SHAPES = {
                    (16, 2, 100, 2, 3), (32, 2, 47, 3, 4), (16, 2, 1025, 8, 4), (16, 2, 4096, 32, 4)],
     # Head dim 64 packs 2 heads (the demo model's ratio; the gqa4 fixture's 4 gives two threadgroups per KV head).
     ("mma", 64): [(4, 2, 45, 3, 4), (8, 2, 33, 2, 2), (4, 2, 5, 8, 8), (2, 1, 17, 4, 1)],
+}
+# The fused kernels (attention_decode[_partial]_prep_mma): (heads, kv_heads, keys, blocks (0: the single pass),
+# simdgroups, rotary_dim). At head dim 256: the engine's 8 simdgroups (9 prep rows: one simdgroup takes two), the first
+# token (no earlier row; its block 1 empty when split), one simdgroup taking every prep row, 32 heads of 2 KV heads
+# (two threadgroups per KV head, both writing the new row), rotary over the whole head, empty trailing blocks, the
+# engine's 32 blocks at 4096 keys. At 64: the demo model (rotary 16), the gqa4 fixture (rotary 32, two threadgroups per
+# KV head), rotary 64.
+PREP_SHAPES = {
+    256: [(16, 2, 45, 0, 8, 64), (16, 2, 1, 0, 8, 64), (16, 2, 33, 0, 1, 64), (32, 2, 100, 0, 3, 64),
+          (8, 1, 20, 0, 4, 256),
+          (16, 2, 45, 3, 8, 64), (16, 2, 1, 2, 8, 64), (16, 2, 3, 8, 2, 64), (32, 2, 47, 3, 4, 64),
+          (16, 2, 65, 4, 1, 64), (16, 2, 4096, 32, 8, 64)],
+    64: [(4, 2, 45, 0, 8, 16), (8, 2, 17, 0, 2, 32), (2, 1, 70, 0, 4, 64),
+         (4, 2, 45, 3, 4, 16), (8, 2, 33, 2, 2, 32), (4, 2, 5, 8, 8, 16)],
 }
 
 
@@ -262,9 +284,109 @@ def _combine(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, blocks
     run.compare("out", to_f64(out, dtype), inputs.expected(), tolerance(dtype))
 
 
+@dataclass
+class PrepDecodeInputs:
+    """Random q_proj rows ([query | gate] per head), k, v, norms and a cache for one decode step with the prep fused:
+    rows 0 .. keys - 2 random, the new key's row (keys - 1) and the spare rows NaN; `prepped` is the reference's
+    result as DecodeInputs (q, gate, and the cache with the new row, each rounded once as the prep stores them)."""
+
+    q_and_gate: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+    rotary_dim: int
+    prepped: DecodeInputs
+
+    @classmethod
+    def random(cls, rng: np.random.Generator, heads: int, kv_heads: int, keys: int, head_dim: int,
+               rotary_dim: int) -> PrepDecodeInputs:
+        from lily.kernel_cases.attention_prep import EPS, THETA
+
+        dtype = cache_dtype = "bf16"
+        position = keys - 1
+        q_and_gate = to_device(rng.standard_normal((heads, 2 * head_dim)) * 2.0, dtype)
+        k = to_device(rng.standard_normal((kv_heads, head_dim)) * 2.0, dtype)
+        v = to_device(rng.standard_normal((kv_heads, head_dim)), dtype)
+        q_norm = to_device(1.0 + 0.3 * rng.standard_normal(head_dim), dtype)
+        k_norm = to_device(1.0 + 0.3 * rng.standard_normal(head_dim), dtype)
+        k_cache = kv_cache(rng, cache_dtype, kv_heads, position, keys + 3, head_dim)
+        v_cache = kv_cache(rng, cache_dtype, kv_heads, position, keys + 3, head_dim)
+        q, gate, k_new = reference.attention_prep(to_f64(q_and_gate, dtype)[None], to_f64(k, dtype)[None],
+                                                  to_f64(q_norm, dtype), to_f64(k_norm, dtype), np.array([position]),
+                                                  rotary_dim, THETA, EPS)
+        k_with_row, v_with_row = k_cache.copy(), v_cache.copy()
+        k_with_row[:, position] = to_device(k_new[0], cache_dtype)
+        v_with_row[:, position] = to_device(to_f64(v, dtype), cache_dtype)
+        prepped = DecodeInputs(dtype, heads, kv_heads, keys, head_dim, to_device(q[0], dtype),
+                               to_device(gate[0], dtype), k_with_row, v_with_row)
+        return cls(q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, rotary_dim, prepped)
+
+    def prep_args(self) -> bytes:
+        from lily.kernel_cases.attention_prep import attention_prep_args
+
+        p = self.prepped
+        return attention_prep_args(1, p.heads, p.kv_heads, p.keys - 1, p.capacity, self.rotary_dim)
+
+    def prep_inputs(self) -> list:
+        """The fused kernels' buffers 2 .. 6: q_and_gate, k, v, q_norm, k_norm."""
+        return [self.q_and_gate, self.k, self.v, self.q_norm, self.k_norm]
+
+
+def run_prep_fused(run: Run, kernel: str, inputs: PrepDecodeInputs, blocks: int, simdgroups: int):
+    """The fused `kernel` (then, split, its head dim's combine) on `inputs`, whose caches it writes in place.
+    (output, gate copy or None, partials or None, stats or None) as float64, partials and stats as float32 arrays."""
+    p = inputs.prepped
+    groups = p.heads // attention_layout(kernel)[1]
+    out = poisoned((p.heads, p.head_dim), p.dtype)
+    if blocks == 0:
+        run.dispatch(kernel, [p.args(), inputs.prep_args(), *inputs.prep_inputs(), inputs.k_cache, inputs.v_cache,
+                              out], groups, 32 * simdgroups)
+        return to_f64(out, p.dtype), None, None, None
+    gate = poisoned((p.heads, p.head_dim), p.dtype)
+    partial_out = np.full((p.heads, blocks, p.head_dim), np.nan, np.float32)
+    partial_stats = np.full((p.heads, blocks, 2), np.nan, np.float32)
+    run.dispatch(kernel, [p.args(blocks), inputs.prep_args(), *inputs.prep_inputs(), gate, inputs.k_cache,
+                          inputs.v_cache, partial_out, partial_stats], (groups, blocks, 1), 32 * simdgroups)
+    run.dispatch(f"attention_decode_combine_{p.dtype}_d{p.head_dim}",
+                 [p.args(blocks), gate, partial_out, partial_stats, out],
+                 (p.heads, -(-p.head_dim // COMBINE_SLICE), 1), COMBINE_THREADS)
+    return to_f64(out, p.dtype), gate, partial_out, partial_stats
+
+
+def _prep_fused(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, blocks: int, simdgroups: int,
+                rotary_dim: int) -> None:
+    """The output against the reference's attention of the reference's prep; the new cache row against the
+    reference's roped key (v exact); every other cache row unchanged; the split kernel's gate copy exact."""
+    head_dim = attention_layout(kernel)[0]
+    inputs = PrepDecodeInputs.random(run.rng, heads, kv_heads, keys, head_dim, rotary_dim)
+    p, position = inputs.prepped, keys - 1
+    k_before, v_before = inputs.k_cache.copy(), inputs.v_cache.copy()
+    out, gate, _, _ = run_prep_fused(run, kernel, inputs, blocks, simdgroups)
+    run.compare("out", out, p.expected(), tolerance(p.dtype), weight_rounding_allowance(p))
+    if gate is not None:
+        run.compare_exact("gate (copied)", gate, p.gate)
+    run.compare("k cache, new row", to_f64(inputs.k_cache[:, position], "bf16"), to_f64(p.k_cache[:, position], "bf16"),
+                "bf16")
+    run.compare_exact("v cache, new row (one rounding)", inputs.v_cache[:, position], p.v_cache[:, position])
+    others = np.arange(p.capacity) != position
+    run.compare_exact("k cache, other rows", inputs.k_cache[:, others], k_before[:, others])
+    run.compare_exact("v cache, other rows", inputs.v_cache[:, others], v_before[:, others])
+
+
 def cases(kernel: str) -> list[Case]:
     """Every case of one decode attention kernel; the first is the self-test's."""
     head_dim, _, heads = attention_layout(kernel)
+    if "_prep_mma_" in kernel:
+        split = "_partial_" in kernel
+        shapes = [s for s in PREP_SHAPES[head_dim] if (s[3] > 0) == split]
+        return [Case(kernel, f"Hq={h} Hkv={kv} S={s}" + (f" blocks={b}" if split else "") +
+                     f" simdgroups={sg} R={r} D={head_dim}",
+                     partial(_prep_fused, kernel=kernel, heads=h, kv_heads=kv, keys=s, blocks=b, simdgroups=sg,
+                             rotary_dim=r), quick=i == 0)
+                for i, (h, kv, s, b, sg, r) in enumerate(shapes)]
     if "_combine_" in kernel:
         # 45 keys in 3 blocks; 66 keys in 64 blocks (LILY_ATTN_SPLIT_MAX_BLOCKS; span 2: blocks 33.. empty: 8 loads
         # in flight per lane with the engine's 8 simdgroups), block counts below one batch of 8 per simdgroup (7, 17)

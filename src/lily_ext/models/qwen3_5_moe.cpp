@@ -283,6 +283,7 @@ struct Forward {
     if (p.gdn_chunks >= 0) ctx.gdn_chunks = whole(g, p.gdn_chunks);
     ctx.tensor_ops = sw.tensor_ops;
     ctx.mma_attention = sw.mma_attention;
+    ctx.fused_attention_prep = sw.fused_attention_prep;
   }
 
   // The pass's T rows of `buffer`, `row_bytes` each.

@@ -1,5 +1,6 @@
-// attention_decode* (metal/attention.metal): one decode token, after attention_prep (attention_prep.cpp); and the
-// family's choice by token count (more tokens: attention_prefill.cpp).
+// attention_decode* (metal/attention.metal): one decode token, after attention_prep (attention_prep.cpp) or with it
+// fused in (FUSED_ATTENTION_PREP); and the family's choice by token count (more tokens: attention_prefill.cpp).
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 
@@ -107,7 +108,6 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
                       size_t position, size_t split_blocks) {
   const size_t D = c.head_dim, keys = position + 1;
   const std::string dt = dtype_name(ctx.act), suffix = "_d" + std::to_string(D);
-  std::vector<Span> reads = attention_prep(ctx, c, label, s, position, 1);
   AttentionArgs a = attention_args(c, s, 1, keys);
   // GQA packing off (the ablation) or a head ratio it cannot split: the *_unpacked_* kernels, one query head per
   // threadgroup.
@@ -123,6 +123,50 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   const std::string family = mma ? "mma_" : variant;
   const size_t groups = mma ? c.num_heads / mma_heads : packs;
   const size_t threads = mma ? tuning::kAttentionDecodeMmaThreads : tuning::kAttentionDecodeThreads;
+  if (split_blocks > tuning::kAttentionSplitMaxBlocks) {
+    throw Error("[attention_decode] " + std::to_string(split_blocks) +
+                " split-KV blocks; the combine kernel takes up to " + std::to_string(tuning::kAttentionSplitMaxBlocks));
+  }
+  a.num_blocks = static_cast<u32>(split_blocks);
+  // The combine, after the split pass (the partial kernel derives its block span from num_keys, patched per
+  // position, and num_blocks, fixed for the program: the nodes stay valid for every position with this block count).
+  Span partial_out = sub(s.partial_out, 0, c.num_heads * split_blocks * D * 4);
+  Span partial_stats = sub(s.partial_stats, 0, c.num_heads * split_blocks * 2 * 4);
+  auto combine = [&] {
+    add_node(ctx, "attention_decode_combine_" + dt + suffix, label + " combine",
+             {arg_value(a), arg(s.gate), arg(partial_out), arg(partial_stats), arg(s.out)},
+             {c.num_heads, (D + tuning::kAttentionCombineSlice - 1) / tuning::kAttentionCombineSlice, 1},
+             {tuning::kAttentionCombineThreads, 1, 1}, {s.gate, partial_out, partial_stats}, {s.out})
+        .per_position.push_back(num_keys);
+  };
+  if (mma && ctx.fused_attention_prep) {
+    // FUSED_ATTENTION_PREP: no attention_prep node; each threadgroup preps its own query rows and the new cache row.
+    const AttentionPrepSpans cache = attention_prep_spans(c, ctx.act, s, position, 1);
+    std::vector<Span> reads = {s.q_and_gate, s.k, s.v, s.q_norm->data, s.k_norm->data};
+    reads.insert(reads.end(), cache.prefix.begin(), cache.prefix.end());
+    std::vector<NodeArg> args = {arg_value(a), arg_value(attention_prep_args(c, s, position, 1)), arg(s.q_and_gate),
+                                 arg(s.k), arg(s.v), arg(s.q_norm->data), arg(s.k_norm->data)};
+    std::vector<NodeArg> outputs;  // the kernel's remaining buffers, in its order
+    std::vector<Span> writes;
+    if (split_blocks) {
+      outputs = {arg(s.gate), arg(s.k_cache), arg(s.v_cache), arg(partial_out), arg(partial_stats)};
+      writes = {s.gate, partial_out, partial_stats};
+    } else {
+      outputs = {arg(s.k_cache), arg(s.v_cache), arg(s.out)};
+      writes = {s.out};
+    }
+    args.insert(args.end(), outputs.begin(), outputs.end());
+    writes.insert(writes.end(), cache.new_rows.begin(), cache.new_rows.end());
+    const std::string kind = split_blocks ? "partial_" : "";
+    Node& node = add_node(ctx, "attention_decode_" + kind + "prep_mma_" + dt + suffix,
+                          label + (split_blocks ? " partial" : ""), std::move(args),
+                          {groups, std::max<size_t>(split_blocks, 1), 1}, {threads, 1, 1}, reads, writes);
+    node.per_position.push_back(num_keys);
+    node.per_position.push_back({1, offsetof(AttentionPrepArgs, first_position), 0});
+    if (split_blocks) combine();
+    return;
+  }
+  std::vector<Span> reads = attention_prep(ctx, c, label, s, position, 1);
   if (split_blocks == 0) {
     add_node(ctx, "attention_decode_" + family + dt + suffix, label,
              {arg_value(a), arg(s.q), arg(s.gate), arg(s.k_cache), arg(s.v_cache), arg(s.out)}, {groups, 1, 1},
@@ -130,25 +174,12 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
         .per_position.push_back(num_keys);
     return;
   }
-  // The partial kernel derives its block span from num_keys (patched per position) and num_blocks (fixed for the
-  // program), so the nodes stay valid for every position with this block count.
-  if (split_blocks > tuning::kAttentionSplitMaxBlocks) {
-    throw Error("[attention_decode] " + std::to_string(split_blocks) +
-                " split-KV blocks; the combine kernel takes up to " + std::to_string(tuning::kAttentionSplitMaxBlocks));
-  }
-  a.num_blocks = static_cast<u32>(split_blocks);
-  Span partial_out = sub(s.partial_out, 0, c.num_heads * a.num_blocks * D * 4);
-  Span partial_stats = sub(s.partial_stats, 0, c.num_heads * a.num_blocks * 2 * 4);
   reads.erase(reads.begin() + 1);  // the partial pass does not read the gate
   add_node(ctx, "attention_decode_partial_" + family + dt + suffix, label + " partial",
            {arg_value(a), arg(s.q), arg(s.k_cache), arg(s.v_cache), arg(partial_out), arg(partial_stats)},
            {groups, a.num_blocks, 1}, {threads, 1, 1}, reads, {partial_out, partial_stats})
       .per_position.push_back(num_keys);
-  add_node(ctx, "attention_decode_combine_" + dt + suffix, label + " combine",
-           {arg_value(a), arg(s.gate), arg(partial_out), arg(partial_stats), arg(s.out)},
-           {c.num_heads, (D + tuning::kAttentionCombineSlice - 1) / tuning::kAttentionCombineSlice, 1},
-           {tuning::kAttentionCombineThreads, 1, 1}, {s.gate, partial_out, partial_stats}, {s.out})
-      .per_position.push_back(num_keys);
+  combine();
 }
 
 }  // namespace lily::ops

@@ -9,6 +9,7 @@
 
 namespace lily {
 struct AttentionArgs;   // metal/lily.h
+struct AttentionPrepArgs;  // metal/lily.h
 struct GatedDeltaArgs;  // metal/lily.h
 }  // namespace lily
 
@@ -34,6 +35,7 @@ struct Context {
   bool staged_gemv = false;   // decode GEMVs stage x in threadgroup memory (STAGED_GEMV, on CUDA: tuning::staged_gemv)
   bool spread_deltanet_step = false;  // a decode token's DeltaNet over many threadgroups (SPREAD_DELTANET_STEP)
   bool whole_pack_loads = false;  // staged kernels load a pack of codes at once where aligned (WHOLE_PACK_LOADS)
+  bool fused_attention_prep = true;  // decode attention on matrix units preps its own rows (FUSED_ATTENTION_PREP)
 };
 
 // Appends a node; traffic defaults to the declared ranges.
@@ -134,7 +136,8 @@ struct AttentionSpans {
   size_t capacity;
 };
 // attention over the cache for T tokens at positions position .. position + T - 1 (attention_prep writes their K/V
-// rows first): one token runs attention_decode (split_blocks: 0 = the single-pass kernel, else the split-KV pair over
+// rows first, or, for one token on matrix units with FUSED_ATTENTION_PREP, the attention kernel): one token runs
+// attention_decode (split_blocks: 0 = the single-pass kernel, else the split-KV pair over
 // that many key blocks, attention_split_blocks), more run attention_prefill.
 void attention(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
                size_t position, size_t tokens, size_t split_blocks);
@@ -159,6 +162,16 @@ size_t attention_mma_heads_per_group(const ModelConfig& config);
 // returns the spans the attention kernels then read: q, gate and the K/V cache prefix of every KV head.
 std::vector<Span> attention_prep(Context& ctx, const ModelConfig& config, const std::string& label,
                                  const AttentionSpans& s, size_t position, size_t tokens);
+// Its arguments, which the decode kernels with the prep fused take too; and the cache rows of every KV head (K and V)
+// the prep writes (`new_rows`: position .. position + tokens - 1) and the attention then reads (`prefix`: 0 .. the
+// last new row).
+AttentionPrepArgs attention_prep_args(const ModelConfig& config, const AttentionSpans& s, size_t position,
+                                      size_t tokens);
+struct AttentionPrepSpans {
+  std::vector<Span> new_rows, prefix;
+};
+AttentionPrepSpans attention_prep_spans(const ModelConfig& config, DType act, const AttentionSpans& s,
+                                        size_t position, size_t tokens);
 // The attention kernels' arguments for `queries` query tokens over `keys` cached keys (no split blocks).
 AttentionArgs attention_args(const ModelConfig& config, const AttentionSpans& s, size_t queries, size_t keys);
 void attention_prefill(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
