@@ -1,0 +1,52 @@
+"""scripts/decode_ab.py without a GPU: its variant syntax, and one A/B of the demo model on the fake libcuda (the
+engine's CUDA runtime on the CPU harness) whose variants differ in an environment switch and a tuning option, each
+loading with its own (the dispatch count each step records shows which ran)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.engine.runtimes import fake_libcuda, real_driver
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import decode_ab  # noqa: E402
+
+
+def test_a_variant_names_its_ptx_environment_and_switches() -> None:
+    assert decode_ab.parse_variant("base=/p,LILY_DISABLE_FUSED_ATTENTION_PREP=1,sw.split_kv_min_keys=512,"
+                                   "sw.fused_attention_prep=0") == (
+        "base", "/p", {"LILY_DISABLE_FUSED_ATTENTION_PREP": "1"},
+        {"split_kv_min_keys": 512, "fused_attention_prep": False})
+    assert decode_ab.parse_variant("x=/p,sw.mma_attention=1")[3] == {"mma_attention": True}
+    for bad in ("base", "=/p", "base=/p,LILY_X", "base=/p,sw.split_kv_min_keys=many"):
+        with pytest.raises((SystemExit, ValueError)):
+            decode_ab.parse_variant(bad)
+
+
+@pytest.mark.skipif(real_driver(), reason="runs on the fake libcuda; a GPU machine runs the script itself")
+def test_an_ab_of_the_demo_model_on_the_fake_libcuda(cuda_compile_only) -> None:
+    fake = fake_libcuda()
+    assert fake is not None, "a Linux test build has the fake libcuda"
+    code, _, ptx = cuda_compile_only
+    assert code == 0
+    env = {**os.environ, "LILY_LIBCUDA": str(fake), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "decode_ab.py"), "--model",
+                          str(ROOT / "python" / "lily" / "demo"), "--depths", "0,20", "--rounds", "2", "--gen", "3", "--warmup", "2",
+                          f"fused={ptx}", f"unfused={ptx},LILY_DISABLE_FUSED_ATTENTION_PREP=1",
+                          f"split={ptx},sw.split_kv_min_keys=1"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    dispatches = {m[0]: int(m[1]) for m in re.findall(r"^loaded (\w+) .*: (\d+) dispatches per token", out.stdout, re.M)}
+    layers = 2  # the demo model's full-attention layers: one attention_prep each when unfused, one combine when split
+    assert dispatches["unfused"] == dispatches["fused"] + layers == dispatches["split"], out.stdout
+    for depth in (0, 20):
+        table = out.stdout.split(f"== tg3 @ d{depth}, median of 2 (tok/s, ratio to fused)\n", 1)[1].splitlines()[:3]
+        assert [row.split()[0] for row in table] == ["fused", "unfused", "split"], out.stdout
+        assert float(table[0].split()[2]) == 1.0 and all(float(row.split()[1]) > 0 for row in table)
