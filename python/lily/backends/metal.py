@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lily.backends import engine_config
-from lily.backends.engine import DEFAULT_MAX_CONTEXT, EngineBackend, engine_switches
+from lily.backends.engine import DEFAULT_MAX_CONTEXT, EngineBackend, engine_switches, switches_from_env
 from lily.config import ModelArgs
 
 
@@ -67,14 +67,17 @@ class MetalBackend(EngineBackend):
     def synthetic(cls, args: ModelArgs, *, precision: str = "bfloat16", max_context: int = DEFAULT_MAX_CONTEXT,
                   switches: Mapping[str, Any] | None = None) -> "MetalBackend":
         """A backend over synthetic weights laid out as ``lily plan`` does, in reserved memory never touched: for
-        host-cost runs only, where kernel execution is stubbed out (``lily bench --full-size --host-only``)."""
+        host-cost runs only, where kernel execution is stubbed out (``lily bench --full-size --host-only``). The
+        switches are the environment's (``LILY_DISABLE_<NAME>``) updated by ``switches``, as for a loaded model."""
+        import os
+
         from lily import _ext
 
         backend = cls.__new__(cls)
         backend.args = args
         backend.weights = {}
         backend.precision = precision
-        chosen = engine_switches(dict(switches or {}))
+        chosen = engine_switches({**switches_from_env(os.environ), **dict(switches or {})})
         backend._engine = _ext.Engine(engine_config(args), precision, chosen, max_context)
         backend._engine.bind_synthetic_weights()
         backend._engine.finish_loading()
