@@ -298,7 +298,8 @@ def attention_cases() -> list[Case]:
         cases.append(Case(f"attention decode {label} keys: prep + partials on matrix units ({blocks} blocks)",
                           "attention_decode_partial_prep_mma_bf16_d256",
                           [args, prep_args, *prep_inputs, q, cache, cache, partial_out, partial_stats],
-                          (mma_groups, blocks, 1), mma_threads, 2 * cache + prep_bytes + q + partial_out + partial_stats))
+                          (mma_groups, blocks, 1), mma_threads,
+                          2 * cache + prep_bytes + q + partial_out + partial_stats))
         cases.append(Case(f"attention decode {label} keys: partials on matrix units ({blocks} blocks)",
                           "attention_decode_partial_mma_bf16_d256",
                           [args, q, cache, cache, partial_out, partial_stats],

@@ -38,12 +38,13 @@ def test_an_ab_of_the_demo_model_on_the_fake_libcuda(cuda_compile_only) -> None:
     assert code == 0
     env = {**os.environ, "LILY_LIBCUDA": str(fake), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "decode_ab.py"), "--model",
-                          str(ROOT / "python" / "lily" / "demo"), "--depths", "0,20", "--rounds", "2", "--gen", "3", "--warmup", "2",
-                          f"fused={ptx}", f"unfused={ptx},LILY_DISABLE_FUSED_ATTENTION_PREP=1",
+                          str(ROOT / "python" / "lily" / "demo"), "--depths", "0,20", "--rounds", "2", "--gen", "3",
+                          "--warmup", "2", f"fused={ptx}", f"unfused={ptx},LILY_DISABLE_FUSED_ATTENTION_PREP=1",
                           f"split={ptx},sw.split_kv_min_keys=1"],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    dispatches = {m[0]: int(m[1]) for m in re.findall(r"^loaded (\w+) .*: (\d+) dispatches per token", out.stdout, re.M)}
+    loaded = re.findall(r"^loaded (\w+) .*: (\d+) dispatches per token", out.stdout, re.M)
+    dispatches = {name: int(count) for name, count in loaded}
     layers = 2  # the demo model's full-attention layers: one attention_prep each when unfused, one combine when split
     assert dispatches["unfused"] == dispatches["fused"] + layers == dispatches["split"], out.stdout
     for depth in (0, 20):

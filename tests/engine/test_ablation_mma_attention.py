@@ -1,8 +1,9 @@
 """The MMA_ATTENTION switch: off, prefill chunks of 8+ tokens run attention on the vector kernel
 (`attention_prefill_*`, 8 queries per threadgroup) instead of the simdgroup-matrix kernel (`attention_prefill_mma_*`),
 and decode in bf16 mode runs on the vector kernels (`attention_decode[_partial]_*`, after `attention_prep_*`) instead
-of `attention_decode[_partial]_prep_mma_*` (the prep fused in: FUSED_ATTENTION_PREP). The engine also turns it off by itself when the device's simdgroup_matrix lane
-layout differs from the one the mma kernels assume (the `simdgroup_layout_probe` kernel, run once per engine). Both
+of `attention_decode[_partial]_prep_mma_*` (the prep fused in: FUSED_ATTENTION_PREP). The engine also turns it off
+by itself when the device's simdgroup_matrix lane layout differs from the one the mma kernels assume (the
+`simdgroup_layout_probe` kernel, run once per engine). Both
 paths must give the reference's logits (prefill: float32 mode, demo model; decode: bf16 mode, the demo model and the
 head-dim-256 GQA-8 fixture; the Linux test runtime running the real kernels on the CPU harness).
 """

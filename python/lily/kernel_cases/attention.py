@@ -21,8 +21,8 @@ q_proj's [query | gate] rows, k and v: the new key's cache row starts NaN, must 
 (v rounded once) in every layout, including one where two threadgroups of a KV head both write it, and no other cache
 row may change. Their output (the split pair's after the combine) is compared with the reference's attention of the
 reference's prepped q under the mma kernels' tolerance (a q element whose fp32 and fp64 values round to neighbouring
-bf16 values moves a score by about 2^-8 |q k| / 16, far inside it); the split kernel's gate copy must be exact. tests/kernels/test_attention.py also checks that they give the
-bits of attention_prep followed by the unfused kernels.
+bf16 values moves a score by about 2^-8 |q k| / 16, far inside it); the split kernel's gate copy must be exact.
+tests/kernels/test_attention.py also checks that they give the bits of attention_prep followed by the unfused kernels.
 """
 
 from __future__ import annotations
