@@ -647,11 +647,14 @@ LILY_INLINE void attn_decode_prep_rows(constant lily::AttentionPrepArgs& prep, d
                                        uint simd_lane, uint simd_group, uint n_simdgroups) {
   constexpr uint CPL = (D / 4 + 31) / 32;
   const uint rows = writes_row ? G + 1 : G;
+  // Every row is at the new token's position: its angles once per simdgroup, for all of its rows.
+  const AttnRopeAngles<D> angles = attention_rope_angles<D>(float(prep.first_position), prep.rotary_dim,
+                                                            prep.rope_theta, simd_lane);
   for (uint r = simd_group; r < rows; r += n_simdgroups) {
     const bool is_query = r < G;
     device const T* x = is_query ? q_and_gate + size_t(head0 + r) * (2 * D) : k + size_t(kv_head) * D;
-    const AttnPrepRow<D> row = attention_prep_row<T, D>(x, is_query ? q_norm : k_norm, float(prep.first_position),
-                                                        prep.rotary_dim, prep.rope_theta, prep.eps, simd_lane);
+    const AttnPrepRow<D> row = attention_prep_row<T, D>(x, is_query ? q_norm : k_norm, angles, prep.rotary_dim,
+                                                        prep.eps, simd_lane);
     if (attn_prep_lane_active<D>(simd_lane)) {
       const size_t cache_row = (size_t(kv_head) * prep.cache_capacity + prep.first_position) * D;
       for (uint c = 0; c < CPL; ++c) {

@@ -1,7 +1,7 @@
 // The row transform of attention_prep (attention_prep.metal), which the decode attention kernels with the prep fused
 // (attention_decode[_partial]_prep_mma in attention.metal) run as well: one head row RMS-normed over its D dims with
 // the multiplier (canonical 1+w), its first rotary_dim dims roped (rotate-half pairing (d, d + rotary_dim/2),
-// inv_freq = theta^(-2i/rotary_dim), each pair's cos and sin evaluated once per row: attention_rope_angles). One
+// inv_freq = theta^(-2i/rotary_dim), each pair's cos and sin evaluated once per position: attention_rope_angles). One
 // source, so a fused kernel's q and cache rows are the prep kernel's bits.
 // Numerics: fp32 throughout (sum of squares, norm, angle, rotation); the caller rounds once as it stores.
 #ifndef LILY_ATTENTION_PREP_H
@@ -54,11 +54,13 @@ inline bool attn_prep_lane_active(uint simd_lane) {
   return simd_lane < D / 4;
 }
 
-// Row x (D elements) normed with `weight` and roped at `position`. Every lane of the simdgroup must call it (one
-// simd_sum, the shuffles of the angles); an inactive lane's chunks are 0.
+// Row x (D elements) normed with `weight` and roped with `angles` (attention_rope_angles of the row's position: a
+// simdgroup whose rows share a position evaluates them once). Every lane of the simdgroup must call it (one simd_sum,
+// the shuffles of the angles); an inactive lane's chunks are 0.
 template <typename T, uint D>
-LILY_INLINE AttnPrepRow<D> attention_prep_row(device const T* x, device const T* weight, float position,
-                                              uint rotary_dim, float theta, float eps, uint simd_lane) {
+LILY_INLINE AttnPrepRow<D> attention_prep_row(device const T* x, device const T* weight,
+                                              thread const AttnRopeAngles<D>& angles, uint rotary_dim, float eps,
+                                              uint simd_lane) {
   static_assert(D % 128 == 0 || D == 64, "head_dim must be 64 or a multiple of 128 (4 elements x 32 lanes)");
   constexpr uint CPL = (D / 4 + 31) / 32;
   constexpr uint SLOTS = (D / 2 + 31) / 32;
@@ -70,7 +72,6 @@ LILY_INLINE AttnPrepRow<D> attention_prep_row(device const T* x, device const T*
     sum_sq += dot(values[c], values[c]);
   }
   const float inv_rms = precise::rsqrt(simd_sum(sum_sq) / float(D) + eps);
-  const AttnRopeAngles<D> angles = attention_rope_angles<D>(position, rotary_dim, theta, simd_lane);
 
   const uint half_dim = rotary_dim / 2;
   AttnPrepRow<D> row;

@@ -53,8 +53,10 @@ template <typename T, typename C, uint D>
 
   device const T* x = is_query ? q_and_gate + (size_t(t) * args.num_heads + head) * (2 * D)
                                : k + (size_t(t) * args.num_kv_heads + kv_head) * D;
-  const AttnPrepRow<D> rotated = attention_prep_row<T, D>(x, is_query ? q_norm : k_norm, float(position),
-                                                          args.rotary_dim, args.rope_theta, args.eps, simd_lane);
+  const AttnRopeAngles<D> angles = attention_rope_angles<D>(float(position), args.rotary_dim, args.rope_theta,
+                                                            simd_lane);
+  const AttnPrepRow<D> rotated = attention_prep_row<T, D>(x, is_query ? q_norm : k_norm, angles, args.rotary_dim,
+                                                          args.eps, simd_lane);
   if (!attn_prep_lane_active<D>(simd_lane)) {
     return;  // nothing left to store, and no collective follows
   }
