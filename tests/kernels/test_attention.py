@@ -14,7 +14,6 @@ from cases import check, op_cases
 
 from lily.kernel_cases.attention import (CACHE_DTYPE, F32_SUMS, DecodeInputs, PrepDecodeInputs, attention_args,
                                          run_prep_fused, run_single, run_split)
-from lily.kernel_cases.attention_prep import attention_prep_args
 from lily.kernel_cases.common import Run, poisoned
 
 __all__ = ["CACHE_DTYPE", "attention_args"]  # shared with test_attention_prefill.py
@@ -128,8 +127,7 @@ def test_attention_decode_prep_fused_gives_the_unfused_bits(head_dim, heads, key
     q, unfused_gate = poisoned((heads, head_dim), "bf16"), poisoned((heads, head_dim), "bf16")
     rows = heads + 2
     run.dispatch(f"attention_prep_bf16_d{head_dim}",
-                 [attention_prep_args(1, heads, 2, keys - 1, p.capacity, rotary_dim), *fused.prep_inputs(), q,
-                  unfused_gate, unfused_k, unfused_v], -(-rows // 8), 256)
+                 [fused.prep_args(), *fused.prep_inputs(), q, unfused_gate, unfused_k, unfused_v], -(-rows // 8), 256)
     unfused = DecodeInputs("bf16", heads, 2, keys, head_dim, q, unfused_gate, unfused_k, unfused_v)
     assert np.array_equal(fused.k_cache, unfused_k) and np.array_equal(fused.v_cache, unfused_v)
     if blocks == 0:

@@ -3,6 +3,7 @@ on Linux the test runtime (the kernels on the CPU harness, the fake Metal)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,8 +70,6 @@ class MetalBackend(EngineBackend):
         """A backend over synthetic weights laid out as ``lily plan`` does, in reserved memory never touched: for
         host-cost runs only, where kernel execution is stubbed out (``lily bench --full-size --host-only``). The
         switches are the environment's (``LILY_DISABLE_<NAME>``) updated by ``switches``, as for a loaded model."""
-        import os
-
         from lily import _ext
 
         backend = cls.__new__(cls)
