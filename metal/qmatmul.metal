@@ -49,6 +49,11 @@
 //                                          and the segmented ones stream their row blocks: a threadgroup stages x
 //                                          once and takes blocks x, x + grid width, ... (the host launches at most
 //                                          tuning::kQmvStreamGroups; any grid width gives the same bits).
+//   qmv_norm_argmax_staged_q4_g64_<f32|bf16_of32>[_a16]  (CUDA, greedy decode: FUSED_ARGMAX) the lm_head's
+//                                          qmv_norm_staged that also keeps each threadgroup's best logit of the rows it
+//                                          wrote (argmax.h's order) and writes it as argmax_partial would: argmax_final
+//                                          reduces the grid's partials (one per threadgroup), the same token as
+//                                          argmax_partial + argmax_final over the logits, one dispatch fewer.
 //   qmv_norm_seg_conv_staged_*, qmv_gated_norm_residual_staged_*  (CUDA: tuning::spread_deltanet_step) a DeltaNet
 //                                          decode token's in_proj with the causal conv and SiLU(z) in its epilogue, and
 //                                          its out_proj with the gated RMSNorm in its staging: the spread DeltaNet step
@@ -78,6 +83,7 @@
 // _sf32 (f32 scales and biases: checkpoints converted from fp32 weights); qmm_nax takes bf16 scales only. Partial
 // tiles in M and N are handled; out counts need not be multiples of any tile (the shared-expert gate has N = 1).
 #include <metal_stdlib>
+#include "argmax.h"
 #include "gated_delta.h"
 #include "gemm.h"
 #include "lily.h"
@@ -594,6 +600,66 @@ template <bool Norm, typename T, typename S, int Bits, typename O>
 // qmv_norm_staged streams: threadgroup x takes the blocks of rows x, x + grid width, ... against one staging of x, so
 // the host can launch fewer threadgroups than blocks (the lm_head's 15,520 blocks each staged x once, 8 KB of x and
 // norm weight read from L2 per 16 KB of weights; tuning::kQmvStreamGroups). Any grid width gives the same bits.
+// qmv_norm_staged's body; with Argmax also the best (value, id) of the rows the threadgroup wrote (id: the row), in
+// argmax.h's order, to partial_values / partial_ids[tg.y * grid width + tg.x] (qmv_norm_argmax_staged).
+template <typename T, typename S, int Bits, typename O, bool WholePacks, bool Argmax>
+LILY_INLINE void qmv_norm_staged_stream(constant lily::QMatmulNormArgs& args, device const T* x,
+                                        device const T* norm_weight,
+                                        device const lily::pack_codes_t<WholePacks>* weight, device const S* scales,
+                                        device const S* biases, device O* y, device float* partial_values,
+                                        device uint* partial_ids, threadgroup float4* stage_x,
+                                        threadgroup float* pack_sum, threadgroup float* simd_sq,
+                                        threadgroup float* simd_best, threadgroup uint* simd_ids, uint3 tg,
+                                        uint3 groups, uint tid,
+                                        uint n_threads, uint lane, uint simd_group) {
+  using namespace lily_qmatmul;
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  const uint K = args.in_features;
+  const uint N = args.out_features;
+  const uint rows_per_group = (n_threads / 32) * kRows;
+  const uint blocks = (N + rows_per_group - 1) / rows_per_group;
+  if (tg.x >= blocks || tg.y >= args.num_rows) {
+    return;  // the whole threadgroup leaves: the barrier in qmv_stage stays uniform
+  }
+  // The first block as the other staged GEMVs (its weights loaded before the wait and the staging); the later ones
+  // load theirs against the same staging. No barrier after the staging: the simdgroups go on independently.
+  uint first_row = tg.x * rows_per_group + simd_group * kRows;
+  float acc[kRows];
+  const float inv_rms = qmv_staged_rows<true, Bits, WholePacks>(
+      acc, x + size_t(tg.y) * K, norm_weight, lily::as_words(weight), scales, biases, K, N, args.eps, first_row,
+      first_row < N, stage_x, pack_sum, simd_sq, tid, n_threads, lane, simd_group);
+  float best = -INFINITY;  // every lane holds its simdgroup's best (the totals are simd_sums)
+  uint best_id = 0xFFFFFFFFu;  // loses to any real row, even a -inf logit
+  for (uint block = tg.x; first_row < N;) {  // uniform per simdgroup: the simd_sums stay convergent
+    LILY_UNROLL
+    for (uint r = 0; r < kRows; ++r) {
+      const float total = simd_sum(acc[r]);
+      const O out = O(total * inv_rms);
+      if (lane == 0 && first_row + r < N) {
+        y[size_t(tg.y) * N + first_row + r] = out;
+      }
+      if (Argmax && first_row + r < N && argmax_better(float(out), first_row + r, best, best_id)) {
+        best = float(out);
+        best_id = first_row + r;
+      }
+    }
+    block += groups.x;
+    first_row = block < blocks ? block * rows_per_group + simd_group * kRows : N;
+    if (first_row < N) {
+      qmv_load_and_dot<Bits, WholePacks>(acc, lily::as_words(weight), scales, biases, K, N, first_row, stage_x,
+                                         pack_sum, lane);
+    }
+  }
+  if (Argmax) {
+    // Arrays of its own: a simdgroup that finishes early must not overwrite simd_sq before a slow one has read it.
+    argmax_threadgroup(best, best_id, simd_best, simd_ids, lane, simd_group, n_threads / 32);
+    if (tid == 0) {
+      partial_values[size_t(tg.y) * groups.x + tg.x] = best;
+      partial_ids[size_t(tg.y) * groups.x + tg.x] = best_id;
+    }
+  }
+}
+
 template <typename T, typename S, int Bits, typename O, bool WholePacks>
 [[kernel]] void qmv_norm_staged(constant lily::QMatmulNormArgs& args [[buffer(0)]],
                                 device const T* x [[buffer(1)]],
@@ -608,41 +674,41 @@ template <typename T, typename S, int Bits, typename O, bool WholePacks>
                                 uint3 threads_per_group [[threads_per_threadgroup]],
                                 uint lane [[thread_index_in_simdgroup]],
                                 uint simd_group [[simdgroup_index_in_threadgroup]]) {
-  using namespace lily_qmatmul;
   threadgroup float4 stage_x[LILY_QMV_STAGE_MAX_K / 4];
   threadgroup float pack_sum[LILY_QMV_STAGE_MAX_K / 16];  // 16 values per 8-bit pack, 32 per 4-bit one
   threadgroup float simd_sq[32];
-  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
-  const uint K = args.in_features;
-  const uint N = args.out_features;
-  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
-  const uint rows_per_group = (n_threads / 32) * kRows;
-  const uint blocks = (N + rows_per_group - 1) / rows_per_group;
-  if (tg.x >= blocks || tg.y >= args.num_rows) {
-    return;  // the whole threadgroup leaves: the barrier in qmv_stage stays uniform
-  }
-  // The first block as the other staged GEMVs (its weights loaded before the wait and the staging); the later ones
-  // load theirs against the same staging. No barrier after the staging: the simdgroups go on independently.
-  uint first_row = tg.x * rows_per_group + simd_group * kRows;
-  float acc[kRows];
-  const float inv_rms = qmv_staged_rows<true, Bits, WholePacks>(
-      acc, x + size_t(tg.y) * K, norm_weight, lily::as_words(weight), scales, biases, K, N, args.eps, first_row,
-      first_row < N, stage_x, pack_sum, simd_sq, tid, n_threads, lane, simd_group);
-  for (uint block = tg.x; first_row < N;) {  // uniform per simdgroup: the simd_sums stay convergent
-    LILY_UNROLL
-    for (uint r = 0; r < kRows; ++r) {
-      const float total = simd_sum(acc[r]);
-      if (lane == 0 && first_row + r < N) {
-        y[size_t(tg.y) * N + first_row + r] = O(total * inv_rms);
-      }
-    }
-    block += groups.x;
-    first_row = block < blocks ? block * rows_per_group + simd_group * kRows : N;
-    if (first_row < N) {
-      qmv_load_and_dot<Bits, WholePacks>(acc, lily::as_words(weight), scales, biases, K, N, first_row, stage_x,
-                                         pack_sum, lane);
-    }
-  }
+  qmv_norm_staged_stream<T, S, Bits, O, WholePacks, false>(args, x, norm_weight, weight, scales, biases, y, nullptr,
+                                                           nullptr, stage_x, pack_sum, simd_sq, nullptr, nullptr, tg,
+                                                           groups, tid, threads_per_group.x, lane, simd_group);
+}
+
+// qmv_norm_staged that also writes each threadgroup's best logit (greedy decode's lm_head: FUSED_ARGMAX), for
+// argmax_final over groups.x * num_rows partials.
+template <typename T, typename S, int Bits, typename O, bool WholePacks>
+[[kernel]] void qmv_norm_argmax_staged(constant lily::QMatmulNormArgs& args [[buffer(0)]],
+                                       device const T* x [[buffer(1)]],
+                                       device const T* norm_weight [[buffer(2)]],
+                                       device const lily::pack_codes_t<WholePacks>* weight [[buffer(3)]],
+                                       device const S* scales [[buffer(4)]],
+                                       device const S* biases [[buffer(5)]],
+                                       device O* y [[buffer(6)]],
+                                       device float* partial_values [[buffer(7)]],  // [num_rows * grid width]
+                                       device uint* partial_ids [[buffer(8)]],      // [num_rows * grid width]
+                                       uint3 tg [[threadgroup_position_in_grid]],
+                                       uint3 groups [[threadgroups_per_grid]],
+                                       uint tid [[thread_index_in_threadgroup]],
+                                       uint3 threads_per_group [[threads_per_threadgroup]],
+                                       uint lane [[thread_index_in_simdgroup]],
+                                       uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float4 stage_x[LILY_QMV_STAGE_MAX_K / 4];
+  threadgroup float pack_sum[LILY_QMV_STAGE_MAX_K / 16];  // 16 values per 8-bit pack, 32 per 4-bit one
+  threadgroup float simd_sq[32];
+  threadgroup float simd_best[32];
+  threadgroup uint simd_ids[32];
+  qmv_norm_staged_stream<T, S, Bits, O, WholePacks, true>(args, x, norm_weight, weight, scales, biases, y,
+                                                          partial_values, partial_ids, stage_x, pack_sum, simd_sq,
+                                                          simd_best, simd_ids, tg, groups, tid, threads_per_group.x,
+                                                          lane, simd_group);
 }
 
 template <typename T, typename S, int Bits, bool WholePacks>
@@ -1034,6 +1100,14 @@ LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_bf16", qmv_norm_staged, bf
 LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_bf16_a16", qmv_norm_staged, bfloat, bfloat, 4, bfloat, true)
 LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_bf16_of32", qmv_norm_staged, bfloat, bfloat, 4, float, false)
 LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_bf16_of32_a16", qmv_norm_staged, bfloat, bfloat, 4, float, true)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_argmax_staged_q4_g64_f32", qmv_norm_argmax_staged, float, bfloat, 4, float,
+                              false)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_argmax_staged_q4_g64_f32_a16", qmv_norm_argmax_staged, float, bfloat, 4,
+                              float, true)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_argmax_staged_q4_g64_bf16_of32", qmv_norm_argmax_staged, bfloat, bfloat, 4,
+                              float, false)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_argmax_staged_q4_g64_bf16_of32_a16", qmv_norm_argmax_staged, bfloat, bfloat, 4,
+                              float, true)
 LILY_INSTANTIATE_EARLY_KERNEL("qmv_residual_staged_q4_g64_f32", qmv_residual_staged, float, bfloat, 4, false)
 LILY_INSTANTIATE_EARLY_KERNEL("qmv_residual_staged_q4_g64_f32_a16", qmv_residual_staged, float, bfloat, 4, true)
 LILY_INSTANTIATE_EARLY_KERNEL("qmv_residual_staged_q4_g64_bf16", qmv_residual_staged, bfloat, bfloat, 4, false)

@@ -35,47 +35,10 @@
 // model's vocabulary, from cache, in one threadgroup); the block path reads them once in many threadgroups, then works
 // on 64 candidates per block or on one block. Verified here for correctness only.
 #include <metal_stdlib>
+#include "argmax.h"
 #include "lily.h"
 
 using namespace metal;
-
-// `a` (value, id) is a better argmax than `b`: NaN first, then the larger value, then the lower id.
-inline bool argmax_better(float a, uint a_id, float b, uint b_id) {
-  const bool a_nan = isnan(a);
-  const bool b_nan = isnan(b);
-  if (a_nan != b_nan) {
-    return a_nan;
-  }
-  if (a_nan || a == b) {
-    return a_id < b_id;
-  }
-  return a > b;
-}
-
-// Reduces every thread's (value, id) to the best one, returned to all threads. Threads per threadgroup must be a
-// multiple of 32.
-inline void argmax_threadgroup(thread float& value, thread uint& id, threadgroup float* values_tg,
-                               threadgroup uint* ids_tg, uint lane, uint sg, uint n_sg) {
-  for (ushort offset = 16; offset > 0; offset /= 2) {
-    const float other = simd_shuffle_xor(value, offset);
-    const uint other_id = simd_shuffle_xor(id, offset);
-    if (argmax_better(other, other_id, value, id)) {
-      value = other;
-      id = other_id;
-    }
-  }
-  if (lane == 0) {
-    values_tg[sg] = value;
-    ids_tg[sg] = id;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint s = 0; s < n_sg; ++s) {
-    if (argmax_better(values_tg[s], ids_tg[s], value, id)) {
-      value = values_tg[s];
-      id = ids_tg[s];
-    }
-  }
-}
 
 template <typename T>
 [[kernel]] void argmax_partial(constant lily::ArgmaxArgs& args [[buffer(0)]],

@@ -70,6 +70,10 @@ struct Switches {
   bool fused_attention_prep = true;  // FUSED_ATTENTION_PREP: off = decode attention on matrix units (MMA_ATTENTION,
                                      // bf16) runs after its own attention_prep dispatch; on, each attention
                                      // threadgroup preps its rows itself (attention_decode[_partial]_prep_mma)
+  bool fused_argmax = true;        // FUSED_ARGMAX: off = a greedy decode step reduces its logits with argmax_partial
+                                   // after the lm_head; on, the lm_head GEMV keeps each threadgroup's best logit
+                                   // where it streams (staged: CUDA; qmv_norm_argmax_staged) and only argmax_final
+                                   // runs after it
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
   size_t kv_growth_block() const;
@@ -268,16 +272,21 @@ struct PassInput {
   size_t position = 0, tokens = 1, logit_rows = 1;
   Span ids;
   size_t ids_offset = 0;
+  // Set (a greedy decode step with FUSED_ARGMAX): where the one-row lm_head may write its threadgroups' best logits.
+  Span argmax_values, argmax_ids;
 };
-void build_forward(const ModelConfig& config, Precision precision, const Switches& switches,
+// Returns the argmax partials the lm_head wrote to input.argmax_values / argmax_ids (0: none; the logits alone).
+size_t build_forward(const ModelConfig& config, Precision precision, const Switches& switches,
                    const WeightTable& weights, const StateBuffers& state, const PassBuffers& pass,
                    const PassInput& input, Graph& graph);
 
 // The dispatches that choose a token from the f32 `logits` (one row) into tokens[out_slot]: argmax or sample (see
 // TokenChoice); the token chosen sits at `position` (the sampler's counter, a PositionField of delta
-// `position_delta`).
+// `position_delta`). `argmax_partials` > 0: the lm_head already wrote that many argmax partials to the state's
+// choice buffers (build_forward's result), so a greedy choice is argmax_final alone.
 void build_token_choice(const ModelConfig& config, const TokenChoice& choice, const StateBuffers& state,
-                        const Span& logits, size_t position, int position_delta, int out_slot, Graph& graph);
+                        const Span& logits, size_t position, int position_delta, int out_slot, Graph& graph,
+                        size_t argmax_partials = 0);
 
 // One decode step at `position`: the one-row pass of tokens[token_slot] with its logits, then (switches.gpu_token and
 // a `choice`) the token choice into tokens[next_slot].

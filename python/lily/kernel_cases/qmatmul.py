@@ -24,9 +24,11 @@ from lily.quant import QuantizedTensor, pack, round_to_dtype
 
 PATTERN = re.compile(r"qmv(_norm|_residual)?(_seg)?_q(4|8)_g64_(f32|f16|bf16)(_sf32)?(_of32)?"
                      r"|qmv(_norm|_residual)?(_seg)?_staged_q(4|8)_g64_(f32|bf16)(_of32)?(_a16)?"
+                     r"|qmv_norm_argmax_staged_q4_g64_(f32|bf16_of32)(_a16)?"
                      r"|qmv_(norm_seg_conv|gated_norm_residual)_staged_q4_g64_(f32|bf16)(_a16)?"
                      r"|qmm_q(4|8)_g64_(f32|f16|bf16)(_sf32)?(_of32)?_bm(16|32|64)|qmm_nax_q(4|8)_g64_(f16|bf16)")
 QMV_ROWS_PER_THREADGROUP = 8  # LILY_QMV_SIMDGROUPS * LILY_QMV_ROWS_PER_SIMDGROUP
+QMV_STAGED_ROWS_PER_SIMDGROUP = 4  # LILY_QMV_ROWS_PER_SIMDGROUP: a staged threadgroup's simdgroups each take 4 rows
 QMM_BN, QMM_THREADS = 64, 128  # LILY_GEMM_BN, LILY_GEMM_THREADS
 NAX_BM, NAX_BN = 32, 64  # LILY_QMM_NAX_BM, LILY_QMM_NAX_BN
 MAX_SEGMENTS = 4  # LILY_QMV_MAX_SEGMENTS
@@ -77,6 +79,13 @@ EXTRA_SEGMENTS = {
     "qmv_norm_seg_staged_q4_g64_f32": [([3, 9], 64, 2), ([9, 3], 2112, 1), ([9, 3], 4096, 1)],
     "qmv_norm_seg_staged_q8_g64_bf16_of32": SEGMENT_BOUNDARIES,
 }
+
+
+# qmv_norm_argmax_staged (the greedy lm_head): (M, N, K, threadgroups, threads); the first is the self-test's. Streaming
+# (fewer threadgroups than row blocks) with a partial last block, one threadgroup per block, two input rows with a
+# partial pack step, N = 1, and the engine's 4 simdgroups.
+ARGMAX_SHAPES = [(1, 203, 256, 3, 64), (1, 40, 512, 5, 64), (2, 77, 2112, 4, 64), (1, 1, 64, 1, 64),
+                 (1, 300, 2048, 2, 128)]
 
 
 def qmatmul_args(k: int, n: int, m: int) -> bytes:
@@ -169,6 +178,63 @@ def _qmv_norm(run: Run, kernel: str, m: int, n: int, k: int, x_scale: float = 1.
         streamed = poisoned((m, n), out_dtype)
         run.dispatch(kernel, [args, x, norm_weight, *buffers, streamed], (min(3, blocks), m, 1), 64)
         run.compare_exact("3 threadgroups streaming == one per block (bits)", streamed.view(np.uint8), y.view(np.uint8))
+
+
+def argmax_order(values: np.ndarray) -> int:
+    """The index argmax.h's order picks: the first NaN, else the first of the largest values."""
+    nan = np.flatnonzero(np.isnan(values))
+    return int(nan[0]) if nan.size else int(np.flatnonzero(values == values.max())[0])
+
+
+def _qmv_norm_argmax(run: Run, kernel: str, m: int, n: int, k: int, groups: int, threads: int,
+                     special: str = "") -> None:
+    """The logits as qmv_norm_staged writes them (against the reference, and bit for bit against that kernel), each
+    threadgroup's partial exactly the best of the rows it streamed (blocks x, x + groups, ...) in argmax order, and
+    argmax_final over the partials the token of the logits. `special`: "ties" copies the best row to a lower row of
+    another threadgroup and to a higher one (the lowest id must win), "nan" gives two rows a NaN scale (NaN wins,
+    the lower one)."""
+    dtype, out_dtype = dtype_of(kernel), out_dtype_of(kernel)
+    weight, _ = quantized_weight(kernel, (n, k), run.rng)
+    x = to_device(run.rng.standard_normal((m, k)), dtype)
+    norm_weight = to_device(1.0 + 0.3 * run.rng.standard_normal(k), dtype)
+    rows_per_group = (threads // 32) * QMV_STAGED_ROWS_PER_SIMDGROUP
+    assert -(-n // rows_per_group) >= groups, "the host launches at most one threadgroup per row block"
+    owner = (np.arange(n) // rows_per_group) % groups  # the threadgroup that streams each row
+    if special:
+        normed = reference.rms_norm(to_f64(x, dtype), to_f64(norm_weight, dtype), NORM_EPS)
+        best = int(np.argmax(reference.qmatmul(normed[:1].astype(np.float32), weight)[0]))
+        others = [r for r in range(n) if owner[r] != owner[best]]
+        picks = [min(others), max(others)] if special == "ties" else sorted(run.rng.choice(n, 2, replace=False))
+        if special == "ties":
+            codes, scales, biases = weight.weight.copy(), weight.scales.copy(), weight.biases.copy()
+            for r in picks:
+                codes[r], scales[r], biases[r] = codes[best], scales[best], biases[best]
+            weight = QuantizedTensor(codes, scales, biases, weight.bits, weight.group_size, weight.dtype)
+    buffers = weight_buffers(weight, scale_dtype_of(kernel))
+    if special == "nan":
+        buffers[1][picks, 0] = to_device(np.full(2, np.nan), scale_dtype_of(kernel))
+    args = struct.pack("<IIIf", k, n, m, NORM_EPS)  # lily::QMatmulNormArgs
+    y = poisoned((m, n), out_dtype)
+    values, ids = np.full(m * groups, np.nan, np.float32), np.full(m * groups, 0xFFFFFFFF, np.uint32)
+    run.dispatch(kernel, [args, x, norm_weight, *buffers, y, values, ids], (groups, m, 1), threads)
+    if not special:
+        normed = reference.rms_norm(to_f64(x, dtype), to_f64(norm_weight, dtype), NORM_EPS)
+        check_matmul(run, y, out_dtype, normed, weight, relative_ulps=1.0)
+    twin = poisoned((m, n), out_dtype)
+    run.dispatch(kernel.replace("_argmax", ""), [args, x, norm_weight, *buffers, twin], (groups, m, 1), threads)
+    run.compare_exact("logits == qmv_norm_staged's (bits)", y.view(np.uint8), twin.view(np.uint8))
+    logits = to_f64(y, out_dtype)
+    expected = [int(np.flatnonzero(owner == g)[argmax_order(row[owner == g])]) for row in logits for g in range(groups)]
+    run.compare_exact("partial ids", ids, expected)
+    expected_values = np.array([logits[i // groups, r] for i, r in enumerate(expected)], np.float32)
+    run.compare_exact("partial values (bits)", values.view(np.uint32), expected_values.view(np.uint32))
+    if m == 1:
+        tokens = np.full(2, 0xFFFFFFFF, np.uint32)
+        final_args = struct.pack("<IIII", n, rows_per_group, groups, 0)  # lily::ArgmaxArgs
+        run.dispatch("argmax_final_f32", [final_args, values, ids, tokens], 1, 64)
+        run.compare_exact("argmax_final over the partials", tokens[:1], [argmax_order(logits[0])])
+        if special == "ties":
+            run.require("the tie is for the maximum", logits[0, picks[0]] == logits[0].max(), f"rows {picks}, {best}")
 
 
 def _qmv_residual(run: Run, kernel: str, m: int, n: int, k: int) -> None:
@@ -328,6 +394,13 @@ def cases(kernel: str) -> list[Case]:
         return [Case(kernel, f"Hk={hk} Hv={hv} dv={dv} K={k}", partial(_qmv_seg_conv, kernel=kernel, hk=hk, hv=hv,
                                                                        dv=dv, k=k), quick=i == 0)
                 for i, (hk, hv, dv, k) in enumerate(CONV_LAYERS)]
+    if kernel.startswith("qmv_norm_argmax"):
+        found = [Case(kernel, f"M={m} N={n} K={k} groups={g} threads={t}",
+                      partial(_qmv_norm_argmax, kernel=kernel, m=m, n=n, k=k, groups=g, threads=t), quick=i == 0)
+                 for i, (m, n, k, g, t) in enumerate(ARGMAX_SHAPES)]
+        return found + [Case(kernel, f"M=1 N=50 K=128 groups=3 {special}",
+                             partial(_qmv_norm_argmax, kernel=kernel, m=1, n=50, k=128, groups=3, threads=64,
+                                     special=special)) for special in ("ties", "nan")]
     if kernel.startswith("qmv_gated_norm"):
         return [Case(kernel, f"heads={h} head_dim={d} N={n}",
                      partial(_qmv_gated_norm_residual, kernel=kernel, heads=h, head_dim=d, n=n), quick=i == 0)

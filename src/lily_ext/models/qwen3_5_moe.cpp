@@ -128,8 +128,10 @@ StateLayout state_layout(const ModelConfig& c, Precision precision) {
 }
 
 StateBuffers add_state_buffers(const ModelConfig& c, Precision precision, size_t kv_capacity, Graph& g) {
-  const size_t choice_words = std::max((c.vocab_size + LILY_ARGMAX_BLOCK - 1) / LILY_ARGMAX_BLOCK,
-                                       ops::sample_scratch_words(c.vocab_size));
+  // argmax_partial's partials, the lm_head's when it keeps them (one per streaming threadgroup: FUSED_ARGMAX), or
+  // the sampler's scratch.
+  const size_t choice_words = std::max({(c.vocab_size + LILY_ARGMAX_BLOCK - 1) / LILY_ARGMAX_BLOCK,
+                                        tuning::kQmvStreamGroups, ops::sample_scratch_words(c.vocab_size)});
   StateBuffers b;
   b.kv_capacity = kv_capacity;
   b.tokens = g.add_buffer("tokens", 2 * 4, BufferRole::Io);
@@ -451,8 +453,9 @@ struct Forward {
   }
 
   // The final norm and lm_head of the last `logit_rows` rows, f32 logits in every precision: rounded to bf16 (8 bits
-  // of mantissa), near-equal logits tie and the argmax picks between them by index.
-  void logits(size_t logit_rows) {
+  // of mantissa), near-equal logits tie and the argmax picks between them by index. Returns the argmax partials the
+  // lm_head wrote to the input's argmax spans (one fused row only; 0: none).
+  size_t logits(size_t logit_rows, const PassInput& in) {
     if (logit_rows > T || logit_rows > p.logit_rows) {
       throw std::logic_error("[graph] more logit rows than the pass or its logits buffer has");
     }
@@ -461,19 +464,21 @@ struct Forward {
     const Span out{p.logits, 0, logit_rows * c.vocab_size * 4};
     const Span last = ops::sub(hidden, (T - logit_rows) * H * a, logit_rows * H * a);
     if (fuse) {
-      ops::qmatmul_norm(ctx, "lm_head", last, final_norm, lm_head, out, c.eps, DType::F32);
-      return;
+      const bool keeps_argmax = logit_rows == 1 && in.argmax_values.length > 0;
+      return ops::qmatmul_norm(ctx, "lm_head", last, final_norm, lm_head, out, c.eps, DType::F32,
+                               keeps_argmax ? &in.argmax_values : nullptr, keeps_argmax ? &in.argmax_ids : nullptr);
     }
     const Span last_normed = ops::sub(normed, 0, logit_rows * H * a);
     ops::rms_norm(ctx, "norm", last, final_norm, last_normed, logit_rows, H, c.eps);
     ops::qmatmul(ctx, "lm_head", last_normed, lm_head, out, logit_rows, DType::F32);
+    return 0;
   }
 };
 
 }  // namespace
 
-void build_forward(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,
-                   const StateBuffers& state, const PassBuffers& pass, const PassInput& in, Graph& g) {
+size_t build_forward(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,
+                     const StateBuffers& state, const PassBuffers& pass, const PassInput& in, Graph& g) {
   Forward f(c, precision, sw, w, state, pass, in.position, in.tokens, g);
   ops::embedding(f.ctx, in.ids, in.ids_offset, weight(w, "embed_tokens.weight"), f.hidden, in.tokens);
   for (size_t i = 0; i < c.num_layers(); ++i) {
@@ -487,7 +492,7 @@ void build_forward(const ModelConfig& c, Precision precision, const Switches& sw
     }
     f.moe_block(pre);
   }
-  if (in.logit_rows) f.logits(in.logit_rows);
+  return in.logit_rows ? f.logits(in.logit_rows, in) : 0;
 }
 
 void build_decode_step(const ModelConfig& c, Precision precision, const Switches& sw, const WeightTable& w,
@@ -497,15 +502,21 @@ void build_decode_step(const ModelConfig& c, Precision precision, const Switches
   in.position = position;
   in.ids = whole(g, state.tokens);
   in.ids_offset = static_cast<size_t>(token_slot);
-  build_forward(c, precision, sw, w, state, step, in, g);
+  // FUSED_ARGMAX: a greedy choice from the logits as they are (no penalties) can take the lm_head's own partials.
+  if (sw.gpu_token && choice && sw.fused_argmax && choice->temperature == 0.0f && !choice->penalized()) {
+    in.argmax_values = whole(g, state.choice_values);
+    in.argmax_ids = whole(g, state.choice_ids);
+  }
+  const size_t argmax_partials = build_forward(c, precision, sw, w, state, step, in, g);
   if (sw.gpu_token && choice) {
     // The token at position + 1.
-    build_token_choice(c, *choice, state, whole(g, step.logits), position, 1, next_slot, g);
+    build_token_choice(c, *choice, state, whole(g, step.logits), position, 1, next_slot, g, argmax_partials);
   }
 }
 
 void build_token_choice(const ModelConfig& c, const TokenChoice& choice, const StateBuffers& state,
-                        const Span& logits, size_t position, int position_delta, int out_slot, Graph& g) {
+                        const Span& logits, size_t position, int position_delta, int out_slot, Graph& g,
+                        size_t argmax_partials) {
   // The logits are f32 in every precision, and so is every kernel of the choice.
   ops::Context ctx{g, DType::F32, false};
   Span chosen_from = logits;
@@ -515,7 +526,9 @@ void build_token_choice(const ModelConfig& c, const TokenChoice& choice, const S
     chosen_from = whole(g, state.penalized_logits);
     ops::penalize_logits(ctx, logits, c.vocab_size, choice, whole(g, state.logit_bias), seen, counts, chosen_from);
   }
-  if (choice.temperature == 0.0f) {
+  if (choice.temperature == 0.0f && argmax_partials) {
+    ops::argmax_final(ctx, c.vocab_size, values, ids, argmax_partials, tokens, static_cast<size_t>(out_slot));
+  } else if (choice.temperature == 0.0f) {
     ops::argmax(ctx, chosen_from, c.vocab_size, values, ids, tokens, static_cast<size_t>(out_slot));
   } else {
     ops::sample(ctx, chosen_from, c.vocab_size, choice, values, ids, tokens, static_cast<size_t>(out_slot), position,

@@ -71,9 +71,12 @@ Span dequantize(Context& ctx, const std::string& label, const WeightRef& w, cons
 void mm(Context& ctx, const std::string& label, const Span& x, const Span& w, const Span& y, size_t rows,
         size_t in_features, size_t out_features, size_t bm, DType dtype);
 // qmatmul.cpp, decode fusions (one row): y = W · (rms_norm(x) ⊙ norm_weight) with y in the activation dtype or f32
-// (qmv_norm), and residual_out += W · x in place (qmv_residual).
-void qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const WeightRef& norm_weight,
-                  const WeightRef& w, const Span& y, float eps, DType dtype);
+// (qmv_norm), and residual_out += W · x in place (qmv_residual). qmatmul_norm with `argmax_values`/`argmax_ids`
+// given (greedy decode's lm_head, FUSED_ARGMAX): where the GEMV is staged it also writes its threadgroups' best
+// logits there (qmv_norm_argmax_staged) and returns how many, for argmax_final; 0 where it did not.
+size_t qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const WeightRef& norm_weight,
+                    const WeightRef& w, const Span& y, float eps, DType dtype, const Span* argmax_values = nullptr,
+                    const Span* argmax_ids = nullptr);
 void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, const WeightRef& w,
                       const Span& residual_out);
 // Whether matrices can share one segmented GEMV: same bits, input features and scale dtype, none stacked.
@@ -202,6 +205,9 @@ size_t moe_max_tiles(size_t pairs, size_t experts, size_t tile_rows);
 // position + position_delta, marked as a PositionField).
 void argmax(Context& ctx, const Span& logits, size_t vocab, const Span& partial_values, const Span& partial_ids,
             const Span& tokens, size_t out_index);
+// argmax's second dispatch alone, over `partials` (value, id) pairs another kernel wrote (qmatmul_norm's).
+void argmax_final(Context& ctx, size_t vocab, const Span& partial_values, const Span& partial_ids, size_t partials,
+                  const Span& tokens, size_t out_index);
 // penalize_logits: lily.sampling steps 1-3 from `logits` into the fp32 `processed`; count_token: records
 // tokens[out_index] in `seen` and `counts` (after the choice).
 void penalize_logits(Context& ctx, const Span& logits, size_t vocab, const TokenChoice& choice, const Span& bias,

@@ -72,8 +72,9 @@ Dim3 qmv_grid(const WeightRef& w, bool staged) { return {qmv_groups(w.rows, stag
 Dim3 qmv_threads(bool staged) { return {staged ? tuning::kQmvStagedThreads : tuning::kQmvThreads, 1, 1}; }
 }  // namespace
 
-void qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const WeightRef& norm_weight,
-                  const WeightRef& w, const Span& y, float eps, DType dtype) {
+size_t qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const WeightRef& norm_weight,
+                    const WeightRef& w, const Span& y, float eps, DType dtype, const Span* argmax_values,
+                    const Span* argmax_ids) {
   check_qmv_weight(label, w);
   if (dtype != ctx.act && dtype != DType::F32) throw std::logic_error("[graph] " + label + ": bad output dtype");
   QMatmulNormArgs a{};
@@ -82,15 +83,25 @@ void qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const W
   a.num_rows = 1;
   a.eps = eps;
   const bool staged = tuning::staged_gemv(ctx.staged_gemv, w.bits, w.scale_dtype == DType::BF16, w.cols, false);
-  std::string name = std::string(staged ? "qmv_norm_staged" : "qmv_norm") + qmv_suffix(w, ctx.act) +
-                     (dtype != ctx.act ? "_of32" : "") + (staged ? pack_loads_suffix(ctx, {&w}) : "");
-  Node& node = add_node(ctx, name, label,
-                        {arg_value(a), arg(x), arg(norm_weight.data), arg(w.data), arg(w.scales), arg(w.biases),
-                         arg(y)},
-                        staged ? Dim3{std::min(qmv_groups(w.rows, true), tuning::kQmvStreamGroups), 1, 1}
-                               : qmv_grid(w, false),
-                        qmv_threads(staged), {x, norm_weight.data, w.data, w.scales, w.biases}, {y});
+  // Only the streaming (staged) GEMV keeps the argmax, and only for f32 logits (argmax_final compares f32).
+  const bool argmax = staged && argmax_values && argmax_ids && dtype == DType::F32;
+  std::string name = std::string(staged ? (argmax ? "qmv_norm_argmax_staged" : "qmv_norm_staged") : "qmv_norm") +
+                     qmv_suffix(w, ctx.act) + (dtype != ctx.act ? "_of32" : "") +
+                     (staged ? pack_loads_suffix(ctx, {&w}) : "");
+  const Dim3 groups = staged ? Dim3{std::min(qmv_groups(w.rows, true), tuning::kQmvStreamGroups), 1, 1}
+                             : qmv_grid(w, false);
+  std::vector<NodeArg> args = {arg_value(a), arg(x), arg(norm_weight.data), arg(w.data), arg(w.scales), arg(w.biases),
+                               arg(y)};
+  std::vector<Span> writes = {y};
+  if (argmax) {  // one (value, id) per threadgroup
+    const Span values = sub(*argmax_values, 0, groups.width * 4), ids = sub(*argmax_ids, 0, groups.width * 4);
+    args.insert(args.end(), {arg(values), arg(ids)});
+    writes.insert(writes.end(), {values, ids});
+  }
+  Node& node = add_node(ctx, name, label, std::move(args), groups, qmv_threads(staged),
+                        {x, norm_weight.data, w.data, w.scales, w.biases}, std::move(writes));
   if (staged) node.early_reads = {w.data, w.scales, w.biases};
+  return argmax ? groups.width : 0;
 }
 
 void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, const WeightRef& w,

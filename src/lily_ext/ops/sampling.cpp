@@ -27,6 +27,17 @@ void argmax(Context& ctx, const Span& logits, size_t vocab, const Span& partial_
   add_node(ctx, std::string("argmax_partial_") + dtype_name(ctx.act), "argmax partial",
            {arg_value(a), arg(logits), arg(values), arg(ids)}, {a.num_partials, 1, 1}, {tuning::kArgmaxThreads, 1, 1},
            {logits}, {values, ids});
+  argmax_final(ctx, vocab, partial_values, partial_ids, a.num_partials, tokens, out_index);
+}
+
+void argmax_final(Context& ctx, size_t vocab, const Span& partial_values, const Span& partial_ids, size_t partials,
+                  const Span& tokens, size_t out_index) {
+  ArgmaxArgs a{};
+  a.vocab_size = static_cast<u32>(vocab);
+  a.block_size = LILY_ARGMAX_BLOCK;  // unread by argmax_final
+  a.num_partials = static_cast<u32>(partials);
+  a.out_index = static_cast<u32>(out_index);
+  Span values = sub(partial_values, 0, partials * 4), ids = sub(partial_ids, 0, partials * 4);
   add_node(ctx, "argmax_final_f32", "argmax final", {arg_value(a), arg(values), arg(ids), arg(tokens)}, {1, 1, 1},
            {tuning::kArgmaxThreads, 1, 1}, {values, ids}, {sub(tokens, out_index * 4, 4)});
 }
