@@ -128,16 +128,18 @@ def qmm_case(label: str, n: int, k: int, m: int, bits: int = 4, f32_out: bool = 
                 (ceil_div(n, QMM_BN), ceil_div(m, QMM_BM16), 1), (QMM_THREADS, 1, 1), w + 2 * s + bf16(m * k) + y)
 
 
-def qmv_norm_case(label: str, n: int, k: int, staged: bool = False) -> Case:
+def qmv_norm_case(label: str, n: int, k: int, staged: bool = False, argmax: bool = False) -> Case:
     """lm_head after the final RMSNorm (fusion on), writing f32 logits (the engine's in every precision); `staged`:
-    the CUDA variant (x staged in threadgroup memory)."""
+    the CUDA variant (x staged in threadgroup memory); `argmax`: the greedy step's, which also writes each
+    threadgroup's best logit (FUSED_ARGMAX)."""
     w, s = quantized(n, k)
     grid, threads = _qmv_grid(n, 1, staged)
     if staged:  # it streams row blocks on at most QMV_STREAM_GROUPS threadgroups, as the engine launches it
         grid = (min(grid[0], QMV_STREAM_GROUPS), 1, 1)
-    return Case(label, f"qmv_norm{'_staged' if staged else ''}_q4_g64_bf16_of32",
-                [struct.pack("<IIIf", k, n, 1, EPS), bf16(k), bf16(k), w, s, s, f32(n)], grid, threads,
-                w + 2 * s + 2 * bf16(k) + f32(n))
+    partials = [f32(grid[0]), f32(grid[0])] if argmax else []
+    name = "qmv_norm" + ("_argmax" if argmax else "") + ("_staged" if staged else "") + "_q4_g64_bf16_of32"
+    return Case(label, name, [struct.pack("<IIIf", k, n, 1, EPS), bf16(k), bf16(k), w, s, s, f32(n), *partials],
+                grid, threads, w + 2 * s + 2 * bf16(k) + f32(n) + sum(partials))
 
 
 def qmv_residual_case(label: str, n: int, k: int, staged: bool = False) -> Case:
@@ -371,6 +373,9 @@ def sampling_cases() -> list[Case]:
              f32(VOCAB) + 2 * f32(partials)),
         Case("argmax over 248,320 logits: final", "argmax_final_f32",
              [args, f32(partials), f32(partials), f32(4)], (1, 1, 1), (ARGMAX_THREADS, 1, 1), 2 * f32(partials) + 4),
+        Case(f"argmax final over the greedy lm_head's {QMV_STREAM_GROUPS} partials (FUSED_ARGMAX)", "argmax_final_f32",
+             [struct.pack("<IIII", VOCAB, ARGMAX_BLOCK, QMV_STREAM_GROUPS, 0), f32(QMV_STREAM_GROUPS),
+              f32(QMV_STREAM_GROUPS), f32(4)], (1, 1, 1), (ARGMAX_THREADS, 1, 1), 2 * f32(QMV_STREAM_GROUPS) + 4),
         Case("sample over 248,320 logits (T 0.7, top-k 50, top-p 0.9)", "sample_f32",
              [struct.pack("<IIfffIIIIIII", VOCAB, 50, 0.7, 0.9, 0.0, 1234, 0, 0, 0, 0, 0, 0), f32(VOCAB), f32(4)],
              (1, 1, 1), (SAMPLE_THREADS, 1, 1), f32(VOCAB) + 4),
@@ -429,6 +434,9 @@ def qmv_cases() -> list[Case]:
         tag = " (staged)" if staged else ""
         cases.append(qmv_norm_case(f"qmv_norm lm_head {VOCAB}x{HIDDEN} (final norm folded in, f32 logits){tag}", VOCAB,
                                    HIDDEN, staged=staged))
+        if staged:  # the greedy step's lm_head on CUDA (FUSED_ARGMAX): against the row above and argmax_partial
+            cases.append(qmv_norm_case(f"qmv_norm lm_head {VOCAB}x{HIDDEN} + argmax partials (greedy){tag}", VOCAB,
+                                       HIDDEN, staged=True, argmax=True))
         cases.append(qmv_norm_seg_case(f"qmv_norm_seg DeltaNet in_proj qkv|z|b|a{tag}",
                                        [GDN_CONV_CHANNELS, GDN_V_HEADS * GDN_V_DIM, GDN_V_HEADS, GDN_V_HEADS], HIDDEN,
                                        staged=staged))

@@ -29,7 +29,8 @@ DECODE_KERNELS = {"qmv_q4_g64_bf16", "qmv_q8_g64_bf16", "qmv_norm_q4_g64_bf16_of
                   "sample_partial_f32", "sample_final_f32",
                   # CUDA's choice of the one-row decode GEMVs (tuning::staged_gemv), their codes on 16 bytes as in a
                   # full-size file (tuning::whole_pack_loads)
-                  "qmv_norm_staged_q4_g64_bf16_of32_a16", "qmv_norm_seg_staged_q4_g64_bf16_a16",
+                  "qmv_norm_staged_q4_g64_bf16_of32_a16", "qmv_norm_argmax_staged_q4_g64_bf16_of32_a16",
+                  "qmv_norm_seg_staged_q4_g64_bf16_a16",
                   "qmv_norm_seg_staged_q8_g64_bf16_of32_a16", "qmv_residual_staged_q4_g64_bf16_a16",
                   # ... and of the decode experts (tuning::staged_moe)
                   "moe_gate_up_swiglu_routed_staged_bf16_a16", "moe_down_combine_staged_bf16_a16",
