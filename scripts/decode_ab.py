@@ -67,15 +67,39 @@ def loading_with(folder: str, environment: dict[str, str], switches: dict[str, o
         os.environ.update(saved)
 
 
+def token_boundaries(events: list[dict]) -> tuple[list[float], list[float]]:
+    """Between consecutive decode steps (each starts with its embedding_gather kernel): the time from the latest
+    kernel end of the step before to that kernel's start, and how much of it copies took (the positional upload), in
+    us. `events`: kernels and copies sorted by start, chrome-trace fields (name, ts, dur)."""
+    gaps, copies = [], []
+    last_end, copied, seen_step = 0.0, 0.0, False
+    for e in events:
+        if e["name"].startswith("Memcpy"):
+            copied += e["dur"]
+            continue
+        if e["name"].startswith("embedding_gather"):
+            if seen_step:
+                gaps.append(e["ts"] - last_end)
+                copies.append(copied)
+            seen_step, copied = True, 0.0
+        last_end = max(last_end, e["ts"] + e["dur"])
+    return gaps, copies
+
+
 def timeline(prof, name: str, tokens: int, top: int) -> None:
     """Kernels in start order; per kernel, what it adds to the critical path (its end minus the latest end before
-    it) and its mean gap from that end to its start (negative: it overlapped), per token."""
+    it) and its mean gap from that end to its start (negative: it overlapped), per token; then the median gap between
+    decode steps."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy")]
     events.sort(key=lambda e: e["ts"])
+    gaps, copies = token_boundaries(events)
+    if gaps:
+        print(f"== between steps ({name}): median gap {statistics.median(gaps):.1f} us (min {min(gaps):.1f}, max "
+              f"{max(gaps):.1f}) over {len(gaps)} boundaries, copies in it {statistics.median(copies):.1f} us")
     adds, gaps, count = collections.Counter(), collections.Counter(), collections.Counter()
     last_end = events[0]["ts"]
     for e in events:

@@ -30,6 +30,17 @@ def test_a_variant_names_its_ptx_environment_and_switches() -> None:
             decode_ab.parse_variant(bad)
 
 
+def test_token_boundaries_measure_the_idle_time_before_each_step() -> None:
+    def event(name: str, ts: float, dur: float) -> dict:
+        return {"name": name, "ts": ts, "dur": dur}
+    events = [event("embedding_gather_q4_g64_bf16", 0, 5), event("qmv_a", 4, 10), event("argmax_final_f32", 14, 3),
+              event("Memcpy HtoD (Pinned -> Device)", 20, 2), event("embedding_gather_q4_g64_bf16", 30, 5),
+              event("qmv_a", 35, 50), event("qmv_b", 40, 20),  # the latest end is 85, not the last one started
+              event("embedding_gather_q4_g64_bf16", 92, 5)]
+    assert decode_ab.token_boundaries(events) == ([30 - 17, 92 - 85], [2, 0])
+    assert decode_ab.token_boundaries(events[:3]) == ([], [])
+
+
 @pytest.mark.skipif(real_driver(), reason="runs on the fake libcuda; a GPU machine runs the script itself")
 def test_an_ab_of_the_demo_model_on_the_fake_libcuda(cuda_compile_only) -> None:
     fake = fake_libcuda()
