@@ -20,6 +20,9 @@
 //                                          and value row into the cache (attention_prep_row: the prep kernel's bits),
 //                                          then attends; the single pass reads its gate from q_and_gate, the partial's
 //                                          block 0 copies it out for the combine. One dispatch fewer per layer.
+//   attention_decode_split_prep_mma_bf16_d<D>  (CUDA: LAST_BLOCK_COMBINE) the partial prep kernel and the combine in
+//                                          one dispatch: the last threadgroup of each KV head's blocks to finish
+//                                          combines them (a device-scope fence and a ticket: harness and CUDA only).
 //   attention_decode_combine_<dtype>_d<D>  split-KV pass 2: grid (query heads, slices of 32 elements of D): merges
 //                                          the blocks (weights sum_b * exp(max_b - max), kept in threadgroup memory: at
 //                                          most LILY_ATTN_SPLIT_MAX_BLOCKS blocks; the simdgroups split the blocks, a
@@ -830,6 +833,166 @@ template <typename T, uint D>
   }
 }
 
+#if defined(MSL_CPU)
+// attention_decode_split_prep_mma's combine, by the one threadgroup that finished a KV head's column of blocks last:
+// heads head0 .. head0 + G - 1, each as attention_decode_combine computes it with LILY_ATTN_COMBINE_SIMDGROUPS
+// simdgroups (the engine's), in the same order, so the same bits: the block weights sum_b * exp(max_b - total max)
+// and their sum in block order; per element, combine simdgroup s's sum over blocks s, s + n, ... in order (here
+// acc[s]), then those n sums in order. A thread takes whole float4s of a head row, two at a time, and loads a round
+// of 8 blocks before it adds them, so its loads are in flight together. `scratch`: 3 * G * num_blocks floats.
+template <typename T, uint D, uint G>
+LILY_INLINE void attn_decode_combine_heads(constant lily::AttentionArgs& args, device const T* gate,
+                                           uint gate_stride, device const float* partial_out,
+                                           device const float* partial_stats, device T* out, uint head0,
+                                           threadgroup float* scratch, uint tid, uint n_threads) {
+  constexpr uint N = LILY_ATTN_COMBINE_SIMDGROUPS;
+  const uint blocks = args.num_blocks;
+  threadgroup float* block_max = scratch;               // [G, blocks]
+  threadgroup float* weight = scratch + G * blocks;      // [G, blocks]
+  threadgroup float* total_sum = scratch + 2 * G * blocks;  // [G]
+  for (uint i = tid; i < G * blocks; i += n_threads) {
+    block_max[i] = partial_stats[(size_t(head0) * blocks + i) * 2];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint i = tid; i < G * blocks; i += n_threads) {
+    const uint h = i / blocks;
+    float total_max = -INFINITY;
+    for (uint b = 0; b < blocks; ++b) {
+      total_max = max(total_max, block_max[h * blocks + b]);
+    }
+    weight[i] = partial_stats[(size_t(head0) * blocks + i) * 2 + 1] * precise::exp(block_max[i] - total_max);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid < G) {
+    float sum = 0.0f;
+    for (uint b = 0; b < blocks; ++b) {
+      sum += weight[tid * blocks + b];
+    }
+    total_sum[tid] = sum;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  constexpr uint kChunks = G * D / 4;  // float4s of the G output rows
+  for (uint c0 = tid; c0 < kChunks; c0 += 2 * n_threads) {
+    float4 acc[2][N];
+    uint chunk[2];
+    LILY_UNROLL
+    for (uint u = 0; u < 2; ++u) {
+      chunk[u] = min(c0 + u * n_threads, kChunks - 1);  // past the rows: a duplicate, not stored
+      LILY_UNROLL
+      for (uint s = 0; s < N; ++s) {
+        acc[u][s] = float4(0.0f);
+      }
+    }
+    for (uint b0 = 0; b0 < blocks; b0 += N) {
+      float4 loaded[2][N];
+      LILY_UNROLL
+      for (uint u = 0; u < 2; ++u) {
+        const uint h = chunk[u] / (D / 4), e = 4 * (chunk[u] % (D / 4));
+        LILY_UNROLL
+        for (uint s = 0; s < N; ++s) {
+          const uint b = min(b0 + s, blocks - 1);
+          loaded[u][s] = *(device const float4*)(partial_out + ((size_t(head0 + h) * blocks + b) * D + e));
+        }
+      }
+      LILY_UNROLL
+      for (uint u = 0; u < 2; ++u) {
+        const uint h = chunk[u] / (D / 4);
+        LILY_UNROLL
+        for (uint s = 0; s < N; ++s) {
+          if (b0 + s < blocks) {
+            const float w = weight[h * blocks + b0 + s];
+            acc[u][s].x += w * loaded[u][s].x;
+            acc[u][s].y += w * loaded[u][s].y;
+            acc[u][s].z += w * loaded[u][s].z;
+            acc[u][s].w += w * loaded[u][s].w;
+          }
+        }
+      }
+    }
+    LILY_UNROLL
+    for (uint u = 0; u < 2; ++u) {
+      if (c0 + u * n_threads < kChunks) {
+        const uint h = chunk[u] / (D / 4), e = 4 * (chunk[u] % (D / 4));
+        float4 total = float4(0.0f);
+        LILY_UNROLL
+        for (uint s = 0; s < N; ++s) {
+          total += acc[u][s];
+        }
+        for (uint j = 0; j < 4; ++j) {
+          const float g = float(gate[size_t(head0 + h) * gate_stride + e + j]);
+          out[size_t(head0 + h) * D + e + j] = T(total[j] / total_sum[h] * lily::sigmoid(g));
+        }
+      }
+    }
+  }
+}
+
+// attention_decode_partial_prep_mma in one dispatch with its combine (LAST_BLOCK_COMBINE): every threadgroup writes its
+// block's partials as the partial kernel does, fences, and takes a ticket of its KV head's column (tickets[group.x]);
+// the threadgroup that takes the last one fences and combines the column's blocks into the gated output
+// (attn_decode_combine_heads: attention_decode_combine's bits), reading the gate from q_and_gate, then puts the ticket
+// back to 0 for the next dispatch. Threadgroups hand data to each other inside the dispatch, so this needs
+// lily::device_fence: it exists for the CPU harness and CUDA only.
+template <typename T, uint D, uint G>
+[[kernel]] void attention_decode_split_prep_mma(constant lily::AttentionArgs& args [[buffer(0)]],
+                                                constant lily::AttentionPrepArgs& prep [[buffer(1)]],
+                                                device const T* q_and_gate [[buffer(2)]],
+                                                device const T* k [[buffer(3)]],
+                                                device const T* v [[buffer(4)]],
+                                                device const T* q_norm [[buffer(5)]],
+                                                device const T* k_norm [[buffer(6)]],
+                                                device bfloat* k_cache [[buffer(7)]],
+                                                device bfloat* v_cache [[buffer(8)]],
+                                                device float* partial_out [[buffer(9)]],
+                                                device float* partial_stats [[buffer(10)]],
+                                                device T* out [[buffer(11)]],
+                                                device atomic_uint* tickets [[buffer(12)]],  // [groups], 0 between
+                                                uint2 group [[threadgroup_position_in_grid]],
+                                                uint tid [[thread_index_in_threadgroup]],
+                                                uint2 threads_per_group [[threads_per_threadgroup]],
+                                                uint simd_lane [[thread_index_in_simdgroup]],
+                                                uint simd_group [[simdgroup_index_in_threadgroup]],
+                                                uint n_simdgroups [[simdgroups_per_threadgroup]]) {
+  threadgroup float stats_max[8 * 8];  // [simdgroup][column]
+  threadgroup float stats_sum[8 * 8];
+  threadgroup float merge[LILY_ATTN_DECODE_MMA_MERGE_FLOATS + 64];  // the combine's scratch afterwards
+  threadgroup T q_rows[G * D];
+  threadgroup bool combines;
+  static_assert(3 * G * LILY_ATTN_SPLIT_MAX_BLOCKS <= LILY_ATTN_DECODE_MMA_MERGE_FLOATS, "the combine's scratch");
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
+  const uint head0 = group.x * G;
+  const uint kv_head = head0 / (args.num_heads / args.num_kv_heads);
+  const uint block = group.y;
+  const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
+  const uint key_begin = block * span;
+  AttnDecodePartialStore<D> store{partial_out, partial_stats, head0, block, args.num_blocks};
+  if (key_begin >= args.num_keys) {
+    attn_decode_empty_block<D, G>(store, tid, n_threads);
+  } else {
+    const uint key_end = min(args.num_keys, key_begin + span);
+    attn_decode_prep_rows<T, D, G>(prep, q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, q_rows, head0, kv_head,
+                                   key_end == args.num_keys, simd_lane, simd_group, n_simdgroups);
+    attn_decode_mma_heads<T, D, G>(args, q_rows, k_cache, v_cache, head0, key_begin, key_end, stats_max, stats_sum,
+                                   merge, store, tid, n_threads, simd_lane, simd_group, n_simdgroups);
+  }
+  lily::device_fence();  // this thread's partials, before the ticket
+  threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
+  if (tid == 0) {
+    combines = atomic_fetch_add_explicit(&tickets[group.x], 1u, memory_order_relaxed) + 1 == args.num_blocks;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (!combines) {
+    return;  // the whole threadgroup
+  }
+  lily::device_fence();  // every other threadgroup's partials, after the last ticket
+  if (tid == 0) {
+    atomic_store_explicit(&tickets[group.x], 0u, memory_order_relaxed);
+  }
+  attn_decode_combine_heads<T, D, G>(args, q_and_gate + D, 2 * D, partial_out, partial_stats, out, head0, merge, tid,
+                                     n_threads);
+}
+#endif
+
 // Model (head dim 256, GQA group 8): 4 heads per threadgroup.
 LILY_INSTANTIATE_KERNEL("attention_decode_f32_d256", attention_decode, float, float, 256, 4, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_bf16_d256", attention_decode, bfloat, bfloat, 256, 4, true)
@@ -860,6 +1023,12 @@ LILY_INSTANTIATE_KERNEL("attention_decode_prep_mma_bf16_d64", attention_decode_p
                         LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_prep_mma_bf16_d64", attention_decode_partial_prep_mma, bfloat, 64,
                         LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
+#if defined(MSL_CPU)
+LILY_INSTANTIATE_KERNEL("attention_decode_split_prep_mma_bf16_d256", attention_decode_split_prep_mma, bfloat, 256,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP)
+LILY_INSTANTIATE_KERNEL("attention_decode_split_prep_mma_bf16_d64", attention_decode_split_prep_mma, bfloat, 64,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
+#endif
 // GQA-packing ablation (LILY_DISABLE_GQA_PACKING): one head per threadgroup; the combine kernels are shared.
 LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_f32_d256", attention_decode, float, float, 256, 1, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_bf16_d256", attention_decode, bfloat, bfloat, 256, 1, true)
