@@ -35,6 +35,7 @@ def test_the_last_block_combine_gives_the_combine_kernels_bits(checkpoints, cuda
     assert np.array_equal(runs[True].view(np.uint32), runs[False].view(np.uint32))
 
 
+@pytest.mark.metal
 def test_the_metal_runtime_keeps_the_combine_kernel(checkpoints):  # noqa: F811
     from lily.backends.metal import MetalBackend
 
