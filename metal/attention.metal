@@ -676,6 +676,33 @@ LILY_INLINE void attn_decode_prep_rows(constant lily::AttentionPrepArgs& prep, d
   threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
 }
 
+// One block of a fused split pass (attention_decode_partial_prep_mma, attention_decode_split_prep_mma): an empty
+// block's zero-weight partials, else the prep of the G query rows (and, in the block that holds the new key, that
+// key's cache row) and the attention over the block's keys into `store`. Every thread of the threadgroup calls it.
+template <typename T, uint D, uint G>
+LILY_INLINE void attn_decode_prep_block(constant lily::AttentionArgs& args, constant lily::AttentionPrepArgs& prep,
+                                        device const T* q_and_gate, device const T* k, device const T* v,
+                                        device const T* q_norm, device const T* k_norm, device bfloat* k_cache,
+                                        device bfloat* v_cache, thread AttnDecodePartialStore<D>& store,
+                                        threadgroup T* q_rows, threadgroup float* stats_max,
+                                        threadgroup float* stats_sum, threadgroup float* merge, uint head0,
+                                        uint block, uint tid, uint n_threads, uint simd_lane, uint simd_group,
+                                        uint n_simdgroups) {
+  const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
+  const uint key_begin = block * span;
+  if (key_begin >= args.num_keys) {
+    attn_decode_empty_block<D, G>(store, tid, n_threads);
+    return;
+  }
+  const uint key_end = min(args.num_keys, key_begin + span);
+  const uint kv_head = head0 / (args.num_heads / args.num_kv_heads);
+  // The new key (row num_keys - 1 = prep.first_position) lies in the last non-empty block: the one ending at num_keys.
+  attn_decode_prep_rows<T, D, G>(prep, q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, q_rows, head0, kv_head,
+                                 key_end == args.num_keys, simd_lane, simd_group, n_simdgroups);
+  attn_decode_mma_heads<T, D, G>(args, q_rows, k_cache, v_cache, head0, key_begin, key_end, stats_max, stats_sum,
+                                 merge, store, tid, n_threads, simd_lane, simd_group, n_simdgroups);
+}
+
 // attention_decode_partial_mma with attention_prep fused in front: each threadgroup preps its own G query rows (and,
 // in the block that holds the new key, that key's cache row) instead of reading q from a prep dispatch; block 0's
 // threadgroups also copy their heads' gate rows out of q_and_gate for the combine.
@@ -704,27 +731,15 @@ template <typename T, uint D, uint G>
   threadgroup T q_rows[G * D];
   const uint n_threads = threads_per_group.x;  // 1-D threadgroups
   const uint head0 = group.x * G;
-  const uint kv_head = head0 / (args.num_heads / args.num_kv_heads);
-  const uint block = group.y;
-  const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
-  const uint key_begin = block * span;
-  if (block == 0) {
+  if (group.y == 0) {
     for (uint i = tid; i < G * D; i += n_threads) {
       gate[size_t(head0) * D + i] = q_and_gate[size_t(head0 + i / D) * (2 * D) + D + i % D];  // exact copy
     }
   }
-  AttnDecodePartialStore<D> store{partial_out, partial_stats, head0, block, args.num_blocks};
-  if (key_begin >= args.num_keys) {
-    attn_decode_empty_block<D, G>(store, tid, n_threads);
-    return;
-  }
-  const uint key_end = min(args.num_keys, key_begin + span);
-  // The new key (row num_keys - 1 = prep.first_position) lies in the last non-empty block: the one ending at num_keys.
-  attn_decode_prep_rows<T, D, G>(prep, q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, q_rows, head0, kv_head,
-                                 key_end == args.num_keys, simd_lane, simd_group, n_simdgroups);
-  attn_decode_mma_heads<T, D, G>(args, q_rows, k_cache, v_cache, head0, key_begin, key_end,
-                                 stats_max, stats_sum, merge, store, tid, n_threads, simd_lane, simd_group,
-                                 n_simdgroups);
+  AttnDecodePartialStore<D> store{partial_out, partial_stats, head0, group.y, args.num_blocks};
+  attn_decode_prep_block<T, D, G>(args, prep, q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, store, q_rows,
+                                  stats_max, stats_sum, merge, head0, group.y, tid, n_threads, simd_lane, simd_group,
+                                  n_simdgroups);
 }
 
 // attention_decode_mma with attention_prep fused in front: each threadgroup preps its G query rows and its KV head's
@@ -760,6 +775,39 @@ template <typename T, uint D, uint G>
                                  n_simdgroups);
 }
 
+// The split-KV combine's block weights for heads head0 .. head0 + heads - 1 (attention_decode_combine: one head;
+// attention_decode_split_prep_mma's last threadgroup: its G heads): weight[h * blocks + b] = sum_b * exp(max_b -
+// head h's largest max), from partial_stats [Hq, blocks, 2]. block_max and weight: [heads, blocks] of threadgroup
+// memory. Every thread of the threadgroup calls it (two barriers); then attn_combine_total gives a head's sum.
+LILY_INLINE void attn_combine_weights(device const float* partial_stats, uint head0, uint heads, uint blocks,
+                                      threadgroup float* block_max, threadgroup float* weight, uint tid,
+                                      uint n_threads) {
+  for (uint i = tid; i < heads * blocks; i += n_threads) {
+    block_max[i] = partial_stats[(size_t(head0) * blocks + i) * 2];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // An empty block has max -inf and sum 0, and at least one block is not empty, so total_max is finite and the empty
+  // block's weight is 0.
+  for (uint i = tid; i < heads * blocks; i += n_threads) {
+    threadgroup const float* head_max = block_max + (i / blocks) * blocks;
+    float total_max = -INFINITY;
+    for (uint b = 0; b < blocks; ++b) {
+      total_max = max(total_max, head_max[b]);
+    }
+    weight[i] = partial_stats[(size_t(head0) * blocks + i) * 2 + 1] * precise::exp(block_max[i] - total_max);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// One head's total weight (attn_combine_weights' row of it), summed in block order.
+LILY_INLINE float attn_combine_total(threadgroup const float* weight, uint blocks) {
+  float total = 0.0f;
+  for (uint b = 0; b < blocks; ++b) {
+    total += weight[b];
+  }
+  return total;
+}
+
 template <typename T, uint D>
 [[kernel]] void attention_decode_combine(constant lily::AttentionArgs& args [[buffer(0)]],
                                          device const T* gate [[buffer(1)]],
@@ -777,26 +825,9 @@ template <typename T, uint D>
   threadgroup float weight[LILY_ATTN_SPLIT_MAX_BLOCKS];
   threadgroup float sums[32 * 32];  // [simdgroup][lane]
   const uint head = group.x;
-  device const float* stats = partial_stats + size_t(head) * args.num_blocks * 2;
   device const float* outs = partial_out + size_t(head) * args.num_blocks * D;
-  for (uint b = tid; b < args.num_blocks; b += 32 * n_simdgroups) {
-    block_max[b] = stats[2 * b];
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  // An empty block has max -inf and sum 0, and at least one block is not empty, so total_max is finite and the empty
-  // block's weight is 0.
-  float total_max = -INFINITY;
-  for (uint b = 0; b < args.num_blocks; ++b) {
-    total_max = max(total_max, block_max[b]);
-  }
-  for (uint b = tid; b < args.num_blocks; b += 32 * n_simdgroups) {
-    weight[b] = stats[2 * b + 1] * precise::exp(block_max[b] - total_max);
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  float total_sum = 0.0f;
-  for (uint b = 0; b < args.num_blocks; ++b) {
-    total_sum += weight[b];
-  }
+  attn_combine_weights(partial_stats, head, 1, args.num_blocks, block_max, weight, tid, 32 * n_simdgroups);
+  const float total_sum = attn_combine_total(weight, args.num_blocks);
   // Grid y takes slices of 32 elements of the head (lane = element); the n simdgroups split the blocks (simdgroup s
   // the blocks s, s + n, ...: at 64 blocks and 8 simdgroups 8 loads per lane, all in flight), then simdgroup 0 adds
   // their sums in a fixed order.
@@ -836,9 +867,9 @@ template <typename T, uint D>
 #if defined(MSL_CPU)
 // attention_decode_split_prep_mma's combine, by the one threadgroup that finished a KV head's column of blocks last:
 // heads head0 .. head0 + G - 1, each as attention_decode_combine computes it with LILY_ATTN_COMBINE_SIMDGROUPS
-// simdgroups (the engine's), in the same order, so the same bits: the block weights sum_b * exp(max_b - total max)
-// and their sum in block order; per element, combine simdgroup s's sum over blocks s, s + n, ... in order (here
-// acc[s]), then those n sums in order. A thread takes whole float4s of a head row, two at a time, and loads a round
+// simdgroups (the engine's), in the same order, so the same bits: the block weights and their sums by the same
+// functions (attn_combine_weights, attn_combine_total); per element, combine simdgroup s's sum over blocks s, s + n,
+// ... in order (here acc[s]), then those n sums in order. A thread takes whole float4s of a head row, two at a time, and loads a round
 // of 8 blocks before it adds them, so its loads are in flight together. `scratch`: 3 * G * num_blocks floats.
 template <typename T, uint D, uint G>
 LILY_INLINE void attn_decode_combine_heads(constant lily::AttentionArgs& args, device const T* gate,
@@ -847,28 +878,12 @@ LILY_INLINE void attn_decode_combine_heads(constant lily::AttentionArgs& args, d
                                            threadgroup float* scratch, uint tid, uint n_threads) {
   constexpr uint N = LILY_ATTN_COMBINE_SIMDGROUPS;
   const uint blocks = args.num_blocks;
-  threadgroup float* block_max = scratch;               // [G, blocks]
-  threadgroup float* weight = scratch + G * blocks;      // [G, blocks]
-  threadgroup float* total_sum = scratch + 2 * G * blocks;  // [G]
-  for (uint i = tid; i < G * blocks; i += n_threads) {
-    block_max[i] = partial_stats[(size_t(head0) * blocks + i) * 2];
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint i = tid; i < G * blocks; i += n_threads) {
-    const uint h = i / blocks;
-    float total_max = -INFINITY;
-    for (uint b = 0; b < blocks; ++b) {
-      total_max = max(total_max, block_max[h * blocks + b]);
-    }
-    weight[i] = partial_stats[(size_t(head0) * blocks + i) * 2 + 1] * precise::exp(block_max[i] - total_max);
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+  threadgroup float* block_max = scratch;                   // [G, blocks]
+  threadgroup float* weight = scratch + G * blocks;          // [G, blocks]
+  threadgroup float* total_sum = scratch + 2 * G * blocks;   // [G]
+  attn_combine_weights(partial_stats, head0, G, blocks, block_max, weight, tid, n_threads);
   if (tid < G) {
-    float sum = 0.0f;
-    for (uint b = 0; b < blocks; ++b) {
-      sum += weight[tid * blocks + b];
-    }
-    total_sum[tid] = sum;
+    total_sum[tid] = attn_combine_total(weight + tid * blocks, blocks);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   constexpr uint kChunks = G * D / 4;  // float4s of the G output rows
@@ -961,20 +976,10 @@ template <typename T, uint D, uint G>
   static_assert(3 * G * LILY_ATTN_SPLIT_MAX_BLOCKS <= LILY_ATTN_DECODE_MMA_MERGE_FLOATS, "the combine's scratch");
   const uint n_threads = threads_per_group.x;  // 1-D threadgroups
   const uint head0 = group.x * G;
-  const uint kv_head = head0 / (args.num_heads / args.num_kv_heads);
-  const uint block = group.y;
-  const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
-  const uint key_begin = block * span;
-  AttnDecodePartialStore<D> store{partial_out, partial_stats, head0, block, args.num_blocks};
-  if (key_begin >= args.num_keys) {
-    attn_decode_empty_block<D, G>(store, tid, n_threads);
-  } else {
-    const uint key_end = min(args.num_keys, key_begin + span);
-    attn_decode_prep_rows<T, D, G>(prep, q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, q_rows, head0, kv_head,
-                                   key_end == args.num_keys, simd_lane, simd_group, n_simdgroups);
-    attn_decode_mma_heads<T, D, G>(args, q_rows, k_cache, v_cache, head0, key_begin, key_end, stats_max, stats_sum,
-                                   merge, store, tid, n_threads, simd_lane, simd_group, n_simdgroups);
-  }
+  AttnDecodePartialStore<D> store{partial_out, partial_stats, head0, group.y, args.num_blocks};
+  attn_decode_prep_block<T, D, G>(args, prep, q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, store, q_rows,
+                                  stats_max, stats_sum, merge, head0, group.y, tid, n_threads, simd_lane, simd_group,
+                                  n_simdgroups);
   lily::device_fence();  // this thread's partials, before the ticket
   threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
   if (tid == 0) {
