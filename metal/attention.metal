@@ -20,9 +20,6 @@
 //                                          and value row into the cache (attention_prep_row: the prep kernel's bits),
 //                                          then attends; the single pass reads its gate from q_and_gate, the partial's
 //                                          block 0 copies it out for the combine. One dispatch fewer per layer.
-//   attention_decode_split_prep_mma_bf16_d<D>  (CUDA: LAST_BLOCK_COMBINE) the partial prep kernel and the combine in
-//                                          one dispatch: the last threadgroup of each KV head's blocks to finish
-//                                          combines them (a device-scope fence and a ticket: harness and CUDA only).
 //   attention_decode_combine_<dtype>_d<D>  split-KV pass 2: grid (query heads, slices of 32 elements of D): merges
 //                                          the blocks (weights sum_b * exp(max_b - max), kept in threadgroup memory: at
 //                                          most LILY_ATTN_SPLIT_MAX_BLOCKS blocks; the simdgroups split the blocks, a
@@ -676,33 +673,6 @@ LILY_INLINE void attn_decode_prep_rows(constant lily::AttentionPrepArgs& prep, d
   threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
 }
 
-// One block of a fused split pass (attention_decode_partial_prep_mma, attention_decode_split_prep_mma): an empty
-// block's zero-weight partials, else the prep of the G query rows (and, in the block that holds the new key, that
-// key's cache row) and the attention over the block's keys into `store`. Every thread of the threadgroup calls it.
-template <typename T, uint D, uint G>
-LILY_INLINE void attn_decode_prep_block(constant lily::AttentionArgs& args, constant lily::AttentionPrepArgs& prep,
-                                        device const T* q_and_gate, device const T* k, device const T* v,
-                                        device const T* q_norm, device const T* k_norm, device bfloat* k_cache,
-                                        device bfloat* v_cache, thread AttnDecodePartialStore<D>& store,
-                                        threadgroup T* q_rows, threadgroup float* stats_max,
-                                        threadgroup float* stats_sum, threadgroup float* merge, uint head0,
-                                        uint block, uint tid, uint n_threads, uint simd_lane, uint simd_group,
-                                        uint n_simdgroups) {
-  const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
-  const uint key_begin = block * span;
-  if (key_begin >= args.num_keys) {
-    attn_decode_empty_block<D, G>(store, tid, n_threads);
-    return;
-  }
-  const uint key_end = min(args.num_keys, key_begin + span);
-  const uint kv_head = head0 / (args.num_heads / args.num_kv_heads);
-  // The new key (row num_keys - 1 = prep.first_position) lies in the last non-empty block: the one ending at num_keys.
-  attn_decode_prep_rows<T, D, G>(prep, q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, q_rows, head0, kv_head,
-                                 key_end == args.num_keys, simd_lane, simd_group, n_simdgroups);
-  attn_decode_mma_heads<T, D, G>(args, q_rows, k_cache, v_cache, head0, key_begin, key_end, stats_max, stats_sum,
-                                 merge, store, tid, n_threads, simd_lane, simd_group, n_simdgroups);
-}
-
 // attention_decode_partial_mma with attention_prep fused in front: each threadgroup preps its own G query rows (and,
 // in the block that holds the new key, that key's cache row) instead of reading q from a prep dispatch; block 0's
 // threadgroups also copy their heads' gate rows out of q_and_gate for the combine.
@@ -731,15 +701,27 @@ template <typename T, uint D, uint G>
   threadgroup T q_rows[G * D];
   const uint n_threads = threads_per_group.x;  // 1-D threadgroups
   const uint head0 = group.x * G;
-  if (group.y == 0) {
+  const uint kv_head = head0 / (args.num_heads / args.num_kv_heads);
+  const uint block = group.y;
+  const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
+  const uint key_begin = block * span;
+  if (block == 0) {
     for (uint i = tid; i < G * D; i += n_threads) {
       gate[size_t(head0) * D + i] = q_and_gate[size_t(head0 + i / D) * (2 * D) + D + i % D];  // exact copy
     }
   }
-  AttnDecodePartialStore<D> store{partial_out, partial_stats, head0, group.y, args.num_blocks};
-  attn_decode_prep_block<T, D, G>(args, prep, q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, store, q_rows,
-                                  stats_max, stats_sum, merge, head0, group.y, tid, n_threads, simd_lane, simd_group,
-                                  n_simdgroups);
+  AttnDecodePartialStore<D> store{partial_out, partial_stats, head0, block, args.num_blocks};
+  if (key_begin >= args.num_keys) {
+    attn_decode_empty_block<D, G>(store, tid, n_threads);
+    return;
+  }
+  const uint key_end = min(args.num_keys, key_begin + span);
+  // The new key (row num_keys - 1 = prep.first_position) lies in the last non-empty block: the one ending at num_keys.
+  attn_decode_prep_rows<T, D, G>(prep, q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, q_rows, head0, kv_head,
+                                 key_end == args.num_keys, simd_lane, simd_group, n_simdgroups);
+  attn_decode_mma_heads<T, D, G>(args, q_rows, k_cache, v_cache, head0, key_begin, key_end,
+                                 stats_max, stats_sum, merge, store, tid, n_threads, simd_lane, simd_group,
+                                 n_simdgroups);
 }
 
 // attention_decode_mma with attention_prep fused in front: each threadgroup preps its G query rows and its KV head's
@@ -775,39 +757,6 @@ template <typename T, uint D, uint G>
                                  n_simdgroups);
 }
 
-// The split-KV combine's block weights for heads head0 .. head0 + heads - 1 (attention_decode_combine: one head;
-// attention_decode_split_prep_mma's last threadgroup: its G heads): weight[h * blocks + b] = sum_b * exp(max_b -
-// head h's largest max), from partial_stats [Hq, blocks, 2]. block_max and weight: [heads, blocks] of threadgroup
-// memory. Every thread of the threadgroup calls it (two barriers); then attn_combine_total gives a head's sum.
-LILY_INLINE void attn_combine_weights(device const float* partial_stats, uint head0, uint heads, uint blocks,
-                                      threadgroup float* block_max, threadgroup float* weight, uint tid,
-                                      uint n_threads) {
-  for (uint i = tid; i < heads * blocks; i += n_threads) {
-    block_max[i] = partial_stats[(size_t(head0) * blocks + i) * 2];
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  // An empty block has max -inf and sum 0, and at least one block is not empty, so total_max is finite and the empty
-  // block's weight is 0.
-  for (uint i = tid; i < heads * blocks; i += n_threads) {
-    threadgroup const float* head_max = block_max + (i / blocks) * blocks;
-    float total_max = -INFINITY;
-    for (uint b = 0; b < blocks; ++b) {
-      total_max = max(total_max, head_max[b]);
-    }
-    weight[i] = partial_stats[(size_t(head0) * blocks + i) * 2 + 1] * precise::exp(block_max[i] - total_max);
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-}
-
-// One head's total weight (attn_combine_weights' row of it), summed in block order.
-LILY_INLINE float attn_combine_total(threadgroup const float* weight, uint blocks) {
-  float total = 0.0f;
-  for (uint b = 0; b < blocks; ++b) {
-    total += weight[b];
-  }
-  return total;
-}
-
 template <typename T, uint D>
 [[kernel]] void attention_decode_combine(constant lily::AttentionArgs& args [[buffer(0)]],
                                          device const T* gate [[buffer(1)]],
@@ -825,9 +774,26 @@ template <typename T, uint D>
   threadgroup float weight[LILY_ATTN_SPLIT_MAX_BLOCKS];
   threadgroup float sums[32 * 32];  // [simdgroup][lane]
   const uint head = group.x;
+  device const float* stats = partial_stats + size_t(head) * args.num_blocks * 2;
   device const float* outs = partial_out + size_t(head) * args.num_blocks * D;
-  attn_combine_weights(partial_stats, head, 1, args.num_blocks, block_max, weight, tid, 32 * n_simdgroups);
-  const float total_sum = attn_combine_total(weight, args.num_blocks);
+  for (uint b = tid; b < args.num_blocks; b += 32 * n_simdgroups) {
+    block_max[b] = stats[2 * b];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // An empty block has max -inf and sum 0, and at least one block is not empty, so total_max is finite and the empty
+  // block's weight is 0.
+  float total_max = -INFINITY;
+  for (uint b = 0; b < args.num_blocks; ++b) {
+    total_max = max(total_max, block_max[b]);
+  }
+  for (uint b = tid; b < args.num_blocks; b += 32 * n_simdgroups) {
+    weight[b] = stats[2 * b + 1] * precise::exp(block_max[b] - total_max);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float total_sum = 0.0f;
+  for (uint b = 0; b < args.num_blocks; ++b) {
+    total_sum += weight[b];
+  }
   // Grid y takes slices of 32 elements of the head (lane = element); the n simdgroups split the blocks (simdgroup s
   // the blocks s, s + n, ...: at 64 blocks and 8 simdgroups 8 loads per lane, all in flight), then simdgroup 0 adds
   // their sums in a fixed order.
@@ -864,140 +830,6 @@ template <typename T, uint D>
   }
 }
 
-#if defined(MSL_CPU)
-// attention_decode_split_prep_mma's combine, by the one threadgroup that finished a KV head's column of blocks last:
-// heads head0 .. head0 + G - 1, each as attention_decode_combine computes it with LILY_ATTN_COMBINE_SIMDGROUPS
-// simdgroups (the engine's), in the same order, so the same bits: the block weights and their sums by the same
-// functions (attn_combine_weights, attn_combine_total); per element, combine simdgroup s's sum over blocks s, s + n,
-// ... in order (here acc[s]), then those n sums in order. A thread takes whole float4s of a head row, two at a time, and loads a round
-// of 8 blocks before it adds them, so its loads are in flight together. `scratch`: 3 * G * num_blocks floats.
-template <typename T, uint D, uint G>
-LILY_INLINE void attn_decode_combine_heads(constant lily::AttentionArgs& args, device const T* gate,
-                                           uint gate_stride, device const float* partial_out,
-                                           device const float* partial_stats, device T* out, uint head0,
-                                           threadgroup float* scratch, uint tid, uint n_threads) {
-  constexpr uint N = LILY_ATTN_COMBINE_SIMDGROUPS;
-  const uint blocks = args.num_blocks;
-  threadgroup float* block_max = scratch;                   // [G, blocks]
-  threadgroup float* weight = scratch + G * blocks;          // [G, blocks]
-  threadgroup float* total_sum = scratch + 2 * G * blocks;   // [G]
-  attn_combine_weights(partial_stats, head0, G, blocks, block_max, weight, tid, n_threads);
-  if (tid < G) {
-    total_sum[tid] = attn_combine_total(weight + tid * blocks, blocks);
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  constexpr uint kChunks = G * D / 4;  // float4s of the G output rows
-  for (uint c0 = tid; c0 < kChunks; c0 += 2 * n_threads) {
-    float4 acc[2][N];
-    uint chunk[2];
-    LILY_UNROLL
-    for (uint u = 0; u < 2; ++u) {
-      chunk[u] = min(c0 + u * n_threads, kChunks - 1);  // past the rows: a duplicate, not stored
-      LILY_UNROLL
-      for (uint s = 0; s < N; ++s) {
-        acc[u][s] = float4(0.0f);
-      }
-    }
-    for (uint b0 = 0; b0 < blocks; b0 += N) {
-      float4 loaded[2][N];
-      LILY_UNROLL
-      for (uint u = 0; u < 2; ++u) {
-        const uint h = chunk[u] / (D / 4), e = 4 * (chunk[u] % (D / 4));
-        LILY_UNROLL
-        for (uint s = 0; s < N; ++s) {
-          const uint b = min(b0 + s, blocks - 1);
-          loaded[u][s] = *(device const float4*)(partial_out + ((size_t(head0 + h) * blocks + b) * D + e));
-        }
-      }
-      LILY_UNROLL
-      for (uint u = 0; u < 2; ++u) {
-        const uint h = chunk[u] / (D / 4);
-        LILY_UNROLL
-        for (uint s = 0; s < N; ++s) {
-          if (b0 + s < blocks) {
-            const float w = weight[h * blocks + b0 + s];
-            acc[u][s].x += w * loaded[u][s].x;
-            acc[u][s].y += w * loaded[u][s].y;
-            acc[u][s].z += w * loaded[u][s].z;
-            acc[u][s].w += w * loaded[u][s].w;
-          }
-        }
-      }
-    }
-    LILY_UNROLL
-    for (uint u = 0; u < 2; ++u) {
-      if (c0 + u * n_threads < kChunks) {
-        const uint h = chunk[u] / (D / 4), e = 4 * (chunk[u] % (D / 4));
-        float4 total = float4(0.0f);
-        LILY_UNROLL
-        for (uint s = 0; s < N; ++s) {
-          total += acc[u][s];
-        }
-        for (uint j = 0; j < 4; ++j) {
-          const float g = float(gate[size_t(head0 + h) * gate_stride + e + j]);
-          out[size_t(head0 + h) * D + e + j] = T(total[j] / total_sum[h] * lily::sigmoid(g));
-        }
-      }
-    }
-  }
-}
-
-// attention_decode_partial_prep_mma in one dispatch with its combine (LAST_BLOCK_COMBINE): every threadgroup writes its
-// block's partials as the partial kernel does, fences, and takes a ticket of its KV head's column (tickets[group.x]);
-// the threadgroup that takes the last one fences and combines the column's blocks into the gated output
-// (attn_decode_combine_heads: attention_decode_combine's bits), reading the gate from q_and_gate, then puts the ticket
-// back to 0 for the next dispatch. Threadgroups hand data to each other inside the dispatch, so this needs
-// lily::device_fence: it exists for the CPU harness and CUDA only.
-template <typename T, uint D, uint G>
-[[kernel]] void attention_decode_split_prep_mma(constant lily::AttentionArgs& args [[buffer(0)]],
-                                                constant lily::AttentionPrepArgs& prep [[buffer(1)]],
-                                                device const T* q_and_gate [[buffer(2)]],
-                                                device const T* k [[buffer(3)]],
-                                                device const T* v [[buffer(4)]],
-                                                device const T* q_norm [[buffer(5)]],
-                                                device const T* k_norm [[buffer(6)]],
-                                                device bfloat* k_cache [[buffer(7)]],
-                                                device bfloat* v_cache [[buffer(8)]],
-                                                device float* partial_out [[buffer(9)]],
-                                                device float* partial_stats [[buffer(10)]],
-                                                device T* out [[buffer(11)]],
-                                                device atomic_uint* tickets [[buffer(12)]],  // [groups], 0 between
-                                                uint2 group [[threadgroup_position_in_grid]],
-                                                uint tid [[thread_index_in_threadgroup]],
-                                                uint2 threads_per_group [[threads_per_threadgroup]],
-                                                uint simd_lane [[thread_index_in_simdgroup]],
-                                                uint simd_group [[simdgroup_index_in_threadgroup]],
-                                                uint n_simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float stats_max[8 * 8];  // [simdgroup][column]
-  threadgroup float stats_sum[8 * 8];
-  threadgroup float merge[LILY_ATTN_DECODE_MMA_MERGE_FLOATS + 64];  // the combine's scratch afterwards
-  threadgroup T q_rows[G * D];
-  threadgroup bool combines;
-  static_assert(3 * G * LILY_ATTN_SPLIT_MAX_BLOCKS <= LILY_ATTN_DECODE_MMA_MERGE_FLOATS, "the combine's scratch");
-  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
-  const uint head0 = group.x * G;
-  AttnDecodePartialStore<D> store{partial_out, partial_stats, head0, group.y, args.num_blocks};
-  attn_decode_prep_block<T, D, G>(args, prep, q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, store, q_rows,
-                                  stats_max, stats_sum, merge, head0, group.y, tid, n_threads, simd_lane, simd_group,
-                                  n_simdgroups);
-  lily::device_fence();  // this thread's partials, before the ticket
-  threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
-  if (tid == 0) {
-    combines = atomic_fetch_add_explicit(&tickets[group.x], 1u, memory_order_relaxed) + 1 == args.num_blocks;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (!combines) {
-    return;  // the whole threadgroup
-  }
-  lily::device_fence();  // every other threadgroup's partials, after the last ticket
-  if (tid == 0) {
-    atomic_store_explicit(&tickets[group.x], 0u, memory_order_relaxed);
-  }
-  attn_decode_combine_heads<T, D, G>(args, q_and_gate + D, 2 * D, partial_out, partial_stats, out, head0, merge, tid,
-                                     n_threads);
-}
-#endif
-
 // Model (head dim 256, GQA group 8): 4 heads per threadgroup.
 LILY_INSTANTIATE_KERNEL("attention_decode_f32_d256", attention_decode, float, float, 256, 4, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_bf16_d256", attention_decode, bfloat, bfloat, 256, 4, true)
@@ -1028,12 +860,6 @@ LILY_INSTANTIATE_KERNEL("attention_decode_prep_mma_bf16_d64", attention_decode_p
                         LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_prep_mma_bf16_d64", attention_decode_partial_prep_mma, bfloat, 64,
                         LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
-#if defined(MSL_CPU)
-LILY_INSTANTIATE_KERNEL("attention_decode_split_prep_mma_bf16_d256", attention_decode_split_prep_mma, bfloat, 256,
-                        LILY_ATTN_MMA_HEADS_PER_GROUP)
-LILY_INSTANTIATE_KERNEL("attention_decode_split_prep_mma_bf16_d64", attention_decode_split_prep_mma, bfloat, 64,
-                        LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
-#endif
 // GQA-packing ablation (LILY_DISABLE_GQA_PACKING): one head per threadgroup; the combine kernels are shared.
 LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_f32_d256", attention_decode, float, float, 256, 1, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_bf16_d256", attention_decode, bfloat, bfloat, 256, 1, true)

@@ -379,9 +379,6 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // at 32K keys (64 blocks) 34.3 us against 39.3 with 4, and 4 x 128 blocks 35.6 (docs/results/h200/2026-12-04-ec4bc8a).
 #define LILY_ATTN_DECODE_MMA_SIMDGROUPS 8
 #define LILY_ATTN_DECODE_MMA_MERGE_FLOATS 4096
-// attention_decode_combine's simdgroups in the engine (tuning::kAttentionCombineThreads): simdgroup s sums blocks
-// s, s + n, ... and then the n sums are added in order, an order attention_decode_split_prep_mma's own combine keeps.
-#define LILY_ATTN_COMBINE_SIMDGROUPS 8
 // attention_prefill: bytes of one staged K (or V) tile in threadgroup memory; tile keys = this / (D * sizeof(cache
 // element)): 16 keys at D = 256 in bf16, 8 in f32. K and V tiles together stay at 16 KiB of the 32 KiB.
 #define LILY_ATTN_PREFILL_TILE_BYTES 8192
@@ -429,22 +426,6 @@ LILY_INLINE void grid_dependency_wait() {
   ::msl_cuda_detail::grid_dependency_wait();  // the wait the shim's entry points run (msl_cuda_launch.h)
 #endif
 }
-
-#if defined(MSL_CPU)
-// Orders this thread's device-memory accesses before it against those after it for every threadgroup of the dispatch
-// (CUDA's __threadfence; a sequentially consistent fence in the CPU harness). With a device atomic it hands data from
-// one threadgroup to another inside a dispatch: the writers fence, then take a ticket; the one that takes the last
-// ticket fences, then reads. Metal 3.1 has no device-scope fence, so the kernels that need one are compiled for the
-// harness and CUDA only (under #if defined(MSL_CPU)) and the host chooses them on CUDA only
-// (Runtime::fences_across_threadgroups).
-LILY_INLINE void device_fence() {
-#if defined(MSL_CUDA)
-  __nvvm_membar_gl();
-#else
-  __atomic_thread_fence(__ATOMIC_SEQ_CST);
-#endif
-}
-#endif
 #endif
 
 #if defined(LILY_KERNEL_SIDE)

@@ -259,8 +259,7 @@ def attention_split_blocks(keys: int) -> int:
 def attention_cases() -> list[Case]:
     """Decode attention over a bf16 KV cache, as the engine launches it: the single pass at 64 keys (below the split)
     and the split-KV pair (partials over the rule's block count, then the combine) at 1K, 4K and 32K keys, on matrix
-    units with the prep fused in (FUSED_ATTENTION_PREP) and with the combine in the same dispatch (LAST_BLOCK_COMBINE),
-    beside the prep and the unfused matrix-unit kernels, the
+    units with the prep fused in (FUSED_ATTENTION_PREP), beside the prep and the unfused matrix-unit kernels, the
     vector kernels (MMA_ATTENTION off) and the single pass (split-KV off)."""
     q = bf16(ATTN_HEADS * HEAD_DIM)
     packs = ceil_div(ATTN_HEADS, ATTN_HEADS_PER_GROUP)
@@ -303,13 +302,6 @@ def attention_cases() -> list[Case]:
                           [args, prep_args, *prep_inputs, q, cache, cache, partial_out, partial_stats],
                           (mma_groups, blocks, 1), mma_threads,
                           2 * cache + prep_bytes + q + partial_out + partial_stats))
-        # LAST_BLOCK_COMBINE (CUDA's): the same with the combine in each column's last threadgroup; tickets start at 0
-        # and the kernel leaves them there, so every timed run starts from zeros.
-        cases.append(Case(f"attention decode {label} keys: prep + partials + combine in one ({blocks} blocks)",
-                          "attention_decode_split_prep_mma_bf16_d256",
-                          [args, prep_args, *prep_inputs, cache, cache, partial_out, partial_stats, q,
-                           bytes(4 * mma_groups)], (mma_groups, blocks, 1), mma_threads,
-                          2 * cache + prep_bytes + q + 2 * (partial_out + partial_stats)))
         cases.append(Case(f"attention decode {label} keys: partials on matrix units ({blocks} blocks)",
                           "attention_decode_partial_mma_bf16_d256",
                           [args, q, cache, cache, partial_out, partial_stats],

@@ -51,13 +51,12 @@ def test_an_ab_of_the_demo_model_on_the_fake_libcuda(cuda_compile_only) -> None:
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "decode_ab.py"), "--model",
                           str(ROOT / "python" / "lily" / "demo"), "--depths", "0,20", "--rounds", "2", "--gen", "3",
                           "--warmup", "2", f"fused={ptx}", f"unfused={ptx},LILY_DISABLE_FUSED_ATTENTION_PREP=1",
-                          f"split={ptx},sw.split_kv_min_keys=1,sw.last_block_combine=0"],
+                          f"split={ptx},sw.split_kv_min_keys=1"],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = re.findall(r"^loaded (\w+) .*: (\d+) dispatches per token", out.stdout, re.M)
     dispatches = {name: int(count) for name, count in loaded}
     layers = 2  # the demo model's full-attention layers: one attention_prep each when unfused, one combine when split
-    # (the split variant turns LAST_BLOCK_COMBINE off, so its combine is a dispatch of its own)
     assert dispatches["unfused"] == dispatches["fused"] + layers == dispatches["split"], out.stdout
     for depth in (0, 20):
         table = out.stdout.split(f"== tg3 @ d{depth}, median of 2 (tok/s, ratio to fused)\n", 1)[1].splitlines()[:3]

@@ -37,7 +37,6 @@ Engine::Engine(const ModelConfig& config, Precision precision, const Switches& s
   runtime_->restrict_switches(switches_);
   switches_.tensor_ops = switches_.tensor_ops && runtime_->supports_tensor_ops();
   switches_.staged_gemv = switches_.staged_gemv && runtime_->prefers_staged_gemv();
-  switches_.last_block_combine = switches_.last_block_combine && runtime_->fences_across_threadgroups();
   if (switches_.mma_attention && !simdgroup_layout_matches(*runtime_)) {
     std::fprintf(stderr, "lily: this GPU's simdgroup_matrix lane layout differs from the one attention_prefill_mma "
                          "assumes; prefill attention uses the vector kernel\n");

@@ -74,10 +74,6 @@ struct Switches {
                                    // after the lm_head; on, the lm_head GEMV keeps each threadgroup's best logit
                                    // where it streams (staged: CUDA; qmv_norm_argmax_staged) and only argmax_final
                                    // runs after it
-  bool last_block_combine = true;  // LAST_BLOCK_COMBINE: off = split-KV decode attention on matrix units with the prep
-                                   // fused in is two dispatches, the blocks' partials and then the combine; on (where
-                                   // the runtime fences across threadgroups: CUDA), one: the last threadgroup of each
-                                   // KV head's blocks combines them (attention_decode_split_prep_mma)
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
   size_t kv_growth_block() const;
@@ -192,7 +188,6 @@ struct StateBuffers {
   std::vector<int> conv_state, recurrent_state, k_cache, v_cache;
   size_t kv_capacity = 0;
   int tokens, logit_bias, seen_tokens, token_counts, penalized_logits, choice_values, choice_ids;
-  int split_tickets;  // LAST_BLOCK_COMBINE: one counter per attention threadgroup column, 0 between dispatches
 };
 StateBuffers add_state_buffers(const ModelConfig& config, Precision precision, size_t kv_capacity, Graph& graph);
 
@@ -282,8 +277,8 @@ struct PassInput {
 };
 // Returns the argmax partials the lm_head wrote to input.argmax_values / argmax_ids (0: none; the logits alone).
 size_t build_forward(const ModelConfig& config, Precision precision, const Switches& switches,
-                     const WeightTable& weights, const StateBuffers& state, const PassBuffers& pass,
-                     const PassInput& input, Graph& graph);
+                   const WeightTable& weights, const StateBuffers& state, const PassBuffers& pass,
+                   const PassInput& input, Graph& graph);
 
 // The dispatches that choose a token from the f32 `logits` (one row) into tokens[out_slot]: argmax or sample (see
 // TokenChoice); the token chosen sits at `position` (the sampler's counter, a PositionField of delta

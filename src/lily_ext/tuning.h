@@ -137,7 +137,7 @@ static_assert(LILY_ATTN_DECODE_MMA_SIMDGROUPS >= 1 && LILY_ATTN_DECODE_MMA_SIMDG
               "attention_decode_partial_mma merges at most 8 simdgroups");
 // attention_decode_combine: threads per threadgroup (8 simdgroups splitting the blocks: 8 loads per lane at 64 blocks),
 // each threadgroup one slice of 32 elements of a head (the model's 16 heads x 256: 128 threadgroups).
-constexpr size_t kAttentionCombineThreads = 32 * LILY_ATTN_COMBINE_SIMDGROUPS;
+constexpr size_t kAttentionCombineThreads = 256;
 constexpr size_t kAttentionCombineSlice = 32;
 // MoE decode GEMVs (the kernels' fixed shapes): gate/up 2 simdgroups x 4 rows; down + combine 4 simdgroups x 2 rows.
 constexpr size_t kMoeGemvThreads = 32 * LILY_MOE_GEMV_SIMDGROUPS;

@@ -30,9 +30,7 @@ def test_fused_prep_gives_the_unfused_bits(checkpoints, engine_backend, name, sp
     layers = checkpoint.args.layer_types.count("full_attention")
     runs = {}
     for fused in (True, False):
-        # The partial kernel and the combine as two dispatches on every runtime (LAST_BLOCK_COMBINE has its own test).
-        switches = {"fused_attention_prep": fused, "last_block_combine": False,
-                    **({"split_kv_min_keys": 1} if split else {})}
+        switches = {"fused_attention_prep": fused, **({"split_kv_min_keys": 1} if split else {})}
         logits, kernels = run_backend(engine_backend(checkpoint, precision="bfloat16", switches=switches))
         runs[fused] = logits
         prep = kernels.get(f"attention_prep_bf16_{attn}", 0)

@@ -138,10 +138,3 @@ def test_attention_decode_prep_fused_gives_the_unfused_bits(head_dim, heads, key
     assert np.array_equal(gate, unfused_gate)
     assert np.array_equal(parts.astype(np.float64), want_parts) and np.array_equal(stats.astype(np.float64), want_stats)
     assert np.array_equal(out, want)
-    # LAST_BLOCK_COMBINE: the same partials, and the combine done by each column's last threadgroup gives its bits.
-    again = PrepDecodeInputs.random(np.random.default_rng(61 + keys), heads, 2, keys, head_dim, rotary_dim)
-    combined, _, parts, stats = run_prep_fused(run, f"attention_decode_split_prep_mma_bf16_d{head_dim}", again,
-                                               blocks, 8)
-    assert all(c.passed for c in run.comparisons), [c for c in run.comparisons if not c.passed]
-    assert np.array_equal(parts.astype(np.float64), want_parts) and np.array_equal(stats.astype(np.float64), want_stats)
-    assert np.array_equal(combined, want)

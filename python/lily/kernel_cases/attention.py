@@ -38,7 +38,7 @@ from lily import reference
 from lily.kernel_cases.common import TOLERANCES, Case, Run, Tolerance, dtype_of, poisoned, round_to, to_device, to_f64
 
 PATTERN = re.compile(r"attention_decode_(unpacked_|plain_|mma_|partial_|partial_unpacked_|partial_plain_|partial_mma_|"
-                     r"prep_mma_|partial_prep_mma_|split_prep_mma_|combine_)?"
+                     r"prep_mma_|partial_prep_mma_|combine_)?"
                      r"(f32|f16|bf16)_d(256|64)")
 # Query heads per threadgroup of the packed kernels by head dim (LILY_ATTN_HEADS_PER_GROUP, ..._D64); the
 # *_unpacked_* kernels (the GQA-packing ablation) take one; the *_plain_* ones (coalesced-KV ablation) pack like the
@@ -337,9 +337,7 @@ class PrepDecodeInputs:
 
 def run_prep_fused(run: Run, kernel: str, inputs: PrepDecodeInputs, blocks: int, simdgroups: int):
     """The fused `kernel` (then, split, its head dim's combine) on `inputs`, whose caches it writes in place.
-    (output, gate copy or None, partials or None, stats or None) as float64, partials and stats as float32 arrays.
-    The split kernel that combines itself (`_split_prep_`) runs twice on its tickets, which must be 0 after each run
-    (the second run sees the first one's cache row: the same output)."""
+    (output, gate copy or None, partials or None, stats or None) as float64, partials and stats as float32 arrays."""
     p = inputs.prepped
     groups = p.heads // attention_layout(kernel)[1]
     out = poisoned((p.heads, p.head_dim), p.dtype)
@@ -347,20 +345,6 @@ def run_prep_fused(run: Run, kernel: str, inputs: PrepDecodeInputs, blocks: int,
         run.dispatch(kernel, [p.args(), inputs.prep_args(), *inputs.prep_inputs(), inputs.k_cache, inputs.v_cache,
                               out], groups, 32 * simdgroups)
         return to_f64(out, p.dtype), None, None, None
-    if "_split_prep_" in kernel:
-        tickets = np.zeros(groups, np.uint32)
-        runs = []
-        for _ in range(2):
-            partial_out = np.full((p.heads, blocks, p.head_dim), np.nan, np.float32)
-            partial_stats = np.full((p.heads, blocks, 2), np.nan, np.float32)
-            out = poisoned((p.heads, p.head_dim), p.dtype)
-            run.dispatch(kernel, [p.args(blocks), inputs.prep_args(), *inputs.prep_inputs(), inputs.k_cache,
-                                  inputs.v_cache, partial_out, partial_stats, out, tickets], (groups, blocks, 1),
-                         32 * simdgroups)
-            run.require("tickets back to 0", not tickets.any(), f"tickets {tickets.tolist()}")
-            runs.append(out)
-        run.compare_exact("a second run (its tickets reused)", runs[1], runs[0])
-        return to_f64(out, p.dtype), None, partial_out, partial_stats
     gate = poisoned((p.heads, p.head_dim), p.dtype)
     partial_out = np.full((p.heads, blocks, p.head_dim), np.nan, np.float32)
     partial_stats = np.full((p.heads, blocks, 2), np.nan, np.float32)
@@ -396,7 +380,7 @@ def cases(kernel: str) -> list[Case]:
     """Every case of one decode attention kernel; the first is the self-test's."""
     head_dim, _, heads = attention_layout(kernel)
     if "_prep_mma_" in kernel:
-        split = "_partial_" in kernel or "_split_" in kernel
+        split = "_partial_" in kernel
         shapes = [s for s in PREP_SHAPES[head_dim] if (s[3] > 0) == split]
         return [Case(kernel, f"Hq={h} Hkv={kv} S={s}" + (f" blocks={b}" if split else "") +
                      f" simdgroups={sg} R={r} D={head_dim}",

@@ -143,8 +143,6 @@ StateBuffers add_state_buffers(const ModelConfig& c, Precision precision, size_t
   b.penalized_logits = g.add_buffer("penalized logits", c.vocab_size * 4, BufferRole::Scratch);
   b.choice_values = g.add_buffer("choice values", choice_words * 4, BufferRole::Scratch);
   b.choice_ids = g.add_buffer("choice ids", choice_words * 4, BufferRole::Scratch);
-  // Io: zeroed when the engine resets; the kernel that counts on them leaves them at 0.
-  b.split_tickets = g.add_buffer("split-KV tickets", c.num_heads * 4, BufferRole::Io);
   StateLayout s = state_layout(c, precision);
   for (size_t i = 0; i < c.num_layers(); ++i) {
     std::string p = layer_prefix(i);
@@ -288,7 +286,6 @@ struct Forward {
     ctx.tensor_ops = sw.tensor_ops;
     ctx.mma_attention = sw.mma_attention;
     ctx.fused_attention_prep = sw.fused_attention_prep;
-    ctx.last_block_combine = sw.last_block_combine;
   }
 
   // The pass's T rows of `buffer`, `row_bytes` each.
@@ -370,7 +367,6 @@ struct Forward {
     at.v_cache = whole(g, state.v_cache[i]);
     at.partial_out = whole(g, p.attn_partial_out);
     at.partial_stats = whole(g, p.attn_partial_stats);
-    at.split_tickets = whole(g, state.split_tickets);
     at.q_norm = &weight(w, s + "q_norm.weight");
     at.k_norm = &weight(w, s + "k_norm.weight");
     at.capacity = state.kv_capacity;

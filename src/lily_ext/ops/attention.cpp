@@ -104,50 +104,6 @@ void attention(Context& ctx, const ModelConfig& c, const std::string& label, con
   }
 }
 
-namespace {
-
-// attention_decode's node with the prep fused in (FUSED_ATTENTION_PREP, matrix units): the single pass, the split
-// pass, or with LAST_BLOCK_COMBINE the split pass that combines in its last threadgroups. Returns whether the node
-// combined (no combine node needed).
-bool attention_decode_prep_fused(Context& ctx, const ModelConfig& c, const std::string& label,
-                                 const AttentionSpans& s, size_t position, const AttentionArgs& a, size_t groups,
-                                 size_t threads, const Span& partial_out, const Span& partial_stats) {
-  const size_t split_blocks = a.num_blocks;
-  const AttentionPrepSpans cache = attention_prep_spans(c, ctx.act, s, position, 1);
-  std::vector<Span> reads = {s.q_and_gate, s.k, s.v, s.q_norm->data, s.k_norm->data};
-  reads.insert(reads.end(), cache.prefix.begin(), cache.prefix.end());
-  std::vector<NodeArg> args = {arg_value(a), arg_value(attention_prep_args(c, s, position, 1)), arg(s.q_and_gate),
-                               arg(s.k), arg(s.v), arg(s.q_norm->data), arg(s.k_norm->data)};
-  std::vector<NodeArg> outputs;  // the kernel's remaining buffers, in its order
-  std::vector<Span> writes;
-  // LAST_BLOCK_COMBINE: the split pass combines in each column's last threadgroup; no combine node, no gate copy.
-  const bool combines = split_blocks && ctx.last_block_combine;
-  if (combines) {
-    const Span tickets = sub(s.split_tickets, 0, groups * 4);
-    outputs = {arg(s.k_cache), arg(s.v_cache), arg(partial_out), arg(partial_stats), arg(s.out), arg(tickets)};
-    writes = {partial_out, partial_stats, s.out, tickets};
-    reads.push_back(tickets);
-  } else if (split_blocks) {
-    outputs = {arg(s.gate), arg(s.k_cache), arg(s.v_cache), arg(partial_out), arg(partial_stats)};
-    writes = {s.gate, partial_out, partial_stats};
-  } else {
-    outputs = {arg(s.k_cache), arg(s.v_cache), arg(s.out)};
-    writes = {s.out};
-  }
-  args.insert(args.end(), outputs.begin(), outputs.end());
-  writes.insert(writes.end(), cache.new_rows.begin(), cache.new_rows.end());
-  const std::string kind = combines ? "split_" : split_blocks ? "partial_" : "";
-  Node& node = add_node(ctx, "attention_decode_" + kind + "prep_mma_" + dtype_name(ctx.act) + "_d" +
-                                 std::to_string(c.head_dim),
-                        label + (combines ? " split" : split_blocks ? " partial" : ""), std::move(args),
-                        {groups, std::max<size_t>(split_blocks, 1), 1}, {threads, 1, 1}, reads, writes);
-  node.per_position.push_back({0, offsetof(AttentionArgs, num_keys), 1});  // keys = position + 1
-  node.per_position.push_back({1, offsetof(AttentionPrepArgs, first_position), 0});
-  return combines;
-}
-
-}  // namespace
-
 void attention_decode(Context& ctx, const ModelConfig& c, const std::string& label, const AttentionSpans& s,
                       size_t position, size_t split_blocks) {
   const size_t D = c.head_dim, keys = position + 1;
@@ -185,10 +141,29 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   };
   if (mma && ctx.fused_attention_prep) {
     // FUSED_ATTENTION_PREP: no attention_prep node; each threadgroup preps its own query rows and the new cache row.
-    if (!attention_decode_prep_fused(ctx, c, label, s, position, a, groups, threads, partial_out, partial_stats) &&
-        split_blocks) {
-      combine();
+    const AttentionPrepSpans cache = attention_prep_spans(c, ctx.act, s, position, 1);
+    std::vector<Span> reads = {s.q_and_gate, s.k, s.v, s.q_norm->data, s.k_norm->data};
+    reads.insert(reads.end(), cache.prefix.begin(), cache.prefix.end());
+    std::vector<NodeArg> args = {arg_value(a), arg_value(attention_prep_args(c, s, position, 1)), arg(s.q_and_gate),
+                                 arg(s.k), arg(s.v), arg(s.q_norm->data), arg(s.k_norm->data)};
+    std::vector<NodeArg> outputs;  // the kernel's remaining buffers, in its order
+    std::vector<Span> writes;
+    if (split_blocks) {
+      outputs = {arg(s.gate), arg(s.k_cache), arg(s.v_cache), arg(partial_out), arg(partial_stats)};
+      writes = {s.gate, partial_out, partial_stats};
+    } else {
+      outputs = {arg(s.k_cache), arg(s.v_cache), arg(s.out)};
+      writes = {s.out};
     }
+    args.insert(args.end(), outputs.begin(), outputs.end());
+    writes.insert(writes.end(), cache.new_rows.begin(), cache.new_rows.end());
+    const std::string kind = split_blocks ? "partial_" : "";
+    Node& node = add_node(ctx, "attention_decode_" + kind + "prep_mma_" + dt + suffix,
+                          label + (split_blocks ? " partial" : ""), std::move(args),
+                          {groups, std::max<size_t>(split_blocks, 1), 1}, {threads, 1, 1}, reads, writes);
+    node.per_position.push_back(num_keys);
+    node.per_position.push_back({1, offsetof(AttentionPrepArgs, first_position), 0});
+    if (split_blocks) combine();
     return;
   }
   std::vector<Span> reads = attention_prep(ctx, c, label, s, position, 1);

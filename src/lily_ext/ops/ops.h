@@ -36,7 +36,6 @@ struct Context {
   bool spread_deltanet_step = false;  // a decode token's DeltaNet over many threadgroups (SPREAD_DELTANET_STEP)
   bool whole_pack_loads = false;  // staged kernels load a pack of codes at once where aligned (WHOLE_PACK_LOADS)
   bool fused_attention_prep = true;  // decode attention on matrix units preps its own rows (FUSED_ATTENTION_PREP)
-  bool last_block_combine = false;    // ... and, split, combines in its last threadgroups (LAST_BLOCK_COMBINE: CUDA)
 };
 
 // Appends a node; traffic defaults to the declared ranges.
@@ -136,7 +135,6 @@ std::vector<std::string> gated_delta_fast_paths_left_out(const ModelConfig& conf
 // attention.cpp: preparation (norms, rope, KV write) and decode attention for one token at `position`.
 struct AttentionSpans {
   Span q_and_gate, k, v, q, gate, out, k_cache, v_cache, partial_out, partial_stats;
-  Span split_tickets;  // LAST_BLOCK_COMBINE's counters (one per threadgroup column)
   const WeightRef *q_norm, *k_norm;
   size_t capacity;
 };
