@@ -1080,6 +1080,8 @@ LILY_INSTANTIATE_KERNEL("qmv_q4_g64_bf16_sf32_of32", qmv, bfloat, float, 4, floa
 
 LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_f32", qmv_norm, float, bfloat, 4, float)
 LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_f32_sf32", qmv_norm, float, float, 4, float)
+// bf16 out: the projections one GEMV each in bf16 mode (LILY_DISABLE_FUSED_PROJECTIONS).
+LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16", qmv_norm, bfloat, bfloat, 4, bfloat)
 LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16_sf32", qmv_norm, bfloat, float, 4, bfloat)
 LILY_INSTANTIATE_KERNEL("qmv_norm_q8_g64_f32", qmv_norm, float, bfloat, 8, float)
 LILY_INSTANTIATE_KERNEL("qmv_norm_q8_g64_f32_sf32", qmv_norm, float, float, 8, float)

@@ -57,13 +57,14 @@ def test_bench_generation_chooses_tokens_on_the_gpu_and_each_step_reads_the_last
 
 @pytest.mark.fake_metal
 def test_host_only_bench_follows_the_environment_switches(monkeypatch):
-    """LILY_DISABLE_<NAME> reaches the host-only bench's engine as it reaches a loaded model's: with the prep apart
-    from decode attention, each of the 10 attention layers has one dispatch more."""
-    monkeypatch.setenv("LILY_DISABLE_FUSED_ATTENTION_PREP", "1")
+    """LILY_DISABLE_<NAME> reaches the host-only bench's engine as it reaches a loaded model's: with the projections
+    that share an input apart, the step has the plan's larger dispatch count."""
+    monkeypatch.setenv("LILY_DISABLE_FUSED_PROJECTIONS", "1")
     apart = bench.host_cost(tokens=4, warmup=1)["dispatches_per_token"]
-    assert apart == plan_decode(full_size_args(), context=8, switches={"fused_attention_prep": False})["dispatches"]
-    monkeypatch.delenv("LILY_DISABLE_FUSED_ATTENTION_PREP")
-    assert bench.host_cost(tokens=4, warmup=1)["dispatches_per_token"] == apart - 10
+    assert apart == plan_decode(full_size_args(), context=8, switches={"fused_projections": False})["dispatches"]
+    monkeypatch.delenv("LILY_DISABLE_FUSED_PROJECTIONS")
+    fused = bench.host_cost(tokens=4, warmup=1)["dispatches_per_token"]
+    assert fused == plan_decode(full_size_args(), context=8)["dispatches"] < apart
 
 
 @pytest.mark.fake_metal
