@@ -14,12 +14,13 @@
 //   attention_decode[_partial]_mma_bf16_d<D>  the single pass and split-KV pass 1 on matrix units (MMA_ATTENTION, bf16
 //                                          cache): one threadgroup per the whole GQA group of a KV head (and block):
 //                                          the query heads are the columns of 8x8 simdgroup matrices (at the kernels).
-//   attention_decode[_partial]_prep_mma_bf16_d<D>  the same with attention_prep fused in front (FUSED_ATTENTION_PREP):
-//                                          each threadgroup preps its G query rows (q_norm, RoPE) into threadgroup
-//                                          memory, and the threadgroup whose keys end at num_keys also the new key row
-//                                          and value row into the cache (attention_prep_row: the prep kernel's bits),
-//                                          then attends; the single pass reads its gate from q_and_gate, the partial's
-//                                          block 0 copies it out for the combine. One dispatch fewer per layer.
+//   attention_decode_partial_prep_mma_bf16_d<D>  split-KV pass 1 on matrix units with attention_prep fused in front
+//                                          (FUSED_ATTENTION_PREP): each threadgroup preps its G query rows (q_norm,
+//                                          RoPE) into threadgroup memory, and the threadgroup whose keys end at
+//                                          num_keys also the new key row and value row into the cache
+//                                          (attention_prep_row: the prep kernel's bits), then attends; block 0 copies
+//                                          the gate out of q_and_gate for the combine. One dispatch fewer per layer.
+//                                          The single pass has no fused form: on an H100 it lost 2 % of tg128.
 //   attention_decode_combine_<dtype>_d<D>  split-KV pass 2: grid (query heads, slices of 32 elements of D): merges
 //                                          the blocks (weights sum_b * exp(max_b - max), kept in threadgroup memory: at
 //                                          most LILY_ATTN_SPLIT_MAX_BLOCKS blocks; the simdgroups split the blocks, a
@@ -564,17 +565,15 @@ LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, QRows
   }
 }
 
-// attention_decode[_prep]_mma's: the gated output out [Hq, D]; no stats. The gate of head h is the D elements at
-// gate + h * gate_stride (D: the gate buffer; 2D: the gate halves of q_and_gate's [query | gate] rows).
+// attention_decode_mma's: the gated output out [Hq, D]; no stats.
 template <typename T, uint D>
 struct AttnDecodeGatedStore {
   device const T* gate;
-  uint gate_stride;
   device T* out;
   uint head0;
 
   LILY_INLINE void output(uint h, uint dim, float value) {
-    const float g = float(gate[size_t(head0 + h) * gate_stride + dim]);
+    const float g = float(gate[size_t(head0 + h) * D + dim]);
     out[size_t(head0 + h) * D + dim] = T(value * lily::sigmoid(g));
   }
   LILY_INLINE void block_stats(uint, float, float) {}
@@ -629,12 +628,12 @@ template <typename T, uint D, uint G>
   threadgroup float stats_sum[8 * 8];
   threadgroup float merge[LILY_ATTN_DECODE_MMA_MERGE_FLOATS + 64];
   const uint head0 = group * G;
-  AttnDecodeGatedStore<T, D> store{gate, D, out, head0};
+  AttnDecodeGatedStore<T, D> store{gate, out, head0};
   attn_decode_mma_heads<T, D, G>(args, q + size_t(head0) * D, k_cache, v_cache, head0, 0, args.num_keys, stats_max,
                                  stats_sum, merge, store, tid, n_threads, simd_lane, simd_group, n_simdgroups);
 }
 
-// The prep of the fused kernels (attention_decode[_partial]_prep_mma): the G query rows of heads head0 .. normed and
+// The prep of the fused kernel (attention_decode_partial_prep_mma): the G query rows of heads head0 .. normed and
 // roped into q_rows, rounded to T as attention_prep stores q; with `writes_row`, the new key row normed and roped
 // and the value row into the cache at row prep.first_position of kv_head, rounded to bfloat as attention_prep writes
 // them. Simdgroup s takes rows s, s + n, ... (query rows first, then the key row). Ends with a barrier, after which
@@ -724,39 +723,6 @@ template <typename T, uint D, uint G>
                                  n_simdgroups);
 }
 
-// attention_decode_mma with attention_prep fused in front: each threadgroup preps its G query rows and its KV head's
-// new cache row, then attends over every key; the gate is read from q_and_gate's rows.
-template <typename T, uint D, uint G>
-[[kernel]] void attention_decode_prep_mma(constant lily::AttentionArgs& args [[buffer(0)]],
-                                          constant lily::AttentionPrepArgs& prep [[buffer(1)]],
-                                          device const T* q_and_gate [[buffer(2)]],
-                                          device const T* k [[buffer(3)]],
-                                          device const T* v [[buffer(4)]],
-                                          device const T* q_norm [[buffer(5)]],
-                                          device const T* k_norm [[buffer(6)]],
-                                          device bfloat* k_cache [[buffer(7)]],
-                                          device bfloat* v_cache [[buffer(8)]],
-                                          device T* out [[buffer(9)]],
-                                          uint group [[threadgroup_position_in_grid]],
-                                          uint tid [[thread_index_in_threadgroup]],
-                                          uint n_threads [[threads_per_threadgroup]],
-                                          uint simd_lane [[thread_index_in_simdgroup]],
-                                          uint simd_group [[simdgroup_index_in_threadgroup]],
-                                          uint n_simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float stats_max[8 * 8];  // [simdgroup][column]
-  threadgroup float stats_sum[8 * 8];
-  threadgroup float merge[LILY_ATTN_DECODE_MMA_MERGE_FLOATS + 64];
-  threadgroup T q_rows[G * D];
-  const uint head0 = group * G;
-  const uint kv_head = head0 / (args.num_heads / args.num_kv_heads);
-  attn_decode_prep_rows<T, D, G>(prep, q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, q_rows, head0, kv_head,
-                                 true, simd_lane, simd_group, n_simdgroups);
-  AttnDecodeGatedStore<T, D> store{q_and_gate + D, 2 * D, out, head0};
-  attn_decode_mma_heads<T, D, G>(args, q_rows, k_cache, v_cache, head0, 0, args.num_keys,
-                                 stats_max, stats_sum, merge, store, tid, n_threads, simd_lane, simd_group,
-                                 n_simdgroups);
-}
-
 template <typename T, uint D>
 [[kernel]] void attention_decode_combine(constant lily::AttentionArgs& args [[buffer(0)]],
                                          device const T* gate [[buffer(1)]],
@@ -841,8 +807,6 @@ LILY_INSTANTIATE_KERNEL("attention_decode_mma_bf16_d256", attention_decode_mma, 
                         LILY_ATTN_MMA_HEADS_PER_GROUP)
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_mma_bf16_d256", attention_decode_partial_mma, bfloat, 256,
                         LILY_ATTN_MMA_HEADS_PER_GROUP)
-LILY_INSTANTIATE_KERNEL("attention_decode_prep_mma_bf16_d256", attention_decode_prep_mma, bfloat, 256,
-                        LILY_ATTN_MMA_HEADS_PER_GROUP)
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_prep_mma_bf16_d256", attention_decode_partial_prep_mma, bfloat, 256,
                         LILY_ATTN_MMA_HEADS_PER_GROUP)
 // Demo model and tiny fixtures (head dim 64, GQA group 2 or 4): 2 heads per threadgroup, float32 and bf16 modes.
@@ -855,8 +819,6 @@ LILY_INSTANTIATE_KERNEL("attention_decode_combine_bf16_d64", attention_decode_co
 LILY_INSTANTIATE_KERNEL("attention_decode_mma_bf16_d64", attention_decode_mma, bfloat, 64,
                         LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_mma_bf16_d64", attention_decode_partial_mma, bfloat, 64,
-                        LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
-LILY_INSTANTIATE_KERNEL("attention_decode_prep_mma_bf16_d64", attention_decode_prep_mma, bfloat, 64,
                         LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_prep_mma_bf16_d64", attention_decode_partial_prep_mma, bfloat, 64,
                         LILY_ATTN_MMA_HEADS_PER_GROUP_D64)

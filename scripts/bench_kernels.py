@@ -259,11 +259,11 @@ def attention_split_blocks(keys: int) -> int:
 def attention_cases() -> list[Case]:
     """Decode attention over a bf16 KV cache, as the engine launches it: the single pass at 64 keys (below the split)
     and the split-KV pair (partials over the rule's block count, then the combine) at 1K, 4K and 32K keys, on matrix
-    units with the prep fused in (FUSED_ATTENTION_PREP), beside the prep and the unfused matrix-unit kernels, the
+    units (the partials with the prep fused in, FUSED_ATTENTION_PREP, beside the prep and the unfused partials), the
     vector kernels (MMA_ATTENTION off) and the single pass (split-KV off)."""
     q = bf16(ATTN_HEADS * HEAD_DIM)
     packs = ceil_div(ATTN_HEADS, ATTN_HEADS_PER_GROUP)
-    # The prep's inputs: q_proj's [query | gate] rows, k, v and the two norms (buffers 2 .. 6 of the fused kernels).
+    # The prep's inputs: q_proj's [query | gate] rows, k, v and the two norms (buffers 2 .. 6 of the fused kernel).
     prep_inputs = [2 * q, bf16(ATTN_KV_HEADS * HEAD_DIM), bf16(ATTN_KV_HEADS * HEAD_DIM), bf16(HEAD_DIM),
                    bf16(HEAD_DIM)]
     prep_bytes = sum(prep_inputs)
@@ -274,19 +274,15 @@ def attention_cases() -> list[Case]:
         cache = bf16(ATTN_KV_HEADS * keys * HEAD_DIM)
         # lily::AttentionPrepArgs: one token at position keys - 1, the model's rotary dim 64, theta 1e7, eps 1e-6.
         prep_args = struct.pack("<6I2f", 1, ATTN_HEADS, ATTN_KV_HEADS, keys - 1, keys, 64, 1e7, 1e-6)
-        if keys < ATTN_SPLIT_MIN_KEYS:  # the engine's single pass below the split: on matrix units and vector ALUs
+        split = keys >= ATTN_SPLIT_MIN_KEYS
+        cases.append(Case(f"attention decode {label} keys: prep" + (" (FUSED_ATTENTION_PREP off)" if split else ""),
+                          "attention_prep_bf16_d256", [prep_args, *prep_inputs, q, q, cache, cache],
+                          (ceil_div(ATTN_HEADS + ATTN_KV_HEADS, 8), 1, 1), (256, 1, 1), prep_bytes + 2 * q))
+        if not split:  # the engine's single pass below the split: on matrix units and vector ALUs
             args = struct.pack("<7If", 1, ATTN_HEADS, ATTN_KV_HEADS, keys, keys, 0, 0, HEAD_DIM ** -0.5)
-            cases.append(Case(f"attention decode {label} keys: prep + single pass on matrix units",
-                              "attention_decode_prep_mma_bf16_d256",
-                              [args, prep_args, *prep_inputs, cache, cache, q], (mma_groups, 1, 1), mma_threads,
-                              2 * cache + prep_bytes + q))
-            cases.append(Case(f"attention decode {label} keys: prep (FUSED_ATTENTION_PREP off)",
-                              "attention_prep_bf16_d256", [prep_args, *prep_inputs, q, q, cache, cache],
-                              (ceil_div(ATTN_HEADS + ATTN_KV_HEADS, 8), 1, 1), (256, 1, 1), prep_bytes + 2 * q))
             cases.append(Case(f"attention decode {label} keys: single pass on matrix units",
                               "attention_decode_mma_bf16_d256",
-                              [args, q, q, cache, cache, q], (ceil_div(ATTN_HEADS, ATTN_MMA_HEADS_PER_GROUP), 1, 1),
-                              (32 * ATTN_DECODE_MMA_SIMDGROUPS, 1, 1), 2 * cache + 3 * q))
+                              [args, q, q, cache, cache, q], (mma_groups, 1, 1), mma_threads, 2 * cache + 3 * q))
             cases.append(Case(f"attention decode {label} keys: single pass", "attention_decode_bf16_d256",
                               [args, q, q, cache, cache, q], (packs, 1, 1), (ATTN_THREADS, 1, 1), 2 * cache + 3 * q))
             continue

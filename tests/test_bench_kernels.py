@@ -21,8 +21,8 @@ DECODE_KERNELS = {"qmv_q4_g64_bf16", "qmv_q8_g64_bf16", "qmv_norm_q4_g64_bf16_of
                   "moe_route_f32", "moe_gate_up_swiglu_bf16", "moe_gate_up_swiglu_routed_bf16",
                   "moe_down_combine_bf16", "attention_decode_bf16_d256", "attention_decode_partial_bf16_d256",
                   "attention_decode_partial_mma_bf16_d256", "attention_decode_mma_bf16_d256",
-                  # ... with the prep fused in (FUSED_ATTENTION_PREP), and the prep they replace
-                  "attention_decode_prep_mma_bf16_d256", "attention_decode_partial_prep_mma_bf16_d256",
+                  # ... the partials with the prep fused in (FUSED_ATTENTION_PREP), and the prep
+                  "attention_decode_partial_prep_mma_bf16_d256",
                   "attention_prep_bf16_d256",
                   "attention_decode_combine_bf16_d256", "gated_delta_step_bf16_dk128", "embedding_gather_q4_g64_bf16",
                   "rms_norm_bf16", "argmax_partial_f32", "argmax_final_f32", "sample_f32",

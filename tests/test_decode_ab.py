@@ -50,15 +50,18 @@ def test_an_ab_of_the_demo_model_on_the_fake_libcuda(cuda_compile_only) -> None:
     env = {**os.environ, "LILY_LIBCUDA": str(fake), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "decode_ab.py"), "--model",
                           str(ROOT / "python" / "lily" / "demo"), "--depths", "0,20", "--rounds", "2", "--gen", "3",
-                          "--warmup", "2", f"fused={ptx}", f"unfused={ptx},LILY_DISABLE_FUSED_ATTENTION_PREP=1",
-                          f"split={ptx},sw.split_kv_min_keys=1"],
+                          "--warmup", "2", f"fused={ptx},sw.split_kv_min_keys=1",
+                          f"unfused={ptx},LILY_DISABLE_FUSED_ATTENTION_PREP=1,sw.split_kv_min_keys=1", f"single={ptx}"],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = re.findall(r"^loaded (\w+) .*: (\d+) dispatches per token", out.stdout, re.M)
     dispatches = {name: int(count) for name, count in loaded}
-    layers = 2  # the demo model's full-attention layers: one attention_prep each when unfused, one combine when split
-    assert dispatches["unfused"] == dispatches["fused"] + layers == dispatches["split"], out.stdout
+    # The demo model's 2 full-attention layers, split: one attention_prep each when unfused; the single pass has its
+    # prep and no combine.
+    layers = 2
+    assert dispatches["unfused"] == dispatches["fused"] + layers and dispatches["single"] == dispatches["fused"], \
+        out.stdout
     for depth in (0, 20):
         table = out.stdout.split(f"== tg3 @ d{depth}, median of 2 (tok/s, ratio to fused)\n", 1)[1].splitlines()[:3]
-        assert [row.split()[0] for row in table] == ["fused", "unfused", "split"], out.stdout
+        assert [row.split()[0] for row in table] == ["fused", "unfused", "single"], out.stdout
         assert float(table[0].split()[2]) == 1.0 and all(float(row.split()[1]) > 0 for row in table)

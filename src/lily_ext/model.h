@@ -67,9 +67,9 @@ struct Switches {
   bool whole_pack_loads = true;    // WHOLE_PACK_LOADS: off = the staged kernels (STAGED_GEMV: CUDA) read codes a word
                                    // at a time; on, a pack of 4 words as one 16-byte load where the codes lie on 16
                                    // bytes (tuning::whole_pack_loads)
-  bool fused_attention_prep = true;  // FUSED_ATTENTION_PREP: off = decode attention on matrix units (MMA_ATTENTION,
-                                     // bf16) runs after its own attention_prep dispatch; on, each attention
-                                     // threadgroup preps its rows itself (attention_decode[_partial]_prep_mma)
+  bool fused_attention_prep = true;  // FUSED_ATTENTION_PREP: off = split-KV decode attention on matrix units
+                                     // (MMA_ATTENTION, bf16) runs after its own attention_prep dispatch; on, each
+                                     // partial threadgroup preps its rows itself (attention_decode_partial_prep_mma)
   bool fused_argmax = true;        // FUSED_ARGMAX: off = a greedy decode step reduces its logits with argmax_partial
                                    // after the lm_head; on, the lm_head GEMV keeps each threadgroup's best logit
                                    // where it streams (staged: CUDA; qmv_norm_argmax_staged) and only argmax_final

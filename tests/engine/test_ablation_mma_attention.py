@@ -1,7 +1,8 @@
 """The MMA_ATTENTION switch: off, prefill chunks of 8+ tokens run attention on the vector kernel
 (`attention_prefill_*`, 8 queries per threadgroup) instead of the simdgroup-matrix kernel (`attention_prefill_mma_*`),
 and decode in bf16 mode runs on the vector kernels (`attention_decode[_partial]_*`, after `attention_prep_*`) instead
-of `attention_decode[_partial]_prep_mma_*` (the prep fused in: FUSED_ATTENTION_PREP). The engine also turns it off
+of `attention_decode_mma_*` (after `attention_prep_*`) or, split, `attention_decode_partial_prep_mma_*` (the prep fused
+in: FUSED_ATTENTION_PREP). The engine also turns it off
 by itself when the device's simdgroup_matrix lane layout differs from the one the mma kernels assume (the
 `simdgroup_layout_probe` kernel, run once per engine). Both
 paths must give the reference's logits (prefill: float32 mode, demo model; decode: bf16 mode, the demo model and the
@@ -65,8 +66,9 @@ def test_decode_attention_on_matrix_units_gives_the_same_logits(head_dim_checkpo
         logits, kernels = run_backend(MetalBackend(checkpoint, precision="bfloat16", switches=switches))
         runs[mma] = logits[decode_rows]
         kind = "partial_" if split else ""
-        # On matrix units the prep runs inside the attention kernel (FUSED_ATTENTION_PREP, on by default).
-        chosen, other = (f"attention_decode_{kind}prep_mma_bf16_{attn}", f"attention_decode_{kind}bf16_{attn}")[
+        # Split on matrix units, the prep runs inside the partial kernel (FUSED_ATTENTION_PREP, on by default).
+        on_mma = f"attention_decode_partial_prep_mma_bf16_{attn}" if split else f"attention_decode_mma_bf16_{attn}"
+        chosen, other = (on_mma, f"attention_decode_{kind}bf16_{attn}")[
             :: 1 if mma else -1]
         assert kernels.get(chosen) == layers and other not in kernels, sorted(kernels)
         # bf16 rounding of the hidden stream, as test_fusion's bf16 bound (the demo's decode rows: 2-4e-2).

@@ -38,7 +38,7 @@ def expected_dispatches(args: ModelArgs, *, fused: bool, split: bool = False, fu
 
     ``fused``: projections sharing an input as one GEMV; ``fusion``: norms folded into the GEMVs after them, the
     residual add into the out/o projection, routing into the experts' gate/up kernel; ``prep_in_attention``: no
-    attention_prep dispatch (FUSED_ATTENTION_PREP: bf16 decode attention on matrix units preps its own rows).
+    attention_prep dispatch (FUSED_ATTENTION_PREP: bf16 split-KV decode on matrix units preps its own rows).
     """
     attention = sum(t == "full_attention" for t in args.layer_types)
     deltanet = args.num_hidden_layers - attention
@@ -96,25 +96,27 @@ def test_full_size_bytes_within_five_percent_of_the_minimum(context, switches):
 
 def test_full_size_dispatch_counts_follow_the_layer_structure():
     args = lily_plan.full_size_args()
-    # Below LILY_ATTN_SPLIT_MIN_KEYS (256) keys the attention runs single pass.
-    # bf16 on matrix units: attention preps its own rows (FUSED_ATTENTION_PREP); off, attention_prep runs first.
+    # Below LILY_ATTN_SPLIT_MIN_KEYS (256) keys the attention runs single pass, after attention_prep.
     fused = lily_plan.plan_decode(args, context=200)
     unfused = lily_plan.plan_decode(args, context=200, switches={"fused_projections": False})
-    assert fused["dispatches"] == expected_dispatches(args, fused=True, prep_in_attention=True)
-    assert unfused["dispatches"] == expected_dispatches(args, fused=False, prep_in_attention=True)
+    assert fused["dispatches"] == expected_dispatches(args, fused=True)
+    assert unfused["dispatches"] == expected_dispatches(args, fused=False)
     no_fusion = lily_plan.plan_decode(args, context=200, switches={"fusion": False})
-    assert no_fusion["dispatches"] == expected_dispatches(args, fused=True, fusion=False, prep_in_attention=True)
+    assert no_fusion["dispatches"] == expected_dispatches(args, fused=True, fusion=False)
+    assert fused["dispatches_by_kernel"]["attention_decode_mma_bf16_d256"] == 10
+    assert fused["dispatches_by_kernel"]["attention_prep_bf16_d256"] == 10
     prep_apart = lily_plan.plan_decode(args, context=200, switches={"fused_attention_prep": False})
-    assert prep_apart["dispatches"] == expected_dispatches(args, fused=True)
-    assert fused["dispatches_by_kernel"]["attention_decode_prep_mma_bf16_d256"] == 10
-    assert prep_apart["dispatches_by_kernel"]["attention_prep_bf16_d256"] == 10
-    assert "attention_prep_bf16_d256" not in fused["dispatches_by_kernel"]
-    # From there on as partials (on matrix units; on the vector kernel with MMA_ATTENTION off) + combine (32 blocks at
-    # 4K keys, 64 at 40K), unless split-KV is off.
+    assert prep_apart["dispatches_by_kernel"] == fused["dispatches_by_kernel"]
+    # From there on as partials (on matrix units, preparing their own rows: FUSED_ATTENTION_PREP; on the vector kernel
+    # with MMA_ATTENTION off) + combine (32 blocks at 4K keys, 64 at 40K), unless split-KV is off.
     for context in (4096, 40000):
         split = lily_plan.plan_decode(args, context=context)
         assert split["dispatches"] == expected_dispatches(args, fused=True, split=True, prep_in_attention=True)
         assert split["dispatches_by_kernel"]["attention_decode_partial_prep_mma_bf16_d256"] == 10
+        assert "attention_prep_bf16_d256" not in split["dispatches_by_kernel"]
+        prep_apart = lily_plan.plan_decode(args, context=context, switches={"fused_attention_prep": False})
+        assert prep_apart["dispatches"] == expected_dispatches(args, fused=True, split=True)
+        assert prep_apart["dispatches_by_kernel"]["attention_prep_bf16_d256"] == 10
         vector = lily_plan.plan_decode(args, context=context, switches={"mma_attention": False})
         assert vector["dispatches"] == expected_dispatches(args, fused=True, split=True)
         assert vector["dispatches_by_kernel"]["attention_decode_partial_bf16_d256"] == 10

@@ -16,13 +16,13 @@ move by one bf16 rounding of the weighted |v| (their P·V operands are bf16). Ou
 and partials start NaN-poisoned; the cache has spare rows past the context holding NaN, so reading a key past the
 context is caught.
 
-The kernels with attention_prep fused in front (attention_decode[_partial]_prep_mma: FUSED_ATTENTION_PREP) start from
-q_proj's [query | gate] rows, k and v: the new key's cache row starts NaN, must come out as the reference's roped key
-(v rounded once) in every layout, including one where two threadgroups of a KV head both write it, and no other cache
-row may change. Their output (the split pair's after the combine) is compared with the reference's attention of the
-reference's prepped q under the mma kernels' tolerance (a q element whose fp32 and fp64 values round to neighbouring
-bf16 values moves a score by about 2^-8 |q k| / 16, far inside it); the split kernel's gate copy must be exact.
-tests/kernels/test_attention.py also checks that they give the bits of attention_prep followed by the unfused kernels.
+The split kernel with attention_prep fused in front (attention_decode_partial_prep_mma: FUSED_ATTENTION_PREP) starts
+from q_proj's [query | gate] rows, k and v: the new key's cache row starts NaN, must come out as the reference's roped
+key (v rounded once) in every layout, including one where two threadgroups of a KV head both write it, and no other
+cache row may change. Its output after the combine is compared with the reference's attention of the reference's
+prepped q under the mma kernels' tolerance (a q element whose fp32 and fp64 values round to neighbouring bf16 values
+moves a score by about 2^-8 |q k| / 16, far inside it); its gate copy must be exact.
+tests/kernels/test_attention.py also checks that it gives the bits of attention_prep followed by the unfused kernels.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from lily import reference
 from lily.kernel_cases.common import TOLERANCES, Case, Run, Tolerance, dtype_of, poisoned, round_to, to_device, to_f64
 
 PATTERN = re.compile(r"attention_decode_(unpacked_|plain_|mma_|partial_|partial_unpacked_|partial_plain_|partial_mma_|"
-                     r"prep_mma_|partial_prep_mma_|combine_)?"
+                     r"partial_prep_mma_|combine_)?"
                      r"(f32|f16|bf16)_d(256|64)")
 # Query heads per threadgroup of the packed kernels by head dim (LILY_ATTN_HEADS_PER_GROUP, ..._D64); the
 # *_unpacked_* kernels (the GQA-packing ablation) take one; the *_plain_* ones (coalesced-KV ablation) pack like the
@@ -92,19 +92,15 @@ SPLIT_SHAPES = {
     # Head dim 64 packs 2 heads (the demo model's ratio; the gqa4 fixture's 4 gives two threadgroups per KV head).
     ("mma", 64): [(4, 2, 45, 3, 4), (8, 2, 33, 2, 2), (4, 2, 5, 8, 8), (2, 1, 17, 4, 1)],
 }
-# The fused kernels (attention_decode[_partial]_prep_mma): (heads, kv_heads, keys, blocks (0: the single pass),
-# simdgroups, rotary_dim). At head dim 256: the engine's 8 simdgroups (9 prep rows: one simdgroup takes two), the first
-# token (no earlier row; its block 1 empty when split), one simdgroup taking every prep row, 32 heads of 2 KV heads
-# (two threadgroups per KV head, both writing the new row), rotary over the whole head, empty trailing blocks, the
-# engine's 32 blocks at 4096 keys. At 64: the demo model (rotary 16), the gqa4 fixture (rotary 32, two threadgroups per
-# KV head), rotary 64.
+# The fused kernel (attention_decode_partial_prep_mma): (heads, kv_heads, keys, blocks, simdgroups, rotary_dim). At
+# head dim 256: the engine's 8 simdgroups (9 prep rows: one simdgroup takes two), the first token (no earlier row; its
+# block 1 empty), 3 simdgroups, one taking every prep row, 32 heads of 2 KV heads (two threadgroups per KV head, both
+# writing the new row), rotary over the whole head, empty trailing blocks, the engine's 32 blocks at 4096 keys. At 64:
+# the demo model (rotary 16), the gqa4 fixture (rotary 32, two threadgroups per KV head), rotary 64.
 PREP_SHAPES = {
-    256: [(16, 2, 45, 0, 8, 64), (16, 2, 1, 0, 8, 64), (16, 2, 33, 0, 1, 64), (32, 2, 100, 0, 3, 64),
-          (8, 1, 20, 0, 4, 256),
-          (16, 2, 45, 3, 8, 64), (16, 2, 1, 2, 8, 64), (16, 2, 3, 8, 2, 64), (32, 2, 47, 3, 4, 64),
-          (16, 2, 65, 4, 1, 64), (16, 2, 4096, 32, 8, 64)],
-    64: [(4, 2, 45, 0, 8, 16), (8, 2, 17, 0, 2, 32), (2, 1, 70, 0, 4, 64),
-         (4, 2, 45, 3, 4, 16), (8, 2, 33, 2, 2, 32), (4, 2, 5, 8, 8, 16)],
+    256: [(16, 2, 45, 3, 8, 64), (16, 2, 1, 2, 8, 64), (16, 2, 3, 8, 2, 64), (32, 2, 47, 3, 4, 64),
+          (32, 2, 100, 4, 3, 64), (8, 1, 20, 2, 4, 256), (16, 2, 65, 4, 1, 64), (16, 2, 4096, 32, 8, 64)],
+    64: [(4, 2, 45, 3, 4, 16), (8, 2, 33, 2, 2, 32), (4, 2, 5, 8, 8, 16), (2, 1, 70, 4, 4, 64)],
 }
 
 
@@ -336,15 +332,11 @@ class PrepDecodeInputs:
 
 
 def run_prep_fused(run: Run, kernel: str, inputs: PrepDecodeInputs, blocks: int, simdgroups: int):
-    """The fused `kernel` (then, split, its head dim's combine) on `inputs`, whose caches it writes in place.
-    (output, gate copy or None, partials or None, stats or None) as float64, partials and stats as float32 arrays."""
+    """The fused `kernel` then its head dim's combine on `inputs`, whose caches it writes in place. (output, gate copy,
+    partials, stats): output float64, the rest as the kernel wrote them (partials and stats float32)."""
     p = inputs.prepped
     groups = p.heads // attention_layout(kernel)[1]
     out = poisoned((p.heads, p.head_dim), p.dtype)
-    if blocks == 0:
-        run.dispatch(kernel, [p.args(), inputs.prep_args(), *inputs.prep_inputs(), inputs.k_cache, inputs.v_cache,
-                              out], groups, 32 * simdgroups)
-        return to_f64(out, p.dtype), None, None, None
     gate = poisoned((p.heads, p.head_dim), p.dtype)
     partial_out = np.full((p.heads, blocks, p.head_dim), np.nan, np.float32)
     partial_stats = np.full((p.heads, blocks, 2), np.nan, np.float32)
@@ -366,8 +358,7 @@ def _prep_fused(run: Run, kernel: str, heads: int, kv_heads: int, keys: int, blo
     k_before, v_before = inputs.k_cache.copy(), inputs.v_cache.copy()
     out, gate, _, _ = run_prep_fused(run, kernel, inputs, blocks, simdgroups)
     run.compare("out", out, p.expected(), tolerance(p.dtype), weight_rounding_allowance(p))
-    if gate is not None:
-        run.compare_exact("gate (copied)", gate, p.gate)
+    run.compare_exact("gate (copied)", gate, p.gate)
     run.compare("k cache, new row", to_f64(inputs.k_cache[:, position], "bf16"), to_f64(p.k_cache[:, position], "bf16"),
                 "bf16")
     run.compare_exact("v cache, new row (one rounding)", inputs.v_cache[:, position], p.v_cache[:, position])
@@ -380,13 +371,10 @@ def cases(kernel: str) -> list[Case]:
     """Every case of one decode attention kernel; the first is the self-test's."""
     head_dim, _, heads = attention_layout(kernel)
     if "_prep_mma_" in kernel:
-        split = "_partial_" in kernel
-        shapes = [s for s in PREP_SHAPES[head_dim] if (s[3] > 0) == split]
-        return [Case(kernel, f"Hq={h} Hkv={kv} S={s}" + (f" blocks={b}" if split else "") +
-                     f" simdgroups={sg} R={r} D={head_dim}",
+        return [Case(kernel, f"Hq={h} Hkv={kv} S={s} blocks={b} simdgroups={sg} R={r} D={head_dim}",
                      partial(_prep_fused, kernel=kernel, heads=h, kv_heads=kv, keys=s, blocks=b, simdgroups=sg,
                              rotary_dim=r), quick=i == 0)
-                for i, (h, kv, s, b, sg, r) in enumerate(shapes)]
+                for i, (h, kv, s, b, sg, r) in enumerate(PREP_SHAPES[head_dim])]
     if "_combine_" in kernel:
         # 45 keys in 3 blocks; 66 keys in 64 blocks (LILY_ATTN_SPLIT_MAX_BLOCKS; span 2: blocks 33.. empty: 8 loads
         # in flight per lane with the engine's 8 simdgroups), block counts below one batch of 8 per simdgroup (7, 17)

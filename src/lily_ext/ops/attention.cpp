@@ -1,5 +1,5 @@
-// attention_decode* (metal/attention.metal): one decode token, after attention_prep (attention_prep.cpp) or with it
-// fused in (FUSED_ATTENTION_PREP); and the family's choice by token count (more tokens: attention_prefill.cpp).
+// attention_decode* (metal/attention.metal): one decode token, after attention_prep (attention_prep.cpp) or, split
+// on matrix units, with it fused in (FUSED_ATTENTION_PREP); and the family's choice by token count (more tokens: attention_prefill.cpp).
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -139,31 +139,22 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
              {tuning::kAttentionCombineThreads, 1, 1}, {s.gate, partial_out, partial_stats}, {s.out})
         .per_position.push_back(num_keys);
   };
-  if (mma && ctx.fused_attention_prep) {
+  if (mma && split_blocks && ctx.fused_attention_prep) {
     // FUSED_ATTENTION_PREP: no attention_prep node; each threadgroup preps its own query rows and the new cache row.
+    // Split-KV only: fused into the single pass it lost 2 % of tg128 on an H100 (docs/performance.md).
     const AttentionPrepSpans cache = attention_prep_spans(c, ctx.act, s, position, 1);
     std::vector<Span> reads = {s.q_and_gate, s.k, s.v, s.q_norm->data, s.k_norm->data};
     reads.insert(reads.end(), cache.prefix.begin(), cache.prefix.end());
-    std::vector<NodeArg> args = {arg_value(a), arg_value(attention_prep_args(c, s, position, 1)), arg(s.q_and_gate),
-                                 arg(s.k), arg(s.v), arg(s.q_norm->data), arg(s.k_norm->data)};
-    std::vector<NodeArg> outputs;  // the kernel's remaining buffers, in its order
-    std::vector<Span> writes;
-    if (split_blocks) {
-      outputs = {arg(s.gate), arg(s.k_cache), arg(s.v_cache), arg(partial_out), arg(partial_stats)};
-      writes = {s.gate, partial_out, partial_stats};
-    } else {
-      outputs = {arg(s.k_cache), arg(s.v_cache), arg(s.out)};
-      writes = {s.out};
-    }
-    args.insert(args.end(), outputs.begin(), outputs.end());
+    std::vector<Span> writes = {s.gate, partial_out, partial_stats};
     writes.insert(writes.end(), cache.new_rows.begin(), cache.new_rows.end());
-    const std::string kind = split_blocks ? "partial_" : "";
-    Node& node = add_node(ctx, "attention_decode_" + kind + "prep_mma_" + dt + suffix,
-                          label + (split_blocks ? " partial" : ""), std::move(args),
-                          {groups, std::max<size_t>(split_blocks, 1), 1}, {threads, 1, 1}, reads, writes);
+    Node& node = add_node(ctx, "attention_decode_partial_prep_mma_" + dt + suffix, label + " partial",
+                          {arg_value(a), arg_value(attention_prep_args(c, s, position, 1)), arg(s.q_and_gate),
+                           arg(s.k), arg(s.v), arg(s.q_norm->data), arg(s.k_norm->data), arg(s.gate),
+                           arg(s.k_cache), arg(s.v_cache), arg(partial_out), arg(partial_stats)},
+                          {groups, split_blocks, 1}, {threads, 1, 1}, reads, writes);
     node.per_position.push_back(num_keys);
     node.per_position.push_back({1, offsetof(AttentionPrepArgs, first_position), 0});
-    if (split_blocks) combine();
+    combine();
     return;
   }
   std::vector<Span> reads = attention_prep(ctx, c, label, s, position, 1);

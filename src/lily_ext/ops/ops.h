@@ -35,7 +35,7 @@ struct Context {
   bool staged_gemv = false;   // decode GEMVs stage x in threadgroup memory (STAGED_GEMV, on CUDA: tuning::staged_gemv)
   bool spread_deltanet_step = false;  // a decode token's DeltaNet over many threadgroups (SPREAD_DELTANET_STEP)
   bool whole_pack_loads = false;  // staged kernels load a pack of codes at once where aligned (WHOLE_PACK_LOADS)
-  bool fused_attention_prep = true;  // decode attention on matrix units preps its own rows (FUSED_ATTENTION_PREP)
+  bool fused_attention_prep = true;  // split-KV decode on matrix units preps its own rows (FUSED_ATTENTION_PREP)
 };
 
 // Appends a node; traffic defaults to the declared ranges.
@@ -139,7 +139,7 @@ struct AttentionSpans {
   size_t capacity;
 };
 // attention over the cache for T tokens at positions position .. position + T - 1 (attention_prep writes their K/V
-// rows first, or, for one token on matrix units with FUSED_ATTENTION_PREP, the attention kernel): one token runs
+// rows first, or, for one token split on matrix units with FUSED_ATTENTION_PREP, the attention kernel): one token runs
 // attention_decode (split_blocks: 0 = the single-pass kernel, else the split-KV pair over
 // that many key blocks, attention_split_blocks), more run attention_prefill.
 void attention(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
