@@ -79,6 +79,8 @@ def engine_kernels() -> set[str]:
     # Synthetic weights lie on 16 bytes: the staged kernels' word-load twins are the ones a file with codes off 16
     # bytes gets (tuning::whole_pack_loads), on every path.
     switch_sets += [{**s, "whole_pack_loads": False} for s in switch_sets[1:]]
+    # Apple GPUs run the unstaged GEMVs (Runtime::prefers_staged_gemv is CUDA's): every switch on that path too.
+    switch_sets += [{**s, "staged_gemv": False} for s in switch_sets]
     switch_sets += [{"split_kv_min_keys": 1, **extra} for extra in ({}, {"gqa_packing": False}, {"coalesced_kv": False})]
     found: set[str] = set()
     for config in engine_configs():
