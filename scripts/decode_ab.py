@@ -147,12 +147,13 @@ def main() -> None:
             models[name] = lily.Model.load(args.model, load_format="dummy" if args.model == "full-size" else "auto",
                                            backend="cuda", precision="bfloat16", progress=False,
                                            max_context=max(depths) + args.gen + 1024)
+            dispatches = {}
             for d in depths:
                 bases[name, d] = _depth_session(models[name], d, np.random.default_rng(0))
                 _time_generate(models[name], bases[name, d], args.warmup, 1000)  # warm-up: records the decode step
-        dispatches = models[name].backend.last_step_counts()["dispatches"]
+                dispatches[d] = models[name].backend.last_step_counts()["dispatches"]
         print(f"loaded {name} ({folder}, {environment}, {switches}) in {time.time() - start:.1f} s: "
-              f"{dispatches} dispatches per token", flush=True)
+              + ", ".join(f"{count} dispatches per token at depth {d}" for d, count in dispatches.items()), flush=True)
 
     names = list(models)
     for d in depths:

@@ -54,13 +54,16 @@ def test_an_ab_of_the_demo_model_on_the_fake_libcuda(cuda_compile_only) -> None:
                           f"unfused={ptx},LILY_DISABLE_FUSED_ATTENTION_PREP=1,sw.split_kv_min_keys=1", f"single={ptx}"],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    loaded = re.findall(r"^loaded (\w+) .*: (\d+) dispatches per token", out.stdout, re.M)
-    dispatches = {name: int(count) for name, count in loaded}
+    loaded = re.findall(r"^loaded (\w+) .*?: (\d+) dispatches per token at depth 0, "
+                        r"(\d+) dispatches per token at depth 20$", out.stdout, re.M)
+    dispatches = {name: (int(d0), int(d20)) for name, d0, d20 in loaded}
+    assert len(dispatches) == 3, out.stdout
     # The demo model's 2 full-attention layers, split: one attention_prep each when unfused; the single pass has its
-    # prep and no combine.
+    # prep and no combine. At both depths: each is the step recorded there.
     layers = 2
-    assert dispatches["unfused"] == dispatches["fused"] + layers and dispatches["single"] == dispatches["fused"], \
-        out.stdout
+    for at in (0, 1):  # depth 0, depth 20
+        assert dispatches["unfused"][at] == dispatches["fused"][at] + layers, out.stdout
+        assert dispatches["single"][at] == dispatches["fused"][at], out.stdout
     for depth in (0, 20):
         table = out.stdout.split(f"== tg3 @ d{depth}, median of 2 (tok/s, ratio to fused)\n", 1)[1].splitlines()[:3]
         assert [row.split()[0] for row in table] == ["fused", "unfused", "single"], out.stdout
