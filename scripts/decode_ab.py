@@ -15,7 +15,7 @@ N-token decode then runs under the CUDA profiler (torch.profiler) and a timeline
 the critical path (its end minus the latest end before it) per token. The default model is the full-size shape on
 dummy weights (`lily bench --dummy-weights --full-size`); --model takes a checkpoint path instead.
 
-Two models of the same step can differ by about 1 % in every round (an H100, 2026-12-05: docs/performance.md), so
+Two models of the same step can differ by about 1 % round after round (an H100, 2026-12-05: docs/performance.md), so
 for differences that small load the baseline twice (base=PTX base2=PTX ...) and read its two rows as the floor.
 """
 
