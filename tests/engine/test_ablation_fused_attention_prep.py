@@ -35,7 +35,8 @@ def test_fused_prep_gives_the_unfused_bits(checkpoints, engine_backend, name, sp
         runs[fused] = logits
         prep = kernels.get(f"attention_prep_bf16_{attn}", 0)
         if fused and split:
-            assert kernels.get(f"attention_decode_partial_prep_mma_bf16_{attn}") == layers and prep == 0, sorted(kernels)
+            fused_kernel = f"attention_decode_partial_prep_mma_bf16_{attn}"
+            assert kernels.get(fused_kernel) == layers and prep == 0, sorted(kernels)
         else:
             assert kernels.get(f"attention_decode_{kind}mma_bf16_{attn}") == layers and prep == layers, sorted(kernels)
             assert not [k for k in kernels if "_prep_mma_" in k], sorted(kernels)

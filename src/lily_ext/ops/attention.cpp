@@ -1,6 +1,6 @@
 // attention_decode* (metal/attention.metal): one decode token, after attention_prep (attention_prep.cpp) or, split
-// on matrix units, with it fused in (FUSED_ATTENTION_PREP); and the family's choice by token count (more tokens: attention_prefill.cpp).
-#include <algorithm>
+// on matrix units, with it fused in (FUSED_ATTENTION_PREP); and the family's choice by token count (more tokens:
+// attention_prefill.cpp).
 #include <cmath>
 #include <cstddef>
 
