@@ -58,6 +58,12 @@
 //                                          decode token's in_proj with the causal conv and SiLU(z) in its epilogue, and
 //                                          its out_proj with the gated RMSNorm in its staging: the spread DeltaNet step
 //                                          (docs/kernels.md), the same bits as gated_delta_step's chain.
+//   qmv_mma_q4_g64_bf16[_of32]            (CUDA's choice for 1 to 8 rows of bf16 activations: tuning::mma_gemv) the
+//                                          GEMV on matrix units: codes masked two at a time into bf16 128 + q, 8x8
+//                                          simdgroup MMAs against up to 8 input rows at once (fp32 sums; the offset
+//                                          folded into the bias with sum x from an MMA of ones). Grid (ceil(N / 16),
+//                                          ceil(M / 8), 1) x 128: 4 simdgroups split the groups of K, partial sums
+//                                          added through threadgroup memory. 4-bit codes, bf16 scales.
 //   qmm_q<b>_g64_<dtype>[_sf32][_of32]_bm<BM>
 //                                          prefill GEMM on the tile loop of metal/gemm.h (_of32: bf16 in, fp32 out,
 //                                          BM 16 or 32: router logits and every-row lm_head logits). Grid (ceil(N / 64),
@@ -84,6 +90,7 @@
 // tiles in M and N are handled; out counts need not be multiples of any tile (the shared-expert gate has N = 1).
 #include <metal_stdlib>
 #include "argmax.h"
+#include "attention_mma.h"
 #include "gated_delta.h"
 #include "gemm.h"
 #include "lily.h"
@@ -594,6 +601,141 @@ template <bool Norm, typename T, typename S, int Bits, typename O>
   }
 }
 
+// ---- qmv_mma: Y = X W^T for a few rows of bf16 X on matrix units (CUDA's choice: tuning::mma_gemv) ----
+// The vector GEMVs spend about three instructions per 4-bit weight (mask-or, subtract, FMA) and one more FMA per
+// weight for every further input row, which keeps them issue-bound below copy speed on an H200. Here a weight costs
+// about one integer operation: two codes of a word are masked at once into the mantissas of two bf16 values 128 + q
+// (exact: bf16 holds the integers up to 256), and 8x8 simdgroup MMAs (tensor cores on NVIDIA) multiply them with up to
+// 8 input rows at once, fp32 sums. Per quantization group g and weight row n, with D' = sum_k (128 + q_k) x_k and
+// X = sum_k x_k (an MMA of a ones fragment with the same x): sum_k x_k (scale q_k + bias) = scale D' + (bias -
+// 128 scale) X.
+//
+// Layout. A lane holds row attn_mma_row and columns attn_mma_col, + 1 of each 8x8 fragment (the same for A, B and
+// the accumulator). The order of k inside a group is free as long as W and x agree, so a lane's two A elements are
+// the codes it can take from one word without a shift per code: lane column c reads words c and c + 1 of its row's
+// group (codes 16 (c / 2) .. + 15), and at MMA step s (0..7) of the group element e is the code at k = 16 (c / 2) +
+// 8 (s / 4) + s % 4 + 4 e: word s / 4 shifted by 4 (s % 4), masked with 0x000F000F. The B fragment's lane (row r,
+// columns c, c + 1) then needs x[m][k(s, r)] of input rows m = c, c + 1: over the 8 steps, two runs of 4 consecutive
+// values, i.e. two 8-byte loads per input row and group. The accumulator's lane holds the outputs of row n (its A
+// row) for input rows c, c + 1, so the scale and bias it folds are those of the codes it loaded.
+template <typename T, typename O>
+[[kernel]] void qmv_mma(constant lily::QMatmulArgs& args [[buffer(0)]],
+                        device const T* x [[buffer(1)]],
+                        device const uint* weight [[buffer(2)]],
+                        device const bfloat* scales [[buffer(3)]],
+                        device const bfloat* biases [[buffer(4)]],
+                        device O* y [[buffer(5)]],
+                        uint3 tg [[threadgroup_position_in_grid]],
+                        uint tid [[thread_index_in_threadgroup]],
+                        uint lane [[thread_index_in_simdgroup]],
+                        uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  constexpr uint kFrags = LILY_QMV_MMA_ROWS / 8;  // 8-row fragments of W per simdgroup
+  constexpr uint kSimdgroups = LILY_QMV_MMA_SIMDGROUPS;
+  constexpr uint kSteps = LILY_QMV_MMA_GROUPS_PER_STEP;  // groups each simdgroup loads before using any
+  constexpr uint kWordsPerGroup = lily::kQuantGroupSize / 8;
+  threadgroup float partial[kSimdgroups][kFrags][8][8];
+  const uint K = args.in_features, N = args.out_features, M = args.num_rows;
+  const uint groups = K / lily::kQuantGroupSize;
+  const uint row = attn_mma_row(lane), col = attn_mma_col(lane);
+  const uint n0 = tg.x * LILY_QMV_MMA_ROWS, m0 = tg.y * 8;
+  // This lane's weight row in each fragment (rows past N read row N - 1 and are never written), and its two input
+  // rows (past M: zero, never loaded).
+  device const uint* w_row[kFrags];
+  device const bfloat* s_row[kFrags];
+  device const bfloat* b_row[kFrags];
+  LILY_UNROLL
+  for (uint f = 0; f < kFrags; ++f) {
+    const size_t n = min(n0 + 8 * f + row, N - 1);
+    w_row[f] = weight + n * (K / 8) + col;  // words c, c + 1 of each group (col is even)
+    s_row[f] = scales + n * groups;
+    b_row[f] = biases + n * groups;
+  }
+  const bool has_x[2] = {m0 + col < M, m0 + col + 1 < M};
+  device const T* x_row[2];
+  LILY_UNROLL
+  for (uint e = 0; e < 2; ++e) {
+    x_row[e] = x + size_t(min(m0 + col + e, M - 1)) * K + 16 * (row / 2) + 4 * (row % 2);
+  }
+  const simdgroup_bfloat8x8 ones = make_filled_simdgroup_matrix<bfloat, 8, 8>(bfloat(1.0f));
+  float2 acc[kFrags];
+  LILY_UNROLL
+  for (uint f = 0; f < kFrags; ++f) {
+    acc[f] = float2(0.0f);
+  }
+  for (uint g0 = simd_group; g0 < groups; g0 += kSimdgroups * kSteps) {  // uniform per simdgroup: convergent MMAs
+    uint words[kSteps][kFrags][2];
+    float scale[kSteps][kFrags], bias[kSteps][kFrags];
+    vec<T, 4> xs[kSteps][2][2];  // [group][input row c + e][k run 0..3 or 8..11]
+    LILY_UNROLL
+    for (uint i = 0; i < kSteps; ++i) {
+      // A group past K re-reads the last one, weighted 0: no load is conditional on it.
+      const uint g = min(g0 + kSimdgroups * i, groups - 1);
+      const bool in_row = g0 + kSimdgroups * i < groups;
+      LILY_UNROLL
+      for (uint f = 0; f < kFrags; ++f) {
+        words[i][f][0] = w_row[f][g * kWordsPerGroup];
+        words[i][f][1] = w_row[f][g * kWordsPerGroup + 1];
+        scale[i][f] = in_row ? float(s_row[f][g]) : 0.0f;
+        bias[i][f] = in_row ? float(b_row[f][g]) - 128.0f * scale[i][f] : 0.0f;
+      }
+      LILY_UNROLL
+      for (uint e = 0; e < 2; ++e) {
+        LILY_UNROLL
+        for (uint h = 0; h < 2; ++h) {
+          // Loaded whatever has_x says (from row M - 1 past M), then selected: no branch around a load.
+          const vec<T, 4> v = *((device const vec<T, 4>*)(x_row[e] + g * lily::kQuantGroupSize + 8 * h));
+          xs[i][e][h] = has_x[e] ? v : vec<T, 4>(T(0.0f));
+        }
+      }
+    }
+    LILY_UNROLL
+    for (uint i = 0; i < kSteps; ++i) {
+      // dot[f]: D' of fragment f's rows; dot[kFrags]: X (the ones fragment), for input rows c, c + 1.
+      simdgroup_float8x8 dot[kFrags + 1];
+      LILY_UNROLL
+      for (uint f = 0; f <= kFrags; ++f) {
+        dot[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      }
+      LILY_UNROLL
+      for (uint s = 0; s < 8; ++s) {
+        simdgroup_bfloat8x8 a[kFrags + 1];
+        LILY_UNROLL
+        for (uint f = 0; f < kFrags; ++f) {
+          a[f].thread_elements() = as_type<bfloat2>(((words[i][f][s / 4] >> (4 * (s % 4))) & 0x000F000Fu) | 0x43004300u);
+        }
+        a[kFrags] = ones;
+        simdgroup_bfloat8x8 b;
+        b.thread_elements() = bfloat2(bfloat(xs[i][0][s / 4][s % 4]), bfloat(xs[i][1][s / 4][s % 4]));
+        attn_mma_column<kFrags + 1>(dot, a, b);
+      }
+      const float2 x_sum = dot[kFrags].thread_elements();
+      LILY_UNROLL
+      for (uint f = 0; f < kFrags; ++f) {
+        acc[f] = fma(float2(scale[i][f]), dot[f].thread_elements(), fma(float2(bias[i][f]), x_sum, acc[f]));
+      }
+    }
+  }
+  LILY_UNROLL
+  for (uint f = 0; f < kFrags; ++f) {
+    partial[simd_group][f][row][col] = acc[f].x;
+    partial[simd_group][f][row][col + 1] = acc[f].y;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // One output per thread (kFrags * 64 of them on 32 * kSimdgroups threads): the partial sums in simdgroup order.
+  for (uint i = tid; i < kFrags * 64; i += 32 * kSimdgroups) {
+    const uint f = i / 64, r = (i / 8) % 8, c = i % 8;
+    float total = 0.0f;
+    LILY_UNROLL
+    for (uint g = 0; g < kSimdgroups; ++g) {
+      total += partial[g][f][r][c];
+    }
+    const uint n = n0 + 8 * f + r, m = m0 + c;
+    if (n < N && m < M) {
+      y[size_t(m) * N + n] = O(total);
+    }
+  }
+}
+
 // The staged one-row GEMVs (CUDA's choice; see qmv_stage): the same results as qmv_norm, qmv_residual and
 // qmv_norm_seg with one input row per threadgroup row (grid y = M) and K <= LILY_QMV_STAGE_MAX_K (the host checks).
 // Threadgroups past the outputs leave before the staging (uniformly); simdgroups past them after it.
@@ -1096,6 +1238,9 @@ LILY_INSTANTIATE_KERNEL("qmv_norm_q4_g64_bf16_sf32_of32", qmv_norm, bfloat, floa
 // The staged one-row GEMVs: CUDA's choice for the bf16 model's decode projections (tuning::staged_gemv); f32 for the
 // float32 mode and the tests' exact checks. Each twice: codes read a word at a time, and (_a16) a pack of 4 words
 // as one 16-byte load where the codes lie on 16 bytes (tuning::whole_pack_loads).
+LILY_INSTANTIATE_KERNEL("qmv_mma_q4_g64_bf16", qmv_mma, bfloat, bfloat)
+LILY_INSTANTIATE_KERNEL("qmv_mma_q4_g64_bf16_of32", qmv_mma, bfloat, float)
+
 LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_f32", qmv_norm_staged, float, bfloat, 4, float, false)
 LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_f32_a16", qmv_norm_staged, float, bfloat, 4, float, true)
 LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_staged_q4_g64_bf16", qmv_norm_staged, bfloat, bfloat, 4, bfloat, false)

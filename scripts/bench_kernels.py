@@ -48,6 +48,7 @@ QMV_STAGED = {"simdgroups": 4}  # LILY_QMV_STAGED_SIMDGROUPS: the staged GEMVs' 
 # bytes, as here (each buffer its own allocation) and in a full-size file (tuning::whole_pack_loads); --word-loads: "".
 STAGED_LOADS = {"suffix": "_a16"}
 QMM_BN, QMM_BM16, QMM_THREADS = 64, 16, 128  # LILY_GEMM_BN, LILY_QMM_BM16_MAX_ROWS, LILY_GEMM_THREADS
+QMV_MMA = {"rows": 16, "simdgroups": 4}  # LILY_QMV_MMA_ROWS, LILY_QMV_MMA_SIMDGROUPS; --qmv-mma overrides
 QMM_MIN_THREADGROUPS = 64 * 8  # tuning::kQmmMinThreadgroups
 MOE_GEMV_ROWS, MOE_GEMV_THREADS = 8, 64
 MOE_DOWN_ROWS, MOE_DOWN_THREADS = 8, 128
@@ -117,6 +118,16 @@ def qmv_case(label: str, n: int, k: int, m: int = 1, bits: int = 4, f32_out: boo
     y = f32(m * n) if f32_out else bf16(m * n)
     return Case(label, f"qmv_q{bits}_g64_bf16" + ("_of32" if f32_out else ""),
                 [struct.pack("<IIII", k, n, m, 0), bf16(m * k), w, s, s, y], grid, threads, w + 2 * s + bf16(m * k) + y)
+
+
+def qmv_mma_case(label: str, n: int, k: int, m: int = 1, f32_out: bool = False) -> Case:
+    """The GEMV on matrix units (tuning::mma_gemv, CUDA's choice for up to 8 rows): 8 input rows per threadgroup row."""
+    w, s = quantized(n, k)
+    y = f32(m * n) if f32_out else bf16(m * n)
+    return Case(label, "qmv_mma_q4_g64_bf16" + ("_of32" if f32_out else ""),
+                [struct.pack("<IIII", k, n, m, 0), bf16(m * k), w, s, s, y],
+                (ceil_div(n, QMV_MMA["rows"]), ceil_div(m, 8), 1), (32 * QMV_MMA["simdgroups"], 1, 1),
+                w + 2 * s + bf16(m * k) + y)
 
 
 def qmm_case(label: str, n: int, k: int, m: int, bits: int = 4, f32_out: bool = False) -> Case:
@@ -422,6 +433,9 @@ def qmv_cases() -> list[Case]:
     for name, n, k in shapes:
         for m in (1, 2, 4, 8):
             cases.append(qmv_case(f"qmv {name} {n}x{k}, M={m}", n, k, m))
+        for m in (1, 2, 4, 8):
+            cases.append(qmv_mma_case(f"qmv_mma {name} {n}x{k}, M={m}", n, k, m))
+    cases.append(qmv_mma_case(f"qmv_mma lm_head {VOCAB}x{HIDDEN}, M=1, f32 logits", VOCAB, HIDDEN, 1, f32_out=True))
     cases.append(qmv_case(f"qmv router 256x{HIDDEN} 8-bit, M=1", EXPERTS, HIDDEN, 1, bits=8))
     cases.append(qmm_case(f"qmm bm16 lm_head {VOCAB}x{HIDDEN}, M=8", VOCAB, HIDDEN, 8))
     cases.append(qmm_case(f"qmm bm16 2048x{HIDDEN}, M=8", 2048, HIDDEN, 8))
@@ -609,6 +623,8 @@ def short_prompt_cases() -> list[Case]:
         for m in (5, 8):
             cases.append(qmv_case(f"short prompt qmv {name} {n}x{k}, M={m}", n, k, m, bits, f32_out))
             cases.append(qmm_case(f"short prompt qmm bm16 {name} {n}x{k}, M={m}", n, k, m, bits, f32_out))
+            if bits == 4:
+                cases.append(qmv_mma_case(f"short prompt qmv_mma {name} {n}x{k}, M={m}", n, k, m, f32_out))
     cases.extend(moe_prefill_cases(8, bm=16))
     return cases
 
@@ -809,6 +825,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the LILY_QMV_* values the PTX was built with (default 4 2 4)")
     parser.add_argument("--qmv-staged", type=int, metavar="SIMDGROUPS",
                         help="simdgroups per threadgroup of the staged GEMVs (LILY_QMV_STAGED_SIMDGROUPS, default 4)")
+    parser.add_argument("--qmv-mma", nargs=2, type=int, metavar=("ROWS", "SIMDGROUPS"),
+                        help="the LILY_QMV_MMA_ROWS and _SIMDGROUPS values the PTX was built with (default 16 4)")
     parser.add_argument("--word-loads", action="store_true",
                         help="time the staged kernels' word-load instances (codes off 16 bytes) instead of _a16")
     args = parser.parse_args(argv)
@@ -820,6 +838,8 @@ def main(argv: list[str] | None = None) -> int:
         QMV_SHAPE.update(zip(("rows_per_simdgroup", "simdgroups", "batch"), args.qmv_shape))
     if args.qmv_staged:
         QMV_STAGED["simdgroups"] = args.qmv_staged
+    if args.qmv_mma:
+        QMV_MMA.update(zip(("rows", "simdgroups"), args.qmv_mma))
     if args.gdn_prefill_rows:
         GDN_PREFILL_SHAPE.update(zip(("rows_per_threadgroup", "rows_per_simdgroup"), args.gdn_prefill_rows))
     selected = [c for c in cases() if not args.kernels or re.search(args.kernels, c.label)

@@ -49,13 +49,17 @@ PREFILL_KERNELS = {"qmm_q4_g64_bf16_bm32", "qmm_q4_g64_bf16_bm64", "moe_gemm_gat
 # The short-prompt cases add the f32-output 8-bit router and shared-expert gate as qmv and as the 16-row GEMM (the
 # kernel choice at 5-8 rows, tuning::qmv_takes).
 SHORT_PROMPT_KERNELS = {"qmv_q8_g64_bf16_of32", "qmm_q8_g64_bf16_of32_bm16"}
+# The GEMV on matrix units (CUDA's choice for 1 to 8 rows, tuning::mma_gemv) at every qmv shape and row count, and
+# as the lm_head of a prompt's last row (f32 logits).
+MMA_GEMV_KERNELS = {"qmv_mma_q4_g64_bf16", "qmv_mma_q4_g64_bf16_of32"}
 
 
 def test_cases_cover_every_decode_kernel_and_qmv_row_count() -> None:
     cases = bench_kernels.cases()
-    assert {c.kernel for c in cases} == DECODE_KERNELS | PREFILL_KERNELS | SHORT_PROMPT_KERNELS
-    lm_head = [c for c in cases if c.kernel == "qmv_q4_g64_bf16" and c.label.startswith("qmv lm_head")]
-    assert [c.buffers[0][8] for c in lm_head] == [1, 2, 4, 8]  # QMatmulArgs.num_rows
+    assert {c.kernel for c in cases} == DECODE_KERNELS | PREFILL_KERNELS | SHORT_PROMPT_KERNELS | MMA_GEMV_KERNELS
+    for kernel, label in (("qmv_q4_g64_bf16", "qmv lm_head"), ("qmv_mma_q4_g64_bf16", "qmv_mma lm_head")):
+        lm_head = [c for c in cases if c.kernel == kernel and c.label.startswith(label)]
+        assert [c.buffers[0][8] for c in lm_head] == [1, 2, 4, 8], kernel  # QMatmulArgs.num_rows
     assert all(c.bytes_moved > 0 for c in cases)
 
 

@@ -74,6 +74,10 @@ struct Switches {
                                    // after the lm_head; on, the lm_head GEMV keeps each threadgroup's best logit
                                    // where it streams (staged: CUDA; qmv_norm_argmax_staged) and only argmax_final
                                    // runs after it
+  bool mma_gemv = true;            // MMA_GEMV: off = 1 to 8 rows of bf16 activations run the vector GEMV (qmv) or the
+                                   // 16-row GEMM tile (qmm); on (where the runtime prefers it, CUDA, and the
+                                   // simdgroup_matrix lane layout is the one assumed), 4-bit weights with bf16 scales
+                                   // run qmv_mma on matrix units (tuning::mma_gemv)
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
   size_t kv_growth_block() const;

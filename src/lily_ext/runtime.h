@@ -97,6 +97,9 @@ class Runtime {
   // Decode GEMVs stage x in threadgroup memory (tuning::staged_gemv): where scattered per-lane loads of x cost more
   // than the staging (NVIDIA's L1), not on Apple GPUs.
   virtual bool prefers_staged_gemv() const { return false; }
+  // A few rows' GEMVs on matrix units (tuning::mma_gemv): where the vector GEMVs are issue-bound (NVIDIA); not yet
+  // measured on Apple GPUs.
+  virtual bool prefers_mma_gemv() const { return false; }
   // Turns off the engine switches whose kernels this runtime lacks (the CPU runtime: see cpu/cpu_runtime.h); the
   // builder then emits their plain counterparts. Metal and CUDA run every switch.
   virtual void restrict_switches(Switches&) const {}

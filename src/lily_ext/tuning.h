@@ -27,6 +27,14 @@ constexpr size_t kQmmShortMinOutFeatures = 8192;
 constexpr bool qmv_takes(size_t rows, size_t out_features) {
   return rows <= kQmvMaxRows || (rows <= kQmvShortMaxRows && out_features < kQmmShortMinOutFeatures);
 }
+// ... unless the GEMV runs on matrix units (MMA_GEMV, chosen where Runtime::prefers_mma_gemv: CUDA): up to this many
+// rows (one 8-column fragment of X^T) of bf16 activations against 4-bit weights with bf16 scales run qmv_mma at any
+// number of output features, whose cost hardly grows with the rows (the MMA takes 8 columns whatever M is), where
+// qmv's grows by an FMA per weight and row. 8-bit codes do not fit bf16's 8-bit significand with the offset it needs.
+constexpr size_t kQmvMmaMaxRows = 8;
+constexpr bool mma_gemv(bool switched_on, size_t rows, int bits, bool bf16_activations, bool bf16_scales) {
+  return switched_on && rows <= kQmvMmaMaxRows && bits == 4 && bf16_activations && bf16_scales;
+}
 // ... and an f32-output GEMM with fewer output features than one 8-column MMA fragment (the shared-expert gate's
 // logit, N = 1) stays on qmv at any number of rows: qmm's tile would be almost all padding, and re-reading so small
 // a weight per 4 rows costs little (on the H200 a 512-row qmm_of32 of N = 1 took 36 us, the router's N = 256 the
@@ -109,6 +117,8 @@ inline bool staged_moe(bool switched_on, bool bf16_scales, size_t hidden_size, s
 // qmv: 2 simdgroups x 4 rows = 8 output rows per threadgroup (the kernel's fixed shape).
 constexpr size_t kQmvThreads = 32 * LILY_QMV_SIMDGROUPS;
 constexpr size_t kQmvRowsPerThreadgroup = LILY_QMV_ROWS_PER_SIMDGROUP * LILY_QMV_SIMDGROUPS;
+// qmv_mma: LILY_QMV_MMA_SIMDGROUPS simdgroups splitting K (the kernel's partial-sum array holds exactly that many).
+constexpr size_t kQmvMmaThreads = 32 * LILY_QMV_MMA_SIMDGROUPS;
 // The staged GEMVs (tuning::staged_gemv): LILY_QMV_STAGED_SIMDGROUPS simdgroups per staging of x.
 constexpr size_t kQmvStagedThreads = 32 * LILY_QMV_STAGED_SIMDGROUPS;
 constexpr size_t kQmvStagedRowsPerThreadgroup = LILY_QMV_ROWS_PER_SIMDGROUP * LILY_QMV_STAGED_SIMDGROUPS;

@@ -26,10 +26,14 @@ PATTERN = re.compile(r"qmv(_norm|_residual)?(_seg)?_q(4|8)_g64_(f32|f16|bf16)(_s
                      r"|qmv(_norm|_residual)?(_seg)?_staged_q(4|8)_g64_(f32|bf16)(_of32)?(_a16)?"
                      r"|qmv_norm_argmax_staged_q4_g64_(f32|bf16_of32)(_a16)?"
                      r"|qmv_(norm_seg_conv|gated_norm_residual)_staged_q4_g64_(f32|bf16)(_a16)?"
+                     r"|qmv_mma_q4_g64_bf16(_of32)?"
                      r"|qmm_q(4|8)_g64_(f32|f16|bf16)(_sf32)?(_of32)?_bm(16|32|64)|qmm_nax_q(4|8)_g64_(f16|bf16)")
 QMV_ROWS_PER_THREADGROUP = 8  # LILY_QMV_SIMDGROUPS * LILY_QMV_ROWS_PER_SIMDGROUP
 QMV_STAGED_ROWS_PER_SIMDGROUP = 4  # LILY_QMV_ROWS_PER_SIMDGROUP: a staged threadgroup's simdgroups each take 4 rows
 QMM_BN, QMM_THREADS = 64, 128  # LILY_GEMM_BN, LILY_GEMM_THREADS
+QMV_MMA_ROWS, QMV_MMA_THREADS = 16, 128  # LILY_QMV_MMA_ROWS, 32 * LILY_QMV_MMA_SIMDGROUPS
+# The code offset of qmv_mma's bf16 codes (128 + q): its fp32 sums add x (128 + q) scale and x (bias - 128 scale).
+QMV_MMA_CODE_OFFSET = 128
 NAX_BM, NAX_BN = 32, 64  # LILY_QMM_NAX_BM, LILY_QMM_NAX_BN
 MAX_SEGMENTS = 4  # LILY_QMV_MAX_SEGMENTS
 NORM_EPS = 1e-6
@@ -42,6 +46,12 @@ QMV_SHAPES = [(2, 40, 512), (1, 1, 64), (1, 5, 512), (3, 9, 576), (2, 33, 128)]
 FUSED_SHAPES = [(1, 40, 512), (1, 1, 64), (1, 9, 576), (2, 33, 128), (1, 12, 1024)]
 QMM_SHAPES = [(1, 33, 64), (16, 32, 128), (33, 40, 64), (17, 1, 192)]
 NAX_SHAPES = [(1, 1, 64), (32, 64, 64), (33, 65, 128), (70, 130, 64)]
+# qmv_mma: every row count of its 8-column fragment and past it (grid y), output features around its 16-row
+# threadgroup and 8-row fragments, K from one group (three of the four simdgroups idle) through partial and whole
+# steps of 4 groups x 4 simdgroups to the model's 2048 and 4096.
+QMV_MMA_SHAPES = ([(2, 40, 512)] + [(m, 24, 128) for m in (1, 3, 4, 5, 7, 8, 9, 16, 17)]
+                  + [(1, n, 64) for n in (1, 7, 8, 15, 16, 17, 33)]
+                  + [(3, 21, k) for k in (192, 576, 1024, 1088, 2048, 2112, 4096)])
 # Extra shapes of particular kernels: rows around the qmv simdgroup/threadgroup, the shared-expert gate, qmm row
 # tiles, and the model's own K and N (o_proj/out_proj K = 4096, the 8-bit router, down projections K = 512).
 EXTRA_SHAPES = {
@@ -108,15 +118,25 @@ def accumulation_magnitude(x: np.ndarray, weight) -> np.ndarray:
 
 
 def check_matmul(run: Run, y: np.ndarray, out_dtype: str, x: np.ndarray, weight, *, add: np.ndarray | None = None,
-                 relative_ulps: float = 0.0) -> None:
+                 relative_ulps: float = 0.0, code_offset: int = 0) -> None:
     """y (+ `add`) against reference.qmatmul(x, weight) rounded once to `out_dtype`: the dtype's tolerance widened by
     the error of a K-term fp32 sum, about sqrt(K)·2^-24·sum|x w| (with cancellation this exceeds one rounding), plus
-    `relative_ulps`·sqrt(K)·2^-24·|expected| (a scalar from a K-term fp32 sum, such as 1/rms, scales the output)."""
+    `relative_ulps`·sqrt(K)·2^-24·|expected| (a scalar from a K-term fp32 sum, such as 1/rms, scales the output).
+    `code_offset`: the kernel sums x (code_offset + q) scale and x (bias - code_offset scale) (qmv_mma), so those
+    terms make up its sums."""
     x32 = np.asarray(x, np.float64).astype(np.float32)
     exact = reference.qmatmul(x32, weight).astype(np.float64) + (0.0 if add is None else add)
     expected = round_to(exact, out_dtype)
     unit = np.sqrt(x.shape[-1]) * 2.0**-24
-    allowance = ACCUMULATION_ULPS * unit * accumulation_magnitude(x32, weight) + relative_ulps * unit * np.abs(expected)
+    if code_offset:
+        weight = QuantizedTensor(weight.weight, weight.scales, weight.biases - code_offset * weight.scales,
+                                 weight.bits, weight.group_size, weight.dtype)
+        offset_terms = code_offset * np.abs(x32).astype(np.float64) @ np.abs(
+            np.repeat(weight.scales.astype(np.float64), weight.group_size, axis=-1)).T
+    else:
+        offset_terms = 0.0
+    magnitude = accumulation_magnitude(x32, weight) + offset_terms
+    allowance = ACCUMULATION_ULPS * unit * magnitude + relative_ulps * unit * np.abs(expected)
     run.compare("y", to_f64(y, out_dtype), expected, out_dtype, allowance)
 
 
@@ -134,14 +154,31 @@ def _qmv(run: Run, kernel: str, m: int, n: int, k: int, weight: QuantizedTensor 
 
 def _qmv_extreme_codes(run: Run, kernel: str) -> None:
     """All-0 and all-max codes, and a group with zero scale (bias only): the fold scale*sum(xq) + bias*sum(x)."""
-    n, k = 4, 128
-    codes = run.rng.integers(0, 16, (n, k)).astype(np.uint8)
+    _qmv(run, kernel, 1, 4, 128, _extreme_codes_weight(run.rng, 4, 128))
+
+
+def _qmv_mma(run: Run, kernel: str, m: int, n: int, k: int, weight: QuantizedTensor | None = None) -> None:
+    """The bf16 x is exact in the MMAs; the sums carry the codes' offset of 128 (check_matmul's code_offset)."""
+    out_dtype = out_dtype_of(kernel)
+    if weight is None:
+        weight, buffers = quantized_weight(kernel, (n, k), run.rng)
+    else:
+        buffers = weight_buffers(weight, scale_dtype_of(kernel))
+    x = to_device(run.rng.standard_normal((m, k)), "bf16")
+    y = poisoned((m, n), out_dtype)
+    run.dispatch(kernel, [qmatmul_args(k, n, m), x, *buffers, y], (-(-n // QMV_MMA_ROWS), -(-m // 8), 1),
+                 QMV_MMA_THREADS)
+    check_matmul(run, y, out_dtype, to_f64(x, "bf16"), weight, code_offset=QMV_MMA_CODE_OFFSET)
+
+
+def _extreme_codes_weight(rng: np.random.Generator, n: int, k: int) -> QuantizedTensor:
+    """All-0 and all-max code rows and a group with zero scale (bias only)."""
+    codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
     codes[0], codes[1] = 0, 15
-    scales = np.float32(0.01) * (1 + run.rng.integers(0, 8, (n, k // 64))).astype(np.float32)
+    scales = np.float32(0.01) * (1 + rng.integers(0, 8, (n, k // 64))).astype(np.float32)
     scales[2, 1] = 0.0
-    biases = round_to_dtype(run.rng.standard_normal((n, k // 64)).astype(np.float32), "bfloat16")
-    weight = QuantizedTensor(pack(codes, 4), round_to_dtype(scales, "bfloat16"), biases, 4, 64, "bfloat16")
-    _qmv(run, kernel, 1, n, k, weight)
+    biases = round_to_dtype(rng.standard_normal((n, k // 64)).astype(np.float32), "bfloat16")
+    return QuantizedTensor(pack(codes, 4), round_to_dtype(scales, "bfloat16"), biases, 4, 64, "bfloat16")
 
 
 def _qmm(run: Run, kernel: str, m: int, n: int, k: int) -> None:
@@ -418,6 +455,10 @@ def cases(kernel: str) -> list[Case]:
         return found
     if kernel.startswith("qmv_residual"):
         return _shape_cases(kernel, _qmv_residual, FUSED_SHAPES + extra)
+    if kernel.startswith("qmv_mma"):
+        return _shape_cases(kernel, _qmv_mma, QMV_MMA_SHAPES) + [
+            Case(kernel, "M=2 N=4 K=128 extreme-codes",
+                 lambda run, kernel=kernel: _qmv_mma(run, kernel, 2, 4, 128, _extreme_codes_weight(run.rng, 4, 128)))]
     if kernel.startswith("qmv"):
         found = _shape_cases(kernel, _qmv, (FUSED_SHAPES if kernel.endswith("_of32") else QMV_SHAPES) + extra)
         if kernel == "qmv_q4_g64_f32":

@@ -275,6 +275,7 @@ struct Forward {
     ctx.gqa_packing = sw.gqa_packing;
     ctx.coalesced_kv = sw.coalesced_kv;
     ctx.staged_gemv = sw.staged_gemv;
+    ctx.mma_gemv = sw.mma_gemv;
     ctx.spread_deltanet_step = sw.spread_deltanet_step && fuse && sw.fused_projections;
     ctx.whole_pack_loads = sw.whole_pack_loads;
     ctx.gpu_routing = sw.gpu_routing;
