@@ -1,7 +1,8 @@
 """The kernel choice for a short prompt's projections (tuning::qmv_takes): up to 4 rows every projection runs qmv;
 5 to 8 rows run qmv below 8192 output features and the 16-row qmm tile from there on (in_proj_qkv and q_proj, and
 lm_head when every row's logits are asked for); more rows run qmm everywhere. With MMA_GEMV (CUDA's choice:
-tuning::mma_gemv) every 4-bit projection of up to 8 rows runs qmv_mma instead, and 9 rows the vector choice again.
+tuning::mma_gemv) every 4-bit projection of 3 to 8 rows runs qmv_mma instead, of 1 or 2 rows only those of 8192
+outputs or more (in_proj_qkv, q_proj, lm_head), and 9 rows the vector choice again.
 Read from the graphs the engine builds (graph_kernels) at the model's full size and at the demo's, whose matrices
 are all narrower than 8192."""
 
@@ -54,12 +55,21 @@ def test_the_demo_model_runs_eight_rows_on_qmv_alone():
     assert kernels and not any(k.startswith("qmm_") for k in kernels), sorted(kernels)
 
 
-@pytest.mark.parametrize("rows", [2, 5, 8])
-def test_up_to_eight_rows_take_the_matrix_unit_gemv_where_chosen(rows):
+@pytest.mark.parametrize("rows", [3, 5, 8])
+def test_three_to_eight_rows_take_the_matrix_unit_gemv_where_chosen(rows):
     assert pass_kernels(FULL_SIZE, rows, mma_gemv=True) == {
         "qmv_mma_q4_g64_bf16",       # every 4-bit projection
         "qmv_q8_g64_bf16_of32",      # the router (N = 256) and the shared-expert gate: 8-bit codes
         "qmv_mma_q4_g64_bf16_of32",  # lm_head, the last row's logits and every row's
+    }
+
+
+def test_two_rows_take_it_from_8192_outputs_and_nine_rows_not_at_all():
+    assert pass_kernels(FULL_SIZE, 2, mma_gemv=True) == {
+        "qmv_mma_q4_g64_bf16",       # in_proj_qkv, q_proj: N = 8192
+        "qmv_q4_g64_bf16",           # in_proj_z, in_proj_b/a, out_proj, k/v_proj, o_proj
+        "qmv_q8_g64_bf16_of32",      # the router and the shared-expert gate
+        "qmv_mma_q4_g64_bf16_of32",  # lm_head
     }
     nine = pass_kernels(FULL_SIZE, 9, mma_gemv=True)  # the projections on qmm; lm_head's last row is one row
     assert "qmv_mma_q4_g64_bf16" not in nine and {"qmm_q4_g64_bf16_bm16", "qmv_mma_q4_g64_bf16_of32"} <= nine, nine

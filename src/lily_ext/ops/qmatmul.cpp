@@ -20,7 +20,7 @@ void qmatmul(Context& ctx, const std::string& label, const Span& x, const Weight
   // logits). The dequantize + mm ablation has no f32 output: there, f32 output stays on qmv, which takes any number
   // of rows, four per threadgroup row (grid y).
   const bool f32_out = dtype == DType::F32 && ctx.act != DType::F32;
-  if (tuning::mma_gemv(ctx.mma_gemv, rows, w.bits, ctx.act == DType::BF16, w.scale_dtype == DType::BF16)) {
+  if (tuning::mma_gemv(ctx.mma_gemv, rows, w.rows, w.bits, ctx.act == DType::BF16, w.scale_dtype == DType::BF16)) {
     add_node(ctx, std::string("qmv_mma_q4_g64_bf16") + (f32_out ? "_of32" : ""), label,
              {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(y)},
              {(w.rows + LILY_QMV_MMA_ROWS - 1) / LILY_QMV_MMA_ROWS, (rows + 7) / 8, 1},
