@@ -32,10 +32,10 @@ constexpr bool qmv_takes(size_t rows, size_t out_features) {
 // cost hardly grows with the rows (the MMA takes 8 columns whatever M is) where qmv's grows by an FMA per weight and
 // row: on an H100 (scripts/bench_kernels.py, cold L2, docs/results/h200/2026-12-05-4ef0610/) qmv_mma took 10-20 us
 // at every model shape and 1 to 8 rows (lm_head 172-205 us), qmv from 3 rows on more at every shape (8 rows: 2048 x
-// 2048 17.0 against 11.4 us, lm_head 1,379 against 205). With 1 or 2 rows it wins only from 8,192 outputs on
-// (in_proj_qkv at 2 rows 13.2 against 21.5 us, lm_head at 1 row 172 against 214): below, its 4 simdgroups per 16
-// outputs leave an H100 short of warps (out_proj 2048 x 4096 at 1 row 17.4 against 10.0 us).
-// 8-bit codes do not fit bf16's 8-bit significand with the offset the kernel needs.
+// 2048 17.0 against 11.4 us, lm_head 1,379 against 205). With 1 or 2 rows it wins only from 8,192 outputs on (the
+// DeltaNet qkv projection at 2 rows 13.2 against 21.5 us, lm_head at 1 row 172 against 214): below, its 4 simdgroups
+// per 16 outputs leave an H100 short of warps (out_proj 2048 x 4096 at 1 row 17.4 against 10.0 us). 8-bit codes do
+// not fit bf16's 8-bit significand with the offset the kernel needs.
 constexpr size_t kQmvMmaMaxRows = 8;
 constexpr size_t kQmvMmaFewRows = 2;
 constexpr size_t kQmvMmaFewRowsMinOutFeatures = 8192;
