@@ -293,10 +293,11 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // larger M the tiled GEMM qmm_*_bm<16|32|64> (tuning::qmm_tile_rows: the widest tile that still launches enough
 // threadgroups; each dequantized weight tile serves BM rows).
 #define LILY_QMV_MAX_ROWS 4
-// qmv_mma (CUDA's choice for 1 to 8 rows of bf16 activations: tuning::mma_gemv): the GEMV on matrix units. A
+// qmv_mma (CUDA's choice for a few rows of bf16 activations: tuning::mma_gemv): the GEMV on matrix units. A
 // threadgroup owns LILY_QMV_MMA_ROWS output features (8-row fragments of W) for 8 input rows (one 8-column fragment
-// of X^T; grid y = ceil(M / 8)); its LILY_QMV_MMA_SIMDGROUPS simdgroups take interleaved quantization groups of K and add their
-// partial sums through threadgroup memory; each simdgroup loads LILY_QMV_MMA_GROUPS_PER_STEP groups before using any.
+// of X^T; grid y = ceil(M / 8)); its LILY_QMV_MMA_SIMDGROUPS simdgroups take interleaved quantization groups of K
+// and add their partial sums through threadgroup memory; each simdgroup loads LILY_QMV_MMA_GROUPS_PER_STEP groups
+// before using any.
 #define LILY_QMV_MMA_ROWS 16
 #define LILY_QMV_MMA_SIMDGROUPS 4
 #define LILY_QMV_MMA_GROUPS_PER_STEP 4

@@ -58,7 +58,7 @@
 //                                          decode token's in_proj with the causal conv and SiLU(z) in its epilogue, and
 //                                          its out_proj with the gated RMSNorm in its staging: the spread DeltaNet step
 //                                          (docs/kernels.md), the same bits as gated_delta_step's chain.
-//   qmv_mma_q4_g64_bf16[_of32]            (CUDA's choice for 1 to 8 rows of bf16 activations: tuning::mma_gemv) the
+//   qmv_mma_q4_g64_bf16[_of32]            (CUDA's choice for a few rows of bf16 activations: tuning::mma_gemv) the
 //                                          GEMV on matrix units: codes masked two at a time into bf16 128 + q, 8x8
 //                                          simdgroup MMAs against up to 8 input rows at once (fp32 sums; the offset
 //                                          folded into the bias with sum x from an MMA of ones). Grid (ceil(N / 16),
@@ -632,7 +632,11 @@ template <typename T, typename O>
   constexpr uint kFrags = LILY_QMV_MMA_ROWS / 8;  // 8-row fragments of W per simdgroup
   constexpr uint kSimdgroups = LILY_QMV_MMA_SIMDGROUPS;
   constexpr uint kSteps = LILY_QMV_MMA_GROUPS_PER_STEP;  // groups each simdgroup loads before using any
-  constexpr uint kWordsPerGroup = lily::kQuantGroupSize / 8;
+  constexpr uint kPerWord = lily::codes_per_word<4>();
+  constexpr uint kWordsPerGroup = lily::kQuantGroupSize / kPerWord;
+  // Codes e and e + 4 of a word, shifted down to bits 0-3 of its halves, or-ed into two bf16 128.0: 128 + q each.
+  constexpr uint kCodePairMask = 0x000F000Fu, kCodePairOffsetBits = 0x43004300u;
+  constexpr float kCodeOffset = 128.0f;
   threadgroup float partial[kSimdgroups][kFrags][8][8];
   const uint K = args.in_features, N = args.out_features, M = args.num_rows;
   const uint groups = K / lily::kQuantGroupSize;
@@ -646,7 +650,7 @@ template <typename T, typename O>
   LILY_UNROLL
   for (uint f = 0; f < kFrags; ++f) {
     const size_t n = min(n0 + 8 * f + row, N - 1);
-    w_row[f] = weight + n * (K / 8) + col;  // words c, c + 1 of each group (col is even)
+    w_row[f] = weight + n * (K / kPerWord) + col;  // words c, c + 1 of each group (col is even)
     s_row[f] = scales + n * groups;
     b_row[f] = biases + n * groups;
   }
@@ -676,7 +680,7 @@ template <typename T, typename O>
         words[i][f][0] = w_row[f][g * kWordsPerGroup];
         words[i][f][1] = w_row[f][g * kWordsPerGroup + 1];
         scale[i][f] = in_row ? float(s_row[f][g]) : 0.0f;
-        bias[i][f] = in_row ? float(b_row[f][g]) - 128.0f * scale[i][f] : 0.0f;
+        bias[i][f] = in_row ? float(b_row[f][g]) - kCodeOffset * scale[i][f] : 0.0f;
       }
       LILY_UNROLL
       for (uint e = 0; e < 2; ++e) {
@@ -701,7 +705,8 @@ template <typename T, typename O>
         simdgroup_bfloat8x8 a[kFrags + 1];
         LILY_UNROLL
         for (uint f = 0; f < kFrags; ++f) {
-          a[f].thread_elements() = as_type<bfloat2>(((words[i][f][s / 4] >> (4 * (s % 4))) & 0x000F000Fu) | 0x43004300u);
+          const uint codes = (words[i][f][s / 4] >> (4 * (s % 4))) & kCodePairMask;
+          a[f].thread_elements() = as_type<bfloat2>(codes | kCodePairOffsetBits);
         }
         a[kFrags] = ones;
         simdgroup_bfloat8x8 b;

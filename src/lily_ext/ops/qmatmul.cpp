@@ -23,7 +23,8 @@ void qmatmul(Context& ctx, const std::string& label, const Span& x, const Weight
   if (tuning::mma_gemv(ctx.mma_gemv, rows, w.rows, w.bits, ctx.act == DType::BF16, w.scale_dtype == DType::BF16)) {
     add_node(ctx, std::string("qmv_mma_q4_g64_bf16") + (f32_out ? "_of32" : ""), label,
              {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(y)},
-             {(w.rows + LILY_QMV_MMA_ROWS - 1) / LILY_QMV_MMA_ROWS, (rows + 7) / 8, 1},
+             {(w.rows + LILY_QMV_MMA_ROWS - 1) / LILY_QMV_MMA_ROWS,
+              (rows + tuning::kQmvMmaMaxRows - 1) / tuning::kQmvMmaMaxRows, 1},
              {tuning::kQmvMmaThreads, 1, 1}, {x, w.data, w.scales, w.biases}, {y});
     return;
   }
