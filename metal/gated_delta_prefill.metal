@@ -10,10 +10,6 @@
 //                                      value head and keeps them in registers for the whole chunk
 //                                      (LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP per simdgroup), one barrier per token.
 //                                      Chosen for T > 1 (after gated_delta_conv).
-//   gated_delta_prefill_compact_<dtype>_dk<Dk>
-//                                      the same scan with LILY_GDN_COMPACT_ROWS_PER_SIMDGROUP rows per simdgroup (the
-//                                      same 32-row slices on 4 simdgroups instead of 32): a decode token's spread step
-//                                      (COMPACT_SCAN, tuning::compact_scan). Same rows, arithmetic and bits.
 //   gated_delta_prefill_blockwise_<dtype>_dk<Dk>
 //                                      the REGISTER_SCAN ablation (f32 and bf16): the state rows round-trip through
 //                                      device memory every LILY_GDN_SCAN_BLOCK tokens. Same grid, arithmetic and bits.
@@ -123,12 +119,12 @@ LILY_INLINE void gdn_stage_token(threadgroup float* q, threadgroup float* k, thr
 }
 
 // This simdgroup's rows r = sg + m·n_sg < `rows` of the threadgroup's slice (`slice_state`, [rows, Dk]) to (Store) or
-// from its registers: Dk/32 consecutive elements per lane, Rows rows at most.
-template <uint Dk, uint Rows, bool Store>
-LILY_INLINE void gdn_move_rows(thread float (&s)[Rows][Dk / 32], device float* slice_state, uint rows, uint sg,
-                               uint n_sg, uint lane) {
+// from its registers: Dk/32 consecutive elements per lane.
+template <uint Dk, bool Store>
+LILY_INLINE void gdn_move_rows(thread float (&s)[LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP][Dk / 32],
+                               device float* slice_state, uint rows, uint sg, uint n_sg, uint lane) {
   LILY_UNROLL
-  for (uint m = 0; m < Rows; ++m) {
+  for (uint m = 0; m < LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; ++m) {
     const uint r = sg + m * n_sg;
     LILY_UNROLL
     for (uint e = 0; e < Dk / 32; ++e) {
@@ -148,9 +144,8 @@ LILY_INLINE void gdn_move_rows(thread float (&s)[Rows][Dk / 32], device float* s
 // reloaded from `state` every Block tokens.
 // One threadgroup barrier per token: after it, token t's staged inputs are complete; then token t + 1 is staged into
 // the other slot (its last readers finished before this barrier) while every simdgroup updates its rows for token t,
-// so the loads overlap the row updates. Lane 0 writes each row's o to `core_out`. A simdgroup keeps Rows state rows
-// (LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; the compact instances LILY_GDN_COMPACT_ROWS_PER_SIMDGROUP).
-template <typename T, uint Dk, uint Block, uint Rows>
+// so the loads overlap the row updates. Lane 0 writes each row's o to `core_out`.
+template <typename T, uint Dk, uint Block>
 [[kernel]] void gated_delta_prefill(constant lily::GatedDeltaArgs& args [[buffer(0)]],
                                     device const float* conv_out [[buffer(1)]],  // [T, C] from gated_delta_conv
                                     device const T* b [[buffer(2)]],             // [T, Hv]
@@ -186,9 +181,10 @@ template <typename T, uint Dk, uint Block, uint Rows>
   const uint num_tokens = args.num_tokens;
   const uint block = Block != 0 ? Block : num_tokens;
 
-  // This simdgroup's rows r = sg + m·n_sg of the slice stay in registers (host: rows <= Rows·n_sg).
-  float s[Rows][Dk / 32];
-  gdn_move_rows<Dk, Rows, false>(s, slice_state, rows, sg, n_sg, lane);
+  // This simdgroup's rows r = sg + m·n_sg of the slice stay in registers (host: rows <=
+  // LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP·n_sg).
+  float s[LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP][Dk / 32];
+  gdn_move_rows<Dk, false>(s, slice_state, rows, sg, n_sg, lane);
   // The state rows are loaded before the wait: only this kernel writes the state (the host never starts it early
   // behind a dispatch that does: Node::early_reads), so on CUDA their loads overlap the dispatch before.
   lily::grid_dependency_wait();  // conv_out, b and a come from the dispatches before
@@ -199,9 +195,9 @@ template <typename T, uint Dk, uint Block, uint Rows>
     if (Block != 0 && t % block == 0 && t != 0) {
       // The ablation's round trip: a device-memory fence between the store and the reload, so the compiler may not
       // carry the rows in registers across it (each lane reloads its own writes).
-      gdn_move_rows<Dk, Rows, true>(s, slice_state, rows, sg, n_sg, lane);
+      gdn_move_rows<Dk, true>(s, slice_state, rows, sg, n_sg, lane);
       threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
-      gdn_move_rows<Dk, Rows, false>(s, slice_state, rows, sg, n_sg, lane);
+      gdn_move_rows<Dk, false>(s, slice_state, rows, sg, n_sg, lane);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (t + 1 < num_tokens) {
@@ -214,7 +210,7 @@ template <typename T, uint Dk, uint Block, uint Rows>
     gdn_normalized_qk<Dk>(q_tg[slot], k_tg[slot], args.l2_eps, q, k, lane);
     // Unrolled, so the state rows s[m] stay in registers (a loop with a break indexed them in local memory on CUDA).
     LILY_UNROLL
-    for (uint m = 0; m < Rows; ++m) {
+    for (uint m = 0; m < LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP; ++m) {
       const uint r = sg + m * n_sg;
       if (r < rows) {  // uniform over the simdgroup: the collectives stay convergent
         const float o = gdn_update_row<Dk>(s[m], q, k, decay_tg[slot], beta_tg[slot], v_tg[slot][r]);
@@ -224,7 +220,7 @@ template <typename T, uint Dk, uint Block, uint Rows>
       }
     }
   }
-  gdn_move_rows<Dk, Rows, true>(s, slice_state, rows, sg, n_sg, lane);
+  gdn_move_rows<Dk, true>(s, slice_state, rows, sg, n_sg, lane);
 }
 
 // ---- The chunked scan: gated_delta_chunk_prepare, then gated_delta_chunk_scan ----
@@ -584,10 +580,8 @@ LILY_INSTANTIATE_KERNEL("gated_delta_conv_f32_dk128", gated_delta_conv, float, 1
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_bf16_dk128", gated_delta_conv, bfloat, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_state_f32_dk128", gated_delta_conv_state, float, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_state_bf16_dk128", gated_delta_conv_state, bfloat, 128)
-LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_f32_dk128", gated_delta_prefill, float, 128, 0,
-                              LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP)
-LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_bf16_dk128", gated_delta_prefill, bfloat, 128, 0,
-                              LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP)
+LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_f32_dk128", gated_delta_prefill, float, 128, 0)
+LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_bf16_dk128", gated_delta_prefill, bfloat, 128, 0)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_norm_f32", gated_delta_prefill_norm, float)
 LILY_INSTANTIATE_KERNEL("gated_delta_prefill_norm_bf16", gated_delta_prefill_norm, bfloat)
 // Demo model and tiny fixtures (Dk = 64: two state elements per lane), float32 and bf16 modes.
@@ -595,19 +589,8 @@ LILY_INSTANTIATE_KERNEL("gated_delta_conv_f32_dk64", gated_delta_conv, float, 64
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_bf16_dk64", gated_delta_conv, bfloat, 64)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_state_f32_dk64", gated_delta_conv_state, float, 64)
 LILY_INSTANTIATE_KERNEL("gated_delta_conv_state_bf16_dk64", gated_delta_conv_state, bfloat, 64)
-LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_f32_dk64", gated_delta_prefill, float, 64, 0,
-                              LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP)
-LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_bf16_dk64", gated_delta_prefill, bfloat, 64, 0,
-                              LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP)
-// The compact scan (COMPACT_SCAN on: a decode token's spread step, tuning::compact_scan).
-LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_compact_f32_dk128", gated_delta_prefill, float, 128, 0,
-                              LILY_GDN_COMPACT_ROWS_PER_SIMDGROUP)
-LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_compact_bf16_dk128", gated_delta_prefill, bfloat, 128, 0,
-                              LILY_GDN_COMPACT_ROWS_PER_SIMDGROUP)
-LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_compact_f32_dk64", gated_delta_prefill, float, 64, 0,
-                              LILY_GDN_COMPACT_ROWS_PER_SIMDGROUP)
-LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_compact_bf16_dk64", gated_delta_prefill, bfloat, 64, 0,
-                              LILY_GDN_COMPACT_ROWS_PER_SIMDGROUP)
+LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_f32_dk64", gated_delta_prefill, float, 64, 0)
+LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_bf16_dk64", gated_delta_prefill, bfloat, 64, 0)
 // The chunked scan (CHUNKED_SCAN on, chunks of tuning::kGdnChunkedMinTokens tokens or more).
 LILY_INSTANTIATE_KERNEL("gated_delta_chunk_prepare_f32_dk128", gated_delta_chunk_prepare, float, 128)
 LILY_INSTANTIATE_KERNEL("gated_delta_chunk_prepare_bf16_dk128", gated_delta_chunk_prepare, bfloat, 128)
@@ -619,10 +602,10 @@ LILY_INSTANTIATE_KERNEL("gated_delta_chunk_scan_f32_dk64", gated_delta_chunk_sca
 LILY_INSTANTIATE_KERNEL("gated_delta_chunk_scan_bf16_dk64", gated_delta_chunk_scan, bfloat, 64)
 // REGISTER_SCAN off (the ablation): the state round-trips through memory every LILY_GDN_SCAN_BLOCK tokens.
 LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_blockwise_f32_dk128", gated_delta_prefill, float, 128,
-                              LILY_GDN_SCAN_BLOCK, LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP)
+                              LILY_GDN_SCAN_BLOCK)
 LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_blockwise_bf16_dk128", gated_delta_prefill, bfloat, 128,
-                              LILY_GDN_SCAN_BLOCK, LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP)
+                              LILY_GDN_SCAN_BLOCK)
 LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_blockwise_f32_dk64", gated_delta_prefill, float, 64,
-                              LILY_GDN_SCAN_BLOCK, LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP)
+                              LILY_GDN_SCAN_BLOCK)
 LILY_INSTANTIATE_EARLY_KERNEL("gated_delta_prefill_blockwise_bf16_dk64", gated_delta_prefill, bfloat, 64,
-                              LILY_GDN_SCAN_BLOCK, LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP)
+                              LILY_GDN_SCAN_BLOCK)

@@ -234,11 +234,6 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // gated_delta_prefill: state rows of [Dk] fp32 one simdgroup keeps in registers for a whole chunk (Dk/32 per lane).
 // Fewer rows per simdgroup shorten the per-token chain of the scan, which is serial over the chunk.
 #define LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP 1
-// gated_delta_prefill_compact (a decode token's scan, tuning::compact_scan): 8 rows per simdgroup, so a 32-row slice
-// takes 128 threads and ~70 registers each (9 K registers, where the 1-row instance's 1024 threads take 38 K): small
-// enough to be resident beside the in_proj GEMV before it (3 threadgroups of 128 x 142 registers per SM on sm_90), so
-// on CUDA its state rows load while the GEMV runs. The 8 rows' updates are independent (unrolled: interleaved).
-#define LILY_GDN_COMPACT_ROWS_PER_SIMDGROUP 8
 // gated_delta_prefill: state rows of one value head per threadgroup (grid: Hv x ceil(dv / 32)): 32 simdgroups of one
 // row (1024 threads, as the decode step's) and 4 threadgroups per dv = 128 head, 128 threadgroups for the model's 32
 // value heads. Measured on the H200 at T = 512 (rows per threadgroup / per simdgroup, µs): 32/1 1,002, 16/2 1,247,

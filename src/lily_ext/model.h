@@ -79,9 +79,6 @@ struct Switches {
                                    // simdgroup_matrix lane layout is the one assumed), 4-bit weights with bf16 scales
                                    // run qmv_mma on matrix units at 3 to 8 rows, and at 1 or 2 from 8192 outputs on
                                    // (tuning::mma_gemv)
-  bool compact_scan = true;        // COMPACT_SCAN: off = a decode token's spread DeltaNet scan (SPREAD_DELTANET_STEP:
-                                   // CUDA) keeps one state row per simdgroup (1024-thread threadgroups); on, 8
-                                   // (128 threads: gated_delta_prefill_compact, tuning::compact_scan)
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
   size_t kv_growth_block() const;

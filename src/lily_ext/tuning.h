@@ -113,14 +113,6 @@ inline bool spread_deltanet_step(bool switched_on, size_t value_heads, size_t he
          value_heads * head_v_dim <= 4 * LILY_QMV_STAGE_BATCH * 32 * LILY_QMV_STAGED_SIMDGROUPS;  // one round
 }
 
-// ... whose scan (one token: gated_delta_scan) keeps LILY_GDN_COMPACT_ROWS_PER_SIMDGROUP state rows per simdgroup
-// (COMPACT_SCAN: gated_delta_prefill_compact, 128 threads per 32-row slice) instead of one (1024 threads): 12 K
-// registers a threadgroup instead of 38 K, so an SM whose in_proj threadgroups (3 of 18 K on sm_90) are not all done
-// can start it, and its state loads overlap the GEMV's end. Only there: a prompt's scan is serial over its tokens,
-// which 8 rows per simdgroup would lengthen 8 times.
-constexpr size_t kGdnCompactRowsPerSimdgroup = LILY_GDN_COMPACT_ROWS_PER_SIMDGROUP;
-constexpr bool compact_scan(bool switched_on, size_t tokens) { return switched_on && tokens == 1; }
-
 // The staged decode experts (moe_gate_up_swiglu_routed_staged, moe_down_combine_staged in metal/moe.metal): x and the
 // experts' hidden scratch staged in threadgroup memory as the staged GEMVs stage x, chosen with them
 // (staged_gemv: CUDA) for bf16 scales and the sizes their threadgroup arrays hold. Only the fused (routed) gate/up has

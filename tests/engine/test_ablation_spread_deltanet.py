@@ -16,7 +16,7 @@ from lily.reference import ReferenceModel
 from tests.engine.test_fusion import DECODE_ONLY, PROMPT, checkpoints, cuda_decode_both_ways  # noqa: F401 (the fixture)
 from tests.engine.test_metal_backend import relative_error
 
-SPREAD = {"qmv_norm_seg_conv_staged", "gated_delta_prefill_compact", "qmv_gated_norm_residual_staged"}
+SPREAD = {"qmv_norm_seg_conv_staged", "gated_delta_prefill", "qmv_gated_norm_residual_staged"}
 
 
 def _deltanet_ops(kernels) -> set[str]:

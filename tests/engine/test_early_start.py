@@ -16,8 +16,7 @@ from lily import plan as lily_plan
 
 EARLY_KERNELS = ("qmv_norm_staged_", "qmv_residual_staged_", "qmv_norm_seg_staged_", "gated_delta_step_",
                  "qmv_norm_seg_conv_staged_", "qmv_gated_norm_residual_staged_", "gated_delta_prefill_f32_",
-                 "gated_delta_prefill_bf16_", "gated_delta_prefill_blockwise_", "gated_delta_prefill_compact_",
-                 "moe_gate_up_swiglu_routed_staged_")
+                 "gated_delta_prefill_bf16_", "gated_delta_prefill_blockwise_", "moe_gate_up_swiglu_routed_staged_")
 
 
 def expected_early_start(nodes: list[dict], i: int) -> bool:
@@ -50,7 +49,7 @@ def test_decode_graph_starts_its_gemvs_and_deltanet_steps_early(checkpoints, cud
     # spread step, on by default) follows the one dispatch that writes its input.
     assert {n["kernel"].split("_q")[0].split("_bf16")[0].split("_f32")[0] for n in early} == {
         "qmv_norm_staged", "qmv_residual_staged", "qmv_norm_seg_staged", "qmv_norm_seg_conv_staged",
-        "qmv_gated_norm_residual_staged", "gated_delta_prefill_compact", "moe_gate_up_swiglu_routed_staged"}
+        "qmv_gated_norm_residual_staged", "gated_delta_prefill", "moe_gate_up_swiglu_routed_staged"}
     assert all(n["early_start"] for n in early)
     # Both runtimes (programmatic edges, and full ones only) give the same bits.
     assert np.array_equal(runs["1"], runs["0"])

@@ -27,7 +27,6 @@ PATTERN = re.compile(r"gated_delta_step_(f32|f16|bf16)_dk(128|64)")
 K = 4  # the causal conv's kernel size
 EPS = 1e-6
 PREFILL_ROWS_PER_SIMDGROUP = 1  # LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP
-COMPACT_ROWS_PER_SIMDGROUP = 8  # LILY_GDN_COMPACT_ROWS_PER_SIMDGROUP (gated_delta_prefill_compact)
 PREFILL_ROWS_PER_THREADGROUP = 32  # LILY_GDN_PREFILL_ROWS_PER_THREADGROUP: grid (Hv, ceil(dv / 32)) of the scan
 PREFILL_NORM_THREADS = 256  # tuning::kGdnPrefillNormThreads: 8 (token, head) rows per gated_delta_prefill_norm group
 CONV_TOKENS = 16  # LILY_GDN_CONV_TOKENS: tokens per thread of gated_delta_conv (its grid's y)
@@ -35,10 +34,8 @@ CHUNK = 32  # LILY_GDN_CHUNK: tokens per chunk of gated_delta_chunk_prepare/_sca
 CHUNK_SCAN_SIMDGROUPS = 2  # LILY_GDN_CHUNK_SCAN_SIMDGROUPS: 8 state rows each, grid (Hv, ceil(dv / 16))
 CHUNK_PREPARE_THREADS = 256  # tuning::kGdnChunkPrepareThreads
 # The kernels compute in fp32 from rounded inputs and round once: bf16/f16 outputs are within 1 ulp of the rounded
-# reference. fp32 outputs go through ~10 dependent fp32 operations per token, so they get a few ulp, not one; over a
-# chunk the state carries every earlier token's rounding into o, whose small elements then have errors of the row's
-# scale, not their own (17 tokens at Dk = 64: 3.6e-6 on an element of 7e-4 in an O(1) row; 1.5e-5 at 19 tokens).
-F32_CHAIN = Tolerance(rtol=3e-5, atol=1e-5, rel_rms=5e-6)
+# reference. fp32 outputs go through ~10 dependent fp32 operations per token, so they get a few ulp, not one.
+F32_CHAIN = Tolerance(rtol=3e-5, atol=3e-6, rel_rms=5e-6)
 # (Hk, Hv, dv, step threads) at Dk = 128; the first is the self-test's: one full 256-row key head at 1024 threads;
 # the model's grouping with small dv; Hv/Hk 1 and 4; one simdgroup for all rows; 33 rows per head over 3 simdgroups.
 STEP_SHAPES_DK128 = [(1, 2, 128, 1024), (1, 2, 32, 64), (2, 4, 33, 96), (1, 1, 64, 32), (1, 4, 32, 256)]
@@ -73,8 +70,8 @@ class Layer:
         return 2 * self.hk * self.dk + self.hv * self.dv
 
     def kernel(self, family: str) -> str:
-        """The instance of `family` ("step", "conv", "conv_state", "prefill", "prefill_blockwise", "prefill_compact",
-        "chunk_prepare", "chunk_scan" or "prefill_norm", the one family without a Dk) for this layer."""
+        """The instance of `family` ("step", "conv", "conv_state", "prefill", "prefill_blockwise", "chunk_prepare",
+        "chunk_scan" or "prefill_norm", the one family without a Dk) for this layer."""
         if family == "prefill_norm":
             return f"gated_delta_prefill_norm_{self.dtype}"
         return f"gated_delta_{family}_{self.dtype}_dk{self.dk}"
@@ -122,13 +119,11 @@ def reference_chain(layer: Layer, tokens: dict[str, np.ndarray]):
     return y, conv_state, state.transpose(0, 2, 1)
 
 
-def prefill_threads(layer: Layer, extra_simdgroups: int = 0,
-                    rows_per_simdgroup: int = PREFILL_ROWS_PER_SIMDGROUP) -> int:
-    """gated_delta_prefill keeps at most LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP (1; the compact instances
-    LILY_GDN_COMPACT_ROWS_PER_SIMDGROUP, 8) of a threadgroup's min(dv, LILY_GDN_PREFILL_ROWS_PER_THREADGROUP) rows per
-    simdgroup."""
+def prefill_threads(layer: Layer, extra_simdgroups: int = 0) -> int:
+    """gated_delta_prefill keeps at most LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP (1) of a threadgroup's
+    min(dv, LILY_GDN_PREFILL_ROWS_PER_THREADGROUP) rows per simdgroup."""
     rows = min(layer.dv, PREFILL_ROWS_PER_THREADGROUP)
-    return 32 * (-(-rows // rows_per_simdgroup) + extra_simdgroups)
+    return 32 * (-(-rows // PREFILL_ROWS_PER_SIMDGROUP) + extra_simdgroups)
 
 
 def prefill_groups(layer: Layer) -> tuple[int, int, int]:
@@ -179,8 +174,7 @@ def run_conv(run: Run, layer: Layer, qkv: np.ndarray, threads: int = 64, **optio
 
 def run_prefill(run: Run, layer: Layer, tokens: dict[str, np.ndarray], threads: int, scan: str = "prefill",
                 norm_threads: int = PREFILL_NORM_THREADS, **options) -> np.ndarray:
-    """The conv (run_conv), the `scan` kernel ("prefill", "prefill_compact" or "prefill_blockwise") into an fp32
-    scratch, then
+    """The conv (run_conv), the `scan` kernel ("prefill" or "prefill_blockwise") into an fp32 scratch, then
     gated_delta_prefill_norm over one chunk, as ops/gated_delta_prefill.cpp dispatches them; updates the layer's
     states in place."""
     t = tokens["qkv"].shape[0]

@@ -7,9 +7,7 @@ and recurrent states, or start empty in chunks of 2 + 3; dv 33 and 48 leave the 
 (LILY_GDN_PREFILL_ROWS_PER_THREADGROUP) with 1 and 16 rows and its last simdgroup's row slots partly empty; the
 Dk = 64 instances run the demo model's layout. The blockwise instances (the REGISTER_SCAN ablation: the state
 round-trips through memory every 16 tokens) run chunks shorter than, equal to and across the block, against the
-reference and bit for bit against the register-resident scan; so do the compact instances (8 rows per simdgroup, a
-decode token's scan), mostly at one token, with rows interleaved unevenly over the simdgroups (dv 20 on 3 or 4
-simdgroups, a 1-row second threadgroup at dv 33). The chunked scan (gated_delta_chunk_prepare, then
+reference and bit for bit against the register-resident scan. The chunked scan (gated_delta_chunk_prepare, then
 gated_delta_chunk_scan, between the conv and the norm as the engine runs them; a case of either kernel runs both) runs
 T = 1, C - 1, C, C + 1 and 2C + 3 tokens (C = 32), from random and empty states (also in two prefills), dv
 16/24/48/64/128 (24: a threadgroup's second simdgroup without rows), mild decays that carry the state over 4C + 5
@@ -27,13 +25,12 @@ import numpy as np
 
 from lily import reference
 from lily.kernel_cases.common import TOLERANCES, Case, Run, Tolerance, dtype_of, round_to, to_device, to_f64
-from lily.kernel_cases.gated_delta import (CHUNK, COMPACT_ROWS_PER_SIMDGROUP, EPS, F32_CHAIN,
-                                           PREFILL_ROWS_PER_SIMDGROUP, check_layer, chunk_scratch, make_layer,
-                                           make_tokens, prefill_threads, run_chunk_scan, run_conv, run_prefill,
-                                           run_prefill_norm, token_range)
+from lily.kernel_cases.gated_delta import (CHUNK, EPS, F32_CHAIN, check_layer, chunk_scratch, make_layer, make_tokens,
+                                           prefill_threads, run_chunk_scan, run_conv, run_prefill, run_prefill_norm,
+                                           token_range)
 
-PATTERN = re.compile(r"gated_delta_(conv|conv_state|prefill|prefill_blockwise|prefill_compact|chunk_prepare"
-                     r"|chunk_scan)_(f32|f16|bf16)_dk(128|64)|gated_delta_prefill_norm_(f32|f16|bf16)")
+PATTERN = re.compile(r"gated_delta_(conv|conv_state|prefill|prefill_blockwise|chunk_prepare|chunk_scan)"
+                     r"_(f32|f16|bf16)_dk(128|64)|gated_delta_prefill_norm_(f32|f16|bf16)")
 # (Hk, Hv, dv, tokens, extra simdgroups) of the register scan by Dk; the first is the self-test's. dv 33 and 48: a
 # head's second threadgroup holds 1 and 16 of its 32 rows, at T = 1, 3 and 17. An extra simdgroup (one with no row)
 # fits only below 32 rows per threadgroup (one row per simdgroup: 1024 threads at 32 rows).
@@ -46,12 +43,6 @@ PREFILL_SHAPES = {128: [(1, 2, 128, 4, 0), (2, 4, 32, 1, 0), (2, 4, 33, 3, 0), (
 BLOCKWISE_SHAPES = {128: [(1, 2, 128, 19, 0), (2, 4, 32, 1, 0), (2, 2, 33, 15, 0), (2, 2, 20, 15, 1),
                           (2, 4, 32, 16, 0), (2, 2, 32, 17, 0), (2, 2, 31, 33, 1), (2, 4, 48, 17, 0)],
                     64: [(1, 2, 64, 19, 0), (2, 4, 64, 17, 0), (2, 6, 33, 32, 0)]}
-# (Hk, Hv, dv, tokens, extra simdgroups) of the compact scan (8 rows per simdgroup): the model's head at one token (the
-# self-test's); dv 33 and 48 (a head's second threadgroup with 1 and 16 rows: one and two simdgroups); dv 20 on 3
-# simdgroups (rows 0, 3, .., 18 on the first: 7 of its 8 slots) and with an extra one; chunks of 3 and 17 tokens.
-COMPACT_SHAPES = {128: [(1, 2, 128, 1, 0), (2, 4, 32, 1, 0), (2, 4, 33, 1, 0), (2, 4, 48, 1, 0), (2, 4, 20, 1, 0),
-                        (2, 4, 20, 1, 1), (2, 4, 128, 3, 0), (2, 4, 48, 17, 0)],
-                  64: [(1, 2, 64, 1, 0), (2, 4, 64, 1, 0), (2, 6, 24, 1, 1), (2, 4, 64, 17, 0)]}
 # (Hk, Hv, dv, tokens) of the chunked scan by Dk, around the C = 32-token chunk: two chunks and a partial third (the
 # self-test's), one token, C - 1 (one partial chunk), C, C + 1; dv 16 (one threadgroup of two 8-row simdgroups), 24
 # (a head's second threadgroup with one simdgroup of rows), 48; the model's dv = Dk = 128; Hv/Hk = 3 at Dk = 64.
@@ -72,18 +63,16 @@ NORM_SHAPES = [(2, 128, 4, 256), (4, 48, 1, 256), (4, 48, 17, 256), (2, 33, 3, 3
 
 
 def _chunk(run: Run, kernel: str, hk: int, hv: int, dv: int, num_tokens: int, extra: int) -> None:
-    """conv + the scan over a chunk from random states; the blockwise and compact scans also give the register
-    scan's bits."""
+    """conv + the scan over a chunk from random states; the blockwise scan also gives the register scan's bits."""
     dk = int(kernel.rsplit("_dk", 1)[1])
     layer = make_layer(run.rng, hk, hv, dv, dtype_of(kernel), dk=dk)
     start, registers = layer.copy(), layer.copy()
     tokens = make_tokens(run.rng, layer, num_tokens)
-    variant = "blockwise" if "_blockwise_" in kernel else "compact" if "_compact_" in kernel else None
-    scan = f"prefill_{variant}" if variant else "prefill"
-    rows = COMPACT_ROWS_PER_SIMDGROUP if variant == "compact" else PREFILL_ROWS_PER_SIMDGROUP
-    out = run_prefill(run, layer, tokens, prefill_threads(layer, extra, rows), scan, seed=3)
+    blockwise = "_blockwise_" in kernel
+    scan = "prefill_blockwise" if blockwise else "prefill"
+    out = run_prefill(run, layer, tokens, prefill_threads(layer, extra), scan, seed=3)
     check_layer(run, layer, start, tokens, out)
-    if variant:  # same arithmetic per row; the blockwise state only passes through memory between blocks, exact
+    if blockwise:  # same arithmetic; the state only passes through memory between blocks, exact in fp32
         register_out = run_prefill(run, registers, tokens, prefill_threads(registers), seed=5)
         run.compare_exact("out == register scan (bits)", out, register_out)
         run.compare_exact("state == register scan (bits)", layer.state.view(np.uint32), registers.state.view(np.uint32))
@@ -269,11 +258,10 @@ def cases(kernel: str) -> list[Case]:
             found.append(Case(kernel, f"T={CHUNK + 1} Hk=1 Hv=2 dv=16 extreme-gates",
                               partial(_chunked_extreme_gates, kernel=kernel)))
         return found
-    shapes = (BLOCKWISE_SHAPES if "_blockwise_" in kernel else COMPACT_SHAPES if "_compact_" in kernel
-              else PREFILL_SHAPES)[dk]
+    shapes = (BLOCKWISE_SHAPES if "_blockwise_" in kernel else PREFILL_SHAPES)[dk]
     found = [Case(kernel, f"T={t} Hk={hk} Hv={hv} dv={dv} extra-simdgroups={x}",
                   partial(_chunk, kernel=kernel, hk=hk, hv=hv, dv=dv, num_tokens=t, extra=x), quick=i == 0)
              for i, (hk, hv, dv, t, x) in enumerate(shapes)]
-    if "_blockwise_" not in kernel and "_compact_" not in kernel and dk == 128:
+    if "_blockwise_" not in kernel and dk == 128:
         found.append(Case(kernel, "T=2+3 Hk=1 Hv=2 dv=64 from-empty", partial(_chunks_from_empty, kernel=kernel)))
     return found

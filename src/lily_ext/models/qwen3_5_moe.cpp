@@ -277,7 +277,6 @@ struct Forward {
     ctx.staged_gemv = sw.staged_gemv;
     ctx.mma_gemv = sw.mma_gemv;
     ctx.spread_deltanet_step = sw.spread_deltanet_step && fuse && sw.fused_projections;
-    ctx.compact_scan = sw.compact_scan;
     ctx.whole_pack_loads = sw.whole_pack_loads;
     ctx.gpu_routing = sw.gpu_routing;
     ctx.in_gemm_dequant = sw.in_gemm_dequant;

@@ -58,18 +58,15 @@ void chunked_scan(Context& ctx, const ModelConfig& c, const std::string& label, 
 }
 
 // The plain scan: threadgroups of kGdnPrefillRowsPerThreadgroup rows of one value head, each simdgroup keeping
-// LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP of them in registers for the whole chunk (a decode token's compact scan:
-// LILY_GDN_COMPACT_ROWS_PER_SIMDGROUP, tuning::compact_scan), or (REGISTER_SCAN off) for LILY_GDN_SCAN_BLOCK tokens
-// between round trips through memory.
+// LILY_GDN_PREFILL_ROWS_PER_SIMDGROUP of them in registers for the whole chunk, or (REGISTER_SCAN off) for
+// LILY_GDN_SCAN_BLOCK tokens between round trips through memory.
 void token_scan(Context& ctx, const ModelConfig& c, const std::string& label, const GatedDeltaSpans& s,
                 const GatedDeltaArgs& a, const std::string& suffix, size_t tokens) {
-  const bool compact = ctx.register_scan && tuning::compact_scan(ctx.compact_scan, tokens);
   const size_t slice_rows = std::min(c.gdn_v_dim, tuning::kGdnPrefillRowsPerThreadgroup);
   const size_t slices = (c.gdn_v_dim + slice_rows - 1) / slice_rows;
-  const size_t rows_per_simdgroup =
-      compact ? tuning::kGdnCompactRowsPerSimdgroup : tuning::kGdnPrefillRowsPerSimdgroup;
-  const size_t simdgroups = (slice_rows + rows_per_simdgroup - 1) / rows_per_simdgroup;
-  const std::string variant = !ctx.register_scan ? "blockwise_" : compact ? "compact_" : "";
+  const size_t simdgroups =
+      (slice_rows + tuning::kGdnPrefillRowsPerSimdgroup - 1) / tuning::kGdnPrefillRowsPerSimdgroup;
+  const std::string variant = ctx.register_scan ? "" : "blockwise_";
   Node& scan = add_node(ctx, "gated_delta_prefill_" + variant + suffix, label,
                         {arg_value(a), arg(s.conv_out), arg(s.b), arg(s.a), arg(s.a_log->data), arg(s.dt_bias->data),
                          arg(s.recurrent_state), arg(s.core_out)},

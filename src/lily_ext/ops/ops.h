@@ -35,7 +35,6 @@ struct Context {
   bool staged_gemv = false;   // decode GEMVs stage x in threadgroup memory (STAGED_GEMV, on CUDA: tuning::staged_gemv)
   bool mma_gemv = false;      // up to 8 rows' GEMVs on matrix units (MMA_GEMV, on CUDA: tuning::mma_gemv)
   bool spread_deltanet_step = false;  // a decode token's DeltaNet over many threadgroups (SPREAD_DELTANET_STEP)
-  bool compact_scan = false;  // ... whose scan keeps 8 state rows per simdgroup (COMPACT_SCAN: tuning::compact_scan)
   bool whole_pack_loads = false;  // staged kernels load a pack of codes at once where aligned (WHOLE_PACK_LOADS)
   bool fused_attention_prep = true;  // split-KV decode on matrix units preps its own rows (FUSED_ATTENTION_PREP)
 };
