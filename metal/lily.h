@@ -295,11 +295,12 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 #define LILY_QMV_MAX_ROWS 4
 // qmv_mma (CUDA's choice for a few rows of bf16 activations: tuning::mma_gemv): the GEMV on matrix units. A
 // threadgroup owns LILY_QMV_MMA_ROWS output features (8-row fragments of W) for 8 input rows (one 8-column fragment
-// of X^T; grid y = ceil(M / 8)); its LILY_QMV_MMA_SIMDGROUPS simdgroups take interleaved quantization groups of K
-// and add their partial sums through threadgroup memory; each simdgroup loads LILY_QMV_MMA_GROUPS_PER_STEP groups
-// before using any.
+// of X^T; grid y = ceil(M / 8)); its simdgroups (the host's choice, tuning::qmv_mma_simdgroups; at most
+// LILY_QMV_MMA_MAX_SIMDGROUPS, the partial sums' threadgroup array) take interleaved quantization groups of K and add
+// their partial sums through threadgroup memory; each simdgroup loads LILY_QMV_MMA_GROUPS_PER_STEP groups before
+// using any.
 #define LILY_QMV_MMA_ROWS 16
-#define LILY_QMV_MMA_SIMDGROUPS 4
+#define LILY_QMV_MMA_MAX_SIMDGROUPS 8
 #define LILY_QMV_MMA_GROUPS_PER_STEP 4
 // The staged one-row GEMVs (qmv_norm_staged, qmv_residual_staged, qmv_norm_seg_staged; chosen on CUDA): K up to this
 // many inputs, staged as fp32 in threadgroup memory (16 KiB at the most, plus the pack sums). The model's K are 2048

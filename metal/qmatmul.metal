@@ -62,8 +62,9 @@
 //                                          GEMV on matrix units: codes masked two at a time into bf16 128 + q, 8x8
 //                                          simdgroup MMAs against up to 8 input rows at once (fp32 sums; the offset
 //                                          folded into the bias with sum x from an MMA of ones). Grid (ceil(N / 16),
-//                                          ceil(M / 8), 1) x 128: 4 simdgroups split the groups of K, partial sums
-//                                          added through threadgroup memory. 4-bit codes, bf16 scales.
+//                                          ceil(M / 8), 1) x 32 n: n simdgroups (1 to 8; the host's 4 or 8 by N:
+//                                          tuning::qmv_mma_simdgroups) split the groups of K, partial sums added
+//                                          through threadgroup memory in simdgroup order. 4-bit codes, bf16 scales.
 //   qmm_q<b>_g64_<dtype>[_sf32][_of32]_bm<BM>
 //                                          prefill GEMM on the tile loop of metal/gemm.h (_of32: bf16 in, fp32 out,
 //                                          BM 16 or 32: router logits and every-row lm_head logits). Grid (ceil(N / 64),
@@ -628,16 +629,16 @@ template <typename T, typename O>
                         uint3 tg [[threadgroup_position_in_grid]],
                         uint tid [[thread_index_in_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]],
-                        uint simd_group [[simdgroup_index_in_threadgroup]]) {
+                        uint simd_group [[simdgroup_index_in_threadgroup]],
+                        uint n_sg [[simdgroups_per_threadgroup]]) {
   constexpr uint kFrags = LILY_QMV_MMA_ROWS / 8;  // 8-row fragments of W per simdgroup
-  constexpr uint kSimdgroups = LILY_QMV_MMA_SIMDGROUPS;
   constexpr uint kSteps = LILY_QMV_MMA_GROUPS_PER_STEP;  // groups each simdgroup loads before using any
   constexpr uint kPerWord = lily::codes_per_word<4>();
   constexpr uint kWordsPerGroup = lily::kQuantGroupSize / kPerWord;
   // Codes e and e + 4 of a word, shifted down to bits 0-3 of its halves, or-ed into two bf16 128.0: 128 + q each.
   constexpr uint kCodePairMask = 0x000F000Fu, kCodePairOffsetBits = 0x43004300u;
   constexpr float kCodeOffset = 128.0f;
-  threadgroup float partial[kSimdgroups][kFrags][8][8];
+  threadgroup float partial[LILY_QMV_MMA_MAX_SIMDGROUPS][kFrags][8][8];  // n_sg of them (the host's threadgroup)
   const uint K = args.in_features, N = args.out_features, M = args.num_rows;
   const uint groups = K / lily::kQuantGroupSize;
   const uint row = attn_mma_row(lane), col = attn_mma_col(lane);
@@ -666,15 +667,15 @@ template <typename T, typename O>
   for (uint f = 0; f < kFrags; ++f) {
     acc[f] = float2(0.0f);
   }
-  for (uint g0 = simd_group; g0 < groups; g0 += kSimdgroups * kSteps) {  // uniform per simdgroup: convergent MMAs
+  for (uint g0 = simd_group; g0 < groups; g0 += n_sg * kSteps) {  // uniform per simdgroup: convergent MMAs
     uint words[kSteps][kFrags][2];
     float scale[kSteps][kFrags], bias[kSteps][kFrags];
     vec<T, 4> xs[kSteps][2][2];  // [group][input row c + e][k run 0..3 or 8..11]
     LILY_UNROLL
     for (uint i = 0; i < kSteps; ++i) {
       // A group past K re-reads the last one, weighted 0: no load is conditional on it.
-      const uint g = min(g0 + kSimdgroups * i, groups - 1);
-      const bool in_row = g0 + kSimdgroups * i < groups;
+      const uint g = min(g0 + n_sg * i, groups - 1);
+      const bool in_row = g0 + n_sg * i < groups;
       LILY_UNROLL
       for (uint f = 0; f < kFrags; ++f) {
         words[i][f][0] = w_row[f][g * kWordsPerGroup];
@@ -726,12 +727,11 @@ template <typename T, typename O>
     partial[simd_group][f][row][col + 1] = acc[f].y;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  // One output per thread (kFrags * 64 of them on 32 * kSimdgroups threads): the partial sums in simdgroup order.
-  for (uint i = tid; i < kFrags * 64; i += 32 * kSimdgroups) {
+  // One output per thread (kFrags * 64 of them on 32 * n_sg threads): the partial sums in simdgroup order.
+  for (uint i = tid; i < kFrags * 64; i += 32 * n_sg) {
     const uint f = i / 64, r = (i / 8) % 8, c = i % 8;
     float total = 0.0f;
-    LILY_UNROLL
-    for (uint g = 0; g < kSimdgroups; ++g) {
+    for (uint g = 0; g < n_sg; ++g) {
       total += partial[g][f][r][c];
     }
     const uint n = n0 + 8 * f + r, m = m0 + c;

@@ -48,7 +48,9 @@ QMV_STAGED = {"simdgroups": 4}  # LILY_QMV_STAGED_SIMDGROUPS: the staged GEMVs' 
 # bytes, as here (each buffer its own allocation) and in a full-size file (tuning::whole_pack_loads); --word-loads: "".
 STAGED_LOADS = {"suffix": "_a16"}
 QMM_BN, QMM_BM16, QMM_THREADS = 64, 16, 128  # LILY_GEMM_BN, LILY_QMM_BM16_MAX_ROWS, LILY_GEMM_THREADS
-QMV_MMA = {"rows": 16, "simdgroups": 4}  # LILY_QMV_MMA_ROWS, LILY_QMV_MMA_SIMDGROUPS; --qmv-mma overrides
+# LILY_QMV_MMA_ROWS; the simdgroups splitting K by output features as tuning::qmv_mma_simdgroups (8 below 8192
+# outputs, else 4) unless --qmv-mma fixes them.
+QMV_MMA = {"rows": 16, "simdgroups": 0, "wide_min_out_features": 8192, "narrow": 8, "wide": 4}
 QMM_MIN_THREADGROUPS = 64 * 8  # tuning::kQmmMinThreadgroups
 MOE_GEMV_ROWS, MOE_GEMV_THREADS = 8, 64
 MOE_DOWN_ROWS, MOE_DOWN_THREADS = 8, 128
@@ -121,12 +123,15 @@ def qmv_case(label: str, n: int, k: int, m: int = 1, bits: int = 4, f32_out: boo
 
 
 def qmv_mma_case(label: str, n: int, k: int, m: int = 1, f32_out: bool = False) -> Case:
-    """The GEMV on matrix units (tuning::mma_gemv, CUDA's choice for up to 8 rows): 8 input rows per threadgroup row."""
+    """The GEMV on matrix units (tuning::mma_gemv, CUDA's choice for up to 8 rows): 8 input rows per threadgroup row,
+    the engine's simdgroups for n outputs (tuning::qmv_mma_simdgroups)."""
     w, s = quantized(n, k)
     y = f32(m * n) if f32_out else bf16(m * n)
+    simdgroups = QMV_MMA["simdgroups"] or (QMV_MMA["wide"] if n >= QMV_MMA["wide_min_out_features"]
+                                           else QMV_MMA["narrow"])
     return Case(label, "qmv_mma_q4_g64_bf16" + ("_of32" if f32_out else ""),
                 [struct.pack("<IIII", k, n, m, 0), bf16(m * k), w, s, s, y],
-                (ceil_div(n, QMV_MMA["rows"]), ceil_div(m, 8), 1), (32 * QMV_MMA["simdgroups"], 1, 1),
+                (ceil_div(n, QMV_MMA["rows"]), ceil_div(m, 8), 1), (32 * simdgroups, 1, 1),
                 w + 2 * s + bf16(m * k) + y)
 
 
@@ -826,7 +831,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--qmv-staged", type=int, metavar="SIMDGROUPS",
                         help="simdgroups per threadgroup of the staged GEMVs (LILY_QMV_STAGED_SIMDGROUPS, default 4)")
     parser.add_argument("--qmv-mma", nargs=2, type=int, metavar=("ROWS", "SIMDGROUPS"),
-                        help="the LILY_QMV_MMA_ROWS and _SIMDGROUPS values the PTX was built with (default 16 4)")
+                        help="the LILY_QMV_MMA_ROWS value the PTX was built with (default 16) and simdgroups for "
+                             "every qmv_mma case (default: the engine's, 8 below 8192 outputs, else 4)")
     parser.add_argument("--word-loads", action="store_true",
                         help="time the staged kernels' word-load instances (codes off 16 bytes) instead of _a16")
     args = parser.parse_args(argv)

@@ -49,7 +49,7 @@ PREFILL_KERNELS = {"qmm_q4_g64_bf16_bm32", "qmm_q4_g64_bf16_bm64", "moe_gemm_gat
 # The short-prompt cases add the f32-output 8-bit router and shared-expert gate as qmv and as the 16-row GEMM (the
 # kernel choice at 5-8 rows, tuning::qmv_takes).
 SHORT_PROMPT_KERNELS = {"qmv_q8_g64_bf16_of32", "qmm_q8_g64_bf16_of32_bm16"}
-# The GEMV on matrix units (CUDA's choice for 1 to 8 rows, tuning::mma_gemv) at every qmv shape and row count, and
+# The GEMV on matrix units (CUDA's choice for up to 8 rows, tuning::mma_gemv) at every qmv shape and row count, and
 # as the lm_head of a prompt's last row (f32 logits).
 MMA_GEMV_KERNELS = {"qmv_mma_q4_g64_bf16", "qmv_mma_q4_g64_bf16_of32"}
 

@@ -27,9 +27,9 @@ def plan_decode(
     conv_state, kv_cache, total}, memory {weights, kv_cache, state, scratch, total, peak} (bytes the engine holds for
     this step: the KV cache at ``kv_capacity``, no prefill buffers), kv_bytes_per_token (what the KV cache grows by
     per token of context), max_context (the model's position limit), dispatches_by_kernel, context, kv_capacity,
-    fast_paths_left_out (one line per
-    fast path the shape does not fit, where the engine runs a general kernel instead); with ``with_graph`` also buffers
-    [(name, bytes)] and nodes [{kernel, label, reads, writes, barrier_before}] with ranges (buffer, offset, length).
+    fast_paths_left_out (one line per fast path the shape does not fit, where the engine runs a general kernel
+    instead); with ``with_graph`` also buffers [(name, bytes)] and nodes [{kernel, label, groups, threads, reads,
+    writes, barrier_before}] with ranges (buffer, offset, length).
     """
     from lily import _ext
 

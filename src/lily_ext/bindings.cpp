@@ -148,8 +148,8 @@ nb::list spans_list(const std::vector<lily::Span>& spans) {
   return out;
 }
 
-// buffers [(name, bytes)] and nodes [{kernel, label, reads, writes, barrier_before, depends_on, early_reads,
-// early_start}] of a graph, into `out`.
+// buffers [(name, bytes)] and nodes [{kernel, label, groups, threads, reads, writes, barrier_before, depends_on,
+// early_reads, early_start}] of a graph, into `out`.
 void add_graph(const lily::Graph& graph, nb::dict& out) {
   nb::list buffers, nodes;
   for (const lily::GraphBuffer& b : graph.buffers) buffers.append(nb::make_tuple(b.name, b.length));
@@ -162,6 +162,8 @@ void add_graph(const lily::Graph& graph, nb::dict& out) {
     node["depends_on"] = edges[nodes.size()];  // the CUDA graph's edges into this node
     node["kernel"] = n.kernel;
     node["label"] = n.label;
+    node["groups"] = nb::make_tuple(n.groups.width, n.groups.height, n.groups.depth);
+    node["threads"] = nb::make_tuple(n.threads.width, n.threads.height, n.threads.depth);
     node["reads"] = spans_list(n.reads);
     node["writes"] = spans_list(n.writes);
     node["barrier_before"] = n.barrier_before;

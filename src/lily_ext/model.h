@@ -77,7 +77,7 @@ struct Switches {
   bool mma_gemv = true;            // MMA_GEMV: off = 1 to 8 rows of bf16 activations run the vector GEMV (qmv) or the
                                    // 16-row GEMM tile (qmm); on (where the runtime prefers it, CUDA, and the
                                    // simdgroup_matrix lane layout is the one assumed), 4-bit weights with bf16 scales
-                                   // run qmv_mma on matrix units at 3 to 8 rows, and at 1 or 2 from 8192 outputs on
+                                   // run qmv_mma on matrix units at 2 to 8 rows, and at one from 8192 outputs on
                                    // (tuning::mma_gemv)
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)

@@ -1,8 +1,8 @@
 """The kernel choice for a short prompt's projections (tuning::qmv_takes): up to 4 rows every projection runs qmv;
 5 to 8 rows run qmv below 8192 output features and the 16-row qmm tile from there on (in_proj_qkv and q_proj, and
 lm_head when every row's logits are asked for); more rows run qmm everywhere. With MMA_GEMV (CUDA's choice:
-tuning::mma_gemv) every 4-bit projection of 3 to 8 rows runs qmv_mma instead, of 1 or 2 rows only those of 8192
-outputs or more (in_proj_qkv, q_proj, lm_head), and 9 rows the vector choice again.
+tuning::mma_gemv) every 4-bit projection of 2 to 8 rows runs qmv_mma instead, of one row only those of 8192 outputs
+or more (in_proj_qkv, q_proj, lm_head), and 9 rows the vector choice again.
 Read from the graphs the engine builds (graph_kernels) at the model's full size and at the demo's, whose matrices
 are all narrower than 8192."""
 
@@ -64,10 +64,9 @@ def test_three_to_eight_rows_take_the_matrix_unit_gemv_where_chosen(rows):
     }
 
 
-def test_two_rows_take_it_from_8192_outputs_and_nine_rows_not_at_all():
+def test_two_rows_take_it_too_and_nine_rows_not_at_all():
     assert pass_kernels(FULL_SIZE, 2, mma_gemv=True) == {
-        "qmv_mma_q4_g64_bf16",       # in_proj_qkv, q_proj: N = 8192
-        "qmv_q4_g64_bf16",           # in_proj_z, in_proj_b/a, out_proj, k/v_proj, o_proj
+        "qmv_mma_q4_g64_bf16",       # every 4-bit projection (below 8192 outputs on 8 simdgroups)
         "qmv_q8_g64_bf16_of32",      # the router and the shared-expert gate
         "qmv_mma_q4_g64_bf16_of32",  # lm_head
     }

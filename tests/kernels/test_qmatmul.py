@@ -12,7 +12,7 @@ from cases import check, checks_arguments, op_cases
 
 from lily._ext import msl
 from lily.kernel_cases.common import Run, random_weight, to_f64, weight_buffers
-from lily.kernel_cases.qmatmul import (QMM_BN, QMV_MMA_CODE_OFFSET, QMV_MMA_ROWS, QMV_MMA_THREADS,
+from lily.kernel_cases.qmatmul import (QMM_BN, QMV_MMA_CODE_OFFSET, QMV_MMA_ROWS, QMV_MMA_SIMDGROUPS,
                                        QMV_ROWS_PER_THREADGROUP, check_matmul, qmatmul_args)
 
 
@@ -43,7 +43,7 @@ def test_results_do_not_depend_on_the_schedule(name: str, kio, kernel_device) ->
     if name.startswith("qmm"):
         grid, threads = (-(-n // QMM_BN), -(-m // 32), 1), (128, 1, 1)
     elif name.startswith("qmv_mma"):
-        grid, threads = (-(-n // QMV_MMA_ROWS), -(-m // 8), 1), (QMV_MMA_THREADS, 1, 1)
+        grid, threads = (-(-n // QMV_MMA_ROWS), -(-m // 8), 1), (32 * max(QMV_MMA_SIMDGROUPS), 1, 1)
     else:
         grid, threads = (-(-n // QMV_ROWS_PER_THREADGROUP), m, 1), (64, 1, 1)
     results = []

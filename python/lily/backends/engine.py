@@ -446,8 +446,8 @@ class EngineBackend:
         return list(tokens)
 
     def last_step_graph(self) -> dict[str, Any]:
-        """The last command buffer's graph: buffers [(name, bytes)] and nodes [{kernel, label, reads, writes,
-        barrier_before, depends_on, early_reads, early_start}] with ranges (buffer, offset, length), as
+        """The last command buffer's graph: buffers [(name, bytes)] and nodes [{kernel, label, groups, threads, reads,
+        writes, barrier_before, depends_on, early_reads, early_start}] with ranges (buffer, offset, length), as
         ``plan_decode(with_graph=True)``."""
         return self._engine.last_step_graph()
 

@@ -31,7 +31,10 @@ PATTERN = re.compile(r"qmv(_norm|_residual)?(_seg)?_q(4|8)_g64_(f32|f16|bf16)(_s
 QMV_ROWS_PER_THREADGROUP = 8  # LILY_QMV_SIMDGROUPS * LILY_QMV_ROWS_PER_SIMDGROUP
 QMV_STAGED_ROWS_PER_SIMDGROUP = 4  # LILY_QMV_ROWS_PER_SIMDGROUP: a staged threadgroup's simdgroups each take 4 rows
 QMM_BN, QMM_THREADS = 64, 128  # LILY_GEMM_BN, LILY_GEMM_THREADS
-QMV_MMA_ROWS, QMV_MMA_THREADS = 16, 128  # LILY_QMV_MMA_ROWS, 32 * LILY_QMV_MMA_SIMDGROUPS
+QMV_MMA_ROWS = 16  # LILY_QMV_MMA_ROWS
+# qmv_mma's simdgroups splitting K (tuning::qmv_mma_simdgroups: 8 below 8192 output features, 4 from there; the kernel
+# takes 1 to LILY_QMV_MMA_MAX_SIMDGROUPS = 8).
+QMV_MMA_SIMDGROUPS = (8, 4)
 # The code offset of qmv_mma's bf16 codes (128 + q): its fp32 sums add x (128 + q) scale and x (bias - 128 scale).
 QMV_MMA_CODE_OFFSET = 128
 NAX_BM, NAX_BN = 32, 64  # LILY_QMM_NAX_BM, LILY_QMM_NAX_BN
@@ -46,9 +49,9 @@ QMV_SHAPES = [(2, 40, 512), (1, 1, 64), (1, 5, 512), (3, 9, 576), (2, 33, 128)]
 FUSED_SHAPES = [(1, 40, 512), (1, 1, 64), (1, 9, 576), (2, 33, 128), (1, 12, 1024)]
 QMM_SHAPES = [(1, 33, 64), (16, 32, 128), (33, 40, 64), (17, 1, 192)]
 NAX_SHAPES = [(1, 1, 64), (32, 64, 64), (33, 65, 128), (70, 130, 64)]
-# qmv_mma: every row count of its 8-column fragment and past it (grid y), output features around its 16-row
-# threadgroup and 8-row fragments, K from one group (three of the four simdgroups idle) through partial and whole
-# steps of 4 groups x 4 simdgroups to the model's 2048 and 4096.
+# qmv_mma, at each of the engine's simdgroup counts: every row count of its 8-column fragment and past it (grid y),
+# output features around its 16-row threadgroup and 8-row fragments, K from one group (all simdgroups but one idle)
+# through partial and whole steps of 4 groups x 4 or 8 simdgroups to the model's 2048 and 4096.
 QMV_MMA_SHAPES = ([(2, 40, 512)] + [(m, 24, 128) for m in (1, 3, 4, 5, 7, 8, 9, 16, 17)]
                   + [(1, n, 64) for n in (1, 7, 8, 15, 16, 17, 33)]
                   + [(3, 21, k) for k in (192, 576, 1024, 1088, 2048, 2112, 4096)])
@@ -157,7 +160,8 @@ def _qmv_extreme_codes(run: Run, kernel: str) -> None:
     _qmv(run, kernel, 1, 4, 128, _extreme_codes_weight(run.rng, 4, 128))
 
 
-def _qmv_mma(run: Run, kernel: str, m: int, n: int, k: int, weight: QuantizedTensor | None = None) -> None:
+def _qmv_mma(run: Run, kernel: str, m: int, n: int, k: int, simdgroups: int,
+             weight: QuantizedTensor | None = None) -> None:
     """The bf16 x is exact in the MMAs; the sums carry the codes' offset of 128 (check_matmul's code_offset)."""
     out_dtype = out_dtype_of(kernel)
     if weight is None:
@@ -167,7 +171,7 @@ def _qmv_mma(run: Run, kernel: str, m: int, n: int, k: int, weight: QuantizedTen
     x = to_device(run.rng.standard_normal((m, k)), "bf16")
     y = poisoned((m, n), out_dtype)
     run.dispatch(kernel, [qmatmul_args(k, n, m), x, *buffers, y], (-(-n // QMV_MMA_ROWS), -(-m // 8), 1),
-                 QMV_MMA_THREADS)
+                 32 * simdgroups)
     check_matmul(run, y, out_dtype, to_f64(x, "bf16"), weight, code_offset=QMV_MMA_CODE_OFFSET)
 
 
@@ -456,9 +460,17 @@ def cases(kernel: str) -> list[Case]:
     if kernel.startswith("qmv_residual"):
         return _shape_cases(kernel, _qmv_residual, FUSED_SHAPES + extra)
     if kernel.startswith("qmv_mma"):
-        return _shape_cases(kernel, _qmv_mma, QMV_MMA_SHAPES) + [
-            Case(kernel, "M=2 N=4 K=128 extreme-codes",
-                 lambda run, kernel=kernel: _qmv_mma(run, kernel, 2, 4, 128, _extreme_codes_weight(run.rng, 4, 128)))]
+        # The engine's simdgroup counts at every shape; 1 and 5 (any count up to 8 works) at a few.
+        found = [Case(kernel, f"M={m} N={n} K={k} simdgroups={g}",
+                      partial(_qmv_mma, kernel=kernel, m=m, n=n, k=k, simdgroups=g), quick=i == 0 and g == 8)
+                 for g in QMV_MMA_SIMDGROUPS for i, (m, n, k) in enumerate(QMV_MMA_SHAPES)]
+        found += [Case(kernel, f"M={m} N={n} K={k} simdgroups={g}",
+                       partial(_qmv_mma, kernel=kernel, m=m, n=n, k=k, simdgroups=g))
+                  for g in (1, 5) for (m, n, k) in ((3, 21, 1088), (8, 33, 2112))]
+        return found + [Case(kernel, f"M=2 N=4 K=128 extreme-codes simdgroups={g}",
+                             lambda run, kernel=kernel, g=g: _qmv_mma(run, kernel, 2, 4, 128, g,
+                                                                        _extreme_codes_weight(run.rng, 4, 128)))
+                        for g in QMV_MMA_SIMDGROUPS]
     if kernel.startswith("qmv"):
         found = _shape_cases(kernel, _qmv, (FUSED_SHAPES if kernel.endswith("_of32") else QMV_SHAPES) + extra)
         if kernel == "qmv_q4_g64_f32":

@@ -25,7 +25,7 @@ void qmatmul(Context& ctx, const std::string& label, const Span& x, const Weight
              {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(y)},
              {(w.rows + LILY_QMV_MMA_ROWS - 1) / LILY_QMV_MMA_ROWS,
               (rows + tuning::kQmvMmaMaxRows - 1) / tuning::kQmvMmaMaxRows, 1},
-             {tuning::kQmvMmaThreads, 1, 1}, {x, w.data, w.scales, w.biases}, {y});
+             {32 * tuning::qmv_mma_simdgroups(w.rows), 1, 1}, {x, w.data, w.scales, w.biases}, {y});
     return;
   }
   const bool gemm = !tuning::qmv_takes(rows, w.rows) &&
