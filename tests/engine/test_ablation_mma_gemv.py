@@ -31,7 +31,8 @@ def test_matrix_unit_and_vector_gemvs_give_the_same_prompt_logits(checkpoints, c
         assert _mma_kernels(backend) == (MMA if on else set())
         # Simdgroups splitting K by output features (tuning::qmv_mma_simdgroups): 16 outputs per threadgroup.
         mma = [n for n in backend.last_step_graph()["nodes"] if n["kernel"].startswith("qmv_mma")]
-        assert mma and all(n["threads"] == (32 * (4 if 16 * n["groups"][0] >= 8192 else 8), 1, 1) for n in mma), mma[:1]
+        assert bool(mma) == on, len(mma)
+        assert all(n["threads"] == (32 * (4 if 16 * n["groups"][0] >= 8192 else 8), 1, 1) for n in mma), mma[:1]
     ref = ReferenceModel(checkpoint)
     want = ref.forward(PROMPT, ref.new_state())
     # bf16 rounding of the hidden stream, as test_fusion's bf16 bound; the two summation orders 1.0e-2 apart here (a

@@ -90,7 +90,8 @@ EXTRA_SEGMENTS = {
     "qmv_norm_seg_q4_g64_f32": [([3, 9], 64, 2), ([9, 3], 2112, 1), ([9, 3], 4160, 1)],  # one grid row per input row
     "qmv_norm_seg_q8_g64_f32": [([9, 3], 1088, 1)],
     "qmv_norm_seg_staged_q4_g64_f32": [([3, 9], 64, 2), ([9, 3], 2112, 1), ([9, 3], 4096, 1)],
-    "qmv_norm_seg_staged_q8_g64_bf16_of32": SEGMENT_BOUNDARIES,
+    # 8-bit K past one step of 64 packs (1024): the router's K = 2048 (two steps, both loaded ahead), a partial second.
+    "qmv_norm_seg_staged_q8_g64_bf16_of32": SEGMENT_BOUNDARIES + [([9, 1], 2048, 1), ([5, 3], 1088, 1)],
 }
 
 
@@ -335,9 +336,10 @@ def _qmv_segments(run: Run, kernel: str, rows: list[int], k: int, m: int) -> Non
 # The spread DeltaNet step's GEMVs (tuning::spread_deltanet_step). Conv epilogue: (Hk, Hv, dv, K) of a DeltaNet
 # layer at Dk = 64, its in_proj segments [C = 2 Hk 64 + Hv dv | z | b | a]; the first is the self-test's; a channel
 # count that leaves a partial simdgroup (dv = 33), K from one group to the staging's limit. Gated norm: (heads,
-# head_dim, N): the model's 32 x 128 heads, partial threadgroups, N = 1, a head_dim that is not a multiple of 32.
+# head_dim, N): the model's 32 x 128 heads (K = 4096: two steps), partial threadgroups, N = 1, a head_dim that is not
+# a multiple of 32, 17 x 128 (a partial second step).
 CONV_LAYERS = [(1, 2, 32, 512), (2, 4, 64, 2048), (1, 1, 33, 64), (1, 2, 16, 4096)]
-GATED_NORM_SHAPES = [(2, 128, 40), (32, 128, 20), (3, 64, 13), (1, 64, 1), (2, 96, 17)]
+GATED_NORM_SHAPES = [(2, 128, 40), (32, 128, 20), (3, 64, 13), (1, 64, 1), (2, 96, 17), (17, 128, 9)]
 
 
 def _qmv_seg_conv(run: Run, kernel: str, hk: int, hv: int, dv: int, k: int) -> None:
