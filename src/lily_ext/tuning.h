@@ -33,11 +33,11 @@ constexpr bool qmv_takes(size_t rows, size_t out_features) {
 // row: on an H100 (scripts/bench_kernels.py, cold L2, docs/results/h200/2026-12-05-4ef0610/) qmv_mma took 10-20 us
 // at every model shape and 1 to 8 rows (lm_head 172-205 us), qmv from 3 rows on more at every shape (8 rows: 2048 x
 // 2048 17.0 against 11.4 us, lm_head 1,379 against 205). Below 8,192 outputs it runs 8 simdgroups
-// (qmv_mma_simdgroups), which win at 2 rows too (docs/results/h200/2026-12-05-d25e27e-qmv-mma-simdgroups/: 2048 x 2048 8.8-9.0 against
-// qmv's 9.5, out_proj 2048 x 4096 13.0-13.2 against 13.7-13.9, in_proj_z 4096 9.6-9.9 against 12.0; k/v_proj 512
-// 8.3-8.6 against 8.1, the one loss) but not at one row (out_proj 12.5 against 10.0, k/v_proj 7.8 against 6.2), so
-// one row takes it only from 8,192 outputs on (lm_head 172 against 214). 8-bit codes do not fit bf16's 8-bit
-// significand with the offset the kernel needs.
+// (qmv_mma_simdgroups), which win at 2 rows too (docs/results/h200/2026-12-05-d25e27e-qmv-mma-simdgroups/: 2048 x
+// 2048 8.8-9.0 against qmv's 9.5, out_proj 2048 x 4096 13.0-13.2 against 13.7-13.9, in_proj_z 4096 9.6-9.9 against
+// 12.0; k/v_proj 512 8.3-8.6 against 8.1, the one loss) but not at one row (out_proj 12.5 against 10.0, k/v_proj 7.8
+// against 6.2), so one row takes it only from 8,192 outputs on (lm_head 172 against 214). 8-bit codes do not fit
+// bf16's 8-bit significand with the offset the kernel needs.
 constexpr size_t kQmvMmaMaxRows = 8;
 constexpr size_t kQmvMmaFewRows = 1;
 constexpr size_t kQmvMmaFewRowsMinOutFeatures = 8192;
@@ -131,10 +131,11 @@ constexpr size_t kQmvThreads = 32 * LILY_QMV_SIMDGROUPS;
 constexpr size_t kQmvRowsPerThreadgroup = LILY_QMV_ROWS_PER_SIMDGROUP * LILY_QMV_SIMDGROUPS;
 // qmv_mma: simdgroups splitting K (the kernel takes 1 to LILY_QMV_MMA_MAX_SIMDGROUPS), by output features: 8 below
 // kQmvMmaWideMinOutFeatures, where 4 leave an H100 short of warps (N / 16 threadgroups), and 4 from there, where 8
-// cost more than their extra warps bring. On an H100 (docs/results/h200/2026-12-05-d25e27e-qmv-mma-simdgroups/, cold L2, 1 to 8 rows,
-// us, 4 against 8 simdgroups): out_proj 2048 x 4096 17.2-18.1 against 12.5-13.3, 2048 x 2048 10.7-11.5 against
-// 8.3-9.3, in_proj_z 4096 11.6-12.4 against 9.2-10.1, k/v_proj 512 10.2-10.8 against 7.7-8.8; the DeltaNet qkv
-// 8192 13.1-13.9 against 14.0-15.3, lm_head 171-205 against 200-221.
+// cost more than their extra warps bring. On an H100 (docs/results/h200/2026-12-05-d25e27e-qmv-mma-simdgroups/, cold
+// L2, 1 to 8 rows, us, 4 against 8 simdgroups): out_proj 2048 x 4096 17.2-18.1 against 12.5-13.3, 2048 x 2048
+// 10.7-11.5 against 8.3-9.3, in_proj_z 4096 11.6-12.4 against 9.2-10.1, k/v_proj 512 10.2-10.8 against 7.7-8.8; the
+// DeltaNet qkv 8192 13.1-13.9 against 14.0-15.3, lm_head 171-205 against 200-221. Through the engine: pp2 +2.6 %, pp4
+// and pp8 within noise (docs/performance.md).
 constexpr size_t kQmvMmaWideMinOutFeatures = 8192;
 constexpr size_t qmv_mma_simdgroups(size_t out_features) {
   return out_features >= kQmvMmaWideMinOutFeatures ? 4 : LILY_QMV_MMA_MAX_SIMDGROUPS;

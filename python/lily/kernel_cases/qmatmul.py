@@ -90,7 +90,7 @@ EXTRA_SEGMENTS = {
     "qmv_norm_seg_q4_g64_f32": [([3, 9], 64, 2), ([9, 3], 2112, 1), ([9, 3], 4160, 1)],  # one grid row per input row
     "qmv_norm_seg_q8_g64_f32": [([9, 3], 1088, 1)],
     "qmv_norm_seg_staged_q4_g64_f32": [([3, 9], 64, 2), ([9, 3], 2112, 1), ([9, 3], 4096, 1)],
-    # 8-bit K past one step of 64 packs (1024): the router's K = 2048 (two steps, both loaded ahead), a partial second.
+    # 8-bit K past one step of 64 packs (1024): the router's K = 2048 (two steps), a partial second step.
     "qmv_norm_seg_staged_q8_g64_bf16_of32": SEGMENT_BOUNDARIES + [([9, 1], 2048, 1), ([5, 3], 1088, 1)],
 }
 
