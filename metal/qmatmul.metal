@@ -1087,6 +1087,274 @@ template <typename T, typename S, int Bits, bool WholePacks>
   }
 }
 
+#if defined(MSL_CPU)
+// qmv_norm_seg_conv_scan_staged's block order: segment 0's q and k channel blocks, then segment 1 (z), then segment 0's
+// v blocks. At full size (768 blocks streamed by 396 threadgroups) the q and k blocks, inputs of many scan slices
+// each, run in the first round and the v blocks, each the last input of one slice, in the second.
+inline lily_qmatmul::QmvSegment qmv_scan_order(constant lily::QMatmulSegmentsArgs& args, uint block,
+                                               uint rows_per_group, uint qk_blocks) {
+  const uint z_blocks = (args.rows[1] + rows_per_group - 1) / rows_per_group;
+  if (block < qk_blocks) {
+    return {0, block, 0};
+  }
+  if (block < qk_blocks + z_blocks) {
+    return {1, block - qk_blocks, args.rows[0]};
+  }
+  return {0, block - z_blocks, 0};
+}
+
+// Row `row` of segment `segment` as qmv_norm_seg_conv_staged computes and rounds it (the GEMV's rows of 4 from the
+// same first row, the same lanes, the staged x), returned to every lane as float. One whole simdgroup.
+template <typename T, int Bits, bool WholePacks, typename S>
+LILY_INLINE float qmv_staged_row(uint row, uint K, uint N, float inv_rms, device const uint* weight,
+                                 device const S* scales, device const S* biases, threadgroup const float4* stage_x,
+                                 threadgroup const float* pack_sum, uint lane) {
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  float acc[kRows];
+  lily::qmv_load_and_dot<Bits, WholePacks>(acc, weight, scales, biases, K, N, row - row % kRows, stage_x, pack_sum,
+                                           lane);
+  float total = 0.0f;
+  LILY_UNROLL
+  for (uint r = 0; r < kRows; ++r) {
+    const float sum = simd_sum(acc[r]) * inv_rms;  // every row's sum: convergent simd_sums
+    total = r == row % kRows ? sum : total;
+  }
+  return float(T(total));
+}
+
+// The DeltaNet decode scan of one slice of LILY_GDN_SCAN_SLICE_ROWS state rows of one value head, by the threadgroup
+// that took the slice's last ticket: gated_delta_prefill's arithmetic for one token (its q/k norms, gates and row
+// updates; every row's bits the same), reading q, k and v from the conv outputs the other threadgroups wrote, and b
+// and a computed here from the staged x (segments 2 and 3, never streamed). Puts the ticket back to 0 for the next
+// dispatch. Every thread of the threadgroup calls it.
+template <typename T, int Bits, bool WholePacks, uint Dk, typename S>
+LILY_INLINE void qmv_scan_slice(uint slice, constant lily::QMatmulSegmentsArgs& args,
+                                constant lily::GatedDeltaArgs& gdn, float inv_rms, device const uint* weight_b,
+                                device const S* scales_b, device const S* biases_b, device const uint* weight_a,
+                                device const S* scales_a, device const S* biases_a, device const float* conv_out,
+                                device const float* a_log, device const float* dt_bias, device float* state,
+                                device float* core_out, device atomic_uint* tickets,
+                                threadgroup const float4* stage_x, threadgroup const float* pack_sum,
+                                threadgroup float* q_tg, threadgroup float* k_tg, threadgroup float* v_tg,
+                                threadgroup float* gates_tg, uint tid, uint n_threads, uint lane, uint simd_group) {
+  constexpr uint kSlice = LILY_GDN_SCAN_SLICE_ROWS;
+  constexpr uint kBatch = LILY_GDN_SCAN_SLICE_ROWS / LILY_QMV_STAGED_SIMDGROUPS;  // rows per simdgroup in registers
+  const uint n_sg = n_threads / 32;
+  const uint dv = gdn.head_v_dim;
+  const uint key_dim = gdn.num_k_heads * Dk;
+  const uint v_head = slice / (dv / kSlice);
+  const uint key_head = v_head / (gdn.num_v_heads / gdn.num_k_heads);
+  const uint first_row = (slice % (dv / kSlice)) * kSlice;
+  lily::device_fence();  // every other threadgroup's conv outputs, after the last ticket
+  if (tid == 0) {
+    atomic_store_explicit(&tickets[slice], 0u, memory_order_relaxed);
+  }
+  // This simdgroup's rows r0 + i * n_sg of the slice, kBatch at a time, their loads issued first.
+  device float* slice_state = state + (size_t(v_head) * dv + first_row) * Dk + lane * (Dk / 32);
+  float s[kBatch][Dk / 32];
+  LILY_UNROLL
+  for (uint i = 0; i < kBatch; ++i) {
+    const uint r = min(simd_group + i * n_sg, kSlice - 1);  // a row past the slice re-reads its last (never written)
+    LILY_UNROLL
+    for (uint e = 0; e < Dk / 32; ++e) {
+      s[i][e] = slice_state[size_t(r) * Dk + e];
+    }
+  }
+  for (uint i = tid; i < 2 * Dk + kSlice; i += n_threads) {
+    if (i < Dk) {
+      q_tg[i] = conv_out[key_head * Dk + i];
+    } else if (i < 2 * Dk) {
+      k_tg[i - Dk] = conv_out[key_dim + key_head * Dk + (i - Dk)];
+    } else {
+      v_tg[i - 2 * Dk] = conv_out[2 * key_dim + v_head * dv + first_row + (i - 2 * Dk)];
+    }
+  }
+  // beta = sigmoid(b) and the decay from a (gdn_gates), b and a rounded to T as the GEMV writes them.
+  for (uint g = simd_group; g < 2; g += n_sg) {
+    const float ba = qmv_staged_row<T, Bits, WholePacks>(v_head, args.in_features, args.rows[2 + g], inv_rms,
+                                                         g == 0 ? weight_b : weight_a, g == 0 ? scales_b : scales_a,
+                                                         g == 0 ? biases_b : biases_a, stage_x, pack_sum, lane);
+    if (lane == 0) {
+      gates_tg[g] = g == 0 ? lily::sigmoid(ba)
+                           : precise::exp(lily::gdn_log_decay_of(ba, a_log[v_head], dt_bias[v_head]));
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float q[Dk / 32];
+  float k[Dk / 32];
+  lily::gdn_normalized_qk<Dk>(q_tg, k_tg, gdn.l2_eps, q, k, lane);
+  for (uint r0 = simd_group; r0 < kSlice; r0 += kBatch * n_sg) {
+    if (r0 != simd_group) {
+      LILY_UNROLL
+      for (uint i = 0; i < kBatch; ++i) {
+        const uint r = min(r0 + i * n_sg, kSlice - 1);
+        LILY_UNROLL
+        for (uint e = 0; e < Dk / 32; ++e) {
+          s[i][e] = slice_state[size_t(r) * Dk + e];
+        }
+      }
+    }
+    LILY_UNROLL
+    for (uint i = 0; i < kBatch; ++i) {
+      const uint r = r0 + i * n_sg;
+      if (r < kSlice) {  // uniform over the simdgroup: the collectives stay convergent
+        const float o = lily::gdn_update_row<Dk>(s[i], q, k, gates_tg[1], gates_tg[0], v_tg[r]);
+        LILY_UNROLL
+        for (uint e = 0; e < Dk / 32; ++e) {
+          slice_state[size_t(r) * Dk + e] = s[i][e];
+        }
+        if (lane == 0) {
+          core_out[size_t(v_head) * dv + first_row + r] = o;
+        }
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // q_tg, k_tg, v_tg and gates_tg are the next slice's
+}
+#endif
+
+#if defined(MSL_CPU)
+// qmv_norm_seg_conv_staged with the DeltaNet decode scan finished inside it (SCAN_IN_PROJECTION, CUDA): one dispatch
+// where the spread step had two (this GEMV, then gated_delta_prefill's scan). Segments: 0 q|k|v (the conv, as
+// qmv_norm_seg_conv_staged), 1 z (y and the gate), 2 b and 3 a (not streamed: the scan computes the row it needs). The
+// scan's unit is a slice of LILY_GDN_SCAN_SLICE_ROWS state rows of one value head (tickets[slice]); its inputs are
+// the q and k blocks of its key head and its v block. After each segment-0 block every thread fences its conv outputs
+// and the block takes a ticket of every slice it feeds; the threadgroup that takes a slice's last ticket scans it
+// (qmv_scan_slice) and puts the ticket back to 0. Threadgroups hand data to each other inside the dispatch, so this
+// needs lily::device_fence: the CPU harness and CUDA only. Host: 1 to 4 simdgroups (their 4 x n rows divide Dk and
+// the slice), dv a multiple of the slice; the same bits as qmv_norm_seg_conv_staged, then gated_delta_prefill.
+template <typename T, typename S, int Bits, bool WholePacks, uint Dk>
+[[kernel]] void qmv_norm_seg_conv_scan_staged(constant lily::QMatmulSegmentsArgs& args [[buffer(0)]],
+                                              device const T* x [[buffer(1)]],
+                                              device const T* norm_weight [[buffer(2)]],
+                                              device const lily::pack_codes_t<WholePacks>* weight0 [[buffer(3)]],
+                                              device const S* scales0 [[buffer(4)]],
+                                              device const S* biases0 [[buffer(5)]],
+                                              device const lily::pack_codes_t<WholePacks>* weight1 [[buffer(6)]],
+                                              device const S* scales1 [[buffer(7)]],
+                                              device const S* biases1 [[buffer(8)]],
+                                              device const lily::pack_codes_t<WholePacks>* weight2 [[buffer(9)]],
+                                              device const S* scales2 [[buffer(10)]],
+                                              device const S* biases2 [[buffer(11)]],
+                                              device const lily::pack_codes_t<WholePacks>* weight3 [[buffer(12)]],
+                                              device const S* scales3 [[buffer(13)]],
+                                              device const S* biases3 [[buffer(14)]],
+                                              device T* y [[buffer(15)]],
+                                              device const T* conv_weight [[buffer(16)]],  // [C, LILY_GDN_CONV_KERNEL]
+                                              device T* conv_state [[buffer(17)]],  // [K - 1, C] in/out
+                                              device float* conv_out [[buffer(18)]],  // [C], C = rows[0]
+                                              device float* gate [[buffer(19)]],      // [rows[1]]: SiLU(z)
+                                              constant lily::GatedDeltaArgs& gdn [[buffer(20)]],
+                                              device const float* a_log [[buffer(21)]],    // [Hv]
+                                              device const float* dt_bias [[buffer(22)]],  // [Hv]
+                                              device float* state [[buffer(23)]],          // [Hv, dv, Dk] in/out
+                                              device float* core_out [[buffer(24)]],       // [Hv·dv] o, before the norm
+                                              device atomic_uint* tickets [[buffer(25)]],  // [Hv·dv / slice], 0 between
+                                              uint3 tg [[threadgroup_position_in_grid]],
+                                              uint3 groups [[threadgroups_per_grid]],
+                                              uint tid [[thread_index_in_threadgroup]],
+                                              uint3 threads_per_group [[threads_per_threadgroup]],
+                                              uint lane [[thread_index_in_simdgroup]],
+                                              uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  using namespace lily_qmatmul;
+  static_assert(Dk % LILY_GDN_SCAN_SLICE_ROWS == 0 && Dk <= LILY_GDN_MAX_DK, "whole blocks per key head");
+  threadgroup float4 stage_x[LILY_QMV_STAGE_MAX_K / 4];
+  threadgroup float pack_sum[LILY_QMV_STAGE_MAX_K / 16];
+  threadgroup float simd_sq[32];
+  threadgroup float q_tg[Dk];
+  threadgroup float k_tg[Dk];
+  threadgroup float v_tg[LILY_GDN_SCAN_SLICE_ROWS];
+  threadgroup float gates_tg[2];  // beta, decay
+  threadgroup bool scans_tg[LILY_GDN_MAX_ROWS / LILY_GDN_SCAN_SLICE_ROWS];  // the fed slices whose last ticket we took
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  constexpr uint kTaps = LILY_GDN_CONV_KERNEL;
+  constexpr uint kSlice = LILY_GDN_SCAN_SLICE_ROWS;
+  const uint K = args.in_features;
+  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
+  const uint rows_per_group = (n_threads / 32) * kRows;
+  const uint key_dim = gdn.num_k_heads * Dk;
+  const uint qk_blocks = 2 * key_dim / rows_per_group;
+  const uint blocks = (args.rows[0] + rows_per_group - 1) / rows_per_group +
+                      (args.rows[1] + rows_per_group - 1) / rows_per_group;
+  const uint slices_per_key_head = (gdn.num_v_heads / gdn.num_k_heads) * (gdn.head_v_dim / kSlice);
+  const uint last_ticket = (2 * Dk + kSlice) / rows_per_group;  // a slice's q, k and v blocks
+  if (tg.x >= blocks) {
+    return;  // the whole threadgroup leaves: the barrier in qmv_stage stays uniform
+  }
+  QmvSegment seg = qmv_scan_order(args, tg.x, rows_per_group, qk_blocks);
+  uint N = args.rows[seg.index];
+  uint first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
+  float history[kTaps], taps[kTaps];
+  qmv_conv_inputs(conv_weight, conv_state, seg.index == 0 && lane < kRows && first_row + lane < N, N,
+                  first_row + lane, history, taps);
+  float acc[kRows];
+  const float inv_rms = qmv_staged_rows<true, Bits, WholePacks>(
+      acc, x, norm_weight, lily::as_words(qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3)),
+      qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3),
+      qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, args.eps, first_row, first_row < N,
+      stage_x, pack_sum, simd_sq, tid, n_threads, lane, simd_group);
+  for (uint block = tg.x;;) {
+    if (first_row < N) {  // uniform per simdgroup: the simd_sums stay convergent
+      const uint i = seg.index;
+      float mine = 0.0f;
+      LILY_UNROLL
+      for (uint r = 0; r < kRows; ++r) {
+        const float total = simd_sum(acc[r]) * inv_rms;
+        mine = lane == r ? total : mine;
+        if (i == 1 && lane == 0 && first_row + r < N) {
+          y[seg.row_offset + first_row + r] = T(total);
+          gate[first_row + r] = lily::silu(float(T(total)));  // as gdn_gated_norm gates: SiLU of the rounded z
+        }
+      }
+      const uint c = first_row + lane;
+      if (i == 0 && lane < kRows && c < N) {
+        history[kTaps - 1] = float(T(mine));  // the projection's output as gated_delta_conv reads it: rounded to T
+        conv_out[c] = lily::gdn_conv_silu(history, taps);
+        for (uint j = 0; j + 1 < kTaps; ++j) {
+          conv_state[size_t(j) * N + c] = T(history[j + 1]);  // exact: the history came from T values
+        }
+      }
+    }
+    if (seg.index == 0) {  // uniform over the threadgroup: its barriers too
+      // The slices this block feeds: every slice of its key head (a q or k block), or the one its v rows lie in.
+      const uint c0 = seg.block * rows_per_group;
+      const bool qk = c0 < 2 * key_dim;
+      const uint first_slice = qk ? ((c0 % key_dim) / Dk) * slices_per_key_head : (c0 - 2 * key_dim) / kSlice;
+      const uint fed = qk ? slices_per_key_head : 1;
+      lily::device_fence();  // this thread's conv outputs, before the block's tickets
+      threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
+      for (uint f = tid; f < fed; f += n_threads) {
+        scans_tg[f] = atomic_fetch_add_explicit(&tickets[first_slice + f], 1u, memory_order_relaxed) + 1 == last_ticket;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (uint f = 0; f < fed; ++f) {
+        if (scans_tg[f]) {  // threadgroup memory after a barrier: uniform
+          qmv_scan_slice<T, Bits, WholePacks, Dk>(
+              first_slice + f, args, gdn, inv_rms, lily::as_words(weight2), scales2, biases2, lily::as_words(weight3),
+              scales3, biases3, conv_out, a_log, dt_bias, state, core_out, tickets, stage_x, pack_sum, q_tg, k_tg,
+              v_tg, gates_tg, tid, n_threads, lane, simd_group);
+        }
+      }
+    }
+    block += groups.x;
+    if (block >= blocks) {
+      break;
+    }
+    seg = qmv_scan_order(args, block, rows_per_group, qk_blocks);
+    N = args.rows[seg.index];
+    first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
+    if (first_row < N) {
+      qmv_conv_inputs(conv_weight, conv_state, seg.index == 0 && lane < kRows && first_row + lane < N, N,
+                      first_row + lane, history, taps);
+      qmv_load_and_dot<Bits, WholePacks>(
+          acc, lily::as_words(qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3)),
+          qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3),
+          qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, first_row, stage_x, pack_sum, lane);
+    }
+  }
+}
+#endif
+
 // qmv_residual_staged over the DeltaNet's gated RMSNorm of its scan output: out = residual + W · x with x =
 // qmv_stage_gated_norm(o, SiLU(z)), so gated_delta_prefill_norm's dispatch (and its rounded copy of x) leaves a
 // decode token. One input row; the bits of gated_delta_prefill_norm followed by qmv_residual_staged.
@@ -1282,6 +1550,24 @@ LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_staged_q4_g64_bf16", qmv_norm_s
                               bfloat, bfloat, 4, false)
 LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_staged_q4_g64_bf16_a16", qmv_norm_seg_conv_staged,
                               bfloat, bfloat, 4, true)
+#if defined(MSL_CPU)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_scan_staged_q4_g64_f32_dk128", qmv_norm_seg_conv_scan_staged,
+                              float, bfloat, 4, false, 128)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_scan_staged_q4_g64_f32_a16_dk128", qmv_norm_seg_conv_scan_staged,
+                              float, bfloat, 4, true, 128)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_scan_staged_q4_g64_bf16_dk128", qmv_norm_seg_conv_scan_staged,
+                              bfloat, bfloat, 4, false, 128)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_scan_staged_q4_g64_bf16_a16_dk128", qmv_norm_seg_conv_scan_staged,
+                              bfloat, bfloat, 4, true, 128)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_scan_staged_q4_g64_f32_dk64", qmv_norm_seg_conv_scan_staged,
+                              float, bfloat, 4, false, 64)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_scan_staged_q4_g64_f32_a16_dk64", qmv_norm_seg_conv_scan_staged,
+                              float, bfloat, 4, true, 64)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_scan_staged_q4_g64_bf16_dk64", qmv_norm_seg_conv_scan_staged,
+                              bfloat, bfloat, 4, false, 64)
+LILY_INSTANTIATE_EARLY_KERNEL("qmv_norm_seg_conv_scan_staged_q4_g64_bf16_a16_dk64", qmv_norm_seg_conv_scan_staged,
+                              bfloat, bfloat, 4, true, 64)
+#endif
 LILY_INSTANTIATE_EARLY_KERNEL("qmv_gated_norm_residual_staged_q4_g64_f32", qmv_gated_norm_residual_staged,
                               float, bfloat, 4, false)
 LILY_INSTANTIATE_EARLY_KERNEL("qmv_gated_norm_residual_staged_q4_g64_f32_a16", qmv_gated_norm_residual_staged,
