@@ -45,17 +45,12 @@ inline uint gdn_channel(uint lc, uint key_head, constant lily::GatedDeltaArgs& a
   return 2 * key_dim + key_head * rows + (lc - 2 * Dk);
 }
 
-// The log-decay g <= 0 of a value head from its a projection (as the kernels read it: rounded to the activation
-// dtype), A_log and dt_bias.
-inline float gdn_log_decay_of(float a, float a_log, float dt_bias) {
-  return -precise::exp(a_log) * gdn_softplus(a + dt_bias);
-}
-
 // The log-decay g <= 0 of value head j for one token.
 template <typename T>
 inline float gdn_log_decay(uint j, uint token, constant lily::GatedDeltaArgs& args, device const T* a,
                            device const float* a_log, device const float* dt_bias) {
-  return gdn_log_decay_of(float(a[size_t(token) * args.num_v_heads + j]), a_log[j], dt_bias[j]);
+  const size_t idx = size_t(token) * args.num_v_heads + j;
+  return -precise::exp(a_log[j]) * gdn_softplus(float(a[idx]) + dt_bias[j]);
 }
 
 // Beta and the decay exp(g) of value head j for one token.

@@ -239,10 +239,6 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // value heads. Measured on the H200 at T = 512 (rows per threadgroup / per simdgroup, µs): 32/1 1,002, 16/2 1,247,
 // 8/1 1,159, 8/2 1,442, 32/4 1,500; one threadgroup of 4-row simdgroups per head 2,003 (docs/performance.md).
 #define LILY_GDN_PREFILL_ROWS_PER_THREADGROUP 32
-// qmv_norm_seg_conv_scan_staged (the DeltaNet decode scan in the in_proj GEMV, CUDA): state rows of one value head per
-// slice, the unit of work the threadgroup that completes a slice's inputs scans. 16: one in_proj block of 16 v rows
-// is a slice's last input, and its 4 rows per simdgroup on the GEMV's 128 threads keep the serial row chain short.
-#define LILY_GDN_SCAN_SLICE_ROWS 16
 // gated_delta_prefill: the largest key head dim (staged q and k rows).
 #define LILY_GDN_MAX_DK 128
 // gated_delta_step: value rows per key head, (Hv/Hk)*dv, sized for the threadgroup arrays (model: 2*128 = 256).
@@ -439,22 +435,6 @@ LILY_INLINE void grid_dependency_wait() {
   ::msl_cuda_detail::grid_dependency_wait();  // the wait the shim's entry points run (msl_cuda_launch.h)
 #endif
 }
-
-#if defined(MSL_CPU)
-// Orders this thread's device-memory accesses before it against those after it for every threadgroup of the dispatch
-// (CUDA's __threadfence; a sequentially consistent fence in the CPU harness). With a device atomic it hands data from
-// one threadgroup to another inside a dispatch: the writers fence, then take a ticket; the one that takes the last
-// ticket fences, then reads. Metal 3.1 has no device-scope fence, so the kernels that need one are compiled for the
-// harness and CUDA only (under #if defined(MSL_CPU)) and the host chooses them on CUDA only
-// (Runtime::fences_across_threadgroups).
-LILY_INLINE void device_fence() {
-#if defined(MSL_CUDA)
-  __nvvm_membar_gl();
-#else
-  __atomic_thread_fence(__ATOMIC_SEQ_CST);
-#endif
-}
-#endif
 #endif
 
 #if defined(LILY_KERNEL_SIDE)

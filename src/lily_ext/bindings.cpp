@@ -102,7 +102,6 @@ void bind_switches(nb::module_ m) {
       .def_rw("mma_attention", &S::mma_attention)
       .def_rw("staged_gemv", &S::staged_gemv)
       .def_rw("spread_deltanet_step", &S::spread_deltanet_step)
-      .def_rw("scan_in_projection", &S::scan_in_projection)
       .def_rw("whole_pack_loads", &S::whole_pack_loads)
       .def_rw("fused_attention_prep", &S::fused_attention_prep)
       .def_rw("fused_argmax", &S::fused_argmax)

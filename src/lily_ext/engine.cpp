@@ -37,7 +37,6 @@ Engine::Engine(const ModelConfig& config, Precision precision, const Switches& s
   runtime_->restrict_switches(switches_);
   switches_.tensor_ops = switches_.tensor_ops && runtime_->supports_tensor_ops();
   switches_.staged_gemv = switches_.staged_gemv && runtime_->prefers_staged_gemv();
-  switches_.scan_in_projection = switches_.scan_in_projection && runtime_->fences_across_threadgroups();
   switches_.mma_gemv = switches_.mma_gemv && runtime_->prefers_mma_gemv();
   if ((switches_.mma_attention || switches_.mma_gemv) && !simdgroup_layout_matches(*runtime_)) {
     std::fprintf(stderr, "lily: this GPU's simdgroup_matrix lane layout differs from the one the matrix-unit kernels "

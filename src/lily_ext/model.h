@@ -64,10 +64,6 @@ struct Switches {
                                     // gated_delta_step (a threadgroup per key head); on (with STAGED_GEMV: CUDA), the
                                     // conv runs in the in_proj GEMV, the recurrence over (value head, 32 rows)
                                     // threadgroups and the gated norm in the out_proj GEMV (tuning::spread_deltanet_step)
-  bool scan_in_projection = true;  // SCAN_IN_PROJECTION: off = the spread DeltaNet step's recurrence is its own
-                                   // dispatch (gated_delta_prefill's scan) after the in_proj GEMV; on (where the
-                                   // runtime fences across threadgroups: CUDA), the in_proj GEMV's threadgroup that
-                                   // completes a slice's inputs scans it (qmv_norm_seg_conv_scan_staged)
   bool whole_pack_loads = true;    // WHOLE_PACK_LOADS: off = the staged kernels (STAGED_GEMV: CUDA) read codes a word
                                    // at a time; on, a pack of 4 words as one 16-byte load where the codes lie on 16
                                    // bytes (tuning::whole_pack_loads)
@@ -197,7 +193,6 @@ struct StateBuffers {
   std::vector<int> conv_state, recurrent_state, k_cache, v_cache;
   size_t kv_capacity = 0;
   int tokens, logit_bias, seen_tokens, token_counts, penalized_logits, choice_values, choice_ids;
-  int deltanet_tickets;  // SCAN_IN_PROJECTION: one counter per scan slice, 0 between dispatches
 };
 StateBuffers add_state_buffers(const ModelConfig& config, Precision precision, size_t kv_capacity, Graph& graph);
 

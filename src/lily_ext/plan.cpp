@@ -69,12 +69,11 @@ DecodePlan plan_decode(const ModelConfig& config, Precision precision, const Swi
   WeightTable weights = synthetic_weights(config, plan.graph);
   StateBuffers state = add_state_buffers(config, precision, plan.kv_capacity, plan.graph);
   PassBuffers step = add_pass_buffers(config, precision, 1, 1, plan.kv_capacity, "", plan.graph);
-  // The plan is the Metal engine's step: no runtime here to prefer staged or matrix-unit GEMVs or to fence across
-  // threadgroups, as Apple GPUs never do (the engine turns the switches off the same way, Engine::Engine).
+  // The plan is the Metal engine's step: no runtime here to prefer staged or matrix-unit GEMVs, as Apple GPUs never
+  // do (the engine turns the switches off the same way, Engine::Engine).
   Switches metal = switches;
   metal.staged_gemv = false;
   metal.mma_gemv = false;
-  metal.scan_in_projection = false;
   build_decode_step(config, precision, metal, weights, state, step, context, 0, 1, plan.graph);
   plan.counts = count_graph(plan.graph);
   plan.minimum = minimum_bytes(config, precision, weights, context);

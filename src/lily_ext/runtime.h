@@ -97,10 +97,6 @@ class Runtime {
   // Decode GEMVs stage x in threadgroup memory (tuning::staged_gemv): where scattered per-lane loads of x cost more
   // than the staging (NVIDIA's L1), not on Apple GPUs.
   virtual bool prefers_staged_gemv() const { return false; }
-  // Its kernels may hand data from one threadgroup to another inside a dispatch (lily::device_fence and a device
-  // atomic, metal/lily.h): CUDA's __threadfence. Metal 3.1 has no device-scope fence, and those kernels are not in the
-  // Metal library.
-  virtual bool fences_across_threadgroups() const { return false; }
   // A few rows' GEMVs on matrix units (tuning::mma_gemv): where the vector GEMVs are issue-bound (NVIDIA); not yet
   // measured on Apple GPUs.
   virtual bool prefers_mma_gemv() const { return false; }

@@ -115,17 +115,6 @@ inline bool spread_deltanet_step(bool switched_on, size_t value_heads, size_t he
          value_heads * head_v_dim <= 4 * LILY_QMV_STAGE_BATCH * 32 * LILY_QMV_STAGED_SIMDGROUPS;  // one round
 }
 
-// The spread step's recurrence finished inside its in_proj GEMV (SCAN_IN_PROJECTION, qmv_norm_seg_conv_scan_staged:
-// CUDA, where threadgroups can hand data to each other through a device fence and a ticket): one dispatch fewer per
-// DeltaNet layer. Its 16-row blocks tile the key heads and the scan slices (LILY_GDN_SCAN_SLICE_ROWS), and a key
-// head's slices fit the kernel's flags (its value rows <= LILY_GDN_MAX_ROWS).
-inline bool scan_in_projection(bool switched_on, size_t key_head_dim, size_t heads_per_key_head, size_t head_v_dim) {
-  return switched_on && key_head_dim % (LILY_QMV_ROWS_PER_SIMDGROUP * LILY_QMV_STAGED_SIMDGROUPS) == 0 &&
-         head_v_dim % LILY_GDN_SCAN_SLICE_ROWS == 0 && heads_per_key_head * head_v_dim <= LILY_GDN_MAX_ROWS;
-}
-static_assert(LILY_GDN_SCAN_SLICE_ROWS % (LILY_QMV_ROWS_PER_SIMDGROUP * LILY_QMV_STAGED_SIMDGROUPS) == 0,
-              "whole in_proj blocks per scan slice");
-
 // The staged decode experts (moe_gate_up_swiglu_routed_staged, moe_down_combine_staged in metal/moe.metal): x and the
 // experts' hidden scratch staged in threadgroup memory as the staged GEMVs stage x, chosen with them
 // (staged_gemv: CUDA) for bf16 scales and the sizes their threadgroup arrays hold. Only the fused (routed) gate/up has

@@ -1,7 +1,6 @@
 """The SPREAD_DELTANET_STEP switch: on the CUDA runtime (staged GEMVs) a decode token's DeltaNet runs its conv in the
 in_proj GEMV, its recurrence on the prefill scan's (value head, row slice) threadgroups and its gated norm in the
-out_proj GEMV (tuning::spread_deltanet_step; the recurrence inside the in_proj GEMV with SCAN_IN_PROJECTION, on by
-default: test_ablation_scan_in_projection); off, one gated_delta_step per layer (a threadgroup per key head). The
+out_proj GEMV (tuning::spread_deltanet_step); off, one gated_delta_step per layer (a threadgroup per key head). The
 same arithmetic in the same order: every prompt token a decode step (the conv and recurrent states carried from step
 to step), the logits must be the same bits, and follow lily.reference (the fake libcuda running the real kernels on
 the harness)."""
@@ -17,11 +16,11 @@ from lily.reference import ReferenceModel
 from tests.engine.test_fusion import DECODE_ONLY, PROMPT, checkpoints, cuda_decode_both_ways  # noqa: F401 (the fixture)
 from tests.engine.test_metal_backend import relative_error
 
-SPREAD = {"qmv_norm_seg_conv_scan_staged", "qmv_gated_norm_residual_staged"}
+SPREAD = {"qmv_norm_seg_conv_staged", "gated_delta_prefill", "qmv_gated_norm_residual_staged"}
 
 
 def _deltanet_ops(kernels) -> set[str]:
-    names = {name.split("_q4")[0] for name in kernels if "_conv_" in name or "gated_norm" in name}
+    names = {name.split("_q4")[0] for name in kernels if "conv_staged" in name or "gated_norm" in name}
     return names | {name.rsplit("_", 2)[0] for name in kernels if name.startswith("gated_delta_")}
 
 

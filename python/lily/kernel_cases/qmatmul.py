@@ -26,7 +26,6 @@ PATTERN = re.compile(r"qmv(_norm|_residual)?(_seg)?_q(4|8)_g64_(f32|f16|bf16)(_s
                      r"|qmv(_norm|_residual)?(_seg)?_staged_q(4|8)_g64_(f32|bf16)(_of32)?(_a16)?"
                      r"|qmv_norm_argmax_staged_q4_g64_(f32|bf16_of32)(_a16)?"
                      r"|qmv_(norm_seg_conv|gated_norm_residual)_staged_q4_g64_(f32|bf16)(_a16)?"
-                     r"|qmv_norm_seg_conv_scan_staged_q4_g64_(f32|bf16)(_a16)?_dk(128|64)"
                      r"|qmv_mma_q4_g64_bf16(_of32)?"
                      r"|qmm_q(4|8)_g64_(f32|f16|bf16)(_sf32)?(_of32)?_bm(16|32|64)|qmm_nax_q(4|8)_g64_(f16|bf16)")
 QMV_ROWS_PER_THREADGROUP = 8  # LILY_QMV_SIMDGROUPS * LILY_QMV_ROWS_PER_SIMDGROUP
@@ -397,68 +396,6 @@ def _qmv_seg_conv(run: Run, kernel: str, hk: int, hv: int, dv: int, k: int) -> N
                           np.ascontiguousarray(streamed).view(np.uint8), np.ascontiguousarray(whole).view(np.uint8))
 
 
-# The DeltaNet scan in the in_proj GEMV (SCAN_IN_PROJECTION): (Hk, Hv, dv, K, simdgroups); the first is the
-# self-test's: the model's grouping on the engine's 4 simdgroups; 2 simdgroups (8-row blocks) and Hv/Hk = 4; one
-# simdgroup, one value head per key head and dv = 48 (3 slices); Hv/Hk = 3 at the model's K.
-SCAN_LAYERS = [(1, 2, 32, 512, 4), (2, 8, 16, 256, 2), (1, 1, 48, 64, 1), (2, 6, 16, 2048, 4)]
-SCAN_SLICE_ROWS = 16  # LILY_GDN_SCAN_SLICE_ROWS: one ticket per slice of a value head's state rows
-
-
-def _qmv_seg_conv_scan(run: Run, kernel: str, hk: int, hv: int, dv: int, k: int, simdgroups: int) -> None:
-    """qmv_norm_seg_conv_scan_staged over two decode tokens, bit for bit against what it replaces
-    (qmv_norm_seg_conv_staged, then gated_delta_prefill's scan of the token), and its scan against the reference (the
-    recurrent state, and the gated norm of its output). The first token on one threadgroup per block, the second
-    streamed over 3 threadgroups (one threadgroup then takes the last ticket of many slices); the tickets must be back
-    at 0 after each, and y's q|k|v and b|a rows stay unwritten."""
-    from lily.kernel_cases.gated_delta import (check_layer, gated_delta_args, make_layer, prefill_groups,
-                                               prefill_threads, run_prefill_norm)
-
-    dtype, dk = dtype_of(kernel), int(kernel.rsplit("_dk", 1)[1])
-    chain_kernel = kernel.rsplit("_dk", 1)[0].replace("_conv_scan_", "_conv_")
-    layer = make_layer(run.rng, hk, hv, dv, dtype, dk=dk)
-    chain = layer.copy()
-    c, vd = layer.channels, hv * dv
-    rows = [c, vd, hv, hv]
-    parts = [quantized_weight(kernel, (n, k), run.rng) for n in rows]
-    bindings = _segment_bindings(parts)
-    norm_weight = to_device(1.0 + 0.3 * run.rng.standard_normal(k), dtype)
-    args = struct.pack("<IIIf4I", k, sum(rows), len(rows), NORM_EPS, *rows)  # lily::QMatmulSegmentsArgs
-    gdn = gated_delta_args(1, hk, hv, dv)
-    blocks = sum(-(-n // (QMV_STAGED_ROWS_PER_SIMDGROUP * simdgroups)) for n in rows[:2])
-    tickets = np.zeros(vd // SCAN_SLICE_ROWS, np.uint32)
-    for token, groups in enumerate((blocks, 3)):
-        start = layer.copy()
-        x = to_device(run.rng.standard_normal((1, k)), dtype)
-        y, conv_out, gate = poisoned((1, sum(rows)), dtype), poisoned((c,), "f32"), poisoned((vd,), "f32")
-        core_out = poisoned((1, vd), "f32")
-        run.dispatch(kernel, [args, x, norm_weight, *bindings, y, layer.conv_weight, layer.conv_state, conv_out, gate,
-                              gdn, layer.a_log, layer.dt_bias, layer.state, core_out, tickets], groups,
-                     32 * simdgroups)
-        run.require(f"token {token}: tickets back to 0", not tickets.any(), f"tickets {tickets.tolist()}")
-        unwritten = np.concatenate([y[:, :c], y[:, c + vd:]], axis=1)
-        run.require(f"token {token}: q|k|v and b|a rows of y unwritten",
-                    np.array_equal(unwritten.view(np.uint8), poisoned(unwritten.shape, dtype).view(np.uint8)))
-
-        # What it replaces, from the same states: the conv GEMV, then the scan of one token.
-        y2, conv_out2, gate2 = poisoned((1, sum(rows)), dtype), poisoned((c,), "f32"), poisoned((vd,), "f32")
-        run.dispatch(chain_kernel, [args, x, norm_weight, *bindings, y2, chain.conv_weight, chain.conv_state,
-                                    conv_out2, gate2], blocks, 32 * simdgroups)
-        b, a = np.ascontiguousarray(y2[:, c + vd:c + vd + hv]), np.ascontiguousarray(y2[:, c + vd + hv:])
-        core_out2 = poisoned((1, vd), "f32")
-        run.dispatch(chain.kernel("prefill"), [gdn, conv_out2, b, a, chain.a_log, chain.dt_bias, chain.state,
-                                               core_out2], prefill_groups(chain), prefill_threads(chain))
-        for what, mine, theirs in (("conv out", conv_out, conv_out2), ("conv state", layer.conv_state,
-                                                                       chain.conv_state),
-                                   ("z", y[:, c:c + vd], y2[:, c:c + vd]), ("gate", gate, gate2),
-                                   ("recurrent state", layer.state, chain.state), ("scan out", core_out, core_out2)):
-            run.compare_exact(f"token {token}: {what} == the conv GEMV then the scan (bits)",
-                              np.ascontiguousarray(mine).view(np.uint8), np.ascontiguousarray(theirs).view(np.uint8))
-
-        z = np.ascontiguousarray(y[:, c:c + vd])
-        tokens = {"qkv": np.ascontiguousarray(layer.conv_state[-1:]), "z": z, "b": b, "a": a}
-        check_layer(run, layer, start, tokens, run_prefill_norm(run, layer, core_out, z))
-
-
 def _qmv_gated_norm_residual(run: Run, kernel: str, heads: int, head_dim: int, n: int) -> None:
     """qmv_gated_norm_residual_staged against the reference: out = residual + W · x with x the gated RMSNorm of o per
     head (gate = SiLU(z), f32, as qmv_norm_seg_conv_staged writes it) rounded once to the dtype. The kernel rounds x
@@ -496,10 +433,6 @@ def cases(kernel: str) -> list[Case]:
     """Every case of one qmatmul kernel; the first is the self-test's. A staged kernel's _a16 instance (a pack of
     codes as one 16-byte load) takes the cases of its word-load twin."""
     extra = EXTRA_SHAPES.get(kernel.removesuffix("_a16"), [])
-    if kernel.startswith("qmv_norm_seg_conv_scan"):
-        return [Case(kernel, f"Hk={hk} Hv={hv} dv={dv} K={k} simdgroups={sg}",
-                     partial(_qmv_seg_conv_scan, kernel=kernel, hk=hk, hv=hv, dv=dv, k=k, simdgroups=sg), quick=i == 0)
-                for i, (hk, hv, dv, k, sg) in enumerate(SCAN_LAYERS)]
     if kernel.startswith("qmv_norm_seg_conv"):
         return [Case(kernel, f"Hk={hk} Hv={hv} dv={dv} K={k}", partial(_qmv_seg_conv, kernel=kernel, hk=hk, hv=hv,
                                                                        dv=dv, k=k), quick=i == 0)

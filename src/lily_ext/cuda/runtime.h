@@ -38,7 +38,6 @@ class CudaRuntime : public Runtime {
   bool supports_tensor_ops() const override { return false; }
   bool supports_profiling() const override { return true; }
   bool prefers_staged_gemv() const override { return true; }
-  bool fences_across_threadgroups() const override { return true; }
   bool prefers_mma_gemv() const override { return true; }
 
   std::shared_ptr<RecordedGraph> record(std::shared_ptr<const Graph> graph, size_t begin, size_t end,

@@ -143,8 +143,6 @@ StateBuffers add_state_buffers(const ModelConfig& c, Precision precision, size_t
   b.penalized_logits = g.add_buffer("penalized logits", c.vocab_size * 4, BufferRole::Scratch);
   b.choice_values = g.add_buffer("choice values", choice_words * 4, BufferRole::Scratch);
   b.choice_ids = g.add_buffer("choice ids", choice_words * 4, BufferRole::Scratch);
-  // Io: zeroed when the engine resets; the kernel that counts on them leaves them at 0.
-  b.deltanet_tickets = g.add_buffer("DeltaNet scan tickets", ops::deltanet_scan_slices(c) * 4, BufferRole::Io);
   StateLayout s = state_layout(c, precision);
   for (size_t i = 0; i < c.num_layers(); ++i) {
     std::string p = layer_prefix(i);
@@ -279,7 +277,6 @@ struct Forward {
     ctx.staged_gemv = sw.staged_gemv;
     ctx.mma_gemv = sw.mma_gemv;
     ctx.spread_deltanet_step = sw.spread_deltanet_step && fuse && sw.fused_projections;
-    ctx.scan_in_projection = sw.scan_in_projection;
     ctx.whole_pack_loads = sw.whole_pack_loads;
     ctx.gpu_routing = sw.gpu_routing;
     ctx.in_gemm_dequant = sw.in_gemm_dequant;
@@ -403,13 +400,9 @@ struct Forward {
     gd.dt_bias = &weight(w, s + "dt_bias");
     gd.norm_weight = &weight(w, s + "norm.weight");
     if (ops::spread_deltanet_step(ctx, c, weights(s, in_proj), out_proj)) {
-      ops::ConvEpilogue conv{gd.conv_weight, gd.conv_state, gd.conv_out, whole(g, p.gdn_gate)};
-      const ops::ScanEpilogue scan{ops::gated_delta_args(c, 1), c.gdn_k_dim, gd.a_log, gd.dt_bias,
-                                   gd.recurrent_state, gd.core_out, whole(g, state.deltanet_tickets)};
-      const bool scan_here = ops::scan_in_projection(ctx, c);
-      if (scan_here) conv.scan = &scan;
+      const ops::ConvEpilogue conv{gd.conv_weight, gd.conv_state, gd.conv_out, whole(g, p.gdn_gate)};
       projections(s + "in_proj", s, in_proj, mixer_in, proj, act, input_norm, &conv);
-      if (!scan_here) ops::gated_delta_scan(ctx, c, pre + "deltanet", gd, T);
+      ops::gated_delta_scan(ctx, c, pre + "deltanet", gd, T);
       ops::qmatmul_gated_norm_residual(ctx, s + "out_proj", gd.core_out, conv.gate, *gd.norm_weight, c.gdn_v_dim,
                                        c.eps, out_proj, hidden);
       return;

@@ -43,14 +43,6 @@ bool spread_deltanet_step(const Context& ctx, const ModelConfig& c, const std::v
          quantized_alike(in_proj) && staged_4bit(*in_proj[0]) && staged_4bit(out_proj);
 }
 
-bool scan_in_projection(const Context& ctx, const ModelConfig& c) {
-  return tuning::scan_in_projection(ctx.scan_in_projection, c.gdn_k_dim, c.gdn_v_heads / c.gdn_k_heads, c.gdn_v_dim);
-}
-
-size_t deltanet_scan_slices(const ModelConfig& c) {
-  return std::max<size_t>(1, c.gdn_v_heads * c.gdn_v_dim / LILY_GDN_SCAN_SLICE_ROWS);
-}
-
 void gated_delta_step(Context& ctx, const ModelConfig& c, const std::string& label, const GatedDeltaSpans& s) {
   const GatedDeltaArgs a = gated_delta_args(c, 1);
   // One threadgroup per key head; enough simdgroups that each holds LILY_GDN_ROWS_PER_SIMDGROUP state rows.

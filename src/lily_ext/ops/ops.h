@@ -5,8 +5,13 @@
 #include <string>
 #include <vector>
 
-#include "../../../metal/lily.h"
 #include "../model.h"
+
+namespace lily {
+struct AttentionArgs;   // metal/lily.h
+struct AttentionPrepArgs;  // metal/lily.h
+struct GatedDeltaArgs;  // metal/lily.h
+}  // namespace lily
 
 namespace lily::ops {
 
@@ -30,7 +35,6 @@ struct Context {
   bool staged_gemv = false;   // decode GEMVs stage x in threadgroup memory (STAGED_GEMV, on CUDA: tuning::staged_gemv)
   bool mma_gemv = false;      // up to 8 rows' GEMVs on matrix units (MMA_GEMV, on CUDA: tuning::mma_gemv)
   bool spread_deltanet_step = false;  // a decode token's DeltaNet over many threadgroups (SPREAD_DELTANET_STEP)
-  bool scan_in_projection = false;    // ... its recurrence finished inside the in_proj GEMV (SCAN_IN_PROJECTION)
   bool whole_pack_loads = false;  // staged kernels load a pack of codes at once where aligned (WHOLE_PACK_LOADS)
   bool fused_attention_prep = true;  // split-KV decode on matrix units preps its own rows (FUSED_ATTENTION_PREP)
 };
@@ -83,18 +87,9 @@ bool quantized_alike(const std::vector<const WeightRef*>& parts);
 // With `conv` (the spread DeltaNet step; staged, 4-bit, normed): segment 0 is the q|k|v projection, whose outputs go
 // through the causal conv into conv.out (f32) and conv.state (qmv_norm_seg_conv_staged) instead of into y, and
 // segment 1 is the z projection, whose SiLU also goes to conv.gate (f32).
-// With `conv.scan` (SCAN_IN_PROJECTION) the token's recurrence runs in the same dispatch
-// (qmv_norm_seg_conv_scan_staged): segments 2 and 3 (b, a) go to no output, the threadgroups that scan compute them.
-struct ScanEpilogue {
-  GatedDeltaArgs args;  // the token's (gated_delta_args(config, 1))
-  size_t key_head_dim;  // Dk, the kernel instance's
-  const WeightRef *a_log, *dt_bias;
-  Span state, core_out, tickets;  // recurrent state [Hv, dv, Dk] in place; o [Hv·dv] f32; one counter per slice
-};
 struct ConvEpilogue {
   const WeightRef* weight;  // conv1d.weight [C, kernel]
   Span state, out, gate;    // the layer's conv state [kernel - 1, C] (in place); the f32 conv outputs [C]; SiLU(z)
-  const ScanEpilogue* scan = nullptr;
 };
 void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, const WeightRef* norm_weight,
                       const std::vector<const WeightRef*>& parts, const std::vector<std::string>& part_names,
@@ -130,10 +125,6 @@ void gated_delta_scan(Context& ctx, const ModelConfig& config, const std::string
 // Whether a decode token's DeltaNet runs spread (tuning::spread_deltanet_step) on these in_proj and out_proj weights.
 bool spread_deltanet_step(const Context& ctx, const ModelConfig& config,
                           const std::vector<const WeightRef*>& in_proj, const WeightRef& out_proj);
-// Whether the spread step's recurrence runs inside its in_proj GEMV (SCAN_IN_PROJECTION, tuning::scan_in_projection).
-bool scan_in_projection(const Context& ctx, const ModelConfig& config);
-// That kernel's unit of work, slices of LILY_GDN_SCAN_SLICE_ROWS state rows: one ticket each (at least one).
-size_t deltanet_scan_slices(const ModelConfig& config);
 // Throws Error naming the config field when no DeltaNet kernel is instantiated for its key head dim.
 void check_gated_delta_shapes(const ModelConfig& config);
 // Bytes of the chunked scan's scratch for a chunk of `tokens` rows (W, U, Qg, KdT, M and gamma_last of every value

@@ -208,23 +208,13 @@ void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, con
                      qmv_suffix(first, ctx.act) + (of32 ? "_of32" : "") + (staged ? pack_loads_suffix(ctx, parts) : "");
   std::vector<Span> writes{y};
   if (conv) {
-    if (!staged || first.bits != 4 || of32 || parts.size() < 2 || (conv->scan && parts.size() != 4)) {
+    if (!staged || first.bits != 4 || of32 || parts.size() < 2) {
       throw std::logic_error("[graph] " + label + ": the conv epilogue needs the staged 4-bit normed GEMV");
     }
     name = "qmv_norm_seg_conv_staged" + qmv_suffix(first, ctx.act) + pack_loads_suffix(ctx, parts);
     args.insert(args.end(), {arg(conv->weight->data), arg(conv->state), arg(conv->out), arg(conv->gate)});
     reads.insert(reads.end(), {conv->weight->data, conv->state});
     writes.insert(writes.end(), {conv->state, conv->out, conv->gate});
-    if (const ScanEpilogue* scan = conv->scan) {
-      // Segments 2 and 3 (b, a) are not streamed: the threadgroups that scan compute the rows they need.
-      name = "qmv_norm_seg_conv_scan_staged" + qmv_suffix(first, ctx.act) + pack_loads_suffix(ctx, parts) + "_dk" +
-             std::to_string(scan->key_head_dim);
-      groups = qmv_groups(parts[0]->rows, true) + qmv_groups(parts[1]->rows, true);
-      args.insert(args.end(), {arg_value(scan->args), arg(scan->a_log->data), arg(scan->dt_bias->data),
-                               arg(scan->state), arg(scan->core_out), arg(scan->tickets)});
-      reads.insert(reads.end(), {scan->a_log->data, scan->dt_bias->data, scan->state, scan->tickets});
-      writes.insert(writes.end(), {scan->state, scan->core_out, scan->tickets});
-    }
   }
   // The staged kernels stream their blocks over at most the threadgroups that fit at once.
   if (staged) groups = std::min(groups, conv ? tuning::kQmvConvStreamGroups : tuning::kQmvStreamGroups);
