@@ -276,20 +276,50 @@ LILY_INLINE uint sample_top_k_key(Src src, uint top_k, SampleScratch tg, SampleT
   uint prefix = 0;
   uint remaining = top_k;
   for (int shift = 28; shift >= 0; shift -= 4) {
+    // This thread's count of each digit, kept in 8-bit fields of two 64-bit words (digits 0-7, 8-15) for up to 255
+    // of its elements at a time, then added into registers: one add per element where an array indexed by the digit
+    // lived in local memory.
     uint count[16];
-    float mass[16];
-    for (uint b = 0; b < 16; ++b) {
-      count[b] = 0;
-      mass[b] = 0.0f;
+    LILY_UNROLL
+    for (uint d = 0; d < 16; ++d) {
+      count[d] = 0;
     }
-    for (uint i = th.tid; i < src.count; i += th.n_threads) {
-      const uint key = sample_key(src.x(i));
-      if (shift == 28 || (key >> (shift + 4)) == prefix) {
-        count[(key >> shift) & 15u] += 1;
+    for (uint base = th.tid; base < src.count; base += 255u * th.n_threads) {
+      ulong low = 0;
+      ulong high = 0;
+      const uint stop = min(src.count, base + 255u * th.n_threads);
+      for (uint i = base; i < stop; i += th.n_threads) {
+        const uint key = sample_key(src.x(i));
+        const uint digit = (key >> shift) & 15u;
+        const ulong one = (shift == 28 || (key >> (shift + 4)) == prefix) ? (ulong(1) << (8u * (digit & 7u)))
+                                                                          : ulong(0);
+        if (digit < 8) {
+          low += one;
+        } else {
+          high += one;
+        }
+      }
+      LILY_UNROLL
+      for (uint d = 0; d < 16; ++d) {
+        count[d] += uint(((d < 8 ? low : high) >> (8u * (d & 7u))) & 255u);
       }
     }
-    sample_reduce_digits(count, mass, tg.count_part, tg.mass_part, tg.bin_count, tg.bin_mass, th.tid, th.lane, th.sg,
-                         th.n_sg);
+    LILY_UNROLL
+    for (uint d = 0; d < 16; ++d) {
+      const uint c = simd_sum(count[d]);
+      if (th.lane == 0) {
+        tg.count_part[th.sg * 16 + d] = c;
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (th.tid < 16) {
+      uint c = 0;
+      for (uint s = 0; s < th.n_sg; ++s) {
+        c += tg.count_part[s * 16 + th.tid];
+      }
+      tg.bin_count[th.tid] = c;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
     if (th.tid == 0) {
       uint b = 15;
       while (b > 0 && tg.bin_count[b] < remaining) {
@@ -551,6 +581,40 @@ template <typename T>
 // the ties at that key in id order until C are taken, written in id order (a block of fewer than C logits keeps them
 // all and pads with x = -inf). block_cut = (C-th key, ties at it left out): sample_final falls back to the general
 // path when ties were left out at the key that turns out to be the k-th largest.
+// One radix pass of sample_partial over this thread's keys: how many of the simdgroup's keys that match `prefix` in
+// the digits above `shift` (all of them at shift 28) have each 4-bit digit at `shift`, into part[16] (lane 0 writes).
+// Each thread counts its keys in 4-bit fields of two 64-bit words (half its keys in each, so a field stays <= 15),
+// one add per key where comparing every key with every digit took 16; the simdgroup then sums two digits per 32-bit
+// word (16-bit halves: at most 32 * LILY_SAMPLE_PER_THREAD). Integer counts: the same result in any order.
+template <uint PER>
+LILY_INLINE void sample_digit_counts(thread const uint (&keys)[PER], uint valid, int shift, uint prefix,
+                                     threadgroup uint* part, uint lane) {
+  static_assert(PER / 2 + PER % 2 <= 15 && 32 * PER <= 0xFFFFu, "per-thread 4-bit and per-simdgroup 16-bit counts");
+  ulong low = 0;
+  ulong high = 0;
+  LILY_UNROLL
+  for (uint j = 0; j < PER; ++j) {
+    const uint key = keys[j];
+    const bool match = j < valid && (shift == 28 || (key >> (shift + 4)) == prefix);
+    const ulong one = match ? (ulong(1) << (4u * ((key >> shift) & 15u))) : ulong(0);
+    if (j < PER / 2) {
+      low += one;
+    } else {
+      high += one;
+    }
+  }
+  LILY_UNROLL
+  for (uint d = 0; d < 16; d += 2) {
+    const uint even = uint((low >> (4u * d)) & 15u) + uint((high >> (4u * d)) & 15u);
+    const uint odd = uint((low >> (4u * d + 4u)) & 15u) + uint((high >> (4u * d + 4u)) & 15u);
+    const uint both = simd_sum(even | (odd << 16));
+    if (lane == 0) {
+      part[d] = both & 0xFFFFu;
+      part[d + 1] = both >> 16;
+    }
+  }
+}
+
 template <typename T>
 [[kernel]] void sample_partial(constant lily::SampleArgs& args [[buffer(0)]],
                                device const T* logits [[buffer(1)]],       // [vocab]
@@ -610,20 +674,7 @@ template <typename T>
     uint prefix = 0;
     uint remaining = C;
     for (int shift = 28; shift >= 0; shift -= 4) {
-      LILY_UNROLL
-      for (uint b = 0; b < 16; ++b) {
-        uint c = 0;
-        LILY_UNROLL
-        for (uint j = 0; j < PER; ++j) {
-          const uint key = keys[j];
-          const bool match = j < valid && (shift == 28 || (key >> (shift + 4)) == prefix);
-          c += (match && ((key >> shift) & 15u) == b) ? 1u : 0u;
-        }
-        c = simd_sum(c);
-        if (lane == 0) {
-          count_part[sg * 16 + b] = c;
-        }
-      }
+      sample_digit_counts(keys, valid, shift, prefix, count_part + sg * 16, lane);
       threadgroup_barrier(mem_flags::mem_threadgroup);
       if (tid < 16) {
         uint c = 0;

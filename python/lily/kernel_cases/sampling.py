@@ -324,6 +324,15 @@ def _sample_top_p_ties(run: Run, kernel: str, top_p: float) -> None:
                                               for step in range(10)])
 
 
+def _sample_top_k_crowded(run: Run, kernel: str) -> None:
+    """9000 logits on 32 threads (282 a thread) in [1, 1.5): every key shares its top digits, so in a top-k pass a
+    thread counts more keys of one digit than the 255 its packed 8-bit fields hold at once."""
+    logits = run.rng.uniform(1.0, 1.5, 9000).astype(np.float32)
+    got = [run_sample(run, kernel, logits, 32, 1.0, 20, 1.0, 0.0, 77, step) for step in range(6)]
+    run.compare_allowed("drawn tokens", got, [acceptable_tokens(logits, 20, 1.0, 0.0, philox_uniform(77, step))
+                                              for step in range(6)])
+
+
 def _sample_top_k_ties_and_banned(run: Run, kernel: str) -> None:
     """Top-k keeps every token tied with the k-th value; -inf tokens are never drawn."""
     logits = np.full(100, -np.inf, np.float32)
@@ -452,6 +461,8 @@ def cases(kernel: str) -> list[Case]:
                   partial(_sample, kernel=kernel, vocab=v, threads=t, params=p), quick=i == 0 and j == 0)
              for i, (v, t) in enumerate(SAMPLE_SIZES) for j, p in enumerate(SAMPLE_PARAMS)]
     if kernel == "sample_f32":
+        found.append(Case(kernel, "vocab=9000 threads=32 top_k=20 crowded keys",
+                          partial(_sample_top_k_crowded, kernel=kernel)))
         found += [Case(kernel, f"vocab=257 top_p={p} ties", partial(_sample_top_p_ties, kernel=kernel, top_p=p))
                   for p in (0.3, 0.6, 0.95)]
         found.append(Case(kernel, "vocab=100 top_k=2 ties banned", partial(_sample_top_k_ties_and_banned,
