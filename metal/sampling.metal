@@ -575,12 +575,6 @@ template <typename T>
                     tokens, args.out_index, tg, th);
 }
 
-// Stage 1 of the block path: one threadgroup per block of args.block_size logits (at most LILY_SAMPLE_PER_THREAD
-// per thread, held in registers). Writes the block's max x and sum of exp(x - max) (fixed order; 0 for a block of
-// -inf) and, when top-k is on, its LILY_SAMPLE_CANDIDATES candidates: every x above the block's C-th largest key plus
-// the ties at that key in id order until C are taken, written in id order (a block of fewer than C logits keeps them
-// all and pads with x = -inf). block_cut = (C-th key, ties at it left out): sample_final falls back to the general
-// path when ties were left out at the key that turns out to be the k-th largest.
 // One radix pass of sample_partial over this thread's keys: how many of the simdgroup's keys that match `prefix` in
 // the digits above `shift` (all of them at shift 28) have each 4-bit digit at `shift`, into part[16] (lane 0 writes).
 // Each thread counts its keys in 4-bit fields of two 64-bit words (half its keys in each, so a field stays <= 15),
@@ -615,6 +609,12 @@ LILY_INLINE void sample_digit_counts(thread const uint (&keys)[PER], uint valid,
   }
 }
 
+// Stage 1 of the block path: one threadgroup per block of args.block_size logits (at most LILY_SAMPLE_PER_THREAD
+// per thread, held in registers). Writes the block's max x and sum of exp(x - max) (fixed order; 0 for a block of
+// -inf) and, when top-k is on, its LILY_SAMPLE_CANDIDATES candidates: every x above the block's C-th largest key plus
+// the ties at that key in id order until C are taken, written in id order (a block of fewer than C logits keeps them
+// all and pads with x = -inf). block_cut = (C-th key, ties at it left out): sample_final falls back to the general
+// path when ties were left out at the key that turns out to be the k-th largest.
 template <typename T>
 [[kernel]] void sample_partial(constant lily::SampleArgs& args [[buffer(0)]],
                                device const T* logits [[buffer(1)]],       // [vocab]
