@@ -118,8 +118,62 @@ def test_table_on_canned_runs(tmp_path, capsys):
     # decode at depth 4096: 240 and 500 tok/s at 1.88 GB per token, 4.2 TB/s
     assert rows["tg128 @ d4096"] == ["240.0", "451", "10.7%", "500.0", "940", "22.4%", "2.08x"]
     assert "4.20 TB/s" in lines[-1] and "d4096 1.880 GB" in lines[-1]
+    sampled = {"tokens": 128, "rounds": {"greedy": [300.0] * 3, "sampled": [270.0] * 3},
+               "median": {"greedy": 300.0, "sampled": 270.0}, "sampled_over_greedy": 0.9}
+    (tmp_path / "sampled.json").write_text(json.dumps(sampled))
+    assert table.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "sampled (T 0.7, top-p 0.9, top-k 50) / greedy decode: 0.900 (270.0 / 300.0 tok/s, tg128, medians of 3 rounds "
+        "in one process)")
     (tmp_path / "bandwidth.json").unlink()
     assert table.main([str(tmp_path)]) == 1
+
+
+class FakeModel:
+    """prefill() -> a session whose decode() logs its options and yields `made` tokens (max_tokens by default)."""
+
+    def __init__(self, made: int | None = None):
+        self.made, self.calls = made, []
+
+    def prefill(self, prompt, use_cache=True):
+        assert use_cache is False and prompt == [1, 2, 3]
+        model = self
+
+        class Session:
+            def decode(self, max_tokens, stop_token_ids=None, **options):
+                model.calls.append({"max_tokens": max_tokens, "stop_token_ids": stop_token_ids, **options})
+                yield from range(max_tokens if model.made is None else model.made)
+
+        return Session()
+
+
+def test_sampled_times_both_modes_round_by_round_after_a_warm_up():
+    sampled = script("sampled")
+    # seconds per decode, in call order: (greedy, sampled) per round; round 0 is the warm-up
+    durations = iter([9.0, 9.0, 2.0, 2.5, 2.0, 5.0, 4.0, 2.5])
+    now = [0.0]
+
+    def clock():  # called at each decode's start and end: the end advances by that decode's duration
+        clock.calls += 1
+        if clock.calls % 2 == 0:
+            now[0] += next(durations)
+        return now[0]
+
+    clock.calls = 0
+    model = FakeModel()
+    result = sampled.measure(model, [1, 2, 3], rounds=3, tokens=128, clock=clock)
+    assert result["rounds"] == {"greedy": [64.0, 64.0, 32.0], "sampled": [51.2, 25.6, 51.2]}
+    assert result["median"] == {"greedy": 64.0, "sampled": 51.2}
+    assert result["sampled_over_greedy"] == 0.8
+    assert model.calls[0] == {"max_tokens": 128, "stop_token_ids": (), "temperature": 0.0, "repetition_penalty": 1.0}
+    assert model.calls[1] == {"max_tokens": 128, "stop_token_ids": (), "temperature": 0.7, "top_p": 0.9,
+                              "top_k": 50, "seed": 1, "repetition_penalty": 1.0}
+    assert len(model.calls) == 8
+
+
+def test_sampled_refuses_a_decode_that_stopped_short():
+    with pytest.raises(RuntimeError, match="greedy decode made 5 tokens, not 128"):
+        script("sampled").measure(FakeModel(made=5), [1, 2, 3], rounds=1, tokens=128)
 
 
 def test_prune_keeps_what_a_cuda_llama_bench_build_needs(tmp_path):

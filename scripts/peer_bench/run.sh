@@ -2,7 +2,7 @@
 # The peer benchmark on the GPU machine: Lily (backend cuda, dummy weights) and llama.cpp's llama-bench (CUDA, Q4_0,
 # flash attention on) on the same full-size Qwen3.6-35B-A3B shapes, in one run, then one table (table.py).
 #
-#   scripts/peer_bench/run.sh [STAGE ...]      stages: build gguf bandwidth plan llama lily table (default: all)
+#   scripts/peer_bench/run.sh [STAGE ...]      stages: build gguf bandwidth plan llama lily sampled table (default: all)
 #   (REPS and DEPTHS override the repetitions, 5, and the depths, 0,4096,32768; PROFILE the prompt length of the
 #   per-kernel prefill profile at the end of lily-bench.log, 512)
 #
@@ -22,7 +22,7 @@ LLAMA="$WORK/llama.cpp"
 MODEL="$WORK/qwen35moe-q4_0.gguf"
 mkdir -p "$WORK" "$OUT"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(build gguf bandwidth plan llama lily table)
+[ ${#stages[@]} -eq 0 ] && stages=(build gguf bandwidth plan llama lily sampled table)
 log() { echo "[$(date -u +%H:%M:%S)] $*" >&2; }
 
 for stage in "${stages[@]}"; do
@@ -71,9 +71,12 @@ EOF
       lily bench --dummy-weights --full-size --backend cuda -p "$LILY_PROMPTS" -n "$GENS" -d "$DEPTHS" -r "$REPS" \
         $([ "${EXPERT_LOAD:-1}" = 0 ] && echo --no-expert-load) --profile "${PROFILE:-512}" -o json \
         >"$OUT/lily-bench.json" 2>"$OUT/lily-bench.log" ;;
+    sampled)
+      # Lily's greedy against sampled decode (T 0.7, top-p 0.9, top-k 50), tg128, one process; table.py prints it
+      python3 "$HERE/sampled.py" "$OUT/sampled.json" --tokens "$GENS" | tee "$OUT/sampled.txt" ;;
     table)
       python3 "$HERE/table.py" "$OUT" | tee "$OUT/table.md" ;;
     *)
-      echo "unknown stage $stage (stages: build gguf bandwidth plan llama lily table)" >&2; exit 2 ;;
+      echo "unknown stage $stage (stages: build gguf bandwidth plan llama lily sampled table)" >&2; exit 2 ;;
   esac
 done

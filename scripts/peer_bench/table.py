@@ -7,7 +7,8 @@ Reads ``llama-bench.json`` (``llama-bench -o json``), ``lily-bench.json`` (``lil
 and written, the KV cache read) and ``bandwidth.json`` (device-to-device copy bandwidth, read + write, measured in the
 same run). For each test: the median tok/s over the repetitions, and for decode the GB/s that rate implies (tok/s x
 bytes per token) and its fraction of the copy bandwidth; prefill is compute-bound (performance.md §3.2), so its rows
-have no bandwidth figures. The last column is Lily / llama.cpp. A test one side did not run shows "-".
+have no bandwidth figures. The last column is Lily / llama.cpp. A test one side did not run shows "-". Where the run
+has ``sampled.json`` (``sampled.py``: Lily's greedy against sampled decode), its line follows the table.
 """
 
 from __future__ import annotations
@@ -80,7 +81,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nbandwidth bound: device-to-device copy {copy['bytes_per_second'] / 1e12:.2f} TB/s (read + write), "
           f"{copy.get('how', '')}; bytes per decode token from lily plan at the test's depth: "
           + ", ".join(f"d{d} {b / 1e9:.3f} GB" for d, b in sorted(bytes_per_token.items())))
+    sampled = read("sampled.json")
+    if sampled is not None:
+        print("\n" + load_sampled().summary(sampled))
     return 0
+
+
+def load_sampled():
+    """sampled.py beside this script (its summary line), imported by path as the scripts are not a package."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("peer_bench_sampled", Path(__file__).with_name("sampled.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 if __name__ == "__main__":
