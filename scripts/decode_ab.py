@@ -7,13 +7,14 @@ Each variant is one model loaded with its own PTX folder, environment and engine
     python scripts/decode_ab.py --depths 0,4096 --rounds 6 \\
         base=PTX,LILY_DISABLE_FUSED_ATTENTION_PREP=1  fused=PTX  blocks16=PTX,sw.split_kv_min_keys=512
 
-A variant is NAME=PTX_DIR[,VAR=VALUE...][,sw.OPTION=VALUE...]: VAR=VALUE is set in the environment only while that
-model loads; sw.OPTION=VALUE is an engine switch or test option (lily.backends.engine: SWITCHES, TEST_OPTIONS) passed to
-that model only. Decodes are timed as `lily bench` times them (lily.bench._time_generate) after a warm-up that records
-the step; the table gives each variant's median tok/s and its ratio to the first. With --profile N, each variant's
-N-token decode then runs under the CUDA profiler (torch.profiler) and a timeline prints what each kernel adds to
-the critical path (its end minus the latest end before it) per token. The default model is the full-size shape on
-dummy weights (`lily bench --dummy-weights --full-size`); --model takes a checkpoint path instead.
+A variant is NAME=PTX_DIR[,VAR=VALUE...][,sw.OPTION=VALUE...]: VAR=VALUE is set in the environment only while that model
+loads; sw.OPTION=VALUE is an engine switch or test option (lily.backends.engine: SWITCHES, TEST_OPTIONS) passed to that
+model only. Decodes are timed as `lily bench` times them (lily.bench._time_generate) after a warm-up that records the
+step, greedy, or with --sampled as the peer run's sampled stage (lily.bench.SAMPLED_DECODE: the token chosen by the
+GPU's sampler); the table gives each variant's median tok/s and its ratio to the first. With --profile N, each variant's
+N-token decode then runs under the CUDA profiler (torch.profiler) and a timeline prints what each kernel adds to the
+critical path (its end minus the latest end before it) per token. The default model is the full-size shape on dummy
+weights (`lily bench --dummy-weights --full-size`); --model takes a checkpoint path instead.
 
 Two models of the same step can differ by about 1 % round after round (an H100, 2026-12-05: docs/performance.md), so
 for differences that small load the baseline twice (base=PTX base2=PTX ...) and read its two rows as the floor.
@@ -127,6 +128,8 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="tokens of a profiled decode per variant (0: none)")
     ap.add_argument("--top", type=int, default=14, help="kernels the profile lists (default 14)")
     ap.add_argument("--model", default="full-size", help="a checkpoint path, or full-size dummy weights (default)")
+    ap.add_argument("--sampled", action="store_true",
+                    help="decode sampled as the peer run's sampled stage (T 0.7, top-p 0.9, top-k 50), not greedy")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variants]
     if len({v[0] for v in variants}) != len(variants):
@@ -137,7 +140,9 @@ def main() -> None:
 
         torch.zeros(1, device="cuda")
     import lily
-    from lily.bench import _depth_session, _time_generate
+    from lily.bench import SAMPLED_DECODE, _depth_session, _time_generate
+
+    options = SAMPLED_DECODE if args.sampled else None  # None: lily bench's greedy decode
 
     depths = [int(d) for d in args.depths.split(",")]
     models, bases = {}, {}
@@ -150,7 +155,7 @@ def main() -> None:
             dispatches = {}
             for d in depths:
                 bases[name, d] = _depth_session(models[name], d, np.random.default_rng(0))
-                _time_generate(models[name], bases[name, d], args.warmup, 1000)  # warm-up: records the decode step
+                _time_generate(models[name], bases[name, d], args.warmup, 1000, options)  # warm-up: records the step
                 dispatches[d] = models[name].backend.last_step_counts()["dispatches"]
         print(f"loaded {name} ({folder}, {environment}, {switches}) in {time.time() - start:.1f} s: "
               + ", ".join(f"{count} dispatches per token at depth {d}" for d, count in dispatches.items()), flush=True)
@@ -160,10 +165,11 @@ def main() -> None:
         speeds = {n: [] for n in names}
         for r in range(args.rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:  # each round starts with the next variant
-                speeds[n].append(args.gen / _time_generate(models[n], bases[n, d], args.gen, 1000))
+                speeds[n].append(args.gen / _time_generate(models[n], bases[n, d], args.gen, 1000, options))
             print(f"d{d} round {r}: " + "  ".join(f"{n} {speeds[n][-1]:.1f}" for n in names), flush=True)
         first = statistics.median(speeds[names[0]])
-        print(f"== tg{args.gen} @ d{d}, median of {args.rounds} (tok/s, ratio to {names[0]})")
+        mode = " sampled (T 0.7, top-p 0.9, top-k 50)" if args.sampled else ""
+        print(f"== tg{args.gen}{mode} @ d{d}, median of {args.rounds} (tok/s, ratio to {names[0]})")
         for n in names:
             median = statistics.median(speeds[n])
             print(f"{n:>12} {median:8.1f}  {median / first:6.3f}  min {min(speeds[n]):.1f} max {max(speeds[n]):.1f}",
@@ -175,7 +181,7 @@ def main() -> None:
 
         for n in names:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                _time_generate(models[n], bases[n, depths[0]], args.profile, 1000)
+                _time_generate(models[n], bases[n, depths[0]], args.profile, 1000, options)
                 torch.cuda.synchronize()
             timeline(prof, n, args.profile, args.top)
 

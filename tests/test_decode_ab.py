@@ -41,19 +41,30 @@ def test_token_boundaries_measure_the_idle_time_before_each_step() -> None:
     assert decode_ab.token_boundaries(events[:3]) == ([], [])
 
 
-@pytest.mark.skipif(real_driver(), reason="runs on the fake libcuda; a GPU machine runs the script itself")
-def test_an_ab_of_the_demo_model_on_the_fake_libcuda(cuda_compile_only) -> None:
+def run_on_the_fake_libcuda(ptx: str, *arguments: str) -> subprocess.CompletedProcess:
+    """decode_ab.py on the demo model with `arguments`, its kernels from `ptx` run by the fake libcuda."""
     fake = fake_libcuda()
     assert fake is not None, "a Linux test build has the fake libcuda"
-    code, _, ptx = cuda_compile_only
-    assert code == 0
     env = {**os.environ, "LILY_LIBCUDA": str(fake), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "decode_ab.py"), "--model",
-                          str(ROOT / "python" / "lily" / "demo"), "--depths", "0,20", "--rounds", "2", "--gen", "3",
-                          "--warmup", "2", f"fused={ptx},sw.split_kv_min_keys=1",
-                          f"unfused={ptx},LILY_DISABLE_FUSED_ATTENTION_PREP=1,sw.split_kv_min_keys=1", f"single={ptx}"],
+                          str(ROOT / "python" / "lily" / "demo"), "--gen", "3", "--warmup", "2", *arguments],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def greedy_ab(cuda_compile_only) -> tuple[str, subprocess.CompletedProcess]:
+    code, _, ptx = cuda_compile_only
+    assert code == 0
+    return ptx, run_on_the_fake_libcuda(
+        ptx, "--depths", "0,20", "--rounds", "2", f"fused={ptx},sw.split_kv_min_keys=1",
+        f"unfused={ptx},LILY_DISABLE_FUSED_ATTENTION_PREP=1,sw.split_kv_min_keys=1", f"single={ptx}")
+
+
+@pytest.mark.skipif(real_driver(), reason="runs on the fake libcuda; a GPU machine runs the script itself")
+def test_an_ab_of_the_demo_model_on_the_fake_libcuda(greedy_ab) -> None:
+    _, out = greedy_ab
     loaded = re.findall(r"^loaded (\w+) .*?: (\d+) dispatches per token at depth 0, "
                         r"(\d+) dispatches per token at depth 20$", out.stdout, re.M)
     dispatches = {name: (int(d0), int(d20)) for name, d0, d20 in loaded}
@@ -68,3 +79,18 @@ def test_an_ab_of_the_demo_model_on_the_fake_libcuda(cuda_compile_only) -> None:
         table = out.stdout.split(f"== tg3 @ d{depth}, median of 2 (tok/s, ratio to fused)\n", 1)[1].splitlines()[:3]
         assert [row.split()[0] for row in table] == ["fused", "unfused", "single"], out.stdout
         assert float(table[0].split()[2]) == 1.0 and all(float(row.split()[1]) > 0 for row in table)
+
+
+@pytest.mark.skipif(real_driver(), reason="runs on the fake libcuda; a GPU machine runs the script itself")
+def test_sampled_decodes_choose_tokens_with_the_sampler(greedy_ab) -> None:
+    """--sampled records and times the step whose token comes from the GPU's sampler: more dispatches than the greedy
+    step of the same model (sample_partial and sample_final where the greedy lm_head keeps its argmax and
+    argmax_final reduces it)."""
+    ptx, greedy = greedy_ab
+    out = run_on_the_fake_libcuda(ptx, "--sampled", "--depths", "0", "--rounds", "1", f"single={ptx}")
+    greedy_count = int(re.search(r"^loaded single .*?: (\d+) dispatches per token at depth 0,", greedy.stdout,
+                                 re.M).group(1))
+    sampled_count = int(re.search(r"^loaded single .*?: (\d+) dispatches per token at depth 0$", out.stdout,
+                                  re.M).group(1))
+    assert sampled_count == greedy_count + 1, (greedy_count, out.stdout)
+    assert "== tg3 sampled (T 0.7, top-p 0.9, top-k 50) @ d0, median of 1 (tok/s, ratio to single)" in out.stdout

@@ -97,15 +97,22 @@ def _time_prefill(model: Model, base: Session, ids: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def _time_generate(model: Model, base: Session, n_gen: int, first: int) -> float:
+# Plain greedy, as llama-bench: no generation_config penalty (decode applies it unless told otherwise).
+GREEDY_DECODE = {"temperature": 0.0, "repetition_penalty": 1.0}
+# The sampled decode the peer run times beside greedy (issue 21's bar: within 5 % of it).
+SAMPLED_DECODE = {"temperature": 0.7, "top_p": 0.9, "top_k": 50, "seed": 1, "repetition_penalty": 1.0}
+
+
+def _time_generate(model: Model, base: Session, n_gen: int, first: int,
+                   options: dict[str, Any] | None = None) -> float:
+    """Seconds for n_gen tokens decoded from a fork of `base` (greedy unless `options` are other decode options)."""
     session = base.fork()
     if len(session) == 0:
         model.prefill([first], session=session, use_cache=False)
     else:
         session._ensure_logits()
     _make_live(model, session)
-    # Plain greedy, as llama-bench: no generation_config penalty (decode applies it unless told otherwise).
-    tokens = session.decode(max_tokens=n_gen, temperature=0.0, repetition_penalty=1.0, stop_token_ids=())
+    tokens = session.decode(max_tokens=n_gen, stop_token_ids=(), **(GREEDY_DECODE if options is None else options))
     start = time.perf_counter()
     for _ in tokens:
         pass

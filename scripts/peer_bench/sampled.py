@@ -20,9 +20,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-# The decode options of each mode (lily.sampling's names); the sampled one is the bar's.
-MODES = {"greedy": {"temperature": 0.0, "repetition_penalty": 1.0},
-         "sampled": {"temperature": 0.7, "top_p": 0.9, "top_k": 50, "seed": 1, "repetition_penalty": 1.0}}
+from lily.bench import GREEDY_DECODE, SAMPLED_DECODE
+
+# The decode options of each mode (lily.sampling's names): lily bench's greedy and the bar's sampled decode.
+MODES = {"greedy": GREEDY_DECODE, "sampled": SAMPLED_DECODE}
 
 
 def measure(model, prompt: Sequence[int], rounds: int, tokens: int,
