@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=14, help="kernels the profile lists (default 14)")
     ap.add_argument("--model", default="full-size", help="a checkpoint path, or full-size dummy weights (default)")
     ap.add_argument("--sampled", action="store_true",
-                    help="decode sampled as the peer run's sampled stage (T 0.7, top-p 0.9, top-k 50), not greedy")
+                    help="decode sampled as the peer run's sampled stage (lily.bench.SAMPLED_DECODE), not greedy")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variants]
     if len({v[0] for v in variants}) != len(variants):
@@ -140,7 +140,7 @@ def main() -> None:
 
         torch.zeros(1, device="cuda")
     import lily
-    from lily.bench import SAMPLED_DECODE, _depth_session, _time_generate
+    from lily.bench import SAMPLED_DECODE, SAMPLED_DECODE_NAME, _depth_session, _time_generate
 
     options = SAMPLED_DECODE if args.sampled else None  # None: lily bench's greedy decode
 
@@ -168,7 +168,7 @@ def main() -> None:
                 speeds[n].append(args.gen / _time_generate(models[n], bases[n, d], args.gen, 1000, options))
             print(f"d{d} round {r}: " + "  ".join(f"{n} {speeds[n][-1]:.1f}" for n in names), flush=True)
         first = statistics.median(speeds[names[0]])
-        mode = " sampled (T 0.7, top-p 0.9, top-k 50)" if args.sampled else ""
+        mode = f" sampled ({SAMPLED_DECODE_NAME})" if args.sampled else ""
         print(f"== tg{args.gen}{mode} @ d{d}, median of {args.rounds} (tok/s, ratio to {names[0]})")
         for n in names:
             median = statistics.median(speeds[n])

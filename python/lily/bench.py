@@ -101,6 +101,7 @@ def _time_prefill(model: Model, base: Session, ids: list[int]) -> float:
 GREEDY_DECODE = {"temperature": 0.0, "repetition_penalty": 1.0}
 # The sampled decode the peer run times beside greedy (issue 21's bar: within 5 % of it).
 SAMPLED_DECODE = {"temperature": 0.7, "top_p": 0.9, "top_k": 50, "seed": 1, "repetition_penalty": 1.0}
+SAMPLED_DECODE_NAME = "T {temperature}, top-p {top_p}, top-k {top_k}".format(**SAMPLED_DECODE)
 
 
 def _time_generate(model: Model, base: Session, n_gen: int, first: int,

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from lily.bench import GREEDY_DECODE, SAMPLED_DECODE
+from lily.bench import GREEDY_DECODE, SAMPLED_DECODE, SAMPLED_DECODE_NAME
 
 # The decode options of each mode (lily.sampling's names): lily bench's greedy and the bar's sampled decode.
 MODES = {"greedy": GREEDY_DECODE, "sampled": SAMPLED_DECODE}
@@ -49,7 +49,7 @@ def summary(result: dict) -> str:
     """One line: the ratio, then the two medians."""
     median = result["median"]
     rounds = len(result["rounds"]["greedy"])
-    return (f"sampled (T 0.7, top-p 0.9, top-k 50) / greedy decode: {result['sampled_over_greedy']:.3f} "
+    return (f"sampled ({SAMPLED_DECODE_NAME}) / greedy decode: {result['sampled_over_greedy']:.3f} "
             f"({median['sampled']:.1f} / {median['greedy']:.1f} tok/s, tg{result['tokens']}, medians of {rounds} "
             "rounds in one process)")
 
