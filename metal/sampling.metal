@@ -174,6 +174,21 @@ LILY_INLINE void sample_reduce_digits(thread uint* count, thread float* mass, th
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
+// The simdgroups' digit counts of one radix pass (count_part [n_sg][16], each written by its lane 0) summed in
+// simdgroup order into bin_count[16]. Every thread calls it; it begins and ends with a barrier.
+LILY_INLINE void sample_total_digit_counts(threadgroup const uint* count_part, threadgroup uint* bin_count, uint tid,
+                                           uint n_sg) {
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid < 16) {
+    uint c = 0;
+    for (uint s = 0; s < n_sg; ++s) {
+      c += count_part[s * 16 + tid];
+    }
+    bin_count[tid] = c;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
 // e = exp(x - x_max) if the token survives top-k, top-p and min-p, else 0. `tie_rank` counts the tokens tied at key_p
 // met so far in id order (advanced here); min-p: p >= min_p * p_max  <=>  e >= min_p, as e_max = 1.
 LILY_INLINE float sample_kept_mass(float x, float x_max, bool use_k, uint key_k, bool keep_all_p, uint key_p,
@@ -311,15 +326,7 @@ LILY_INLINE uint sample_top_k_key(Src src, uint top_k, SampleScratch tg, SampleT
         tg.count_part[th.sg * 16 + d] = c;
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (th.tid < 16) {
-      uint c = 0;
-      for (uint s = 0; s < th.n_sg; ++s) {
-        c += tg.count_part[s * 16 + th.tid];
-      }
-      tg.bin_count[th.tid] = c;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    sample_total_digit_counts(tg.count_part, tg.bin_count, th.tid, th.n_sg);
     if (th.tid == 0) {
       uint b = 15;
       while (b > 0 && tg.bin_count[b] < remaining) {
@@ -675,15 +682,7 @@ template <typename T>
     uint remaining = C;
     for (int shift = 28; shift >= 0; shift -= 4) {
       sample_digit_counts(keys, valid, shift, prefix, count_part + sg * 16, lane);
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      if (tid < 16) {
-        uint c = 0;
-        for (uint s = 0; s < n_sg; ++s) {
-          c += count_part[s * 16 + tid];
-        }
-        bin_count[tid] = c;
-      }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
+      sample_total_digit_counts(count_part, bin_count, tid, n_sg);
       if (tid == 0) {
         uint b = 15;
         while (b > 0 && bin_count[b] < remaining) {
