@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import calendar
 import dataclasses
 import io
 import json
@@ -67,9 +68,13 @@ def test_entry_point_reports_errors_in_a_subprocess(tmp_path):
 def test_bench_json_and_markdown(chat_model_dir, capsys):
     base = ["bench", "--model", str(chat_model_dir), "--backend", "reference", "-p", "6", "-n", "3",
             "-d", "0,5", "-r", "2"]
+    started = time.time()
     code, out, err = run_cli(base + ["-o", "json"], capsys)
     assert code == 0
     rows = json.loads(out)
+    # When each test started, in llama-bench's test_time format (UTC, whole seconds), in run order.
+    started_at = [calendar.timegm(time.strptime(r["test_time"], "%Y-%m-%dT%H:%M:%SZ")) for r in rows]
+    assert int(started) <= started_at[0] and started_at == sorted(started_at) and started_at[-1] <= time.time()
     assert [r["test"] for r in rows] == ["pp6", "tg3", "pp6 @ d5", "tg3 @ d5"]
     # Each result is shown as its test finishes (a full-size run takes minutes), in the table's numbers.
     shown = re.findall(r"^  (.+): ([\d.]+) ± [\d.]+ t/s$", err, re.M)

@@ -1,18 +1,26 @@
 """scripts/peer_bench: the GGUF writer on a tiny shape read back by gguf-py (names, types and shapes as llama.cpp's
 qwen35moe loader creates them, zero-mean Q4_0 blocks, metadata), the table on canned llama-bench and lily bench
-JSON, the pruning of a llama.cpp tree, and prepare.py's sdist download (pip as it is: build isolation on)."""
+JSON, sampled.py on a fake model, run.sh's build stage on a fake llama.cpp tree, the pruning of a llama.cpp tree, and
+prepare.py's sdist download (pip as it is: build isolation on)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import os
+import shutil
+import subprocess
 import tarfile
+from pathlib import Path
 
 import gguf  # llama.cpp's gguf-py, in the test extras (pyproject.toml)
 import numpy as np
 import pytest
 
 from fixtures import load_script, text_config
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def script(name: str):
@@ -96,9 +104,9 @@ def test_gguf_writer_on_a_tiny_shape(tmp_path):
     assert (np.asarray(tensors["output_norm.weight"].data) == 1).all()
 
 
-def canned(rows: list[tuple[int, int, int, list[float]]]) -> list[dict]:
+def canned(rows: list[tuple[int, int, int, list[float]]], test_time: str | None = None) -> list[dict]:
     return [{"n_prompt": p, "n_gen": n, "n_depth": d, "samples_ts": s, "avg_ts": sum(s) / len(s)}
-            for p, n, d, s in rows]
+            | ({"test_time": test_time} if test_time else {}) for p, n, d, s in rows]
 
 
 def test_table_on_canned_runs(tmp_path, capsys):
@@ -127,6 +135,27 @@ def test_table_on_canned_runs(tmp_path, capsys):
         "in one process)")
     (tmp_path / "bandwidth.json").unlink()
     assert table.main([str(tmp_path)]) == 1
+
+
+@pytest.mark.parametrize("lily_time,refused", [("2026-12-05T22:40:00Z", False), ("2026-12-05T23:10:01Z", True),
+                                               ("2026-12-05T19:00:00Z", True), (None, False)])
+def test_table_refuses_sides_measured_apart(tmp_path, capsys, lily_time, refused):
+    """llama.cpp's rows from 21:53 to 22:10 and Lily's at `lily_time`: more than an hour between the two spans (an
+    earlier run's file left in the folder) is refused with both times named; undated rows are said to be."""
+    table = script("table")
+    peer = canned([(512, 0, 0, [5000.0])], "2026-12-05T21:53:11Z") + canned([(0, 128, 0, [250.0])],
+                                                                               "2026-12-05T22:10:00Z")
+    (tmp_path / "llama-bench.json").write_text(json.dumps(peer))
+    (tmp_path / "lily-bench.json").write_text(json.dumps(canned([(0, 128, 0, [500.0])], lily_time)))
+    (tmp_path / "bandwidth.json").write_text(json.dumps({"bytes_per_second": 4.2e12}))
+    assert table.main([str(tmp_path)]) == (1 if refused else 0)
+    captured = capsys.readouterr()
+    if refused:
+        assert "not one run" in captured.err and "llama.cpp 2026-12-05 21:53-22:10 UTC" in captured.err
+        assert captured.out == ""
+    else:
+        lily_when = f"Lily 2026-12-05 {lily_time[11:16]}-{lily_time[11:16]} UTC" if lily_time else "Lily not dated"
+        assert f"measured: llama.cpp 2026-12-05 21:53-22:10 UTC, {lily_when}" in captured.out.splitlines()
 
 
 class FakeModel:
@@ -193,6 +222,49 @@ def test_prune_keeps_what_a_cuda_llama_bench_build_needs(tmp_path):
                     "ggml/src/ggml.c", "gguf-py/gguf/gguf_writer.py", "src/llama-arch.cpp", "tools/CMakeLists.txt",
                     "tools/llama-bench/llama-bench.cpp", "vendor/stb/stb_image.h"]
     assert (dest / "tools" / "CMakeLists.txt").read_text().strip().endswith("add_subdirectory(llama-bench)")
+
+
+
+def fake_llama_tree(repo, body: str) -> None:
+    """run.sh and a llama.cpp tarball in a repository layout: a CMake project whose llama-bench target is a tiny C
+    program (the build stage's CUDA options are defined and ignored)."""
+    (repo / "scripts" / "peer_bench").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "peer_bench" / "run.sh", repo / "scripts" / "peer_bench" / "run.sh")
+    source = repo / "src" / "llama.cpp"
+    source.mkdir(parents=True)
+    (source / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.16)\nproject(fake C)\nset(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)"
+        "\nadd_executable(llama-bench main.c)\n")
+    (source / "main.c").write_text(body)
+    (repo / ".dev" / "peer").mkdir(parents=True)
+    with tarfile.open(repo / ".dev" / "peer" / "llama.cpp.tar.gz", "w:gz") as tar:
+        tar.add(source, arcname="llama.cpp")
+    (repo / ".dev" / "peer" / "llama.cpp.commit").write_text("fake@0\n")
+
+
+def test_build_stage_waits_for_a_running_build_and_resumes_one_cut_short(tmp_path):
+    """run.sh's build stage: built once from the tarball; a second caller waits while the build lock is held (a
+    call made while an earlier call's build still runs) instead of deleting the tree under it; a tree whose build
+    did not finish is built on, not extracted again."""
+    repo, work = tmp_path / "repo", tmp_path / "work"
+    fake_llama_tree(repo, "int main(void) { return 0; }\n")
+    env = {**os.environ, "PEER_WORK": str(work), "OUT": str(tmp_path / "out"), "JOBS": "2"}
+    stage = ["bash", str(repo / "scripts" / "peer_bench" / "run.sh"), "build"]
+    subprocess.run(stage, env=env, check=True, capture_output=True, timeout=300)
+    bench = work / "llama.cpp" / "build" / "bin" / "llama-bench"
+    assert bench.is_file() and (tmp_path / "out" / "llama.cpp.commit").read_text() == "fake@0\n"
+
+    bench.unlink()  # a build cut short: no llama-bench, the tree and its build folder still there
+    (work / "llama.cpp" / "kept").write_text("not extracted again")
+    with open(work / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiting = subprocess.Popen(stage, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=2)
+        assert not bench.exists()
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        assert waiting.wait(timeout=300) == 0
+    assert bench.is_file() and (work / "llama.cpp" / "kept").is_file()
 
 
 ISOLATED_ONLY_BACKEND = '''

@@ -30,14 +30,15 @@ from lily.model import Model, Session
 
 @dataclass
 class BenchRow:
-    """One test's samples; keys follow llama-bench's JSON output, plus mlx-style ``peak_memory`` (GB: on a GPU
-    backend the most the engine has held in GPU memory, else the process's peak RSS) and ``host_memory`` (GB, the
-    process's peak RSS)."""
+    """One test's samples; keys follow llama-bench's JSON output (``test_time``: when the test started, UTC, in
+    llama-bench's format), plus mlx-style ``peak_memory`` (GB: on a GPU backend the most the engine has held in GPU
+    memory, else the process's peak RSS) and ``host_memory`` (GB, the process's peak RSS)."""
 
     test: str
     n_prompt: int
     n_gen: int
     n_depth: int
+    test_time: str = ""
     samples_ns: list[int] = field(default_factory=list)
     samples_ts: list[float] = field(default_factory=list)
     peak_memory: float = 0.0
@@ -152,7 +153,8 @@ def run_bench(model: Model, *, prompts: Sequence[int] = (512,), gens: Sequence[i
             if depth + n_prompt + n_gen + 1 > limit:
                 raise ValueError(f"{test_label(n_prompt, n_gen, depth)} needs more than the model's "
                                  f"context of {limit} tokens")
-            row = BenchRow(test_label(n_prompt, n_gen, depth), n_prompt, n_gen, depth)
+            row = BenchRow(test_label(n_prompt, n_gen, depth), n_prompt, n_gen, depth,
+                           time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
             if progress is not None:
                 progress(row.test)
             for _ in range(repetitions):

@@ -8,8 +8,9 @@
 #
 # Needs .dev/peer/llama.cpp.tar.gz (scripts/peer_bench/prepare.py, run where there is network; carried to the GPU
 # machine: it is git-ignored), gcc, nvcc, cmake, ninja, python3 with numpy and torch, and Lily installed with its
-# CUDA backend (`lily bench --backend cuda`, issue 11). Each stage skips work already done (the build, the GGUF), so
-# a run can be split over several calls on a machine kept warm. Results go to $OUT (default $WORK/out).
+# CUDA backend (`lily bench --backend cuda`, issue 11). Each stage skips work already done (the build, the GGUF; a
+# build cut short resumes), so a run can be split over several calls on a machine kept warm. Results go to $OUT
+# (default $WORK/out); table.py refuses llama.cpp and Lily results measured over an hour apart.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 HERE="$REPO/scripts/peer_bench"
@@ -29,13 +30,20 @@ for stage in "${stages[@]}"; do
   log "stage $stage"
   case "$stage" in
     build)
+      # One build at a time: a second caller (a call made while an earlier one still builds in the background) waits
+      # for it, where it would otherwise find no llama-bench yet and delete the tree under the running build.
+      exec 9>"$WORK/build.lock"
+      flock 9
       if [ ! -x "$LLAMA/build/bin/llama-bench" ]; then
-        rm -rf "$LLAMA" && tar xzf "$REPO/.dev/peer/llama.cpp.tar.gz" -C "$WORK"
+        # A build cut short (its call ended) resumes: ninja keeps what it finished.
+        [ -f "$LLAMA/.extracted" ] || { rm -rf "$LLAMA" && tar xzf "$REPO/.dev/peer/llama.cpp.tar.gz" -C "$WORK" &&
+                                        touch "$LLAMA/.extracted"; }
         cmake -S "$LLAMA" -B "$LLAMA/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
           -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
           -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DGGML_CUDA_NCCL=OFF >"$OUT/cmake.log"
         ninja -C "$LLAMA/build" -j "$JOBS" llama-bench >"$OUT/ninja.log"
       fi
+      flock -u 9
       cp "$REPO/.dev/peer/llama.cpp.commit" "$OUT/" ;;
     gguf)
       [ -s "$MODEL" ] || python3 "$HERE/write_gguf.py" "$MODEL" --gguf-py "$LLAMA/gguf-py" | tee "$OUT/gguf.log" ;;

@@ -8,7 +8,9 @@ and written, the KV cache read) and ``bandwidth.json`` (device-to-device copy ba
 same run). For each test: the median tok/s over the repetitions, and for decode the GB/s that rate implies (tok/s x
 bytes per token) and its fraction of the copy bandwidth; prefill is compute-bound (performance.md §3.2), so its rows
 have no bandwidth figures. The last column is Lily / llama.cpp. A test one side did not run shows "-". Where the run
-has ``sampled.json`` (``sampled.py``: Lily's greedy against sampled decode), its line follows the table.
+has ``sampled.json`` (``sampled.py``: Lily's greedy against sampled decode), its line follows the table. A line under
+the table says when each side ran (the rows' ``test_time``); sides measured more than ``MAX_APART`` apart are
+refused, as they are not one run (an output folder can keep an earlier run's file when a stage did not run).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import json
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
 from pathlib import Path
 
 Key = tuple[int, int, int]  # (n_prompt, n_gen, n_depth)
+MAX_APART = timedelta(hours=1)
 
 
 def medians(rows: Sequence[Mapping]) -> dict[Key, float]:
@@ -29,6 +33,12 @@ def medians(rows: Sequence[Mapping]) -> dict[Key, float]:
         samples = row.get("samples_ts") or [row["avg_ts"]]
         out[(int(row["n_prompt"]), int(row["n_gen"]), int(row["n_depth"]))] = statistics.median(samples)
     return out
+
+
+def measured(rows: Sequence[Mapping]) -> tuple[datetime, datetime] | None:
+    """The first and last ``test_time`` of a bench JSON list (llama-bench's ``2026-12-05T21:53:11Z``), or None."""
+    times = [datetime.strptime(row["test_time"], "%Y-%m-%dT%H:%M:%SZ") for row in rows if row.get("test_time")]
+    return (min(times), max(times)) if times else None
 
 
 def label(key: Key) -> str:
@@ -76,8 +86,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if copy is None:
         print(f"{out / 'bandwidth.json'} is missing: run the bandwidth stage first", file=sys.stderr)
         return 1
+    spans = {"llama.cpp": measured(peer), "Lily": measured(lily)}
+    known = [span for span in spans.values() if span]
+    apart = max(known[0][0], known[1][0]) - min(known[0][1], known[1][1]) if len(known) == 2 else timedelta(0)
+    when = ", ".join(f"{side} {span[0]:%Y-%m-%d %H:%M}-{span[1]:%H:%M} UTC" if span else f"{side} not dated"
+                     for side, span in spans.items())
+    if apart > MAX_APART:
+        print(f"llama-bench.json and lily-bench.json in {out} were measured {apart} apart ({when}): not one run; "
+              "rerun the older side's stage", file=sys.stderr)
+        return 1
     bytes_per_token = {int(depth): float(total) for depth, total in plan.items()}
     print(table(medians(peer), medians(lily), bytes_per_token, float(copy["bytes_per_second"])))
+    print(f"\nmeasured: {when}")
     print(f"\nbandwidth bound: device-to-device copy {copy['bytes_per_second'] / 1e12:.2f} TB/s (read + write), "
           f"{copy.get('how', '')}; bytes per decode token from lily plan at the test's depth: "
           + ", ".join(f"d{d} {b / 1e9:.3f} GB" for d, b in sorted(bytes_per_token.items())))
