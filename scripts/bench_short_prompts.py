@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     model = Model.load(opts.model, backend=opts.backend)
     samples: dict[str, list[float]] = {}
     for round_ in range(opts.rounds):
-        for row in run_bench(model, prompts=PROMPTS, gens=(1, STEADY), repetitions=1, seed=round_):
+        for row in run_bench(model, prompts=PROMPTS, gens=(1, STEADY), repetitions=1, seed=round_, warmup=False):
             samples.setdefault(row.test, []).extend(ns / 1e6 / (row.n_gen or 1) for ns in row.samples_ns)
     best = {test: min(values) for test, values in samples.items()}
     median = {test: statistics.median(values) for test, values in samples.items()}

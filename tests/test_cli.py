@@ -65,6 +65,33 @@ def test_entry_point_reports_errors_in_a_subprocess(tmp_path):
     assert "Traceback" not in proc.stderr and proc.stderr.strip().splitlines()[-1].startswith("lily: error:")
 
 
+@pytest.mark.parametrize("warmup", [True, False])
+def test_bench_warms_each_test_up_untimed(chat_model_dir, capsys, monkeypatch, warmup):
+    """Each test's first run is a warm-up left out of its samples (llama-bench's rule), unless --no-warmup: the
+    fake timers return 100 s for a test's first run, then 1 s, 2 s, and each row keeps exactly its repetitions."""
+    from lily import bench
+    calls = []
+    runs = 3 if warmup else 2  # per test: -r 2, and the warm-up
+
+    def timer(kind):
+        def run(model, base, *args, **kwargs):
+            calls.append((kind, len(base)))
+            return float((len(calls) - 1) % runs) or 100.0
+        return run
+
+    monkeypatch.setattr(bench, "_time_prefill", timer("pp"))
+    monkeypatch.setattr(bench, "_time_generate", timer("tg"))
+    flags = [] if warmup else ["--no-warmup"]
+    code, out, _ = run_cli(["bench", "--model", str(chat_model_dir), "--backend", "reference", "-p", "6", "-n", "3",
+                            "-d", "0,5", "-r", "2", "-o", "json", *flags], capsys)
+    assert code == 0
+    rows = json.loads(out)
+    assert [kind for kind, _ in calls] == ["pp"] * runs + ["tg"] * runs + ["pp"] * runs + ["tg"] * runs
+    assert [depth for _, depth in calls] == [0] * 2 * runs + [5] * 2 * runs  # each test forks its depth's session
+    for row in rows:
+        assert row["samples_ns"] == ([1_000_000_000, 2_000_000_000] if warmup else [100_000_000_000, 1_000_000_000])
+
+
 def test_bench_json_and_markdown(chat_model_dir, capsys):
     base = ["bench", "--model", str(chat_model_dir), "--backend", "reference", "-p", "6", "-n", "3",
             "-d", "0,5", "-r", "2"]

@@ -279,6 +279,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"  {row.test}: {row.avg_ts:.2f} ± {row.stddev_ts:.2f} t/s", file=sys.stderr, flush=True)
 
     rows = bench.run_bench(model, prompts=args.p, gens=args.n, depths=args.d, repetitions=args.r,
+                           warmup=not args.no_warmup,
                            progress=lambda name: print(f"running {name} ...", file=sys.stderr, flush=True),
                            finished=report)
     info = bench.model_info(model)
@@ -373,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-gen", dest="n", type=_int_list, default=[128], help="generation sizes (default 128)")
     p.add_argument("-d", "--n-depth", dest="d", type=_int_list, default=[0], help="context depths (default 0)")
     p.add_argument("-r", "--repetitions", dest="r", type=int, default=5, help="repetitions (default 5)")
+    p.add_argument("--no-warmup", action="store_true", help="time each test's first run too (by default each test "
+                   "runs once untimed first, as llama-bench's do)")
     p.add_argument("-o", "--output", choices=("md", "json"), default="md", help="output format (default md)")
     p.add_argument("--json", dest="output", action="store_const", const="json", help="same as -o json")
     p.add_argument("--dummy-weights", action="store_true", help="random 4-bit weights of the model's shapes, no "

@@ -44,11 +44,12 @@ def test_bench_generation_chooses_tokens_on_the_gpu_and_each_step_reads_the_last
     before = recorder.host_read_bytes
     rows = bench.run_bench(model, prompts=(), gens=(4,), repetitions=1)
     assert [r.test for r in rows] == ["tg4"]
-    # Warm-up prefill (one logits row) and the depth-0 first token's prefill (one row); generation: token ids only.
-    assert recorder.host_read_bytes - before == 2 * model.config.vocab_size * 4 + 4 * 4
-    steps = recorder.steps
-    assert len(steps) == 4
-    for step, following in zip(steps, steps[1:]):
+    # The test's warm-up run, then its timed run: each the first token's prefill (one logits row), then 4 generated
+    # tokens whose ids are all the host reads.
+    assert recorder.host_read_bytes - before == 2 * (model.config.vocab_size * 4 + 4 * 4)
+    assert len(recorder.steps) == 8
+    timed = recorder.steps[4:]
+    for step, following in zip(timed, timed[1:]):
         read, written = token_slot_ranges(step)
         next_read, _ = token_slot_ranges(following)
         assert step["nodes"][-1]["kernel"] == "argmax_final_f32"
