@@ -139,7 +139,7 @@ def run_bench(model: Model, *, prompts: Sequence[int] = (512,), gens: Sequence[i
     """Run every pp/tg test at every depth; ``progress(row_name)`` is called before each test and
     ``finished(row)`` after it, so a caller can show each result as it comes (a full-size run takes minutes).
     With ``warmup`` each test first runs once untimed, as llama-bench's do: a shape's first run pays for what the
-    backend builds once (a GPU backend's graphs: on an H100 a 1-token prefill took 12.7 ms the first time, 3.2
+    backend builds once (a GPU backend's graphs: on an H200 a 1-token prefill took 12.7 ms the first time, 3.2
     after)."""
     for name, values in (("-p", prompts), ("-n", gens), ("-d", depths)):
         if any(v < 0 for v in values):
