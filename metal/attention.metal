@@ -276,6 +276,7 @@ struct AttnDecodePartialStore {
     partial_stats[slot] = max_score;
     partial_stats[slot + 1] = sum;
   }
+  LILY_INLINE void prepare(uint, uint) {}
 };
 
 // An empty block (the keys end in an earlier block): zero weight for the combine (max -inf, sum 0) and a finite
@@ -390,6 +391,43 @@ struct AttnDecodeMmaLoads {
   }
 };
 
+// A simdgroup's first two steps (keys key_begin + 8s and key_begin + 8s + 8n) of the decode mma kernels, fetched by
+// attn_decode_mma_fetch_early before lily::grid_dependency_wait where the step reads only rows before this call's new
+// keys (rows num_keys - num_queries ..., which the prep of this token writes: an earlier dispatch, or this kernel's
+// own fused prep); those steps are not fetched again. On CUDA the loads then overlap the dispatch before.
+template <uint D>
+struct AttnDecodeMmaFirstSteps {
+  AttnDecodeMmaLoads<D> even, odd;
+  bool even_fetched, odd_fetched;
+};
+
+// K and V rows of a KV head as 16-byte words (rows of D / 8).
+inline device const uint4* attn_decode_mma_rows(device const bfloat* cache, constant lily::AttentionArgs& args,
+                                                uint kv_head, uint D) {
+  return (device const uint4*)(cache + size_t(kv_head) * args.cache_capacity * D);
+}
+
+template <uint D>
+LILY_INLINE void attn_decode_mma_fetch_early(thread AttnDecodeMmaFirstSteps<D>& first,
+                                             constant lily::AttentionArgs& args, device const bfloat* k_cache,
+                                             device const bfloat* v_cache, uint kv_head, uint key_begin, uint key_end,
+                                             uint simd_lane, uint simd_group, uint n_simdgroups) {
+  device const uint4* k_rows = attn_decode_mma_rows(k_cache, args, kv_head, D);
+  device const uint4* v_rows = attn_decode_mma_rows(v_cache, args, kv_head, D);
+  const uint first_new_key = args.num_keys - args.num_queries;
+  const uint key0 = key_begin + 8 * simd_group, key1 = key0 + 8 * n_simdgroups;
+  // A step reads rows up to min(key + 7, key_end - 1) (attn_decode_mma_step's clamp).
+  first.even_fetched = key0 < key_end && min(key0 + 7, key_end - 1) < first_new_key;
+  first.odd_fetched = key1 < key_end && min(key1 + 7, key_end - 1) < first_new_key;
+  const uint row = attn_mma_row(simd_lane), col = attn_mma_col(simd_lane);
+  if (first.even_fetched) {
+    first.even.fetch(k_rows, v_rows, key0, key_end, row, col);
+  }
+  if (first.odd_fetched) {
+    first.odd.fetch(k_rows, v_rows, key1, key_end, row, col);
+  }
+}
+
 // One step of the decode mma kernels: the 8 keys key0 .. (rows past key_end masked) whose K and V `loads`
 // holds, folded into the simdgroup's running max, sum and O^T.
 template <uint D>
@@ -444,17 +482,29 @@ LILY_INLINE void attn_decode_mma_step(thread const AttnDecodeMmaLoads<D>& loads,
   }
 }
 
+// Eight consecutive bf16 elements as one 16-byte load (from device memory or threadgroup memory).
+inline uint4 attn_load8(device const bfloat* p) {
+  return *(device const uint4*)p;
+}
+inline uint4 attn_load8(threadgroup const bfloat* p) {
+  return *(threadgroup const uint4*)p;
+}
+
 // Attention of the G query heads head0 .. over keys [key_begin, key_end) (not empty) of their KV head on matrix
-// units, for attention_decode[_partial][_prep]_mma: `q_rows` points at head0's query row (rows of D, device memory or
-// the fused kernels' threadgroup copy), `store` takes each head's normalised output, element by element (output(h,
-// dim, value)), and its softmax max and sum (block_stats(h, max, sum)). Every thread of the threadgroup must call it.
+// units, for attention_decode[_partial][_prep]_mma, after lily::grid_dependency_wait: `first` holds what
+// attn_decode_mma_fetch_early fetched before it; `q_rows` points at head0's query row (rows of D, 16-byte aligned,
+// device memory or the fused kernels' threadgroup copy), `store` takes each head's normalised output, element by
+// element (output(h, dim, value)), and its softmax max and sum (block_stats(h, max, sum)); its prepare(tid, n_threads)
+// runs before the merge's first barrier. Every thread of the threadgroup must call it.
 template <typename T, uint D, uint G, typename QRows, typename Store>
 LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, QRows q_rows,
-                                       device const bfloat* k_cache, device const bfloat* v_cache, uint head0,
-                                       uint key_begin, uint key_end, threadgroup float* stats_max,
-                                       threadgroup float* stats_sum, threadgroup float* merge, thread Store& store,
-                                       uint tid, uint n_threads, uint simd_lane, uint simd_group, uint n_simdgroups) {
+                                       device const bfloat* k_cache, device const bfloat* v_cache,
+                                       thread AttnDecodeMmaFirstSteps<D>& first, uint head0, uint key_begin,
+                                       uint key_end, threadgroup float* stats_max, threadgroup float* stats_sum,
+                                       threadgroup float* merge, thread Store& store, uint tid, uint n_threads,
+                                       uint simd_lane, uint simd_group, uint n_simdgroups) {
   static_assert(G <= 8 && D % 64 == 0, "the heads are one fragment's columns; V loads cover 64 dims");
+  static_assert(is_same<T, bfloat>::value, "the query rows are loaded as 16-byte words of bf16");
   constexpr uint FRAGS = D / 8;  // fragments across the head dim
   constexpr uint MERGE = LILY_ATTN_DECODE_MMA_MERGE_FLOATS;
   const uint kv_head = head0 / (args.num_heads / args.num_kv_heads);
@@ -462,36 +512,48 @@ LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, QRows
   const uint col = attn_mma_col(simd_lane);
 
   // Q^T: fragment f element (k = row, column h) is q_rows[h][attn_decode_mma_key_dim(f, row)], scaled (1/sqrt(D):
-  // a power of two), rounded to bf16 (the MMA operand).
+  // a power of two), rounded to bf16 (the MMA operand). Fragments 4m .. 4m + 3 of a lane come from one 16-byte load:
+  // dims 32m + 8 (row / 2) + 2i + row % 2, i.e. the 16-bit half row % 2 of its word i.
   simdgroup_bfloat8x8 query_t[FRAGS];
   simdgroup_float8x8 acc_t[FRAGS];
   LILY_UNROLL
-  for (uint f = 0; f < FRAGS; ++f) {
+  for (uint e = 0; e < 2; ++e) {
     LILY_UNROLL
-    for (uint e = 0; e < 2; ++e) {
-      const float x = col + e < G ? float(q_rows[size_t(col + e) * D + attn_decode_mma_key_dim(f, row)]) : 0.0f;
-      query_t[f].thread_elements()[e] = bfloat(x * args.scale);
+    for (uint m = 0; m < D / 32; ++m) {
+      const uint4 words = col + e < G ? attn_load8(q_rows + size_t(col + e) * D + 32 * m + 8 * (row / 2)) : uint4(0);
+      LILY_UNROLL
+      for (uint i = 0; i < 4; ++i) {
+        const float x = float(as_type<bfloat2>(words[i])[row % 2]);
+        query_t[4 * m + i].thread_elements()[e] = bfloat(x * args.scale);
+      }
     }
+  }
+  LILY_UNROLL
+  for (uint f = 0; f < FRAGS; ++f) {
     acc_t[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
   float2 run_max = float2(-INFINITY);  // of the lane's two columns
   float2 run_sum = float2(0.0f);       // this lane's row's share of the columns' sums
 
-  device const uint4* k_rows = (device const uint4*)(k_cache + size_t(kv_head) * args.cache_capacity * D);
-  device const uint4* v_rows = (device const uint4*)(v_cache + size_t(kv_head) * args.cache_capacity * D);
+  device const uint4* k_rows = attn_decode_mma_rows(k_cache, args, kv_head, D);
+  device const uint4* v_rows = attn_decode_mma_rows(v_cache, args, kv_head, D);
   // Each step's loads are issued before the step before it computes (two register sets, even and odd steps), so a
-  // simdgroup keeps two steps' 16 KB in flight instead of waiting for each step's 8 KB.
+  // simdgroup keeps two steps' 16 KB in flight instead of waiting for each step's 8 KB. The first two steps may
+  // have been fetched before the wait.
   const uint step_keys = 8 * n_simdgroups;  // keys between a simdgroup's steps
   uint key0 = key_begin + 8 * simd_group;
-  AttnDecodeMmaLoads<D> even, odd;
-  if (key0 < key_end) {
+  thread AttnDecodeMmaLoads<D>& even = first.even;
+  thread AttnDecodeMmaLoads<D>& odd = first.odd;
+  if (key0 < key_end && !first.even_fetched) {
     even.fetch(k_rows, v_rows, key0, key_end, row, col);
   }
+  bool odd_fetched = first.odd_fetched;
   while (key0 < key_end) {
     const uint key1 = key0 + step_keys, key2 = key1 + step_keys;
-    if (key1 < key_end) {
+    if (key1 < key_end && !odd_fetched) {
       odd.fetch(k_rows, v_rows, key1, key_end, row, col);
     }
+    odd_fetched = false;
     attn_decode_mma_step<D>(even, query_t, acc_t, run_max, run_sum, key0, key_end, row);
     if (key1 >= key_end) {
       break;
@@ -504,6 +566,7 @@ LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, QRows
   }
 
   // Merge the simdgroups: each column's block max and sum, then the rescaled O^T, R dims per round.
+  store.prepare(tid, n_threads);
   const float2 column_sum = attn_mma_col_sum(run_sum);
   if (row == 0) {
     LILY_UNROLL
@@ -565,15 +628,24 @@ LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, QRows
   }
 }
 
-// attention_decode_mma's: the gated output out [Hq, D]; no stats.
-template <typename T, uint D>
+// attention_decode_mma's: the gated output out [Hq, D]; no stats. The G gate rows are copied into threadgroup
+// memory before the merge (one 16-byte load per thread at D = 256 and 256 threads), so the merge's rounds do not each
+// wait on device loads.
+template <typename T, uint D, uint G>
 struct AttnDecodeGatedStore {
   device const T* gate;
+  threadgroup uint4* gate_rows;  // [G * D / 8]
   device T* out;
   uint head0;
 
+  LILY_INLINE void prepare(uint tid, uint n_threads) {
+    device const uint4* rows = (device const uint4*)(gate + size_t(head0) * D);
+    for (uint i = tid; i < G * D / 8; i += n_threads) {
+      gate_rows[i] = rows[i];
+    }
+  }
   LILY_INLINE void output(uint h, uint dim, float value) {
-    const float g = float(gate[size_t(head0 + h) * D + dim]);
+    const float g = float(((threadgroup const T*)gate_rows)[h * D + dim]);
     out[size_t(head0 + h) * D + dim] = T(value * lily::sigmoid(g));
   }
   LILY_INLINE void block_stats(uint, float, float) {}
@@ -600,14 +672,19 @@ template <typename T, uint D, uint G>
   const uint block = group.y;
   const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
   const uint key_begin = block * span;
+  const uint key_end = min(args.num_keys, key_begin + span);
+  AttnDecodeMmaFirstSteps<D> first;  // none fetched in an empty block
+  attn_decode_mma_fetch_early<D>(first, args, k_cache, v_cache, head0 / (args.num_heads / args.num_kv_heads),
+                                 key_begin, key_end, simd_lane, simd_group, n_simdgroups);
+  lily::grid_dependency_wait();  // q comes from the dispatch before
   AttnDecodePartialStore<D> store{partial_out, partial_stats, head0, block, args.num_blocks};
   if (key_begin >= args.num_keys) {
     attn_decode_empty_block<D, G>(store, tid, n_threads);
     return;
   }
-  attn_decode_mma_heads<T, D, G>(args, q + size_t(head0) * D, k_cache, v_cache, head0, key_begin,
-                                 min(args.num_keys, key_begin + span), stats_max, stats_sum, merge, store, tid,
-                                 n_threads, simd_lane, simd_group, n_simdgroups);
+  attn_decode_mma_heads<T, D, G>(args, q + size_t(head0) * D, k_cache, v_cache, first, head0, key_begin, key_end,
+                                 stats_max, stats_sum, merge, store, tid, n_threads, simd_lane, simd_group,
+                                 n_simdgroups);
 }
 
 // The single pass on matrix units: one threadgroup per G heads over all keys, the gate applied as it writes.
@@ -627,10 +704,16 @@ template <typename T, uint D, uint G>
   threadgroup float stats_max[8 * 8];  // [simdgroup][column]
   threadgroup float stats_sum[8 * 8];
   threadgroup float merge[LILY_ATTN_DECODE_MMA_MERGE_FLOATS + 64];
+  threadgroup uint4 gate_rows[G * D / 8];
   const uint head0 = group * G;
-  AttnDecodeGatedStore<T, D> store{gate, out, head0};
-  attn_decode_mma_heads<T, D, G>(args, q + size_t(head0) * D, k_cache, v_cache, head0, 0, args.num_keys, stats_max,
-                                 stats_sum, merge, store, tid, n_threads, simd_lane, simd_group, n_simdgroups);
+  AttnDecodeMmaFirstSteps<D> first;
+  attn_decode_mma_fetch_early<D>(first, args, k_cache, v_cache, head0 / (args.num_heads / args.num_kv_heads), 0,
+                                 args.num_keys, simd_lane, simd_group, n_simdgroups);
+  lily::grid_dependency_wait();  // q and gate come from the dispatch before
+  AttnDecodeGatedStore<T, D, G> store{gate, gate_rows, out, head0};
+  attn_decode_mma_heads<T, D, G>(args, q + size_t(head0) * D, k_cache, v_cache, first, head0, 0, args.num_keys,
+                                 stats_max, stats_sum, merge, store, tid, n_threads, simd_lane, simd_group,
+                                 n_simdgroups);
 }
 
 // The prep of the fused kernel (attention_decode_partial_prep_mma): the G query rows of heads head0 .. normed and
@@ -697,13 +780,19 @@ template <typename T, uint D, uint G>
   threadgroup float stats_max[8 * 8];  // [simdgroup][column]
   threadgroup float stats_sum[8 * 8];
   threadgroup float merge[LILY_ATTN_DECODE_MMA_MERGE_FLOATS + 64];
-  threadgroup T q_rows[G * D];
+  threadgroup uint4 q_row_words[G * D / 8];  // the query rows, 16-byte aligned for attn_decode_mma_heads's loads
+  threadgroup T* q_rows = (threadgroup T*)q_row_words;
   const uint n_threads = threads_per_group.x;  // 1-D threadgroups
   const uint head0 = group.x * G;
   const uint kv_head = head0 / (args.num_heads / args.num_kv_heads);
   const uint block = group.y;
   const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
   const uint key_begin = block * span;
+  const uint key_end = min(args.num_keys, key_begin + span);
+  AttnDecodeMmaFirstSteps<D> first;  // none fetched in an empty block
+  attn_decode_mma_fetch_early<D>(first, args, k_cache, v_cache, kv_head, key_begin, key_end, simd_lane, simd_group,
+                                 n_simdgroups);
+  lily::grid_dependency_wait();  // q_and_gate, k and v come from the dispatch before
   if (block == 0) {
     for (uint i = tid; i < G * D; i += n_threads) {
       gate[size_t(head0) * D + i] = q_and_gate[size_t(head0 + i / D) * (2 * D) + D + i % D];  // exact copy
@@ -714,13 +803,22 @@ template <typename T, uint D, uint G>
     attn_decode_empty_block<D, G>(store, tid, n_threads);
     return;
   }
-  const uint key_end = min(args.num_keys, key_begin + span);
   // The new key (row num_keys - 1 = prep.first_position) lies in the last non-empty block: the one ending at num_keys.
   attn_decode_prep_rows<T, D, G>(prep, q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, q_rows, head0, kv_head,
                                  key_end == args.num_keys, simd_lane, simd_group, n_simdgroups);
-  attn_decode_mma_heads<T, D, G>(args, q_rows, k_cache, v_cache, head0, key_begin, key_end,
-                                 stats_max, stats_sum, merge, store, tid, n_threads, simd_lane, simd_group,
+  attn_decode_mma_heads<T, D, G>(args, q_rows, k_cache, v_cache, first, head0, key_begin,
+                                 key_end, stats_max, stats_sum, merge, store, tid, n_threads, simd_lane, simd_group,
                                  n_simdgroups);
+}
+
+// Element e of the blocks b, b + n, ..., b + 7n of one head's partials (0 past num_blocks), loads issued together.
+template <uint D>
+LILY_INLINE void attn_combine_load_batch(thread float* loaded, device const float* outs, uint b, uint e,
+                                         uint num_blocks, uint n_simdgroups) {
+  LILY_UNROLL
+  for (uint j = 0; j < 8; ++j) {
+    loaded[j] = b + j * n_simdgroups < num_blocks ? outs[size_t(b + j * n_simdgroups) * D + e] : 0.0f;
+  }
 }
 
 template <typename T, uint D>
@@ -742,6 +840,17 @@ template <typename T, uint D>
   const uint head = group.x;
   device const float* stats = partial_stats + size_t(head) * args.num_blocks * 2;
   device const float* outs = partial_out + size_t(head) * args.num_blocks * D;
+  // Grid y takes slices of 32 elements of the head (lane = element); the n simdgroups split the blocks (simdgroup s
+  // the blocks s, s + n, ...), in batches of 8 blocks whose loads are issued together (at 64 blocks and 8
+  // simdgroups one batch); then simdgroup 0 adds their sums in a fixed order. The first slice's first batch and its
+  // gate are loaded before the blocks' weights are worked out, so those loads wait alongside the stats' instead of
+  // after them; the sum runs over the simdgroup's blocks in order either way.
+  float loaded[8];
+  float gate_value = 0.0f;
+  if (group.y * 32 < D) {
+    attn_combine_load_batch<D>(loaded, outs, simd_group, group.y * 32 + simd_lane, args.num_blocks, n_simdgroups);
+    gate_value = float(gate[size_t(head) * D + group.y * 32 + simd_lane]);
+  }
   for (uint b = tid; b < args.num_blocks; b += 32 * n_simdgroups) {
     block_max[b] = stats[2 * b];
   }
@@ -760,27 +869,23 @@ template <typename T, uint D>
   for (uint b = 0; b < args.num_blocks; ++b) {
     total_sum += weight[b];
   }
-  // Grid y takes slices of 32 elements of the head (lane = element); the n simdgroups split the blocks (simdgroup s
-  // the blocks s, s + n, ...: at 64 blocks and 8 simdgroups 8 loads per lane, all in flight), then simdgroup 0 adds
-  // their sums in a fixed order.
   for (uint e0 = group.y * 32; e0 < D; e0 += groups.y * 32) {
     const uint e = e0 + simd_lane;
-    // The loads issued 8 blocks at a time; the sum runs over the simdgroup's blocks in order either way.
-    float value = 0.0f;
-    uint b = simd_group;
-    for (; b + 7 * n_simdgroups < args.num_blocks; b += 8 * n_simdgroups) {
-      float loaded[8];
-      LILY_UNROLL
-      for (uint j = 0; j < 8; ++j) {
-        loaded[j] = outs[size_t(b + j * n_simdgroups) * D + e];
-      }
-      LILY_UNROLL
-      for (uint j = 0; j < 8; ++j) {
-        value += weight[b + j * n_simdgroups] * loaded[j];
-      }
+    if (e0 != group.y * 32) {
+      attn_combine_load_batch<D>(loaded, outs, simd_group, e, args.num_blocks, n_simdgroups);
+      gate_value = float(gate[size_t(head) * D + e]);
     }
-    for (; b < args.num_blocks; b += n_simdgroups) {
-      value += weight[b] * outs[size_t(b) * D + e];
+    float value = 0.0f;
+    for (uint b = simd_group; b < args.num_blocks; b += 8 * n_simdgroups) {
+      if (b != simd_group) {
+        attn_combine_load_batch<D>(loaded, outs, b, e, args.num_blocks, n_simdgroups);
+      }
+      LILY_UNROLL
+      for (uint j = 0; j < 8; ++j) {
+        if (b + j * n_simdgroups < args.num_blocks) {
+          value += weight[b + j * n_simdgroups] * loaded[j];
+        }
+      }
     }
     sums[simd_group * 32 + simd_lane] = value;
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -789,8 +894,7 @@ template <typename T, uint D>
       for (uint s = 0; s < n_simdgroups; ++s) {
         total += sums[s * 32 + simd_lane];
       }
-      const size_t index = size_t(head) * D + e;
-      out[index] = T(total / total_sum * lily::sigmoid(float(gate[index])));
+      out[size_t(head) * D + e] = T(total / total_sum * lily::sigmoid(gate_value));
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
@@ -803,12 +907,12 @@ LILY_INSTANTIATE_KERNEL("attention_decode_partial_f32_d256", attention_decode_pa
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_bf16_d256", attention_decode_partial, bfloat, bfloat, 256, 4, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_f32_d256", attention_decode_combine, float, 256)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_bf16_d256", attention_decode_combine, bfloat, 256)
-LILY_INSTANTIATE_KERNEL("attention_decode_mma_bf16_d256", attention_decode_mma, bfloat, 256,
-                        LILY_ATTN_MMA_HEADS_PER_GROUP)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_mma_bf16_d256", attention_decode_partial_mma, bfloat, 256,
-                        LILY_ATTN_MMA_HEADS_PER_GROUP)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_prep_mma_bf16_d256", attention_decode_partial_prep_mma, bfloat, 256,
-                        LILY_ATTN_MMA_HEADS_PER_GROUP)
+LILY_INSTANTIATE_EARLY_KERNEL("attention_decode_mma_bf16_d256", attention_decode_mma,
+                              bfloat, 256, LILY_ATTN_MMA_HEADS_PER_GROUP)
+LILY_INSTANTIATE_EARLY_KERNEL("attention_decode_partial_mma_bf16_d256", attention_decode_partial_mma,
+                              bfloat, 256, LILY_ATTN_MMA_HEADS_PER_GROUP)
+LILY_INSTANTIATE_EARLY_KERNEL("attention_decode_partial_prep_mma_bf16_d256", attention_decode_partial_prep_mma,
+                              bfloat, 256, LILY_ATTN_MMA_HEADS_PER_GROUP)
 // Demo model and tiny fixtures (head dim 64, GQA group 2 or 4): 2 heads per threadgroup, float32 and bf16 modes.
 LILY_INSTANTIATE_KERNEL("attention_decode_f32_d64", attention_decode, float, float, 64, 2, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_bf16_d64", attention_decode, bfloat, bfloat, 64, 2, true)
@@ -816,12 +920,12 @@ LILY_INSTANTIATE_KERNEL("attention_decode_partial_f32_d64", attention_decode_par
 LILY_INSTANTIATE_KERNEL("attention_decode_partial_bf16_d64", attention_decode_partial, bfloat, bfloat, 64, 2, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_f32_d64", attention_decode_combine, float, 64)
 LILY_INSTANTIATE_KERNEL("attention_decode_combine_bf16_d64", attention_decode_combine, bfloat, 64)
-LILY_INSTANTIATE_KERNEL("attention_decode_mma_bf16_d64", attention_decode_mma, bfloat, 64,
-                        LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_mma_bf16_d64", attention_decode_partial_mma, bfloat, 64,
-                        LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
-LILY_INSTANTIATE_KERNEL("attention_decode_partial_prep_mma_bf16_d64", attention_decode_partial_prep_mma, bfloat, 64,
-                        LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
+LILY_INSTANTIATE_EARLY_KERNEL("attention_decode_mma_bf16_d64", attention_decode_mma,
+                              bfloat, 64, LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
+LILY_INSTANTIATE_EARLY_KERNEL("attention_decode_partial_mma_bf16_d64", attention_decode_partial_mma,
+                              bfloat, 64, LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
+LILY_INSTANTIATE_EARLY_KERNEL("attention_decode_partial_prep_mma_bf16_d64", attention_decode_partial_prep_mma,
+                              bfloat, 64, LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
 // GQA-packing ablation (LILY_DISABLE_GQA_PACKING): one head per threadgroup; the combine kernels are shared.
 LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_f32_d256", attention_decode, float, float, 256, 1, true)
 LILY_INSTANTIATE_KERNEL("attention_decode_unpacked_bf16_d256", attention_decode, bfloat, bfloat, 256, 1, true)

@@ -16,7 +16,8 @@ from lily import plan as lily_plan
 
 EARLY_KERNELS = ("qmv_norm_staged_", "qmv_residual_staged_", "qmv_norm_seg_staged_", "gated_delta_step_",
                  "qmv_norm_seg_conv_staged_", "qmv_gated_norm_residual_staged_", "gated_delta_prefill_f32_",
-                 "gated_delta_prefill_bf16_", "gated_delta_prefill_blockwise_", "moe_gate_up_swiglu_routed_staged_")
+                 "gated_delta_prefill_bf16_", "gated_delta_prefill_blockwise_", "moe_gate_up_swiglu_routed_staged_",
+                 "attention_decode_mma_", "attention_decode_partial_mma_", "attention_decode_partial_prep_mma_")
 
 
 def expected_early_start(nodes: list[dict], i: int) -> bool:
@@ -66,3 +67,22 @@ def test_early_start_rule_on_planned_graphs(switches):
     assert steps and all(n["early_reads"] for n in steps)
     fused = switches.get("fused_projections", True)
     assert all(n["early_start"] == fused and len(n["depends_on"]) == (1 if fused else 4) for n in steps)
+
+
+@pytest.mark.parametrize("context", [0, 200, 4096])
+def test_decode_attention_on_matrix_units_reads_earlier_rows_early(context):
+    """The bf16 decode attention on matrix units (the single pass below the split, the fused partials from it) fetches
+    its first steps of the cache before its wait: only the rows of earlier tokens, which the prep before it (or its
+    own fused prep) does not write, so it starts early behind that one dispatch."""
+    args = lily_plan.full_size_args()
+    nodes = check_graph(lily_plan.plan_decode(args, context=context, with_graph=True))
+    attention = [n for n in nodes if n["kernel"].startswith(("attention_decode_mma_", "attention_decode_partial"))]
+    assert len(attention) == 10 and all(n["early_start"] for n in attention)
+    row_bytes = args.head_dim * 2  # bf16 cache
+    for node in attention:
+        early = node["early_reads"]
+        assert len(early) == 2 * args.num_key_value_heads  # K and V of each KV head
+        assert all(length == context * row_bytes for _, _, length in early)  # rows 0 .. context - 1
+        new_rows = nodes[node["depends_on"][0]]["writes"] + node["writes"]
+        assert not overlap(new_rows, early)
+        assert any(length == row_bytes for _, _, length in new_rows)  # the new token's row: written, not read early

@@ -139,10 +139,17 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
              {tuning::kAttentionCombineThreads, 1, 1}, {s.gate, partial_out, partial_stats}, {s.out})
         .per_position.push_back(num_keys);
   };
+  // The kernels on matrix units fetch their first steps of earlier tokens' cache rows before their dependency wait
+  // (LILY_INSTANTIATE_EARLY_KERNEL): those rows are read early, and among what they read.
+  const AttentionPrepSpans cache = attention_prep_spans(c, ctx.act, s, position, 1);
+  auto read_early = [&](Node& node) {
+    if (!mma) return;
+    node.early_reads = cache.old_rows;
+    node.reads.insert(node.reads.end(), cache.old_rows.begin(), cache.old_rows.end());
+  };
   if (mma && split_blocks && ctx.fused_attention_prep) {
     // FUSED_ATTENTION_PREP: no attention_prep node; each threadgroup preps its own query rows and the new cache row.
     // Split-KV only: fused into the single pass it lost 2 % of tg128 on an H100 (docs/performance.md).
-    const AttentionPrepSpans cache = attention_prep_spans(c, ctx.act, s, position, 1);
     std::vector<Span> reads = {s.q_and_gate, s.k, s.v, s.q_norm->data, s.k_norm->data};
     reads.insert(reads.end(), cache.prefix.begin(), cache.prefix.end());
     std::vector<Span> writes = {s.gate, partial_out, partial_stats};
@@ -154,22 +161,26 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
                           {groups, split_blocks, 1}, {threads, 1, 1}, reads, writes);
     node.per_position.push_back(num_keys);
     node.per_position.push_back({1, offsetof(AttentionPrepArgs, first_position), 0});
+    read_early(node);
     combine();
     return;
   }
   std::vector<Span> reads = attention_prep(ctx, c, label, s, position, 1);
   if (split_blocks == 0) {
-    add_node(ctx, "attention_decode_" + family + dt + suffix, label,
-             {arg_value(a), arg(s.q), arg(s.gate), arg(s.k_cache), arg(s.v_cache), arg(s.out)}, {groups, 1, 1},
-             {threads, 1, 1}, reads, {s.out})
-        .per_position.push_back(num_keys);
+    Node& node = add_node(ctx, "attention_decode_" + family + dt + suffix, label,
+                          {arg_value(a), arg(s.q), arg(s.gate), arg(s.k_cache), arg(s.v_cache), arg(s.out)},
+                          {groups, 1, 1}, {threads, 1, 1}, reads, {s.out});
+    node.per_position.push_back(num_keys);
+    read_early(node);
     return;
   }
   reads.erase(reads.begin() + 1);  // the partial pass does not read the gate
-  add_node(ctx, "attention_decode_partial_" + family + dt + suffix, label + " partial",
-           {arg_value(a), arg(s.q), arg(s.k_cache), arg(s.v_cache), arg(partial_out), arg(partial_stats)},
-           {groups, a.num_blocks, 1}, {threads, 1, 1}, reads, {partial_out, partial_stats})
-      .per_position.push_back(num_keys);
+  Node& node = add_node(ctx, "attention_decode_partial_" + family + dt + suffix, label + " partial",
+                        {arg_value(a), arg(s.q), arg(s.k_cache), arg(s.v_cache), arg(partial_out),
+                         arg(partial_stats)},
+                        {groups, a.num_blocks, 1}, {threads, 1, 1}, reads, {partial_out, partial_stats});
+  node.per_position.push_back(num_keys);
+  read_early(node);
   combine();
 }
 

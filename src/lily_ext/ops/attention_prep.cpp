@@ -30,6 +30,7 @@ AttentionPrepSpans attention_prep_spans(const ModelConfig& c, DType act, const A
     for (const Span& cache : {s.k_cache, s.v_cache}) {
       spans.new_rows.push_back(sub(cache, h * head_stride + position * row, tokens * row));
       spans.prefix.push_back(sub(cache, h * head_stride, keys * row));
+      spans.old_rows.push_back(sub(cache, h * head_stride, position * row));
     }
   }
   return spans;

@@ -167,12 +167,13 @@ size_t attention_mma_heads_per_group(const ModelConfig& config);
 std::vector<Span> attention_prep(Context& ctx, const ModelConfig& config, const std::string& label,
                                  const AttentionSpans& s, size_t position, size_t tokens);
 // Its arguments, which the decode kernels with the prep fused take too; and the cache rows of every KV head (K and V)
-// the prep writes (`new_rows`: position .. position + tokens - 1) and the attention then reads (`prefix`: 0 .. the
-// last new row).
+// the prep writes (`new_rows`: position .. position + tokens - 1), the attention then reads (`prefix`: 0 .. the
+// last new row) and the earlier tokens' rows among them (`old_rows`: 0 .. position - 1, which the decode kernels on
+// matrix units may read before their dependency wait; empty at position 0).
 AttentionPrepArgs attention_prep_args(const ModelConfig& config, const AttentionSpans& s, size_t position,
                                       size_t tokens);
 struct AttentionPrepSpans {
-  std::vector<Span> new_rows, prefix;
+  std::vector<Span> new_rows, prefix, old_rows;
 };
 AttentionPrepSpans attention_prep_spans(const ModelConfig& config, DType act, const AttentionSpans& s,
                                         size_t position, size_t tokens);
