@@ -22,7 +22,8 @@
 //   moe_gate_up_swiglu_routed_staged_<dtype>, moe_down_combine_staged_<dtype>  (CUDA's choice with the staged GEMVs:
 //       tuning::staged_moe; bf16 scales) the same two with their input staged once per threadgroup in threadgroup
 //       memory (qmv_stage.h): the normed x (gate/up, whose shared-expert threadgroups load their first weights before
-//       the dependency wait) and the experts' hidden scratch (down, where every simdgroup read all 18 KB of it).
+//       the dependency wait) and the experts' hidden scratch (down, where every simdgroup read all 18 KB of it; it
+//       routes again from the router's output and loads its first weights before its wait).
 // Weights: MLX affine 4-bit, group 64 along the input axis: codes packed 8 per uint32 (element 0 in the low bits),
 // bf16 scales and biases (f32 with the _sf32 suffix: checkpoints converted from fp32 weights), w = scale·q + bias;
 // routed experts stacked [E, out, in]. <dtype> is the activation type (f32: float32 mode, bf16: default, f16).
