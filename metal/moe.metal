@@ -628,24 +628,27 @@ template <typename T, typename S>
 // 18 KB, four times the weight bytes it reads at the model's sizes). Same grid and threadgroups as moe_down_combine,
 // any multiple of 32 threads; the flattened pack p reads hidden values [32 p, 32 p + 32): the packs of the slot rows in
 // order. k I + Is <= LILY_MOE_STAGE_MAX_K and k <= LILY_MOE_DOWN_ROUTE_MAX_K (the host checks).
-// It takes the router's output (E logits, then the shared expert's gate logit) instead of the gate/up kernel's ids
-// and weights: before lily::grid_dependency_wait, simdgroup 0 routes again (moe_slot_expert, the gate/up writer's
-// code: the same ids and weights) into threadgroup memory, and every simdgroup issues its first step of weights and
-// reads its rows' residual; the router and the dispatch before it have finished by the time the gate/up kernel (the
-// one dispatch this waits for) lets it start, so on CUDA those loads overlap the gate/up kernel. After the wait only
-// the hidden scratch, which the gate/up kernel writes, is staged.
-template <typename T, typename S, bool WholePacks>
+// It takes the router's output (E logits, then the shared expert's gate logit) beside the gate/up kernel's ids and
+// weights. EarlyLoads (EARLY_MOE_DOWN, the default): before lily::grid_dependency_wait, simdgroup 0 routes again
+// (moe_slot_expert, the gate/up writer's code: the same ids and weights) into threadgroup memory, and every simdgroup
+// issues its first step of weights and reads its rows' residual; the router and the dispatch before it have finished
+// by the time the gate/up kernel (the one dispatch this waits for) lets it start, so on CUDA those loads overlap the
+// gate/up kernel, and after the wait only the hidden scratch, which the gate/up kernel writes, is staged. Without
+// (moe_down_combine_staged_late_*), it waits first and reads the ids and weights the gate/up kernel wrote.
+template <typename T, typename S, bool WholePacks, bool EarlyLoads>
 [[kernel]] void moe_down_combine_staged(constant lily::MoeArgs& args [[buffer(0)]],
                                         device const float* hidden [[buffer(1)]],
                                         device const float* router [[buffer(2)]],
-                                        device const lily::pack_codes_t<WholePacks>* down_weight [[buffer(3)]],
-                                        device const S* down_scales [[buffer(4)]],
-                                        device const S* down_biases [[buffer(5)]],
-                                        device const lily::pack_codes_t<WholePacks>* shared_down_weight [[buffer(6)]],
-                                        device const S* shared_down_scales [[buffer(7)]],
-                                        device const S* shared_down_biases [[buffer(8)]],
-                                        device const T* residual [[buffer(9)]],
-                                        device T* out [[buffer(10)]],
+                                        device const uint* expert_ids [[buffer(3)]],
+                                        device const float* expert_weights [[buffer(4)]],
+                                        device const lily::pack_codes_t<WholePacks>* down_weight [[buffer(5)]],
+                                        device const S* down_scales [[buffer(6)]],
+                                        device const S* down_biases [[buffer(7)]],
+                                        device const lily::pack_codes_t<WholePacks>* shared_down_weight [[buffer(8)]],
+                                        device const S* shared_down_scales [[buffer(9)]],
+                                        device const S* shared_down_biases [[buffer(10)]],
+                                        device const T* residual [[buffer(11)]],
+                                        device T* out [[buffer(12)]],
                                         uint group [[threadgroup_position_in_grid]],
                                         uint tid [[thread_index_in_threadgroup]],
                                         uint n_threads [[threads_per_threadgroup]],
@@ -667,7 +670,9 @@ template <typename T, typename S, bool WholePacks>
   const uint first_row = (group * (n_threads / 32) + simd_group) * kRows;
   const bool active = first_row < H;  // else the simdgroup only takes part in the staging
   const uint total = moe_down_packs(args);
-  if (simd_group == 0) {
+  if (!EarlyLoads) {
+    lily::grid_dependency_wait();  // the ids, weights and hidden come from the dispatch before
+  } else if (simd_group == 0) {
     moe_slot_expert(router, args.num_experts, args.top_k, args.top_k - 1, true, lane, route_ids, route_weights);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -691,13 +696,22 @@ template <typename T, typename S, bool WholePacks>
   for (uint s0 = 0; s0 < total; s0 += 32 * kPacks) {  // uniform trip count: the staging in the first stays uniform
     const uint p0 = s0 + lane;
     // An inactive simdgroup reads the last rows (never stored).
-    moe_down_load_step<WholePacks>(args, p0, min(first_row, H - kRows), (threadgroup const uint*)route_ids,
-                                   (threadgroup const float*)route_weights, shared_weight,
-                                   lily::as_words(down_weight), down_scales, down_biases,
-                                   lily::as_words(shared_down_weight), shared_down_scales, shared_down_biases, words,
-                                   scale, bias, weight);
+    if (EarlyLoads) {
+      moe_down_load_step<WholePacks>(args, p0, min(first_row, H - kRows), (threadgroup const uint*)route_ids,
+                                     (threadgroup const float*)route_weights, shared_weight,
+                                     lily::as_words(down_weight), down_scales, down_biases,
+                                     lily::as_words(shared_down_weight), shared_down_scales, shared_down_biases,
+                                     words, scale, bias, weight);
+    } else {
+      moe_down_load_step<WholePacks>(args, p0, min(first_row, H - kRows), expert_ids, expert_weights, shared_weight,
+                                     lily::as_words(down_weight), down_scales, down_biases,
+                                     lily::as_words(shared_down_weight), shared_down_scales, shared_down_biases,
+                                     words, scale, bias, weight);
+    }
     if (s0 == 0) {
-      lily::grid_dependency_wait();  // hidden comes from the dispatch before
+      if (EarlyLoads) {
+        lily::grid_dependency_wait();  // hidden comes from the dispatch before
+      }
       lily::qmv_stage<false, 4>(hidden, hidden, total * 8 * kPackWords, 0.0f, stage_h, pack_sum, simd_sq, tid,
                                 n_threads, lane, simd_group);
     }
@@ -771,8 +785,16 @@ LILY_INSTANTIATE_EARLY_KERNEL("moe_gate_up_swiglu_routed_staged_bf16_a16", moe_g
 LILY_INSTANTIATE_KERNEL("moe_down_combine_f32", moe_down_combine, float, bfloat)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_bf16", moe_down_combine, bfloat, bfloat)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_f32_sf32", moe_down_combine, float, float)
-LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_f32", moe_down_combine_staged, float, bfloat, false)
-LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_f32_a16", moe_down_combine_staged, float, bfloat, true)
-LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_bf16", moe_down_combine_staged, bfloat, bfloat, false)
-LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_bf16_a16", moe_down_combine_staged, bfloat, bfloat, true)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_f32", moe_down_combine_staged, float, bfloat, false, true)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_f32_a16", moe_down_combine_staged, float, bfloat, true, true)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_bf16", moe_down_combine_staged, bfloat, bfloat, false, true)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_bf16_a16", moe_down_combine_staged, bfloat, bfloat, true, true)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_late_f32", moe_down_combine_staged, float, bfloat,
+                              false, false)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_late_f32_a16", moe_down_combine_staged, float, bfloat,
+                              true, false)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_late_bf16", moe_down_combine_staged, bfloat, bfloat,
+                              false, false)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_late_bf16_a16", moe_down_combine_staged, bfloat, bfloat,
+                              true, false)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_bf16_sf32", moe_down_combine, bfloat, float)

@@ -262,8 +262,8 @@ def moe_cases() -> list[Case]:
              hidden + 2 * f32(TOP_K) + TOP_K * (one_w + 2 * one_s) + sdw + 2 * sds + f32(1) + 2 * bf16(HIDDEN)),
         # The staged kernel routes again from the router's output (E logits, then the shared expert's gate logit).
         Case("moe down+combine+residual, 8 experts + shared (staged)", "moe_down_combine_staged_bf16",
-             [_moe_args(), hidden, _router_output(), dw, ds, ds, sdw, sds, sds, bf16(HIDDEN), Same(9)],
-             (ceil_div(HIDDEN, MOE_DOWN_ROWS), 1, 1), (MOE_DOWN_THREADS, 1, 1),
+             [_moe_args(), hidden, _router_output(), _expert_ids(), f32(TOP_K), dw, ds, ds, sdw, sds, sds, bf16(HIDDEN),
+              Same(11)], (ceil_div(HIDDEN, MOE_DOWN_ROWS), 1, 1), (MOE_DOWN_THREADS, 1, 1),
              hidden + f32(EXPERTS + 1) + TOP_K * (one_w + 2 * one_s) + sdw + 2 * sds + 2 * bf16(HIDDEN)),
     ]
 

@@ -203,19 +203,21 @@ def _gate_up(run: Run, kernel: str, shape: tuple[int, ...]) -> None:
 
 
 def down_combine_staged(run: Run, kernel: str, layer: DecodeLayer, args: bytes, hidden_act: np.ndarray,
-                        router: np.ndarray, residual: np.ndarray, out: np.ndarray, hidden: int,
-                        threads: int = DOWN_THREADS, **options) -> None:
-    """The staged down kernel, which routes again from the router's output (E logits, then the gate logit)."""
+                        router: np.ndarray, ids: np.ndarray, weights: np.ndarray, residual: np.ndarray,
+                        out: np.ndarray, hidden: int, threads: int = DOWN_THREADS, **options) -> None:
+    """The staged down kernels, which take the router's output (E logits, then the gate logit) beside the ids and
+    weights: the early one routes again from the logits, the late one (`_late_`) reads the ids and weights."""
     rows = threads // 32 * 2  # LILY_MOE_DOWN_ROWS_PER_SIMDGROUP rows per simdgroup
-    run.dispatch(kernel, [args, hidden_act, router, *layer.down.buffers(), *layer.shared_down.buffers(), residual, out],
-                 -(-hidden // rows), threads, **options)
+    run.dispatch(kernel, [args, hidden_act, router, ids, weights, *layer.down.buffers(), *layer.shared_down.buffers(),
+                          residual, out], -(-hidden // rows), threads, **options)
 
 
 def _down_combine(run: Run, kernel: str, shape: tuple[int, ...], threads: int = DOWN_THREADS,
                   ties: bool = False) -> None:
-    """Against the reference, into a separate buffer and in place over the residual (same bits). The staged kernel
-    routes again from random router logits (with `ties`, drawn from three values: the lower expert wins each tie), so
-    its ids and weights are reference.moe_route's; the others read random ids and weights."""
+    """Against the reference, into a separate buffer and in place over the residual (same bits). The early staged
+    kernel routes again from random router logits (with `ties`, drawn from three values: the lower expert wins each
+    tie), so its ids and weights are reference.moe_route's, and the ids and weights it is given are poison; the others
+    read random ids and weights (the late staged kernel beside logits that route elsewhere)."""
     num_experts, k, hidden, expert, shared = shape
     dtype = dtype_of(kernel)
     layer = DecodeLayer(run.rng, num_experts, hidden, expert, shared, scale_dtype_of(kernel))
@@ -224,16 +226,20 @@ def _down_combine(run: Run, kernel: str, shape: tuple[int, ...], threads: int = 
     residual = to_device(2.0 * run.rng.standard_normal(hidden), dtype)
     out = poisoned((hidden,), dtype)
     args = moe_args(1, num_experts, k, hidden, expert, shared)
+    ids = run.rng.choice(num_experts, k, replace=False).astype(np.uint32)
+    weights = run.rng.dirichlet(np.ones(k)).astype(np.float32)
     if "_staged_" in kernel:
         logits = run.rng.integers(0, 3, (1, num_experts)).astype(np.float32) if ties else \
             (2.0 * run.rng.standard_normal((1, num_experts))).astype(np.float32)
-        expected_ids, expected_weights = reference.moe_route(logits, k)
-        ids, weights = expected_ids[0], expected_weights[0]
         router = np.concatenate([logits[0], gate_logit])
-        run_down = partial(down_combine_staged, run, kernel, layer, args, h, router)
+        if "_late_" in kernel:
+            run_down = partial(down_combine_staged, run, kernel, layer, args, h, router, ids, weights)
+        else:
+            run_down = partial(down_combine_staged, run, kernel, layer, args, h, router,
+                               np.full(k, 0xFFFFFFFF, np.uint32), np.full(k, np.nan, np.float32))
+            expected_ids, expected_weights = reference.moe_route(logits, k)
+            ids, weights = expected_ids[0], expected_weights[0]
     else:
-        ids = run.rng.choice(num_experts, k, replace=False).astype(np.uint32)
-        weights = run.rng.dirichlet(np.ones(k)).astype(np.float32)
         run_down = partial(down_combine, run, kernel, layer, args, h, ids, weights, gate_logit)
     run_down(residual, out, hidden, threads)
     total = to_f64(residual, dtype)
