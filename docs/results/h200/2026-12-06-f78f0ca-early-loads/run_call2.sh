@@ -1,0 +1,5 @@
+#!/bin/bash
+# Eighth session, call 2 (the machine of call 1 kept warm; the command line as sent to the device tool). The carried
+# .dev/g1 replaced the folder on the machine, so its new/ and new2/ PTX folders (made by call 1) were gone: the A/B
+# failed at the first model (see the README) and memcheck found no PTX.
+G=$PWD/.dev/g1; OLD=$PWD/.dev/f1/full; export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 CUDA_CACHE_MAXSIZE=4294967296; timeout 230 python3 scripts/decode_ab.py --depths 4096,0 --rounds 4 old=$OLD new=$G/new new2=$G/new2 2>&1 | grep -v Warning | tee $OUT/ab.txt | grep -E "^==|^ +(old|new|new2) +[0-9]|round|loaded"; cd /tmp && LILY_CUDA_PTX_DIR=$G/new2 LILY_CUDA_TESTS=gpu LILY_KERNEL_DEVICE=cuda timeout 100 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider --rootdir $G/../.. $G/../../tests/kernels/test_attention.py $G/../../tests/kernels/test_moe.py -k "mma or combine" > $OUT/sanitizer_memcheck.txt 2>&1; echo "memcheck rc=$?"; grep -E "passed|failed|ERROR SUMMARY" $OUT/sanitizer_memcheck.txt | tail -2
