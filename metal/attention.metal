@@ -346,8 +346,10 @@ template <typename T, typename C, uint D, uint G, bool COALESCED>
 // (columns >= G are zero and never stored), so the step's softmax is one max and one sum over the rows of each column.
 // The fragments are filled straight from device memory, with no staging: a dot product may take the head dim in any
 // order, and O^T's rows may hold the dims in any order, so both permute them so that each lane loads 16 contiguous
-// bytes (attn_decode_mma_key_dim, attn_decode_mma_value_dim): a K load fills four fragments (8 keys x 64 bytes per
-// simdgroup load), a V load of keys col and col + 1 eight (4 keys x 128 bytes).
+// bytes: a K load fills four fragments (8 keys x 64 bytes per simdgroup load), a V load of keys col and col + 1 eight
+// (4 keys x 128 bytes). The key (and query) dim a lane holds at position (row or col) k of fragment f is
+// 32 (f / 4) + 8 (k / 2) + 2 (f % 4) + k % 2: the four fragments 4m .. 4m + 3 take dims 32m .. 32m + 31, and the lane
+// with k in {2j, 2j + 1} holds 8 consecutive dims of them (attn_decode_mma_step's K loads, the query loads).
 // Then the n simdgroups' (max, sum) meet in threadgroup memory and their rescaled O^T in rounds of R dims
 // (LILY_ATTN_DECODE_MMA_MERGE_FLOATS / (8 n) floats per simdgroup and column), which the threadgroup adds and writes.
 // Keys past key_end in the last step read row key_end - 1 (in bounds) and get score -inf. Same outputs as
@@ -355,11 +357,6 @@ template <typename T, typename C, uint D, uint G, bool COALESCED>
 // -inf, 0).
 // Verified here: the maths, block boundaries and races (CPU harness, simdgroup matrices in MLX's lane layout; the
 // engine runs it only where simdgroup_layout_probe confirms the layout).
-// Dim of the key (or query) element a lane holds at position (row or col) `k` of fragment f: the four fragments
-// 4m .. 4m + 3 take dims 32m .. 32m + 31, and the lane with k in {2j, 2j + 1} holds 8 consecutive dims of them.
-inline uint attn_decode_mma_key_dim(uint f, uint k) {
-  return 32 * (f / 4) + 8 * (k / 2) + 2 * (f % 4) + k % 2;
-}
 // Dim of O^T's (and V^T's) row `row` of fragment g: fragments 8m .. 8m + 7 take dims 64m .. 64m + 63, row r the 8
 // consecutive dims 64m + 8r ...
 inline uint attn_decode_mma_value_dim(uint g, uint row) {
@@ -511,7 +508,7 @@ LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, QRows
   const uint row = attn_mma_row(simd_lane);
   const uint col = attn_mma_col(simd_lane);
 
-  // Q^T: fragment f element (k = row, column h) is q_rows[h][attn_decode_mma_key_dim(f, row)], scaled (1/sqrt(D):
+  // Q^T: fragment f element (k = row, column h) is q_rows[h][key dim of (f, row)], scaled (1/sqrt(D):
   // a power of two), rounded to bf16 (the MMA operand). Fragments 4m .. 4m + 3 of a lane come from one 16-byte load:
   // dims 32m + 8 (row / 2) + 2i + row % 2, i.e. the 16-bit half row % 2 of its word i.
   simdgroup_bfloat8x8 query_t[FRAGS];
