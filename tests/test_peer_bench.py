@@ -224,7 +224,6 @@ def test_prune_keeps_what_a_cuda_llama_bench_build_needs(tmp_path):
     assert (dest / "tools" / "CMakeLists.txt").read_text().strip().endswith("add_subdirectory(llama-bench)")
 
 
-
 def fake_llama_tree(repo, body: str) -> None:
     """run.sh and a llama.cpp tarball in a repository layout: a CMake project whose llama-bench target is a tiny C
     program (the build stage's CUDA options are defined and ignored)."""
