@@ -777,7 +777,17 @@ LILY_INLINE void qmv_norm_staged_stream(constant lily::QMatmulNormArgs& args, de
       first_row < N, stage_x, pack_sum, simd_sq, tid, n_threads, lane, simd_group);
   float best = -INFINITY;  // every lane holds its simdgroup's best (the totals are simd_sums)
   uint best_id = 0xFFFFFFFFu;  // loses to any real row, even a -inf logit
+  // The next block's first step, loaded before this block's sums and stores so that its latency overlaps them.
+  uint words[LILY_QMV_PACKS_PER_LANE][kRows][LILY_QMV_PACK_WORDS];
+  float scale[LILY_QMV_PACKS_PER_LANE][kRows];
+  float bias[LILY_QMV_PACKS_PER_LANE][kRows];
   for (uint block = tg.x; first_row < N;) {  // uniform per simdgroup: the simd_sums stay convergent
+    const uint next_block = block + groups.x;
+    const uint next_row = next_block < blocks ? next_block * rows_per_group + simd_group * kRows : N;
+    if (next_row < N) {
+      qmv_load_step<Bits, WholePacks>(words, scale, bias, lily::as_words(weight), scales, biases, K, N, next_row,
+                                      lane);
+    }
     LILY_UNROLL
     for (uint r = 0; r < kRows; ++r) {
       const float total = simd_sum(acc[r]);
@@ -790,11 +800,11 @@ LILY_INLINE void qmv_norm_staged_stream(constant lily::QMatmulNormArgs& args, de
         best_id = first_row + r;
       }
     }
-    block += groups.x;
-    first_row = block < blocks ? block * rows_per_group + simd_group * kRows : N;
+    block = next_block;
+    first_row = next_row;
     if (first_row < N) {
-      qmv_load_and_dot<Bits, WholePacks>(acc, lily::as_words(weight), scales, biases, K, N, first_row, stage_x,
-                                         pack_sum, lane);
+      qmv_staged_dot<Bits, WholePacks>(acc, words, scale, bias, lily::as_words(weight), scales, biases, K, N,
+                                       first_row, stage_x, pack_sum, lane);
     }
   }
   if (Argmax) {
