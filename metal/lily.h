@@ -351,6 +351,9 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // The staged decode experts (CUDA: moe_*_staged, tuning::staged_gemv): the most hidden values moe_down_combine_staged
 // stages, k I + Is (the model's 8 x 512 + 512; 20 KB of threadgroup memory, in whole blocks of 32 packs).
 #define LILY_MOE_STAGE_MAX_K 4608
+// moe_down_combine_staged routes again before its dependency wait (the ids and weights in threadgroup memory): the
+// most routed slots it holds (the host stages the experts only up to this top_k; the model's is 8).
+#define LILY_MOE_DOWN_ROUTE_MAX_K 16
 // Prefill sort: (token, slot) assignments per threadgroup of moe_sort_count / moe_sort_scatter (one per thread).
 #define LILY_MOE_SORT_BLOCK 256
 // Grouped GEMM: the tiled GEMM of metal/gemm.h (LILY_GEMM_*) on bm rows (16 or 32) of one expert. The host picks

@@ -22,7 +22,8 @@
 //   moe_gate_up_swiglu_routed_staged_<dtype>, moe_down_combine_staged_<dtype>  (CUDA's choice with the staged GEMVs:
 //       tuning::staged_moe; bf16 scales) the same two with their input staged once per threadgroup in threadgroup
 //       memory (qmv_stage.h): the normed x (gate/up, whose shared-expert threadgroups load their first weights before
-//       the dependency wait) and the experts' hidden scratch (down, where every simdgroup read all 18 KB of it).
+//       the dependency wait) and the experts' hidden scratch (down, where every simdgroup read all 18 KB of it; it
+//       routes again from the router's output and loads its first weights before its wait).
 // Weights: MLX affine 4-bit, group 64 along the input axis: codes packed 8 per uint32 (element 0 in the low bits),
 // bf16 scales and biases (f32 with the _sf32 suffix: checkpoints converted from fp32 weights), w = scale·q + bias;
 // routed experts stacked [E, out, in]. <dtype> is the activation type (f32: float32 mode, bf16: default, f16).
@@ -148,10 +149,12 @@ template <typename T>
 }
 
 // The expert of routed slot `slot`: the softmax over the E f32 logits and top-k rounds 0..slot (slot k - 1: all k).
-// The writer simdgroup (one per dispatch, running all k rounds) writes the ids and renormalised weights. Called by a
-// whole simdgroup (convergent).
+// The writer simdgroup (running all k rounds) writes the ids and renormalised weights: to device memory for
+// moe_down_combine (one writer per dispatch), or to threadgroup memory (moe_down_combine_staged's own routing). Called
+// by a whole simdgroup (convergent).
+template <typename Ids, typename Weights>
 inline uint moe_slot_expert(device const float* router_logits, uint num_experts, uint k, uint slot, bool writer,
-                            uint lane, device uint* expert_ids, device float* expert_weights) {
+                            uint lane, Ids expert_ids, Weights expert_weights) {
   float p[MOE_PER_LANE];
   moe_probabilities(router_logits, num_experts, lane, p);
   uint taken = 0, expert = 0;
@@ -493,10 +496,10 @@ inline uint moe_down_packs(constant lily::MoeArgs& args) {
 // rest the shared expert's, with their scales and biases and each pack's routing weight (sigmoid of the gate logit for
 // the shared expert). A pack past the row re-reads the row's last pack with weight 0: no load is conditional.
 // WholePacks: a pack as one 16-byte load (codes on 16 bytes): lily::qmv_load_pack.
-template <bool WholePacks, typename S>
+template <bool WholePacks, typename S, typename Ids, typename Weights>
 LILY_INLINE void moe_down_load_step(
-    constant lily::MoeArgs& args, uint p0, uint row, device const uint* expert_ids, device const float* expert_weights,
-    float shared_weight, device const uint* down_weight, device const S* down_scales, device const S* down_biases,
+    constant lily::MoeArgs& args, uint p0, uint row, Ids expert_ids, Weights expert_weights, float shared_weight,
+    device const uint* down_weight, device const S* down_scales, device const S* down_biases,
     device const uint* shared_down_weight, device const S* shared_down_scales, device const S* shared_down_biases,
     thread uint (&words)[LILY_MOE_DOWN_PACKS_PER_LANE][LILY_MOE_DOWN_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS],
     thread float (&scale)[LILY_MOE_DOWN_PACKS_PER_LANE][LILY_MOE_DOWN_ROWS_PER_SIMDGROUP],
@@ -623,21 +626,27 @@ template <typename T, typename S>
 // moe_down_combine with the hidden scratch (k slot rows and the shared one, f32) staged once per threadgroup (CUDA's
 // choice: tuning::staged_moe; qmv_stage.h), where each lane loaded its own packs of it (per simdgroup the whole
 // 18 KB, four times the weight bytes it reads at the model's sizes). Same grid and threadgroups as moe_down_combine,
-// any multiple of 32 threads; every load of the weights is issued before the staging, and the flattened pack p reads
-// hidden values [32 p, 32 p + 32): the packs of the slot rows in order. k I + Is <= LILY_MOE_STAGE_MAX_K (the host
-// checks).
-template <typename T, typename S, bool WholePacks>
+// any multiple of 32 threads; the flattened pack p reads hidden values [32 p, 32 p + 32): the packs of the slot rows in
+// order. k I + Is <= LILY_MOE_STAGE_MAX_K and k <= LILY_MOE_DOWN_ROUTE_MAX_K (the host checks).
+// It takes the router's output (E logits, then the shared expert's gate logit) beside the gate/up kernel's ids and
+// weights. EarlyLoads (EARLY_MOE_DOWN, the default): before lily::grid_dependency_wait, simdgroup 0 routes again
+// (moe_slot_expert, the gate/up writer's code: the same ids and weights) into threadgroup memory, and every simdgroup
+// issues its first step of weights and reads its rows' residual; the router and the dispatch before it have finished
+// by the time the gate/up kernel (the one dispatch this waits for) lets it start, so on CUDA those loads overlap the
+// gate/up kernel, and after the wait only the hidden scratch, which the gate/up kernel writes, is staged. Without
+// (moe_down_combine_staged_late_*), it waits first and reads the ids and weights the gate/up kernel wrote.
+template <typename T, typename S, bool WholePacks, bool EarlyLoads>
 [[kernel]] void moe_down_combine_staged(constant lily::MoeArgs& args [[buffer(0)]],
                                         device const float* hidden [[buffer(1)]],
-                                        device const uint* expert_ids [[buffer(2)]],
-                                        device const float* expert_weights [[buffer(3)]],
-                                        device const lily::pack_codes_t<WholePacks>* down_weight [[buffer(4)]],
-                                        device const S* down_scales [[buffer(5)]],
-                                        device const S* down_biases [[buffer(6)]],
-                                        device const lily::pack_codes_t<WholePacks>* shared_down_weight [[buffer(7)]],
-                                        device const S* shared_down_scales [[buffer(8)]],
-                                        device const S* shared_down_biases [[buffer(9)]],
-                                        device const float* shared_gate_logit [[buffer(10)]],
+                                        device const float* router [[buffer(2)]],
+                                        device const uint* expert_ids [[buffer(3)]],
+                                        device const float* expert_weights [[buffer(4)]],
+                                        device const lily::pack_codes_t<WholePacks>* down_weight [[buffer(5)]],
+                                        device const S* down_scales [[buffer(6)]],
+                                        device const S* down_biases [[buffer(7)]],
+                                        device const lily::pack_codes_t<WholePacks>* shared_down_weight [[buffer(8)]],
+                                        device const S* shared_down_scales [[buffer(9)]],
+                                        device const S* shared_down_biases [[buffer(10)]],
                                         device const T* residual [[buffer(11)]],
                                         device T* out [[buffer(12)]],
                                         uint group [[threadgroup_position_in_grid]],
@@ -648,18 +657,31 @@ template <typename T, typename S, bool WholePacks>
   threadgroup float4 stage_h[MOE_STAGE_FLOAT4S];
   threadgroup float pack_sum[LILY_MOE_STAGE_MAX_K / 32];  // 32 values per 4-bit pack
   threadgroup float simd_sq[32];
+  threadgroup uint route_ids[LILY_MOE_DOWN_ROUTE_MAX_K];
+  threadgroup float route_weights[LILY_MOE_DOWN_ROUTE_MAX_K];
   constexpr uint kRows = LILY_MOE_DOWN_ROWS_PER_SIMDGROUP;
   constexpr uint kPackWords = LILY_QMV_PACK_WORDS;
   constexpr uint kPacks = LILY_MOE_DOWN_PACKS_PER_LANE;
   constexpr uint kChunks = lily::kStageChunks<4>;
   const uint H = args.hidden_size;
   if (group * (n_threads / 32) * kRows >= H) {
-    return;  // the whole threadgroup leaves: the barrier in qmv_stage stays uniform
+    return;  // the whole threadgroup leaves: the barriers below stay uniform
   }
   const uint first_row = (group * (n_threads / 32) + simd_group) * kRows;
   const bool active = first_row < H;  // else the simdgroup only takes part in the staging
   const uint total = moe_down_packs(args);
-  const float shared_weight = lily::sigmoid(shared_gate_logit[0]);
+  if (!EarlyLoads) {
+    lily::grid_dependency_wait();  // the ids, weights and hidden come from the dispatch before
+  } else if (simd_group == 0) {
+    moe_slot_expert(router, args.num_experts, args.top_k, args.top_k - 1, true, lane, route_ids, route_weights);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const float shared_weight = lily::sigmoid(router[args.num_experts]);
+  float residual_rows[kRows];
+  LILY_UNROLL
+  for (uint r = 0; r < kRows; ++r) {
+    residual_rows[r] = active ? float(residual[first_row + r]) : 0.0f;
+  }
   uint magic[lily::kCodeMagicCount<4>];
   lily::code_float_magic<4>(magic);
   float acc[kRows];
@@ -667,20 +689,31 @@ template <typename T, typename S, bool WholePacks>
   for (uint r = 0; r < kRows; ++r) {
     acc[r] = 0.0f;
   }
-  // One step covers the flattened row at the model's sizes (144 packs <= 32 x 5): its loads go out before the
-  // staging; a longer row loads its later steps after it.
+  // One step covers the flattened row at the model's sizes (144 packs <= 32 x 5): its loads go out before the wait; a
+  // longer row loads its later steps after the staging.
+  uint words[kPacks][kRows][kPackWords];
+  float scale[kPacks][kRows], bias[kPacks][kRows], weight[kPacks];
   for (uint s0 = 0; s0 < total; s0 += 32 * kPacks) {  // uniform trip count: the staging in the first stays uniform
     const uint p0 = s0 + lane;
-    uint words[kPacks][kRows][kPackWords];
-    float scale[kPacks][kRows], bias[kPacks][kRows], weight[kPacks];
     // An inactive simdgroup reads the last rows (never stored).
-    moe_down_load_step<WholePacks>(args, p0, min(first_row, H - kRows), expert_ids, expert_weights, shared_weight,
-                                   lily::as_words(down_weight), down_scales, down_biases,
-                                   lily::as_words(shared_down_weight), shared_down_scales, shared_down_biases, words,
-                                   scale, bias, weight);
+    if (EarlyLoads) {
+      moe_down_load_step<WholePacks>(args, p0, min(first_row, H - kRows), (threadgroup const uint*)route_ids,
+                                     (threadgroup const float*)route_weights, shared_weight,
+                                     lily::as_words(down_weight), down_scales, down_biases,
+                                     lily::as_words(shared_down_weight), shared_down_scales, shared_down_biases,
+                                     words, scale, bias, weight);
+    } else {
+      moe_down_load_step<WholePacks>(args, p0, min(first_row, H - kRows), expert_ids, expert_weights, shared_weight,
+                                     lily::as_words(down_weight), down_scales, down_biases,
+                                     lily::as_words(shared_down_weight), shared_down_scales, shared_down_biases,
+                                     words, scale, bias, weight);
+    }
     if (s0 == 0) {
-      lily::qmv_stage<false, 4>(hidden, hidden, total * 8 * kPackWords, 0.0f, stage_h, pack_sum, simd_sq, tid, n_threads,
-                          lane, simd_group);
+      if (EarlyLoads) {
+        lily::grid_dependency_wait();  // hidden comes from the dispatch before
+      }
+      lily::qmv_stage<false, 4>(hidden, hidden, total * 8 * kPackWords, 0.0f, stage_h, pack_sum, simd_sq, tid,
+                                n_threads, lane, simd_group);
     }
     LILY_UNROLL
     for (uint i = 0; i < kPacks; ++i) {
@@ -724,8 +757,8 @@ template <typename T, typename S, bool WholePacks>
   for (uint r = 0; r < kRows; ++r) {
     const float total_r = simd_sum(acc[r]);
     if (lane == 0) {
-      // Read and write by the same thread: out may alias residual.
-      out[first_row + r] = T(float(residual[first_row + r]) + total_r);
+      // The residual was read by this thread before it writes: out may alias residual.
+      out[first_row + r] = T(residual_rows[r] + total_r);
     }
   }
 }
@@ -752,8 +785,16 @@ LILY_INSTANTIATE_EARLY_KERNEL("moe_gate_up_swiglu_routed_staged_bf16_a16", moe_g
 LILY_INSTANTIATE_KERNEL("moe_down_combine_f32", moe_down_combine, float, bfloat)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_bf16", moe_down_combine, bfloat, bfloat)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_f32_sf32", moe_down_combine, float, float)
-LILY_INSTANTIATE_KERNEL("moe_down_combine_staged_f32", moe_down_combine_staged, float, bfloat, false)
-LILY_INSTANTIATE_KERNEL("moe_down_combine_staged_f32_a16", moe_down_combine_staged, float, bfloat, true)
-LILY_INSTANTIATE_KERNEL("moe_down_combine_staged_bf16", moe_down_combine_staged, bfloat, bfloat, false)
-LILY_INSTANTIATE_KERNEL("moe_down_combine_staged_bf16_a16", moe_down_combine_staged, bfloat, bfloat, true)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_f32", moe_down_combine_staged, float, bfloat, false, true)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_f32_a16", moe_down_combine_staged, float, bfloat, true, true)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_bf16", moe_down_combine_staged, bfloat, bfloat, false, true)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_bf16_a16", moe_down_combine_staged, bfloat, bfloat, true, true)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_late_f32", moe_down_combine_staged, float, bfloat,
+                              false, false)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_late_f32_a16", moe_down_combine_staged, float, bfloat,
+                              true, false)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_late_bf16", moe_down_combine_staged, bfloat, bfloat,
+                              false, false)
+LILY_INSTANTIATE_EARLY_KERNEL("moe_down_combine_staged_late_bf16_a16", moe_down_combine_staged, bfloat, bfloat,
+                              true, false)
 LILY_INSTANTIATE_KERNEL("moe_down_combine_bf16_sf32", moe_down_combine, bfloat, float)

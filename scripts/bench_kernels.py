@@ -218,6 +218,11 @@ def _expert_ids() -> bytes:
     return struct.pack(f"<{TOP_K}I", *(int(e) for e in np.linspace(3, EXPERTS - 5, TOP_K)))
 
 
+def _router_output() -> bytes:
+    """E router logits (normal, so the routing picks distinct experts as a trained router does) and a gate logit."""
+    return np.random.default_rng(3).standard_normal(EXPERTS + 1).astype(np.float32).tobytes()
+
+
 def _gate_up_weights() -> tuple[list, int]:
     """gate, up (stacked experts), shared gate, shared up: codes, scales, biases each; bytes of k experts read."""
     ew, es = quantized(EXPERTS * EXPERT_SIZE, HIDDEN)
@@ -251,13 +256,15 @@ def moe_cases() -> list[Case]:
              (ceil_div(max(EXPERT_SIZE, SHARED_SIZE), staged_rows), TOP_K + 1, 1),
              (32 * QMV_STAGED["simdgroups"], 1, 1),
              2 * bf16(HIDDEN) + f32(EXPERTS) + 2 * f32(TOP_K) + weight_bytes + hidden),
-    ] + [
-        Case(f"moe down+combine+residual, 8 experts + shared{tag}",
-             f"moe_down_combine{'_staged' if tag else ''}_bf16",
+        Case("moe down+combine+residual, 8 experts + shared", "moe_down_combine_bf16",
              [_moe_args(), hidden, _expert_ids(), f32(TOP_K), dw, ds, ds, sdw, sds, sds, f32(1), bf16(HIDDEN),
               Same(11)], (ceil_div(HIDDEN, MOE_DOWN_ROWS), 1, 1), (MOE_DOWN_THREADS, 1, 1),
-             hidden + 2 * f32(TOP_K) + TOP_K * (one_w + 2 * one_s) + sdw + 2 * sds + f32(1) + 2 * bf16(HIDDEN))
-        for tag in ("", " (staged)")
+             hidden + 2 * f32(TOP_K) + TOP_K * (one_w + 2 * one_s) + sdw + 2 * sds + f32(1) + 2 * bf16(HIDDEN)),
+        # The staged kernel routes again from the router's output (E logits, then the shared expert's gate logit).
+        Case("moe down+combine+residual, 8 experts + shared (staged)", "moe_down_combine_staged_bf16",
+             [_moe_args(), hidden, _router_output(), _expert_ids(), f32(TOP_K), dw, ds, ds, sdw, sds, sds, bf16(HIDDEN),
+              Same(11)], (ceil_div(HIDDEN, MOE_DOWN_ROWS), 1, 1), (MOE_DOWN_THREADS, 1, 1),
+             hidden + f32(EXPERTS + 1) + TOP_K * (one_w + 2 * one_s) + sdw + 2 * sds + 2 * bf16(HIDDEN)),
     ]
 
 

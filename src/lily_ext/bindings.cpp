@@ -105,6 +105,7 @@ void bind_switches(nb::module_ m) {
       .def_rw("whole_pack_loads", &S::whole_pack_loads)
       .def_rw("fused_attention_prep", &S::fused_attention_prep)
       .def_rw("fused_argmax", &S::fused_argmax)
+      .def_rw("early_moe_down", &S::early_moe_down)
       .def_rw("mma_gemv", &S::mma_gemv)
       .def_rw("split_kv_min_keys", &S::split_kv_min_keys)
       .def_rw("prefill_chunk", &S::prefill_chunk)

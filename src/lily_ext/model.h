@@ -70,6 +70,9 @@ struct Switches {
   bool fused_attention_prep = true;  // FUSED_ATTENTION_PREP: off = split-KV decode attention on matrix units
                                      // (MMA_ATTENTION, bf16) runs after its own attention_prep dispatch; on, each
                                      // partial threadgroup preps its rows itself (attention_decode_partial_prep_mma)
+  bool early_moe_down = true;      // EARLY_MOE_DOWN: off = the staged expert down kernel (STAGED_GEMV: CUDA) waits for
+                                   // the gate/up kernel before it loads anything; on, it routes again from the
+                                   // router's logits and loads its first weights and residual before that wait
   bool fused_argmax = true;        // FUSED_ARGMAX: off = a greedy decode step reduces its logits with argmax_partial
                                    // after the lm_head; on, the lm_head GEMV keeps each threadgroup's best logit
                                    // where it streams (staged: CUDA; qmv_norm_argmax_staged) and only argmax_final

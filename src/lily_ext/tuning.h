@@ -122,7 +122,7 @@ inline bool spread_deltanet_step(bool switched_on, size_t value_heads, size_t he
 inline bool staged_moe(bool switched_on, bool bf16_scales, size_t hidden_size, size_t top_k, size_t expert_size,
                        size_t shared_expert_size) {
   return staged_gemv(switched_on, 4, bf16_scales, hidden_size, false) &&
-         top_k * expert_size + shared_expert_size <= LILY_MOE_STAGE_MAX_K;
+         top_k * expert_size + shared_expert_size <= LILY_MOE_STAGE_MAX_K && top_k <= LILY_MOE_DOWN_ROUTE_MAX_K;
 }
 
 // Threads per threadgroup.

@@ -14,10 +14,11 @@ from tests.engine.test_fusion import DECODE_ONLY, PROMPT, checkpoints  # noqa: F
 from tests.engine.test_plan import overlap, small_full_shape_args
 from lily import plan as lily_plan
 
-EARLY_KERNELS = ("qmv_norm_staged_", "qmv_residual_staged_", "qmv_norm_seg_staged_", "gated_delta_step_",
+EARLY_KERNELS = ("qmv_norm_staged_", "qmv_norm_argmax_staged_", "qmv_residual_staged_", "qmv_norm_seg_staged_", "gated_delta_step_",
                  "qmv_norm_seg_conv_staged_", "qmv_gated_norm_residual_staged_", "gated_delta_prefill_f32_",
                  "gated_delta_prefill_bf16_", "gated_delta_prefill_blockwise_", "moe_gate_up_swiglu_routed_staged_",
-                 "attention_decode_mma_", "attention_decode_partial_mma_", "attention_decode_partial_prep_mma_")
+                 "moe_down_combine_staged_", "attention_decode_mma_", "attention_decode_partial_mma_",
+                 "attention_decode_partial_prep_mma_")
 
 
 def expected_early_start(nodes: list[dict], i: int) -> bool:
@@ -32,7 +33,8 @@ def check_graph(graph: dict) -> list[dict]:
         assert node["early_start"] == expected_early_start(nodes, i), (i, node["label"])
         # What a kernel reads before its wait is among what it declares it reads (so the barrier rule orders it).
         assert all(any(r == e for r in node["reads"]) for e in node["early_reads"]), node["label"]
-        assert bool(node["early_reads"]) == node["kernel"].startswith(EARLY_KERNELS), node["kernel"]
+        reads_early = node["kernel"].startswith(EARLY_KERNELS) and "_late_" not in node["kernel"]
+        assert bool(node["early_reads"]) == reads_early, node["kernel"]
     return nodes
 
 
@@ -46,11 +48,13 @@ def test_decode_graph_starts_its_gemvs_and_deltanet_steps_early(checkpoints, cud
         runs[pdl] = backend.forward(PROMPT, backend.new_state())
         nodes = check_graph(backend.last_step_graph())
     early = [n for n in nodes if n["kernel"].startswith(EARLY_KERNELS)]
-    # Every staged GEMV, DeltaNet scan and staged expert gate/up (the shared expert's weights) of a decode token (the
-    # spread step, on by default) follows the one dispatch that writes its input.
+    # Every staged GEMV, DeltaNet scan, staged expert gate/up (the shared expert's weights) and staged expert down (its
+    # routing, weights and residual) of a decode token (the spread step, on by default) follows the one dispatch that
+    # writes its input.
     assert {n["kernel"].split("_q")[0].split("_bf16")[0].split("_f32")[0] for n in early} == {
         "qmv_norm_staged", "qmv_residual_staged", "qmv_norm_seg_staged", "qmv_norm_seg_conv_staged",
-        "qmv_gated_norm_residual_staged", "gated_delta_prefill", "moe_gate_up_swiglu_routed_staged"}
+        "qmv_gated_norm_residual_staged", "gated_delta_prefill", "moe_gate_up_swiglu_routed_staged",
+        "moe_down_combine_staged"}
     assert all(n["early_start"] for n in early)
     # Both runtimes (programmatic edges, and full ones only) give the same bits.
     assert np.array_equal(runs["1"], runs["0"])

@@ -202,25 +202,52 @@ def _gate_up(run: Run, kernel: str, shape: tuple[int, ...]) -> None:
     compare_dot(run, "hidden (fp32 scratch)", out, layer.swiglu_hidden(to_f64(x, dtype), ids), "f32")
 
 
-def _down_combine(run: Run, kernel: str, shape: tuple[int, ...], threads: int = DOWN_THREADS) -> None:
-    """Against the reference, into a separate buffer and in place over the residual (same bits)."""
+def down_combine_staged(run: Run, kernel: str, layer: DecodeLayer, args: bytes, hidden_act: np.ndarray,
+                        router: np.ndarray, ids: np.ndarray, weights: np.ndarray, residual: np.ndarray,
+                        out: np.ndarray, hidden: int, threads: int = DOWN_THREADS, **options) -> None:
+    """The staged down kernels, which take the router's output (E logits, then the gate logit) beside the ids and
+    weights: the early one routes again from the logits, the late one (`_late_`) reads the ids and weights."""
+    rows = threads // 32 * 2  # LILY_MOE_DOWN_ROWS_PER_SIMDGROUP rows per simdgroup
+    run.dispatch(kernel, [args, hidden_act, router, ids, weights, *layer.down.buffers(), *layer.shared_down.buffers(),
+                          residual, out], -(-hidden // rows), threads, **options)
+
+
+def _down_combine(run: Run, kernel: str, shape: tuple[int, ...], threads: int = DOWN_THREADS,
+                  ties: bool = False) -> None:
+    """Against the reference, into a separate buffer and in place over the residual (same bits). The early staged
+    kernel routes again from random router logits (with `ties`, drawn from three values: the lower expert wins each
+    tie), so its ids and weights are reference.moe_route's, and the ids and weights it is given are poison; the others
+    read random ids and weights (the late staged kernel beside logits that route elsewhere)."""
     num_experts, k, hidden, expert, shared = shape
     dtype = dtype_of(kernel)
     layer = DecodeLayer(run.rng, num_experts, hidden, expert, shared, scale_dtype_of(kernel))
     h = run.rng.standard_normal(k * expert + shared).astype(np.float32)
-    ids = run.rng.choice(num_experts, k, replace=False).astype(np.uint32)
-    weights = run.rng.dirichlet(np.ones(k)).astype(np.float32)
     gate_logit = np.array([run.rng.standard_normal()], np.float32)
     residual = to_device(2.0 * run.rng.standard_normal(hidden), dtype)
     out = poisoned((hidden,), dtype)
     args = moe_args(1, num_experts, k, hidden, expert, shared)
-    down_combine(run, kernel, layer, args, h, ids, weights, gate_logit, residual, out, hidden, threads)
+    ids = run.rng.choice(num_experts, k, replace=False).astype(np.uint32)
+    weights = run.rng.dirichlet(np.ones(k)).astype(np.float32)
+    if "_staged_" in kernel:
+        logits = run.rng.integers(0, 3, (1, num_experts)).astype(np.float32) if ties else \
+            (2.0 * run.rng.standard_normal((1, num_experts))).astype(np.float32)
+        router = np.concatenate([logits[0], gate_logit])
+        if "_late_" in kernel:
+            run_down = partial(down_combine_staged, run, kernel, layer, args, h, router, ids, weights)
+        else:
+            run_down = partial(down_combine_staged, run, kernel, layer, args, h, router,
+                               np.full(k, 0xFFFFFFFF, np.uint32), np.full(k, np.nan, np.float32))
+            expected_ids, expected_weights = reference.moe_route(logits, k)
+            ids, weights = expected_ids[0], expected_weights[0]
+    else:
+        run_down = partial(down_combine, run, kernel, layer, args, h, ids, weights, gate_logit)
+    run_down(residual, out, hidden, threads)
     total = to_f64(residual, dtype)
     for slot, e in enumerate(ids):
         total += float(weights[slot]) * reference.qmatmul(h[slot * expert : (slot + 1) * expert], layer.down.dense[e])
     total += sigmoid64(gate_logit[0]) * reference.qmatmul(h[k * expert :], layer.shared_down.dense)
     compare_dot(run, "out", to_f64(out, dtype), round_to(total, dtype), dtype)
-    down_combine(run, kernel, layer, args, h, ids, weights, gate_logit, residual, residual, hidden, threads)
+    run_down(residual, residual, hidden, threads)
     run.compare_exact("in place == separate (bits)", residual.view(np.uint8), out.view(np.uint8))
 
 
@@ -265,9 +292,10 @@ def cases(kernel: str) -> list[Case]:
         found = [Case(kernel, "E={} k={} H={} I={} Is={} threads={}".format(*s, t),
                       partial(body, kernel=kernel, shape=s, threads=t), quick=i == 0)
                  for i, (s, t) in enumerate(zip(shapes, STAGED_THREADS * len(shapes)))]
-        if "_gate_up_" in kernel and kernel.removesuffix("_a16").endswith("_f32"):
+        if kernel.removesuffix("_a16").endswith("_f32"):
+            body = _gate_up_routed if "_gate_up_" in kernel else _down_combine
             found.append(Case(kernel, "E=64 k=8 H=128 I=64 Is=64 ties", partial(
-                _gate_up_routed, kernel=kernel, shape=(64, 8, 128, 64, 64), ties=True, threads=128)))
+                body, kernel=kernel, shape=(64, 8, 128, 64, 64), ties=True, threads=128)))
         return found
     if "_routed_" in kernel:
         shapes = ROUTED_SHAPES if kernel in ("moe_gate_up_swiglu_routed_bf16", "moe_gate_up_swiglu_routed_f32") \

@@ -287,6 +287,7 @@ struct Forward {
     ctx.tensor_ops = sw.tensor_ops;
     ctx.mma_attention = sw.mma_attention;
     ctx.fused_attention_prep = sw.fused_attention_prep;
+    ctx.early_moe_down = sw.early_moe_down;
   }
 
   // The pass's T rows of `buffer`, `row_bytes` each.

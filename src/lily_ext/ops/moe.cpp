@@ -60,19 +60,46 @@ bool staged(const Context& ctx, const ModelConfig& c, const MoeSpans& s) {
 
 void down_combine(Context& ctx, const ModelConfig& c, const std::string& label, const MoeSpans& s, const MoeArgs& a,
                   const Span& hidden, const Span& ids, const Span& weights, const Span& gate_logit, bool staged) {
+  const Dim3 groups = {(c.hidden_size + tuning::kMoeDownRowsPerThreadgroup - 1) / tuning::kMoeDownRowsPerThreadgroup,
+                       1, 1};
+  const std::vector<Span> down_weights = {s.down->data,        s.down->scales,        s.down->biases,
+                                          s.shared_down->data, s.shared_down->scales, s.shared_down->biases};
+  if (staged) {
+    // EARLY_MOE_DOWN: routes again from the router's output (E logits, then the gate logit) before its wait, and loads
+    // its first weights and its rows' residual there too (metal/moe.metal): all of it final once the gate/up kernel,
+    // the one dispatch it waits for, lets it start. Off (_late_): waits first and reads the gate/up kernel's ids and
+    // weights.
+    const Span router = sub(s.router, 0, (c.num_experts + 1) * 4);
+    std::vector<Span> early = {router};
+    early.insert(early.end(), down_weights.begin(), down_weights.end());
+    early.push_back(s.residual_out);
+    std::vector<Span> reads = early;
+    reads.insert(reads.end(), {hidden, ids, weights});
+    Node& down = add_node(ctx, std::string("moe_down_combine_staged_") + (ctx.early_moe_down ? "" : "late_") +
+                                   decode_suffix(ctx, s) + pack_loads_suffix(ctx, {s.down, s.shared_down}),
+                          label + " down/combine",
+                          {arg_value(a), arg(hidden), arg(router), arg(ids), arg(weights), arg(s.down->data),
+                           arg(s.down->scales), arg(s.down->biases), arg(s.shared_down->data),
+                           arg(s.shared_down->scales), arg(s.shared_down->biases), arg(s.residual_out),
+                           arg(s.residual_out)},
+                          groups, {tuning::kMoeDownThreads, 1, 1}, std::move(reads), {s.residual_out});
+    if (ctx.early_moe_down) down.early_reads = std::move(early);
+    // The logits are read by simdgroup 0 of each threadgroup (early) from cache, or the ids and weights (late):
+    // counted once.
+    down.traffic_read = hidden.length + (ctx.early_moe_down ? router.length : ids.length + weights.length + 4) +
+                        expert_fraction(c, s.down) + s.shared_down->bytes() + s.residual_out.length;
+    return;
+  }
+  std::vector<Span> reads = {hidden, ids, weights};
+  reads.insert(reads.end(), down_weights.begin(), down_weights.end());
+  reads.push_back(gate_logit);
+  reads.push_back(s.residual_out);
   Node& down = add_node(
-      ctx,
-      staged ? "moe_down_combine_staged_" + decode_suffix(ctx, s) + pack_loads_suffix(ctx, {s.down, s.shared_down})
-             : "moe_down_combine_" + decode_suffix(ctx, s),
-      label + " down/combine",
+      ctx, "moe_down_combine_" + decode_suffix(ctx, s), label + " down/combine",
       {arg_value(a), arg(hidden), arg(ids), arg(weights), arg(s.down->data), arg(s.down->scales), arg(s.down->biases),
        arg(s.shared_down->data), arg(s.shared_down->scales), arg(s.shared_down->biases), arg(gate_logit),
        arg(s.residual_out), arg(s.residual_out)},
-      {(c.hidden_size + tuning::kMoeDownRowsPerThreadgroup - 1) / tuning::kMoeDownRowsPerThreadgroup, 1, 1},
-      {tuning::kMoeDownThreads, 1, 1},
-      {hidden, ids, weights, s.down->data, s.down->scales, s.down->biases, s.shared_down->data,
-       s.shared_down->scales, s.shared_down->biases, gate_logit, s.residual_out},
-      {s.residual_out});
+      groups, {tuning::kMoeDownThreads, 1, 1}, std::move(reads), {s.residual_out});
   down.traffic_read = hidden.length + ids.length + weights.length + expert_fraction(c, s.down) +
                       s.shared_down->bytes() + gate_logit.length + s.residual_out.length;
 }

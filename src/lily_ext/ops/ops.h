@@ -37,6 +37,7 @@ struct Context {
   bool spread_deltanet_step = false;  // a decode token's DeltaNet over many threadgroups (SPREAD_DELTANET_STEP)
   bool whole_pack_loads = false;  // staged kernels load a pack of codes at once where aligned (WHOLE_PACK_LOADS)
   bool fused_attention_prep = true;  // split-KV decode on matrix units preps its own rows (FUSED_ATTENTION_PREP)
+  bool early_moe_down = true;  // the staged expert down kernel routes and loads before its wait (EARLY_MOE_DOWN)
 };
 
 // Appends a node; traffic defaults to the declared ranges.
