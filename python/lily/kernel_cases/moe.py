@@ -22,7 +22,8 @@ from lily.kernel_cases.common import Case, Run, dtype_of, poisoned, round_to, sc
 
 PATTERN = re.compile(r"moe_route_f32|moe_(gate_up_swiglu|down_combine)_(f32|f16|bf16)(_sf32)?"
                      r"|moe_gate_up_swiglu_routed_(f32|bf16)(_sf32)?"
-                     r"|moe_(gate_up_swiglu_routed|down_combine)_staged_(f32|bf16)(_a16)?")
+                     r"|moe_gate_up_swiglu_routed_staged_(f32|bf16)(_a16)?"
+                     r"|moe_down_combine_staged_(late_)?(f32|bf16)(_a16)?")
 GEMV_ROWS, GEMV_THREADS = 8, 64  # gate/up: 2 simdgroups x LILY_MOE_GEMV_ROWS_PER_SIMDGROUP
 DOWN_ROWS, DOWN_THREADS = 8, 128  # down + combine: 4 simdgroups x LILY_MOE_DOWN_ROWS_PER_SIMDGROUP
 # The staged kernels take any multiple of 32 threads: LILY_QMV_ROWS_PER_SIMDGROUP (4) gate/up rows and
