@@ -49,6 +49,9 @@
 //                                          and the segmented ones stream their row blocks: a threadgroup stages x
 //                                          once and takes blocks x, x + grid width, ... (the host launches at most
 //                                          tuning::kQmvStreamGroups; any grid width gives the same bits).
+//                                          qmv_residual_staged and qmv_gated_norm_residual_staged take 2-D threadgroups
+//                                          (32 n, S): row y of simdgroups is step slot y, taking steps y, y + S, ... of
+//                                          the rows of row 0 (SPLIT_STEPS: tuning::qmv_step_slots); S = 1 is 1-D.
 //   qmv_norm_argmax_staged_q4_g64_<f32|bf16_of32>[_a16]  (CUDA, greedy decode: FUSED_ARGMAX) the lm_head's
 //                                          qmv_norm_staged that also keeps each threadgroup's best logit of the rows it
 //                                          wrote (argmax.h's order) and writes it as argmax_partial would: argmax_final
@@ -406,25 +409,27 @@ LILY_INLINE void qmv_stage_gated_norm(device const float* o, device const float*
 // The first step's weights are loaded before x is staged, so their latency overlaps the staging and its barrier, and
 // before lily::grid_dependency_wait: on CUDA they overlap the dispatch that writes x (the kernels calling this are
 // LILY_INSTANTIATE_EARLY_KERNEL). Every thread of the threadgroup calls it; a simdgroup with `active` false (rows past
-// N) only takes part in the staging.
+// N) only takes part in the staging. Step slot `slot` of `slots` takes only its steps (qmv_staged_dot).
 template <bool Norm, int Bits, bool WholePacks, typename T, typename S>
 LILY_INLINE float qmv_staged_rows(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const T* x,
                                   device const T* norm_weight, device const uint* weight, device const S* scales,
                                   device const S* biases, uint K, uint N, float eps, uint first_row, bool active,
                                   threadgroup float4* stage_x, threadgroup float* pack_sum, threadgroup float* simd_sq,
-                                  uint tid, uint n_threads, uint lane, uint simd_group) {
+                                  uint tid, uint n_threads, uint lane, uint simd_group, uint slot = 0,
+                                  uint slots = 1) {
   uint words[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS];
   float scale[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
   float bias[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
   if (active) {
-    qmv_load_step<Bits, WholePacks>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
+    qmv_load_step<Bits, WholePacks>(words, scale, bias, weight, scales, biases, K, N, first_row,
+                                    lane + 32 * LILY_QMV_PACKS_PER_LANE * slot);
   }
   lily::grid_dependency_wait();  // x comes from the dispatch before
   const float inv_rms = qmv_stage<Norm, Bits>(x, norm_weight, K, eps, stage_x, pack_sum, simd_sq, tid, n_threads, lane,
                                               simd_group);
   if (active) {
     qmv_staged_dot<Bits, WholePacks>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x,
-                                     pack_sum, lane);
+                                     pack_sum, lane, slot, slots);
   }
   return inv_rms;
 }
@@ -462,16 +467,41 @@ inline QmvSegment qmv_find_segment(constant lily::QMatmulSegmentsArgs& args, uin
 }
 
 // out[row_base + first_row + r] = residual + the row's total, rounded once (out may alias residual: each element is
-// read and written by the same lane). Called by a whole simdgroup (the simd_sums).
+// read and written by the same lane). A threadgroup of `slots` step slots (rows of row_simdgroups simdgroups, the split
+// GEMVs: qmv_staged_dot): slots 1.. leave their simd_sums in slot_sums, and slot 0 adds them in slot order after its
+// own, so one slot gives the bits of a plain simd_sum and needs no barrier. Every thread of the threadgroup calls it
+// (the barrier); a simdgroup with `active` false (rows past N) only takes part in the barrier.
 template <typename T>
 LILY_INLINE void qmv_residual_rows(thread const float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const T* residual,
-                                   device T* out, size_t row_base, uint N, uint first_row, uint lane) {
+                                   device T* out, size_t row_base, uint N, uint first_row, bool active,
+                                   threadgroup float* slot_sums, uint slot, uint slots, uint row_simdgroup,
+                                   uint row_simdgroups, uint lane) {
+  constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
+  float total[kRows];
+  if (active) {  // uniform per simdgroup: the simd_sums stay convergent
+    LILY_UNROLL
+    for (uint r = 0; r < kRows; ++r) {
+      total[r] = simd_sum(acc[r]);
+      if (lane == 0 && slot > 0) {
+        slot_sums[(slot * row_simdgroups + row_simdgroup) * kRows + r] = total[r];
+      }
+    }
+  }
+  if (slots > 1) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  if (!active || slot > 0) {
+    return;
+  }
   LILY_UNROLL
-  for (uint r = 0; r < LILY_QMV_ROWS_PER_SIMDGROUP; ++r) {
-    const float total = simd_sum(acc[r]);
+  for (uint r = 0; r < kRows; ++r) {
     if (lane == 0 && first_row + r < N) {
+      float sum = total[r];
+      for (uint y = 1; y < slots; ++y) {
+        sum += slot_sums[(y * row_simdgroups + row_simdgroup) * kRows + r];
+      }
       const size_t i = row_base + first_row + r;
-      out[i] = T(float(residual[i]) + total);
+      out[i] = T(float(residual[i]) + sum);
     }
   }
 }
@@ -877,6 +907,7 @@ template <typename T, typename S, int Bits, bool WholePacks>
                                     device const T* residual [[buffer(5)]],
                                     device T* out [[buffer(6)]],
                                     uint3 tg [[threadgroup_position_in_grid]],
+                                    uint3 position [[thread_position_in_threadgroup]],
                                     uint tid [[thread_index_in_threadgroup]],
                                     uint3 threads_per_group [[threads_per_threadgroup]],
                                     uint lane [[thread_index_in_simdgroup]],
@@ -885,22 +916,23 @@ template <typename T, typename S, int Bits, bool WholePacks>
   threadgroup float4 stage_x[LILY_QMV_STAGE_MAX_K / 4];
   threadgroup float pack_sum[LILY_QMV_STAGE_MAX_K / 16];  // 16 values per 8-bit pack, 32 per 4-bit one
   threadgroup float simd_sq[32];
+  threadgroup float slot_sums[32 * LILY_QMV_ROWS_PER_SIMDGROUP];  // a total per row of each simdgroup (1024 threads)
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
   const uint K = args.in_features;
   const uint N = args.out_features;
-  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
-  if (tg.x * (n_threads / 32) * kRows >= N || tg.y >= args.num_rows) {
-    return;  // the whole threadgroup leaves: the barrier in qmv_stage stays uniform
+  // Threadgroup row y is step slot y (tuning::qmv_step_slots): the simdgroups at x / 32 of every row share rows.
+  const uint row_simdgroups = threads_per_group.x / 32;
+  const uint slots = threads_per_group.y;
+  if (tg.x * row_simdgroups * kRows >= N || tg.y >= args.num_rows) {
+    return;  // the whole threadgroup leaves: the barriers stay uniform
   }
-  const uint first_row = (tg.x * (n_threads / 32) + simd_group) * kRows;
+  const uint first_row = (tg.x * row_simdgroups + position.x / 32) * kRows;
   float acc[kRows];
   qmv_staged_rows<false, Bits, WholePacks>(acc, x + size_t(tg.y) * K, x, lily::as_words(weight), scales, biases, K, N,
-                                           0.0f, first_row, first_row < N, stage_x, pack_sum, simd_sq, tid, n_threads,
-                                           lane, simd_group);
-  if (first_row >= N) {
-    return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
-  }
-  qmv_residual_rows(acc, residual, out, size_t(tg.y) * N, N, first_row, lane);
+                                           0.0f, first_row, first_row < N, stage_x, pack_sum, simd_sq, tid,
+                                           threads_per_group.x * slots, lane, simd_group, position.y, slots);
+  qmv_residual_rows(acc, residual, out, size_t(tg.y) * N, N, first_row, first_row < N, slot_sums, position.y, slots,
+                    position.x / 32, row_simdgroups, lane);
 }
 
 template <typename T, typename S, int Bits, typename O, bool WholePacks>
@@ -1111,6 +1143,7 @@ template <typename T, typename S, int Bits, bool WholePacks>
                                                device const T* residual [[buffer(7)]],
                                                device T* out [[buffer(8)]],
                                                uint3 tg [[threadgroup_position_in_grid]],
+                                               uint3 position [[thread_position_in_threadgroup]],
                                                uint tid [[thread_index_in_threadgroup]],
                                                uint3 threads_per_group [[threads_per_threadgroup]],
                                                uint lane [[thread_index_in_simdgroup]],
@@ -1119,30 +1152,35 @@ template <typename T, typename S, int Bits, bool WholePacks>
   threadgroup float4 stage_x[LILY_QMV_STAGE_MAX_K / 4];
   threadgroup float pack_sum[LILY_QMV_STAGE_MAX_K / 16];
   threadgroup float head_inv_rms[LILY_QMV_STAGE_MAX_HEADS];
+  threadgroup float slot_sums[32 * LILY_QMV_ROWS_PER_SIMDGROUP];  // a total per row of each simdgroup (1024 threads)
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
   const uint K = args.in_features;
   const uint N = args.out_features;
-  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
-  if (tg.x * (n_threads / 32) * kRows >= N) {
-    return;  // the whole threadgroup leaves: the barriers in the staging stay uniform
+  // Threadgroup row y is step slot y (tuning::qmv_step_slots), as in qmv_residual_staged.
+  const uint row_simdgroups = threads_per_group.x / 32;
+  const uint slots = threads_per_group.y;
+  const uint slot = position.y;
+  if (tg.x * row_simdgroups * kRows >= N) {
+    return;  // the whole threadgroup leaves: the barriers stay uniform
   }
-  const uint first_row = (tg.x * (n_threads / 32) + simd_group) * kRows;
+  const uint first_row = (tg.x * row_simdgroups + position.x / 32) * kRows;
   const bool active = first_row < N;
   uint words[LILY_QMV_PACKS_PER_LANE][kRows][LILY_QMV_PACK_WORDS];
   float scale[LILY_QMV_PACKS_PER_LANE][kRows], bias[LILY_QMV_PACKS_PER_LANE][kRows];
   if (active) {
-    qmv_load_step<Bits, WholePacks>(words, scale, bias, lily::as_words(weight), scales, biases, K, N, first_row, lane);
+    qmv_load_step<Bits, WholePacks>(words, scale, bias, lily::as_words(weight), scales, biases, K, N, first_row,
+                                    lane + 32 * LILY_QMV_PACKS_PER_LANE * slot);
   }
   lily::grid_dependency_wait();  // o comes from the dispatch before, gate from the one before that
   qmv_stage_gated_norm<T, Bits>(o, gate, norm_weight, K, args.head_dim, args.eps, stage_x, pack_sum, head_inv_rms, tid,
-                                n_threads, lane, simd_group);
-  if (!active) {
-    return;  // the whole simdgroup leaves (after the staging): the simd_sums below stay convergent
-  }
+                                threads_per_group.x * slots, lane, simd_group);
   float acc[kRows];
-  qmv_staged_dot<Bits, WholePacks>(acc, words, scale, bias, lily::as_words(weight), scales, biases, K, N, first_row,
-                                   stage_x, pack_sum, lane);
-  qmv_residual_rows(acc, residual, out, 0, N, first_row, lane);
+  if (active) {
+    qmv_staged_dot<Bits, WholePacks>(acc, words, scale, bias, lily::as_words(weight), scales, biases, K, N, first_row,
+                                     stage_x, pack_sum, lane, slot, slots);
+  }
+  qmv_residual_rows(acc, residual, out, 0, N, first_row, active, slot_sums, slot, slots, position.x / 32,
+                    row_simdgroups, lane);
 }
 
 template <typename T, typename S, int Bits, int BM, typename O = T>

@@ -172,8 +172,9 @@ LILY_INLINE void qmv_load_step(
 }
 
 // The dot products of a staged GEMV for this simdgroup's rows: acc[r] = this lane's share of sum_k x'_k w[first_row +
-// r, k] over the staged row (the caller does the simd_sum), given the first step's weights already loaded
-// (qmv_load_step with p0 = lane): later steps load their own.
+// r, k] over the steps it takes (the caller does the simd_sum), given its first step's weights already loaded
+// (qmv_load_step with p0 = lane + 32 kPacks slot): later steps load their own. Step slot `slot` of `slots` takes steps
+// slot, slot + slots, ... of the row (the split-step GEMVs: other simdgroups take the rest); one slot takes them all.
 template <int Bits, bool WholePacks, typename S>
 LILY_INLINE void qmv_staged_dot(
     thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP],
@@ -181,7 +182,7 @@ LILY_INLINE void qmv_staged_dot(
     thread float (&scale)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP],
     thread float (&bias)[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP], device const uint* weight,
     device const S* scales, device const S* biases, uint K, uint N, uint first_row, threadgroup const float4* stage_x,
-    threadgroup const float* pack_sum, uint lane) {
+    threadgroup const float* pack_sum, uint lane, uint slot = 0, uint slots = 1) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
   constexpr uint kPacks = LILY_QMV_PACKS_PER_LANE;
   constexpr uint kPerWord = 32 / Bits;
@@ -193,8 +194,9 @@ LILY_INLINE void qmv_staged_dot(
   }
   uint magic[lily::kCodeMagicCount<Bits>];
   lily::code_float_magic<Bits>(magic);
-  for (uint p0 = lane; p0 < packs_per_row; p0 += 32 * kPacks) {
-    if (p0 != lane) {
+  const uint first = lane + 32 * kPacks * slot;
+  for (uint p0 = first; p0 < packs_per_row; p0 += 32 * kPacks * slots) {
+    if (p0 != first) {
       qmv_load_step<Bits, WholePacks>(words, scale, bias, weight, scales, biases, K, N, first_row, p0);
     }
     LILY_UNROLL

@@ -114,6 +114,12 @@ def _qmv_grid(n: int, m: int, staged: bool = False) -> tuple[tuple[int, int, int
     return (ceil_div(n, rows_per_tg), ceil_div(m, QMV_SHAPE["batch"]), 1), (32 * simdgroups, 1, 1)
 
 
+def step_slots(k: int) -> int:
+    """tuning::qmv_step_slots (SPLIT_STEPS on) at 4 bits: rows of simdgroups splitting a row's steps of 2,048 codes
+    (32 lanes x LILY_QMV_PACKS_PER_LANE packs of 32), at most 4; the staged residual GEMVs' threads (128, slots)."""
+    return min(ceil_div(k, 2048), 4)
+
+
 def qmv_case(label: str, n: int, k: int, m: int = 1, bits: int = 4, f32_out: bool = False) -> Case:
     w, s = quantized(n, k, bits)
     grid, threads = _qmv_grid(n, m)
@@ -158,13 +164,16 @@ def qmv_norm_case(label: str, n: int, k: int, staged: bool = False, argmax: bool
                 grid, threads, w + 2 * s + 2 * bf16(k) + f32(n) + sum(partials))
 
 
-def qmv_residual_case(label: str, n: int, k: int, staged: bool = False) -> Case:
-    """DeltaNet out_proj / attention o_proj: out = residual + W x, in place on the hidden stream."""
+def qmv_residual_case(label: str, n: int, k: int, staged: bool = False, split: bool = True, note: str = "") -> Case:
+    """DeltaNet out_proj / attention o_proj: out = residual + W x, in place on the hidden stream; staged, with the
+    engine's step slots (`split`, SPLIT_STEPS) or one."""
     w, s = quantized(n, k)
     grid, threads = _qmv_grid(n, 1, staged)
+    if staged:
+        threads = (threads[0], step_slots(k) if split else 1, 1)
     return Case(label, f"qmv_residual{'_staged' if staged else ''}_q4_g64_bf16",
                 [struct.pack("<IIII", k, n, 1, 0), bf16(k), w, s, s, bf16(n), Same(5)], grid, threads,
-                w + 2 * s + bf16(k) + 2 * bf16(n))
+                w + 2 * s + bf16(k) + 2 * bf16(n), note)
 
 
 def qmv_norm_seg_case(label: str, rows: list[int], k: int, bits: int = 4, f32_out: bool = False,
@@ -367,6 +376,9 @@ def spread_deltanet_cases() -> list[Case]:
     scan_threads = 32 * ceil_div(slice_rows, GDN_PREFILL_SHAPE["rows_per_simdgroup"])
     w, sc = quantized(HIDDEN, v)
     grid, threads = _qmv_grid(HIDDEN, 1, staged=True)
+    out_proj = [struct.pack("<IIIf", v, HIDDEN, GDN_V_DIM, EPS), f32(v), f32(v), bf16(GDN_V_DIM), w, sc, sc,
+                bf16(HIDDEN), Same(7)]
+    out_proj_bytes = w + 2 * sc + 2 * f32(v) + bf16(GDN_V_DIM) + 2 * bf16(HIDDEN)
     return [
         Case("spread DeltaNet step: in_proj qkv|z|b|a + conv", "qmv_norm_seg_conv_staged_q4_g64_bf16",
              projections.buffers + conv, (min(projections.grid[0], QMV_CONV_STREAM_GROUPS), 1, 1), projections.threads,
@@ -376,10 +388,10 @@ def spread_deltanet_cases() -> list[Case]:
               bf16(GDN_V_HEADS), bf16(GDN_V_HEADS), f32(GDN_V_HEADS), f32(GDN_V_HEADS), state, f32(v)],
              (GDN_V_HEADS, ceil_div(GDN_V_DIM, slice_rows), 1), (scan_threads, 1, 1),
              f32(c) + 2 * bf16(GDN_V_HEADS) + 2 * f32(GDN_V_HEADS) + 2 * state + f32(v)),
-        Case("spread DeltaNet step: out_proj + gated norm", "qmv_gated_norm_residual_staged_q4_g64_bf16",
-             [struct.pack("<IIIf", v, HIDDEN, GDN_V_DIM, EPS), f32(v), f32(v), bf16(GDN_V_DIM), w, sc, sc,
-              bf16(HIDDEN), Same(7)], grid, threads,
-             w + 2 * sc + 2 * f32(v) + bf16(GDN_V_DIM) + 2 * bf16(HIDDEN)),
+        Case("spread DeltaNet step: out_proj + gated norm", "qmv_gated_norm_residual_staged_q4_g64_bf16", out_proj,
+             grid, (threads[0], step_slots(v), 1), out_proj_bytes),
+        Case("spread DeltaNet step: out_proj + gated norm, one step slot", "qmv_gated_norm_residual_staged_q4_g64_bf16",
+             out_proj, grid, threads, out_proj_bytes, "SPLIT_STEPS off"),
     ]
 
 
@@ -469,6 +481,9 @@ def qmv_cases() -> list[Case]:
                                        bits=8, f32_out=True, staged=staged))
         cases.append(qmv_residual_case(f"qmv_residual out_proj / o_proj 2048x4096{tag}", HIDDEN, 4096,
                                        staged=staged))
+        if staged:
+            cases.append(qmv_residual_case(f"qmv_residual out_proj / o_proj 2048x4096{tag}, one step slot", HIDDEN,
+                                           4096, staged=True, split=False, note="SPLIT_STEPS off"))
     return cases
 
 

@@ -107,6 +107,7 @@ void bind_switches(nb::module_ m) {
       .def_rw("fused_argmax", &S::fused_argmax)
       .def_rw("early_moe_down", &S::early_moe_down)
       .def_rw("mma_gemv", &S::mma_gemv)
+      .def_rw("split_steps", &S::split_steps)
       .def_rw("split_kv_min_keys", &S::split_kv_min_keys)
       .def_rw("prefill_chunk", &S::prefill_chunk)
       .def_rw("kv_block", &S::kv_block);

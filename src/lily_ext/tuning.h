@@ -115,6 +115,18 @@ inline bool spread_deltanet_step(bool switched_on, size_t value_heads, size_t he
          value_heads * head_v_dim <= 4 * LILY_QMV_STAGE_BATCH * 32 * LILY_QMV_STAGED_SIMDGROUPS;  // one round
 }
 
+// Step slots of the staged residual GEMVs (SPLIT_STEPS; qmv_residual_staged, qmv_gated_norm_residual_staged): threads
+// (kQmvStagedThreads, slots), each row of simdgroups taking interleaved K steps of the same output rows (a step: 32
+// lanes x LILY_QMV_PACKS_PER_LANE packs) and loading its first before the dependency wait. At K = 4096 (o_proj,
+// out_proj: two steps) one simdgroup took the second step's DRAM round trip after the wait, and loading both before
+// it cost 121 -> 164 registers and lost; slots keep a simdgroup's registers and double the warps of a launch of 128
+// threadgroups. At most 4 (512 threads); at the model's K, 2.
+inline size_t qmv_step_slots(bool switched_on, size_t in_features, int bits) {
+  const size_t step = 32 * LILY_QMV_PACKS_PER_LANE * (LILY_QMV_PACK_WORDS * 32 / bits);
+  const size_t steps = (in_features + step - 1) / step;
+  return switched_on ? (steps < 4 ? steps : 4) : 1;
+}
+
 // The staged decode experts (moe_gate_up_swiglu_routed_staged, moe_down_combine_staged in metal/moe.metal): x and the
 // experts' hidden scratch staged in threadgroup memory as the staged GEMVs stage x, chosen with them
 // (staged_gemv: CUDA) for bf16 scales and the sizes their threadgroup arrays hold. Only the fused (routed) gate/up has

@@ -279,19 +279,22 @@ def _qmv_norm_argmax(run: Run, kernel: str, m: int, n: int, k: int, groups: int,
             run.require("the tie is for the maximum", logits[0, picks[0]] == logits[0].max(), f"rows {picks}, {best}")
 
 
-def _qmv_residual(run: Run, kernel: str, m: int, n: int, k: int) -> None:
+def _qmv_residual(run: Run, kernel: str, m: int, n: int, k: int, slots: int = 0) -> None:
     """out = residual + W·x rounded once; written to a separate buffer and in place over the residual (the engine's
-    use), with the same bits."""
+    use), with the same bits. `slots`: the staged kernel's split steps, threads (128, slots) (0: 64 threads, 1-D)."""
     dtype = dtype_of(kernel)
     weight, buffers = quantized_weight(kernel, (n, k), run.rng)
     x = to_device(run.rng.standard_normal((m, k)), dtype)
     residual = to_device(2.0 * run.rng.standard_normal((m, n)), dtype)
-    grid = (-(-n // QMV_ROWS_PER_THREADGROUP), m, 1)
+    if slots:
+        grid, threads = (-(-n // (4 * QMV_STAGED_ROWS_PER_SIMDGROUP)), m, 1), (128, slots, 1)
+    else:
+        grid, threads = (-(-n // QMV_ROWS_PER_THREADGROUP), m, 1), 64
     separate = poisoned((m, n), dtype)
-    run.dispatch(kernel, [qmatmul_args(k, n, m), x, *buffers, residual, separate], grid, 64)
+    run.dispatch(kernel, [qmatmul_args(k, n, m), x, *buffers, residual, separate], grid, threads)
     check_matmul(run, separate, dtype, to_f64(x, dtype), weight, add=to_f64(residual, dtype))
     in_place = residual.copy()
-    run.dispatch(kernel, [qmatmul_args(k, n, m), x, *buffers, in_place, in_place], grid, 64)
+    run.dispatch(kernel, [qmatmul_args(k, n, m), x, *buffers, in_place, in_place], grid, threads)
     run.compare_exact("in place == separate (bits)", in_place.view(np.uint8), separate.view(np.uint8))
 
 
@@ -340,6 +343,15 @@ def _qmv_segments(run: Run, kernel: str, rows: list[int], k: int, m: int) -> Non
 # a multiple of 32, 17 x 128 (a partial second step).
 CONV_LAYERS = [(1, 2, 32, 512), (2, 4, 64, 2048), (1, 1, 33, 64), (1, 2, 16, 4096)]
 GATED_NORM_SHAPES = [(2, 128, 40), (32, 128, 20), (3, 64, 13), (1, 64, 1), (2, 96, 17), (17, 128, 9)]
+# The split-step GEMVs (SPLIT_STEPS: threads (128, S), row y of simdgroups taking steps y, y + S, ... of 2,048 codes):
+# (M, N, K, S) for the residual GEMV and (heads, head_dim, N, S) for the gated-norm one. One slot at two steps (the
+# plain path at the engine's width), the engine's two at K = 4096, a partial second step (2112; 17 x 128), slots that
+# get no step (K = 1024 on 2; 3 and 4 slots: at 4 bits K <= LILY_QMV_STAGE_MAX_K = 4096 is two steps at most), N
+# leaving whole simdgroups without rows (9: the fourth; 37: the last threadgroup's third and fourth), two input rows.
+RESIDUAL_SLOT_SHAPES = [(1, 9, 4096, 1), (1, 37, 4096, 2), (2, 9, 2112, 2), (1, 20, 1024, 2), (1, 37, 4096, 3),
+                        (2, 9, 4096, 4)]
+GATED_NORM_SLOT_SHAPES = [(32, 128, 9, 1), (32, 128, 37, 2), (17, 128, 9, 2), (4, 128, 20, 2), (32, 128, 37, 3),
+                          (32, 128, 9, 4)]
 
 
 def _qmv_seg_conv(run: Run, kernel: str, hk: int, hv: int, dv: int, k: int) -> None:
@@ -396,11 +408,12 @@ def _qmv_seg_conv(run: Run, kernel: str, hk: int, hv: int, dv: int, k: int) -> N
                           np.ascontiguousarray(streamed).view(np.uint8), np.ascontiguousarray(whole).view(np.uint8))
 
 
-def _qmv_gated_norm_residual(run: Run, kernel: str, heads: int, head_dim: int, n: int) -> None:
+def _qmv_gated_norm_residual(run: Run, kernel: str, heads: int, head_dim: int, n: int, slots: int = 1) -> None:
     """qmv_gated_norm_residual_staged against the reference: out = residual + W · x with x the gated RMSNorm of o per
     head (gate = SiLU(z), f32, as qmv_norm_seg_conv_staged writes it) rounded once to the dtype. The kernel rounds x
     from fp32, the reference from fp64, so an element may land one ulp of the dtype apart: the allowance adds that
-    ulp of every x times its weight (the engine's switch test checks the bits against the unspread step)."""
+    ulp of every x times its weight (the engine's switch test checks the bits against the unspread step). `slots`:
+    rows of simdgroups splitting the steps (SPLIT_STEPS)."""
     dtype = dtype_of(kernel)
     k = heads * head_dim
     weight, buffers = quantized_weight(kernel, (n, k), run.rng)
@@ -408,11 +421,15 @@ def _qmv_gated_norm_residual(run: Run, kernel: str, heads: int, head_dim: int, n
     gate = (2.0 * run.rng.standard_normal(k)).astype(np.float32)
     norm_weight = to_device(1.0 + 0.2 * run.rng.standard_normal(head_dim), dtype)
     residual = to_device(2.0 * run.rng.standard_normal((1, n)), dtype)
-    out = residual.copy()  # in place, as the engine runs it
+    out = poisoned((1, n), dtype)
     # Threads: 4-row simdgroups; enough for one staging round (K <= 32 per thread: LILY_QMV_STAGE_BATCH chunks).
     simdgroups = max(2, -(-k // (32 * 32)))
-    run.dispatch(kernel, [struct.pack("<IIIf", k, n, head_dim, NORM_EPS), o, gate, norm_weight, *buffers, out, out],
-                 (-(-n // (4 * simdgroups)), 1, 1), 32 * simdgroups)
+    run.dispatch(kernel, [struct.pack("<IIIf", k, n, head_dim, NORM_EPS), o, gate, norm_weight, *buffers, residual,
+                          out], (-(-n // (4 * simdgroups)), 1, 1), (32 * simdgroups, slots, 1))
+    in_place = residual.copy()  # the engine's use
+    run.dispatch(kernel, [struct.pack("<IIIf", k, n, head_dim, NORM_EPS), o, gate, norm_weight, *buffers, in_place,
+                          in_place], (-(-n // (4 * simdgroups)), 1, 1), (32 * simdgroups, slots, 1))
+    run.compare_exact("in place == separate (bits)", in_place.view(np.uint8), out.view(np.uint8))
     heads_o = o.astype(np.float64).reshape(heads, head_dim)
     inv_rms = 1.0 / np.sqrt(np.mean(heads_o**2, axis=1, keepdims=True) + NORM_EPS)
     x = (heads_o * inv_rms * to_f64(norm_weight, dtype) * gate.astype(np.float64).reshape(heads, head_dim))
@@ -445,9 +462,12 @@ def cases(kernel: str) -> list[Case]:
                              partial(_qmv_norm_argmax, kernel=kernel, m=1, n=50, k=128, groups=3, threads=64,
                                      special=special)) for special in ("ties", "nan")]
     if kernel.startswith("qmv_gated_norm"):
-        return [Case(kernel, f"heads={h} head_dim={d} N={n}",
-                     partial(_qmv_gated_norm_residual, kernel=kernel, heads=h, head_dim=d, n=n), quick=i == 0)
-                for i, (h, d, n) in enumerate(GATED_NORM_SHAPES)]
+        found = [Case(kernel, f"heads={h} head_dim={d} N={n}",
+                      partial(_qmv_gated_norm_residual, kernel=kernel, heads=h, head_dim=d, n=n), quick=i == 0)
+                 for i, (h, d, n) in enumerate(GATED_NORM_SHAPES)]
+        return found + [Case(kernel, f"heads={h} head_dim={d} N={n} slots={s}",
+                             partial(_qmv_gated_norm_residual, kernel=kernel, heads=h, head_dim=d, n=n, slots=s))
+                        for h, d, n, s in GATED_NORM_SLOT_SHAPES]
     if "_seg_" in kernel:
         layouts = SEGMENTS + EXTRA_SEGMENTS.get(kernel.removesuffix("_a16"), [])
         return [Case(kernel, f"rows={'/'.join(map(str, rows))} K={k} M={m}",
@@ -460,7 +480,12 @@ def cases(kernel: str) -> list[Case]:
                            partial(_qmv_norm, kernel=kernel, m=1, n=20, k=2048, x_scale=s)) for s in (1e-4, 30.0)]
         return found
     if kernel.startswith("qmv_residual"):
-        return _shape_cases(kernel, _qmv_residual, FUSED_SHAPES + extra)
+        found = _shape_cases(kernel, _qmv_residual, FUSED_SHAPES + extra)
+        if "_staged" in kernel:
+            found += [Case(kernel, f"M={m} N={n} K={k} slots={s}",
+                           partial(_qmv_residual, kernel=kernel, m=m, n=n, k=k, slots=s))
+                      for m, n, k, s in RESIDUAL_SLOT_SHAPES]
+        return found
     if kernel.startswith("qmv_mma"):
         # The engine's simdgroup counts at every shape; 1 and 5 (any count up to 8 works) at a few.
         found = [Case(kernel, f"M={m} N={n} K={k} simdgroups={g}",

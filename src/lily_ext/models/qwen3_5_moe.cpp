@@ -288,6 +288,7 @@ struct Forward {
     ctx.mma_attention = sw.mma_attention;
     ctx.fused_attention_prep = sw.fused_attention_prep;
     ctx.early_moe_down = sw.early_moe_down;
+    ctx.split_steps = sw.split_steps;
   }
 
   // The pass's T rows of `buffer`, `row_bytes` each.

@@ -78,6 +78,10 @@ size_t qmv_groups(size_t rows, bool staged) {
 }
 Dim3 qmv_grid(const WeightRef& w, bool staged) { return {qmv_groups(w.rows, staged), 1, 1}; }
 Dim3 qmv_threads(bool staged) { return {staged ? tuning::kQmvStagedThreads : tuning::kQmvThreads, 1, 1}; }
+// The staged residual GEMVs' threads: a row of simdgroups per step slot (tuning::qmv_step_slots).
+Dim3 qmv_slot_threads(const Context& ctx, const WeightRef& w) {
+  return {tuning::kQmvStagedThreads, tuning::qmv_step_slots(ctx.split_steps, w.cols, w.bits), 1};
+}
 }  // namespace
 
 size_t qmatmul_norm(Context& ctx, const std::string& label, const Span& x, const WeightRef& norm_weight,
@@ -126,7 +130,8 @@ void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, con
                    (staged ? pack_loads_suffix(ctx, {&w}) : ""),
                label,
                {arg_value(a), arg(x), arg(w.data), arg(w.scales), arg(w.biases), arg(residual_out), arg(residual_out)},
-               qmv_grid(w, staged), qmv_threads(staged), {x, w.data, w.scales, w.biases, residual_out},
+               qmv_grid(w, staged), staged ? qmv_slot_threads(ctx, w) : qmv_threads(false),
+               {x, w.data, w.scales, w.biases, residual_out},
                {residual_out});
   if (staged) node.early_reads = {w.data, w.scales, w.biases};
 }
@@ -134,9 +139,10 @@ void qmatmul_residual(Context& ctx, const std::string& label, const Span& x, con
 void qmatmul_gated_norm_residual(Context& ctx, const std::string& label, const Span& o, const Span& gate,
                                  const WeightRef& norm_weight, size_t head_dim, float eps, const WeightRef& w,
                                  const Span& residual_out) {
+  const Dim3 threads = qmv_slot_threads(ctx, w);
   if (!tuning::staged_gemv(ctx.staged_gemv, w.bits, w.scale_dtype == DType::BF16, w.cols, false) || w.bits != 4 ||
       head_dim % 4 != 0 || w.cols % head_dim != 0 || w.cols / head_dim > LILY_QMV_STAGE_MAX_HEADS ||
-      w.cols > 4 * LILY_QMV_STAGE_BATCH * tuning::kQmvStagedThreads) {
+      w.cols > 4 * LILY_QMV_STAGE_BATCH * threads.count()) {  // the staging's one round
     throw std::logic_error("[graph] " + label + ": the gated-norm GEMV needs a staged 4-bit GEMV over whole heads");
   }
   QMatmulGatedNormArgs a{};
@@ -148,7 +154,7 @@ void qmatmul_gated_norm_residual(Context& ctx, const std::string& label, const S
                         label,
                         {arg_value(a), arg(o), arg(gate), arg(norm_weight.data), arg(w.data), arg(w.scales),
                          arg(w.biases), arg(residual_out), arg(residual_out)},
-                        qmv_grid(w, true), qmv_threads(true),
+                        qmv_grid(w, true), threads,
                         {o, gate, norm_weight.data, w.data, w.scales, w.biases, residual_out}, {residual_out});
   node.early_reads = {w.data, w.scales, w.biases};
 }
