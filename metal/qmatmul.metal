@@ -466,18 +466,16 @@ inline QmvSegment qmv_find_segment(constant lily::QMatmulSegmentsArgs& args, uin
   return s;
 }
 
-// out[row_base + first_row + r] = residual + the row's total, rounded once (out may alias residual: each element is
-// read and written by the same lane). A threadgroup of `slots` step slots (rows of row_simdgroups simdgroups, the split
-// GEMVs: qmv_staged_dot): slots 1.. leave their simd_sums in slot_sums, and slot 0 adds them in slot order after its
-// own, so one slot gives the bits of a plain simd_sum and needs no barrier. Every thread of the threadgroup calls it
-// (the barrier); a simdgroup with `active` false (rows past N) only takes part in the barrier.
-template <typename T>
-LILY_INLINE void qmv_residual_rows(thread const float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const T* residual,
-                                   device T* out, size_t row_base, uint N, uint first_row, bool active,
-                                   threadgroup float* slot_sums, uint slot, uint slots, uint row_simdgroup,
-                                   uint row_simdgroups, uint lane) {
+// The totals of this simdgroup's rows in a threadgroup of `slots` step slots (rows of row_simdgroups simdgroups, the
+// split GEMVs: qmv_staged_dot): each simdgroup's simd_sums, slots 1.. leave theirs in slot_sums, and slot 0 adds them
+// in slot order after its own, so one slot gives the bits of a plain simd_sum and needs no barrier. Every thread of
+// the threadgroup calls it (the barrier); a simdgroup with `active` false (rows past N) only takes part in the
+// barrier. Returns whether this simdgroup holds its rows' totals (slot 0, active; every lane the same values).
+LILY_INLINE bool qmv_slot_totals(thread const float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP],
+                                 thread float (&total)[LILY_QMV_ROWS_PER_SIMDGROUP], bool active,
+                                 threadgroup float* slot_sums, uint slot, uint slots, uint row_simdgroup,
+                                 uint row_simdgroups, uint lane) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
-  float total[kRows];
   if (active) {  // uniform per simdgroup: the simd_sums stay convergent
     LILY_UNROLL
     for (uint r = 0; r < kRows; ++r) {
@@ -491,17 +489,33 @@ LILY_INLINE void qmv_residual_rows(thread const float (&acc)[LILY_QMV_ROWS_PER_S
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
   if (!active || slot > 0) {
-    return;
+    return false;
   }
   LILY_UNROLL
   for (uint r = 0; r < kRows; ++r) {
+    for (uint y = 1; y < slots; ++y) {
+      total[r] += slot_sums[(y * row_simdgroups + row_simdgroup) * kRows + r];
+    }
+  }
+  return true;
+}
+
+// out[row_base + first_row + r] = residual + the row's total (qmv_slot_totals), rounded once (out may alias residual:
+// each element is read and written by the same lane). Every thread of the threadgroup calls it.
+template <typename T>
+LILY_INLINE void qmv_residual_rows(thread const float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const T* residual,
+                                   device T* out, size_t row_base, uint N, uint first_row, bool active,
+                                   threadgroup float* slot_sums, uint slot, uint slots, uint row_simdgroup,
+                                   uint row_simdgroups, uint lane) {
+  float total[LILY_QMV_ROWS_PER_SIMDGROUP];
+  if (!qmv_slot_totals(acc, total, active, slot_sums, slot, slots, row_simdgroup, row_simdgroups, lane)) {
+    return;
+  }
+  LILY_UNROLL
+  for (uint r = 0; r < LILY_QMV_ROWS_PER_SIMDGROUP; ++r) {
     if (lane == 0 && first_row + r < N) {
-      float sum = total[r];
-      for (uint y = 1; y < slots; ++y) {
-        sum += slot_sums[(y * row_simdgroups + row_simdgroup) * kRows + r];
-      }
       const size_t i = row_base + first_row + r;
-      out[i] = T(float(residual[i]) + sum);
+      out[i] = T(float(residual[i]) + total[r]);
     }
   }
 }
@@ -954,6 +968,7 @@ template <typename T, typename S, int Bits, typename O, bool WholePacks>
                                     device O* y [[buffer(15)]],
                                     uint3 tg [[threadgroup_position_in_grid]],
                                     uint3 groups [[threadgroups_per_grid]],
+                                    uint3 position [[thread_position_in_threadgroup]],
                                     uint tid [[thread_index_in_threadgroup]],
                                     uint3 threads_per_group [[threads_per_threadgroup]],
                                     uint lane [[thread_index_in_simdgroup]],
@@ -962,32 +977,37 @@ template <typename T, typename S, int Bits, typename O, bool WholePacks>
   threadgroup float4 stage_x[LILY_QMV_STAGE_MAX_K / 4];
   threadgroup float pack_sum[LILY_QMV_STAGE_MAX_K / 16];  // 16 values per 8-bit pack, 32 per 4-bit one
   threadgroup float simd_sq[32];
+  threadgroup float slot_sums[32 * LILY_QMV_ROWS_PER_SIMDGROUP];  // a total per row of each simdgroup (1024 threads)
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
   const uint K = args.in_features;
-  const uint n_threads = threads_per_group.x;  // 1-D threadgroups
-  const uint rows_per_group = (n_threads / 32) * kRows;
+  // Threadgroup row y is step slot y (tuning::qmv_step_slots), as in qmv_residual_staged.
+  const uint row_simdgroups = threads_per_group.x / 32;
+  const uint row_simdgroup = position.x / 32;
+  const uint slots = threads_per_group.y;
+  const uint slot = position.y;
+  const uint rows_per_group = row_simdgroups * kRows;
   const uint blocks = qmv_segment_blocks(args, rows_per_group);
   if (tg.x >= blocks) {
-    return;  // the whole threadgroup leaves: the barrier in qmv_stage stays uniform
+    return;  // the whole threadgroup leaves: the barriers stay uniform
   }
   // Streams blocks tg.x, tg.x + grid width, ... as qmv_norm_staged (one staging of x; any grid width, the same bits).
   QmvSegment seg = qmv_find_segment(args, tg.x, rows_per_group);
   uint N = args.rows[seg.index];
-  uint first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
+  uint first_row = (seg.block * row_simdgroups + row_simdgroup) * kRows;
   float acc[kRows];
   const float inv_rms = qmv_staged_rows<true, Bits, WholePacks>(
       acc, x + size_t(tg.y) * K, norm_weight,
       lily::as_words(qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3)),
       qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3),
       qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, args.eps, first_row, first_row < N,
-      stage_x, pack_sum, simd_sq, tid, n_threads, lane, simd_group);
+      stage_x, pack_sum, simd_sq, tid, threads_per_group.x * slots, lane, simd_group, slot, slots);
   for (uint block = tg.x;;) {
-    if (first_row < N) {  // uniform per simdgroup: the simd_sums stay convergent
+    float total[kRows];
+    if (qmv_slot_totals(acc, total, first_row < N, slot_sums, slot, slots, row_simdgroup, row_simdgroups, lane)) {
       LILY_UNROLL
       for (uint r = 0; r < kRows; ++r) {
-        const float total = simd_sum(acc[r]);
         if (lane == 0 && first_row + r < N) {
-          y[size_t(tg.y) * args.out_features + seg.row_offset + first_row + r] = O(total * inv_rms);
+          y[size_t(tg.y) * args.out_features + seg.row_offset + first_row + r] = O(total[r] * inv_rms);
         }
       }
     }
@@ -995,14 +1015,18 @@ template <typename T, typename S, int Bits, typename O, bool WholePacks>
     if (block >= blocks) {
       break;
     }
+    if (slots > 1) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // slot 0 has read slot_sums before the next block writes them
+    }
     seg = qmv_find_segment(args, block, rows_per_group);
     N = args.rows[seg.index];
-    first_row = (seg.block * (n_threads / 32) + simd_group) * kRows;
+    first_row = (seg.block * row_simdgroups + row_simdgroup) * kRows;
     if (first_row < N) {
       qmv_load_and_dot<Bits, WholePacks>(
           acc, lily::as_words(qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3)),
           qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3),
-          qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, first_row, stage_x, pack_sum, lane);
+          qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, first_row, stage_x, pack_sum, lane,
+          slot, slots);
     }
   }
 }

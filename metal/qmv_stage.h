@@ -239,17 +239,19 @@ LILY_INLINE void qmv_staged_dot(
 }
 
 // qmv_staged_dot for rows whose first step is not loaded yet: a streaming GEMV's later blocks, against the staging
-// its first block made.
+// its first block made (step slot `slot` of `slots`: its steps only).
 template <int Bits, bool WholePacks, typename S>
 LILY_INLINE void qmv_load_and_dot(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const uint* weight,
                                   device const S* scales, device const S* biases, uint K, uint N, uint first_row,
-                                  threadgroup const float4* stage_x, threadgroup const float* pack_sum, uint lane) {
+                                  threadgroup const float4* stage_x, threadgroup const float* pack_sum, uint lane,
+                                  uint slot = 0, uint slots = 1) {
   uint words[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP][LILY_QMV_PACK_WORDS];
   float scale[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
   float bias[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
-  qmv_load_step<Bits, WholePacks>(words, scale, bias, weight, scales, biases, K, N, first_row, lane);
+  qmv_load_step<Bits, WholePacks>(words, scale, bias, weight, scales, biases, K, N, first_row,
+                                  lane + 32 * LILY_QMV_PACKS_PER_LANE * slot);
   qmv_staged_dot<Bits, WholePacks>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum,
-                                   lane);
+                                   lane, slot, slots);
 }
 
 }  // namespace lily

@@ -114,10 +114,10 @@ def _qmv_grid(n: int, m: int, staged: bool = False) -> tuple[tuple[int, int, int
     return (ceil_div(n, rows_per_tg), ceil_div(m, QMV_SHAPE["batch"]), 1), (32 * simdgroups, 1, 1)
 
 
-def step_slots(k: int) -> int:
-    """tuning::qmv_step_slots (SPLIT_STEPS on) at 4 bits: rows of simdgroups splitting a row's steps of 2,048 codes
-    (32 lanes x LILY_QMV_PACKS_PER_LANE packs of 32), at most 4; the staged residual GEMVs' threads (128, slots)."""
-    return min(ceil_div(k, 2048), 4)
+def step_slots(k: int, bits: int = 4) -> int:
+    """tuning::qmv_step_slots (SPLIT_STEPS on): 2 where a row has more than one step (32 lanes x
+    LILY_QMV_PACKS_PER_LANE packs: 2,048 codes at 4 bits, 1,024 at 8), else 1; the split GEMVs' threads (128, slots)."""
+    return 2 if k > 64 * 128 // bits else 1
 
 
 def qmv_case(label: str, n: int, k: int, m: int = 1, bits: int = 4, f32_out: bool = False) -> Case:
@@ -177,8 +177,9 @@ def qmv_residual_case(label: str, n: int, k: int, staged: bool = False, split: b
 
 
 def qmv_norm_seg_case(label: str, rows: list[int], k: int, bits: int = 4, f32_out: bool = False,
-                      staged: bool = False) -> Case:
-    """The fused projections of one input (FUSED_PROJECTIONS and FUSION on): up to 4 matrices, each its own buffers."""
+                      staged: bool = False, split: bool = True, note: str = "") -> Case:
+    """The fused projections of one input (FUSED_PROJECTIONS and FUSION on): up to 4 matrices, each its own buffers;
+    staged, with the engine's step slots (`split`, SPLIT_STEPS) or one."""
     buffers: list = [struct.pack("<IIIf4I", k, sum(rows), len(rows), EPS, *(rows + [0] * (4 - len(rows)))),
                      bf16(k), bf16(k)]
     moved, groups = 2 * bf16(k), 0
@@ -197,8 +198,9 @@ def qmv_norm_seg_case(label: str, rows: list[int], k: int, bits: int = 4, f32_ou
     suffix = "_of32" if f32_out else ""
     if staged:  # it streams its blocks over at most QMV_STREAM_GROUPS threadgroups, as the engine launches it
         groups = min(groups, QMV_STREAM_GROUPS)
+    slots = step_slots(k, bits) if staged and split else 1
     return Case(label, f"qmv_norm_seg{'_staged' if staged else ''}_q{bits}_g64_bf16{suffix}", buffers, (groups, 1, 1),
-                (32 * simdgroups, 1, 1), moved + out)
+                (32 * simdgroups, slots, 1), moved + out, note)
 
 
 # ---- the other decode kernels ----
@@ -479,6 +481,10 @@ def qmv_cases() -> list[Case]:
                                         ATTN_KV_HEADS * HEAD_DIM], HIDDEN, staged=staged))
         cases.append(qmv_norm_seg_case(f"qmv_norm_seg router|shared gate 8-bit, f32 out{tag}", [EXPERTS, 1], HIDDEN,
                                        bits=8, f32_out=True, staged=staged))
+        if staged:
+            cases.append(qmv_norm_seg_case(f"qmv_norm_seg router|shared gate 8-bit, f32 out{tag}, one step slot",
+                                           [EXPERTS, 1], HIDDEN, bits=8, f32_out=True, staged=True, split=False,
+                                           note="SPLIT_STEPS off"))
         cases.append(qmv_residual_case(f"qmv_residual out_proj / o_proj 2048x4096{tag}", HIDDEN, 4096,
                                        staged=staged))
         if staged:

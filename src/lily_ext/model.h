@@ -82,9 +82,9 @@ struct Switches {
                                    // simdgroup_matrix lane layout is the one assumed), 4-bit weights with bf16 scales
                                    // run qmv_mma on matrix units at 2 to 8 rows, and at one from 8192 outputs on
                                    // (tuning::mma_gemv)
-  bool split_steps = true;         // SPLIT_STEPS: off = a staged residual GEMV (STAGED_GEMV: CUDA) runs each row's K
-                                   // steps one after another in one simdgroup; on, in 2-D threadgroups whose rows of
-                                   // simdgroups take interleaved steps of the same rows (tuning::qmv_step_slots)
+  bool split_steps = true;         // SPLIT_STEPS: off = a staged residual or segmented GEMV (STAGED_GEMV: CUDA) runs
+                                   // each row's K steps one after another in one simdgroup; on, in 2-D threadgroups
+                                   // whose rows of simdgroups take interleaved steps (tuning::qmv_step_slots)
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
   size_t kv_growth_block() const;

@@ -115,16 +115,16 @@ inline bool spread_deltanet_step(bool switched_on, size_t value_heads, size_t he
          value_heads * head_v_dim <= 4 * LILY_QMV_STAGE_BATCH * 32 * LILY_QMV_STAGED_SIMDGROUPS;  // one round
 }
 
-// Step slots of the staged residual GEMVs (SPLIT_STEPS; qmv_residual_staged, qmv_gated_norm_residual_staged): threads
-// (kQmvStagedThreads, slots), each row of simdgroups taking interleaved K steps of the same output rows (a step: 32
-// lanes x LILY_QMV_PACKS_PER_LANE packs) and loading its first before the dependency wait. At K = 4096 (o_proj,
-// out_proj: two steps) one simdgroup took the second step's DRAM round trip after the wait, and loading both before
-// it cost 121 -> 164 registers and lost; slots keep a simdgroup's registers and double the warps of a launch of 128
-// threadgroups. At most 4 (512 threads); at the model's K, 2.
+// Step slots of the staged one-row GEMVs that end a step's chain (SPLIT_STEPS; qmv_residual_staged,
+// qmv_gated_norm_residual_staged, qmv_norm_seg_staged): threads (kQmvStagedThreads, slots), each row of simdgroups
+// taking interleaved K steps of the same output rows (a step: 32 lanes x LILY_QMV_PACKS_PER_LANE packs) and loading
+// its first before the dependency wait. At two steps (o_proj and out_proj at 4-bit K = 4096, the router at 8-bit
+// K = 2048) one simdgroup took the second step's DRAM round trip after the wait, and loading both before it cost
+// 121 -> 164 registers and lost; slots keep a simdgroup's registers and double the warps. At most 2: 256 threads of
+// up to 255 registers still fit one SM's 64 K.
 inline size_t qmv_step_slots(bool switched_on, size_t in_features, int bits) {
   const size_t step = 32 * LILY_QMV_PACKS_PER_LANE * (LILY_QMV_PACK_WORDS * 32 / bits);
-  const size_t steps = (in_features + step - 1) / step;
-  return switched_on ? (steps < 4 ? steps : 4) : 1;
+  return switched_on && in_features > step ? 2 : 1;
 }
 
 // The staged decode experts (moe_gate_up_swiglu_routed_staged, moe_down_combine_staged in metal/moe.metal): x and the

@@ -95,6 +95,14 @@ EXTRA_SEGMENTS = {
 }
 
 
+# The staged segmented GEMV with two step slots (SPLIT_STEPS; (rows, K, M)): the router | shared gate at the model's
+# 8-bit K = 2048 (two steps) with 257 rows, a partial second step (1088), one step (a slot with none), a segment
+# leaving whole simdgroups without rows; at 4 bits K = 4096 and 2112, two input rows. The streaming check (2
+# threadgroups for every block) runs each with the same slots, so later blocks split their steps too.
+SEGMENT_SLOT_SHAPES_Q8 = [([256, 1], 2048, 1), ([9, 3], 1088, 1), ([33, 31], 512, 1), ([5, 1, 17], 2048, 1)]
+SEGMENT_SLOT_SHAPES_Q4 = [([9, 3], 4096, 1), ([3, 9], 2112, 2), ([33, 1], 1024, 1)]
+
+
 # qmv_norm_argmax_staged (the greedy lm_head): (M, N, K, threadgroups, threads); the first is the self-test's. Streaming
 # (fewer threadgroups than row blocks) with a partial last block, one threadgroup per block, two input rows with a
 # partial pack step, N = 1, and the engine's 4 simdgroups.
@@ -311,8 +319,9 @@ def _segment_bindings(parts: list) -> list:
     return [b for s in range(MAX_SEGMENTS) for b in parts[s if s < len(parts) else 0][1]]
 
 
-def _qmv_segments(run: Run, kernel: str, rows: list[int], k: int, m: int) -> None:
-    """Up to 4 matrices sharing x, each in its own buffers, against one GEMV over their concatenation."""
+def _qmv_segments(run: Run, kernel: str, rows: list[int], k: int, m: int, slots: int = 1) -> None:
+    """Up to 4 matrices sharing x, each in its own buffers, against one GEMV over their concatenation. `slots`: the
+    staged kernel's split steps, threads (64, slots) (SPLIT_STEPS)."""
     dtype, out_dtype = dtype_of(kernel), out_dtype_of(kernel)
     parts = [quantized_weight(kernel, (n, k), run.rng) for n in rows]
     x = to_device(run.rng.standard_normal((m, k)), dtype)
@@ -322,7 +331,8 @@ def _qmv_segments(run: Run, kernel: str, rows: list[int], k: int, m: int) -> Non
     padded = list(rows) + [0] * (MAX_SEGMENTS - len(rows))
     args = struct.pack("<IIIf4I", k, sum(rows), len(rows), NORM_EPS, *padded)  # lily::QMatmulSegmentsArgs
     grid = (sum(-(-n // QMV_ROWS_PER_THREADGROUP) for n in rows), m, 1)
-    run.dispatch(kernel, [args, x, norm_weight, *bindings, y], grid, 64)
+    threads = (64, slots, 1)
+    run.dispatch(kernel, [args, x, norm_weight, *bindings, y], grid, threads)
     x_in = to_f64(x, dtype)
     norm = kernel.startswith("qmv_norm")
     if norm:
@@ -332,7 +342,7 @@ def _qmv_segments(run: Run, kernel: str, rows: list[int], k: int, m: int) -> Non
         # It streams blocks across segments: 2 threadgroups (the first segment's blocks and the next ones
         # interleaved) give the bits of one per block.
         streamed = poisoned((m, sum(rows)), out_dtype)
-        run.dispatch(kernel, [args, x, norm_weight, *bindings, streamed], (min(2, grid[0]), m, 1), 64)
+        run.dispatch(kernel, [args, x, norm_weight, *bindings, streamed], (min(2, grid[0]), m, 1), threads)
         run.compare_exact("2 threadgroups streaming == one per block (bits)", streamed.view(np.uint8), y.view(np.uint8))
 
 
@@ -470,9 +480,15 @@ def cases(kernel: str) -> list[Case]:
                         for h, d, n, s in GATED_NORM_SLOT_SHAPES]
     if "_seg_" in kernel:
         layouts = SEGMENTS + EXTRA_SEGMENTS.get(kernel.removesuffix("_a16"), [])
-        return [Case(kernel, f"rows={'/'.join(map(str, rows))} K={k} M={m}",
-                     partial(_qmv_segments, kernel=kernel, rows=rows, k=k, m=m), quick=i == 0)
-                for i, (rows, k, m) in enumerate(layouts)]
+        found = [Case(kernel, f"rows={'/'.join(map(str, rows))} K={k} M={m}",
+                      partial(_qmv_segments, kernel=kernel, rows=rows, k=k, m=m), quick=i == 0)
+                 for i, (rows, k, m) in enumerate(layouts)]
+        if kernel.startswith("qmv_norm_seg_staged"):
+            shapes = SEGMENT_SLOT_SHAPES_Q8 if "_q8_" in kernel else SEGMENT_SLOT_SHAPES_Q4
+            found += [Case(kernel, f"rows={'/'.join(map(str, rows))} K={k} M={m} slots=2",
+                           partial(_qmv_segments, kernel=kernel, rows=rows, k=k, m=m, slots=2))
+                      for rows, k, m in shapes]
+        return found
     if kernel.startswith("qmv_norm"):
         found = _shape_cases(kernel, _qmv_norm, FUSED_SHAPES + extra)
         if kernel == "qmv_norm_q4_g64_f32":  # tiny rows (eps matters) and large ones (the norm undoes the scale)

@@ -78,7 +78,7 @@ size_t qmv_groups(size_t rows, bool staged) {
 }
 Dim3 qmv_grid(const WeightRef& w, bool staged) { return {qmv_groups(w.rows, staged), 1, 1}; }
 Dim3 qmv_threads(bool staged) { return {staged ? tuning::kQmvStagedThreads : tuning::kQmvThreads, 1, 1}; }
-// The staged residual GEMVs' threads: a row of simdgroups per step slot (tuning::qmv_step_slots).
+// The split staged GEMVs' threads: a row of simdgroups per step slot (tuning::qmv_step_slots).
 Dim3 qmv_slot_threads(const Context& ctx, const WeightRef& w) {
   return {tuning::kQmvStagedThreads, tuning::qmv_step_slots(ctx.split_steps, w.cols, w.bits), 1};
 }
@@ -224,7 +224,10 @@ void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, con
   }
   // The staged kernels stream their blocks over at most the threadgroups that fit at once.
   if (staged) groups = std::min(groups, conv ? tuning::kQmvConvStreamGroups : tuning::kQmvStreamGroups);
-  Node& node = add_node(ctx, name, label, args, {groups, 1, 1}, qmv_threads(staged), reads, writes);
+  // The staged segmented GEMV splits its steps as the residual ones do (the router's 8-bit K = 2048: two); the conv
+  // one takes one step at the model's K and stays 1-D.
+  const Dim3 threads = staged && !conv ? qmv_slot_threads(ctx, first) : qmv_threads(staged);
+  Node& node = add_node(ctx, name, label, args, {groups, 1, 1}, threads, reads, writes);
   if (staged) node.early_reads = weights;
   if (conv) node.early_reads.insert(node.early_reads.end(), {conv->weight->data, conv->state});
 }
