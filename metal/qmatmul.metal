@@ -49,9 +49,10 @@
 //                                          and the segmented ones stream their row blocks: a threadgroup stages x
 //                                          once and takes blocks x, x + grid width, ... (the host launches at most
 //                                          tuning::kQmvStreamGroups; any grid width gives the same bits).
-//                                          qmv_residual_staged and qmv_gated_norm_residual_staged take 2-D threadgroups
-//                                          (32 n, S): row y of simdgroups is step slot y, taking steps y, y + S, ... of
-//                                          the rows of row 0 (SPLIT_STEPS: tuning::qmv_step_slots); S = 1 is 1-D.
+//                                          qmv_residual_staged, qmv_gated_norm_residual_staged and qmv_norm_seg_staged
+//                                          take 2-D threadgroups (32 n, S): row y of simdgroups is step slot y, taking
+//                                          steps y, y + S, ... of the rows of row 0, and qmv_slot_totals adds the slots'
+//                                          sums (SPLIT_STEPS: tuning::qmv_step_slots); S = 1 is 1-D.
 //   qmv_norm_argmax_staged_q4_g64_<f32|bf16_of32>[_a16]  (CUDA, greedy decode: FUSED_ARGMAX) the lm_head's
 //                                          qmv_norm_staged that also keeps each threadgroup's best logit of the rows it
 //                                          wrote (argmax.h's order) and writes it as argmax_partial would: argmax_final
