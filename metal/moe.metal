@@ -48,9 +48,6 @@ constant constexpr uint MOE_ROWS = LILY_MOE_GEMV_ROWS_PER_SIMDGROUP;
 constant constexpr uint MOE_ROWS_PER_THREADGROUP = LILY_MOE_GEMV_ROWS_PER_SIMDGROUP * LILY_MOE_GEMV_SIMDGROUPS;
 
 constant constexpr uint MOE_PER_LANE = LILY_MOE_MAX_EXPERTS / 32;
-// moe_top_list's length: each lane's MOE_PER_LANE entries, the routed kernels' top-k up to it.
-constant constexpr uint MOE_TOP_LIST = 8;
-static_assert(MOE_PER_LANE == MOE_TOP_LIST, "moe_top_list sorts a lane's whole share of the experts");
 // moe_down_combine_staged's staging, in whole blocks of 32 packs (qmv_stage_slot's layout): 4608 values take 5120.
 constant constexpr uint MOE_STAGE_FLOAT4S = (LILY_MOE_STAGE_MAX_K + 1023) / 1024 * 256;
 
@@ -151,75 +148,7 @@ template <typename T>
   }
 }
 
-// moe_pick's order as a list: (probability, id) ahead of another when its probability is larger, or equal with the
-// lower id. A non-candidate (an id past E, a NaN probability) is (-1, 0xFFFFFFFF): behind every candidate.
-inline bool moe_ahead(float p, uint id, float other_p, uint other_id) {
-  return p > other_p || (p == other_p && id < other_id);
-}
-
-// Compare-exchange: entry i ahead of entry j afterwards.
-inline void moe_order(thread float (&p)[MOE_TOP_LIST], thread uint (&id)[MOE_TOP_LIST], uint i, uint j) {
-  if (moe_ahead(p[j], id[j], p[i], id[i])) {
-    const float q = p[i];
-    const uint e = id[i];
-    p[i] = p[j];
-    id[i] = id[j];
-    p[j] = q;
-    id[j] = e;
-  }
-}
-
-// The row's first MOE_TOP_LIST entries in moe_ahead's order, on every lane: the k <= 8 winners of moe_pick's rounds,
-// in round order, after 5 butterfly levels instead of k rounds of 5. Each lane sorts its own 8 entries (19
-// compare-exchanges), then each level merges its list with its partner's: the ahead one of a[i] and b[7 - i]
-// holds the first 8 of both as a bitonic sequence, which three half-cleaner stages sort. Both partners get the same
-// list (candidates' ids differ, so the order is total on them). Convergent.
-inline void moe_top_list(thread const float* p, uint num_experts, uint lane, thread float (&top)[MOE_TOP_LIST],
-                         thread uint (&ids)[MOE_TOP_LIST]) {
-  LILY_UNROLL
-  for (uint j = 0; j < MOE_TOP_LIST; ++j) {
-    const uint e = lane + 32 * j;
-    const bool candidate = e < num_experts && p[j] > -1.0f;  // no NaN: as moe_pick's candidates
-    top[j] = candidate ? p[j] : -1.0f;
-    ids[j] = candidate ? e : 0xFFFFFFFFu;
-  }
-  // Batcher's odd-even merge sort of 8, one line a stage: sorted pairs, sorted fours, then the fours merged.
-  moe_order(top, ids, 0, 1); moe_order(top, ids, 2, 3); moe_order(top, ids, 4, 5); moe_order(top, ids, 6, 7);
-  moe_order(top, ids, 0, 2); moe_order(top, ids, 1, 3); moe_order(top, ids, 4, 6); moe_order(top, ids, 5, 7);
-  moe_order(top, ids, 1, 2); moe_order(top, ids, 5, 6);
-  moe_order(top, ids, 0, 4); moe_order(top, ids, 1, 5); moe_order(top, ids, 2, 6); moe_order(top, ids, 3, 7);
-  moe_order(top, ids, 2, 4); moe_order(top, ids, 3, 5);
-  moe_order(top, ids, 1, 2); moe_order(top, ids, 3, 4); moe_order(top, ids, 5, 6);
-  for (ushort offset = 16; offset > 0; offset /= 2) {
-    float other[MOE_TOP_LIST];
-    uint other_ids[MOE_TOP_LIST];
-    LILY_UNROLL
-    for (uint i = 0; i < MOE_TOP_LIST; ++i) {
-      other[i] = simd_shuffle_xor(top[i], offset);
-      other_ids[i] = simd_shuffle_xor(ids[i], offset);
-    }
-    LILY_UNROLL
-    for (uint i = 0; i < MOE_TOP_LIST; ++i) {
-      const uint b = MOE_TOP_LIST - 1 - i;
-      if (moe_ahead(other[b], other_ids[b], top[i], ids[i])) {
-        top[i] = other[b];
-        ids[i] = other_ids[b];
-      }
-    }
-    LILY_UNROLL
-    for (uint d = MOE_TOP_LIST / 2; d > 0; d /= 2) {
-      LILY_UNROLL
-      for (uint i = 0; i < MOE_TOP_LIST; ++i) {
-        if ((i & d) == 0) {
-          moe_order(top, ids, i, i + d);
-        }
-      }
-    }
-  }
-}
-
-// The expert of routed slot `slot`: the softmax over the E f32 logits and top-k rounds 0..slot (slot k - 1: all k);
-// at k <= MOE_TOP_LIST the rounds' winners come from moe_top_list at once (the same ids, weights and bits).
+// The expert of routed slot `slot`: the softmax over the E f32 logits and top-k rounds 0..slot (slot k - 1: all k).
 // The writer simdgroup (running all k rounds) writes the ids and renormalised weights: to device memory for
 // moe_down_combine (one writer per dispatch), or to threadgroup memory (moe_down_combine_staged's own routing). Called
 // by a whole simdgroup (convergent).
@@ -228,38 +157,16 @@ inline uint moe_slot_expert(device const float* router_logits, uint num_experts,
                             uint lane, Ids expert_ids, Weights expert_weights) {
   float p[MOE_PER_LANE];
   moe_probabilities(router_logits, num_experts, lane, p);
-  uint expert = 0;
+  uint taken = 0, expert = 0;
   float chosen_sum = 0.0f;
-  if (k <= MOE_TOP_LIST) {
-    float top[MOE_TOP_LIST];
-    uint ids[MOE_TOP_LIST];
-    moe_top_list(p, num_experts, lane, top, ids);
-    LILY_UNROLL
-    for (uint r = 0; r < MOE_TOP_LIST; ++r) {
-      // No candidate left (a NaN row): moe_pick's stand-in, the round's own id with a NaN weight.
-      const bool none = ids[r] >= num_experts;
-      const uint winner = none ? r : ids[r];
-      const float weight = none ? NAN : top[r];
-      if (r < k) {
-        chosen_sum += weight;
-        if (writer && lane == 0) {
-          expert_ids[r] = winner;
-          expert_weights[r] = weight;
-        }
-      }
-      expert = r == slot ? winner : expert;
-    }
-  } else {
-    uint taken = 0;
-    for (uint r = 0; r <= slot; ++r) {
-      float top;
-      const uint winner = moe_pick(p, taken, num_experts, lane, r, top);
-      chosen_sum += top;
-      expert = winner;
-      if (writer && lane == 0) {
-        expert_ids[r] = winner;
-        expert_weights[r] = top;
-      }
+  for (uint r = 0; r <= slot; ++r) {
+    float top;
+    const uint winner = moe_pick(p, taken, num_experts, lane, r, top);
+    chosen_sum += top;
+    expert = winner;
+    if (writer && lane == 0) {
+      expert_ids[r] = winner;
+      expert_weights[r] = top;
     }
   }
   if (writer && lane == 0) {

@@ -35,20 +35,17 @@ NORM_EPS = 1e-6
 # element: an element that cancels to near zero keeps the absolute error of its terms. The element-wise bound adds
 # this fraction of the output's RMS to the fp32 table's rtol (32 ulp of the RMS at 2^-23).
 F32_DOT_RMS_FRACTION = 4e-6
-# (E, k, H, I, Is) of the gate/up and down kernels: every kernel on the first, bf16-scale kernels on all. k = 12 is
-# past moe_top_list's 8 (the early down kernel routes with moe_pick's rounds). The last takes two pack steps in both
-# kernels, the second partial (gate/up: H / 32 = 66 packs per row, 64 per step; down: k * I / 32 + Is / 32 = 166 packs
-# per output row, 160 per step), so packs past the row must weigh nothing.
-SHAPES = [(16, 4, 128, 64, 128), (64, 8, 256, 128, 64), (32, 5, 320, 64, 64), (40, 12, 128, 64, 64),
-          (16, 8, 2112, 640, 192)]
+# (E, k, H, I, Is) of the gate/up and down kernels: every kernel on the first, bf16-scale kernels on all. The last
+# takes two pack steps in both kernels, the second partial (gate/up: H / 32 = 66 packs per row, 64 per step; down:
+# k * I / 32 + Is / 32 = 166 packs per output row, 160 per step), so packs past the row must weigh nothing.
+SHAPES = [(16, 4, 128, 64, 128), (64, 8, 256, 128, 64), (32, 5, 320, 64, 64), (16, 8, 2112, 640, 192)]
 # (rows, E, k) of the router: the model's 256/8 first.
 ROUTE_SHAPES = [(rows, e, k) for e, k in [(256, 8), (64, 8), (40, 16), (33, 5), (16, 4), (8, 8), (1, 1)]
                 for rows in (3, 1)]
 # (E, k, H, I, Is) of the routed gate/up: the model's 256 experts and top-8; E not a multiple of 32 (idle lanes);
-# k = E; Is != I; H with a partial second pack step (66 packs per row, 64 per step); k = 12, past moe_top_list's 8
-# (the rounds of moe_pick).
+# k = E; Is != I; H with a partial second pack step (66 packs per row, 64 per step).
 ROUTED_SHAPES = [(256, 8, 256, 64, 64), (33, 5, 320, 64, 128), (8, 8, 128, 64, 64), (16, 1, 128, 128, 64),
-                 (24, 3, 2112, 64, 64), (40, 12, 128, 64, 64)]
+                 (24, 3, 2112, 64, 64)]
 
 
 def moe_args(num_rows: int, num_experts: int, top_k: int, hidden: int, expert: int, shared: int = 0,
