@@ -670,8 +670,14 @@ template <typename T, typename S, bool WholePacks, bool EarlyLoads>
   const uint first_row = (group * (n_threads / 32) + simd_group) * kRows;
   const bool active = first_row < H;  // else the simdgroup only takes part in the staging
   const uint total = moe_down_packs(args);
+  // The slots' ids and weights in threadgroup memory either way: routed again here (early), or the gate/up kernel's.
   if (!EarlyLoads) {
     lily::grid_dependency_wait();  // the ids, weights and hidden come from the dispatch before
+    static_assert(LILY_MOE_DOWN_ROUTE_MAX_K <= 32, "one lane copies each slot");
+    if (simd_group == 0 && lane < args.top_k) {  // top_k <= LILY_MOE_DOWN_ROUTE_MAX_K (the host checks)
+      route_ids[lane] = expert_ids[lane];
+      route_weights[lane] = expert_weights[lane];
+    }
   } else if (simd_group == 0) {
     moe_slot_expert(router, args.num_experts, args.top_k, args.top_k - 1, true, lane, route_ids, route_weights);
   }
@@ -696,18 +702,10 @@ template <typename T, typename S, bool WholePacks, bool EarlyLoads>
   for (uint s0 = 0; s0 < total; s0 += 32 * kPacks) {  // uniform trip count: the staging in the first stays uniform
     const uint p0 = s0 + lane;
     // An inactive simdgroup reads the last rows (never stored).
-    if (EarlyLoads) {
-      moe_down_load_step<WholePacks>(args, p0, min(first_row, H - kRows), (threadgroup const uint*)route_ids,
-                                     (threadgroup const float*)route_weights, shared_weight,
-                                     lily::as_words(down_weight), down_scales, down_biases,
-                                     lily::as_words(shared_down_weight), shared_down_scales, shared_down_biases,
-                                     words, scale, bias, weight);
-    } else {
-      moe_down_load_step<WholePacks>(args, p0, min(first_row, H - kRows), expert_ids, expert_weights, shared_weight,
-                                     lily::as_words(down_weight), down_scales, down_biases,
-                                     lily::as_words(shared_down_weight), shared_down_scales, shared_down_biases,
-                                     words, scale, bias, weight);
-    }
+    moe_down_load_step<WholePacks>(args, p0, min(first_row, H - kRows), (threadgroup const uint*)route_ids,
+                                   (threadgroup const float*)route_weights, shared_weight, lily::as_words(down_weight),
+                                   down_scales, down_biases, lily::as_words(shared_down_weight), shared_down_scales,
+                                   shared_down_biases, words, scale, bias, weight);
     if (s0 == 0) {
       if (EarlyLoads) {
         lily::grid_dependency_wait();  // hidden comes from the dispatch before

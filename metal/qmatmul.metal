@@ -49,10 +49,11 @@
 //                                          and the segmented ones stream their row blocks: a threadgroup stages x
 //                                          once and takes blocks x, x + grid width, ... (the host launches at most
 //                                          tuning::kQmvStreamGroups; any grid width gives the same bits).
-//                                          qmv_residual_staged, qmv_gated_norm_residual_staged and qmv_norm_seg_staged
-//                                          take 2-D threadgroups (32 n, S): row y of simdgroups is step slot y, taking
-//                                          steps y, y + S, ... of the rows of row 0, and qmv_slot_totals adds the slots'
-//                                          sums (SPLIT_STEPS: tuning::qmv_step_slots); S = 1 is 1-D.
+//                                          qmv_residual_staged, qmv_gated_norm_residual_staged and
+//                                          qmv_norm_seg_staged take 2-D threadgroups (32 n, S): row y of simdgroups
+//                                          is step slot y, taking steps y, y + S, ... of the rows of row 0, and
+//                                          qmv_slot_totals adds the slots' sums (SPLIT_STEPS: tuning::qmv_step_slots);
+//                                          S = 1 is 1-D.
 //   qmv_norm_argmax_staged_q4_g64_<f32|bf16_of32>[_a16]  (CUDA, greedy decode: FUSED_ARGMAX) the lm_head's
 //                                          qmv_norm_staged that also keeps each threadgroup's best logit of the rows it
 //                                          wrote (argmax.h's order) and writes it as argmax_partial would: argmax_final
@@ -319,6 +320,7 @@ using lily::kStageBatch;
 using lily::kStageChunks;
 using lily::qmv_load_and_dot;
 using lily::qmv_load_step;
+using lily::qmv_slot_first_pack;
 using lily::qmv_stage;
 using lily::qmv_stage_chunk;
 using lily::qmv_stage_slot;
@@ -423,7 +425,7 @@ LILY_INLINE float qmv_staged_rows(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROU
   float bias[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
   if (active) {
     qmv_load_step<Bits, WholePacks>(words, scale, bias, weight, scales, biases, K, N, first_row,
-                                    lane + 32 * LILY_QMV_PACKS_PER_LANE * slot);
+                                    qmv_slot_first_pack(lane, slot));
   }
   lily::grid_dependency_wait();  // x comes from the dispatch before
   const float inv_rms = qmv_stage<Norm, Bits>(x, norm_weight, K, eps, stage_x, pack_sum, simd_sq, tid, n_threads, lane,
@@ -1194,7 +1196,7 @@ template <typename T, typename S, int Bits, bool WholePacks>
   float scale[LILY_QMV_PACKS_PER_LANE][kRows], bias[LILY_QMV_PACKS_PER_LANE][kRows];
   if (active) {
     qmv_load_step<Bits, WholePacks>(words, scale, bias, lily::as_words(weight), scales, biases, K, N, first_row,
-                                    lane + 32 * LILY_QMV_PACKS_PER_LANE * slot);
+                                    qmv_slot_first_pack(lane, slot));
   }
   lily::grid_dependency_wait();  // o comes from the dispatch before, gate from the one before that
   qmv_stage_gated_norm<T, Bits>(o, gate, norm_weight, K, args.head_dim, args.eps, stage_x, pack_sum, head_inv_rms, tid,

@@ -139,6 +139,10 @@ LILY_INLINE void qmv_load_pack(device const uint* pack, thread uint (&words)[LIL
   }
 }
 
+// The first pack a lane loads in step slot `slot` (the split-step GEMVs: slot s takes steps s, s + slots, ... of a
+// row, a step being kPacks packs of each of the 32 lanes): what qmv_load_step's p0 and qmv_staged_dot start from.
+inline uint qmv_slot_first_pack(uint lane, uint slot) { return lane + 32 * LILY_QMV_PACKS_PER_LANE * slot; }
+
 // Loads one step of a simdgroup's kRows rows: kPacks packs (lane + 32 i from p0) of LILY_QMV_PACK_WORDS words each,
 // and their scales and biases (0 past the row: a pack past the row re-reads the row's last pack). WholePacks: a pack
 // is one 16-byte load (one load instruction for four: on the H200 tg128 +2 %, docs/performance.md), which needs the
@@ -173,8 +177,9 @@ LILY_INLINE void qmv_load_step(
 
 // The dot products of a staged GEMV for this simdgroup's rows: acc[r] = this lane's share of sum_k x'_k w[first_row +
 // r, k] over the steps it takes (the caller does the simd_sum), given its first step's weights already loaded
-// (qmv_load_step with p0 = lane + 32 kPacks slot): later steps load their own. Step slot `slot` of `slots` takes steps
-// slot, slot + slots, ... of the row (the split-step GEMVs: other simdgroups take the rest); one slot takes them all.
+// (qmv_load_step with p0 = qmv_slot_first_pack(lane, slot)): later steps load their own. Step slot `slot` of `slots`
+// takes steps slot, slot + slots, ... of the row (the split-step GEMVs: other simdgroups take the rest); one slot
+// takes them all.
 template <int Bits, bool WholePacks, typename S>
 LILY_INLINE void qmv_staged_dot(
     thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP],
@@ -194,7 +199,7 @@ LILY_INLINE void qmv_staged_dot(
   }
   uint magic[lily::kCodeMagicCount<Bits>];
   lily::code_float_magic<Bits>(magic);
-  const uint first = lane + 32 * kPacks * slot;
+  const uint first = qmv_slot_first_pack(lane, slot);
   for (uint p0 = first; p0 < packs_per_row; p0 += 32 * kPacks * slots) {
     if (p0 != first) {
       qmv_load_step<Bits, WholePacks>(words, scale, bias, weight, scales, biases, K, N, first_row, p0);
@@ -249,7 +254,7 @@ LILY_INLINE void qmv_load_and_dot(thread float (&acc)[LILY_QMV_ROWS_PER_SIMDGROU
   float scale[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
   float bias[LILY_QMV_PACKS_PER_LANE][LILY_QMV_ROWS_PER_SIMDGROUP];
   qmv_load_step<Bits, WholePacks>(words, scale, bias, weight, scales, biases, K, N, first_row,
-                                  lane + 32 * LILY_QMV_PACKS_PER_LANE * slot);
+                                  qmv_slot_first_pack(lane, slot));
   qmv_staged_dot<Bits, WholePacks>(acc, words, scale, bias, weight, scales, biases, K, N, first_row, stage_x, pack_sum,
                                    lane, slot, slots);
 }

@@ -2,10 +2,10 @@
 one step (2,048 codes at 4 bits, 1,024 at 8: the attention o_proj, the DeltaNet out_proj and, in bf16 mode, the 8-bit
 router | shared gate) run threadgroups of (128, 2) threads, row y of simdgroups taking steps y, y + 2, ... of the same
 output rows and slot 0 adding the slots' sums (tuning::qmv_step_slots); off, (128, 1): one simdgroup takes a row's
-steps in turn. The sums are added in another fp32
-order, so the logits agree to rounding, not bit for bit, and the float32 greedy tokens are the same. The model is the
-fusion tests' with the full model's o_proj and out_proj K = 4096 (16 heads of 256, 32 value heads of 128: two steps)
-and a hidden size of 1,088 (the 8-bit router's two steps, the second partial); the fake libcuda runs the real kernels on the harness, with the graph's early-start rule on both."""
+steps in turn. The sums are added in another fp32 order, so the logits agree to rounding, not bit for bit, and the
+float32 greedy tokens are the same. The model is the fusion tests' with the full model's o_proj and out_proj K = 4096
+(16 heads of 256, 32 value heads of 128: two steps) and a hidden size of 1,088 (the 8-bit router's two steps, the
+second partial); the fake libcuda runs the real kernels on the harness, with the graph's early-start rule on both."""
 
 from __future__ import annotations
 

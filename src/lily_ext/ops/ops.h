@@ -38,7 +38,7 @@ struct Context {
   bool whole_pack_loads = false;  // staged kernels load a pack of codes at once where aligned (WHOLE_PACK_LOADS)
   bool fused_attention_prep = true;  // split-KV decode on matrix units preps its own rows (FUSED_ATTENTION_PREP)
   bool early_moe_down = true;  // the staged expert down kernel routes and loads before its wait (EARLY_MOE_DOWN)
-  bool split_steps = false;  // the staged residual GEMVs split a row's K steps over rows of simdgroups (SPLIT_STEPS)
+  bool split_steps = false;  // staged GEMVs split a row's K steps over rows of simdgroups (SPLIT_STEPS)
 };
 
 // Appends a node; traffic defaults to the declared ranges.
