@@ -110,9 +110,7 @@ void bind_switches(nb::module_ m) {
       .def_rw("split_steps", &S::split_steps)
       .def_rw("split_kv_min_keys", &S::split_kv_min_keys)
       .def_rw("prefill_chunk", &S::prefill_chunk)
-      .def_rw("kv_block", &S::kv_block)
-      .def_rw("moe_gate_up_simdgroups", &S::moe_gate_up_simdgroups)
-      .def_rw("moe_down_simdgroups", &S::moe_down_simdgroups);
+      .def_rw("kv_block", &S::kv_block);
 }
 
 // lily::TokenChoice: how the GPU chooses a token, built from lily.sampling.SamplingParams by

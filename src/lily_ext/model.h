@@ -87,8 +87,6 @@ struct Switches {
                                    // whose rows of simdgroups take interleaved steps (tuning::qmv_step_slots)
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
-  size_t moe_gate_up_simdgroups = 0;  // staged decode gate/up threadgroup width; 0 = LILY_QMV_STAGED_SIMDGROUPS
-  size_t moe_down_simdgroups = 0;     // staged decode down threadgroup width; 0 = LILY_MOE_DOWN_SIMDGROUPS
   size_t kv_growth_block() const;
 };
 

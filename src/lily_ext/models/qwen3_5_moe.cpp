@@ -289,8 +289,6 @@ struct Forward {
     ctx.fused_attention_prep = sw.fused_attention_prep;
     ctx.early_moe_down = sw.early_moe_down;
     ctx.split_steps = sw.split_steps;
-    ctx.moe_gate_up_simdgroups = sw.moe_gate_up_simdgroups;
-    ctx.moe_down_simdgroups = sw.moe_down_simdgroups;
   }
 
   // The pass's T rows of `buffer`, `row_bytes` each.

@@ -60,9 +60,8 @@ bool staged(const Context& ctx, const ModelConfig& c, const MoeSpans& s) {
 
 void down_combine(Context& ctx, const ModelConfig& c, const std::string& label, const MoeSpans& s, const MoeArgs& a,
                   const Span& hidden, const Span& ids, const Span& weights, const Span& gate_logit, bool staged) {
-  const size_t simdgroups = staged && ctx.moe_down_simdgroups ? ctx.moe_down_simdgroups : LILY_MOE_DOWN_SIMDGROUPS;
-  const size_t rows_per_group = LILY_MOE_DOWN_ROWS_PER_SIMDGROUP * simdgroups;
-  const Dim3 groups = {(c.hidden_size + rows_per_group - 1) / rows_per_group, 1, 1};
+  const Dim3 groups = {(c.hidden_size + tuning::kMoeDownRowsPerThreadgroup - 1) / tuning::kMoeDownRowsPerThreadgroup,
+                       1, 1};
   const std::vector<Span> down_weights = {s.down->data,        s.down->scales,        s.down->biases,
                                           s.shared_down->data, s.shared_down->scales, s.shared_down->biases};
   if (staged) {
@@ -83,7 +82,7 @@ void down_combine(Context& ctx, const ModelConfig& c, const std::string& label, 
                            arg(s.down->scales), arg(s.down->biases), arg(s.shared_down->data),
                            arg(s.shared_down->scales), arg(s.shared_down->biases), arg(s.residual_out),
                            arg(s.residual_out)},
-                          groups, {32 * simdgroups, 1, 1}, std::move(reads), {s.residual_out});
+                          groups, {tuning::kMoeDownThreads, 1, 1}, std::move(reads), {s.residual_out});
     if (ctx.early_moe_down) down.early_reads = std::move(early);
     // The logits are read by simdgroup 0 of each threadgroup (early) from cache, or the ids and weights (late):
     // counted once.
@@ -154,17 +153,14 @@ void moe_decode_routed(Context& ctx, const ModelConfig& c, const std::string& la
   std::vector<Span> reads = {s.x, norm_weight.data, logits};
   for (const Span& w : gate_up_weight_spans(s)) reads.push_back(w);
   const bool stage = staged(ctx, c, s);
-  const size_t simdgroups = ctx.moe_gate_up_simdgroups ? ctx.moe_gate_up_simdgroups : LILY_QMV_STAGED_SIMDGROUPS;
   Node& gate_up = add_node(
       ctx,
       stage ? "moe_gate_up_swiglu_routed_staged_" + decode_suffix(ctx, s) +
                   pack_loads_suffix(ctx, {s.gate, s.up, s.shared_gate, s.shared_up})
             : "moe_gate_up_swiglu_routed_" + decode_suffix(ctx, s),
       label + " route+gate/up", std::move(args),
-      gate_up_groups(c, stage ? LILY_QMV_ROWS_PER_SIMDGROUP * simdgroups
-                              : tuning::kMoeGemvRowsPerThreadgroup),
-      {stage ? 32 * simdgroups : tuning::kMoeGemvThreads, 1, 1}, std::move(reads),
-      {ids, weights, hidden});
+      gate_up_groups(c, stage ? tuning::kQmvStagedRowsPerThreadgroup : tuning::kMoeGemvRowsPerThreadgroup),
+      {stage ? tuning::kQmvStagedThreads : tuning::kMoeGemvThreads, 1, 1}, std::move(reads), {ids, weights, hidden});
   // The staged kernel loads the shared expert's first weights before its wait (metal/moe.metal).
   if (stage) gate_up.early_reads = {s.shared_gate->data, s.shared_gate->scales, s.shared_gate->biases,
                                     s.shared_up->data,   s.shared_up->scales,   s.shared_up->biases};

@@ -39,8 +39,6 @@ struct Context {
   bool fused_attention_prep = true;  // split-KV decode on matrix units preps its own rows (FUSED_ATTENTION_PREP)
   bool early_moe_down = true;  // the staged expert down kernel routes and loads before its wait (EARLY_MOE_DOWN)
   bool split_steps = false;  // staged GEMVs split a row's K steps over rows of simdgroups (SPLIT_STEPS)
-  size_t moe_gate_up_simdgroups = 0;  // the staged decode experts' threadgroup widths (0: the tuning defaults)
-  size_t moe_down_simdgroups = 0;
 };
 
 // Appends a node; traffic defaults to the declared ranges.
