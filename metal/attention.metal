@@ -723,12 +723,10 @@ LILY_INLINE void attn_decode_prep_rows(constant lily::AttentionPrepArgs& prep, d
                                        device const T* k, device const T* v, device const T* q_norm,
                                        device const T* k_norm, device bfloat* k_cache, device bfloat* v_cache,
                                        threadgroup T* q_rows, uint head0, uint kv_head, bool writes_row,
-                                       uint simd_lane, uint simd_group, uint n_simdgroups) {
+                                       thread const AttnRopeAngles<D>& angles, uint simd_lane, uint simd_group,
+                                       uint n_simdgroups) {
   constexpr uint CPL = (D / 4 + 31) / 32;
   const uint rows = writes_row ? G + 1 : G;
-  // Every row is at the new token's position: its angles once per simdgroup, for all of its rows.
-  const AttnRopeAngles<D> angles = attention_rope_angles<D>(float(prep.first_position), prep.rotary_dim,
-                                                            prep.rope_theta, simd_lane);
   for (uint r = simd_group; r < rows; r += n_simdgroups) {
     const bool is_query = r < G;
     device const T* x = is_query ? q_and_gate + size_t(head0 + r) * (2 * D) : k + size_t(kv_head) * D;
@@ -789,6 +787,10 @@ template <typename T, uint D, uint G>
   AttnDecodeMmaFirstSteps<D> first;  // none fetched in an empty block
   attn_decode_mma_fetch_early<D>(first, args, k_cache, v_cache, kv_head, key_begin, key_end, simd_lane, simd_group,
                                  n_simdgroups);
+  // Every prepped row is at the new token's position: its rotary angles once per simdgroup, for all of its rows, from
+  // the arguments alone, so before the wait (pow, cos and sin: a chain the dispatch before can hide).
+  const AttnRopeAngles<D> angles = attention_rope_angles<D>(float(prep.first_position), prep.rotary_dim,
+                                                            prep.rope_theta, simd_lane);
   lily::grid_dependency_wait();  // q_and_gate, k and v come from the dispatch before
   if (block == 0) {
     for (uint i = tid; i < G * D; i += n_threads) {
@@ -802,7 +804,7 @@ template <typename T, uint D, uint G>
   }
   // The new key (row num_keys - 1 = prep.first_position) lies in the last non-empty block: the one ending at num_keys.
   attn_decode_prep_rows<T, D, G>(prep, q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, q_rows, head0, kv_head,
-                                 key_end == args.num_keys, simd_lane, simd_group, n_simdgroups);
+                                 key_end == args.num_keys, angles, simd_lane, simd_group, n_simdgroups);
   attn_decode_mma_heads<T, D, G>(args, q_rows, k_cache, v_cache, first, head0, key_begin,
                                  key_end, stats_max, stats_sum, merge, store, tid, n_threads, simd_lane, simd_group,
                                  n_simdgroups);

@@ -375,10 +375,16 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 #define LILY_ATTN_DECODE_KEYS_PER_STEP 8
 // Decode runs split-KV (attention_decode_partial + attention_decode_combine) from this many keys on, with
 // num_blocks = 2^floor(log2(2 * keys / this)) blocks (tuning::attention_split_blocks): 2 blocks of 128 keys here,
-// doubling with the keys (32 blocks x 4 threadgroups at 4K keys: about one per SM of a 132-SM GPU), so one recorded
-// program serves a whole doubling of the context. Below it the single pass has at most 4 loop steps per simdgroup
-// (8 simdgroups x 8 keys per step): its Hq/4 threadgroups suffice. A design guess, not measured.
+// doubling with the keys, so one recorded program serves a whole doubling of the context. Below it the single pass
+// has at most 4 loop steps per simdgroup (8 simdgroups x 8 keys per step): its Hq/4 threadgroups suffice. A design
+// guess, not measured (nor on Apple GPUs).
 #define LILY_ATTN_SPLIT_MIN_KEYS 256
+// Where the runtime prefers short split-KV blocks (Runtime::prefers_short_split_blocks: CUDA), the block count doubles
+// with every doubling of keys / this instead (from the same threshold): 8 blocks at 256 keys, 64 from 2K. On matrix
+// units a threadgroup takes a whole GQA group, so the rule above gave 32 blocks x 2 threadgroups at 4K keys, 64 of an
+// H100's 132 SMs; with this, 128 threadgroups: tg128 +0.4 % at depth 4096 and +0.7 % at 1024 on an H100
+// (docs/performance.md).
+#define LILY_ATTN_SPLIT_SHORT_BLOCK_KEYS 64
 // Most split-KV blocks (reached at 32x the threshold = 8K keys; past that the blocks grow): 64 blocks x 4
 // threadgroups (the model's 16 heads), and the partials (Hq x blocks x D fp32, 1 MiB) stay small next to the cache
 // they summarise (67 MB at 32K keys). attention_decode_combine keeps one weight per block in threadgroup memory, so

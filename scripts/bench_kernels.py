@@ -61,8 +61,9 @@ ATTN_MMA_QUERIES, ATTN_MMA_HEADS_PER_GROUP = 8, 8
 # attention_decode_partial_mma (the engine's split-KV pass 1 where MMA_ATTENTION is on): the whole GQA group per
 # threadgroup, LILY_ATTN_DECODE_MMA_SIMDGROUPS simdgroups.
 ATTN_DECODE_MMA_SIMDGROUPS = 8
-# Split-KV decode (LILY_ATTN_SPLIT_MIN_KEYS, LILY_ATTN_SPLIT_MAX_BLOCKS; the rule is tuning::attention_split_blocks).
-ATTN_SPLIT_MIN_KEYS, ATTN_SPLIT_MAX_BLOCKS = 256, 64
+# Split-KV decode (LILY_ATTN_SPLIT_MIN_KEYS, LILY_ATTN_SPLIT_MAX_BLOCKS, LILY_ATTN_SPLIT_SHORT_BLOCK_KEYS: CUDA's unit;
+# the rule is tuning::attention_split_blocks).
+ATTN_SPLIT_MIN_KEYS, ATTN_SPLIT_MAX_BLOCKS, ATTN_SPLIT_SHORT_BLOCK_KEYS = 256, 64, 64
 GDN_ROWS_PER_SIMDGROUP = 8
 ARGMAX_BLOCK, ARGMAX_THREADS, SAMPLE_THREADS = 4096, 256, 1024
 SAMPLE_BLOCK, SAMPLE_CANDIDATES, SAMPLE_PARTIAL_THREADS, SAMPLE_FINAL_THREADS = 4096, 64, 256, 256
@@ -280,12 +281,13 @@ def moe_cases() -> list[Case]:
 
 
 def attention_split_blocks(keys: int) -> int:
-    """Split-KV blocks the engine picks at `keys` keys (tuning::attention_split_blocks; 0 = single pass): 2 at
-    ATTN_SPLIT_MIN_KEYS, doubling with the keys, up to ATTN_SPLIT_MAX_BLOCKS."""
+    """Split-KV blocks the CUDA engine picks at `keys` keys (tuning::attention_split_blocks with CUDA's short blocks;
+    0 = single pass): from ATTN_SPLIT_MIN_KEYS on, 2^floor(log2(2 * keys / ATTN_SPLIT_SHORT_BLOCK_KEYS)), up to
+    ATTN_SPLIT_MAX_BLOCKS."""
     if keys < ATTN_SPLIT_MIN_KEYS:
         return 0
     blocks = 1
-    while blocks < ATTN_SPLIT_MAX_BLOCKS and blocks * ATTN_SPLIT_MIN_KEYS <= keys:
+    while blocks < ATTN_SPLIT_MAX_BLOCKS and blocks * ATTN_SPLIT_SHORT_BLOCK_KEYS <= keys:
         blocks *= 2
     return blocks
 

@@ -107,15 +107,16 @@ def test_dry_run_checks_arguments_against_the_ptx(monkeypatch, tmp_path, capsys)
 
 
 def test_attention_split_rule_matches_the_engine() -> None:
-    """The script's copy of the split-KV rule uses metal/lily.h's constants and picks the engine's block counts
-    (tuning::attention_split_blocks; the engine test test_split_kv_block_counts_change_over_a_decode checks the
-    engine's side), and the engine's simdgroups per attention_decode_partial_mma threadgroup."""
+    """The script's copy of the split-KV rule uses metal/lily.h's constants and picks the CUDA engine's block counts
+    (tuning::attention_split_blocks with short blocks; the engine test test_cuda_engine_splits_into_short_blocks
+    checks the engine's side), and the engine's simdgroups per attention_decode_partial_mma threadgroup."""
     header = (ROOT / "metal" / "lily.h").read_text()
-    for name in ("ATTN_SPLIT_MIN_KEYS", "ATTN_SPLIT_MAX_BLOCKS", "ATTN_DECODE_MMA_SIMDGROUPS"):
+    for name in ("ATTN_SPLIT_MIN_KEYS", "ATTN_SPLIT_MAX_BLOCKS", "ATTN_SPLIT_SHORT_BLOCK_KEYS",
+                 "ATTN_DECODE_MMA_SIMDGROUPS"):
         assert f"#define LILY_{name} {getattr(bench_kernels, name)}\n" in header
     blocks = {keys: bench_kernels.attention_split_blocks(keys) for keys in (255, 256, 511, 512, 1024, 4096, 8192,
                                                                             16384, 32768)}
-    assert blocks == {255: 0, 256: 2, 511: 2, 512: 4, 1024: 8, 4096: 32, 8192: 64, 16384: 64, 32768: 64}
+    assert blocks == {255: 0, 256: 8, 511: 8, 512: 16, 1024: 32, 4096: 64, 8192: 64, 16384: 64, 32768: 64}
 
 
 def test_deltanet_scan_cases_at_512_and_4096_tokens() -> None:

@@ -109,6 +109,7 @@ void bind_switches(nb::module_ m) {
       .def_rw("mma_gemv", &S::mma_gemv)
       .def_rw("split_steps", &S::split_steps)
       .def_rw("split_kv_min_keys", &S::split_kv_min_keys)
+      .def_rw("split_kv_block_keys", &S::split_kv_block_keys)
       .def_rw("prefill_chunk", &S::prefill_chunk)
       .def_rw("kv_block", &S::kv_block);
 }
@@ -519,6 +520,8 @@ void bind_engine(nb::module_ m) {
       .def_prop_ro("step_cpp_ns", &lily::Engine::step_cpp_ns)
       .def("reset_host_timing", &lily::Engine::reset_host_timing)
       .def_prop_ro("programs_built", &lily::Engine::programs_built)
+      .def("split_blocks", &lily::Engine::split_blocks, nb::arg("position"),
+           "Split-KV blocks of the decode step at `position` (0: single pass; tuning::attention_split_blocks).")
       .def("device_memory", [](const lily::Engine& e) { return memory_dict(e.device_memory()); })
       .def("bind_synthetic_weights", &lily::Engine::bind_synthetic_weights)
       .def("generate_greedy", &lily::Engine::generate_greedy, nb::arg("first"), nb::arg("count"))

@@ -38,6 +38,9 @@ Engine::Engine(const ModelConfig& config, Precision precision, const Switches& s
   switches_.tensor_ops = switches_.tensor_ops && runtime_->supports_tensor_ops();
   switches_.staged_gemv = switches_.staged_gemv && runtime_->prefers_staged_gemv();
   switches_.mma_gemv = switches_.mma_gemv && runtime_->prefers_mma_gemv();
+  if (!switches_.split_kv_block_keys && runtime_->prefers_short_split_blocks()) {
+    switches_.split_kv_block_keys = tuning::kAttentionSplitShortBlockKeys;
+  }
   if ((switches_.mma_attention || switches_.mma_gemv) && !simdgroup_layout_matches(*runtime_)) {
     std::fprintf(stderr, "lily: this GPU's simdgroup_matrix lane layout differs from the one the matrix-unit kernels "
                          "assume; attention and few-row GEMVs use the vector kernels\n");

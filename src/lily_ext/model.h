@@ -42,6 +42,9 @@ struct Switches {
   bool fusion = true;              // FUSION: off = decode RMSNorms, residual adds and routing as their own dispatches
   bool split_kv = true;            // SPLIT_KV: off = never the long-context split-KV attention path
   size_t split_kv_min_keys = 0;    // 0 = tuning::kAttentionSplitMinKeys (tests lower it to exercise the path)
+  size_t split_kv_block_keys = 0;  // block count unit (tuning::attention_split_blocks); 0 = the runtime's choice:
+                                   // tuning::kAttentionSplitShortBlockKeys where it prefers short blocks (CUDA), else
+                                   // split_kv_min_keys
   bool gpu_token = true;           // GPU_TOKEN: off = the CPU reads logits and writes the next token itself
   bool batched_prefill = true;     // BATCHED_PREFILL: off = prompts run one decode step per token
   bool wide_tiles = true;          // WIDE_TILES: off = 16-row GEMM tiles only (qmm and the MoE grouped GEMMs)
@@ -384,6 +387,8 @@ class Engine {
   void reset_host_timing() { step_encode_ns_.clear(), step_cpp_ns_.clear(); }
   // Decode programs built so far (a step is built once per shape, not once per token).
   size_t programs_built() const { return programs_built_; }
+  // Split-KV blocks of the decode step at `position` (0: the single pass), by this engine's switches and runtime.
+  size_t split_blocks(size_t position) const;
   // Bytes the engine holds in the runtime's memory (reserved address space holds nothing); `peak`: the most held at
   // once since loading began (a KV-cache growth holds the old and the new layer a moment).
   DeviceMemory device_memory() const;
@@ -422,7 +427,6 @@ class Engine {
 
   void ensure_capacity(size_t keys);
   void prefill_chunk(const uint32_t* tokens, size_t count, float* logits, size_t logit_rows, long dropped_barrier);
-  size_t split_blocks(size_t position) const;
   Program& program(int token_slot, const std::optional<TokenChoice>& choice);
   Program& short_pass(size_t rows, size_t logit_rows);
   Program& keep(Program built);

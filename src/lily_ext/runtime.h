@@ -100,6 +100,9 @@ class Runtime {
   // A few rows' GEMVs on matrix units (tuning::mma_gemv): where the vector GEMVs are issue-bound (NVIDIA); not yet
   // measured on Apple GPUs.
   virtual bool prefers_mma_gemv() const { return false; }
+  // Split-KV decode in blocks of tuning::kAttentionSplitShortBlockKeys keys (tuning::attention_split_blocks): where
+  // the matrix-unit partials otherwise leave SMs idle (NVIDIA); not measured on Apple GPUs.
+  virtual bool prefers_short_split_blocks() const { return false; }
   // Turns off the engine switches whose kernels this runtime lacks (the CPU runtime: see cpu/cpu_runtime.h); the
   // builder then emits their plain counterparts. Metal and CUDA run every switch.
   virtual void restrict_switches(Switches&) const {}

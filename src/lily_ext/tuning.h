@@ -77,16 +77,20 @@ constexpr size_t kAttentionMmaQueries = LILY_ATTN_MMA_QUERIES;
 constexpr size_t kAttentionSplitMinKeys = LILY_ATTN_SPLIT_MIN_KEYS;
 // Most split-KV blocks (the partial buffers are sized for it; the combine kernel's limit).
 constexpr size_t kAttentionSplitMaxBlocks = LILY_ATTN_SPLIT_MAX_BLOCKS;
-// Split-KV blocks at `keys` keys, splitting from `min_keys` (0 = single pass): 2 blocks at min_keys, doubling with
-// every doubling of the keys, up to kAttentionSplitMaxBlocks. The kernel derives the block span from the key count,
-// so the decode program changes only when this does: about log2(kAttentionSplitMaxBlocks) times over a long decode.
-constexpr size_t attention_split_blocks(size_t keys, size_t min_keys) {
+// Split-KV blocks at `keys` keys, splitting from `min_keys` (below: 0, the single pass): 2^floor(log2(2 * keys /
+// unit)) with unit = min(block_keys, min_keys), up to kAttentionSplitMaxBlocks (block_keys = min_keys: 2 blocks at
+// min_keys, doubling with every doubling of the keys). The kernel derives the block span from the key count, so the
+// decode program changes only when this does: about log2(kAttentionSplitMaxBlocks) times over a long decode.
+constexpr size_t attention_split_blocks(size_t keys, size_t min_keys, size_t block_keys) {
   if (keys < min_keys) return 0;
+  const size_t unit = block_keys < min_keys ? block_keys : min_keys;
   size_t blocks = 1;
-  // Double while the doubled count stays <= 2 * keys / min_keys.
-  while (blocks < kAttentionSplitMaxBlocks && blocks * min_keys <= keys) blocks *= 2;
+  // Double while the doubled count stays <= 2 * keys / unit.
+  while (blocks < kAttentionSplitMaxBlocks && blocks * unit <= keys) blocks *= 2;
   return blocks;
 }
+// The unit where the runtime prefers short blocks (Runtime::prefers_short_split_blocks), else min_keys.
+constexpr size_t kAttentionSplitShortBlockKeys = LILY_ATTN_SPLIT_SHORT_BLOCK_KEYS;
 
 // Staged one-row GEMVs (qmv_norm_staged, qmv_residual_staged, qmv_norm_seg_staged in metal/qmatmul.metal): x staged in
 // threadgroup memory once per threadgroup. Chosen on CUDA (Runtime::prefers_staged_gemv), where each lane loading its

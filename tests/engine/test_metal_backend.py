@@ -119,7 +119,8 @@ def test_every_switch_flipped_gives_the_same_tokens(engine_backend, checkpoints,
 
 
 @pytest.mark.parametrize("switch", [{"concurrent": False}, {"fused_projections": False},
-                                    {"split_kv_min_keys": 1}, {"split_kv": False}, {"gpu_token": False},
+                                    {"split_kv_min_keys": 1}, {"split_kv_min_keys": 8, "split_kv_block_keys": 1},
+                                    {"split_kv": False}, {"gpu_token": False},
                                     {"batched_prefill": False}, {"prefill_chunk": 4}, {"gpu_routing": False},
                                     {"prefill_chunk": 4, "chunked_prefill": False}])
 def test_each_switch_gives_the_same_logits(engine_backend, checkpoints, switch):
@@ -155,6 +156,20 @@ def test_split_kv_block_counts_change_over_a_decode(engine_backend, checkpoints)
     assert split._engine.programs_built - built == 3  # 8 blocks at 10 keys, 16 at 16, 32 at 32
     want, got = np.concatenate(want), np.concatenate(got)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
+
+
+def test_split_kv_blocks_by_runtime(engine_backend, engine_runtime, checkpoints):
+    """Both runtimes split decode attention from 256 keys (LILY_ATTN_SPLIT_MIN_KEYS). Metal doubles the blocks with
+    every doubling of keys / 256: 2 at 256 keys, 8 at 1K, 16 at 2K, 32 at 4K, 64 from 8K. CUDA
+    (Runtime::prefers_short_split_blocks) doubles them with keys / 64 (LILY_ATTN_SPLIT_SHORT_BLOCK_KEYS): 8 at 256,
+    32 at 1K, 64 from 2K. split_kv_block_keys = 256 gives either the Metal rule (decode_ab's baseline on CUDA).
+    Positions are keys - 1."""
+    keys = (255, 256, 1024, 2048, 4096, 8192)
+    metal_rule = [0, 2, 8, 16, 32, 64]
+    want = {"cuda": [0, 8, 32, 64, 64, 64], "metal": metal_rule}[engine_runtime]
+    for switches, expected in (({}, want), ({"split_kv_block_keys": 256}, metal_rule)):
+        engine = engine_backend(checkpoints["mlx"], precision="float32", switches=switches)._engine
+        assert [engine.split_blocks(k - 1) for k in keys] == expected, switches
 
 
 def test_wide_and_narrow_gemm_tiles_agree(engine_backend, checkpoints):

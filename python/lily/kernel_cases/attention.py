@@ -73,8 +73,8 @@ SINGLE_SHAPES = {
 # Split-KV shapes (heads, kv_heads, keys, blocks, simdgroups); the kernel's block span is ceil(keys / blocks). 45 keys
 # in 3 blocks of 15 (no block a multiple of 8 keys), 1 key in 2 blocks (the second empty), 3 keys in 8 blocks (5 empty),
 # 65 keys in 4 blocks of 17 (the last one short: 14), 33 keys in 2 blocks, 9 keys in 4 blocks of 3 (the last empty),
-# 64 keys in 8 full blocks, the engine's 8 blocks at 1025 keys and
-# 32 blocks at 4096 keys (tuning::attention_split_blocks) with the model's heads.
+# 64 keys in 8 full blocks, the Metal engine's 8 blocks at 1025 keys and 32 at 4096 keys, and the CUDA engine's 64 at
+# 4096 keys (tuning::attention_split_blocks; CUDA splits into short blocks) with the model's heads.
 SPLIT_SHAPES = {
     ("packed", 256): [(16, 2, 45, 3, 2), (8, 2, 1, 2, 2), (8, 2, 3, 8, 2), (8, 2, 65, 4, 2), (8, 2, 33, 2, 3),
                       (16, 2, 9, 4, 2), (8, 2, 64, 8, 4), (16, 2, 1025, 8, 8), (16, 2, 4096, 32, 8)],
@@ -85,21 +85,21 @@ SPLIT_SHAPES = {
     ("plain", 64): [(4, 2, 45, 3, 2), (4, 2, 33, 2, 2), (4, 2, 1, 2, 2)],
     # attention_decode_partial_mma (1 to 8 simdgroups, steps of 8 keys): one simdgroup walks every step; 8 simdgroups
     # merge in four rounds of 64 dims, 3 in two of 128 (a count that is not a power of two), most of them seeing no
-    # key; 32 heads of 2 KV heads (two threadgroups per KV head); one KV head; the engine's 4 simdgroups at 1025 and
-    # 4096 keys.
+    # key; 32 heads of 2 KV heads (two threadgroups per KV head); one KV head; 4 simdgroups at the Metal engine's 8
+    # blocks of 1025 keys, and the CUDA engine's 8 simdgroups and 64 blocks at 4096 keys.
     ("mma", 256): [(16, 2, 45, 3, 4), (8, 1, 1, 2, 4), (16, 2, 3, 8, 2), (16, 2, 65, 4, 1), (16, 2, 33, 2, 8),
-                   (16, 2, 100, 2, 3), (32, 2, 47, 3, 4), (16, 2, 1025, 8, 4), (16, 2, 4096, 32, 4)],
+                   (16, 2, 100, 2, 3), (32, 2, 47, 3, 4), (16, 2, 1025, 8, 4), (16, 2, 4096, 64, 8)],
     # Head dim 64 packs 2 heads (the demo model's ratio; the gqa4 fixture's 4 gives two threadgroups per KV head).
     ("mma", 64): [(4, 2, 45, 3, 4), (8, 2, 33, 2, 2), (4, 2, 5, 8, 8), (2, 1, 17, 4, 1)],
 }
 # The fused kernel (attention_decode_partial_prep_mma): (heads, kv_heads, keys, blocks, simdgroups, rotary_dim). At
 # head dim 256: the engine's 8 simdgroups (9 prep rows: one simdgroup takes two), the first token (no earlier row; its
 # block 1 empty), 3 simdgroups, one taking every prep row, 32 heads of 2 KV heads (two threadgroups per KV head, both
-# writing the new row), rotary over the whole head, empty trailing blocks, the engine's 32 blocks at 4096 keys. At 64:
-# the demo model (rotary 16), the gqa4 fixture (rotary 32, two threadgroups per KV head), rotary 64.
+# writing the new row), rotary over the whole head, empty trailing blocks, the CUDA engine's 64 blocks at 4096 keys.
+# At 64: the demo model (rotary 16), the gqa4 fixture (rotary 32, two threadgroups per KV head), rotary 64.
 PREP_SHAPES = {
     256: [(16, 2, 45, 3, 8, 64), (16, 2, 1, 2, 8, 64), (16, 2, 3, 8, 2, 64), (32, 2, 47, 3, 4, 64),
-          (32, 2, 100, 4, 3, 64), (8, 1, 20, 2, 4, 256), (16, 2, 65, 4, 1, 64), (16, 2, 4096, 32, 8, 64)],
+          (32, 2, 100, 4, 3, 64), (8, 1, 20, 2, 4, 256), (16, 2, 65, 4, 1, 64), (16, 2, 4096, 64, 8, 64)],
     64: [(4, 2, 45, 3, 4, 16), (8, 2, 33, 2, 2, 32), (4, 2, 5, 8, 8, 16), (2, 1, 70, 4, 4, 64)],
 }
 

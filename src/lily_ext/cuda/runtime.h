@@ -39,6 +39,7 @@ class CudaRuntime : public Runtime {
   bool supports_profiling() const override { return true; }
   bool prefers_staged_gemv() const override { return true; }
   bool prefers_mma_gemv() const override { return true; }
+  bool prefers_short_split_blocks() const override { return true; }
 
   std::shared_ptr<RecordedGraph> record(std::shared_ptr<const Graph> graph, size_t begin, size_t end,
                                         const std::vector<DeviceBuffer*>& buffers,

@@ -162,7 +162,7 @@ PassBuffers add_pass_buffers(const ModelConfig& c, Precision precision, size_t r
   const size_t gdn_projections = c.conv_dim() + vd + 2 * c.gdn_v_heads;
   const size_t attention_projections = (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
   // Split-KV partials for the most blocks any split_kv_min_keys (>= 1) picks up to max_keys.
-  const size_t max_blocks = std::max<size_t>(1, tuning::attention_split_blocks(max_keys, 1));
+  const size_t max_blocks = std::max<size_t>(1, tuning::attention_split_blocks(max_keys, 1, 1));
   auto add = [&](const char* what, size_t bytes, BufferRole role) {
     return g.add_buffer(name.empty() ? what : name + " " + what, bytes, role);
   };

@@ -92,7 +92,7 @@ AttentionArgs attention_args(const ModelConfig& c, const AttentionSpans& s, size
 size_t attention_split_blocks(const Switches& sw, size_t keys) {
   if (!sw.split_kv) return 0;
   const size_t min_keys = sw.split_kv_min_keys ? sw.split_kv_min_keys : tuning::kAttentionSplitMinKeys;
-  return tuning::attention_split_blocks(keys, min_keys);
+  return tuning::attention_split_blocks(keys, min_keys, sw.split_kv_block_keys ? sw.split_kv_block_keys : min_keys);
 }
 
 void attention(Context& ctx, const ModelConfig& c, const std::string& label, const AttentionSpans& s,
