@@ -382,7 +382,7 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // Where the runtime prefers short split-KV blocks (Runtime::prefers_short_split_blocks: CUDA), the block count doubles
 // with every doubling of keys / this instead (from the same threshold): 8 blocks at 256 keys, 64 from 2K. On matrix
 // units a threadgroup takes a whole GQA group, so the rule above gave 32 blocks x 2 threadgroups at 4K keys, 64 of an
-// H100's 132 SMs; with this, 128 threadgroups: tg128 +0.4 % at depth 4096 and +0.7 % at 1024 on an H100
+// H100's 132 SMs; with this, 128 threadgroups: tg128 +0.7 % at depths 1024 and 4096 on an H100
 // (docs/performance.md).
 #define LILY_ATTN_SPLIT_SHORT_BLOCK_KEYS 64
 // Most split-KV blocks (reached at 32x the threshold = 8K keys; past that the blocks grow): 64 blocks x 4
