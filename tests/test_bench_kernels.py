@@ -108,8 +108,8 @@ def test_dry_run_checks_arguments_against_the_ptx(monkeypatch, tmp_path, capsys)
 
 def test_attention_split_rule_matches_the_engine() -> None:
     """The script's copy of the split-KV rule uses metal/lily.h's constants and picks the CUDA engine's block counts
-    (tuning::attention_split_blocks with short blocks; the engine test test_cuda_engine_splits_into_short_blocks
-    checks the engine's side), and the engine's simdgroups per attention_decode_partial_mma threadgroup."""
+    (tuning::attention_split_blocks with short blocks; the engine test test_split_kv_blocks_by_runtime checks the
+    engine's side), and the engine's simdgroups per attention_decode_partial_mma threadgroup."""
     header = (ROOT / "metal" / "lily.h").read_text()
     for name in ("ATTN_SPLIT_MIN_KEYS", "ATTN_SPLIT_MAX_BLOCKS", "ATTN_SPLIT_SHORT_BLOCK_KEYS",
                  "ATTN_DECODE_MMA_SIMDGROUPS"):

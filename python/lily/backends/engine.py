@@ -36,8 +36,8 @@ SWITCHES = ("concurrent", "fused_projections", "fusion", "split_kv", "gpu_token"
             "register_scan", "chunked_scan", "tensor_ops", "mma_attention", "staged_gemv", "replayed_prompts",
             "spread_deltanet_step", "whole_pack_loads", "fused_attention_prep", "fused_argmax",
             "mma_gemv", "early_moe_down", "split_steps")
-# Sizes tests lower to reach rare paths quickly: the split-KV threshold (keys), the KV cache growth step (rows) and
-# the prefill chunk (rows).
+# Sizes tests lower to reach rare paths quickly: the split-KV threshold (keys) and block count unit (keys; 0: the
+# runtime's), the KV cache growth step (rows) and the prefill chunk (rows).
 TEST_OPTIONS = ("split_kv_min_keys", "split_kv_block_keys", "kv_block", "prefill_chunk")
 
 
