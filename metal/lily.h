@@ -386,10 +386,11 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // (docs/performance.md).
 #define LILY_ATTN_SPLIT_SHORT_BLOCK_KEYS 64
 // Most split-KV blocks (reached at 32x the block unit: 8K keys, 2K with CUDA's short blocks; past that the blocks
-// grow): 64 blocks x 4 threadgroups of the vector kernel (the model's 16 heads), x 2 on matrix units, and the partials (Hq x blocks x D fp32, 1 MiB) stay small next to the cache
-// they summarise (67 MB at 32K keys). attention_decode_combine keeps one weight per block in threadgroup memory, so
-// this is also its limit. 64, not 128: on the H200 at 32K keys partials + combine took 81.4 + 11.6 us against
-// 91.2 + 17.4 with 128 blocks (cold L2; docs/results/h200/2026-12-04-c9038d5/earlier/sweep.json).
+// grow): 64 blocks x 4 threadgroups of the vector kernel (the model's 16 heads), x 2 on matrix units, and the
+// partials (Hq x blocks x D fp32, 1 MiB) stay small next to the cache they summarise (67 MB at 32K keys).
+// attention_decode_combine keeps one weight per block in threadgroup memory, so this is also its limit. 64, not
+// 128: on the H200 at 32K keys partials + combine took 81.4 + 11.6 us against 91.2 + 17.4 with 128 blocks (cold L2;
+// docs/results/h200/2026-12-04-c9038d5/earlier/sweep.json).
 #define LILY_ATTN_SPLIT_MAX_BLOCKS 64
 // attention_decode_partial_mma: simdgroups per threadgroup in the engine (the kernel takes 1 to 8), each taking every
 // n-th step of 8 keys of the block; and the floats of threadgroup memory its merge of the simdgroups' O^T uses per
