@@ -223,7 +223,7 @@ void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, con
     writes.insert(writes.end(), {conv->state, conv->out, conv->gate});
   }
   // The staged kernels stream their blocks over at most the threadgroups that fit at once.
-  if (staged) groups = std::min(groups, conv ? tuning::kQmvConvStreamGroups : ctx.seg_stream_groups);
+  if (staged) groups = std::min(groups, conv ? tuning::kQmvConvStreamGroups : tuning::kQmvStreamGroups);
   // The staged segmented GEMV splits its steps as the residual ones do (the router's 8-bit K = 2048: two); the conv
   // one takes one step at the model's K and stays 1-D.
   const Dim3 threads = staged && !conv ? qmv_slot_threads(ctx, first) : qmv_threads(staged);
