@@ -469,35 +469,48 @@ inline QmvSegment qmv_find_segment(constant lily::QMatmulSegmentsArgs& args, uin
   return s;
 }
 
-// The totals of this simdgroup's rows in a threadgroup of `slots` step slots (rows of row_simdgroups simdgroups, the
-// split GEMVs: qmv_staged_dot): each simdgroup's simd_sums, slots 1.. leave theirs in slot_sums, and slot 0 adds them
-// in slot order after its own, so one slot gives the bits of a plain simd_sum and needs no barrier. Every thread of
-// the threadgroup calls it (the barrier); a simdgroup with `active` false (rows past N) only takes part in the
-// barrier. Returns whether this simdgroup holds its rows' totals (slot 0, active; every lane the same values).
+// Where a thread of a split-step GEMV's threadgroup (32 n, S) stands (SPLIT_STEPS: tuning::qmv_step_slots): row y of
+// simdgroups is step slot y, and the simdgroups at x / 32 of every row share output rows. S = 1 is 1-D.
+struct QmvSlotLayout {
+  uint row_simdgroups;  // simdgroups per slot row, each taking LILY_QMV_ROWS_PER_SIMDGROUP output rows
+  uint row_simdgroup;   // this simdgroup's place in its slot row
+  uint slots;
+  uint slot;
+  uint n_threads;  // the threadgroup's, every slot row's (the staging's)
+};
+inline QmvSlotLayout qmv_slot_layout(uint3 threads_per_group, uint3 position) {
+  return {threads_per_group.x / 32, position.x / 32, threads_per_group.y, position.y,
+          threads_per_group.x * threads_per_group.y};
+}
+
+// The totals of this simdgroup's rows in a threadgroup of step slots (the split GEMVs: qmv_staged_dot): each
+// simdgroup's simd_sums, slots 1.. leave theirs in slot_sums, and slot 0 adds them in slot order after its own, so one
+// slot gives the bits of a plain simd_sum and needs no barrier. Every thread of the threadgroup calls it (the
+// barrier); a simdgroup with `active` false (rows past N) only takes part in the barrier. Returns whether this
+// simdgroup holds its rows' totals (slot 0, active; every lane the same values).
 LILY_INLINE bool qmv_slot_totals(thread const float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP],
                                  thread float (&total)[LILY_QMV_ROWS_PER_SIMDGROUP], bool active,
-                                 threadgroup float* slot_sums, uint slot, uint slots, uint row_simdgroup,
-                                 uint row_simdgroups, uint lane) {
+                                 threadgroup float* slot_sums, QmvSlotLayout at, uint lane) {
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
   if (active) {  // uniform per simdgroup: the simd_sums stay convergent
     LILY_UNROLL
     for (uint r = 0; r < kRows; ++r) {
       total[r] = simd_sum(acc[r]);
-      if (lane == 0 && slot > 0) {
-        slot_sums[(slot * row_simdgroups + row_simdgroup) * kRows + r] = total[r];
+      if (lane == 0 && at.slot > 0) {
+        slot_sums[(at.slot * at.row_simdgroups + at.row_simdgroup) * kRows + r] = total[r];
       }
     }
   }
-  if (slots > 1) {
+  if (at.slots > 1) {
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
-  if (!active || slot > 0) {
+  if (!active || at.slot > 0) {
     return false;
   }
   LILY_UNROLL
   for (uint r = 0; r < kRows; ++r) {
-    for (uint y = 1; y < slots; ++y) {
-      total[r] += slot_sums[(y * row_simdgroups + row_simdgroup) * kRows + r];
+    for (uint y = 1; y < at.slots; ++y) {
+      total[r] += slot_sums[(y * at.row_simdgroups + at.row_simdgroup) * kRows + r];
     }
   }
   return true;
@@ -508,10 +521,9 @@ LILY_INLINE bool qmv_slot_totals(thread const float (&acc)[LILY_QMV_ROWS_PER_SIM
 template <typename T>
 LILY_INLINE void qmv_residual_rows(thread const float (&acc)[LILY_QMV_ROWS_PER_SIMDGROUP], device const T* residual,
                                    device T* out, size_t row_base, uint N, uint first_row, bool active,
-                                   threadgroup float* slot_sums, uint slot, uint slots, uint row_simdgroup,
-                                   uint row_simdgroups, uint lane) {
+                                   threadgroup float* slot_sums, QmvSlotLayout at, uint lane) {
   float total[LILY_QMV_ROWS_PER_SIMDGROUP];
-  if (!qmv_slot_totals(acc, total, active, slot_sums, slot, slots, row_simdgroup, row_simdgroups, lane)) {
+  if (!qmv_slot_totals(acc, total, active, slot_sums, at, lane)) {
     return;
   }
   LILY_UNROLL
@@ -937,19 +949,16 @@ template <typename T, typename S, int Bits, bool WholePacks>
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
   const uint K = args.in_features;
   const uint N = args.out_features;
-  // Threadgroup row y is step slot y (tuning::qmv_step_slots): the simdgroups at x / 32 of every row share rows.
-  const uint row_simdgroups = threads_per_group.x / 32;
-  const uint slots = threads_per_group.y;
-  if (tg.x * row_simdgroups * kRows >= N || tg.y >= args.num_rows) {
+  const QmvSlotLayout at = qmv_slot_layout(threads_per_group, position);
+  if (tg.x * at.row_simdgroups * kRows >= N || tg.y >= args.num_rows) {
     return;  // the whole threadgroup leaves: the barriers stay uniform
   }
-  const uint first_row = (tg.x * row_simdgroups + position.x / 32) * kRows;
+  const uint first_row = (tg.x * at.row_simdgroups + at.row_simdgroup) * kRows;
   float acc[kRows];
   qmv_staged_rows<false, Bits, WholePacks>(acc, x + size_t(tg.y) * K, x, lily::as_words(weight), scales, biases, K, N,
                                            0.0f, first_row, first_row < N, stage_x, pack_sum, simd_sq, tid,
-                                           threads_per_group.x * slots, lane, simd_group, position.y, slots);
-  qmv_residual_rows(acc, residual, out, size_t(tg.y) * N, N, first_row, first_row < N, slot_sums, position.y, slots,
-                    position.x / 32, row_simdgroups, lane);
+                                           at.n_threads, lane, simd_group, at.slot, at.slots);
+  qmv_residual_rows(acc, residual, out, size_t(tg.y) * N, N, first_row, first_row < N, slot_sums, at, lane);
 }
 
 template <typename T, typename S, int Bits, typename O, bool WholePacks>
@@ -983,12 +992,8 @@ template <typename T, typename S, int Bits, typename O, bool WholePacks>
   threadgroup float slot_sums[32 * LILY_QMV_ROWS_PER_SIMDGROUP];  // a total per row of each simdgroup (1024 threads)
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
   const uint K = args.in_features;
-  // Threadgroup row y is step slot y (tuning::qmv_step_slots), as in qmv_residual_staged.
-  const uint row_simdgroups = threads_per_group.x / 32;
-  const uint row_simdgroup = position.x / 32;
-  const uint slots = threads_per_group.y;
-  const uint slot = position.y;
-  const uint rows_per_group = row_simdgroups * kRows;
+  const QmvSlotLayout at = qmv_slot_layout(threads_per_group, position);
+  const uint rows_per_group = at.row_simdgroups * kRows;
   const uint blocks = qmv_segment_blocks(args, rows_per_group);
   if (tg.x >= blocks) {
     return;  // the whole threadgroup leaves: the barriers stay uniform
@@ -996,17 +1001,17 @@ template <typename T, typename S, int Bits, typename O, bool WholePacks>
   // Streams blocks tg.x, tg.x + grid width, ... as qmv_norm_staged (one staging of x; any grid width, the same bits).
   QmvSegment seg = qmv_find_segment(args, tg.x, rows_per_group);
   uint N = args.rows[seg.index];
-  uint first_row = (seg.block * row_simdgroups + row_simdgroup) * kRows;
+  uint first_row = (seg.block * at.row_simdgroups + at.row_simdgroup) * kRows;
   float acc[kRows];
   const float inv_rms = qmv_staged_rows<true, Bits, WholePacks>(
       acc, x + size_t(tg.y) * K, norm_weight,
       lily::as_words(qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3)),
       qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3),
       qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, args.eps, first_row, first_row < N,
-      stage_x, pack_sum, simd_sq, tid, threads_per_group.x * slots, lane, simd_group, slot, slots);
+      stage_x, pack_sum, simd_sq, tid, at.n_threads, lane, simd_group, at.slot, at.slots);
   for (uint block = tg.x;;) {
     float total[kRows];
-    if (qmv_slot_totals(acc, total, first_row < N, slot_sums, slot, slots, row_simdgroup, row_simdgroups, lane)) {
+    if (qmv_slot_totals(acc, total, first_row < N, slot_sums, at, lane)) {
       LILY_UNROLL
       for (uint r = 0; r < kRows; ++r) {
         if (lane == 0 && first_row + r < N) {
@@ -1018,18 +1023,18 @@ template <typename T, typename S, int Bits, typename O, bool WholePacks>
     if (block >= blocks) {
       break;
     }
-    if (slots > 1) {
+    if (at.slots > 1) {
       threadgroup_barrier(mem_flags::mem_threadgroup);  // slot 0 has read slot_sums before the next block writes them
     }
     seg = qmv_find_segment(args, block, rows_per_group);
     N = args.rows[seg.index];
-    first_row = (seg.block * row_simdgroups + row_simdgroup) * kRows;
+    first_row = (seg.block * at.row_simdgroups + at.row_simdgroup) * kRows;
     if (first_row < N) {
       qmv_load_and_dot<Bits, WholePacks>(
           acc, lily::as_words(qmv_segment_pick(seg.index, weight0, weight1, weight2, weight3)),
           qmv_segment_pick(seg.index, scales0, scales1, scales2, scales3),
           qmv_segment_pick(seg.index, biases0, biases1, biases2, biases3), K, N, first_row, stage_x, pack_sum, lane,
-          slot, slots);
+          at.slot, at.slots);
     }
   }
 }
@@ -1183,31 +1188,27 @@ template <typename T, typename S, int Bits, bool WholePacks>
   constexpr uint kRows = LILY_QMV_ROWS_PER_SIMDGROUP;
   const uint K = args.in_features;
   const uint N = args.out_features;
-  // Threadgroup row y is step slot y (tuning::qmv_step_slots), as in qmv_residual_staged.
-  const uint row_simdgroups = threads_per_group.x / 32;
-  const uint slots = threads_per_group.y;
-  const uint slot = position.y;
-  if (tg.x * row_simdgroups * kRows >= N) {
+  const QmvSlotLayout at = qmv_slot_layout(threads_per_group, position);
+  if (tg.x * at.row_simdgroups * kRows >= N) {
     return;  // the whole threadgroup leaves: the barriers stay uniform
   }
-  const uint first_row = (tg.x * row_simdgroups + position.x / 32) * kRows;
+  const uint first_row = (tg.x * at.row_simdgroups + at.row_simdgroup) * kRows;
   const bool active = first_row < N;
   uint words[LILY_QMV_PACKS_PER_LANE][kRows][LILY_QMV_PACK_WORDS];
   float scale[LILY_QMV_PACKS_PER_LANE][kRows], bias[LILY_QMV_PACKS_PER_LANE][kRows];
   if (active) {
     qmv_load_step<Bits, WholePacks>(words, scale, bias, lily::as_words(weight), scales, biases, K, N, first_row,
-                                    qmv_slot_first_pack(lane, slot));
+                                    qmv_slot_first_pack(lane, at.slot));
   }
   lily::grid_dependency_wait();  // o comes from the dispatch before, gate from the one before that
   qmv_stage_gated_norm<T, Bits>(o, gate, norm_weight, K, args.head_dim, args.eps, stage_x, pack_sum, head_inv_rms, tid,
-                                threads_per_group.x * slots, lane, simd_group);
+                                at.n_threads, lane, simd_group);
   float acc[kRows];
   if (active) {
     qmv_staged_dot<Bits, WholePacks>(acc, words, scale, bias, lily::as_words(weight), scales, biases, K, N, first_row,
-                                     stage_x, pack_sum, lane, slot, slots);
+                                     stage_x, pack_sum, lane, at.slot, at.slots);
   }
-  qmv_residual_rows(acc, residual, out, 0, N, first_row, active, slot_sums, slot, slots, position.x / 32,
-                    row_simdgroups, lane);
+  qmv_residual_rows(acc, residual, out, 0, N, first_row, active, slot_sums, at, lane);
 }
 
 template <typename T, typename S, int Bits, int BM, typename O = T>
