@@ -51,10 +51,13 @@ template <typename T, typename C, uint D>
   const uint kv_head = head - args.num_heads;  // meaningful only for key rows
   const uint position = args.first_position + t;
 
-  device const T* x = is_query ? q_and_gate + (size_t(t) * args.num_heads + head) * (2 * D)
-                               : k + (size_t(t) * args.num_kv_heads + kv_head) * D;
+  // The row's rotary angles from the arguments alone, before the wait (pow, cos and sin: a chain the dispatch
+  // before can hide); then its inputs, which that dispatch writes.
   const AttnRopeAngles<D> angles = attention_rope_angles<D>(float(position), args.rotary_dim, args.rope_theta,
                                                             simd_lane);
+  lily::grid_dependency_wait();
+  device const T* x = is_query ? q_and_gate + (size_t(t) * args.num_heads + head) * (2 * D)
+                               : k + (size_t(t) * args.num_kv_heads + kv_head) * D;
   const AttnPrepRow<D> rotated = attention_prep_row<T, D>(x, is_query ? q_norm : k_norm, angles, args.rotary_dim,
                                                           args.eps, simd_lane);
   if (!attn_prep_lane_active<D>(simd_lane)) {
@@ -78,8 +81,8 @@ template <typename T, typename C, uint D>
   }
 }
 
-LILY_INSTANTIATE_KERNEL("attention_prep_f32_d256", attention_prep, float, float, 256)
-LILY_INSTANTIATE_KERNEL("attention_prep_bf16_d256", attention_prep, bfloat, bfloat, 256)
+LILY_INSTANTIATE_EARLY_KERNEL("attention_prep_f32_d256", attention_prep, float, float, 256)
+LILY_INSTANTIATE_EARLY_KERNEL("attention_prep_bf16_d256", attention_prep, bfloat, bfloat, 256)
 // Demo model and tiny fixtures (head dim 64): float32 and bf16 modes.
-LILY_INSTANTIATE_KERNEL("attention_prep_f32_d64", attention_prep, float, float, 64)
-LILY_INSTANTIATE_KERNEL("attention_prep_bf16_d64", attention_prep, bfloat, bfloat, 64)
+LILY_INSTANTIATE_EARLY_KERNEL("attention_prep_f32_d64", attention_prep, float, float, 64)
+LILY_INSTANTIATE_EARLY_KERNEL("attention_prep_bf16_d64", attention_prep, bfloat, bfloat, 64)
