@@ -111,7 +111,6 @@ void bind_switches(nb::module_ m) {
       .def_rw("split_kv_min_keys", &S::split_kv_min_keys)
       .def_rw("split_kv_block_keys", &S::split_kv_block_keys)
       .def_rw("prefill_chunk", &S::prefill_chunk)
-      .def_rw("split_mma_simdgroups", &S::split_mma_simdgroups)
       .def_rw("kv_block", &S::kv_block);
 }
 

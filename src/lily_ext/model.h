@@ -89,8 +89,6 @@ struct Switches {
                                    // each row's K steps one after another in one simdgroup; on, in 2-D threadgroups
                                    // whose rows of simdgroups take interleaved steps (tuning::qmv_step_slots)
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
-  size_t split_mma_simdgroups = 0;  // simdgroups of a split-KV partial threadgroup on matrix units (1 to 8);
-                                    // 0 = LILY_ATTN_DECODE_MMA_SIMDGROUPS (tests and decode_ab set others)
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
   size_t kv_growth_block() const;
 };

@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 
 from lily.backends.engine import switches_from_env
-from lily.reference import ReferenceModel
 
 from tests.engine.test_metal_backend import relative_error
-from tests.engine.test_metal_head_dims import DECODE, PROMPT, reference_logits, run_backend
+from tests.engine.test_metal_head_dims import PROMPT, reference_logits, run_backend
 from tests.engine.test_metal_head_dims import checkpoints  # noqa: F401 (the fixture)
 
 SUFFIX = {"demo": "d64", "gqa4": "d64", "d256": "d256"}
@@ -50,43 +49,3 @@ def test_fused_prep_gives_the_unfused_bits(checkpoints, engine_backend, name, sp
 
 def test_fused_attention_prep_switch_is_read_from_the_environment():
     assert switches_from_env({"LILY_DISABLE_FUSED_ATTENTION_PREP": "1"}) == {"fused_attention_prep": False}
-
-
-LONG_PROMPT = np.arange(40) * 53 % 631  # 41 to 43 keys in the decode steps after it
-
-
-@pytest.mark.parametrize("simdgroups", [1, 2, 4])
-def test_split_partials_take_any_simdgroup_count(checkpoints, engine_backend, simdgroups):  # noqa: F811
-    """The test option split_mma_simdgroups (the simdgroups of a split-KV partial threadgroup on matrix units; 8 by
-    default) takes a block's 8-key steps over fewer simdgroups: the head-dim-256 fixture's bf16 decode split into 2
-    blocks of 21-22 keys (3 steps: one simdgroup takes them all, two take 2 and 1, four and eight run one each and
-    give the same bits) stays as close to the reference as the default, and to the default's logits within bf16
-    rounding (another merge order)."""
-    checkpoint = checkpoints["d256"]
-    ref = ReferenceModel(checkpoint)
-    ref_state = ref.new_state()
-    ref.forward(LONG_PROMPT, ref_state)
-    want = np.concatenate([ref.forward(np.array([token]), ref_state) for token in DECODE])
-    layers = checkpoint.args.layer_types.count("full_attention")
-    runs, errors = {}, {}
-    for n in (0, simdgroups):  # 0: the default
-        backend = engine_backend(checkpoint, precision="bfloat16",
-                                 switches={"split_kv_min_keys": 32, "split_kv_block_keys": 32,
-                                           "split_mma_simdgroups": n})
-        state = backend.new_state()
-        backend.forward(LONG_PROMPT, state)
-        runs[n] = np.concatenate([backend.forward(np.array([token]), state) for token in DECODE])
-        kernels = backend.last_step_counts()["dispatches_by_kernel"]
-        assert kernels.get("attention_decode_partial_prep_mma_bf16_d256") == layers, sorted(kernels)
-        assert backend._engine.split_blocks(len(LONG_PROMPT) + len(DECODE) - 1) == 2
-        errors[n] = relative_error(runs[n], want)
-    # bf16 over a 40-token prompt on random MoE weights: the default is itself ~0.1 from the fp64 reference.
-    assert errors[simdgroups] < errors[0] + 1e-2
-    assert relative_error(runs[simdgroups], runs[0]) < 1e-2
-
-
-def test_split_mma_simdgroups_outside_1_to_8_is_an_error(checkpoints, engine_backend):  # noqa: F811
-    """Named when the backend builds its decode step, at load."""
-    with pytest.raises(ValueError, match="split_mma_simdgroups 9: the partial kernels on matrix units take 1 to 8"):
-        engine_backend(checkpoints["d256"], precision="bfloat16",
-                       switches={"split_kv_min_keys": 1, "split_mma_simdgroups": 9})

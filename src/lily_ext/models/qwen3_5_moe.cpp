@@ -289,7 +289,6 @@ struct Forward {
     ctx.fused_attention_prep = sw.fused_attention_prep;
     ctx.early_moe_down = sw.early_moe_down;
     ctx.split_steps = sw.split_steps;
-    if (sw.split_mma_simdgroups) ctx.split_mma_simdgroups = sw.split_mma_simdgroups;
   }
 
   // The pass's T rows of `buffer`, `row_bytes` each.

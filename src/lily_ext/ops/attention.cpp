@@ -104,18 +104,6 @@ void attention(Context& ctx, const ModelConfig& c, const std::string& label, con
   }
 }
 
-namespace {
-// Threads of a split-KV partial threadgroup on matrix units: Context::split_mma_simdgroups simdgroups (the kernels
-// merge 1 to 8).
-size_t mma_partial_threads(const Context& ctx) {
-  if (ctx.split_mma_simdgroups < 1 || ctx.split_mma_simdgroups > 8) {
-    throw Error("[attention_decode] split_mma_simdgroups " + std::to_string(ctx.split_mma_simdgroups) +
-                ": the partial kernels on matrix units take 1 to 8 simdgroups");
-  }
-  return 32 * ctx.split_mma_simdgroups;
-}
-}  // namespace
-
 void attention_decode(Context& ctx, const ModelConfig& c, const std::string& label, const AttentionSpans& s,
                       size_t position, size_t split_blocks) {
   const size_t D = c.head_dim, keys = position + 1;
@@ -135,7 +123,6 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   const std::string family = mma ? "mma_" : variant;
   const size_t groups = mma ? c.num_heads / mma_heads : packs;
   const size_t threads = mma ? tuning::kAttentionDecodeMmaThreads : tuning::kAttentionDecodeThreads;
-  const size_t split_threads = mma ? mma_partial_threads(ctx) : threads;  // the partial pass's
   if (split_blocks > tuning::kAttentionSplitMaxBlocks) {
     throw Error("[attention_decode] " + std::to_string(split_blocks) +
                 " split-KV blocks; the combine kernel takes up to " + std::to_string(tuning::kAttentionSplitMaxBlocks));
@@ -171,7 +158,7 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
                           {arg_value(a), arg_value(attention_prep_args(c, s, position, 1)), arg(s.q_and_gate),
                            arg(s.k), arg(s.v), arg(s.q_norm->data), arg(s.k_norm->data), arg(s.gate),
                            arg(s.k_cache), arg(s.v_cache), arg(partial_out), arg(partial_stats)},
-                          {groups, split_blocks, 1}, {split_threads, 1, 1}, reads, writes);
+                          {groups, split_blocks, 1}, {threads, 1, 1}, reads, writes);
     node.per_position.push_back(num_keys);
     node.per_position.push_back({1, offsetof(AttentionPrepArgs, first_position), 0});
     read_early(node);
@@ -191,7 +178,7 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   Node& node = add_node(ctx, "attention_decode_partial_" + family + dt + suffix, label + " partial",
                         {arg_value(a), arg(s.q), arg(s.k_cache), arg(s.v_cache), arg(partial_out),
                          arg(partial_stats)},
-                        {groups, a.num_blocks, 1}, {split_threads, 1, 1}, reads, {partial_out, partial_stats});
+                        {groups, a.num_blocks, 1}, {threads, 1, 1}, reads, {partial_out, partial_stats});
   node.per_position.push_back(num_keys);
   read_early(node);
   combine();

@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "../model.h"
-#include "../tuning.h"
 
 namespace lily {
 struct AttentionArgs;   // metal/lily.h
@@ -40,7 +39,6 @@ struct Context {
   bool fused_attention_prep = true;  // split-KV decode on matrix units preps its own rows (FUSED_ATTENTION_PREP)
   bool early_moe_down = true;  // the staged expert down kernel routes and loads before its wait (EARLY_MOE_DOWN)
   bool split_steps = false;  // staged GEMVs split a row's K steps over rows of simdgroups (SPLIT_STEPS)
-  size_t split_mma_simdgroups = LILY_ATTN_DECODE_MMA_SIMDGROUPS;  // split-KV partials on matrix units
 };
 
 // Appends a node; traffic defaults to the declared ranges.
