@@ -42,6 +42,7 @@ EPS = 1e-6
 # built with other LILY_QMV_* values.
 QMV_SHAPE = {"rows_per_simdgroup": 4, "simdgroups": 2, "batch": 4}
 QMV_STREAM_GROUPS = 4 * 132  # tuning::kQmvStreamGroups: the streaming staged lm_head's most threadgroups
+QMV_CONV_STREAM_GROUPS = 3 * 132  # tuning::kQmvConvStreamGroups: the conv GEMV's
 QMV_STAGED = {"simdgroups": 4}  # LILY_QMV_STAGED_SIMDGROUPS: the staged GEMVs' threadgroups; --qmv-staged overrides
 # The staged kernels' instance: "_a16" (a pack of codes as one 16-byte load), the engine's where the codes lie on 16
 # bytes, as here (each buffer its own allocation) and in a full-size file (tuning::whole_pack_loads); --word-loads: "".
@@ -382,7 +383,7 @@ def spread_deltanet_cases() -> list[Case]:
     out_proj_bytes = w + 2 * sc + 2 * f32(v) + bf16(GDN_V_DIM) + 2 * bf16(HIDDEN)
     return [
         Case("spread DeltaNet step: in_proj qkv|z|b|a + conv", "qmv_norm_seg_conv_staged_q4_g64_bf16",
-             projections.buffers + conv, projections.grid, projections.threads,
+             projections.buffers + conv, (min(projections.grid[0], QMV_CONV_STREAM_GROUPS), 1, 1), projections.threads,
              projections.bytes_moved - bf16(c) + conv[0] + 2 * conv[1] + conv[2] + conv[3]),
         Case("spread DeltaNet step: scan of one token", "gated_delta_prefill_bf16_dk128",
              [struct.pack("<IIIIffII", 1, GDN_K_HEADS, GDN_V_HEADS, GDN_V_DIM, EPS, EPS, 0, 0), f32(c),

@@ -112,7 +112,6 @@ void bind_switches(nb::module_ m) {
       .def_rw("split_kv_block_keys", &S::split_kv_block_keys)
       .def_rw("prefill_chunk", &S::prefill_chunk)
       .def_rw("seg_stream_groups", &S::seg_stream_groups)
-      .def_rw("conv_stream_groups", &S::conv_stream_groups)
       .def_rw("kv_block", &S::kv_block);
 }
 

@@ -89,9 +89,8 @@ struct Switches {
                                    // each row's K steps one after another in one simdgroup; on, in 2-D threadgroups
                                    // whose rows of simdgroups take interleaved steps (tuning::qmv_step_slots)
   size_t prefill_chunk = 0;        // rows per prefill chunk; 0 = tuning::kPrefillChunk (tests lower it)
-  size_t seg_stream_groups = 0;    // most threadgroups of the staged segmented GEMV (q|k|v, router), which then
-                                   // streams its row blocks over them; 0 = one threadgroup per block
-  size_t conv_stream_groups = 0;   // the same for its conv variant (the DeltaNet in_proj)
+  size_t seg_stream_groups = 0;    // most threadgroups of the staged segmented GEMV (q|k|v, router; not the conv
+                                   // one), which then streams its row blocks over them; 0 = one per block
   size_t kv_block = 0;             // KV cache growth step in rows; 0 = tuning::kKvCacheBlock (tests lower it)
   size_t kv_growth_block() const;
 };

@@ -161,11 +161,14 @@ constexpr size_t kQmvStagedThreads = 32 * LILY_QMV_STAGED_SIMDGROUPS;
 constexpr size_t kQmvStagedRowsPerThreadgroup = LILY_QMV_ROWS_PER_SIMDGROUP * LILY_QMV_STAGED_SIMDGROUPS;
 // qmv_norm_staged streams row blocks (metal/qmatmul.metal): at most this many threadgroups, each staging x once: 4
 // per SM on the H200's 132 (up to 128 registers x 128 threads: four fit), so the lm_head's 15,520 blocks of 16 rows
-// run as one resident wave instead of 15,520 stagings. The segmented staged GEMVs (q|k|v: 576 blocks, the DeltaNet
-// in_proj: 772, the router: 17) take one threadgroup per block: streamed over 528 or 396, a threadgroup's second
-// block waited for its own DRAM round trip after its first (the q|k|v's critical path 151 against 128 us a token at
-// one per block on an H100; tests and decode_ab cap them with seg_stream_groups / conv_stream_groups).
+// run as one resident wave instead of 15,520 stagings. The DeltaNet in_proj's conv GEMV (142-167 registers: 3 per SM)
+// streams its 772 blocks over kQmvConvStreamGroups; one threadgroup per block cost its critical path 354 -> 416 us a
+// token on an H100. The other segmented one (q|k|v: 576 blocks, the router: 17) takes one threadgroup per block:
+// streamed over kQmvStreamGroups (160 registers: 3 of 4 per SM fit), a threadgroup's second block waited for its own
+// DRAM round trip after its first (the q|k|v's critical path 151 against 128 us a token; the test option
+// seg_stream_groups caps it again).
 constexpr size_t kQmvStreamGroups = 4 * 132;
+constexpr size_t kQmvConvStreamGroups = 3 * 132;
 // rms_norm: one threadgroup per row; 256 threads already cover H = 2048 with 8 elements per thread, and a smaller
 // group than the 1024 maximum leaves room for other dispatches of the same stage.
 constexpr size_t kRmsNormThreads = 256;

@@ -38,8 +38,7 @@ SWITCHES = ("concurrent", "fused_projections", "fusion", "split_kv", "gpu_token"
             "mma_gemv", "early_moe_down", "split_steps")
 # Sizes tests lower to reach rare paths quickly: the split-KV threshold (keys) and block count unit (keys; 0: the
 # runtime's), the KV cache growth step (rows) and the prefill chunk (rows).
-TEST_OPTIONS = ("split_kv_min_keys", "split_kv_block_keys", "kv_block", "prefill_chunk", "seg_stream_groups",
-                "conv_stream_groups")
+TEST_OPTIONS = ("split_kv_min_keys", "split_kv_block_keys", "kv_block", "prefill_chunk", "seg_stream_groups")
 
 
 _log = logging.getLogger(__name__)

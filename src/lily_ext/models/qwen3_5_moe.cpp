@@ -290,7 +290,6 @@ struct Forward {
     ctx.early_moe_down = sw.early_moe_down;
     ctx.split_steps = sw.split_steps;
     ctx.seg_stream_groups = sw.seg_stream_groups;
-    ctx.conv_stream_groups = sw.conv_stream_groups;
   }
 
   // The pass's T rows of `buffer`, `row_bytes` each.

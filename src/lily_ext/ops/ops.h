@@ -39,8 +39,7 @@ struct Context {
   bool fused_attention_prep = true;  // split-KV decode on matrix units preps its own rows (FUSED_ATTENTION_PREP)
   bool early_moe_down = true;  // the staged expert down kernel routes and loads before its wait (EARLY_MOE_DOWN)
   bool split_steps = false;  // staged GEMVs split a row's K steps over rows of simdgroups (SPLIT_STEPS)
-  size_t seg_stream_groups = 0;   // staged segmented GEMVs: most threadgroups (0: one per row block)
-  size_t conv_stream_groups = 0;  // the same for the conv variant
+  size_t seg_stream_groups = 0;   // the staged segmented GEMV (not the conv one): most threadgroups (0: one per block)
 };
 
 // Appends a node; traffic defaults to the declared ranges.

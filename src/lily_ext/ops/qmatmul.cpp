@@ -222,8 +222,9 @@ void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, con
     reads.insert(reads.end(), {conv->weight->data, conv->state});
     writes.insert(writes.end(), {conv->state, conv->out, conv->gate});
   }
-  // One threadgroup per row block unless a test option caps them (the kernels then stream the blocks over them).
-  const size_t cap = conv ? ctx.conv_stream_groups : ctx.seg_stream_groups;
+  // The conv kernel streams its blocks over the threadgroups that fit at once; the other takes one per block unless a
+  // test option caps them (tuning::kQmvConvStreamGroups).
+  const size_t cap = conv ? tuning::kQmvConvStreamGroups : ctx.seg_stream_groups;
   if (staged && cap) groups = std::min(groups, cap);
   // The staged segmented GEMV splits its steps as the residual ones do (the router's 8-bit K = 2048: two); the conv
   // one takes one step at the model's K and stays 1-D.
