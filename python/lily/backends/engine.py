@@ -37,7 +37,8 @@ SWITCHES = ("concurrent", "fused_projections", "fusion", "split_kv", "gpu_token"
             "spread_deltanet_step", "whole_pack_loads", "fused_attention_prep", "fused_argmax",
             "mma_gemv", "early_moe_down", "split_steps")
 # Sizes tests lower to reach rare paths quickly: the split-KV threshold (keys) and block count unit (keys; 0: the
-# runtime's), the KV cache growth step (rows) and the prefill chunk (rows).
+# runtime's), the KV cache growth step (rows), the prefill chunk (rows) and the threadgroups the staged segmented GEMV
+# streams its row blocks over (0: one per block).
 TEST_OPTIONS = ("split_kv_min_keys", "split_kv_block_keys", "kv_block", "prefill_chunk", "seg_stream_groups")
 
 

@@ -222,8 +222,8 @@ void qmatmul_segments(Context& ctx, const std::string& label, const Span& x, con
     reads.insert(reads.end(), {conv->weight->data, conv->state});
     writes.insert(writes.end(), {conv->state, conv->out, conv->gate});
   }
-  // The conv kernel streams its blocks over the threadgroups that fit at once; the other takes one per block unless a
-  // test option caps them (tuning::kQmvConvStreamGroups).
+  // The conv kernel streams its blocks over the threadgroups that fit at once (tuning::kQmvConvStreamGroups); the
+  // other takes one per block unless the test option seg_stream_groups caps them.
   const size_t cap = conv ? tuning::kQmvConvStreamGroups : ctx.seg_stream_groups;
   if (staged && cap) groups = std::min(groups, cap);
   // The staged segmented GEMV splits its steps as the residual ones do (the router's 8-bit K = 2048: two); the conv
