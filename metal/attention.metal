@@ -339,143 +339,118 @@ template <typename T, typename C, uint D, uint G, bool COALESCED>
 // Decode attention on matrix units (attention_decode_mma: the single pass, the gate fused;
 // attention_decode_partial_mma: split-KV pass 1). One threadgroup per G query heads of one KV head (and block of
 // keys), G = the whole GQA group at D = 256 (LILY_ATTN_MMA_HEADS_PER_GROUP: 8 for the model, so each K/V row is read
-// once per token; the vector kernel's 4 heads read it twice), 2 at D = 64. n <= 8 simdgroups take the keys in steps
-// of 8: simdgroup s the steps at key_begin + 8s, + 8n, ... Per step a simdgroup computes S^T = K Q^T (8 keys x 8
-// heads, over D/8 fragments) and O^T += V^T P^T (D dims x 8 heads) with simdgroup matrices: bf16 operands, fp32
-// accumulators; P is rounded to bf16 (as attention_prefill_mma does). Query heads are the fragments' columns
-// (columns >= G are zero and never stored), so the step's softmax is one max and one sum over the rows of each column.
-// The fragments are filled straight from device memory, with no staging: a dot product may take the head dim in any
-// order, and O^T's rows may hold the dims in any order, so both permute them so that each lane loads 16 contiguous
-// bytes: a K load fills four fragments (8 keys x 64 bytes per simdgroup load), a V load of keys col and col + 1 eight
-// (4 keys x 128 bytes). The key (and query) dim a lane holds at position (row or col) k of fragment f is
-// 32 (f / 4) + 8 (k / 2) + 2 (f % 4) + k % 2: the four fragments 4m .. 4m + 3 take dims 32m .. 32m + 31, and the lane
-// with k in {2j, 2j + 1} holds 8 consecutive dims of them (attn_decode_mma_step's K loads, the query loads).
-// Then the n simdgroups' (max, sum) meet in threadgroup memory and their rescaled O^T in rounds of R dims
-// (LILY_ATTN_DECODE_MMA_MERGE_FLOATS / (8 n) floats per simdgroup and column), which the threadgroup adds and writes.
-// Keys past key_end in the last step read row key_end - 1 (in bounds) and get score -inf. Same outputs as
-// attention_decode and attention_decode_partial (normalised block output, block max and sum; an empty block writes 0,
-// -inf, 0).
+// once per token; the vector kernel's 4 heads read it twice), 2 at D = 64. Exactly n = LILY_ATTN_DECODE_MMA_SIMDGROUPS
+// simdgroups (the kernels write nothing with another count). The keys go in chunks of 8 n: simdgroup s computes the
+// scores of the chunk's keys 8s .. 8s + 7, S^T = K Q^T (8 keys x 8 heads, over D/8 fragments), into threadgroup
+// memory; after one barrier every simdgroup takes the whole chunk's scores, updates the same running max and sum, and
+// accumulates its own D / n output dims, O^T += V^T P^T (D / n dims x 8 heads), so the simdgroups never merge: each
+// writes its dims. Simdgroup matrices: bf16 operands, fp32 accumulators; P is rounded to bf16 (as
+// attention_prefill_mma does). Query heads are the fragments' columns (columns >= G are zero and never stored), so a
+// chunk's softmax is one max and one sum over the rows of each column. The fragments are filled straight from device
+// memory, with no staging: a dot product may take the head dim in any order, so K and the query permute it so that
+// each lane loads 16 contiguous bytes (a K load fills four fragments, 8 keys x 64 bytes per simdgroup load): the key
+// (and query) dim a lane holds at position (row or col) k of fragment f is 32 (f / 4) + 8 (k / 2) + 2 (f % 4) + k % 2.
+// V^T's rows may hold the simdgroup's dims in any order: row r of its fragment i is dim D / n s + F r + i (F = D / 8 n
+// fragments), so a lane loads F consecutive bf16 of a V row per key. Keys past key_end read row key_end - 1 (in
+// bounds) and get score -inf. Same outputs as attention_decode and attention_decode_partial (normalised block output,
+// block max and sum; an empty block writes 0, -inf, 0).
 // Verified here: the maths, block boundaries and races (CPU harness, simdgroup matrices in MLX's lane layout; the
 // engine runs it only where simdgroup_layout_probe confirms the layout).
-// Dim of O^T's (and V^T's) row `row` of fragment g: fragments 8m .. 8m + 7 take dims 64m .. 64m + 63, row r the 8
-// consecutive dims 64m + 8r ...
-inline uint attn_decode_mma_value_dim(uint g, uint row) {
-  return 64 * (g / 8) + 8 * row + g % 8;
+constant constexpr uint kAttnDecodeMmaSimdgroups = LILY_ATTN_DECODE_MMA_SIMDGROUPS;
+constant constexpr uint kAttnDecodeMmaChunkKeys = 8 * kAttnDecodeMmaSimdgroups;
+
+// F consecutive bf16 of a V row as one load, and the bits of element i of it.
+template <uint F>
+struct AttnValueWord;
+template <>
+struct AttnValueWord<1> {
+  using type = ushort;
+  static uint half_bits(ushort w, uint) { return w; }
+};
+template <>
+struct AttnValueWord<2> {
+  using type = uint;
+  static uint half_bits(uint w, uint i) { return (w >> (16 * i)) & 0xFFFFu; }
+};
+template <>
+struct AttnValueWord<4> {
+  using type = uint2;
+  static uint half_bits(uint2 w, uint i) { return (w[i / 2] >> (16 * (i % 2))) & 0xFFFFu; }
+};
+template <>
+struct AttnValueWord<8> {
+  using type = uint4;
+  static uint half_bits(uint4 w, uint i) { return (w[i / 2] >> (16 * (i % 2))) & 0xFFFFu; }
+};
+
+// K and V rows of a KV head (rows of D bf16).
+inline device const bfloat* attn_decode_mma_rows(device const bfloat* cache, constant lily::AttentionArgs& args,
+                                                 uint kv_head, uint D) {
+  return cache + size_t(kv_head) * args.cache_capacity * D;
 }
 
-// One step's loads of the decode mma kernels: K row key0 + row (dims 32m + 8 (col / 2) ..) and V rows
-// key0 + col, key0 + col + 1 (dims 64m + 8 row ..), 16 bytes each; rows past key_end read row key_end - 1.
+// One chunk's loads of a simdgroup s (keys c0 ..): K rows c0 + 8s + row (dims 32m + 8 (col / 2) ..), and for each
+// step k of 8 keys the V rows c0 + 8k + col and + 1 (its dims D / n s + F row ..); rows past key_end read row
+// key_end - 1. `fetched` marks what is loaded: bit 0 the K rows, bit 1 + k step k's V rows, so that a chunk can be
+// fetched in part before lily::grid_dependency_wait and completed after it.
 template <uint D>
 struct AttnDecodeMmaLoads {
+  static constant constexpr uint F = D / 8 / kAttnDecodeMmaSimdgroups;  // O^T fragments per simdgroup
+  using Word = typename AttnValueWord<F>::type;
   uint4 key[D / 32];
-  uint4 value[2][D / 64];
+  Word value[kAttnDecodeMmaSimdgroups][2];
+  uint fetched;
 
-  LILY_INLINE void fetch(device const uint4* k_rows, device const uint4* v_rows, uint key0, uint key_end, uint row,
-                         uint col) {
-    const size_t key_row = size_t(min(key0 + row, key_end - 1)) * (D / 8);
+  LILY_INLINE void fetch_key(device const bfloat* k_rows, uint c0, uint key_end, uint row, uint col,
+                             uint simd_group) {
+    const size_t key_row = size_t(min(c0 + 8 * simd_group + row, key_end - 1)) * (D / 8);
+    device const uint4* words = (device const uint4*)k_rows;
     LILY_UNROLL
     for (uint m = 0; m < D / 32; ++m) {
-      key[m] = k_rows[key_row + 4 * m + col / 2];
+      key[m] = words[key_row + 4 * m + col / 2];
     }
+    fetched |= 1u;
+  }
+  LILY_INLINE void fetch_value(device const bfloat* v_rows, uint c0, uint k, uint key_end, uint row, uint col,
+                               uint simd_group) {
     LILY_UNROLL
     for (uint e = 0; e < 2; ++e) {
-      const size_t value_row = size_t(min(key0 + col + e, key_end - 1)) * (D / 8);
-      LILY_UNROLL
-      for (uint m = 0; m < D / 64; ++m) {
-        value[e][m] = v_rows[value_row + 8 * m + row];
+      const size_t value_row = size_t(min(c0 + 8 * k + col + e, key_end - 1));
+      value[k][e] = *(device const Word*)(v_rows + value_row * D + (D / kAttnDecodeMmaSimdgroups) * simd_group +
+                                          F * row);
+    }
+    fetched |= 2u << k;
+  }
+  // Whatever of chunk c0 is not loaded yet and holds keys below key_end; with `below`, only rows below it (the rows
+  // an earlier dispatch wrote: attn_decode_mma_fetch_early).
+  LILY_INLINE void fetch(device const bfloat* k_rows, device const bfloat* v_rows, uint c0, uint key_end, uint below,
+                         uint row, uint col, uint simd_group) {
+    const uint key0 = c0 + 8 * simd_group;
+    // A step reads rows up to min(its first key + 7, key_end - 1).
+    if (!(fetched & 1u) && key0 < key_end && min(key0 + 7, key_end - 1) < below) {
+      fetch_key(k_rows, c0, key_end, row, col, simd_group);
+    }
+    LILY_UNROLL
+    for (uint k = 0; k < kAttnDecodeMmaSimdgroups; ++k) {
+      if (!(fetched & (2u << k)) && c0 + 8 * k < key_end && min(c0 + 8 * k + 7, key_end - 1) < below) {
+        fetch_value(v_rows, c0, k, key_end, row, col, simd_group);
       }
     }
   }
 };
 
-// A simdgroup's first two steps (keys key_begin + 8s and key_begin + 8s + 8n) of the decode mma kernels, fetched by
-// attn_decode_mma_fetch_early before lily::grid_dependency_wait where the step reads only rows before this call's new
-// keys (rows num_keys - num_queries ..., which the prep of this token writes: an earlier dispatch, or this kernel's
-// own fused prep); those steps are not fetched again. On CUDA the loads then overlap the dispatch before.
+// The first chunk of the decode mma kernels (keys key_begin ..), fetched before lily::grid_dependency_wait where it
+// reads only rows before this call's new keys (rows num_keys - num_queries ..., which the prep of this token writes:
+// an earlier dispatch, or this kernel's own fused prep). On CUDA the loads then overlap the dispatch before.
 template <uint D>
-struct AttnDecodeMmaFirstSteps {
-  AttnDecodeMmaLoads<D> even, odd;
-  bool even_fetched, odd_fetched;
-};
-
-// K and V rows of a KV head as 16-byte words (rows of D / 8).
-inline device const uint4* attn_decode_mma_rows(device const bfloat* cache, constant lily::AttentionArgs& args,
-                                                uint kv_head, uint D) {
-  return (device const uint4*)(cache + size_t(kv_head) * args.cache_capacity * D);
-}
-
-template <uint D>
-LILY_INLINE void attn_decode_mma_fetch_early(thread AttnDecodeMmaFirstSteps<D>& first,
-                                             constant lily::AttentionArgs& args, device const bfloat* k_cache,
-                                             device const bfloat* v_cache, uint kv_head, uint key_begin, uint key_end,
-                                             uint simd_lane, uint simd_group, uint n_simdgroups) {
-  device const uint4* k_rows = attn_decode_mma_rows(k_cache, args, kv_head, D);
-  device const uint4* v_rows = attn_decode_mma_rows(v_cache, args, kv_head, D);
-  const uint first_new_key = args.num_keys - args.num_queries;
-  const uint key0 = key_begin + 8 * simd_group, key1 = key0 + 8 * n_simdgroups;
-  // A step reads rows up to min(key + 7, key_end - 1) (attn_decode_mma_step's clamp).
-  first.even_fetched = key0 < key_end && min(key0 + 7, key_end - 1) < first_new_key;
-  first.odd_fetched = key1 < key_end && min(key1 + 7, key_end - 1) < first_new_key;
-  const uint row = attn_mma_row(simd_lane), col = attn_mma_col(simd_lane);
-  if (first.even_fetched) {
-    first.even.fetch(k_rows, v_rows, key0, key_end, row, col);
-  }
-  if (first.odd_fetched) {
-    first.odd.fetch(k_rows, v_rows, key1, key_end, row, col);
-  }
-}
-
-// One step of the decode mma kernels: the 8 keys key0 .. (rows past key_end masked) whose K and V `loads`
-// holds, folded into the simdgroup's running max, sum and O^T.
-template <uint D>
-LILY_INLINE void attn_decode_mma_step(thread const AttnDecodeMmaLoads<D>& loads,
-                                      thread const simdgroup_bfloat8x8* query_t, thread simdgroup_float8x8* acc_t,
-                                      thread float2& run_max, thread float2& run_sum, uint key0, uint key_end,
-                                      uint row) {
-  constexpr uint FRAGS = D / 8;
-  // S^T = K Q^T: fragment f of K holds the lane's dims 2 (f % 4), + 1 of its 16-byte load f / 4. Four independent
-  // sums (f % 4) keep the MMAs' dependent chain a quarter as long.
-  simdgroup_float8x8 scores_part[4];
-  LILY_UNROLL
-  for (uint j = 0; j < 4; ++j) {
-    scores_part[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-  }
-  LILY_UNROLL
-  for (uint f = 0; f < FRAGS; ++f) {
-    simdgroup_bfloat8x8 key_frag;
-    key_frag.thread_elements() = as_type<bfloat2>(loads.key[f / 4][f % 4]);
-    attn_mma_column<1>(&scores_part[f % 4], &key_frag, query_t[f]);
-  }
-  float2 s = (scores_part[0].thread_elements() + scores_part[1].thread_elements()) +
-             (scores_part[2].thread_elements() + scores_part[3].thread_elements());
-  if (key0 + row >= key_end) {
-    s = float2(-INFINITY);
-  }
-  // key0 < key_end: every column has a finite score in this step.
-  const float2 new_max = max(run_max, attn_mma_col_max(s));
-  const float2 rescale = float2(precise::exp(run_max.x - new_max.x), precise::exp(run_max.y - new_max.y));
-  const float2 p = float2(precise::exp(s.x - new_max.x), precise::exp(s.y - new_max.y));
-  run_max = new_max;
-  run_sum = run_sum * rescale + p;
-  simdgroup_bfloat8x8 probs_t;
-  probs_t.thread_elements() = bfloat2(p);
-
-  // O^T = O^T · rescale + V^T P^T: fragment g = 8m + i of V^T holds element i of the lane's loads m of keys col
-  // and col + 1 (the 16-bit halves of one word each, paired into one operand register).
-  LILY_UNROLL
-  for (uint g = 0; g < FRAGS; ++g) {
-    acc_t[g].thread_elements() *= rescale;
-  }
-  LILY_UNROLL
-  for (uint m = 0; m < D / 64; ++m) {
-    simdgroup_bfloat8x8 value_t[8];
-    LILY_UNROLL
-    for (uint i = 0; i < 8; ++i) {
-      const uint first = loads.value[0][m][i / 2], second = loads.value[1][m][i / 2];
-      const uint paired = i % 2 == 0 ? (first & 0xFFFFu) | (second << 16) : (first >> 16) | (second & 0xFFFF0000u);
-      value_t[i].thread_elements() = as_type<bfloat2>(paired);
-    }
-    attn_mma_column<8>(acc_t + 8 * m, value_t, probs_t);
+LILY_INLINE void attn_decode_mma_fetch_early(thread AttnDecodeMmaLoads<D>& first, constant lily::AttentionArgs& args,
+                                             device const bfloat* k_cache, device const bfloat* v_cache, uint kv_head,
+                                             uint key_begin, uint key_end, uint simd_lane, uint simd_group) {
+  first.fetched = 0;
+  if (key_begin < key_end) {
+    first.fetch(attn_decode_mma_rows(k_cache, args, kv_head, D), attn_decode_mma_rows(v_cache, args, kv_head, D),
+                key_begin, key_end, args.num_keys - args.num_queries, attn_mma_row(simd_lane),
+                attn_mma_col(simd_lane), simd_group);
   }
 }
 
@@ -487,23 +462,97 @@ inline uint4 attn_load8(threadgroup const bfloat* p) {
   return *(threadgroup const uint4*)p;
 }
 
+// One chunk (keys c0 .. c0 + 8n, those from key_end masked) of the decode mma kernels, whose loads `loads` holds:
+// this simdgroup's scores into scores (one of the two buffers, [8n keys][8 columns]), the barrier, then the whole
+// chunk folded into the running max, sum (of this lane's row of each step) and this simdgroup's O^T.
+template <uint D>
+LILY_INLINE void attn_decode_mma_chunk(thread const AttnDecodeMmaLoads<D>& loads,
+                                       thread const simdgroup_bfloat8x8* query_t, thread simdgroup_float8x8* acc_t,
+                                       thread float2& run_max, thread float2& run_sum, threadgroup float* scores,
+                                       uint c0, uint key_end, uint row, uint col, uint simd_group) {
+  constexpr uint FRAGS = D / 8;
+  constexpr uint F = AttnDecodeMmaLoads<D>::F;
+  constexpr uint N = kAttnDecodeMmaSimdgroups;
+  // S^T = K Q^T for keys c0 + 8 simd_group ..: fragment f of K holds the lane's dims 2 (f % 4), + 1 of its 16-byte
+  // load f / 4. Four independent sums (f % 4) keep the MMAs' dependent chain a quarter as long.
+  float2 s = float2(-INFINITY);
+  if (c0 + 8 * simd_group < key_end) {  // uniform per simdgroup
+    simdgroup_float8x8 scores_part[4];
+    LILY_UNROLL
+    for (uint j = 0; j < 4; ++j) {
+      scores_part[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+    LILY_UNROLL
+    for (uint f = 0; f < FRAGS; ++f) {
+      simdgroup_bfloat8x8 key_frag;
+      key_frag.thread_elements() = as_type<bfloat2>(loads.key[f / 4][f % 4]);
+      attn_mma_column<1>(&scores_part[f % 4], &key_frag, query_t[f]);
+    }
+    s = (scores_part[0].thread_elements() + scores_part[1].thread_elements()) +
+        (scores_part[2].thread_elements() + scores_part[3].thread_elements());
+    if (c0 + 8 * simd_group + row >= key_end) {
+      s = float2(-INFINITY);
+    }
+  }
+  *(threadgroup float2*)(scores + (8 * simd_group + row) * 8 + col) = s;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // Key c0 < key_end: every column has a finite score in this chunk.
+  float2 step_scores[N];
+  float2 chunk_max = float2(-INFINITY);
+  LILY_UNROLL
+  for (uint k = 0; k < N; ++k) {
+    step_scores[k] = *(threadgroup const float2*)(scores + (8 * k + row) * 8 + col);
+    chunk_max = max(chunk_max, step_scores[k]);
+  }
+  const float2 new_max = max(run_max, attn_mma_col_max(chunk_max));
+  const float2 rescale = float2(precise::exp(run_max.x - new_max.x), precise::exp(run_max.y - new_max.y));
+  run_max = new_max;
+  run_sum *= rescale;
+  LILY_UNROLL
+  for (uint i = 0; i < F; ++i) {
+    acc_t[i].thread_elements() *= rescale;
+  }
+  // O^T += V^T P^T per step of 8 keys: fragment i of V^T holds element i of the lane's loads of keys col and col + 1
+  // (paired into one operand register).
+  LILY_UNROLL
+  for (uint k = 0; k < N; ++k) {
+    if (c0 + 8 * k < key_end) {  // uniform: a step past the keys has weight 0 and unloaded rows
+      const float2 p = float2(precise::exp(step_scores[k].x - new_max.x), precise::exp(step_scores[k].y - new_max.y));
+      run_sum += p;
+      simdgroup_bfloat8x8 probs_t;
+      probs_t.thread_elements() = bfloat2(p);
+      simdgroup_bfloat8x8 value_t[F];
+      LILY_UNROLL
+      for (uint i = 0; i < F; ++i) {
+        const uint first = AttnValueWord<F>::half_bits(loads.value[k][0], i);
+        const uint second = AttnValueWord<F>::half_bits(loads.value[k][1], i);
+        value_t[i].thread_elements() = as_type<bfloat2>(first | (second << 16));
+      }
+      attn_mma_column<F>(acc_t, value_t, probs_t);
+    }
+  }
+}
+
 // Attention of the G query heads head0 .. over keys [key_begin, key_end) (not empty) of their KV head on matrix
 // units, for attention_decode[_partial][_prep]_mma, after lily::grid_dependency_wait: `first` holds what
-// attn_decode_mma_fetch_early fetched before it; `q_rows` points at head0's query row (rows of D, 16-byte aligned,
-// device memory or the fused kernels' threadgroup copy), `store` takes each head's normalised output, element by
-// element (output(h, dim, value)), and its softmax max and sum (block_stats(h, max, sum)); its prepare(tid, n_threads)
-// runs before the merge's first barrier. Every thread of the threadgroup must call it.
+// attn_decode_mma_fetch_early fetched of the first chunk; `q_rows` points at head0's query row (rows of D, 16-byte
+// aligned, device memory or the fused kernels' threadgroup copy), `store` takes each head's normalised output, element
+// by element (output(h, dim, value)), and its softmax max and sum (block_stats(h, max, sum)); its prepare(tid,
+// n_threads) runs before the first barrier. `scores` holds 2 x 64 n floats. Every thread of the threadgroup must call
+// it.
 template <typename T, uint D, uint G, typename QRows, typename Store>
 LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, QRows q_rows,
                                        device const bfloat* k_cache, device const bfloat* v_cache,
-                                       thread AttnDecodeMmaFirstSteps<D>& first, uint head0, uint key_begin,
-                                       uint key_end, threadgroup float* stats_max, threadgroup float* stats_sum,
-                                       threadgroup float* merge, thread Store& store, uint tid, uint n_threads,
-                                       uint simd_lane, uint simd_group, uint n_simdgroups) {
-  static_assert(G <= 8 && D % 64 == 0, "the heads are one fragment's columns; V loads cover 64 dims");
+                                       thread AttnDecodeMmaLoads<D>& first, uint head0, uint key_begin,
+                                       uint key_end, threadgroup float* scores, thread Store& store, uint tid,
+                                       uint n_threads, uint simd_lane, uint simd_group) {
+  static_assert(G <= 8 && D % (8 * kAttnDecodeMmaSimdgroups) == 0,
+                "the heads are one fragment's columns; each simdgroup owns whole fragments of O^T");
   static_assert(is_same<T, bfloat>::value, "the query rows are loaded as 16-byte words of bf16");
   constexpr uint FRAGS = D / 8;  // fragments across the head dim
-  constexpr uint MERGE = LILY_ATTN_DECODE_MMA_MERGE_FLOATS;
+  constexpr uint F = AttnDecodeMmaLoads<D>::F;
+  constexpr uint CHUNK = kAttnDecodeMmaChunkKeys;
   const uint kv_head = head0 / (args.num_heads / args.num_kv_heads);
   const uint row = attn_mma_row(simd_lane);
   const uint col = attn_mma_col(simd_lane);
@@ -512,7 +561,6 @@ LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, QRows
   // a power of two), rounded to bf16 (the MMA operand). Fragments 4m .. 4m + 3 of a lane come from one 16-byte load:
   // dims 32m + 8 (row / 2) + 2i + row % 2, i.e. the 16-bit half row % 2 of its word i.
   simdgroup_bfloat8x8 query_t[FRAGS];
-  simdgroup_float8x8 acc_t[FRAGS];
   LILY_UNROLL
   for (uint e = 0; e < 2; ++e) {
     LILY_UNROLL
@@ -525,109 +573,61 @@ LILY_INLINE void attn_decode_mma_heads(constant lily::AttentionArgs& args, QRows
       }
     }
   }
+  simdgroup_float8x8 acc_t[F];
   LILY_UNROLL
-  for (uint f = 0; f < FRAGS; ++f) {
-    acc_t[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  for (uint i = 0; i < F; ++i) {
+    acc_t[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
   float2 run_max = float2(-INFINITY);  // of the lane's two columns
-  float2 run_sum = float2(0.0f);       // this lane's row's share of the columns' sums
+  float2 run_sum = float2(0.0f);       // this lane's rows' share of the columns' sums
 
-  device const uint4* k_rows = attn_decode_mma_rows(k_cache, args, kv_head, D);
-  device const uint4* v_rows = attn_decode_mma_rows(v_cache, args, kv_head, D);
-  // Each step's loads are issued before the step before it computes (two register sets, even and odd steps), so a
-  // simdgroup keeps two steps' 16 KB in flight instead of waiting for each step's 8 KB. The first two steps may
-  // have been fetched before the wait.
-  const uint step_keys = 8 * n_simdgroups;  // keys between a simdgroup's steps
-  uint key0 = key_begin + 8 * simd_group;
-  thread AttnDecodeMmaLoads<D>& even = first.even;
-  thread AttnDecodeMmaLoads<D>& odd = first.odd;
-  if (key0 < key_end && !first.even_fetched) {
-    even.fetch(k_rows, v_rows, key0, key_end, row, col);
-  }
-  bool odd_fetched = first.odd_fetched;
-  while (key0 < key_end) {
-    const uint key1 = key0 + step_keys, key2 = key1 + step_keys;
-    if (key1 < key_end && !odd_fetched) {
-      odd.fetch(k_rows, v_rows, key1, key_end, row, col);
+  device const bfloat* k_rows = attn_decode_mma_rows(k_cache, args, kv_head, D);
+  device const bfloat* v_rows = attn_decode_mma_rows(v_cache, args, kv_head, D);
+  store.prepare(tid, n_threads);
+  // Each chunk's loads are issued before the chunk before it computes (two register sets, even and odd chunks, and
+  // the two score buffers, so one barrier per chunk suffices); the first chunk may be fetched in part already.
+  thread AttnDecodeMmaLoads<D>& even = first;
+  AttnDecodeMmaLoads<D> odd;
+  even.fetch(k_rows, v_rows, key_begin, key_end, key_end, row, col, simd_group);
+  for (uint c0 = key_begin; c0 < key_end;) {
+    const uint c1 = c0 + CHUNK, c2 = c1 + CHUNK;
+    odd.fetched = 0;
+    if (c1 < key_end) {
+      odd.fetch(k_rows, v_rows, c1, key_end, key_end, row, col, simd_group);
     }
-    odd_fetched = false;
-    attn_decode_mma_step<D>(even, query_t, acc_t, run_max, run_sum, key0, key_end, row);
-    if (key1 >= key_end) {
+    attn_decode_mma_chunk<D>(even, query_t, acc_t, run_max, run_sum, scores, c0, key_end, row, col, simd_group);
+    if (c1 >= key_end) {
       break;
     }
-    if (key2 < key_end) {
-      even.fetch(k_rows, v_rows, key2, key_end, row, col);
+    even.fetched = 0;
+    if (c2 < key_end) {
+      even.fetch(k_rows, v_rows, c2, key_end, key_end, row, col, simd_group);
     }
-    attn_decode_mma_step<D>(odd, query_t, acc_t, run_max, run_sum, key1, key_end, row);
-    key0 = key2;
+    attn_decode_mma_chunk<D>(odd, query_t, acc_t, run_max, run_sum, scores + 8 * CHUNK, c1, key_end, row, col,
+                             simd_group);
+    c0 = c2;
   }
 
-  // Merge the simdgroups: each column's block max and sum, then the rescaled O^T, R dims per round.
-  store.prepare(tid, n_threads);
-  const float2 column_sum = attn_mma_col_sum(run_sum);
-  if (row == 0) {
-    LILY_UNROLL
-    for (uint e = 0; e < 2; ++e) {
-      stats_max[simd_group * 8 + col + e] = run_max[e];
-      stats_sum[simd_group * 8 + col + e] = column_sum[e];
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  float2 total_max = float2(-INFINITY);
-  for (uint g = 0; g < n_simdgroups; ++g) {
-    total_max = max(total_max, float2(stats_max[g * 8 + col], stats_max[g * 8 + col + 1]));
-  }
-  float2 total_sum = float2(0.0f);
-  for (uint g = 0; g < n_simdgroups; ++g) {
-    // A simdgroup that saw no key has max -inf and sum 0: weight 0 (simdgroup 0 saw key_begin: total_max is finite).
-    LILY_UNROLL
-    for (uint e = 0; e < 2; ++e) {
-      total_sum[e] += stats_sum[g * 8 + col + e] * precise::exp(stats_max[g * 8 + col + e] - total_max[e]);
-    }
-  }
-  const float2 weight = float2(precise::exp(run_max.x - total_max.x) / total_sum.x,
-                               precise::exp(run_max.y - total_max.y) / total_sum.y);
-  // The block's (max, sum) per head: the columns' totals, from the lanes of row 0 of simdgroup 0 (every lane of a
-  // column holds them).
-  if (simd_group == 0 && row == 0) {
-    LILY_UNROLL
-    for (uint e = 0; e < 2; ++e) {
-      if (col + e < G) {
-        store.block_stats(col + e, total_max[e], total_sum[e]);
+  // Every simdgroup holds the same max and sums: each writes its own dims, simdgroup 0 the block's (max, sum).
+  const float2 total_sum = attn_mma_col_sum(run_sum);
+  LILY_UNROLL
+  for (uint e = 0; e < 2; ++e) {
+    if (col + e < G) {
+      LILY_UNROLL
+      for (uint i = 0; i < F; ++i) {
+        store.output(col + e, (D / kAttnDecodeMmaSimdgroups) * simd_group + F * row + i,
+                     acc_t[i].thread_elements()[e] / total_sum[e]);
+      }
+      if (simd_group == 0 && row == 0) {
+        store.block_stats(col + e, run_max[e], total_sum[e]);
       }
     }
-  }
-  // R dims per round (a multiple of 64: whole groups of 8 fragments); rows padded by one float against bank conflicts.
-  // With n <= 8, 8 n (R + 1) <= MERGE + 64 floats.
-  const uint round_dims = min(D, MERGE / (8 * n_simdgroups) / 64 * 64);
-  const uint stride = round_dims + 1;
-  for (uint first_dim = 0; first_dim < D; first_dim += round_dims) {
-    LILY_UNROLL
-    for (uint g = 0; g < FRAGS; ++g) {
-      const uint dim = attn_decode_mma_value_dim(g, row);
-      if (dim >= first_dim && dim < first_dim + round_dims) {
-        LILY_UNROLL
-        for (uint e = 0; e < 2; ++e) {
-          merge[(simd_group * 8 + col + e) * stride + dim - first_dim] = acc_t[g].thread_elements()[e] * weight[e];
-        }
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint i = tid; i < G * round_dims; i += n_threads) {
-      const uint h = i / round_dims, d = i % round_dims;
-      float total = 0.0f;
-      for (uint g = 0; g < n_simdgroups; ++g) {
-        total += merge[(g * 8 + h) * stride + d];
-      }
-      store.output(h, first_dim + d, total);
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 }
 
 // attention_decode_mma's: the gated output out [Hq, D]; no stats. The G gate rows are copied into threadgroup
-// memory before the merge (one 16-byte load per thread at D = 256 and 256 threads), so the merge's rounds do not each
-// wait on device loads.
+// memory before the first chunk's barrier (one 16-byte load per thread at D = 256 and 256 threads), so the stores do
+// not each wait on device loads.
 template <typename T, uint D, uint G>
 struct AttnDecodeGatedStore {
   device const T* gate;
@@ -661,18 +661,19 @@ template <typename T, uint D, uint G>
                                              uint simd_lane [[thread_index_in_simdgroup]],
                                              uint simd_group [[simdgroup_index_in_threadgroup]],
                                              uint n_simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float stats_max[8 * 8];  // [simdgroup][column]
-  threadgroup float stats_sum[8 * 8];
-  threadgroup float merge[LILY_ATTN_DECODE_MMA_MERGE_FLOATS + 64];
+  threadgroup float scores[2 * 8 * kAttnDecodeMmaChunkKeys];  // two buffers of [chunk keys][8 columns]
+  if (n_simdgroups != kAttnDecodeMmaSimdgroups) {
+    return;  // the host dispatches exactly this many
+  }
   const uint n_threads = threads_per_group.x;  // 1-D threadgroups
   const uint head0 = group.x * G;
   const uint block = group.y;
   const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
   const uint key_begin = block * span;
   const uint key_end = min(args.num_keys, key_begin + span);
-  AttnDecodeMmaFirstSteps<D> first;  // none fetched in an empty block
+  AttnDecodeMmaLoads<D> first;  // none fetched in an empty block
   attn_decode_mma_fetch_early<D>(first, args, k_cache, v_cache, head0 / (args.num_heads / args.num_kv_heads),
-                                 key_begin, key_end, simd_lane, simd_group, n_simdgroups);
+                                 key_begin, key_end, simd_lane, simd_group);
   lily::grid_dependency_wait();  // q comes from the dispatch before
   AttnDecodePartialStore<D> store{partial_out, partial_stats, head0, block, args.num_blocks};
   if (key_begin >= args.num_keys) {
@@ -680,8 +681,7 @@ template <typename T, uint D, uint G>
     return;
   }
   attn_decode_mma_heads<T, D, G>(args, q + size_t(head0) * D, k_cache, v_cache, first, head0, key_begin, key_end,
-                                 stats_max, stats_sum, merge, store, tid, n_threads, simd_lane, simd_group,
-                                 n_simdgroups);
+                                 scores, store, tid, n_threads, simd_lane, simd_group);
 }
 
 // The single pass on matrix units: one threadgroup per G heads over all keys, the gate applied as it writes.
@@ -698,19 +698,19 @@ template <typename T, uint D, uint G>
                                      uint simd_lane [[thread_index_in_simdgroup]],
                                      uint simd_group [[simdgroup_index_in_threadgroup]],
                                      uint n_simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float stats_max[8 * 8];  // [simdgroup][column]
-  threadgroup float stats_sum[8 * 8];
-  threadgroup float merge[LILY_ATTN_DECODE_MMA_MERGE_FLOATS + 64];
+  threadgroup float scores[2 * 8 * kAttnDecodeMmaChunkKeys];  // two buffers of [chunk keys][8 columns]
+  if (n_simdgroups != kAttnDecodeMmaSimdgroups) {
+    return;  // the host dispatches exactly this many
+  }
   threadgroup uint4 gate_rows[G * D / 8];
   const uint head0 = group * G;
-  AttnDecodeMmaFirstSteps<D> first;
+  AttnDecodeMmaLoads<D> first;
   attn_decode_mma_fetch_early<D>(first, args, k_cache, v_cache, head0 / (args.num_heads / args.num_kv_heads), 0,
-                                 args.num_keys, simd_lane, simd_group, n_simdgroups);
+                                 args.num_keys, simd_lane, simd_group);
   lily::grid_dependency_wait();  // q and gate come from the dispatch before
   AttnDecodeGatedStore<T, D, G> store{gate, gate_rows, out, head0};
   attn_decode_mma_heads<T, D, G>(args, q + size_t(head0) * D, k_cache, v_cache, first, head0, 0, args.num_keys,
-                                 stats_max, stats_sum, merge, store, tid, n_threads, simd_lane, simd_group,
-                                 n_simdgroups);
+                                 scores, store, tid, n_threads, simd_lane, simd_group);
 }
 
 // The prep of the fused kernel (attention_decode_partial_prep_mma): the G query rows of heads head0 .. normed and
@@ -772,9 +772,10 @@ template <typename T, uint D, uint G>
                                                   uint simd_lane [[thread_index_in_simdgroup]],
                                                   uint simd_group [[simdgroup_index_in_threadgroup]],
                                                   uint n_simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float stats_max[8 * 8];  // [simdgroup][column]
-  threadgroup float stats_sum[8 * 8];
-  threadgroup float merge[LILY_ATTN_DECODE_MMA_MERGE_FLOATS + 64];
+  threadgroup float scores[2 * 8 * kAttnDecodeMmaChunkKeys];  // two buffers of [chunk keys][8 columns]
+  if (n_simdgroups != kAttnDecodeMmaSimdgroups) {
+    return;  // the host dispatches exactly this many
+  }
   threadgroup uint4 q_row_words[G * D / 8];  // the query rows, 16-byte aligned for attn_decode_mma_heads's loads
   threadgroup T* q_rows = (threadgroup T*)q_row_words;
   const uint n_threads = threads_per_group.x;  // 1-D threadgroups
@@ -784,9 +785,8 @@ template <typename T, uint D, uint G>
   const uint span = (args.num_keys + args.num_blocks - 1) / args.num_blocks;
   const uint key_begin = block * span;
   const uint key_end = min(args.num_keys, key_begin + span);
-  AttnDecodeMmaFirstSteps<D> first;  // none fetched in an empty block
-  attn_decode_mma_fetch_early<D>(first, args, k_cache, v_cache, kv_head, key_begin, key_end, simd_lane, simd_group,
-                                 n_simdgroups);
+  AttnDecodeMmaLoads<D> first;  // none fetched in an empty block
+  attn_decode_mma_fetch_early<D>(first, args, k_cache, v_cache, kv_head, key_begin, key_end, simd_lane, simd_group);
   // Every prepped row is at the new token's position: its rotary angles once per simdgroup, for all of its rows, from
   // the arguments alone, so before the wait (pow, cos and sin: a chain the dispatch before can hide).
   const AttnRopeAngles<D> angles = attention_rope_angles<D>(float(prep.first_position), prep.rotary_dim,
@@ -805,9 +805,8 @@ template <typename T, uint D, uint G>
   // The new key (row num_keys - 1 = prep.first_position) lies in the last non-empty block: the one ending at num_keys.
   attn_decode_prep_rows<T, D, G>(prep, q_and_gate, k, v, q_norm, k_norm, k_cache, v_cache, q_rows, head0, kv_head,
                                  key_end == args.num_keys, angles, simd_lane, simd_group, n_simdgroups);
-  attn_decode_mma_heads<T, D, G>(args, q_rows, k_cache, v_cache, first, head0, key_begin,
-                                 key_end, stats_max, stats_sum, merge, store, tid, n_threads, simd_lane, simd_group,
-                                 n_simdgroups);
+  attn_decode_mma_heads<T, D, G>(args, q_rows, k_cache, v_cache, first, head0, key_begin, key_end, scores, store,
+                                 tid, n_threads, simd_lane, simd_group);
 }
 
 // Element e of the blocks b, b + n, ..., b + 7n of one head's partials (0 past num_blocks), loads issued together.

@@ -392,12 +392,11 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // 128: on the H200 at 32K keys partials + combine took 81.4 + 11.6 us against 91.2 + 17.4 with 128 blocks (cold L2;
 // docs/results/h200/2026-12-04-c9038d5/earlier/sweep.json).
 #define LILY_ATTN_SPLIT_MAX_BLOCKS 64
-// attention_decode_partial_mma: simdgroups per threadgroup in the engine (the kernel takes 1 to 8), each taking every
-// n-th step of 8 keys of the block; and the floats of threadgroup memory its merge of the simdgroups' O^T uses per
-// round (R = this / (8 n) dims of 8 columns per simdgroup: 64 dims at n = 8, four rounds at D = 256). 8: on the H200
-// at 32K keys (64 blocks) 34.3 us against 39.3 with 4, and 4 x 128 blocks 35.6 (docs/results/h200/2026-12-04-ec4bc8a).
+// attention_decode[_partial][_prep]_mma: simdgroups per threadgroup (the kernels take exactly this many; 1, 2, 4 or
+// 8, a divisor of D / 8 at D = 64 and 256): each scores 8 keys of a chunk of 8n and accumulates D / n output dims of
+// it. 8: on the H200 at 32K keys (64 blocks) 34.3 us against 39.3 with 4, and 4 x 128 blocks 35.6, when the
+// simdgroups took every n-th step of 8 keys and merged their O^T (docs/results/h200/2026-12-04-ec4bc8a).
 #define LILY_ATTN_DECODE_MMA_SIMDGROUPS 8
-#define LILY_ATTN_DECODE_MMA_MERGE_FLOATS 4096
 // attention_prefill: bytes of one staged K (or V) tile in threadgroup memory; tile keys = this / (D * sizeof(cache
 // element)): 16 keys at D = 256 in bf16, 8 in f32. K and V tiles together stay at 16 KiB of the 32 KiB.
 #define LILY_ATTN_PREFILL_TILE_BYTES 8192

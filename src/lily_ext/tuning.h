@@ -182,10 +182,12 @@ constexpr size_t kAttentionPrepSimdgroups = 8;
 // attention_decode: 8 simdgroups split the keys; enough lanes to stream a KV head at 4K context, few enough that
 // the merge through threadgroup memory stays short.
 constexpr size_t kAttentionDecodeThreads = 256;
-// attention_decode_partial_mma (MMA_ATTENTION): LILY_ATTN_DECODE_MMA_SIMDGROUPS simdgroups (the kernel takes 1 to 8).
+// attention_decode[_partial][_prep]_mma (MMA_ATTENTION): exactly LILY_ATTN_DECODE_MMA_SIMDGROUPS simdgroups, each
+// owning whole 8-dim fragments of O^T at head dim 64 (8 fragments) and 256 (32).
 constexpr size_t kAttentionDecodeMmaThreads = 32 * LILY_ATTN_DECODE_MMA_SIMDGROUPS;
-static_assert(LILY_ATTN_DECODE_MMA_SIMDGROUPS >= 1 && LILY_ATTN_DECODE_MMA_SIMDGROUPS <= 8,
-              "attention_decode_partial_mma merges at most 8 simdgroups");
+static_assert(LILY_ATTN_DECODE_MMA_SIMDGROUPS == 1 || LILY_ATTN_DECODE_MMA_SIMDGROUPS == 2 ||
+                  LILY_ATTN_DECODE_MMA_SIMDGROUPS == 4 || LILY_ATTN_DECODE_MMA_SIMDGROUPS == 8,
+              "attention_decode_mma: a divisor of the 8 fragments of head dim 64");
 // attention_decode_combine: threads per threadgroup (8 simdgroups splitting the blocks: 8 loads per lane at 64 blocks),
 // each threadgroup one slice of 32 elements of a head (the model's 16 heads x 256: 128 threadgroups).
 constexpr size_t kAttentionCombineThreads = 256;

@@ -22,12 +22,13 @@ namespace {
 
 void dispatch(const std::string& name, nb::list args, std::array<uint32_t, 3> threadgroups,
               std::array<uint32_t, 3> threads_per_threadgroup, std::optional<std::map<int, int64_t>> constants,
-              bool random_schedule, uint64_t seed, bool poison_threadgroup_memory, bool guard,
+              bool random_schedule, bool greedy_simdgroups, uint64_t seed, bool poison_threadgroup_memory, bool guard,
               std::optional<std::vector<size_t>> threadgroup_memory) {
   lily::py_args::BufferArguments<msl_rt::Binding> bound(name, args, "written in place",
                                                         lily::py_args::NotBufferError::ValueError);
   msl_rt::DispatchOptions opts;
   opts.random_schedule = random_schedule;
+  opts.greedy_simdgroups = greedy_simdgroups;
   opts.seed = seed;
   opts.poison_threadgroup_memory = poison_threadgroup_memory;
   opts.guard = guard;
@@ -47,11 +48,13 @@ void bind(nb::module_& m) {
   m.def("test_kernel_names", &msl_rt::test_kernel_names,
         "Host names of the harness self-test kernels (tests/harness/*.metal), sorted.");
   m.def("dispatch", &dispatch, "name"_a, "args"_a, "threadgroups"_a, "threads_per_threadgroup"_a, nb::kw_only(),
-        "constants"_a = nb::none(), "random_schedule"_a = true, "seed"_a = 0, "poison_threadgroup_memory"_a = true,
+        "constants"_a = nb::none(), "random_schedule"_a = true, "greedy_simdgroups"_a = false, "seed"_a = 0, "poison_threadgroup_memory"_a = true,
         "guard"_a = true, "threadgroup_memory"_a = nb::none(),
         "Run kernel `name` on the CPU. args[i] binds [[buffer(i)]]: a C-contiguous writable numpy array is a\n"
         "device buffer (written in place), bytes are setBytes data. constants maps function-constant index to\n"
-        "bool/int. threadgroup_memory gives the byte length of each [[threadgroup(i)]] parameter.\n"
+        "bool/int. greedy_simdgroups runs one simdgroup's ready threads before any other's (exposes threadgroup-\n"
+        "memory races between simdgroups). threadgroup_memory gives the byte length of each [[threadgroup(i)]]\n"
+        "parameter.\n"
         "Raises KernelError for barrier divergence, divergent SIMD collectives, deadlock and out-of-bounds\n"
         "writes, ValueError for bad arguments.");
 }

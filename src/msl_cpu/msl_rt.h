@@ -20,6 +20,9 @@ struct Binding {
 
 struct DispatchOptions {
   bool random_schedule = true;            // run ready GPU threads in a seeded random order
+  // keep running one simdgroup's ready threads (a random one when it has none) so that simdgroups run far ahead of
+  // each other between barriers: a read of threadgroup memory another simdgroup overwrites too early shows up
+  bool greedy_simdgroups = false;
   uint64_t seed = 0;
   bool poison_threadgroup_memory = true;  // fill threadgroup memory with NaN bytes (0xFF) at threadgroup start
   bool guard = true;                      // guard regions around device buffers, checked after the dispatch

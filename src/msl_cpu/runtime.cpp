@@ -126,6 +126,7 @@ struct Worker {
   Fiber* current = nullptr;
   uint64_t rng = 0;
   uint32_t at_barrier = 0, done = 0;
+  uint32_t greedy_simd = 0;  // DispatchOptions::greedy_simdgroups: the simdgroup whose threads run while ready
   const char* barrier_site = nullptr;
   uint64_t progress = 0;
   bool faulted = false;
@@ -294,7 +295,15 @@ void schedule(Worker& w) {
       report_stall(w);
     }
     size_t pick = w.ready_head;
-    if (d.opts.random_schedule) pick += next_random(w.rng) % (w.ready.size() - w.ready_head);
+    if (d.opts.greedy_simdgroups) {
+      while (pick < w.ready.size() && w.fibers[w.ready[pick]].simd != w.greedy_simd) ++pick;
+      if (pick == w.ready.size()) {
+        pick = w.ready_head + (d.opts.random_schedule ? next_random(w.rng) % (w.ready.size() - w.ready_head) : 0);
+        w.greedy_simd = w.fibers[w.ready[pick]].simd;
+      }
+    } else if (d.opts.random_schedule) {
+      pick += next_random(w.rng) % (w.ready.size() - w.ready_head);
+    }
     std::swap(w.ready[pick], w.ready[w.ready_head]);
     Fiber& f = w.fibers[w.ready[w.ready_head++]];
     if (w.ready_head > 4096 && w.ready_head * 2 > w.ready.size()) {

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from cases import check, op_cases
 
-from lily.kernel_cases.attention import (CACHE_DTYPE, F32_SUMS, DecodeInputs, PrepDecodeInputs, attention_args,
-                                         run_prep_fused, run_single, run_split)
+from lily.kernel_cases.attention import (CACHE_DTYPE, F32_SUMS, MMA_SIMDGROUPS, DecodeInputs, PrepDecodeInputs,
+                                         attention_args, run_prep_fused, run_single, run_split, tolerance,
+                                         weight_rounding_allowance)
 from lily.kernel_cases.common import Run, poisoned
 
 __all__ = ["CACHE_DTYPE", "attention_args"]  # shared with test_attention_prefill.py
@@ -81,6 +82,22 @@ def test_attention_decode_independent_of_schedule(seed: int, kio, kernel_device)
                for random_schedule in (False, True)]
     assert np.array_equal(results[0], results[1])
     assert_close(kio, results[1], inputs.expected(), "f32", "schedule")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_attention_decode_mma_independent_of_schedule(seed: int, kio, kernel_device) -> None:
+    """The mma kernels' simdgroups meet at one barrier per chunk of keys, each chunk's scores in one of two buffers:
+    over five chunks (300 keys) the FIFO schedule and one that runs each simdgroup ahead to its next barrier (a
+    simdgroup writing the next chunk's scores over ones another has yet to read would show) give the same bits, and
+    the reference's result."""
+    run = Run(kernel_device, np.random.default_rng(13))
+    inputs = DecodeInputs.random(run.rng, "bf16", 16, 2, 300, D)
+    results = [run_single(run, "attention_decode_mma_bf16_d256", inputs, MMA_SIMDGROUPS, random_schedule=greedy,
+                          greedy_simdgroups=greedy, seed=seed) for greedy in (False, True)]
+    assert np.array_equal(results[0], results[1])
+    run.compare("out", results[1], inputs.expected(), tolerance("bf16"), weight_rounding_allowance(inputs))
+    (comparison,) = run.comparisons
+    assert comparison.passed, f"schedule: {comparison}"
 
 
 def test_attention_decode_unpacked_matches_packed(kio, kernel_device) -> None:

@@ -11,7 +11,7 @@ step. The head-dim-64 instances (2 heads
 per threadgroup), the unpacked instances of the GQA-packing ablation (1 head per threadgroup; GQA groups of 2 and 1)
 and the plain-mapping instances of the coalesced-KV ablation run their own single-pass and split-KV cases. The
 matrix-unit kernels (attention_decode_mma, attention_decode_partial_mma: the whole GQA group per threadgroup, steps of
-8 keys per simdgroup, 1 to 8 simdgroups merged in rounds) run the same checks with their own shapes; their outputs may
+chunks of 8 keys per simdgroup, each simdgroup writing its own dims) run the same checks with their own shapes; their outputs may
 move by one bf16 rounding of the weighted |v| (their P·V operands are bf16). Outputs
 and partials start NaN-poisoned; the cache has spare rows past the context holding NaN, so reading a key past the
 context is caught.
@@ -45,6 +45,7 @@ PATTERN = re.compile(r"attention_decode_(unpacked_|plain_|mma_|partial_|partial_
 # default kernels; the *_mma_* ones pack the whole GQA group at D = 256 (LILY_ATTN_MMA_HEADS_PER_GROUP, ..._D64).
 HEADS_PER_GROUP = {256: 4, 64: 2}
 MMA_HEADS_PER_GROUP = {256: 8, 64: 2}
+MMA_SIMDGROUPS = 8  # LILY_ATTN_DECODE_MMA_SIMDGROUPS: the mma kernels take exactly this many
 ROUNDING_UNIT = {"bf16": 2.0**-8, "f16": 2.0**-11}  # one rounding (2^-p, twice the half-ulp bound) of a 16-bit dtype
 # The KV cache is bf16 except in float32 mode.
 CACHE_DTYPE = {"f32": "f32", "f16": "bf16", "bf16": "bf16"}
@@ -64,11 +65,11 @@ SINGLE_SHAPES = {
     ("unpacked", 64): [(4, 2, 45, 4), (4, 2, 33, 2), (3, 3, 5, 8)],  # 3 heads of 3 KV heads: no group needed
     ("plain", 256): [(16, 2, 45, 4), (8, 2, 1, 4), (16, 2, 33, 3), (8, 1, 32, 8)],
     ("plain", 64): [(4, 2, 45, 4), (4, 2, 33, 3), (8, 2, 31, 4)],
-    # attention_decode_mma (steps of 8 keys, 1 to 8 simdgroups): the engine's 8 simdgroups at a context of one key and
-    # of a partial last step, one simdgroup over every step, 3 simdgroups (merge rounds of 128 dims), two threadgroups
-    # per KV head.
-    ("mma", 256): [(16, 2, 45, 8), (8, 1, 1, 8), (16, 2, 33, 1), (16, 2, 100, 3), (32, 2, 300, 8)],
-    ("mma", 64): [(4, 2, 45, 8), (8, 2, 17, 2), (2, 1, 70, 4)],
+    # attention_decode_mma (MMA_SIMDGROUPS, chunks of 8 per simdgroup = 64 keys): one key, a partial chunk (45: two
+    # simdgroups see no key, two steps none), one whole chunk, a second chunk of one key, two chunks (the even and odd
+    # sets of loads and score buffers) and five, two threadgroups per KV head.
+    ("mma", 256): [(16, 2, 45, 8), (8, 1, 1, 8), (16, 2, 64, 8), (16, 2, 65, 8), (16, 2, 128, 8), (32, 2, 300, 8)],
+    ("mma", 64): [(4, 2, 45, 8), (8, 2, 17, 8), (2, 1, 70, 8), (4, 2, 259, 8)],
 }
 # Split-KV shapes (heads, kv_heads, keys, blocks, simdgroups); the kernel's block span is ceil(keys / blocks). 45 keys
 # in 3 blocks of 15 (no block a multiple of 8 keys), 1 key in 2 blocks (the second empty), 3 keys in 8 blocks (5 empty),
@@ -83,24 +84,26 @@ SPLIT_SHAPES = {
     ("unpacked", 64): [(4, 2, 45, 3, 2), (4, 2, 32, 4, 4), (4, 2, 3, 8, 2)],
     ("plain", 256): [(16, 2, 45, 3, 2), (16, 2, 47, 4, 2), (8, 2, 17, 2, 3), (8, 2, 3, 4, 2)],
     ("plain", 64): [(4, 2, 45, 3, 2), (4, 2, 33, 2, 2), (4, 2, 1, 2, 2)],
-    # attention_decode_partial_mma (1 to 8 simdgroups, steps of 8 keys): one simdgroup walks every step; 8 simdgroups
-    # merge in four rounds of 64 dims, 3 in two of 128 (a count that is not a power of two), most of them seeing no
-    # key; 32 heads of 2 KV heads (two threadgroups per KV head); one KV head; 4 simdgroups at the Metal engine's 8
-    # blocks of 1025 keys, and the CUDA engine's 8 simdgroups and 64 blocks at 4096 keys.
-    ("mma", 256): [(16, 2, 45, 3, 4), (8, 1, 1, 2, 4), (16, 2, 3, 8, 2), (16, 2, 65, 4, 1), (16, 2, 33, 2, 8),
-                   (16, 2, 100, 2, 3), (32, 2, 47, 3, 4), (16, 2, 1025, 8, 4), (16, 2, 4096, 64, 8)],
+    # attention_decode_partial_mma (MMA_SIMDGROUPS, chunks of 64 keys): blocks of a part of a chunk, most simdgroups
+    # seeing no key; 32 heads of 2 KV heads (two threadgroups per KV head); one KV head; a block of 65 keys (a second
+    # chunk of one key), the Metal engine's 8 blocks of 1025 keys (129: three chunks), five chunks a block, and the
+    # CUDA engine's 64 blocks at 4096 keys (one chunk each).
+    ("mma", 256): [(16, 2, 45, 3, 8), (8, 1, 1, 2, 8), (16, 2, 3, 8, 8), (16, 2, 65, 4, 8), (16, 2, 130, 2, 8),
+                   (16, 2, 100, 2, 8), (32, 2, 47, 3, 8), (16, 2, 1025, 8, 8), (16, 2, 600, 2, 8),
+                   (16, 2, 4096, 64, 8)],
     # Head dim 64 packs 2 heads (the demo model's ratio; the gqa4 fixture's 4 gives two threadgroups per KV head).
-    ("mma", 64): [(4, 2, 45, 3, 4), (8, 2, 33, 2, 2), (4, 2, 5, 8, 8), (2, 1, 17, 4, 1)],
+    ("mma", 64): [(4, 2, 45, 3, 8), (8, 2, 33, 2, 8), (4, 2, 5, 8, 8), (2, 1, 300, 2, 8)],
 }
 # The fused kernel (attention_decode_partial_prep_mma): (heads, kv_heads, keys, blocks, simdgroups, rotary_dim). At
-# head dim 256: the engine's 8 simdgroups (9 prep rows: one simdgroup takes two), the first token (no earlier row; its
-# block 1 empty), 3 simdgroups, one taking every prep row, 32 heads of 2 KV heads (two threadgroups per KV head, both
-# writing the new row), rotary over the whole head, empty trailing blocks, the CUDA engine's 64 blocks at 4096 keys.
-# At 64: the demo model (rotary 16), the gqa4 fixture (rotary 32, two threadgroups per KV head), rotary 64.
+# head dim 256 (MMA_SIMDGROUPS: 9 prep rows, one simdgroup takes two): the first token (no earlier row; its block 1
+# empty), 32 heads of 2 KV heads (two threadgroups per KV head, both writing the new row), rotary over the whole head,
+# empty trailing blocks, the new key in a later chunk (130 and 300 keys in 2 blocks), the CUDA engine's 64 blocks at
+# 4096 keys. At 64: the demo model (rotary 16), the gqa4 fixture (rotary 32, two threadgroups per KV head), rotary 64.
 PREP_SHAPES = {
-    256: [(16, 2, 45, 3, 8, 64), (16, 2, 1, 2, 8, 64), (16, 2, 3, 8, 2, 64), (32, 2, 47, 3, 4, 64),
-          (32, 2, 100, 4, 3, 64), (8, 1, 20, 2, 4, 256), (16, 2, 65, 4, 1, 64), (16, 2, 4096, 64, 8, 64)],
-    64: [(4, 2, 45, 3, 4, 16), (8, 2, 33, 2, 2, 32), (4, 2, 5, 8, 8, 16), (2, 1, 70, 4, 4, 64)],
+    256: [(16, 2, 45, 3, 8, 64), (16, 2, 1, 2, 8, 64), (16, 2, 3, 8, 8, 64), (32, 2, 47, 3, 8, 64),
+          (32, 2, 100, 4, 8, 64), (8, 1, 20, 2, 8, 256), (16, 2, 130, 2, 8, 64), (16, 2, 300, 2, 8, 64),
+          (16, 2, 4096, 64, 8, 64)],
+    64: [(4, 2, 45, 3, 8, 16), (8, 2, 33, 2, 8, 32), (4, 2, 5, 8, 8, 16), (2, 1, 70, 4, 8, 64)],
 }
 
 
@@ -399,9 +402,10 @@ def cases(kernel: str) -> list[Case]:
     if family in (("packed", 256), ("mma", 256)):
         # Scores in the hundreds: the online softmax must rescale rather than overflow exp. A score s carries an fp32
         # error of about |s| * 2^-24 * sqrt(D), which exp turns into a relative error of the weights: with scores
-        # near 200 that is ~10x the bound for unit-sized scores. (The mma kernel packs a whole group of 8 heads.)
-        heads = 16 if family[0] == "mma" else 8
-        found.append(Case(kernel, f"Hq={heads} Hkv=2 S=40 simdgroups=4 D=256 large-scores",
-                          partial(_single, kernel=kernel, heads=heads, kv_heads=2, keys=40, simdgroups=4,
+        # near 200 that is ~10x the bound for unit-sized scores.
+        # (The mma kernel packs a whole group of 8 heads; 140 keys are three chunks, each rescaling the last.)
+        heads, keys, simdgroups = (16, 140, MMA_SIMDGROUPS) if family[0] == "mma" else (8, 40, 4)
+        found.append(Case(kernel, f"Hq={heads} Hkv=2 S={keys} simdgroups={simdgroups} D=256 large-scores",
+                          partial(_single, kernel=kernel, heads=heads, kv_heads=2, keys=keys, simdgroups=simdgroups,
                                   query_scale=60.0, widen=10.0)))
     return found
