@@ -661,7 +661,8 @@ template <typename T, uint D, uint G>
                                              uint simd_lane [[thread_index_in_simdgroup]],
                                              uint simd_group [[simdgroup_index_in_threadgroup]],
                                              uint n_simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float scores[2 * 8 * kAttnDecodeMmaChunkKeys];  // two buffers of [chunk keys][8 columns]
+  threadgroup float2 score_pairs[8 * kAttnDecodeMmaChunkKeys];  // two buffers of [chunk keys][8 columns]
+  threadgroup float* scores = (threadgroup float*)score_pairs;
   if (n_simdgroups != kAttnDecodeMmaSimdgroups) {
     return;  // the host dispatches exactly this many
   }
@@ -698,7 +699,8 @@ template <typename T, uint D, uint G>
                                      uint simd_lane [[thread_index_in_simdgroup]],
                                      uint simd_group [[simdgroup_index_in_threadgroup]],
                                      uint n_simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float scores[2 * 8 * kAttnDecodeMmaChunkKeys];  // two buffers of [chunk keys][8 columns]
+  threadgroup float2 score_pairs[8 * kAttnDecodeMmaChunkKeys];  // two buffers of [chunk keys][8 columns]
+  threadgroup float* scores = (threadgroup float*)score_pairs;
   if (n_simdgroups != kAttnDecodeMmaSimdgroups) {
     return;  // the host dispatches exactly this many
   }
@@ -772,7 +774,8 @@ template <typename T, uint D, uint G>
                                                   uint simd_lane [[thread_index_in_simdgroup]],
                                                   uint simd_group [[simdgroup_index_in_threadgroup]],
                                                   uint n_simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float scores[2 * 8 * kAttnDecodeMmaChunkKeys];  // two buffers of [chunk keys][8 columns]
+  threadgroup float2 score_pairs[8 * kAttnDecodeMmaChunkKeys];  // two buffers of [chunk keys][8 columns]
+  threadgroup float* scores = (threadgroup float*)score_pairs;
   if (n_simdgroups != kAttnDecodeMmaSimdgroups) {
     return;  // the host dispatches exactly this many
   }
