@@ -115,8 +115,8 @@ class Runner:
     def dispatch(self, kernel: str, args: list, threadgroups, threads_per_threadgroup, *,
                  threadgroup_memory: list[int] | None = None, constants: dict | None = None, **_harness_only) -> None:
         """Run `kernel` once and wait, after the CPU harness's argument checks: numpy arrays in `args` are copied to
-        the GPU and back (in place), bytes are setBytes data. Harness-only options (random_schedule, seed, guard,
-        ...) are accepted and have no effect."""
+        the GPU and back (in place), bytes are setBytes data. Harness-only options (random_schedule,
+        greedy_simdgroups, seed, guard, ...) are accepted and have no effect."""
         if constants:
             raise ValueError(f"cuda: kernel {kernel}: function constants are not supported by the CUDA target")
         self._device.dispatch(kernel, list(args), _shape(threadgroups), _shape(threads_per_threadgroup),

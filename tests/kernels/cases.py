@@ -3,7 +3,10 @@ check that fails with the case's message (kernel, shape, max error, tolerance)."
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+import zlib
 
 import pytest
 
@@ -24,6 +27,11 @@ def op_cases(op: str) -> list:
 
 
 def check(case: kernel_cases.Case, device) -> None:
-    """Run `case` on `device`; fail with its message unless every output is within tolerance."""
+    """Run `case` on `device`; fail with its message unless every output is within tolerance. On the CPU harness every
+    other case (by its id) runs under the greedy_simdgroups schedule, where one simdgroup runs ahead to its next
+    barrier, so that threadgroup memory one simdgroup overwrites before another has read it shows; the others keep
+    the random schedule, which mixes the lanes of a simdgroup."""
+    if device.kind == "harness" and zlib.crc32(case.id.encode()) % 2:
+        device = dataclasses.replace(device, run=functools.partial(device.run, greedy_simdgroups=True))
     outcome = case.run(device)
     assert outcome.passed, outcome.message()

@@ -18,7 +18,7 @@ __all__ = ["DEVICE_KINDS", "KernelDevice", "open_device"]
 
 DEVICE_KINDS = ("auto", "metal-api", "harness", "cuda", "cpu")
 # Options of lily._ext.msl.dispatch that choose how the CPU harness schedules and guards a dispatch: no GPU has them.
-HARNESS_ONLY_OPTIONS = {"random_schedule", "seed", "guard", "poison_threadgroup_memory", "workers"}
+HARNESS_ONLY_OPTIONS = {"random_schedule", "greedy_simdgroups", "seed", "guard", "poison_threadgroup_memory", "workers"}
 
 
 @dataclass
