@@ -421,8 +421,8 @@ struct AttnDecodeMmaLoads {
     }
     fetched |= 2u << k;
   }
-  // Whatever of chunk c0 is not loaded yet and holds keys below key_end; with `below`, only rows below it (the rows
-  // an earlier dispatch wrote: attn_decode_mma_fetch_early).
+  // What of chunk c0 is not loaded yet, holds keys below key_end and reads only rows below `below`: key_end after
+  // the wait, the first row this call's prep writes before it (attn_decode_mma_fetch_early).
   LILY_INLINE void fetch(device const bfloat* k_rows, device const bfloat* v_rows, uint c0, uint key_end, uint below,
                          uint row, uint col, uint simd_group) {
     const uint key0 = c0 + 8 * simd_group;
