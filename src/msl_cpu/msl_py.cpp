@@ -48,8 +48,8 @@ void bind(nb::module_& m) {
   m.def("test_kernel_names", &msl_rt::test_kernel_names,
         "Host names of the harness self-test kernels (tests/harness/*.metal), sorted.");
   m.def("dispatch", &dispatch, "name"_a, "args"_a, "threadgroups"_a, "threads_per_threadgroup"_a, nb::kw_only(),
-        "constants"_a = nb::none(), "random_schedule"_a = true, "greedy_simdgroups"_a = false, "seed"_a = 0, "poison_threadgroup_memory"_a = true,
-        "guard"_a = true, "threadgroup_memory"_a = nb::none(),
+        "constants"_a = nb::none(), "random_schedule"_a = true, "greedy_simdgroups"_a = false, "seed"_a = 0,
+        "poison_threadgroup_memory"_a = true, "guard"_a = true, "threadgroup_memory"_a = nb::none(),
         "Run kernel `name` on the CPU. args[i] binds [[buffer(i)]]: a C-contiguous writable numpy array is a\n"
         "device buffer (written in place), bytes are setBytes data. constants maps function-constant index to\n"
         "bool/int. greedy_simdgroups runs one simdgroup's ready threads before any other's (exposes threadgroup-\n"

@@ -10,10 +10,10 @@ numpy per-block softmax. Every context that is not a multiple of 8 (LILY_ATTN_DE
 step. The head-dim-64 instances (2 heads
 per threadgroup), the unpacked instances of the GQA-packing ablation (1 head per threadgroup; GQA groups of 2 and 1)
 and the plain-mapping instances of the coalesced-KV ablation run their own single-pass and split-KV cases. The
-matrix-unit kernels (attention_decode_mma, attention_decode_partial_mma: the whole GQA group per threadgroup, steps of
-chunks of 8 keys per simdgroup, each simdgroup writing its own dims) run the same checks with their own shapes; their outputs may
-move by one bf16 rounding of the weighted |v| (their P·V operands are bf16). Outputs
-and partials start NaN-poisoned; the cache has spare rows past the context holding NaN, so reading a key past the
+matrix-unit kernels (attention_decode_mma, attention_decode_partial_mma: the whole GQA group per threadgroup, chunks of
+64 keys, each simdgroup scoring 8 of them and writing its own output dims) run the same checks with their own shapes;
+their outputs may move by one bf16 rounding of the weighted |v| (their P·V operands are bf16). Outputs and partials
+start NaN-poisoned; the cache has spare rows past the context holding NaN, so reading a key past the
 context is caught.
 
 The split kernel with attention_prep fused in front (attention_decode_partial_prep_mma: FUSED_ATTENTION_PREP) starts
