@@ -76,33 +76,27 @@ inline void moe_probabilities(device const T* logits, uint num_experts, uint lan
 }
 
 // Round `round` of top-k: the largest probability not yet taken (ties to the lower id), marked taken; its probability
-// goes to `top`. Every lane gets the same winner. Convergent. The lanes' (probability, id) pairs meet in one butterfly
-// of paired shuffles (the larger probability, then the lower id), not a simd_max followed by a simd_min over the ids
-// that reached it: half the dependent shuffles of a round, which the routed gate/up kernels run up to k times before
-// they can load their expert's weights.
+// goes to `top`. Every lane gets the same winner. Convergent. A probability is in [0, 1], where the order of the
+// floats is that of their bits, so the lanes' candidates meet in two integer reductions (one instruction each on
+// Apple GPUs and NVIDIA's sm_80 on): the largest key (bits + 1; 0 for no candidate), then the lowest id holding it.
+// The routed gate/up kernels run up to k rounds before they can load their expert's weights.
 inline uint moe_pick(thread const float* p, thread uint& taken, uint num_experts, uint lane, uint round,
                      thread float& top) {
-  float best = -1.0f;  // below every probability, so a lane with no candidate never wins
+  float best = -1.0f;  // below every probability, so a lane with no candidate keeps key 0
   uint best_id = 0xFFFFFFFFu;
   for (uint j = 0; j < MOE_PER_LANE; ++j) {
     uint e = lane + 32 * j;
-    // Strict '>' keeps the lowest id among equal values within the lane (e grows with j).
+    // Strict '>' keeps the lowest id among equal values within the lane (e grows with j); a NaN never passes.
     if (e < num_experts && ((taken >> j) & 1u) == 0 && p[j] > best) {
       best = p[j];
       best_id = e;
     }
   }
-  for (ushort offset = 16; offset > 0; offset /= 2) {  // no NaN here: a NaN probability is never a candidate
-    const float other = simd_shuffle_xor(best, offset);
-    const uint other_id = simd_shuffle_xor(best_id, offset);
-    if (other > best || (other == best && other_id < best_id)) {
-      best = other;
-      best_id = other_id;
-    }
-  }
-  top = best;
-  uint winner = best_id;
-  if (winner >= num_experts) {
+  const uint key = best_id < num_experts ? as_type<uint>(best) + 1u : 0u;
+  const uint top_key = simd_max(key);
+  uint winner = simd_min(key == top_key ? best_id : 0xFFFFFFFFu);
+  top = as_type<float>(top_key - 1u);
+  if (top_key == 0u) {
     // No candidate: the row's probabilities are NaN (a NaN or infinite logit). Keep the ids valid for the expert
     // kernels and let NaN weights carry the fault to the layer output.
     winner = round;

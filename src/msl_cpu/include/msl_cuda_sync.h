@@ -29,36 +29,23 @@ inline T shuffle_bfly(uint32_t mask, T x, int lane_mask) {
   __builtin_memcpy(&r, w, sizeof(T));
   return r;
 }
+// From lane - delta (lanes below delta get their own value back).
+template <class T>
+inline T shuffle_up(uint32_t mask, T x, uint32_t delta) {
+  constexpr int W = int((sizeof(T) + 3) / 4);
+  uint32_t w[W] = {};
+  __builtin_memcpy(w, &x, sizeof(T));
+  for (int i = 0; i < W; ++i) w[i] = uint32_t(__nvvm_shfl_sync_up_i32(mask, int(w[i]), int(delta), 0));
+  T r;
+  __builtin_memcpy(&r, w, sizeof(T));
+  return r;
+}
 // The Metal rule for a shuffle source: an inactive or out-of-range lane gives the lane's own value.
 template <class T>
 inline T shuffle_from(T x, int src) {
   uint32_t mask = active(), me = lane();
   bool ok = src >= 0 && src < 32 && ((mask >> src) & 1u);
   return shuffle_idx(mask, x, ok ? uint32_t(src) : me);
-}
-// A reduction over the active lanes: butterflies for a full warp, a lane-ordered pass otherwise.
-template <class T, class Op>
-inline T reduce(T x, Op op) {
-  uint32_t mask = active();
-  if (mask == 0xFFFFFFFFu) {
-    for (int d = 16; d >= 1; d /= 2) x = op(x, shuffle_bfly(mask, x, d));
-    return x;
-  }
-  T acc = shuffle_idx(mask, x, uint32_t(__builtin_ctz(mask)));
-  for (uint32_t m = mask & (mask - 1); m; m &= m - 1) acc = op(acc, shuffle_idx(mask, x, uint32_t(__builtin_ctz(m))));
-  return acc;
-}
-// Prefix over the active lanes in lane order (as the CPU harness), inclusive or exclusive.
-template <class T, class Op>
-inline T prefix(T x, Op op, T identity, bool inclusive) {
-  uint32_t mask = active(), me = lane();
-  T acc = identity;
-  for (uint32_t m = mask; m; m &= m - 1) {
-    uint32_t l = uint32_t(__builtin_ctz(m));
-    T v = shuffle_idx(mask, x, l);
-    if (l < me || (inclusive && l == me)) acc = op(acc, v);
-  }
-  return acc;
 }
 struct Add {
   template <class T>
@@ -88,6 +75,72 @@ struct Xor {
   template <class T>
   T operator()(T a, T b) const { return T(a ^ b); }
 };
+// 32-bit integer reductions the hardware does in one redux.sync over the active lanes (sm_80 on).
+template <class T, class Op>
+constexpr bool has_redux = std::is_integral_v<T> && sizeof(T) == 4 &&
+                           (std::is_same_v<Op, Add> || std::is_same_v<Op, Max> || std::is_same_v<Op, Min> ||
+                            std::is_same_v<Op, And> || std::is_same_v<Op, Or> || std::is_same_v<Op, Xor>);
+template <class T, class Op>
+inline T redux(T x, uint32_t mask) {
+  const int v = int(x);
+  if constexpr (std::is_same_v<Op, Add>) {
+    return T(__nvvm_redux_sync_add(v, mask));
+  } else if constexpr (std::is_same_v<Op, And>) {
+    return T(__nvvm_redux_sync_and(v, mask));
+  } else if constexpr (std::is_same_v<Op, Or>) {
+    return T(__nvvm_redux_sync_or(v, mask));
+  } else if constexpr (std::is_same_v<Op, Xor>) {
+    return T(__nvvm_redux_sync_xor(v, mask));
+  } else if constexpr (std::is_same_v<Op, Max>) {
+    return std::is_signed_v<T> ? T(__nvvm_redux_sync_max(v, mask)) : T(__nvvm_redux_sync_umax(uint32_t(x), mask));
+  } else {
+    static_assert(std::is_same_v<Op, Min>);
+    return std::is_signed_v<T> ? T(__nvvm_redux_sync_min(v, mask)) : T(__nvvm_redux_sync_umin(uint32_t(x), mask));
+  }
+}
+// A reduction over the active lanes: one redux.sync for 32-bit integers, else butterflies for a full warp and a
+// lane-ordered pass otherwise (the CPU harness's order).
+template <class T, class Op>
+inline T reduce(T x, Op op) {
+  uint32_t mask = active();
+  if constexpr (has_redux<T, Op>) {
+    return redux<T, Op>(x, mask);
+  } else {
+    if (mask == 0xFFFFFFFFu) {
+      for (int d = 16; d >= 1; d /= 2) x = op(x, shuffle_bfly(mask, x, d));
+      return x;
+    }
+    T acc = shuffle_idx(mask, x, uint32_t(__builtin_ctz(mask)));
+    for (uint32_t m = mask & (mask - 1); m; m &= m - 1) {
+      acc = op(acc, shuffle_idx(mask, x, uint32_t(__builtin_ctz(m))));
+    }
+    return acc;
+  }
+}
+// Prefix over the active lanes in lane order (as the CPU harness), inclusive or exclusive. Integers on a full warp,
+// whose sums and products do not depend on the order: a 5-step scan of up-shuffles.
+template <class T, class Op>
+inline T prefix(T x, Op op, T identity, bool inclusive) {
+  uint32_t mask = active(), me = lane();
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    if (mask == 0xFFFFFFFFu) {
+      for (uint32_t d = 1; d < 32; d *= 2) {
+        const T below = shuffle_up(mask, x, d);
+        if (me >= d) x = op(x, below);
+      }
+      if (inclusive) return x;
+      const T before = shuffle_up(mask, x, 1);
+      return me == 0 ? identity : before;
+    }
+  }
+  T acc = identity;
+  for (uint32_t m = mask; m; m &= m - 1) {
+    uint32_t l = uint32_t(__builtin_ctz(m));
+    T v = shuffle_idx(mask, x, l);
+    if (l < me || (inclusive && l == me)) acc = op(acc, v);
+  }
+  return acc;
+}
 }  // namespace cuda_detail
 
 // bar.sync orders shared and global memory among the threadgroup's threads, whatever the flags.
