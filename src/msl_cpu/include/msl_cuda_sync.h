@@ -29,17 +29,6 @@ inline T shuffle_bfly(uint32_t mask, T x, int lane_mask) {
   __builtin_memcpy(&r, w, sizeof(T));
   return r;
 }
-// From lane - delta (lanes below delta get their own value back).
-template <class T>
-inline T shuffle_up(uint32_t mask, T x, uint32_t delta) {
-  constexpr int W = int((sizeof(T) + 3) / 4);
-  uint32_t w[W] = {};
-  __builtin_memcpy(w, &x, sizeof(T));
-  for (int i = 0; i < W; ++i) w[i] = uint32_t(__nvvm_shfl_sync_up_i32(mask, int(w[i]), int(delta), 0));
-  T r;
-  __builtin_memcpy(&r, w, sizeof(T));
-  return r;
-}
 // The Metal rule for a shuffle source: an inactive or out-of-range lane gives the lane's own value.
 template <class T>
 inline T shuffle_from(T x, int src) {
@@ -117,22 +106,12 @@ inline T reduce(T x, Op op) {
     return acc;
   }
 }
-// Prefix over the active lanes in lane order (as the CPU harness), inclusive or exclusive. Integers on a full warp,
-// whose sums and products do not depend on the order: a 5-step scan of up-shuffles.
+// Prefix over the active lanes in lane order (as the CPU harness), inclusive or exclusive. A 5-step scan of
+// up-shuffles for integers measured slower: with the redux sums the one-threadgroup sampler took 1.60 ms against
+// 1.41 (docs/performance.md, fourteenth session).
 template <class T, class Op>
 inline T prefix(T x, Op op, T identity, bool inclusive) {
   uint32_t mask = active(), me = lane();
-  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
-    if (mask == 0xFFFFFFFFu) {
-      for (uint32_t d = 1; d < 32; d *= 2) {
-        const T below = shuffle_up(mask, x, d);
-        if (me >= d) x = op(x, below);
-      }
-      if (inclusive) return x;
-      const T before = shuffle_up(mask, x, 1);
-      return me == 0 ? identity : before;
-    }
-  }
   T acc = identity;
   for (uint32_t m = mask; m; m &= m - 1) {
     uint32_t l = uint32_t(__builtin_ctz(m));
