@@ -77,8 +77,8 @@ inline void moe_probabilities(device const T* logits, uint num_experts, uint lan
 
 // Round `round` of top-k: the largest probability not yet taken (ties to the lower id), marked taken; its probability
 // goes to `top`. Every lane gets the same winner. Convergent. A probability is in [0, 1], where the order of the
-// floats is that of their bits, so the lanes' candidates meet in two integer reductions (one instruction each on
-// Apple GPUs and NVIDIA's sm_80 on): the largest key (bits + 1; 0 for no candidate), then the lowest id holding it.
+// floats is that of their bits, so the lanes' candidates meet in two integer reductions (one redux.sync each on
+// NVIDIA's sm_80 on): the largest key (bits + 1; 0 for no candidate), then the lowest id holding it.
 // The routed gate/up kernels run up to k rounds before they can load their expert's weights.
 inline uint moe_pick(thread const float* p, thread uint& taken, uint num_experts, uint lane, uint round,
                      thread float& top) {
