@@ -7,14 +7,14 @@
 //   sample_<dtype>          temperature > 0, the general path: temperature, top-k, top-p, min-p, then a Philox4x32-10
 //                           draw keyed by the request seed with counter (step, 0, 0, 0); one threadgroup of up to
 //                           1024 threads over the whole vocabulary.
-//   sample_partial_<dtype>  the block path, stage 1 (the host's choice, tuning::sample_block_path, for top_k in
-//                           [1, LILY_SAMPLE_CANDIDATES] with any top_p/min_p, and for top_k off with top_p 1 and
-//                           min_p 0): one threadgroup per LILY_SAMPLE_BLOCK logits writes the block's max x, its sum
-//                           of exp(x - max) and, with top-k on, its LILY_SAMPLE_CANDIDATES largest x in id order.
+//   sample_partial_<dtype>  the block path, stage 1 (the host's choice, tuning::sample_block_path: every request
+//                           but top_k above the candidates' count): one threadgroup per LILY_SAMPLE_BLOCK logits
+//                           writes the block's max x, its sum of exp(x - max) and, unless the request is plain
+//                           temperature sampling, its LILY_SAMPLE_CANDIDATES largest x in id order.
 //   sample_final_<dtype>    the block path, stage 2, one threadgroup: the same steps and draw as sample_* over the
-//                           candidates (which hold every token top-k can keep), or for plain temperature the block
-//                           from the block masses and the token from one scan of it; sample_*'s steps over the whole
-//                           vocabulary when a block left out ties at the k-th largest key (or for other parameters).
+//                           candidates when they hold every token the filters keep (checked against each block's
+//                           C-th key), or for plain temperature the block from the block masses and the token from
+//                           one scan of it; else sample_*'s steps over the whole vocabulary.
 //   penalize_logits_<dtype> lily.sampling steps 1-3 before either choice, for requests with a logit bias or a
 //                           penalty: fp32 logits x = logit + bias, divided (x > 0) or multiplied (x <= 0) by the
 //                           repetition penalty where `seen` marks the id, minus presence + frequency · count where the
@@ -618,10 +618,10 @@ LILY_INLINE void sample_digit_counts(thread const uint (&keys)[PER], uint valid,
 
 // Stage 1 of the block path: one threadgroup per block of args.block_size logits (at most LILY_SAMPLE_PER_THREAD
 // per thread, held in registers). Writes the block's max x and sum of exp(x - max) (fixed order; 0 for a block of
-// -inf) and, when top-k is on, its LILY_SAMPLE_CANDIDATES candidates: every x above the block's C-th largest key plus
+// -inf) and, unless top-k, top-p and min-p are all off, its LILY_SAMPLE_CANDIDATES candidates: every x above the block's C-th largest key plus
 // the ties at that key in id order until C are taken, written in id order (a block of fewer than C logits keeps them
 // all and pads with x = -inf). block_cut = (C-th key, ties at it left out): sample_final falls back to the general
-// path when ties were left out at the key that turns out to be the k-th largest.
+// path when a token left out could be kept (sample_candidates_complete).
 template <typename T>
 [[kernel]] void sample_partial(constant lily::SampleArgs& args [[buffer(0)]],
                                device const T* logits [[buffer(1)]],       // [vocab]
@@ -669,7 +669,7 @@ template <typename T>
     block_stats[2 * block] = block_max;
     block_stats[2 * block + 1] = block_sum;
   }
-  if (!(args.top_k > 0 && args.top_k < args.vocab_size)) {
+  if (!(args.top_k > 0 && args.top_k < args.vocab_size) && !(args.top_p < 1.0f) && !(args.min_p > 0.0f)) {
     return;  // uniform: plain temperature sampling needs the statistics only
   }
   // The C-th largest key of the block: radix select, 8 passes of 4-bit digits (counts compared per digit, so the
@@ -758,13 +758,40 @@ LILY_INLINE float sample_block_scale(device const float* block_stats, uint b, fl
   return m == -INFINITY ? 0.0f : precise::exp(m - x_max);
 }
 
+// Whether the candidates hold every token of nonzero mass that the filters keep, so that sample_*'s steps over them
+// give sample_*'s draw over the vocabulary. A block of more than C logits left out keys below its C-th key key_c and
+// `ties left out` at it; none of them may be kept. With top-k, the left-out keys must lie below the k-th key (else
+// that key, the kept mass and so the top-p cut change). Without top-k, below the top-p cut key (every key above the
+// cut, and every tie at it, is then a candidate, so the masses before each kept token are the vocabulary's), or, for
+// min-p, their e below min_p: a token of e >= min_p has only keys of e >= min_p before it, all candidates. Left-out
+// tokens of zero mass change neither a mass nor the draw.
+LILY_INLINE bool sample_candidates_complete(device const uint* block_cut, uint num_blocks, uint block_size, uint vocab,
+                                            float x_max, bool use_k, uint key_k, TopPCut cut, float min_p,
+                                            SampleScratch tg, SampleThread th) {
+  float incomplete = 0.0f;
+  for (uint b = th.tid; b < num_blocks; b += th.n_threads) {
+    if (min(block_size, vocab - b * block_size) <= LILY_SAMPLE_CANDIDATES) {
+      continue;  // the block's every logit is a candidate
+    }
+    const uint key_c = block_cut[2 * b];
+    const bool ties_left = block_cut[2 * b + 1] != 0u;
+    const float e_c = precise::exp(sample_key_value(key_c) - x_max);
+    const uint key = use_k ? key_k : cut.key;
+    const bool below = (use_k || !cut.keep_all) && (key_c < key || (key_c == key && !ties_left));
+    const bool complete = e_c == 0.0f || below || (!use_k && e_c < min_p);
+    incomplete = complete ? incomplete : 1.0f;
+  }
+  return sample_max(incomplete, tg.f_part, th.lane, th.sg, th.n_sg) == 0.0f;
+}
+
 // Stage 2 of the block path, one threadgroup; the same draw as sample_* for the same seed and step, up to fp32
 // rounding (sums run in another order). Three ways:
-//   top_k in [1, C] (any top_p, min_p): every step of sample_* over the candidates, unless a block left out ties at
-//     the k-th largest key (its kept set is incomplete): then the general path over the vocabulary.
-//   top_k off, top_p 1, min_p 0 (plain temperature): the block from the block masses in block order, then the token
+//   plain temperature (top_k off, top_p 1, min_p 0): the block from the block masses in block order, then the token
 //     from one scan of that block.
-//   anything else: the general path (the host sends such requests to sample_* instead).
+//   otherwise, top_k off or in [1, num_blocks * C]: every step of sample_* over the candidates (top-k's mass over
+//     them, else the vocabulary's from the block statistics), when they hold every token kept
+//     (sample_candidates_complete); else the general path over the vocabulary.
+//   top_k above the candidates: the general path (the host sends such requests to sample_* instead).
 template <typename T>
 [[kernel]] void sample_final(constant lily::SampleArgs& args [[buffer(0)]],
                              device const T* logits [[buffer(1)]],             // [vocab]
@@ -797,21 +824,7 @@ template <typename T>
   const uint num_blocks = args.num_blocks;
   const float u = sample_uniform(args.step, args.seed_lo, args.seed_hi);
   const bool use_k = args.top_k > 0 && args.top_k < vocab;
-  if (use_k && args.top_k <= LILY_SAMPLE_CANDIDATES) {
-    const SampleCandidates candidates{cand_x, cand_id, num_blocks * LILY_SAMPLE_CANDIDATES};
-    const float x_max = sample_max_logit(candidates, tg, th);
-    const uint key_k = sample_top_k_key(candidates, args.top_k, tg, th);
-    float incomplete = 0.0f;
-    if (precise::exp(sample_key_value(key_k) - x_max) > 0.0f) {  // ties of zero mass are never drawn
-      for (uint b = tid; b < num_blocks; b += n_threads) {
-        incomplete = (block_cut[2 * b + 1] != 0u && block_cut[2 * b] == key_k) ? 1.0f : incomplete;
-      }
-    }
-    if (sample_max(incomplete, f_part, lane, sg, n_sg) == 0.0f) {
-      sample_after_top_k(candidates, x_max, true, key_k, args.top_p, args.min_p, u, tokens, args.out_index, tg, th);
-      return;
-    }
-  } else if (!use_k && !(args.top_p < 1.0f) && !(args.min_p > 0.0f)) {
+  if (!use_k && !(args.top_p < 1.0f) && !(args.min_p > 0.0f)) {
     float local_max = -INFINITY;
     for (uint b = tid; b < num_blocks; b += n_threads) {
       local_max = max(local_max, block_stats[2 * b]);
@@ -853,6 +866,28 @@ template <typename T>
     const TopPCut all{true, 0u, 0u};
     sample_draw(block, block_stats[2 * pick], false, 0u, all, 0.0f, u, target, tokens, args.out_index, tg, th);
     return;
+  }
+  const uint num_candidates = num_blocks * LILY_SAMPLE_CANDIDATES;
+  if (!use_k || args.top_k <= num_candidates) {
+    const SampleCandidates candidates{cand_x, cand_id, num_candidates};
+    const float x_max = sample_max_logit(candidates, tg, th);
+    const uint key_k = use_k ? sample_top_k_key(candidates, args.top_k, tg, th) : 0u;
+    float mass_k;
+    if (use_k) {
+      mass_k = sample_top_k_mass(candidates, x_max, true, key_k, tg, th);
+    } else {  // the vocabulary's mass, from the block statistics
+      float local_mass = 0.0f;
+      for (uint b = tid; b < num_blocks; b += n_threads) {
+        local_mass += block_stats[2 * b + 1] * sample_block_scale(block_stats, b, x_max);
+      }
+      mass_k = sample_sum(local_mass, f_part, lane, sg, n_sg);
+    }
+    const TopPCut cut = sample_top_p_cut(candidates, args.top_p, x_max, use_k, key_k, mass_k, tg, th);
+    if (sample_candidates_complete(block_cut, num_blocks, args.block_size, vocab, x_max, use_k, key_k, cut,
+                                   args.min_p, tg, th)) {
+      sample_draw(candidates, x_max, use_k, key_k, cut, args.min_p, u, -1.0f, tokens, args.out_index, tg, th);
+      return;
+    }
   }
   const SampleLogits<T> vocabulary{logits, 0u, vocab, args.temperature};
   sample_vocabulary(vocabulary, args.top_k, args.top_p, args.min_p, u, tokens, args.out_index, tg, th);

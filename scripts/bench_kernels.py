@@ -417,34 +417,42 @@ def sampling_cases() -> list[Case]:
 
 
 def sample_block_cases() -> list[Case]:
-    """The block path (sample_partial + sample_final) for T 0.7, top-k 50, top-p 0.9 and for T 0.7 with top-k off and
-    top-p 1. sample_final reads the exact stage-1 outputs of random logits (not of its logits buffer, of which the
-    plain path scans one block), with no block leaving ties out, so it takes its normal path, not the fallback."""
+    """The block path (sample_partial + sample_final), sample_final reading the exact stage-1 outputs of its logits:
+    T 0.7 with top-k 50 + top-p 0.9, with plain temperature, and with top-p 0.9 alone, over peaked logits (3 sigma
+    before the temperature: the candidates hold the nucleus); and top-p 0.9 alone over flat logits (0.3 sigma: the
+    nucleus reaches below blocks' 64th value, so sample_final takes the general path over the vocabulary), beside
+    sample_f32 (what such requests ran before) and sample_final at 1024 threads."""
+    from lily.kernel_cases.sampling import partial_reference  # the reference of sample_partial's outputs
+
     blocks = ceil_div(VOCAB, SAMPLE_BLOCK)
     rng = np.random.default_rng(5)
-    x = (3.0 * rng.standard_normal(VOCAB) / 0.7).astype(np.float32)
-    cand_x = np.full(blocks * SAMPLE_CANDIDATES, -np.inf, np.float32)
-    cand_id = np.zeros(blocks * SAMPLE_CANDIDATES, np.uint32)
-    stats = np.zeros(blocks * 2, np.float32)
-    for b in range(blocks):
-        xs = x[b * SAMPLE_BLOCK:(b + 1) * SAMPLE_BLOCK]
-        top = np.sort(np.argsort(-xs, kind="stable")[:SAMPLE_CANDIDATES])
-        cand_x[b * SAMPLE_CANDIDATES:b * SAMPLE_CANDIDATES + top.size] = xs[top]
-        cand_id[b * SAMPLE_CANDIDATES:b * SAMPLE_CANDIDATES + top.size] = top + b * SAMPLE_BLOCK
-        stats[2 * b:2 * b + 2] = xs.max(), np.exp(xs - xs.max()).sum()
-    cuts = np.zeros(blocks * 2, np.uint32).tobytes()  # no block left ties out
     cases = []
-    for what, top_k, top_p in (("T 0.7, top-k 50, top-p 0.9", 50, 0.9), ("T 0.7, top-k off, top-p 1", 0, 1.0)):
-        args = struct.pack("<IIfffIIIIIII", VOCAB, top_k, 0.7, top_p, 0.0, 1234, 0, 0, 0, SAMPLE_BLOCK, blocks, 0)
-        written = (2 * f32(blocks * SAMPLE_CANDIDATES) if top_k else 0) + 2 * f32(blocks * 2)
-        cases.append(Case(f"sample block path over 248,320 logits ({what}): partials", "sample_partial_f32",
-                          [args, f32(VOCAB), f32(blocks * SAMPLE_CANDIDATES), f32(blocks * SAMPLE_CANDIDATES),
-                           f32(blocks * 2), f32(blocks * 2)], (blocks, 1, 1), (SAMPLE_PARTIAL_THREADS, 1, 1),
-                          f32(VOCAB) + written))
-        read = 2 * f32(blocks * SAMPLE_CANDIDATES) + f32(blocks * 2) if top_k else f32(blocks * 2) + f32(SAMPLE_BLOCK)
-        cases.append(Case(f"sample block path over 248,320 logits ({what}): final", "sample_final_f32",
-                          [args, f32(VOCAB), cand_x.tobytes(), cand_id.tobytes(), stats.tobytes(), cuts, f32(4)],
-                          (1, 1, 1), (SAMPLE_FINAL_THREADS, 1, 1), read + 4))
+    for spread, settings in ((3.0, (("T 0.7, top-k 50, top-p 0.9", 50, 0.9), ("T 0.7, top-k off, top-p 1", 0, 1.0),
+                                     ("T 0.7, top-k off, top-p 0.9", 0, 0.9))),
+                             (0.3, (("flat, T 0.7, top-k off, top-p 0.9", 0, 0.9),))):
+        logits = (spread * rng.standard_normal(VOCAB)).astype(np.float32)
+        x = (logits / np.float32(0.7)).astype(np.float32)
+        cand_x, cand_id, stats, cuts = partial_reference(x, SAMPLE_BLOCK)
+        stage1 = [cand_x.tobytes(), cand_id.tobytes(), stats.astype(np.float32).tobytes(), cuts.tobytes()]
+        for what, top_k, top_p in settings:
+            args = struct.pack("<IIfffIIIIIII", VOCAB, top_k, 0.7, top_p, 0.0, 1234, 0, 0, 0, SAMPLE_BLOCK, blocks, 0)
+            plain = top_k == 0 and top_p == 1.0
+            if top_k == 0 and top_p < 1.0:
+                cases.append(Case(f"sample over 248,320 logits ({what})", "sample_f32",
+                                  [struct.pack("<IIfffIIIIIII", VOCAB, 0, 0.7, top_p, 0.0, 1234, 0, 0, 0, 0, 0, 0),
+                                   logits.tobytes(), f32(4)], (1, 1, 1), (SAMPLE_THREADS, 1, 1), f32(VOCAB) + 4))
+            written = (0 if plain else 2 * f32(blocks * SAMPLE_CANDIDATES)) + 2 * f32(blocks * 2)
+            if spread > 1.0:
+                cases.append(Case(f"sample block path over 248,320 logits ({what}): partials", "sample_partial_f32",
+                                  [args, logits.tobytes(), f32(blocks * SAMPLE_CANDIDATES),
+                                   f32(blocks * SAMPLE_CANDIDATES), f32(blocks * 2), f32(blocks * 2)],
+                                  (blocks, 1, 1), (SAMPLE_PARTIAL_THREADS, 1, 1), f32(VOCAB) + written))
+            read = f32(blocks * 2) + (f32(SAMPLE_BLOCK) if plain else 2 * f32(blocks * SAMPLE_CANDIDATES))
+            threads = (SAMPLE_FINAL_THREADS, SAMPLE_THREADS) if top_k == 0 and top_p < 1.0 else (SAMPLE_FINAL_THREADS,)
+            for n in threads:
+                at = "" if n == SAMPLE_FINAL_THREADS else f", {n} threads"
+                cases.append(Case(f"sample block path over 248,320 logits ({what}): final{at}", "sample_final_f32",
+                                  [args, logits.tobytes(), *stage1, f32(4)], (1, 1, 1), (n, 1, 1), read + 4))
     return cases
 
 

@@ -27,12 +27,13 @@ std::vector<std::string> graph_kernels(const ModelConfig& config, Precision prec
   auto collect = [&](const Graph& g) {
     for (const Node& node : g.nodes) kernels.insert(node.kernel);
   };
-  // Decode: greedy and sampled choice (top-k: the block path; nucleus alone: the one-threadgroup path), plain and
-  // penalized, at the first position and past the split-KV threshold.
-  TokenChoice sampled{0.7f, 40, 0.9f, 0.05f, 1}, nucleus{0.7f, 0, 0.9f, 0.0f, 1};
+  // Decode: greedy and sampled choice (the block path; top-k above its candidates: the one-threadgroup path), plain
+  // and penalized, at the first position and past the split-KV threshold.
+  const uint32_t beyond_candidates = static_cast<uint32_t>(config.vocab_size - 1);
+  TokenChoice sampled{0.7f, 40, 0.9f, 0.05f, 1}, wide_top_k{0.7f, beyond_candidates, 1.0f, 0.0f, 1};
   TokenChoice penalized_greedy, penalized_sampled = sampled;
   penalized_greedy.presence_penalty = penalized_sampled.presence_penalty = 1.5f;
-  for (const TokenChoice& choice : {TokenChoice{}, sampled, nucleus, penalized_greedy, penalized_sampled}) {
+  for (const TokenChoice& choice : {TokenChoice{}, sampled, wide_top_k, penalized_greedy, penalized_sampled}) {
     for (size_t position : {size_t{0}, max_rows}) {
       Graph step_graph;
       step_graph.buffers = graph.buffers;

@@ -219,19 +219,21 @@ constexpr size_t kArgmaxThreads = 256;
 // sample_*: one threadgroup scans the whole vocabulary (metal/sampling.metal).
 constexpr size_t kSampleThreads = LILY_SAMPLE_THREADS;
 // The block path (sample_partial_* over LILY_SAMPLE_BLOCK-logit blocks, then sample_final_*): the same draw, the full
-// vocabulary read once by many threadgroups instead of ~20 times by one. It takes top_k in [1, LILY_SAMPLE_CANDIDATES]
-// (any top_p, min_p) and plain temperature sampling (top_k off, top_p 1, min_p 0); other requests run sample_*.
-// false: every sampled request runs sample_* (the switch back).
+// vocabulary read once by many threadgroups instead of ~20 times by one. It takes every request but top_k above the
+// candidates (LILY_SAMPLE_CANDIDATES a block); those run sample_*. false: every sampled request runs sample_* (the
+// switch back).
 constexpr bool kSampleBlockPath = true;
 // sample_partial: LILY_SAMPLE_PER_THREAD logits per thread (the kernel's register array).
 constexpr size_t kSamplePartialThreads = LILY_SAMPLE_BLOCK / LILY_SAMPLE_PER_THREAD;
 // sample_final: one threadgroup over 61 x 64 candidates (16 a thread) or one 4096-logit block; 256 threads keep the
-// per-pass reductions over 8 simdgroups short. Falls back to the general path (slower than 1024 threads) only when a
-// block left out ties at the k-th largest value.
+// per-pass reductions over 8 simdgroups short. Falls back to the general path (slower than 1024 threads) only when
+// the candidates miss a token the filters keep: a block left out ties at the k-th largest value, or (top-k off) the
+// nucleus or the min-p set reaches below a block's 64th value (flat distributions).
 constexpr size_t kSampleFinalThreads = 256;
-constexpr bool sample_block_path(size_t top_k, float top_p, float min_p, size_t vocab) {
+constexpr bool sample_block_path(size_t top_k, size_t vocab) {
   const bool top_k_on = top_k > 0 && top_k < vocab;
-  return kSampleBlockPath && (top_k_on ? top_k <= LILY_SAMPLE_CANDIDATES : (!(top_p < 1.0f) && !(min_p > 0.0f)));
+  const size_t candidates = (vocab + LILY_SAMPLE_BLOCK - 1) / LILY_SAMPLE_BLOCK * LILY_SAMPLE_CANDIDATES;
+  return kSampleBlockPath && (!top_k_on || top_k <= candidates);
 }
 // penalize_logits: one thread per logit.
 constexpr size_t kPenaltyThreads = 256;

@@ -96,8 +96,8 @@ def test_sample_independent_of_schedule() -> None:
         assert len(picks) == 1, f"step {step}: tokens {picks} depend on the schedule"
 
 
-# The block path (sample_partial + sample_final; tuning::sample_block_path sends top_k in [1, 64] and plain temperature
-# sampling there): vocabularies of several blocks, the last one short.
+# The block path (sample_partial + sample_final; tuning::sample_block_path sends every request but top_k above the
+# candidates there): vocabularies of several blocks, the last one short.
 BLOCK = 128
 
 
@@ -116,7 +116,8 @@ def block_logits(vocab: int = 600) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("top_k,top_p,min_p", [(6, 0.9, 0.0), (0, 1.0, 0.0), (64, 0.95, 0.05)])
+@pytest.mark.parametrize("top_k,top_p,min_p", [(6, 0.9, 0.0), (0, 1.0, 0.0), (64, 0.95, 0.05), (0, 0.9, 0.0),
+                                             (0, 1.0, 0.02)])
 def test_sample_distribution_of_the_block_path(kernel_device, top_k, top_p, min_p) -> None:
     """Chi-square of 2000 draws of the block path against lily.sampling's filtered distribution (the tail is kept by
     plain temperature sampling: it holds ~4e-5 of the mass in ~470 tokens, pooled into one bin). Named like
@@ -148,7 +149,8 @@ def test_sample_distribution_of_the_block_path(kernel_device, top_k, top_p, min_
     assert_passed(run)
 
 
-@pytest.mark.parametrize("params", [(0.7, 50, 0.9, 0.0), (1.0, 0, 1.0, 0.0), (0.8, 1, 1.0, 0.0), (1.2, 64, 1.0, 0.1)])
+@pytest.mark.parametrize("params", [(0.7, 50, 0.9, 0.0), (1.0, 0, 1.0, 0.0), (0.8, 1, 1.0, 0.0), (1.2, 64, 1.0, 0.1),
+                                    (0.7, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.05), (0.9, 150, 0.95, 0.0)])
 def test_block_path_agrees_with_the_general_path(kernel_device, params) -> None:
     """Fresh random logits (a tenth -inf) over 5 blocks, 30 seeds x steps: the block path picks sample_f32's token
     unless the draw is near a rounding boundary (then both must be among lily.sampling's nudged answers)."""
@@ -199,8 +201,8 @@ def test_block_path_independent_of_schedule() -> None:
     """Fixed-order sums and integer atomics only: FIFO and random fiber schedules pick the same tokens."""
     rng = np.random.default_rng(6)
     logits = rng.standard_normal(3000).astype(np.float32) * 2.0
-    for top_k in (50, 0):
-        args = sample_args(3000, 0.9, top_k, 0.9 if top_k else 1.0, 0.02 if top_k else 0.0, 5, 1, 0, 512)
+    for top_k, top_p, min_p in ((50, 0.9, 0.02), (0, 1.0, 0.0), (0, 0.9, 0.0)):
+        args = sample_args(3000, 0.9, top_k, top_p, min_p, 5, 1, 0, 512)
         picks = set()
         for schedule_seed, random_schedule in ((0, False), (1, True), (2, True)):
             scratch = list(block_scratch(3000, 512))
@@ -210,4 +212,4 @@ def test_block_path_independent_of_schedule() -> None:
             msl.dispatch("sample_final_f32", [args, logits, *scratch, tokens], (1, 1, 1), (128, 1, 1),
                          random_schedule=random_schedule, seed=schedule_seed)
             picks.add(int(tokens[0]))
-        assert len(picks) == 1, f"top_k {top_k}: tokens {picks} depend on the schedule"
+        assert len(picks) == 1, f"top_k {top_k} top_p {top_p}: tokens {picks} depend on the schedule"

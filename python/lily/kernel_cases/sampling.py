@@ -40,9 +40,12 @@ SAMPLE_SIZES = [(2000, 256), (37, 32), (300, 64)]  # (vocab, threads)
 CANDIDATES = 64
 PER_THREAD = 16
 # (temperature, top_k, top_p, min_p) the block path takes: the benchmark's setting (the self-test's); plain
-# temperature (block masses, no candidates); Qwen's; top_k = 1; top_k = CANDIDATES with top-p and min-p; top-k + min-p.
+# temperature (block masses, no candidates); Qwen's; top_k = 1; top_k = CANDIDATES with top-p and min-p; top-k + min-p;
+# top-p alone; min-p alone; top-k above CANDIDATES (within the candidates of 2000 logits in blocks of 256, beyond
+# those of 1500 in blocks of 512: the general path).
 BLOCK_PARAMS = [(0.7, 50, 0.9, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 20, 0.95, 0.0), (1.0, 1, 1.0, 0.0),
-                (1.0, CANDIDATES, 0.8, 0.1), (1.5, 5, 1.0, 0.05)]
+                (1.0, CANDIDATES, 0.8, 0.1), (1.5, 5, 1.0, 0.05), (0.8, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.05),
+                (1.0, 200, 0.9, 0.0)]
 # (vocab, block, sample_partial threads, sample_final threads): the last block short in each; one block of fewer
 # than CANDIDATES logits; 16 logits a thread.
 BLOCK_SIZES = [(2000, 256, 32, 256), (37, 64, 32, 32), (1500, 512, 32, 64)]
@@ -150,14 +153,16 @@ def block_scratch(vocab: int, block: int) -> tuple[np.ndarray, np.ndarray, np.nd
 
 def run_sample_blocks(run: Run, dtype: str, logits: np.ndarray, block: int, partial_threads: int, final_threads: int,
                       temperature: float, top_k: int, top_p: float, min_p: float, seed: int, step: int,
-                      out_index: int = 1) -> int:
-    """sample_partial then sample_final into tokens[out_index]; the slots around it must stay untouched."""
+                      out_index: int = 1, final_logits: np.ndarray | None = None) -> int:
+    """sample_partial then sample_final (given `final_logits` when set) into tokens[out_index]; the slots around it
+    must stay untouched."""
     vocab = logits.shape[0]
     args = sample_args(vocab, temperature, top_k, top_p, min_p, seed, step, out_index, block)
     scratch = list(block_scratch(vocab, block))
     tokens = np.full(out_index + 2, MASK32, np.uint32)
     run.dispatch(f"sample_partial_{dtype}", [args, logits, *scratch], -(-vocab // block), partial_threads, seed=step)
-    run.dispatch(f"sample_final_{dtype}", [args, logits, *scratch, tokens], 1, final_threads, seed=step)
+    final_logits = logits if final_logits is None else final_logits
+    run.dispatch(f"sample_final_{dtype}", [args, final_logits, *scratch, tokens], 1, final_threads, seed=step)
     run.require("slots other than out_index untouched", tokens[out_index + 1] == MASK32 == tokens[out_index - 1],
                 f"tokens {tokens.tolist()}")
     return int(tokens[out_index])
@@ -191,11 +196,19 @@ def partial_reference(x32: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarr
     return cand_x, cand_id, stats, cut
 
 
-def _sample_partial(run: Run, kernel: str, vocab: int, block: int, threads: int, values: str) -> None:
+# The filters of a sample_partial case: candidates are written unless top-k, top-p and min-p are all off.
+PARTIAL_FILTERS = {"top-k": (50, 1.0, 0.0), "top-p": (0, 0.9, 0.0), "min-p": (0, 1.0, 0.05), "plain": (0, 1.0, 0.0)}
+
+
+def _sample_partial(run: Run, kernel: str, vocab: int, block: int, threads: int, values: str,
+                    filters: str = "top-k") -> None:
     """sample_partial's outputs exactly (the sums within fp32 rounding): random logits, logits from 6 values (ties at
-    every block's C-th key), or a quarter -inf with one block all -inf."""
+    every block's C-th key), or a quarter -inf with one block all -inf. Plain temperature sampling writes the block
+    statistics alone (the candidates and cuts stay poisoned)."""
     dtype = dtype_of(kernel)
-    temperature, top_k = 0.7, min(50, vocab - 1)  # top-k on: candidates are written
+    temperature = 0.7
+    top_k, top_p, min_p = PARTIAL_FILTERS[filters]
+    top_k = min(top_k, vocab - 1)
     if values == "ties":
         raw = run.rng.choice([-1.0, 0.0, 0.5, 1.0, 1.5, 2.0], vocab)
     else:
@@ -206,9 +219,12 @@ def _sample_partial(run: Run, kernel: str, vocab: int, block: int, threads: int,
     logits = to_device(raw, dtype)
     x32 = (to_f64(logits, dtype).astype(np.float32) / np.float32(temperature)).astype(np.float32)
     cand_x, cand_id, stats, cut = block_scratch(vocab, block)
-    run.dispatch(kernel, [sample_args(vocab, temperature, top_k, 1.0, 0.0, 5, 0, 0, block), logits, cand_x, cand_id,
-                          stats, cut], -(-vocab // block), threads)
+    untouched = [a.copy() for a in (cand_x, cand_id, cut)]
+    run.dispatch(kernel, [sample_args(vocab, temperature, top_k, top_p, min_p, 5, 0, 0, block), logits, cand_x,
+                          cand_id, stats, cut], -(-vocab // block), threads)
     want_x, want_id, want_stats, want_cut = partial_reference(x32, block)
+    if filters == "plain":
+        want_x, want_id, want_cut = untouched
     run.compare_exact("candidate ids", cand_id, want_id)
     run.compare_exact("candidate x (bits)", cand_x.view(np.uint32), want_x.view(np.uint32))
     run.compare_exact("block max", stats[0::2], want_stats[0::2].astype(np.float32))
@@ -268,6 +284,97 @@ def _sample_blocks_ties(run: Run, kernel: str, block: int, top_k: int, copies: i
     if copies > CANDIDATES:
         run.require("tokens left out of the candidates are drawn", np.intersect1d(got, left_out).size > 0,
                     f"drawn {sorted(set(got))}")
+
+
+def kept_tokens(x32: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """The ids lily.sampling's filters keep with nonzero probability (float64)."""
+    x = x32.astype(np.float64)
+    keep = top_k_mask(x, top_k)
+    probs = np.exp(log_softmax(np.where(keep, x, -np.inf)))
+    keep &= top_p_mask(probs, top_p)
+    if min_p > 0.0:
+        keep &= min_p_mask(probs, min_p)
+    return np.flatnonzero(keep & (probs > 0.0))
+
+
+def _draws_without_the_logits(run: Run, dtype: str, logits: np.ndarray, x32: np.ndarray, block: int,
+                              final_threads: int, params: tuple, seed: int) -> None:
+    """12 draws of the block path with sample_final given the logits rolled by one block and 7 ids: a fallback to the
+    general path would draw from that other distribution. The case must keep only candidates."""
+    temperature, top_k, top_p, min_p = params
+    kept = kept_tokens(x32, top_k, top_p, min_p)
+    candidates = partial_reference(x32, block)[1]
+    run.require("the filters keep candidates only", np.isin(kept, candidates).all(),
+                f"{np.setdiff1d(kept, candidates).size} kept tokens are not candidates")
+    rolled = np.roll(logits, block + 7)
+    got, allowed = [], []
+    for step in range(STEPS):
+        got.append(run_sample_blocks(run, dtype, logits, block, 32, final_threads, temperature, top_k, top_p, min_p,
+                                     seed, step, final_logits=rolled))
+        allowed.append(acceptable_tokens(x32, top_k, top_p, min_p, philox_uniform(seed, step)))
+    run.compare_allowed("drawn tokens (sample_final never read the logits)", got, allowed)
+
+
+def _sample_blocks_candidates_only(run: Run, kernel: str, params: tuple) -> None:
+    """Peaked logits (trained-model-like: a few plausible tokens per block, the rest far below): the candidates hold
+    every kept token, so sample_final draws from them alone, also for top-k off and top-k above CANDIDATES."""
+    dtype = dtype_of(kernel)
+    vocab, block = 1800, 256
+    values = run.rng.normal(-6.0, 1.0, vocab)
+    head = run.rng.choice(vocab, 40, replace=False)
+    values[head] = run.rng.uniform(0.0, 3.0, head.size)
+    logits = to_device(values, dtype)
+    x32 = (to_f64(logits, dtype).astype(np.float32) / np.float32(params[0])).astype(np.float32)
+    _draws_without_the_logits(run, dtype, logits, x32, block, 64, params, int(run.rng.integers(0, 2**32)))
+
+
+def _sample_blocks_flat(run: Run, kernel: str, block: int, params: tuple) -> None:
+    """Flat logits: the nucleus, the min-p set or the top-k reaches below blocks' CANDIDATES-th value, so sample_final
+    must take the general path; tokens outside the candidates are drawn. Draws match lily.sampling."""
+    temperature, top_k, top_p, min_p = params
+    dtype = dtype_of(kernel)
+    vocab = 1100
+    logits = to_device(0.3 * run.rng.standard_normal(vocab), dtype)
+    x32 = (to_f64(logits, dtype).astype(np.float32) / np.float32(temperature)).astype(np.float32)
+    kept = kept_tokens(x32, top_k, top_p, min_p)
+    outside = np.setdiff1d(kept, partial_reference(x32, block)[1])
+    run.require("a tenth of the kept tokens lie outside the candidates", outside.size * 10 > kept.size,
+                f"{outside.size} of {kept.size} outside")
+    got, allowed = [], []
+    for step in range(48):
+        got.append(run_sample_blocks(run, dtype, logits, block, 32, 64, temperature, top_k, top_p, min_p, 3, step))
+        allowed.append(acceptable_tokens(x32, top_k, top_p, min_p, philox_uniform(3, step)))
+    run.compare_allowed("drawn tokens", got, allowed)
+    run.require("tokens outside the candidates are drawn", np.intersect1d(got, outside).size > 0,
+                f"drawn {sorted(set(got))}")
+
+
+def _sample_blocks_top_p_ties(run: Run, kernel: str, copies: int) -> None:
+    """Top-p alone with its cut inside a run of tied tokens: every block of 128 holds 2 tokens at 3.0, `copies` at 1.0
+    and the rest at -2.0 (top-p 0.6 cuts inside the 1.0 ties). With 2 + copies = CANDIDATES every tie is a candidate
+    (the block's CANDIDATES-th key is the cut key, no ties left out): the candidates suffice, and sample_final is
+    given rolled logits. With more, blocks leave ties at the cut out: the general path, drawing some of them."""
+    dtype = dtype_of(kernel)
+    block, blocks = 128, 5
+    values = np.full(block * blocks, -2.0)
+    for b in range(blocks):
+        ids = b * block + run.rng.permutation(block)
+        values[ids[:2]] = 3.0
+        values[ids[2:2 + copies]] = 1.0
+    logits = to_device(values, dtype)
+    x32 = to_f64(logits, dtype).astype(np.float32)
+    params = (1.0, 0, 0.6, 0.0)
+    if copies + 2 <= CANDIDATES:
+        _draws_without_the_logits(run, dtype, logits, x32, block, 64, params, 17)
+        return
+    left_out = np.setdiff1d(np.flatnonzero(values == 1.0), partial_reference(x32, block)[1])
+    got, allowed = [], []
+    for step in range(40):
+        got.append(run_sample_blocks(run, dtype, logits, block, 32, 64, *params, 17, step))
+        allowed.append(acceptable_tokens(x32, 0, 0.6, 0.0, philox_uniform(17, step)))
+    run.compare_allowed("drawn tokens", got, allowed)
+    run.require("tied tokens left out of the candidates are drawn", np.intersect1d(got, left_out).size > 0,
+                f"drawn {sorted(set(got))}")
 
 
 def _argmax(run: Run, kernel: str, vocab: int, block: int, threads: int) -> None:
@@ -439,12 +546,15 @@ def cases(kernel: str) -> list[Case]:
                                                                          kernel=kernel)))
         return found
     if kernel.startswith("sample_partial"):
-        return [Case(kernel, f"vocab={v} block={b} threads={t} {values}",
-                     partial(_sample_partial, kernel=kernel, vocab=v, block=b, threads=t, values=values),
-                     quick=i == 0)
-                for i, (v, b, t, values) in enumerate([(2000, 256, 32, "normal"), (1500, 512, 32, "ties"),
-                                                       (700, 128, 64, "-inf"), (100, 64, 32, "normal"),
-                                                       (40, 64, 32, "ties")])]
+        found = [Case(kernel, f"vocab={v} block={b} threads={t} {values}",
+                      partial(_sample_partial, kernel=kernel, vocab=v, block=b, threads=t, values=values),
+                      quick=i == 0)
+                 for i, (v, b, t, values) in enumerate([(2000, 256, 32, "normal"), (1500, 512, 32, "ties"),
+                                                        (700, 128, 64, "-inf"), (100, 64, 32, "normal"),
+                                                        (40, 64, 32, "ties")])]
+        return found + [Case(kernel, f"vocab=1000 block=256 threads=32 {f} only",
+                             partial(_sample_partial, kernel=kernel, vocab=1000, block=256, threads=32,
+                                     values="normal", filters=f)) for f in ("top-p", "min-p", "plain")]
     if kernel.startswith("sample_final"):
         found = [Case(kernel, f"vocab={v} block={b} threads={tp}/{tf} T={p[0]} top_k={p[1]} top_p={p[2]} min_p={p[3]}",
                       partial(_sample_blocks, kernel=kernel, vocab=v, block=b, partial_threads=tp, final_threads=tf,
@@ -454,6 +564,15 @@ def cases(kernel: str) -> list[Case]:
             found += [Case(kernel, f"block=128 top_k={k} {c} ties per block",
                            partial(_sample_blocks_ties, kernel=kernel, block=128, top_k=k, copies=c))
                       for k, c in ((8, 20), (CANDIDATES, 5), (4, 100))]
+            found += [Case(kernel, f"vocab=1800 peaked T={p[0]} top_k={p[1]} top_p={p[2]} min_p={p[3]} candidates only",
+                           partial(_sample_blocks_candidates_only, kernel=kernel, params=p))
+                      for p in ((0.8, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.05), (0.7, 0, 0.95, 0.02), (1.0, 100, 1.0, 0.0),
+                                (0.7, 50, 0.9, 0.0))]
+            found += [Case(kernel, f"vocab=1100 block={b} flat T={p[0]} top_k={p[1]} top_p={p[2]} min_p={p[3]} "
+                           "general path", partial(_sample_blocks_flat, kernel=kernel, block=b, params=p))
+                      for b, p in ((128, (1.0, 0, 0.9, 0.0)), (128, (1.0, 0, 1.0, 0.2)), (256, (1.0, 320, 1.0, 0.0)))]
+            found += [Case(kernel, f"block=128 top_p=0.6 {c} ties at the cut per block",
+                           partial(_sample_blocks_top_p_ties, kernel=kernel, copies=c)) for c in (62, 90)]
         return found
     if kernel == "argmax_final_f32":  # the model's vocabulary in blocks of LILY_ARGMAX_BLOCK
         return [Case(kernel, "partials=61", partial(_argmax_final, kernel=kernel, partials=61), quick=True)]

@@ -82,7 +82,7 @@ void sample(Context& ctx, const Span& logits, size_t vocab, const TokenChoice& c
   a.seed_hi = static_cast<u32>(choice.seed >> 32);
   a.step = static_cast<u32>(position + position_delta);
   a.out_index = static_cast<u32>(out_index);
-  if (tuning::sample_block_path(choice.top_k, choice.top_p, choice.min_p, vocab)) {
+  if (tuning::sample_block_path(choice.top_k, vocab)) {
     // values: [blocks * C] candidate x, then [blocks * 2] block max and sum; ids: candidate ids, then the cuts.
     a.block_size = LILY_SAMPLE_BLOCK;
     a.num_blocks = static_cast<u32>((vocab + LILY_SAMPLE_BLOCK - 1) / LILY_SAMPLE_BLOCK);
