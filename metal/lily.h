@@ -271,8 +271,8 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // sample_*: one threadgroup of this many threads scans the whole vocabulary several times (radix select passes).
 #define LILY_SAMPLE_THREADS 1024
 // sample_partial/sample_final (the block path): logits per sample_partial threadgroup (248320 / 4096 = 61 blocks),
-// at most LILY_SAMPLE_PER_THREAD per thread (kept in registers), and the candidates each block keeps for top-k: the
-// block path takes top_k <= LILY_SAMPLE_CANDIDATES.
+// at most LILY_SAMPLE_PER_THREAD per thread (kept in registers), and the candidates each block keeps (its largest x):
+// sample_final draws from them alone when they hold every token the filters keep.
 #define LILY_SAMPLE_BLOCK 4096
 #define LILY_SAMPLE_PER_THREAD 16
 #define LILY_SAMPLE_CANDIDATES 64

@@ -1,7 +1,7 @@
 """The GPU token choice of the metal engine against the CPU sampler (lily.sampling), feature by feature.
 
 Each draw is the engine's own path for a decode's first token: logits uploaded, the choice dispatched (argmax,
-sample_f32, or the block path sample_partial_f32 + sample_final_f32 for top_k in [1, 64] or plain temperature, after
+sample_f32 for top_k above the block path's candidates, else the block path sample_partial_f32 + sample_final_f32, after
 penalize_logits for a logit bias or a repetition penalty over the context: exactly the dispatches
 ending every decode step), the token id read back. Presence and frequency act from the second token on: their draws
 are tested on the kernel pair in tests/kernels/test_sampling.py, their tokens over whole decodes in test_gpu_decode.py. The draws are tested with a
