@@ -141,6 +141,11 @@ def test_a_sampled_decode_takes_the_block_path_when_the_parameters_allow(gpu, sa
     by_kernel = gpu.backend.last_step_counts()["dispatches_by_kernel"]
     choice = {k for k in by_kernel if k.startswith(("sample", "argmax", "penalize", "count_token"))}
     assert choice == kernels
+    # sample_final runs 1024 threads where top-p or min-p alone may send it to the general path (tuning.h), else 256
+    # (the demo's generation defaults: top-k 40, top-p 0.95).
+    alone = sampling.get("top_k", 40) == 0 and (sampling.get("top_p", 0.95) < 1.0 or sampling.get("min_p", 0.0) > 0.0)
+    final = [n["threads"] for n in gpu.backend.last_step_graph()["nodes"] if n["kernel"] == "sample_final_f32"]
+    assert final == ([(1024 if alone else 256, 1, 1)] if "sample_final_f32" in kernels else [])
 
 
 def test_stops_match_the_cpu_path_and_a_second_turn_equals_a_fresh_session(gpu, cpu):

@@ -95,9 +95,10 @@ void sample(Context& ctx, const Span& logits, size_t vocab, const TokenChoice& c
                              {a.num_blocks, 1, 1}, {tuning::kSamplePartialThreads, 1, 1}, {logits},
                              {cand_x, cand_id, stats, cuts});
     partial.per_position.push_back({0, offsetof(SampleArgs, step), position_delta});
+    const size_t final_threads = tuning::sample_final_threads(choice.top_k, choice.top_p, choice.min_p, vocab);
     Node& last = add_node(ctx, "sample_final_" + dtype, "sample final",
                            {arg_value(a), arg(logits), arg(cand_x), arg(cand_id), arg(stats), arg(cuts), arg(tokens)},
-                           {1, 1, 1}, {tuning::kSampleFinalThreads, 1, 1}, {logits, cand_x, cand_id, stats, cuts},
+                           {1, 1, 1}, {final_threads, 1, 1}, {logits, cand_x, cand_id, stats, cuts},
                            {sub(tokens, out_index * 4, 4)});
     last.per_position.push_back({0, offsetof(SampleArgs, step), position_delta});
     return;
