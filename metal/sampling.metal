@@ -618,10 +618,10 @@ LILY_INLINE void sample_digit_counts(thread const uint (&keys)[PER], uint valid,
 
 // Stage 1 of the block path: one threadgroup per block of args.block_size logits (at most LILY_SAMPLE_PER_THREAD
 // per thread, held in registers). Writes the block's max x and sum of exp(x - max) (fixed order; 0 for a block of
-// -inf) and, unless top-k, top-p and min-p are all off, its LILY_SAMPLE_CANDIDATES candidates: every x above the block's C-th largest key plus
-// the ties at that key in id order until C are taken, written in id order (a block of fewer than C logits keeps them
-// all and pads with x = -inf). block_cut = (C-th key, ties at it left out): sample_final falls back to the general
-// path when a token left out could be kept (sample_candidates_complete).
+// -inf) and, unless top-k, top-p and min-p are all off, its LILY_SAMPLE_CANDIDATES candidates: every x above the
+// block's C-th largest key plus the ties at that key in id order until C are taken, written in id order (a block of
+// fewer than C logits keeps them all and pads with x = -inf). block_cut = (C-th key, ties at it left out):
+// sample_final falls back to the general path when a token left out could be kept (sample_candidates_complete).
 template <typename T>
 [[kernel]] void sample_partial(constant lily::SampleArgs& args [[buffer(0)]],
                                device const T* logits [[buffer(1)]],       // [vocab]

@@ -227,14 +227,16 @@ constexpr bool kSampleBlockPath = true;
 constexpr size_t kSamplePartialThreads = LILY_SAMPLE_BLOCK / LILY_SAMPLE_PER_THREAD;
 // sample_final: one threadgroup over 61 x 64 candidates (16 a thread) or one 4096-logit block; 256 threads keep the
 // per-pass reductions over 8 simdgroups short. It falls back to the general path over the vocabulary when the
-// candidates miss a token the filters keep: with top-k on, only where a block left out ties at the k-th largest
-// value; with top-p or min-p alone, wherever the nucleus or the min-p set reaches below a block's 64th value (flat
-// distributions: random weights, high temperatures). There the general path takes 3.3 ms at 256 threads and 1.1 ms at
-// 1024 (H100, bench_kernels, flat logits), where the candidates take 68 us and 99 us: such requests get 1024.
+// candidates miss a token the filters keep: for top_k <= 64, only where a block left out ties at the k-th largest
+// value; for top-p or min-p alone, wherever the nucleus or the min-p set reaches below a block's 64th value (flat
+// distributions: random weights, high temperatures), and for top_k above 64 wherever a block holds more than 64 of
+// the top k. There the general path takes 3.3 ms at 256 threads and 1.1 ms at 1024 (H100, bench_kernels, flat
+// logits, top-p alone), where the candidates take 68 us and 99 us: those requests get 1024.
 constexpr size_t kSampleFinalThreads = 256;
 constexpr size_t sample_final_threads(size_t top_k, float top_p, float min_p, size_t vocab) {
   const bool top_k_on = top_k > 0 && top_k < vocab;
-  return !top_k_on && (top_p < 1.0f || min_p > 0.0f) ? LILY_SAMPLE_THREADS : kSampleFinalThreads;
+  const bool may_fall_back = top_k_on ? top_k > LILY_SAMPLE_CANDIDATES : (top_p < 1.0f || min_p > 0.0f);
+  return may_fall_back ? LILY_SAMPLE_THREADS : kSampleFinalThreads;
 }
 constexpr bool sample_block_path(size_t top_k, size_t vocab) {
   const bool top_k_on = top_k > 0 && top_k < vocab;

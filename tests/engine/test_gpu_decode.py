@@ -13,6 +13,7 @@ import pytest
 
 from lily import Model
 from lily.sampling import SamplingParams
+from tests.fixtures import text_config
 
 PROMPT = "KING HENRY:\nWhat say you, my lords?"
 
@@ -146,6 +147,30 @@ def test_a_sampled_decode_takes_the_block_path_when_the_parameters_allow(gpu, sa
     alone = sampling.get("top_k", 40) == 0 and (sampling.get("top_p", 0.95) < 1.0 or sampling.get("min_p", 0.0) > 0.0)
     final = [n["threads"] for n in gpu.backend.last_step_graph()["nodes"] if n["kernel"] == "sample_final_f32"]
     assert final == ([(1024 if alone else 256, 1, 1)] if "sample_final_f32" in kernels else [])
+
+
+# Past one block (LILY_SAMPLE_BLOCK = 4096 logits, 64 candidates each): a vocabulary of 5000 has 128 candidates, so
+# top_k 100 takes the block path (at 1024 threads, as it may fall back) and top_k 129 the one-threadgroup path.
+WIDE_CHOICES = [({"top_k": 100}, BLOCK_PATH, 1024), ({"top_k": 129}, {"sample_f32"}, None),
+                ({"top_k": 64}, BLOCK_PATH, 256), ({"top_k": 0, "top_p": 0.9}, BLOCK_PATH, 1024)]
+
+
+@pytest.fixture(scope="module")
+def wide() -> Model:
+    config = {"model_type": "qwen3_5_moe_text", **text_config("kv64"), "vocab_size": 5000}
+    return Model.load(config, backend="metal", precision="float32", load_format="dummy", progress=False)
+
+
+@pytest.mark.parametrize("sampling,kernels,threads", WIDE_CHOICES, ids=[str(c[0]) for c in WIDE_CHOICES])
+def test_the_choice_past_one_block_of_logits(wide, sampling, kernels, threads):
+    session = wide.prefill([5, 17, 4000, 23], use_cache=False)
+    tokens = [t.id for t in session.decode(max_tokens=2, seed=3, stop_token_ids=(), temperature=0.8,
+                                           repetition_penalty=1.0, **sampling)]
+    assert len(tokens) == 2 and all(0 <= t < 5000 for t in tokens)
+    by_kernel = wide.backend.last_step_counts()["dispatches_by_kernel"]
+    assert {k for k in by_kernel if k.startswith(("sample", "argmax"))} == kernels
+    final = [n["threads"] for n in wide.backend.last_step_graph()["nodes"] if n["kernel"] == "sample_final_f32"]
+    assert final == ([(threads, 1, 1)] if threads else [])
 
 
 def test_stops_match_the_cpu_path_and_a_second_turn_equals_a_fresh_session(gpu, cpu):
