@@ -92,17 +92,29 @@ def philox_uniform(seed: int, step: int) -> float:
     return (philox4x32_10((step, 0, 0, 0), (seed & MASK32, seed >> 32))[0] >> 8) * 2.0**-24
 
 
-def expected_token(x32: np.ndarray, top_k: int, top_p: float, min_p: float, u: float) -> int:
-    """lily.sampling.Sampler.choose steps 5-6 on temperature-scaled logits, with the random number u given."""
+def filtered(x32: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """lily.sampling's filters on temperature-scaled logits in float64: (what they keep, the top-k probabilities)."""
     x = x32.astype(np.float64)
     keep = top_k_mask(x, top_k)
     probs = np.exp(log_softmax(np.where(keep, x, -np.inf)))
     keep &= top_p_mask(probs, top_p)
     if min_p > 0.0:
         keep &= min_p_mask(probs, min_p)
+    return keep, probs
+
+
+def kept_tokens(x32: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """The ids the filters keep with nonzero probability."""
+    keep, probs = filtered(x32, top_k, top_p, min_p)
+    return np.flatnonzero(keep & (probs > 0.0))
+
+
+def expected_token(x32: np.ndarray, top_k: int, top_p: float, min_p: float, u: float) -> int:
+    """lily.sampling.Sampler.choose steps 5-6 on temperature-scaled logits, with the random number u given."""
+    keep, probs = filtered(x32, top_k, top_p, min_p)
     cdf = np.cumsum(np.where(keep, probs, 0.0))
     token = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    return token if token < x.size and keep[token] else int(np.flatnonzero(keep)[-1])
+    return token if token < x32.size and keep[token] else int(np.flatnonzero(keep)[-1])
 
 
 def acceptable_tokens(x32: np.ndarray, top_k: int, top_p: float, min_p: float, u: float) -> set[int]:
@@ -284,17 +296,6 @@ def _sample_blocks_ties(run: Run, kernel: str, block: int, top_k: int, copies: i
     if copies > CANDIDATES:
         run.require("tokens left out of the candidates are drawn", np.intersect1d(got, left_out).size > 0,
                     f"drawn {sorted(set(got))}")
-
-
-def kept_tokens(x32: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
-    """The ids lily.sampling's filters keep with nonzero probability (float64)."""
-    x = x32.astype(np.float64)
-    keep = top_k_mask(x, top_k)
-    probs = np.exp(log_softmax(np.where(keep, x, -np.inf)))
-    keep &= top_p_mask(probs, top_p)
-    if min_p > 0.0:
-        keep &= min_p_mask(probs, min_p)
-    return np.flatnonzero(keep & (probs > 0.0))
 
 
 def _draws_without_the_logits(run: Run, dtype: str, logits: np.ndarray, x32: np.ndarray, block: int,
