@@ -752,10 +752,15 @@ template <typename T>
   }
 }
 
-// Mass of block b relative to the vocabulary's max x: sum exp(x - m_b) * exp(m_b - x_max); 0 for a block of -inf.
+// Block b's units relative to the vocabulary's max x: exp(m_b - x_max); 0 for a block of -inf.
 LILY_INLINE float sample_block_scale(device const float* block_stats, uint b, float x_max) {
   const float m = block_stats[2 * b];
   return m == -INFINITY ? 0.0f : precise::exp(m - x_max);
+}
+
+// Mass of block b relative to the vocabulary's max x: sum exp(x - m_b) * exp(m_b - x_max).
+LILY_INLINE float sample_block_mass(device const float* block_stats, uint b, float x_max) {
+  return block_stats[2 * b + 1] * sample_block_scale(block_stats, b, x_max);
 }
 
 // Whether the candidates hold every token of nonzero mass that the filters keep, so that sample_*'s steps over them
@@ -835,7 +840,7 @@ template <typename T>
     const uint end = min(begin + chunk, num_blocks);
     float chunk_mass = 0.0f;
     for (uint b = begin; b < end; ++b) {
-      chunk_mass += block_stats[2 * b + 1] * sample_block_scale(block_stats, b, x_max);
+      chunk_mass += sample_block_mass(block_stats, b, x_max);
     }
     const SampleChunk chosen = sample_choose_chunk(chunk_mass, u, -1.0f, tg, th);
     if (tid == chosen.owner) {
@@ -843,7 +848,7 @@ template <typename T>
       float before = 0.0f;
       uint pick = begin;
       for (uint b = begin; b < end; ++b) {
-        const float mass = block_stats[2 * b + 1] * sample_block_scale(block_stats, b, x_max);
+        const float mass = sample_block_mass(block_stats, b, x_max);
         if (mass > 0.0f) {
           pick = b;
           before = acc;
@@ -878,7 +883,7 @@ template <typename T>
     } else {  // the vocabulary's mass, from the block statistics
       float local_mass = 0.0f;
       for (uint b = tid; b < num_blocks; b += n_threads) {
-        local_mass += block_stats[2 * b + 1] * sample_block_scale(block_stats, b, x_max);
+        local_mass += sample_block_mass(block_stats, b, x_max);
       }
       mass_k = sample_sum(local_mass, f_part, lane, sg, n_sg);
     }
