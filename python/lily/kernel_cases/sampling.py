@@ -180,6 +180,19 @@ def run_sample_blocks(run: Run, dtype: str, logits: np.ndarray, block: int, part
     return int(tokens[out_index])
 
 
+def block_draws(run: Run, dtype: str, logits: np.ndarray, x32: np.ndarray, block: int, final_threads: int,
+                params: tuple, seed: int, steps: int, what: str = "drawn tokens",
+                final_logits: np.ndarray | None = None) -> list[int]:
+    """`steps` draws of the block path (sample_partial at 32 threads), each checked against lily.sampling's answers
+    for x32 (the temperature-scaled logits); the tokens drawn."""
+    temperature, top_k, top_p, min_p = params
+    got = [run_sample_blocks(run, dtype, logits, block, 32, final_threads, temperature, top_k, top_p, min_p, seed,
+                             step, final_logits=final_logits) for step in range(steps)]
+    run.compare_allowed(what, got, [acceptable_tokens(x32, top_k, top_p, min_p, philox_uniform(seed, step))
+                                    for step in range(steps)])
+    return got
+
+
 def partial_reference(x32: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """What sample_partial writes for fp32 x = logit / temperature: per block the CANDIDATES largest (ties at the
     C-th key by lowest id) in id order, padded with (-inf, MASK32); max and float64 sum of exp(x - max); the C-th key
@@ -287,11 +300,7 @@ def _sample_blocks_ties(run: Run, kernel: str, block: int, top_k: int, copies: i
     left_out = np.setdiff1d(tied, partial_reference(x32, block)[1])
     run.require("the case leaves ties out exactly when copies > CANDIDATES",
                 (left_out.size > 0) == (copies > CANDIDATES), f"{left_out.size} tied tokens left out of the candidates")
-    got, allowed = [], []
-    for step in range(40):
-        got.append(run_sample_blocks(run, dtype, logits, block, 32, 64, 1.0, top_k, 1.0, 0.0, 31, step))
-        allowed.append(acceptable_tokens(x32, top_k, 1.0, 0.0, philox_uniform(31, step)))
-    run.compare_allowed("drawn tokens", got, allowed)
+    got = block_draws(run, dtype, logits, x32, block, 64, (1.0, top_k, 1.0, 0.0), 31, 40)
     run.require("tied tokens are drawn", np.intersect1d(got, tied).size >= 3, f"drawn {sorted(set(got))}")
     if copies > CANDIDATES:
         run.require("tokens left out of the candidates are drawn", np.intersect1d(got, left_out).size > 0,
@@ -302,18 +311,12 @@ def _draws_without_the_logits(run: Run, dtype: str, logits: np.ndarray, x32: np.
                               final_threads: int, params: tuple, seed: int) -> None:
     """12 draws of the block path with sample_final given the logits rolled by one block and 7 ids: a fallback to the
     general path would draw from that other distribution. The case must keep only candidates."""
-    temperature, top_k, top_p, min_p = params
-    kept = kept_tokens(x32, top_k, top_p, min_p)
+    kept = kept_tokens(x32, *params[1:])
     candidates = partial_reference(x32, block)[1]
     run.require("the filters keep candidates only", np.isin(kept, candidates).all(),
                 f"{np.setdiff1d(kept, candidates).size} kept tokens are not candidates")
-    rolled = np.roll(logits, block + 7)
-    got, allowed = [], []
-    for step in range(STEPS):
-        got.append(run_sample_blocks(run, dtype, logits, block, 32, final_threads, temperature, top_k, top_p, min_p,
-                                     seed, step, final_logits=rolled))
-        allowed.append(acceptable_tokens(x32, top_k, top_p, min_p, philox_uniform(seed, step)))
-    run.compare_allowed("drawn tokens (sample_final never read the logits)", got, allowed)
+    block_draws(run, dtype, logits, x32, block, final_threads, params, seed, STEPS,
+                "drawn tokens (sample_final never read the logits)", final_logits=np.roll(logits, block + 7))
 
 
 def _sample_blocks_candidates_only(run: Run, kernel: str, params: tuple) -> None:
@@ -332,20 +335,15 @@ def _sample_blocks_candidates_only(run: Run, kernel: str, params: tuple) -> None
 def _sample_blocks_flat(run: Run, kernel: str, block: int, params: tuple) -> None:
     """Flat logits: the nucleus, the min-p set or the top-k reaches below blocks' CANDIDATES-th value, so sample_final
     must take the general path; tokens outside the candidates are drawn. Draws match lily.sampling."""
-    temperature, top_k, top_p, min_p = params
     dtype = dtype_of(kernel)
     vocab = 1100
     logits = to_device(0.3 * run.rng.standard_normal(vocab), dtype)
-    x32 = (to_f64(logits, dtype).astype(np.float32) / np.float32(temperature)).astype(np.float32)
-    kept = kept_tokens(x32, top_k, top_p, min_p)
+    x32 = (to_f64(logits, dtype).astype(np.float32) / np.float32(params[0])).astype(np.float32)
+    kept = kept_tokens(x32, *params[1:])
     outside = np.setdiff1d(kept, partial_reference(x32, block)[1])
     run.require("a tenth of the kept tokens lie outside the candidates", outside.size * 10 > kept.size,
                 f"{outside.size} of {kept.size} outside")
-    got, allowed = [], []
-    for step in range(48):
-        got.append(run_sample_blocks(run, dtype, logits, block, 32, 64, temperature, top_k, top_p, min_p, 3, step))
-        allowed.append(acceptable_tokens(x32, top_k, top_p, min_p, philox_uniform(3, step)))
-    run.compare_allowed("drawn tokens", got, allowed)
+    got = block_draws(run, dtype, logits, x32, block, 64, params, 3, 48)
     run.require("tokens outside the candidates are drawn", np.intersect1d(got, outside).size > 0,
                 f"drawn {sorted(set(got))}")
 
@@ -369,11 +367,7 @@ def _sample_blocks_top_p_ties(run: Run, kernel: str, copies: int) -> None:
         _draws_without_the_logits(run, dtype, logits, x32, block, 64, params, 17)
         return
     left_out = np.setdiff1d(np.flatnonzero(values == 1.0), partial_reference(x32, block)[1])
-    got, allowed = [], []
-    for step in range(40):
-        got.append(run_sample_blocks(run, dtype, logits, block, 32, 64, *params, 17, step))
-        allowed.append(acceptable_tokens(x32, 0, 0.6, 0.0, philox_uniform(17, step)))
-    run.compare_allowed("drawn tokens", got, allowed)
+    got = block_draws(run, dtype, logits, x32, block, 64, params, 17, 40)
     run.require("tied tokens left out of the candidates are drawn", np.intersect1d(got, left_out).size > 0,
                 f"drawn {sorted(set(got))}")
 
