@@ -120,33 +120,40 @@ def test_sampled_decode_is_reproducible_per_seed(gpu):
 
 
 BLOCK_PATH = {"sample_partial_f32", "sample_final_f32"}
-# A sampled decode's choice kernels: the block path unless top_k is above its candidates (64 for the demo's 2048-token
-# vocabulary, one block); the demo checkpoint's generation defaults are overridden where they matter.
+# A sampled decode's choice kernels, and sample_final's threads: the block path unless top_k is above its candidates
+# (64 for the demo's 2048-token vocabulary, one block), at 1024 threads where it may fall back to the general path
+# (top-p or min-p without top-k; tuning.h), else 256. The demo checkpoint's generation defaults (top-k 40, top-p
+# 0.95) are overridden where they matter.
 CHOICE_KERNELS = [
-    ({"temperature": 0.7, "top_k": 50, "top_p": 0.9}, BLOCK_PATH),
-    ({"temperature": 0.7, "top_k": 64, "min_p": 0.05}, BLOCK_PATH),
-    ({"temperature": 0.7, "top_k": 0, "top_p": 1.0, "min_p": 0.0}, BLOCK_PATH),
-    ({"temperature": 0.7, "top_k": 20, "presence_penalty": 1.0}, BLOCK_PATH | {"penalize_logits_f32", "count_token"}),
-    ({"temperature": 0.7, "top_k": 0, "top_p": 0.9}, BLOCK_PATH),
-    ({"temperature": 0.7, "top_k": 0, "top_p": 1.0, "min_p": 0.05}, BLOCK_PATH),
-    ({"temperature": 0.7, "top_k": 65}, {"sample_f32"}),
-    ({"temperature": 0.0}, {"argmax_partial_f32", "argmax_final_f32"}),
+    ({"temperature": 0.7, "top_k": 50, "top_p": 0.9}, BLOCK_PATH, 256),
+    ({"temperature": 0.7, "top_k": 64, "min_p": 0.05}, BLOCK_PATH, 256),
+    ({"temperature": 0.7, "top_k": 0, "top_p": 1.0, "min_p": 0.0}, BLOCK_PATH, 256),
+    ({"temperature": 0.7, "top_k": 20, "presence_penalty": 1.0}, BLOCK_PATH | {"penalize_logits_f32", "count_token"},
+     256),
+    ({"temperature": 0.7, "top_k": 0, "top_p": 0.9}, BLOCK_PATH, 1024),
+    ({"temperature": 0.7, "top_k": 0, "top_p": 1.0, "min_p": 0.05}, BLOCK_PATH, 1024),
+    ({"temperature": 0.7, "top_k": 65}, {"sample_f32"}, None),
+    ({"temperature": 0.0}, {"argmax_partial_f32", "argmax_final_f32"}, None),
 ]
 
 
-@pytest.mark.parametrize("sampling,kernels", CHOICE_KERNELS, ids=[str(c[0]) for c in CHOICE_KERNELS])
-def test_a_sampled_decode_takes_the_block_path_when_the_parameters_allow(gpu, sampling, kernels):
-    session = gpu.prefill(PROMPT, use_cache=False)
-    tokens = [t.id for t in session.decode(max_tokens=3, seed=7, stop_token_ids=(), **sampling)]
-    assert len(tokens) == 3 and all(0 <= t < gpu.config.vocab_size for t in tokens)
-    by_kernel = gpu.backend.last_step_counts()["dispatches_by_kernel"]
+def decoded_choice(model: Model, prompt, max_tokens: int, **options) -> tuple[set[str], list]:
+    """Decode `max_tokens` tokens (each a vocabulary id); the last step's token-choice kernels and the threads of its
+    sample_final dispatches."""
+    session = model.prefill(prompt, use_cache=False)
+    tokens = [t.id for t in session.decode(max_tokens=max_tokens, stop_token_ids=(), **options)]
+    assert len(tokens) == max_tokens and all(0 <= t < model.config.vocab_size for t in tokens)
+    by_kernel = model.backend.last_step_counts()["dispatches_by_kernel"]
     choice = {k for k in by_kernel if k.startswith(("sample", "argmax", "penalize", "count_token"))}
+    final = [n["threads"] for n in model.backend.last_step_graph()["nodes"] if n["kernel"] == "sample_final_f32"]
+    return choice, final
+
+
+@pytest.mark.parametrize("sampling,kernels,threads", CHOICE_KERNELS, ids=[str(c[0]) for c in CHOICE_KERNELS])
+def test_a_sampled_decode_takes_the_block_path_when_the_parameters_allow(gpu, sampling, kernels, threads):
+    choice, final = decoded_choice(gpu, PROMPT, 3, seed=7, **sampling)
     assert choice == kernels
-    # sample_final runs 1024 threads where top-p or min-p alone may send it to the general path (tuning.h), else 256
-    # (the demo's generation defaults: top-k 40, top-p 0.95).
-    alone = sampling.get("top_k", 40) == 0 and (sampling.get("top_p", 0.95) < 1.0 or sampling.get("min_p", 0.0) > 0.0)
-    final = [n["threads"] for n in gpu.backend.last_step_graph()["nodes"] if n["kernel"] == "sample_final_f32"]
-    assert final == ([(1024 if alone else 256, 1, 1)] if "sample_final_f32" in kernels else [])
+    assert final == ([(threads, 1, 1)] if threads else [])
 
 
 # Past one block (LILY_SAMPLE_BLOCK = 4096 logits, 64 candidates each): a vocabulary of 5000 has 128 candidates, so
@@ -163,13 +170,9 @@ def wide() -> Model:
 
 @pytest.mark.parametrize("sampling,kernels,threads", WIDE_CHOICES, ids=[str(c[0]) for c in WIDE_CHOICES])
 def test_the_choice_past_one_block_of_logits(wide, sampling, kernels, threads):
-    session = wide.prefill([5, 17, 4000, 23], use_cache=False)
-    tokens = [t.id for t in session.decode(max_tokens=2, seed=3, stop_token_ids=(), temperature=0.8,
-                                           repetition_penalty=1.0, **sampling)]
-    assert len(tokens) == 2 and all(0 <= t < 5000 for t in tokens)
-    by_kernel = wide.backend.last_step_counts()["dispatches_by_kernel"]
-    assert {k for k in by_kernel if k.startswith(("sample", "argmax"))} == kernels
-    final = [n["threads"] for n in wide.backend.last_step_graph()["nodes"] if n["kernel"] == "sample_final_f32"]
+    choice, final = decoded_choice(wide, [5, 17, 4000, 23], 2, seed=3, temperature=0.8, repetition_penalty=1.0,
+                                   **sampling)
+    assert choice == kernels
     assert final == ([(threads, 1, 1)] if threads else [])
 
 
