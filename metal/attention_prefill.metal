@@ -218,17 +218,14 @@ struct AttnKvTileCopy {
   }
 };
 
-template <typename T, typename C, uint D, uint G>
-[[kernel]] void attention_prefill_mma(constant lily::AttentionArgs& args [[buffer(0)]],
-                                      device const T* q [[buffer(1)]],
-                                      device const T* gate [[buffer(2)]],
-                                      device const C* k_cache [[buffer(3)]],
-                                      device const C* v_cache [[buffer(4)]],
-                                      device T* out [[buffer(5)]],
-                                      uint2 group [[threadgroup_position_in_grid]],
-                                      uint tid [[thread_index_in_threadgroup]],
-                                      uint simd_lane [[thread_index_in_simdgroup]],
-                                      uint simd_group [[simdgroup_index_in_threadgroup]]) {
+// One threadgroup of attention_prefill_mma[_split]: 8 queries x G heads over the keys [begin, end) of the cache
+// (SPLIT: one key block of them, written as a partial for attention_decode_combine; else all of them, gated into out).
+template <typename T, typename C, uint D, uint G, bool SPLIT>
+LILY_INLINE void attn_prefill_mma_group(constant lily::AttentionArgs& args, device const T* q, device const T* gate,
+                                        device const C* k_cache, device const C* v_cache, device T* out,
+                                        device float* partial_out, device float* partial_stats,
+                                        threadgroup uint4* k_tile, threadgroup uint4* v_tile, uint3 group, uint tid,
+                                        uint simd_lane, uint simd_group) {
   // K and V of one key tile in the cache dtype C, which is also the MMA operand type: bf16 MMAs with fp32
   // accumulators in bf16 mode (tensor cores on NVIDIA; the probabilities are rounded to bf16 for P·V, as
   // FlashAttention does), fp32 in float32 mode.
@@ -236,11 +233,8 @@ template <typename T, typename C, uint D, uint G>
   constexpr uint BK = Copy::BK;           // keys per tile
   constexpr uint KB = BK / 8;             // 8-key blocks per tile
   constexpr uint FRAGS = D / 8;           // 8-wide blocks across the head dim
-  constexpr uint TILE_UNITS = Copy::TILE_UNITS;
   constexpr uint QUERIES = LILY_ATTN_MMA_QUERIES;
   static_assert(QUERIES == 8, "one 8-column fragment of queries per simdgroup");
-  threadgroup uint4 k_tile[TILE_UNITS];
-  threadgroup uint4 v_tile[TILE_UNITS];
   threadgroup const C* k_blocks = (threadgroup const C*)k_tile;
   threadgroup const C* v_blocks = (threadgroup const C*)v_tile;
 
@@ -253,6 +247,35 @@ template <typename T, typename C, uint D, uint G>
   // This lane's two query columns, col and col + 1 (columns past num_queries compute but are not written).
   const uint2 t = uint2(q0 + col, q0 + col + 1);
   const uint2 position = first_position + t;
+  const uint key_end = min(args.num_keys, first_position + q0 + QUERIES);  // one past the last key the 8 queries see
+
+  // The keys this threadgroup reads. SPLIT: the keys every one of its queries sees, [0, first_position + q0 + 1),
+  // cut into num_blocks spans of whole tiles; the block that reaches their end also takes the diagonal keys up to
+  // key_end, and a block that starts past it is empty (its partial: output 0, max -inf, sum 0, weight 0 in the
+  // combine). So each block's first key is visible to every query of the threadgroup, and only the last tile of the
+  // last block needs the causal mask.
+  uint begin = 0;
+  uint end = key_end;
+  if (SPLIT) {
+    const uint shared_keys = first_position + q0 + 1;
+    const uint span = (shared_keys + args.num_blocks - 1) / args.num_blocks;
+    const uint span_tiles = (span + BK - 1) / BK * BK;
+    begin = group.z * span_tiles;
+    end = begin + span_tiles >= shared_keys ? key_end : begin + span_tiles;
+    if (begin >= shared_keys) {  // uniform: the whole threadgroup returns before any barrier
+      for (uint i = simd_lane; i < QUERIES * D; i += 32) {
+        if (q0 + i / D < args.num_queries) {
+          const size_t slot = (size_t(q0 + i / D) * args.num_heads + head) * args.num_blocks + group.z;
+          partial_out[slot * D + i % D] = 0.0f;
+          if (i % D == 0) {
+            partial_stats[2 * slot] = -INFINITY;
+            partial_stats[2 * slot + 1] = 0.0f;
+          }
+        }
+      }
+      return;
+    }
+  }
 
   // Transposed products, so that on NVIDIA each MMA is a full m16n8k8 (two 8-row fragments of A against one B):
   // S^T = K Q^T (keys x queries) and O^T += V^T P^T (dims x queries). Q^T (FRAGS fragments of 8 dims x 8 queries,
@@ -278,13 +301,12 @@ template <typename T, typename C, uint D, uint G>
   copy.k_rows = (device const uint4*)(k_cache + size_t(kv_head) * args.cache_capacity * D);
   copy.v_rows = (device const uint4*)(v_cache + size_t(kv_head) * args.cache_capacity * D);
   copy.tid = tid;
-  const uint key_end = min(args.num_keys, first_position + q0 + QUERIES);  // one past the last key the 8 queries see
-  copy.copy(0, key_end, k_tile, v_tile);
+  copy.copy(begin, end, k_tile, v_tile);
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint tile_start = 0; tile_start < key_end; tile_start += BK) {
-    const bool more = tile_start + BK < key_end;  // uniform: the barriers below stay convergent
+  for (uint tile_start = begin; tile_start < end; tile_start += BK) {
+    const bool more = tile_start + BK < end;  // uniform: the barriers below stay convergent
     if (Copy::ROUNDS == 1 && more) {
-      copy.fetch(0, tile_start + BK, key_end);  // in flight during this tile's MMAs
+      copy.fetch(0, tile_start + BK, end);  // in flight during this tile's MMAs
     }
 
     // S^T = K Q^T: per 8 dims, the tile's KB key blocks against one Q^T fragment.
@@ -320,7 +342,7 @@ template <typename T, typename C, uint D, uint G>
       }
       tile_max = max(tile_max, scores_t[kb].thread_elements());
     }
-    // Key 0 is in the first tile and visible to every query, so new_max is finite from the first tile on.
+    // Key `begin` is in the first tile and visible to every query, so new_max is finite from the first tile on.
     const float2 new_max = max(run_max, attn_mma_col_max(tile_max));
     const float2 rescale = float2(precise::exp(run_max.x - new_max.x), precise::exp(run_max.y - new_max.y));
     run_max = new_max;
@@ -359,7 +381,7 @@ template <typename T, typename C, uint D, uint G>
       if (Copy::ROUNDS == 1) {
         copy.stage(0, k_tile, v_tile);
       } else {
-        copy.copy(tile_start + BK, key_end, k_tile, v_tile);
+        copy.copy(tile_start + BK, end, k_tile, v_tile);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
@@ -369,14 +391,62 @@ template <typename T, typename C, uint D, uint G>
   LILY_UNROLL
   for (uint e = 0; e < 2; ++e) {
     if (t[e] < args.num_queries) {
-      const size_t out_row = (size_t(t[e]) * args.num_heads + head) * D;
+      const size_t out_row = size_t(t[e]) * args.num_heads + head;
+      const size_t slot = out_row * args.num_blocks + group.z;  // SPLIT: this block's partial of the row
       LILY_UNROLL
       for (uint f = 0; f < FRAGS; ++f) {
-        const size_t index = out_row + 8 * f + row;
-        out[index] = T(acc_t[f].thread_elements()[e] / total[e] * lily::sigmoid(float(gate[index])));
+        const float value = acc_t[f].thread_elements()[e] / total[e];  // the block's (or the row's) softmax
+        if (SPLIT) {
+          partial_out[slot * D + 8 * f + row] = value;
+        } else {
+          const size_t index = out_row * D + 8 * f + row;
+          out[index] = T(value * lily::sigmoid(float(gate[index])));
+        }
+      }
+      if (SPLIT && row == 0) {
+        partial_stats[2 * slot] = run_max[e];
+        partial_stats[2 * slot + 1] = total[e];
       }
     }
   }
+}
+
+template <typename T, typename C, uint D, uint G>
+[[kernel]] void attention_prefill_mma(constant lily::AttentionArgs& args [[buffer(0)]],
+                                      device const T* q [[buffer(1)]],
+                                      device const T* gate [[buffer(2)]],
+                                      device const C* k_cache [[buffer(3)]],
+                                      device const C* v_cache [[buffer(4)]],
+                                      device T* out [[buffer(5)]],
+                                      uint2 group [[threadgroup_position_in_grid]],
+                                      uint tid [[thread_index_in_threadgroup]],
+                                      uint simd_lane [[thread_index_in_simdgroup]],
+                                      uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  threadgroup uint4 k_tile[AttnKvTileCopy<C, D, 32 * G>::TILE_UNITS];
+  threadgroup uint4 v_tile[AttnKvTileCopy<C, D, 32 * G>::TILE_UNITS];
+  attn_prefill_mma_group<T, C, D, G, false>(args, q, gate, k_cache, v_cache, out, nullptr, nullptr, k_tile, v_tile,
+                                            uint3(group, 0), tid, simd_lane, simd_group);
+}
+
+// Split-KV prefill (grid z = args.num_blocks key blocks): each threadgroup writes its block's partial of every
+// (query, head) row, [T * Hq, num_blocks] x (D outputs of the block's own softmax; its max score and sum), the layout of
+// attention_decode_partial's [Hq, num_blocks] rows; attention_decode_combine over T * Hq rows then gates and writes
+// out. For chunks whose ceil(T / 8) x Hq / G threadgroups leave the GPU mostly idle at long contexts.
+template <typename T, typename C, uint D, uint G>
+[[kernel]] void attention_prefill_mma_split(constant lily::AttentionArgs& args [[buffer(0)]],
+                                            device const T* q [[buffer(1)]],
+                                            device const C* k_cache [[buffer(2)]],
+                                            device const C* v_cache [[buffer(3)]],
+                                            device float* partial_out [[buffer(4)]],
+                                            device float* partial_stats [[buffer(5)]],
+                                            uint3 group [[threadgroup_position_in_grid]],
+                                            uint tid [[thread_index_in_threadgroup]],
+                                            uint simd_lane [[thread_index_in_simdgroup]],
+                                            uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  threadgroup uint4 k_tile[AttnKvTileCopy<C, D, 32 * G>::TILE_UNITS];
+  threadgroup uint4 v_tile[AttnKvTileCopy<C, D, 32 * G>::TILE_UNITS];
+  attn_prefill_mma_group<T, C, D, G, true>(args, q, nullptr, k_cache, v_cache, nullptr, partial_out, partial_stats,
+                                           k_tile, v_tile, group, tid, simd_lane, simd_group);
 }
 
 // Model (head dim 256, GQA group 8): the vector kernel packs 4 heads per threadgroup, the mma kernel the whole group.
@@ -386,12 +456,20 @@ LILY_INSTANTIATE_KERNEL("attention_prefill_mma_f32_d256", attention_prefill_mma,
                         LILY_ATTN_MMA_HEADS_PER_GROUP)
 LILY_INSTANTIATE_KERNEL("attention_prefill_mma_bf16_d256", attention_prefill_mma, bfloat, bfloat, 256,
                         LILY_ATTN_MMA_HEADS_PER_GROUP)
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_split_f32_d256", attention_prefill_mma_split, float, float, 256,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP)
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_split_bf16_d256", attention_prefill_mma_split, bfloat, bfloat, 256,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP)
 // Demo model and tiny fixtures (head dim 64, GQA group 2 or 4): 2 heads per threadgroup, float32 and bf16 modes.
 LILY_INSTANTIATE_KERNEL("attention_prefill_f32_d64", attention_prefill, float, float, 64, 2)
 LILY_INSTANTIATE_KERNEL("attention_prefill_bf16_d64", attention_prefill, bfloat, bfloat, 64, 2)
 LILY_INSTANTIATE_KERNEL("attention_prefill_mma_f32_d64", attention_prefill_mma, float, float, 64,
                         LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
 LILY_INSTANTIATE_KERNEL("attention_prefill_mma_bf16_d64", attention_prefill_mma, bfloat, bfloat, 64,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_split_f32_d64", attention_prefill_mma_split, float, float, 64,
+                        LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
+LILY_INSTANTIATE_KERNEL("attention_prefill_mma_split_bf16_d64", attention_prefill_mma_split, bfloat, bfloat, 64,
                         LILY_ATTN_MMA_HEADS_PER_GROUP_D64)
 // Head ratios the packing cannot split (e.g. 3 query heads per KV head at D = 64, 1, or 4 for the mma kernel at
 // D = 256): one head per threadgroup.

@@ -410,6 +410,13 @@ static_assert(sizeof(AttentionArgs) == 32, "AttentionArgs layout must match the 
 // model's group of 2. Head ratios that are not a multiple run the *_unpacked_* kernels (one head per threadgroup).
 #define LILY_ATTN_MMA_HEADS_PER_GROUP 8
 #define LILY_ATTN_MMA_HEADS_PER_GROUP_D64 2
+// attention_prefill_mma_split (SPLIT_PREFILL_KV): a chunk whose single pass has fewer than half this many threadgroups
+// (ceil(T / 8) x Hq / G: 2 for an 8-token chunk of the model, 128 for 512 tokens) splits its keys into
+// floor(this / those) blocks, at most LILY_ATTN_SPLIT_MAX_BLOCKS (the combine's limit) and at most one per
+// LILY_ATTN_PREFILL_SPLIT_MIN_BLOCK_KEYS keys, so that short chunks deep in a context (a chat turn's prompt) fill the
+// GPU instead of walking the whole cache in Hq / G threadgroups. Design guesses, measured in docs/performance.md.
+#define LILY_ATTN_PREFILL_SPLIT_GROUPS 256
+#define LILY_ATTN_PREFILL_SPLIT_MIN_BLOCK_KEYS 512
 // attention_prefill_mma key tiles: at most LILY_ATTN_MMA_TILE_KEYS keys and LILY_ATTN_MMA_TILE_BYTES bytes per K (and
 // per V) tile, so the two stay within Metal's 32 KiB of threadgroup memory (attn_mma_tile_keys below: 32 keys in
 // bf16 and 16 in f32 at D = 256, 32 at D = 64). A tile costs two barriers and one online-softmax rescale of the 32

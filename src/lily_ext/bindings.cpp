@@ -87,6 +87,7 @@ void bind_switches(nb::module_ m) {
       .def_rw("fused_projections", &S::fused_projections)
       .def_rw("fusion", &S::fusion)
       .def_rw("split_kv", &S::split_kv)
+      .def_rw("split_prefill_kv", &S::split_prefill_kv)
       .def_rw("gpu_token", &S::gpu_token)
       .def_rw("batched_prefill", &S::batched_prefill)
       .def_rw("wide_tiles", &S::wide_tiles)
@@ -110,6 +111,7 @@ void bind_switches(nb::module_ m) {
       .def_rw("split_steps", &S::split_steps)
       .def_rw("split_kv_min_keys", &S::split_kv_min_keys)
       .def_rw("split_kv_block_keys", &S::split_kv_block_keys)
+      .def_rw("split_prefill_block_keys", &S::split_prefill_block_keys)
       .def_rw("prefill_chunk", &S::prefill_chunk)
       .def_rw("seg_stream_groups", &S::seg_stream_groups)
       .def_rw("kv_block", &S::kv_block);

@@ -251,10 +251,14 @@ Engine::Program& Engine::program(int token_slot, const std::optional<TokenChoice
 }
 
 // The pass of a short prompt chunk of `rows` tokens from chunk_.ids with logits for its last `logit_rows` rows, at
-// any position with this KV capacity: found among the programs built so far, else built now.
+// any position with this KV capacity and split-KV block count: found among the programs built so far, else built now.
 Engine::Program& Engine::short_pass(size_t rows, size_t logit_rows) {
+  const size_t blocks = ops::attention_prefill_split_blocks(switches_, config_, rows, position_ + rows);
   for (Program& p : programs_) {
-    if (p.rows == rows && p.logit_rows == logit_rows && p.kv_capacity == state_.kv_capacity) return p;
+    if (p.rows == rows && p.logit_rows == logit_rows && p.kv_capacity == state_.kv_capacity &&
+        p.split_blocks == blocks) {
+      return p;
+    }
   }
   auto graph = std::make_shared<Graph>();
   graph->buffers = base_.buffers;
@@ -263,6 +267,7 @@ Engine::Program& Engine::short_pass(size_t rows, size_t logit_rows) {
   built.rows = rows;
   built.logit_rows = logit_rows;
   built.kv_capacity = state_.kv_capacity;
+  built.split_blocks = blocks;
   built.graph = graph;
   return keep(std::move(built));
 }

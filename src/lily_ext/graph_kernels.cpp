@@ -42,18 +42,23 @@ std::vector<std::string> graph_kernels(const ModelConfig& config, Precision prec
     }
   }
   // Passes of more rows (prefill chunks): lm_head for the last row (what a session asks for) and for every row
-  // (model.logits()).
+  // (model.logits()); and attention split over key blocks, as deep in a context (blocks of any length here).
+  auto collect_pass = [&](const Switches& sw, size_t rows, size_t logit_rows) {
+    Graph pass;
+    pass.buffers = graph.buffers;
+    PassInput in;
+    in.tokens = rows;
+    in.logit_rows = logit_rows;
+    in.ids = Span{chunk.ids, 0, rows * 4};
+    build_forward(config, precision, sw, weights, state, chunk, in, pass);
+    collect(pass);
+  };
+  Switches split = switches;
+  split.split_prefill_block_keys = 1;
   for (size_t rows : prefill_rows) {
-    for (size_t logit_rows : {size_t{1}, rows}) {
-      Graph pass;
-      pass.buffers = graph.buffers;
-      PassInput in;
-      in.tokens = rows;
-      in.logit_rows = logit_rows;
-      in.ids = Span{chunk.ids, 0, rows * 4};
-      build_forward(config, precision, switches, weights, state, chunk, in, pass);
-      collect(pass);
-    }
+    collect_pass(switches, rows, 1);
+    collect_pass(switches, rows, rows);
+    collect_pass(split, rows, 1);
   }
   return {kernels.begin(), kernels.end()};
 }

@@ -45,6 +45,11 @@ struct Switches {
   size_t split_kv_block_keys = 0;  // block count unit (tuning::attention_split_blocks); 0 = the runtime's choice:
                                    // tuning::kAttentionSplitShortBlockKeys where it prefers short blocks (CUDA), else
                                    // split_kv_min_keys
+  bool split_prefill_kv = true;    // SPLIT_PREFILL_KV: off = prefill attention on matrix units always one pass over
+                                   // the keys; on, a chunk of few query threadgroups at a long context splits them
+                                   // (attention_prefill_mma_split + attention_decode_combine;
+                                   // tuning::attention_prefill_split_blocks)
+  size_t split_prefill_block_keys = 0;  // fewest keys per split prefill block; 0 = tuning's (tests lower it)
   bool gpu_token = true;           // GPU_TOKEN: off = the CPU reads logits and writes the next token itself
   bool batched_prefill = true;     // BATCHED_PREFILL: off = prompts run one decode step per token
   bool wide_tiles = true;          // WIDE_TILES: off = 16-row GEMM tiles only (qmm and the MoE grouped GEMMs)

@@ -91,6 +91,17 @@ constexpr size_t attention_split_blocks(size_t keys, size_t min_keys, size_t blo
 }
 // The unit where the runtime prefers short blocks (Runtime::prefers_short_split_blocks), else min_keys.
 constexpr size_t kAttentionSplitShortBlockKeys = LILY_ATTN_SPLIT_SHORT_BLOCK_KEYS;
+// Split-KV prefill (attention_prefill_mma_split + attention_decode_combine): key blocks of a chunk whose single pass
+// runs `query_groups` threadgroups over `keys` keys, with blocks of at least `min_block_keys` keys
+// (kAttentionPrefillSplitMinBlockKeys unless a test lowers it); 0 = the single pass.
+constexpr size_t kAttentionPrefillSplitGroups = LILY_ATTN_PREFILL_SPLIT_GROUPS;
+constexpr size_t kAttentionPrefillSplitMinBlockKeys = LILY_ATTN_PREFILL_SPLIT_MIN_BLOCK_KEYS;
+constexpr size_t attention_prefill_split_blocks(size_t query_groups, size_t keys, size_t min_block_keys) {
+  size_t blocks = query_groups ? kAttentionPrefillSplitGroups / query_groups : 0;
+  if (blocks > keys / min_block_keys) blocks = keys / min_block_keys;
+  if (blocks > kAttentionSplitMaxBlocks) blocks = kAttentionSplitMaxBlocks;
+  return blocks >= 2 ? blocks : 0;
+}
 
 // Staged one-row GEMVs (qmv_norm_staged, qmv_residual_staged, qmv_norm_seg_staged in metal/qmatmul.metal): x staged in
 // threadgroup memory once per threadgroup. Chosen on CUDA (Runtime::prefers_staged_gemv), where each lane loading its

@@ -31,15 +31,16 @@ PRECISIONS = ("bfloat16", "float32")
 # Engine switches, each also LILY_DISABLE_<NAME> in the environment: the one list. What each turns off is the table in
 # docs/engine.md ("Switches"); src/lily_ext/model.h (struct Switches) and bindings.cpp name the same ones, which
 # tests/test_layout.py checks.
-SWITCHES = ("concurrent", "fused_projections", "fusion", "split_kv", "gpu_token", "batched_prefill", "wide_tiles",
+SWITCHES = ("concurrent", "fused_projections", "fusion", "split_kv", "split_prefill_kv", "gpu_token", "batched_prefill", "wide_tiles",
             "gpu_routing", "chunked_prefill", "gqa_packing", "coalesced_kv", "in_gemm_dequant",
             "register_scan", "chunked_scan", "tensor_ops", "mma_attention", "staged_gemv", "replayed_prompts",
             "spread_deltanet_step", "whole_pack_loads", "fused_attention_prep", "fused_argmax",
             "mma_gemv", "early_moe_down", "split_steps")
 # Sizes tests lower to reach rare paths quickly: the split-KV threshold (keys) and block count unit (keys; 0: the
-# runtime's), the KV cache growth step (rows), the prefill chunk (rows) and the threadgroups the staged segmented GEMV
-# streams its row blocks over (0: one per block).
-TEST_OPTIONS = ("split_kv_min_keys", "split_kv_block_keys", "kv_block", "prefill_chunk", "seg_stream_groups")
+# runtime's), the fewest keys per split prefill block, the KV cache growth step (rows), the prefill chunk (rows) and
+# the threadgroups the staged segmented GEMV streams its row blocks over (0: one per block).
+TEST_OPTIONS = ("split_kv_min_keys", "split_kv_block_keys", "split_prefill_block_keys", "kv_block", "prefill_chunk",
+                "seg_stream_groups")
 
 
 _log = logging.getLogger(__name__)

@@ -8,7 +8,12 @@ only some queries see), the model's GQA 8, 1, 3, 4 and 8 simdgroups per threadgr
 simdgroup matrices, key tiles of `mma_tile_keys` keys): chunks of 3 to 33 queries (partial 8-query fragments), key
 counts one below, at and one above the tile width, chunks whose first tiles lie wholly before the causal diagonal
 (offsets past a tile) and chunks over three or more tiles (the register prefetch of the next tile), the model's GQA
-8 and a group of 16 (two threadgroups per KV head). The head-dim-64 instances run the demo model's 4/2 heads and the
+8 and a group of 16 (two threadgroups per KV head). attention_prefill_mma_split (grid z: key blocks, each writing a
+partial that attention_decode_combine merges over T x Hq rows) runs block counts whose spans of whole tiles leave an
+empty last block, a block boundary exactly at the first query's position (the last block then holds only the
+diagonal tile), query threadgroups whose shared keys end in different blocks, 64 blocks over a few tiles (most of
+them empty) and two threadgroups per KV head; its partials start NaN, so a partial a block leaves unwritten poisons
+the combined output. The head-dim-64 instances run the demo model's 4/2 heads and the
 gqa4 fixture's 8/2; the *_unpacked_* instances (one head per threadgroup, the engine's fallback) run head ratios 3
 and 1, and ratio 4 at head dim 256 (which the mma kernel's packing of 8 cannot split), around their tile width too.
 Outputs start NaN-poisoned and the cache's spare rows hold NaN, so a key read past the causal limit is caught.
@@ -22,11 +27,11 @@ from functools import partial
 import numpy as np
 
 from lily import reference
-from lily.kernel_cases.attention import (CACHE_DTYPE, ROUNDING_UNIT, attention_args, attention_layout, cache_rows,
-                                         kv_cache, tolerance)
+from lily.kernel_cases.attention import (CACHE_DTYPE, COMBINE_SLICE, COMBINE_THREADS, ROUNDING_UNIT, attention_args,
+                                         attention_layout, cache_rows, kv_cache, tolerance)
 from lily.kernel_cases.common import Case, Run, dtype_of, poisoned, round_to, to_device, to_f64
 
-PATTERN = re.compile(r"attention_prefill(_mma)?_(unpacked_)?(f32|f16|bf16)_d(256|64)|simdgroup_layout_probe")
+PATTERN = re.compile(r"attention_prefill(_mma)?_(unpacked_|split_)?(f32|f16|bf16)_d(256|64)|simdgroup_layout_probe")
 MMA_QUERIES = 8  # query tokens per attention_prefill_mma threadgroup (LILY_ATTN_MMA_QUERIES)
 # Query heads per attention_prefill_mma threadgroup by head dim (LILY_ATTN_MMA_HEADS_PER_GROUP, ..._D64); the vector
 # kernel packs attention.HEADS_PER_GROUP.
@@ -77,6 +82,21 @@ def mma_shapes(head_dim: int, cache_dtype: str, packed: bool) -> list[tuple[int,
             *other_ratios]
 
 
+def split_shapes(head_dim: int, cache_dtype: str) -> list[tuple[int, int, int, int, int]]:
+    """(heads, kv_heads, queries, offset, blocks) of a split kernel around its tile width `bk`; the first is the
+    self-test's."""
+    bk = mma_tile_keys(head_dim, cache_dtype)
+    h, kv = (16, 2) if head_dim == 256 else (4, 2)
+    more_heads = (32, 2) if head_dim == 256 else (8, 2)
+    return [(h, kv, 12, 5 * bk - 3, 3),
+            (h, kv, 8, 4 * bk + 1, 4),  # spans of 2 tiles: the third block takes 2 shared keys and the diagonal, the
+                                        # fourth is empty
+            (h, kv, 8, 2 * bk - 1, 2),  # the boundary at the first query's position: block 1 is the diagonal tile
+            (h, kv, 20, 3 * bk, 2),  # three query threadgroups, each splitting its own shared keys
+            (h, kv, 9, bk - 3, 64),  # the combine's most blocks over 2 tiles: 62 empty
+            (*more_heads, 11, 2 * bk + 5, 3)]  # two threadgroups per KV head
+
+
 def _layout_probe(run: Run, kernel: str) -> None:
     """Apple does not specify the lane layout of thread_elements(); where the device's differs from what the kernels'
     attn_mma_row/col assume, the engine runs prefill attention on the vector kernel, and this case fails to say so.
@@ -118,11 +138,46 @@ def _prefill(run: Run, kernel: str, heads: int, kv_heads: int, queries: int, off
     run.compare("out", to_f64(out, dtype), round_to(expected, dtype), tolerance(dtype), allowance)
 
 
+def _split(run: Run, kernel: str, heads: int, kv_heads: int, queries: int, offset: int, blocks: int) -> None:
+    """The split kernel over `blocks` key blocks, then its head dim's combine over the T x Hq rows, against the
+    reference (the mma kernel's bf16 allowance)."""
+    dtype = dtype_of(kernel)
+    d = attention_layout(kernel)[0]
+    cache_dtype, keys = CACHE_DTYPE[dtype], offset + queries
+    capacity = keys + 4
+    q = to_device(2.0 * run.rng.standard_normal((queries, heads, d)), dtype)
+    gate = to_device(2.0 * run.rng.standard_normal((queries, heads, d)), dtype)
+    k_cache = kv_cache(run.rng, cache_dtype, kv_heads, keys, capacity, d)
+    v_cache = kv_cache(run.rng, cache_dtype, kv_heads, keys, capacity, d)
+    args = attention_args(queries, heads, kv_heads, keys, capacity, num_blocks=blocks, scale=d**-0.5)
+    partial_out = np.full((queries * heads, blocks, d), np.nan, np.float32)
+    partial_stats = np.full((queries * heads, blocks, 2), np.nan, np.float32)
+    run.dispatch(kernel, [args, q, k_cache, v_cache, partial_out, partial_stats],
+                 (-(-queries // MMA_QUERIES), heads // MMA_HEADS_PER_GROUP[d], blocks), 32 * MMA_HEADS_PER_GROUP[d])
+    out = poisoned((queries, heads, d), dtype)
+    run.dispatch(f"attention_decode_combine_{dtype}_d{d}", [args, gate, partial_out, partial_stats, out],
+                 (queries * heads, -(-d // COMBINE_SLICE), 1), COMBINE_THREADS)
+    keys_f64, values_f64 = cache_rows(k_cache, cache_dtype, keys), cache_rows(v_cache, cache_dtype, keys)
+    expected = reference.attention(to_f64(q, dtype), keys_f64, values_f64, to_f64(gate, dtype), offset=offset)
+    allowance = None
+    if cache_dtype != "f32":  # as _prefill: P·V on bf16 probabilities
+        magnitude = reference.attention(to_f64(q, dtype), keys_f64, np.abs(values_f64), to_f64(gate, dtype),
+                                        offset=offset)
+        allowance = ROUNDING_UNIT[cache_dtype] * np.abs(magnitude)
+    # f32: the single pass's error (up to 2.6e-6 on these shapes, as much as its own tolerance) plus the combine's
+    # roundings of each block's normalised output.
+    run.compare("out", to_f64(out, dtype), round_to(expected, dtype), tolerance(dtype, widen=2.0), allowance)
+
+
 def cases(kernel: str) -> list[Case]:
     """Every case of one prefill attention kernel (or the layout probe); the first is the self-test's."""
     if kernel == "simdgroup_layout_probe":
         return [Case(kernel, "32 lanes x 2 elements", partial(_layout_probe, kernel=kernel), quick=True)]
     d, _, heads = attention_layout(kernel)
+    if "_split_" in kernel:
+        return [Case(kernel, f"Hq={h} Hkv={kv} T={t} offset={o} blocks={b} D={d}",
+                     partial(_split, kernel=kernel, heads=h, kv_heads=kv, queries=t, offset=o, blocks=b), quick=i == 0)
+                for i, (h, kv, t, o, b) in enumerate(split_shapes(d, CACHE_DTYPE[dtype_of(kernel)]))]
     mma, packed = "_mma_" in kernel, "_unpacked_" not in kernel
     if mma:
         shapes = mma_shapes(d, CACHE_DTYPE[dtype_of(kernel)], packed)

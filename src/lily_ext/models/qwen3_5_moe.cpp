@@ -178,8 +178,10 @@ PassBuffers add_pass_buffers(const ModelConfig& c, Precision precision, size_t r
   p.q = scratch("q", T * heads * a);
   p.gate = scratch("gate", T * heads * a);
   p.attn_out = scratch("attention out", T * heads * a);
-  p.attn_partial_out = scratch("attention partials", c.num_heads * max_blocks * c.head_dim * 4);
-  p.attn_partial_stats = scratch("attention stats", c.num_heads * max_blocks * 2 * 4);
+  // Per query head: the decode step's blocks, or a split prefill chunk's (token, block) pairs.
+  const size_t partial_rows = std::max(max_blocks, ops::attention_prefill_split_rows(c, T));
+  p.attn_partial_out = scratch("attention partials", c.num_heads * partial_rows * c.head_dim * 4);
+  p.attn_partial_stats = scratch("attention stats", c.num_heads * partial_rows * 2 * 4);
   p.router = scratch("router logits", T * (c.num_experts + 1) * 4);
   p.expert_ids = scratch("expert ids", pairs * 4);
   p.expert_weights = scratch("expert weights", pairs * 4);
@@ -374,7 +376,8 @@ struct Forward {
     at.q_norm = &weight(w, s + "q_norm.weight");
     at.k_norm = &weight(w, s + "k_norm.weight");
     at.capacity = state.kv_capacity;
-    const size_t split_blocks = T == 1 ? ops::attention_split_blocks(sw, position + 1) : 0;
+    const size_t split_blocks = T == 1 ? ops::attention_split_blocks(sw, position + 1)
+                                       : ops::attention_prefill_split_blocks(sw, c, T, position + T);
     ops::attention(ctx, c, pre + "attention", at, position, T, split_blocks);
     out_projection(s + "o_proj", at.out, weight(w, s + "o_proj.weight"));
   }

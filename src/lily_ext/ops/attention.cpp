@@ -100,7 +100,7 @@ void attention(Context& ctx, const ModelConfig& c, const std::string& label, con
   if (tokens == 1) {
     attention_decode(ctx, c, label, s, position, split_blocks);
   } else {
-    attention_prefill(ctx, c, label, s, position, tokens);
+    attention_prefill(ctx, c, label, s, position, tokens, split_blocks);
   }
 }
 

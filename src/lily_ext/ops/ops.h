@@ -144,12 +144,21 @@ struct AttentionSpans {
 };
 // attention over the cache for T tokens at positions position .. position + T - 1 (attention_prep writes their K/V
 // rows first, or, for one token split on matrix units with FUSED_ATTENTION_PREP, the attention kernel): one token runs
-// attention_decode (split_blocks: 0 = the single-pass kernel, else the split-KV pair over
-// that many key blocks, attention_split_blocks), more run attention_prefill.
+// attention_decode, more run attention_prefill (split_blocks: 0 = the single-pass kernel, else the split-KV pair over
+// that many key blocks: attention_split_blocks for one token, attention_prefill_split_blocks for more).
 void attention(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
                size_t position, size_t tokens, size_t split_blocks);
 void attention_decode(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
                       size_t position, size_t split_blocks);
+// Split-KV blocks of a prefill chunk of `tokens` tokens ending at `keys` keys under the switches (0 = single pass):
+// tuning::attention_prefill_split_blocks over the single pass's threadgroups on matrix units; 0 with split_prefill_kv
+// off, below tuning::kAttentionMmaMinQueries tokens and where the head ratio takes the *_unpacked_* kernel (no split
+// instance).
+size_t attention_prefill_split_blocks(const Switches& switches, const ModelConfig& config, size_t tokens,
+                                      size_t keys);
+// The most (query row, block) pairs of split prefill partials a chunk of up to `rows` tokens can write: what the
+// partial buffers hold per query head (any split_prefill_block_keys).
+size_t attention_prefill_split_rows(const ModelConfig& config, size_t rows);
 // Split-KV blocks of the decode step at `keys` keys under the switches (0 = single pass):
 // tuning::attention_split_blocks from split_kv_min_keys (0 = tuning::kAttentionSplitMinKeys); 0 with split_kv off.
 size_t attention_split_blocks(const Switches& switches, size_t keys);
@@ -183,7 +192,7 @@ AttentionPrepSpans attention_prep_spans(const ModelConfig& config, DType act, co
 // The attention kernels' arguments for `queries` query tokens over `keys` cached keys (no split blocks).
 AttentionArgs attention_args(const ModelConfig& config, const AttentionSpans& s, size_t queries, size_t keys);
 void attention_prefill(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
-                       size_t position, size_t tokens);
+                       size_t position, size_t tokens, size_t split_blocks);
 // moe.cpp, moe_prefill.cpp: the MoE block of T rows adding into residual_out (the hidden stream, in place). `router`
 // holds the T x E router logits, then the T shared-expert gate logits (f32). One row runs the decode kernels: routing
 // and the fused expert GEMVs into the f32 `hidden` scratch, then moe_down_combine; with `norm_weight`, routing and
