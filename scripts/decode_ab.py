@@ -13,8 +13,10 @@ model only. Decodes are timed as `lily bench` times them (lily.bench._time_gener
 step, greedy, or with --sampled as the peer run's sampled stage (lily.bench.SAMPLED_DECODE: the token chosen by the
 GPU's sampler); the table gives each variant's median tok/s and its ratio to the first. With --profile N, each variant's
 N-token decode then runs under the CUDA profiler (torch.profiler) and a timeline prints what each kernel adds to the
-critical path (its end minus the latest end before it) per token. The default model is the full-size shape on dummy
-weights (`lily bench --dummy-weights --full-size`); --model takes a checkpoint path instead.
+critical path (its end minus the latest end before it) per token. With --prefill N[,N...] each variant times pp<N>
+instead (a prompt of N random ids after the depth's context, as `lily bench` times it), for prefill kernels and
+switches (SPLIT_PREFILL_KV). The default model is the full-size shape on dummy weights (`lily bench --dummy-weights
+--full-size`); --model takes a checkpoint path instead.
 
 Two models of the same step can differ by about 1 % round after round (an H100, 2026-12-05: docs/performance.md), so
 for differences that small load the baseline twice (base=PTX base2=PTX ...) and read its two rows as the floor.
@@ -130,6 +132,7 @@ def main() -> None:
     ap.add_argument("--model", default="full-size", help="a checkpoint path, or full-size dummy weights (default)")
     ap.add_argument("--sampled", action="store_true",
                     help="decode sampled as the peer run's sampled stage (lily.bench.SAMPLED_DECODE), not greedy")
+    ap.add_argument("--prefill", default="", help="prompt lengths, comma-separated: time pp<N> instead of tg")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variants]
     if len({v[0] for v in variants}) != len(variants):
@@ -140,9 +143,16 @@ def main() -> None:
 
         torch.zeros(1, device="cuda")
     import lily
-    from lily.bench import SAMPLED_DECODE, SAMPLED_DECODE_NAME, _depth_session, _time_generate
+    from lily.bench import SAMPLED_DECODE, SAMPLED_DECODE_NAME, _depth_session, _random_ids, _time_generate, _time_prefill
 
     options = SAMPLED_DECODE if args.sampled else None  # None: lily bench's greedy decode
+    prompts = [int(n) for n in args.prefill.split(",")] if args.prefill else []
+
+    def tokens_per_second(model, base, prompt: int | None) -> float:
+        """One timed run: pp<prompt> (the same random ids every time), else tg<gen>."""
+        if prompt is None:
+            return args.gen / _time_generate(model, base, args.gen, 1000, options)
+        return prompt / _time_prefill(model, base, _random_ids(model, prompt, np.random.default_rng(prompt)))
 
     depths = [int(d) for d in args.depths.split(",")]
     models, bases = {}, {}
@@ -151,29 +161,33 @@ def main() -> None:
         with loading_with(folder, environment, switches):
             models[name] = lily.Model.load(args.model, load_format="dummy" if args.model == "full-size" else "auto",
                                            backend="cuda", precision="bfloat16", progress=False,
-                                           max_context=max(depths) + args.gen + 1024)
+                                           max_context=max(depths) + max([args.gen, *prompts]) + 1024)
             dispatches = {}
             for d in depths:
                 bases[name, d] = _depth_session(models[name], d, np.random.default_rng(0))
-                _time_generate(models[name], bases[name, d], args.warmup, 1000, options)  # warm-up: records the step
+                for prompt in prompts or [None]:  # warm-up: records the step or the prompt's pass
+                    tokens_per_second(models[name], bases[name, d], prompt)
                 dispatches[d] = models[name].backend.last_step_counts()["dispatches"]
         print(f"loaded {name} ({folder}, {environment}, {switches}) in {time.time() - start:.1f} s: "
-              + ", ".join(f"{count} dispatches per token at depth {d}" for d, count in dispatches.items()), flush=True)
+              + ", ".join(f"{count} dispatches per {'pass' if prompts else 'token'} at depth {d}"
+                          for d, count in dispatches.items()), flush=True)
 
     names = list(models)
     for d in depths:
-        speeds = {n: [] for n in names}
-        for r in range(args.rounds):
-            for n in names[r % len(names):] + names[:r % len(names)]:  # each round starts with the next variant
-                speeds[n].append(args.gen / _time_generate(models[n], bases[n, d], args.gen, 1000, options))
-            print(f"d{d} round {r}: " + "  ".join(f"{n} {speeds[n][-1]:.1f}" for n in names), flush=True)
-        first = statistics.median(speeds[names[0]])
-        mode = f" sampled ({SAMPLED_DECODE_NAME})" if args.sampled else ""
-        print(f"== tg{args.gen}{mode} @ d{d}, median of {args.rounds} (tok/s, ratio to {names[0]})")
-        for n in names:
-            median = statistics.median(speeds[n])
-            print(f"{n:>12} {median:8.1f}  {median / first:6.3f}  min {min(speeds[n]):.1f} max {max(speeds[n]):.1f}",
-                  flush=True)
+        for prompt in prompts or [None]:
+            speeds = {n: [] for n in names}
+            for r in range(args.rounds):
+                for n in names[r % len(names):] + names[:r % len(names)]:  # each round starts with the next variant
+                    speeds[n].append(tokens_per_second(models[n], bases[n, d], prompt))
+                print(f"d{d} round {r}: " + "  ".join(f"{n} {speeds[n][-1]:.1f}" for n in names), flush=True)
+            first = statistics.median(speeds[names[0]])
+            mode = f" sampled ({SAMPLED_DECODE_NAME})" if args.sampled else ""
+            test = f"pp{prompt}" if prompt else f"tg{args.gen}{mode}"
+            print(f"== {test} @ d{d}, median of {args.rounds} (tok/s, ratio to {names[0]})")
+            for n in names:
+                median = statistics.median(speeds[n])
+                print(f"{n:>12} {median:8.1f}  {median / first:6.3f}  min {min(speeds[n]):.1f} max "
+                      f"{max(speeds[n]):.1f}", flush=True)
 
     if args.profile:
         import torch

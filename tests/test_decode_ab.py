@@ -94,3 +94,17 @@ def test_sampled_decodes_choose_tokens_with_the_sampler(greedy_ab) -> None:
                                   re.M).group(1))
     assert sampled_count == greedy_count + 1, (greedy_count, out.stdout)
     assert "== tg3 sampled (T 0.7, top-p 0.9, top-k 50) @ d0, median of 1 (tok/s, ratio to single)" in out.stdout
+
+
+@pytest.mark.skipif(real_driver(), reason="runs on the fake libcuda; a GPU machine runs the script itself")
+def test_prefill_ab_times_prompt_passes(greedy_ab) -> None:
+    """--prefill N times pp<N> after the depth's context: with prefill attention split into key blocks (16 keys a
+    block here) the pass has one more dispatch per attention layer (attention_decode_combine) than the single pass."""
+    ptx, _ = greedy_ab
+    out = run_on_the_fake_libcuda(ptx, "--prefill", "9", "--depths", "40", "--rounds", "1",
+                                  f"split={ptx},sw.split_prefill_block_keys=16",
+                                  f"single={ptx},LILY_DISABLE_SPLIT_PREFILL_KV=1")
+    counts = dict(re.findall(r"^loaded (\w+) .*?: (\d+) dispatches per pass at depth 40$", out.stdout, re.M))
+    assert int(counts["split"]) == int(counts["single"]) + 2, out.stdout  # the demo's 2 attention layers
+    table = out.stdout.split("== pp9 @ d40, median of 1 (tok/s, ratio to split)\n", 1)[1].splitlines()[:2]
+    assert [row.split()[0] for row in table] == ["split", "single"], out.stdout
