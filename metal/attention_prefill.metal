@@ -425,7 +425,7 @@ template <typename T, typename C, uint D, uint G>
   threadgroup uint4 k_tile[AttnKvTileCopy<C, D, 32 * G>::TILE_UNITS];
   threadgroup uint4 v_tile[AttnKvTileCopy<C, D, 32 * G>::TILE_UNITS];
   attn_prefill_mma_group<T, C, D, G, false>(args, q, gate, k_cache, v_cache, out, nullptr, nullptr, k_tile, v_tile,
-                                            uint3(group, 0), tid, simd_lane, simd_group);
+                                            uint3(group, 0u), tid, simd_lane, simd_group);
 }
 
 // Split-KV prefill (grid z = args.num_blocks key blocks): each threadgroup writes its block's partial of every
