@@ -109,33 +109,47 @@ def _layout_probe(run: Run, kernel: str) -> None:
     run.compare_exact("elements the assumed layout covers", np.sort(assumed, axis=None), np.arange(64))
 
 
+def _chunk(run: Run, dtype: str, heads: int, kv_heads: int, queries: int, offset: int, d: int):
+    """Random q and gate [T, Hq, D] and a cache of offset + T keys (spare rows NaN): (q, gate, k_cache, v_cache,
+    keys, capacity)."""
+    keys = offset + queries
+    capacity = keys + 4
+    q = to_device(2.0 * run.rng.standard_normal((queries, heads, d)), dtype)
+    gate = to_device(2.0 * run.rng.standard_normal((queries, heads, d)), dtype)
+    k_cache = kv_cache(run.rng, CACHE_DTYPE[dtype], kv_heads, keys, capacity, d)
+    v_cache = kv_cache(run.rng, CACHE_DTYPE[dtype], kv_heads, keys, capacity, d)
+    return q, gate, k_cache, v_cache, keys, capacity
+
+
+def _compare_out(run: Run, out, q, gate, k_cache, v_cache, dtype: str, keys: int, offset: int, mma: bool,
+                 widen: float = 1.0) -> None:
+    """`out` against the reference; the mma kernels' P·V takes the probabilities rounded to the cache dtype (its MMA
+    operands): each output moves by up to a rounding of sum_k p_k |v_k| / sum_k p_k (times the gate), however small
+    the output itself is."""
+    cache_dtype = CACHE_DTYPE[dtype]
+    keys_f64, values_f64 = cache_rows(k_cache, cache_dtype, keys), cache_rows(v_cache, cache_dtype, keys)
+    expected = reference.attention(to_f64(q, dtype), keys_f64, values_f64, to_f64(gate, dtype), offset=offset)
+    allowance = None
+    if mma and cache_dtype != "f32":
+        magnitude = reference.attention(to_f64(q, dtype), keys_f64, np.abs(values_f64), to_f64(gate, dtype),
+                                        offset=offset)
+        allowance = ROUNDING_UNIT[cache_dtype] * np.abs(magnitude)
+    run.compare("out", to_f64(out, dtype), round_to(expected, dtype), tolerance(dtype, widen), allowance)
+
+
 def _prefill(run: Run, kernel: str, heads: int, kv_heads: int, queries: int, offset: int, simdgroups: int) -> None:
     dtype = dtype_of(kernel)
     d, per_group, _ = attention_layout(kernel)
     mma = "_mma_" in kernel
     if mma and "_unpacked_" not in kernel:
         per_group = MMA_HEADS_PER_GROUP[d]
-    cache_dtype, keys = CACHE_DTYPE[dtype], offset + queries
-    capacity = keys + 4
-    q = to_device(2.0 * run.rng.standard_normal((queries, heads, d)), dtype)
-    gate = to_device(2.0 * run.rng.standard_normal((queries, heads, d)), dtype)
-    k_cache = kv_cache(run.rng, cache_dtype, kv_heads, keys, capacity, d)
-    v_cache = kv_cache(run.rng, cache_dtype, kv_heads, keys, capacity, d)
+    q, gate, k_cache, v_cache, keys, capacity = _chunk(run, dtype, heads, kv_heads, queries, offset, d)
     out = poisoned((queries, heads, d), dtype)
     queries_per_group = MMA_QUERIES if mma else simdgroups
     run.dispatch(kernel, [attention_args(queries, heads, kv_heads, keys, capacity, scale=d**-0.5), q, gate, k_cache,
                           v_cache, out],
                  (-(-queries // queries_per_group), heads // per_group, 1), 32 * (per_group if mma else simdgroups))
-    keys_f64, values_f64 = cache_rows(k_cache, cache_dtype, keys), cache_rows(v_cache, cache_dtype, keys)
-    expected = reference.attention(to_f64(q, dtype), keys_f64, values_f64, to_f64(gate, dtype), offset=offset)
-    allowance = None
-    if mma and cache_dtype != "f32":
-        # P·V takes the probabilities rounded to the cache dtype (its MMA operands): each output moves by up to a
-        # rounding of sum_k p_k |v_k| / sum_k p_k (times the gate), however small the output itself is.
-        magnitude = reference.attention(to_f64(q, dtype), keys_f64, np.abs(values_f64), to_f64(gate, dtype),
-                                        offset=offset)
-        allowance = ROUNDING_UNIT[cache_dtype] * np.abs(magnitude)
-    run.compare("out", to_f64(out, dtype), round_to(expected, dtype), tolerance(dtype), allowance)
+    _compare_out(run, out, q, gate, k_cache, v_cache, dtype, keys, offset, mma)
 
 
 def _split(run: Run, kernel: str, heads: int, kv_heads: int, queries: int, offset: int, blocks: int) -> None:
@@ -143,12 +157,7 @@ def _split(run: Run, kernel: str, heads: int, kv_heads: int, queries: int, offse
     reference (the mma kernel's bf16 allowance)."""
     dtype = dtype_of(kernel)
     d = attention_layout(kernel)[0]
-    cache_dtype, keys = CACHE_DTYPE[dtype], offset + queries
-    capacity = keys + 4
-    q = to_device(2.0 * run.rng.standard_normal((queries, heads, d)), dtype)
-    gate = to_device(2.0 * run.rng.standard_normal((queries, heads, d)), dtype)
-    k_cache = kv_cache(run.rng, cache_dtype, kv_heads, keys, capacity, d)
-    v_cache = kv_cache(run.rng, cache_dtype, kv_heads, keys, capacity, d)
+    q, gate, k_cache, v_cache, keys, capacity = _chunk(run, dtype, heads, kv_heads, queries, offset, d)
     args = attention_args(queries, heads, kv_heads, keys, capacity, num_blocks=blocks, scale=d**-0.5)
     partial_out = np.full((queries * heads, blocks, d), np.nan, np.float32)
     partial_stats = np.full((queries * heads, blocks, 2), np.nan, np.float32)
@@ -157,16 +166,9 @@ def _split(run: Run, kernel: str, heads: int, kv_heads: int, queries: int, offse
     out = poisoned((queries, heads, d), dtype)
     run.dispatch(f"attention_decode_combine_{dtype}_d{d}", [args, gate, partial_out, partial_stats, out],
                  (queries * heads, -(-d // COMBINE_SLICE), 1), COMBINE_THREADS)
-    keys_f64, values_f64 = cache_rows(k_cache, cache_dtype, keys), cache_rows(v_cache, cache_dtype, keys)
-    expected = reference.attention(to_f64(q, dtype), keys_f64, values_f64, to_f64(gate, dtype), offset=offset)
-    allowance = None
-    if cache_dtype != "f32":  # as _prefill: P·V on bf16 probabilities
-        magnitude = reference.attention(to_f64(q, dtype), keys_f64, np.abs(values_f64), to_f64(gate, dtype),
-                                        offset=offset)
-        allowance = ROUNDING_UNIT[cache_dtype] * np.abs(magnitude)
     # f32: the single pass's error (up to 2.6e-6 on these shapes, as much as its own tolerance) plus the combine's
     # roundings of each block's normalised output.
-    run.compare("out", to_f64(out, dtype), round_to(expected, dtype), tolerance(dtype, widen=2.0), allowance)
+    _compare_out(run, out, q, gate, k_cache, v_cache, dtype, keys, offset, mma=True, widen=2.0)
 
 
 def cases(kernel: str) -> list[Case]:
