@@ -104,6 +104,18 @@ void attention(Context& ctx, const ModelConfig& c, const std::string& label, con
   }
 }
 
+void attention_combine(Context& ctx, const ModelConfig& c, const std::string& label, const AttentionArgs& a,
+                       const AttentionSpans& s, const Span& partial_out, const Span& partial_stats, size_t rows,
+                       const PositionField& num_keys) {
+  const size_t D = c.head_dim;
+  add_node(ctx, std::string("attention_decode_combine_") + dtype_name(ctx.act) + "_d" + std::to_string(D),
+           label + " combine",
+           {arg_value(a), arg(s.gate), arg(partial_out), arg(partial_stats), arg(s.out)},
+           {rows, (D + tuning::kAttentionCombineSlice - 1) / tuning::kAttentionCombineSlice, 1},
+           {tuning::kAttentionCombineThreads, 1, 1}, {s.gate, partial_out, partial_stats}, {s.out})
+      .per_position.push_back(num_keys);
+}
+
 void attention_decode(Context& ctx, const ModelConfig& c, const std::string& label, const AttentionSpans& s,
                       size_t position, size_t split_blocks) {
   const size_t D = c.head_dim, keys = position + 1;
@@ -132,13 +144,6 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
   // position, and num_blocks, fixed for the program: the nodes stay valid for every position with this block count).
   Span partial_out = sub(s.partial_out, 0, c.num_heads * split_blocks * D * 4);
   Span partial_stats = sub(s.partial_stats, 0, c.num_heads * split_blocks * 2 * 4);
-  auto combine = [&] {
-    add_node(ctx, "attention_decode_combine_" + dt + suffix, label + " combine",
-             {arg_value(a), arg(s.gate), arg(partial_out), arg(partial_stats), arg(s.out)},
-             {c.num_heads, (D + tuning::kAttentionCombineSlice - 1) / tuning::kAttentionCombineSlice, 1},
-             {tuning::kAttentionCombineThreads, 1, 1}, {s.gate, partial_out, partial_stats}, {s.out})
-        .per_position.push_back(num_keys);
-  };
   // The kernels on matrix units fetch their first steps of earlier tokens' cache rows before their dependency wait
   // (LILY_INSTANTIATE_EARLY_KERNEL): those rows are read early, and among what they read.
   const AttentionPrepSpans cache = attention_prep_spans(c, ctx.act, s, position, 1);
@@ -162,7 +167,7 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
     node.per_position.push_back(num_keys);
     node.per_position.push_back({1, offsetof(AttentionPrepArgs, first_position), 0});
     read_early(node);
-    combine();
+    attention_combine(ctx, c, label, a, s, partial_out, partial_stats, c.num_heads, num_keys);
     return;
   }
   std::vector<Span> reads = attention_prep(ctx, c, label, s, position, 1);
@@ -181,7 +186,7 @@ void attention_decode(Context& ctx, const ModelConfig& c, const std::string& lab
                         {groups, a.num_blocks, 1}, {threads, 1, 1}, reads, {partial_out, partial_stats});
   node.per_position.push_back(num_keys);
   read_early(node);
-  combine();
+  attention_combine(ctx, c, label, a, s, partial_out, partial_stats, c.num_heads, num_keys);
 }
 
 }  // namespace lily::ops

@@ -42,8 +42,8 @@ void attention_prefill(Context& ctx, const ModelConfig& c, const std::string& la
     // Matrix units: LILY_ATTN_MMA_QUERIES queries x G heads per threadgroup, one simdgroup per head; G is the whole
     // GQA group at head dim 256 (8 for the model) when the head ratio splits into it, else 1 (*_unpacked_*).
     const size_t heads_per_group = attention_mma_heads_per_group(c);
-    const std::array<size_t, 3> groups = {(tokens + tuning::kAttentionMmaQueries - 1) / tuning::kAttentionMmaQueries,
-                                          c.num_heads / heads_per_group, 1};
+    const std::array<size_t, 2> groups = {(tokens + tuning::kAttentionMmaQueries - 1) / tuning::kAttentionMmaQueries,
+                                          c.num_heads / heads_per_group};
     if (split_blocks > 1 && heads_per_group > 1) {
       // Split keys (attention_prefill_split_blocks): each block's partial of every (token, head) row, then the
       // decode combine over the T x Hq rows, which gates them into out.
@@ -56,17 +56,13 @@ void attention_prefill(Context& ctx, const ModelConfig& c, const std::string& la
                {groups[0], groups[1], split_blocks}, {32 * heads_per_group, 1, 1}, prefix,
                {partial_out, partial_stats})
           .per_position.push_back(num_keys);
-      add_node(ctx, "attention_decode_combine_" + dt + suffix, label + " combine",
-               {arg_value(a), arg(s.gate), arg(partial_out), arg(partial_stats), arg(s.out)},
-               {rows, (D + tuning::kAttentionCombineSlice - 1) / tuning::kAttentionCombineSlice, 1},
-               {tuning::kAttentionCombineThreads, 1, 1}, {s.gate, partial_out, partial_stats}, {s.out})
-          .per_position.push_back(num_keys);
+      attention_combine(ctx, c, label, a, s, partial_out, partial_stats, rows, num_keys);
       return;
     }
     const std::string variant = heads_per_group == 1 ? "unpacked_" : "";
     add_node(ctx, "attention_prefill_mma_" + variant + dt + suffix, label,
              {arg_value(a), arg(s.q), arg(s.gate), arg(s.k_cache), arg(s.v_cache), arg(s.out)},
-             {groups[0], groups[1], groups[2]}, {32 * heads_per_group, 1, 1}, prefix, {s.out})
+             {groups[0], groups[1], 1}, {32 * heads_per_group, 1, 1}, prefix, {s.out})
         .per_position.push_back(num_keys);
   } else {
     // Few queries (or MMA_ATTENTION off): one simdgroup per query, up to 8 queries per threadgroup; G heads of one

@@ -191,6 +191,11 @@ AttentionPrepSpans attention_prep_spans(const ModelConfig& config, DType act, co
                                         size_t position, size_t tokens);
 // The attention kernels' arguments for `queries` query tokens over `keys` cached keys (no split blocks).
 AttentionArgs attention_args(const ModelConfig& config, const AttentionSpans& s, size_t queries, size_t keys);
+// attention_decode_combine over `rows` (token, query head) rows of split-KV partials (a.num_blocks each): merges them,
+// applies the gate and writes out; its num_keys follows the position like the partial pass's (num_keys).
+void attention_combine(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionArgs& a,
+                       const AttentionSpans& s, const Span& partial_out, const Span& partial_stats, size_t rows,
+                       const PositionField& num_keys);
 void attention_prefill(Context& ctx, const ModelConfig& config, const std::string& label, const AttentionSpans& s,
                        size_t position, size_t tokens, size_t split_blocks);
 // moe.cpp, moe_prefill.cpp: the MoE block of T rows adding into residual_out (the hidden stream, in place). `router`
