@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import re
 import struct
 import subprocess
 import sys
@@ -116,12 +117,14 @@ def test_a_kernel_without_a_case_fails() -> None:
 
 
 def test_all_runs_every_case_of_every_kernel() -> None:
-    """--all: the kernel tests' whole case set, one row per case, every kernel listed."""
-    proc = run_selftest("--json", "--all")
+    """--all: the kernel tests' whole case set, one row per case, every kernel listed. Over three families: the kernel
+    tests run every case of every kernel here already (and test_registry.py checks they did)."""
+    families = r"^(rms_norm|attention_decode_combine|moe_route)"
+    proc = run_selftest("--json", "--all", "--kernels", families)
     rows = rows_of(proc)
-    names = msl.kernel_names()
+    names = [n for n in msl.kernel_names() if re.match(families, n)]
     assert proc.returncode == 0 and all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
-    assert sorted({r["kernel"] for r in rows}) == names
+    assert sorted({r["kernel"] for r in rows}) == names and len(names) >= 6
     assert len(rows) == len(kernel_cases.cases(names)) > 2 * len(names)
 
 

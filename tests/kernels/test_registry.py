@@ -11,6 +11,7 @@ session did not collect them.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import subprocess
@@ -73,7 +74,8 @@ def engine_configs() -> list:
         engine_config(ModelArgs.from_dict(c, source="head ratio")) for c in (ratio3_d64, ratio3_d256, ratio1)]
 
 
-def engine_kernels() -> set[str]:
+@functools.cache  # thousands of graphs (about 75 s here): built once for the two tests that read them
+def engine_kernels() -> frozenset[str]:
     """Every kernel some graph of the engine dispatches (configurations the engine refuses are no paths)."""
     switch_sets = [{}] + [{name: False} for name in SWITCHES]
     # Synthetic weights lie on 16 bytes: the staged kernels' word-load twins are the ones a file with codes off 16
@@ -93,7 +95,7 @@ def engine_kernels() -> set[str]:
                                                             f32_scales, PREFILL_ROWS))
                         except RuntimeError as exc:
                             assert "needs 8-bit router weights" in str(exc), exc  # the one refusal expected
-    return found
+    return frozenset(found)
 
 
 # Kernels the engine dispatches outside its graphs, and the file that does it.
