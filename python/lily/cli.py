@@ -257,9 +257,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.host_only:
         if not args.full_size:
             raise ValueError("--host-only runs the full-size graph with synthetic weights: add --full-size")
-        result = bench.host_cost(precision=args.precision or "bfloat16", rounds=args.rounds)
+        result = bench.host_cost(precision=args.precision or "bfloat16",
+                                 rounds=10 if args.rounds is None else args.rounds)
         print(json.dumps(result, indent=2) if args.output == "json" else bench.format_host_cost(result))
         return 0
+    if args.rounds is not None:
+        raise ValueError("--rounds is the number of --host-only rounds; the throughput tests repeat -r times")
     profile_tokens = args.profile or max(args.p)  # --profile without N: the largest -p
     if args.dummy_weights:
         from lily import Model
@@ -386,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "--dummy-weights, or with --host-only (synthetic weights)")
     p.add_argument("--host-only", action="store_true", help="host cost per decode token with kernels stubbed out "
                    "(Linux test runtime): host_us_per_token, cpp_us_per_token")
-    p.add_argument("--rounds", type=int, default=10, metavar="N",
+    p.add_argument("--rounds", type=int, default=None, metavar="N",
                    help="with --host-only: measure N rounds on one engine and report the quietest (default 10)")
     p.add_argument("--profile", nargs="?", type=int, const=0, default=None, metavar="N",
                    help="also the device time of each kernel of one prefill of N tokens (default: the largest -p; "

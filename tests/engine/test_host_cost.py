@@ -108,6 +108,10 @@ def test_host_only_cli_prints_json(capsys):
     assert out["rounds"] == 10 and out["host_us_per_token"] == pytest.approx(min(out["rounds_host_us"]), abs=0.05)
     assert cli.main(["bench", "--host-only"]) != 0
     assert "add --full-size" in capsys.readouterr().err
+    assert cli.main(["bench", "--rounds", "3"]) != 0
+    assert "--rounds is the number of --host-only rounds" in capsys.readouterr().err
+    assert cli.main(["bench", "--full-size", "--host-only", "--rounds", "0"]) != 0
+    assert "rounds must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.fake_metal  # on a Mac --host-only is refused earlier, for the Mac
