@@ -4,6 +4,7 @@ token of the full-size graph with kernel execution stubbed out (Linux test runti
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import numpy as np
@@ -108,6 +109,11 @@ def test_host_only_cli_prints_json(capsys):
     assert out["rounds"] == 10 and out["host_us_per_token"] == pytest.approx(min(out["rounds_host_us"]), abs=0.05)
     assert cli.main(["bench", "--host-only"]) != 0
     assert "add --full-size" in capsys.readouterr().err
+    assert cli.main(["bench", "--full-size", "--host-only", "--rounds", "2"]) == 0
+    text = capsys.readouterr().out
+    medians = [float(m) for m in re.findall(r"all host work \(.*\): ([\d.]+) us", text)]
+    median_round = float(re.search(r"the quietest of 2 rounds \(the median round: ([\d.]+) us", text).group(1))
+    assert len(medians) == 1 and 0 < medians[0] <= median_round
     assert cli.main(["bench", "--rounds", "3"]) != 0
     assert "--rounds is the number of --host-only rounds" in capsys.readouterr().err
     assert cli.main(["bench", "--full-size", "--host-only", "--rounds", "0"]) != 0
